@@ -1,0 +1,1 @@
+"""pretrain: the moe-stack training application (the ``pretrain`` command)."""

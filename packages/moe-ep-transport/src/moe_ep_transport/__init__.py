@@ -1,0 +1,1 @@
+"""moe_ep_transport"""

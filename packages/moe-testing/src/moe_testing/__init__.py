@@ -1,0 +1,12 @@
+"""Test support shared by every moe-stack package.
+
+Why a package of its own: each library package must pass its tests in an
+environment that holds only its declared dependencies, and multi-process tests
+need one runner. Copying the runner into seven test folders would let them drift,
+so it lives here and is a *test-only* dependency (a dependency group, never a
+runtime requirement).
+"""
+
+from moe_testing.distributed import DistributedTestError, run_distributed
+
+__all__ = ["DistributedTestError", "run_distributed"]
