@@ -1,0 +1,318 @@
+"""Multi-group data parallelism with FP32 gradient buckets.
+
+Design notes (docs/ARCHITECTURE.md, "Loss normalisation and gradient reduction"):
+
+- Every trainable parameter has one replica group (dense: DP group; routed
+  experts: EP-DP group; ``None``: not replicated). Its gradient is reduced inside
+  that group only, so one wrapper serves dense and expert parameters at once,
+  which a single-group ``DistributedDataParallel`` cannot.
+- Each parameter's *main grad* is a view into a flat bucket of ``grad_dtype``
+  (FP32). A post-accumulate-grad hook adds autograd's BF16/FP32 ``param.grad``
+  into it and frees ``param.grad`` at once, so accumulation over microbatches
+  happens in FP32 and no parameter-sized BF16 gradient outlives its backward op.
+- Reductions happen once per optimizer step. Under ``no_sync()`` hooks only
+  accumulate. Outside it (the last microbatch) a bucket is launched as soon as
+  all its members got a gradient *and* every earlier bucket was launched: launch
+  order is the bucket order, identical on all ranks, whatever order gradients
+  arrive in. ``finish_grad_sync()`` launches the rest in the same order (buckets
+  whose parameters saw no gradient in the last microbatch, or all of them after a
+  pipeline schedule run entirely under ``no_sync()``) and waits. Buckets are never
+  zeroed at finalisation: gradients accumulated in earlier microbatches survive.
+- ``reduce_op="sum"`` is what the trainer uses: each rank's loss is its token-loss
+  sum divided by the *global* target-token count, so the true gradient is the sum
+  over replicas for dense and expert parameters alike. ``"mean"`` divides by the
+  group size (PyTorch DDP's convention) for comparisons.
+- ``mode="reduce_scatter"``: tensors the optimizer shards (same rule as
+  moe_optim) are reduce-scattered into owner-major buckets, so each rank gets only
+  its shard of every tensor, valid after ``finish_grad_sync()``; the other tensors
+  are all-reduced. Moves half the gradient bytes of ``all_reduce``.
+
+Main-grad shapes seen through iteration (the GradSource contract of moe_optim):
+the parameter's shape, except for sharded tensors in ``reduce_scatter`` mode,
+whose main grad is a ``[G, numel/G]`` view whose row ``r`` is rank ``r``'s shard
+(only the own row is reduced). In both cases ``main_grad.reshape(G, -1)[r]`` is
+rank ``r``'s shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_ddp.layout import BucketSpec, ParamEntry, is_sharded, plan_buckets
+
+ReplicaGroupOf = Callable[[str, nn.Parameter], "dist.ProcessGroup | None"]
+
+
+@dataclass
+class DDPConfig:
+    mode: Literal["all_reduce", "reduce_scatter"] = "all_reduce"  # gradient sync collective
+    reduce_op: Literal["sum", "mean"] = "sum"  # sum: loss is pre-divided by global tokens
+    bucket_cap_mb: float = 64.0  # flat bucket size cap (MiB of grad storage)
+    min_shard_numel: int = 4096  # smaller tensors are never sharded (must match the optimizer)
+    grad_dtype: str = "float32"  # main-grad storage dtype
+    comm_dtype: str | None = None  # reduction dtype; None: grad_dtype
+
+    def validate(self) -> None:
+        if self.mode not in ("all_reduce", "reduce_scatter"):
+            raise ValueError(f"DDPConfig.mode must be all_reduce or reduce_scatter, got {self.mode!r}")
+        if self.reduce_op not in ("sum", "mean"):
+            raise ValueError(f"DDPConfig.reduce_op must be sum or mean, got {self.reduce_op!r}")
+        if self.bucket_cap_mb <= 0:
+            raise ValueError(f"DDPConfig.bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
+        if self.min_shard_numel < 1:
+            raise ValueError(f"DDPConfig.min_shard_numel must be >= 1, got {self.min_shard_numel}")
+        for name in ("grad_dtype", "comm_dtype"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(getattr(torch, value, None), torch.dtype):
+                raise ValueError(f"DDPConfig.{name} is not a torch dtype name: {value!r}")
+
+
+def sent_bytes(collective: str, nbytes: int, group_size: int) -> int:
+    """Bytes one rank sends for a collective over ``nbytes`` with the ring algorithm.
+
+    all-reduce sends ``2(G-1)/G`` of the buffer, reduce-scatter ``(G-1)/G`` of its
+    input; the counter compares modes with these, not with NCCL internals.
+    """
+    if collective == "all_reduce":
+        return 2 * (group_size - 1) * nbytes // group_size
+    if collective == "reduce_scatter":
+        return (group_size - 1) * nbytes // group_size
+    return 0
+
+
+class _Bucket:
+    """A flat gradient buffer of one replica group and its in-flight reduction."""
+
+    def __init__(
+        self,
+        spec: BucketSpec,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        grad_dtype: torch.dtype,
+        comm_dtype: torch.dtype,
+    ) -> None:
+        self.spec = spec
+        self.group = group
+        self.buffer = torch.zeros(spec.numel, dtype=grad_dtype, device=device)
+        self.comm_dtype = comm_dtype
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.pending = len(spec.params)  # members still without a gradient this window
+        self.launched = False
+        self._work: dist.Work | None = None
+        self._comm_buffer: torch.Tensor | None = None
+
+    def launch(self, mean: bool) -> int:
+        """Start the reduction; returns the bytes this rank sends."""
+        self.launched = True
+        spec = self.spec
+        if spec.collective == "none":
+            return 0
+        if mean:
+            self.buffer.div_(spec.group_size)
+        buf = self.buffer
+        if self.comm_dtype != buf.dtype:
+            buf = self._comm_buffer = buf.to(self.comm_dtype)
+        if spec.collective == "all_reduce":
+            self._work = dist.all_reduce(buf, group=self.group, async_op=True)
+        else:
+            own = buf[self.rank * spec.region_numel : (self.rank + 1) * spec.region_numel]
+            self._work = dist.reduce_scatter_tensor(own, buf, group=self.group, async_op=True)
+        return sent_bytes(spec.collective, buf.numel() * buf.element_size(), spec.group_size)
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._comm_buffer is not None:
+            if self.spec.collective == "reduce_scatter":
+                own = slice(self.rank * self.spec.region_numel, (self.rank + 1) * self.spec.region_numel)
+                self.buffer[own].copy_(self._comm_buffer[own])
+            else:
+                self.buffer.copy_(self._comm_buffer)
+            self._comm_buffer = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._work is not None
+
+    def reset(self) -> None:
+        self.buffer.zero_()
+        self.pending = len(self.spec.params)
+        self.launched = False
+
+
+@dataclass
+class _Slot:
+    name: str
+    param: nn.Parameter
+    group: dist.ProcessGroup | None
+    bucket: _Bucket
+    main_grad: torch.Tensor  # a view into bucket.buffer
+    seen: bool = False  # got a gradient while synchronisation was enabled
+
+
+def _group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group))
+
+
+class MultiGroupDDP:
+    """Gradient buckets and once-per-step reduction for a module's parameters.
+
+    The module is not wrapped in a new ``nn.Module``: it keeps its parameter
+    names and is called as before. Create this after the module has its final
+    placement, dtype and parameter set (hooks hold the parameter objects).
+
+    Iterating yields ``(name, param, main_grad, replica_group)`` per trainable
+    parameter in registration order: moe_optim's ``GradSource``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        replica_group_of: ReplicaGroupOf,
+        config: DDPConfig | None = None,
+    ) -> None:
+        self.config = config = config or DDPConfig()
+        config.validate()
+        self.module = module
+        grad_dtype = getattr(torch, config.grad_dtype)
+        comm_dtype = getattr(torch, config.comm_dtype or config.grad_dtype)
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        groups: list[dist.ProcessGroup | None] = []
+        entries: list[ParamEntry] = []
+        for name, param in named:
+            group = replica_group_of(name, param)
+            size = 1
+            if group is not None:
+                if dist.get_rank(group) < 0:
+                    raise ValueError(
+                        f"replica group of parameter {name!r} does not contain this rank "
+                        f"({dist.get_rank()})"
+                    )
+                size = dist.get_world_size(group)
+            if size > 1:
+                sharded = config.mode == "reduce_scatter" and is_sharded(
+                    param.numel(), size, config.min_shard_numel
+                )
+                collective = "reduce_scatter" if sharded else "all_reduce"
+            else:
+                collective = "none"
+            groups.append(group)
+            entries.append(ParamEntry(param.numel(), (id(group), param.device), size, collective))
+
+        cap_numel = max(1, int(config.bucket_cap_mb * 2**20) // grad_dtype.itemsize)
+        self._buckets: list[_Bucket] = []
+        self._slots: dict[nn.Parameter, _Slot] = {}
+        self._order: list[_Slot] = []
+        for spec in plan_buckets(entries, cap_numel):
+            first = spec.params[0]
+            bucket = _Bucket(spec, groups[first], named[first][1].device, grad_dtype, comm_dtype)
+            self._buckets.append(bucket)
+            for index, offset in zip(spec.params, spec.offsets, strict=True):
+                name, param = named[index]
+                piece = spec.piece_numel(entries[index])
+                if spec.collective == "reduce_scatter":
+                    view = bucket.buffer.view(spec.group_size, spec.region_numel)
+                    main_grad = view[:, offset : offset + piece]
+                else:
+                    main_grad = bucket.buffer[offset : offset + piece].view(param.shape)
+                self._slots[param] = _Slot(name, param, groups[index], bucket, main_grad)
+        self._order = [self._slots[p] for _, p in named]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
+
+        self._sync_enabled = True
+        self._next_launch = 0
+        self._bytes: dict[tuple[int, ...], int] = {}
+        self.last_sync_bytes: dict[tuple[int, ...], int] = {}
+        """Bytes this rank sent per replica group (keyed by its global ranks) in the
+        last ``finish_grad_sync()``."""
+
+    # -- accumulation ----------------------------------------------------------
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        slot = self._slots[param]
+        if slot.bucket.launched:
+            raise RuntimeError(
+                f"parameter {slot.name!r} received a gradient after its bucket was reduced; "
+                "run all but the last backward under no_sync() and call zero_grad() after "
+                "the optimizer step"
+            )
+        grad = param.grad
+        slot.main_grad.add_(grad.reshape(slot.main_grad.shape))
+        param.grad = None
+        if self._sync_enabled and not slot.seen:
+            slot.seen = True
+            slot.bucket.pending -= 1
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch buckets in bucket order while the next one is complete."""
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
+            self._launch(self._buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        sent = bucket.launch(self.config.reduce_op == "mean")
+        if bucket.group is not None and sent:
+            key = _group_ranks(bucket.group)
+            self._bytes[key] = self._bytes.get(key, 0) + sent
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without launching reductions (all microbatches but the last)."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def finish_grad_sync(self) -> None:
+        """Launch the remaining buckets in bucket order and wait for all reductions."""
+        for bucket in self._buckets[self._next_launch :]:
+            self._launch(bucket)
+        self._next_launch = len(self._buckets)
+        for bucket in self._buckets:
+            bucket.wait()
+        self.last_sync_bytes, self._bytes = self._bytes, {}
+
+    def zero_grad(self) -> None:
+        """Zero every bucket and open a new accumulation window."""
+        for bucket in self._buckets:
+            if bucket.in_flight:
+                raise RuntimeError("zero_grad() while reductions are in flight; call finish_grad_sync()")
+            bucket.reset()
+        for slot in self._order:
+            slot.seen = False
+            slot.param.grad = None
+        self._next_launch = 0
+        self._bytes = {}
+
+    # -- the GradSource --------------------------------------------------------
+
+    def __iter__(self) -> Iterator[tuple[str, nn.Parameter, torch.Tensor, dist.ProcessGroup | None]]:
+        for slot in self._order:
+            yield slot.name, slot.param, slot.main_grad, slot.group
+
+    def main_grad(self, name: str) -> torch.Tensor:
+        """The main-grad view of the parameter called ``name``."""
+        for slot in self._order:
+            if slot.name == name:
+                return slot.main_grad
+        raise KeyError(f"no trainable parameter named {name!r}")
+
+    def grad_buffers(self) -> list[tuple[dist.ProcessGroup | None, torch.Tensor]]:
+        """Every flat bucket with its replica group, in launch order."""
+        return [(b.group, b.buffer) for b in self._buckets]
+
+    @property
+    def launched_buckets(self) -> int:
+        """Buckets launched so far in this window (overlap diagnostics)."""
+        return sum(b.launched for b in self._buckets)

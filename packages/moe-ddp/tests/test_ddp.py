@@ -1,0 +1,279 @@
+"""MultiGroupDDP against single-process training and PyTorch DDP (gloo, 2-4 ranks).
+
+The toy model has what matters for DDP: dense tensors of several sizes (some
+divisible by the group size, some not, some below the shard threshold) and
+routed experts that are separate parameters, so an expert that receives no
+tokens in a microbatch gets no gradient at all (its hook does not fire).
+Expert ids arrive with the data, which lets each rank route only to the experts
+it holds: no EP transport is needed to test the replica groups.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_ddp import DDPConfig, MultiGroupDDP, is_sharded
+from moe_testing import run_distributed
+
+D_IN, HIDDEN, N_EXPERTS, TOKENS, MICRO = 9, 16, 4, 12, 3
+MIN_SHARD = 32
+TINY_CAP_MB = 600 / 2**20  # ~150 FP32 elements: many buckets, so ordering matters
+
+
+class ToyMoE(nn.Module):
+    def __init__(self, experts: range) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.inp = nn.Linear(D_IN, HIDDEN)
+        self.scale = nn.Parameter(torch.ones(HIDDEN))  # small: never sharded
+        self.experts = nn.ModuleDict(
+            {str(e): nn.Linear(HIDDEN, HIDDEN, bias=False) for e in range(N_EXPERTS)}
+        )
+        self.out = nn.Linear(HIDDEN, D_IN)  # bias of 9 elements: never divisible
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        for e in range(N_EXPERTS):  # keep only the held experts, values as in the full model
+            if e not in experts:
+                del self.experts[str(e)]
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x)) * self.scale
+        y = torch.zeros_like(h)
+        for e in expert_ids.unique().tolist():
+            idx = (expert_ids == e).nonzero().squeeze(1)
+            y = y.index_add(0, idx, self.experts[str(e)](h[idx]))
+        return self.out(h + y)
+
+
+def portable(obj) -> bytes:
+    """Tensors cannot travel back through the runner's queue once the rank has
+    exited (torch shares their storage by file descriptor), so ranks return bytes."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def unpack(results: list[bytes]) -> list:
+    return [torch.load(io.BytesIO(b)) for b in results]
+
+
+def experts_of(rank: int, world: int, ep: bool) -> range:
+    """With ``ep``, ranks {0,1} hold experts 0-1 and ranks {2,3} experts 2-3."""
+    if not ep:
+        return range(N_EXPERTS)
+    half = N_EXPERTS // 2
+    return range(0, half) if rank < world // 2 else range(half, N_EXPERTS)
+
+
+def microbatch(rank: int, world: int, mb: int, ep: bool):
+    g = torch.Generator().manual_seed(1000 * rank + mb)
+    x = torch.randn(TOKENS, D_IN, generator=g)
+    target = torch.randn(TOKENS, D_IN, generator=g)
+    held = list(experts_of(rank, world, ep))
+    ids = torch.tensor(held)[torch.randint(len(held), (TOKENS,), generator=g)]
+    if ep:
+        # Expert 1 gets tokens in microbatch 0 only. Expert 3 gets tokens in the last
+        # microbatch on rank 2 but never on rank 3: readiness differs inside a group.
+        ids[(ids == 1) & (mb > 0)] = 0
+        if rank == 3:
+            ids[ids == 3] = 2
+        elif rank == 2 and mb == MICRO - 1:
+            ids[0] = 3
+    return x, ids, target
+
+
+def loss_sum(model: nn.Module, x, ids, target) -> torch.Tensor:
+    return ((model(x, ids) - target) ** 2).sum()
+
+
+def global_tokens(world: int) -> int:
+    return world * MICRO * TOKENS
+
+
+def reference_grads(world: int, ep: bool) -> dict[str, torch.Tensor]:
+    """Single process, full model, the concatenated global batch, loss / global tokens."""
+    model = ToyMoE(range(N_EXPERTS))
+    batches = [microbatch(r, world, m, ep) for r in range(world) for m in range(MICRO)]
+    x, ids, target = (torch.cat(parts) for parts in zip(*batches, strict=True))
+    (loss_sum(model, x, ids, target) / global_tokens(world)).backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _train_window(mode: str, ep: bool, pipeline: bool) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    expert_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])] if ep else []
+    model = ToyMoE(experts_of(rank, world, ep))
+
+    def group_of(name: str, param: nn.Parameter):
+        if ep and name.startswith("experts."):
+            return expert_groups[rank // 2]
+        return dist.group.WORLD
+
+    ddp = MultiGroupDDP(
+        model, group_of, DDPConfig(mode=mode, bucket_cap_mb=TINY_CAP_MB, min_shard_numel=MIN_SHARD)
+    )
+    n_global = global_tokens(world)
+    launched_during_backward = 0
+    for mb in range(MICRO):
+        x, ids, target = microbatch(rank, world, mb, ep)
+        loss = loss_sum(model, x, ids, target) / n_global
+        if pipeline or mb < MICRO - 1:
+            with ddp.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+            launched_during_backward = ddp.launched_buckets
+        assert all(p.grad is None for p in model.parameters()), "param.grad must be freed"
+    ddp.finish_grad_sync()
+    grads = {}
+    for name, param, main_grad, group in ddp:
+        size = dist.get_world_size(group)
+        if mode == "reduce_scatter" and is_sharded(param.numel(), size, MIN_SHARD):
+            assert main_grad.shape == (size, param.numel() // size)
+            grads[name] = ("shard", dist.get_rank(group), size, main_grad[dist.get_rank(group)].clone())
+        else:
+            assert main_grad.shape == param.shape
+            grads[name] = ("full", 0, 1, main_grad.clone())
+    return portable({
+        "grads": grads,
+        "launched_during_backward": launched_during_backward,
+        "n_buckets": len(ddp.grad_buffers()),
+        "bytes": ddp.last_sync_bytes,
+    })
+
+
+def _check_against_reference(results: list[dict], world: int, ep: bool) -> None:
+    ref = reference_grads(world, ep)
+    for rank, result in enumerate(results):
+        held = {f"experts.{e}.weight" for e in experts_of(rank, world, ep)}
+        names = set(result["grads"])
+        assert names == {n for n in ref if not n.startswith("experts.")} | held
+        for name, (kind, r, size, got) in result["grads"].items():
+            want = ref[name].reshape(size, -1)[r] if kind == "shard" else ref[name]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=f"rank {rank} {name}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
+def test_dense_matches_single_process(world, mode):
+    results = unpack(run_distributed(_train_window, world, mode, False, False, timeout=90))
+    _check_against_reference(results, world, ep=False)
+    # Every parameter got a gradient in the last backward: all buckets launched
+    # during it, overlapping with the rest of backward.
+    assert all(r["launched_during_backward"] == r["n_buckets"] > 1 for r in results)
+
+
+@pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
+def test_expert_groups_and_late_experts_match_single_process(mode):
+    results = unpack(run_distributed(_train_window, 4, mode, True, False, timeout=90))
+    _check_against_reference(results, 4, ep=True)
+
+
+def test_after_a_pipeline_schedule_finish_launches_everything():
+    results = unpack(run_distributed(_train_window, 4, "reduce_scatter", True, True, timeout=90))
+    _check_against_reference(results, 4, ep=True)
+    assert all(r["launched_during_backward"] == 0 for r in results)
+
+
+def _bytes_per_mode() -> dict:
+    out = {}
+    for mode in ("all_reduce", "reduce_scatter"):
+        model = ToyMoE(range(N_EXPERTS))
+        ddp = MultiGroupDDP(model, lambda n, p: dist.group.WORLD,
+                            DDPConfig(mode=mode, min_shard_numel=MIN_SHARD))
+        x, ids, target = microbatch(dist.get_rank(), 4, 0, False)
+        loss_sum(model, x, ids, target).backward()
+        ddp.finish_grad_sync()
+        buffer_bytes = sum(b.numel() * b.element_size() for _, b in ddp.grad_buffers())
+        out[mode] = (ddp.last_sync_bytes, buffer_bytes)
+    return out
+
+
+def test_byte_counter_reduce_scatter_moves_at_most_065x():
+    world = (0, 1, 2, 3)
+    for r in run_distributed(_bytes_per_mode, 4, timeout=60):
+        (ar, ar_buffers), (rs, _) = r["all_reduce"], r["reduce_scatter"]
+        assert ar == {world: 2 * 3 * ar_buffers // 4}  # ring all-reduce: 2(G-1)/G per byte
+        assert rs[world] <= 0.65 * ar[world]
+
+
+def _mean_mode_vs_torch_ddp() -> dict:
+    rank = dist.get_rank()
+    ours = ToyMoE(range(N_EXPERTS))
+    theirs = nn.parallel.DistributedDataParallel(ToyMoE(range(N_EXPERTS)), find_unused_parameters=True)
+    ddp = MultiGroupDDP(ours, lambda n, p: dist.group.WORLD,
+                        DDPConfig(reduce_op="mean", bucket_cap_mb=TINY_CAP_MB))
+    for mb in range(MICRO):
+        x, ids, target = microbatch(rank, 2, mb, False)
+        last = mb == MICRO - 1
+        with (ddp.no_sync() if not last else torch.enable_grad()):
+            loss_sum(ours, x, ids, target).backward()
+        with (theirs.no_sync() if not last else torch.enable_grad()):
+            loss_sum(theirs, x, ids, target).backward()
+    ddp.finish_grad_sync()
+    return portable({n: (ddp.main_grad(n), p.grad) for n, p in theirs.module.named_parameters()})
+
+
+def test_mean_mode_matches_pytorch_ddp():
+    for result in unpack(run_distributed(_mean_mode_vs_torch_ddp, 2, timeout=60)):
+        for name, (ours, theirs) in result.items():
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _gradient_after_sync_is_refused() -> None:
+    model = ToyMoE(range(N_EXPERTS))
+    ddp = MultiGroupDDP(model, lambda n, p: dist.group.WORLD)
+    x, ids, target = microbatch(dist.get_rank(), 2, 0, False)
+    loss_sum(model, x, ids, target).backward()
+    ddp.finish_grad_sync()
+    try:
+        loss_sum(model, x, ids, target).backward()
+    except RuntimeError as e:
+        assert "after its bucket was reduced" in str(e)
+    else:
+        raise AssertionError("a gradient after finish_grad_sync() was accepted")
+    ddp.zero_grad()  # a new window works again
+    loss_sum(model, x, ids, target).backward()
+    ddp.finish_grad_sync()
+
+
+def test_gradient_after_sync_is_refused_until_zero_grad():
+    run_distributed(_gradient_after_sync_is_refused, 2, timeout=60)
+
+
+def test_bf16_grads_accumulate_in_fp32_and_are_freed():
+    """Not replicated (group None): no communication, exact FP32 sums of BF16 grads."""
+    model = ToyMoE(range(N_EXPERTS)).to(torch.bfloat16)
+    twin = ToyMoE(range(N_EXPERTS)).to(torch.bfloat16)
+    ddp = MultiGroupDDP(model, lambda n, p: None)
+    acc = {n: torch.zeros(p.shape) for n, p in twin.named_parameters()}
+    for mb in range(MICRO):
+        x, ids, target = microbatch(0, 1, mb, False)
+        with ddp.no_sync():
+            loss_sum(model, x.bfloat16(), ids, target.bfloat16()).backward()
+        loss_sum(twin, x.bfloat16(), ids, target.bfloat16()).backward()
+        for n, p in twin.named_parameters():
+            if p.grad is not None:
+                acc[n] += p.grad.float()
+                p.grad = None
+        assert all(p.grad is None for p in model.parameters())
+    ddp.finish_grad_sync()
+    assert ddp.last_sync_bytes == {}
+    for name, _, main_grad, group in ddp:
+        assert group is None and main_grad.dtype == torch.float32
+        assert torch.equal(main_grad, acc[name]), name
+    ddp.zero_grad()
+    assert all(float(buf.abs().sum()) == 0.0 for _, buf in ddp.grad_buffers())
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="DDPConfig.mode"):
+        MultiGroupDDP(ToyMoE(range(1)), lambda n, p: None, DDPConfig(mode="allreduce"))
+    with pytest.raises(ValueError, match="DDPConfig.comm_dtype"):
+        MultiGroupDDP(ToyMoE(range(1)), lambda n, p: None, DDPConfig(comm_dtype="bf16"))
