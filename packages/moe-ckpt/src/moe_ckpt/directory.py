@@ -1,0 +1,142 @@
+"""Checkpoint directories on a POSIX filesystem: commit, ``latest``, retention.
+
+Layout of a checkpoint root::
+
+    step_0000001000/               committed: renamed into place, manifest inside
+    .step_0000002000.partial-<id>/ being written, or left by a crash: never loaded
+    .step_0000000500.deleting-<id>/ being deleted by retention
+    latest                         name of the newest committed checkpoint
+
+Why this way: ``rename(2)`` of a directory is atomic on one filesystem, so a
+checkpoint appears under its final name complete or not at all; the step-named
+partial is unique per attempt (``<id>``), so a stale writer from a crashed job
+cannot mix its files into a new attempt. Retention renames a checkpoint out of
+the way before deleting it, so a crash mid-delete never leaves a half-deleted
+directory under a committed name. ``latest`` is replaced atomically (temp file +
+``os.replace``); when it is missing or names something that is not a committed
+checkpoint, the newest committed step is used, so a crash between the commit
+rename and the pointer update loses nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+from moe_ckpt.manifest import MANIFEST_NAME, fsync_dir
+
+LATEST_NAME = "latest"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_TRANSIENT_RE = re.compile(r"^\..+\.(partial|deleting|tmp)-[0-9a-f]+$")
+
+
+def step_dir_name(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step_{step:010d}"
+
+
+def partial_path(final: Path) -> Path:
+    """A fresh temporary sibling of ``final``, hidden and never mistaken for a checkpoint."""
+    return final.with_name(f".{final.name}.partial-{uuid.uuid4().hex}")
+
+
+def is_partial_name(name: str) -> bool:
+    return bool(_TRANSIENT_RE.match(name))
+
+
+def is_committed(path: Path) -> bool:
+    return not is_partial_name(path.name) and (path / MANIFEST_NAME).is_file()
+
+
+def commit(partial: Path, final: Path) -> None:
+    """Make a fully written partial directory visible under its final name."""
+    if final.exists():
+        raise FileExistsError(f"checkpoint {final} already exists")
+    os.rename(partial, final)
+    fsync_dir(final.parent)
+
+
+def committed_steps(root: Path) -> dict[int, Path]:
+    """Committed checkpoints under ``root`` by step."""
+    out: dict[int, Path] = {}
+    if not root.is_dir():
+        return out
+    for entry in root.iterdir():
+        m = _STEP_RE.match(entry.name)
+        if m and is_committed(entry):
+            out[int(m.group(1))] = entry
+    return out
+
+
+def write_latest(root: Path, final: Path) -> None:
+    tmp = root / f".{LATEST_NAME}.tmp-{uuid.uuid4().hex}"
+    with open(tmp, "w") as f:
+        f.write(final.name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST_NAME)
+    fsync_dir(root)
+
+
+def latest(root: Path) -> Path | None:
+    """The checkpoint to resume from: ``latest`` if it names a committed one, else the newest."""
+    pointer = root / LATEST_NAME
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        candidate = root / name
+        if name and "/" not in name and is_committed(candidate):
+            return candidate
+    steps = committed_steps(root)
+    return steps[max(steps)] if steps else None
+
+
+def _remove(path: Path) -> None:
+    """Rename out of the way first, then delete: never a half-deleted committed name."""
+    doomed = path.with_name(f".{path.name}.deleting-{uuid.uuid4().hex}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def retain(root: Path, keep_last: int, protect: Path) -> list[Path]:
+    """Delete committed checkpoints beyond the ``keep_last`` highest steps.
+
+    ``protect`` (the checkpoint just committed) and whatever ``latest`` names are
+    never deleted, whatever their step. Returns the deleted paths.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    keep = {protect.resolve()}
+    current = latest(root)
+    if current is not None:
+        keep.add(current.resolve())
+    steps = committed_steps(root)
+    removed = []
+    for step in sorted(steps)[:-keep_last]:
+        path = steps[step]
+        if path.resolve() not in keep:
+            _remove(path)
+            removed.append(path)
+    return removed
+
+
+def clean_transient(root: Path, keep: Path | None = None) -> list[Path]:
+    """Delete partial and half-deleted directories and temp files left by crashes.
+
+    Only safe when no other save is writing under ``root``: the caller runs it on
+    the committing rank of the one job that owns the root.
+    """
+    removed = []
+    if not root.is_dir():
+        return removed
+    for entry in root.iterdir():
+        if is_partial_name(entry.name) and entry != keep:
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed

@@ -1,0 +1,160 @@
+"""The manifest: the one file that says what a checkpoint holds and how to verify it.
+
+``manifest.json`` in the checkpoint directory records the format version, the step,
+the key-value layout, and per logical tensor: storage key, global shape, dtype,
+zarr chunk shape, the layout it was saved from (which rank held which box or flat
+run) and one record per *piece* (a written box inside one chunk, see
+``moe_ckpt.plan``) with its writer rank and the CRC-32 of its bytes in C order.
+User metadata (config, data position, RNG state...) is stored as given, plus a
+per-rank list for values that differ by rank.
+
+The manifest is written last into the not-yet-committed directory (temp file,
+fsync, rename), so a directory with a manifest under its final name is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moe_ckpt.boxes import Box
+from moe_ckpt.dtypes import itemsize
+from moe_ckpt.errors import CheckpointError, IncompleteCheckpointError
+
+FORMAT = "moe-ckpt"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclass(frozen=True)
+class PieceRecord:
+    box: Box
+    crc32: int
+    rank: int
+
+    def to_json(self) -> dict:
+        return {**self.box.to_json(), "crc32": self.crc32, "rank": self.rank}
+
+    @staticmethod
+    def from_json(obj: dict) -> PieceRecord:
+        return PieceRecord(Box.from_json(obj), int(obj["crc32"]), int(obj["rank"]))
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    name: str
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunk_shape: tuple[int, ...]
+    pieces: tuple[PieceRecord, ...]
+    layout: tuple[dict, ...]  # one Held.to_json() per rank that held the tensor
+
+    @property
+    def nbytes(self) -> int:
+        return itemsize(self.dtype) * math.prod(self.shape)
+
+    def to_json(self) -> dict:
+        return {
+            "key": self.key,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "chunk_shape": list(self.chunk_shape),
+            "layout": list(self.layout),
+            "pieces": [p.to_json() for p in self.pieces],
+        }
+
+    @staticmethod
+    def from_json(name: str, obj: dict) -> TensorRecord:
+        return TensorRecord(
+            name=name,
+            key=str(obj["key"]),
+            shape=tuple(int(s) for s in obj["shape"]),
+            dtype=str(obj["dtype"]),
+            chunk_shape=tuple(int(s) for s in obj["chunk_shape"]),
+            pieces=tuple(PieceRecord.from_json(p) for p in obj["pieces"]),
+            layout=tuple(obj["layout"]),
+        )
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a committed checkpoint holds; returned by ``load``."""
+
+    step: int | None
+    kvstore: str
+    world_size: int
+    tensors: dict[str, TensorRecord]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    rank_metadata: list[Any] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "step": self.step,
+            "kvstore": self.kvstore,
+            "world_size": self.world_size,
+            "metadata": self.metadata,
+            "rank_metadata": self.rank_metadata,
+            "tensors": {name: rec.to_json() for name, rec in self.tensors.items()},
+        }
+
+    @staticmethod
+    def from_json(obj: dict, source: Path) -> Manifest:
+        if obj.get("format") != FORMAT:
+            raise CheckpointError(f"{source}: not a {FORMAT} manifest")
+        version = obj.get("format_version")
+        if version != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{source}: format_version {version} is not supported (this is version {FORMAT_VERSION})"
+            )
+        try:
+            return Manifest(
+                step=obj["step"],
+                kvstore=str(obj["kvstore"]),
+                world_size=int(obj["world_size"]),
+                tensors={n: TensorRecord.from_json(n, t) for n, t in obj["tensors"].items()},
+                metadata=dict(obj["metadata"]),
+                rank_metadata=list(obj["rank_metadata"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{source}: malformed manifest ({e!r})") from e
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Write durably and atomically: temp file, fsync, rename, fsync the directory."""
+    path = Path(directory) / MANIFEST_NAME
+    tmp = path.with_name(MANIFEST_NAME + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest.to_json(), f, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def read_manifest(directory: Path) -> Manifest:
+    path = Path(directory) / MANIFEST_NAME
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(
+            f"{directory} is not a committed checkpoint: {MANIFEST_NAME} is missing"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: unreadable manifest ({e})") from e
+    return Manifest.from_json(obj, path)
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

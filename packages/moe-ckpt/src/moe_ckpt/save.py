@@ -1,0 +1,322 @@
+"""Saving a checkpoint: plan and snapshot, then write and commit.
+
+Two halves, so that ``Checkpointer`` can run the second in a background thread:
+
+1. ``prepare_save`` (calling thread): validate the shards, gather every rank's
+   shard metadata (one small all-gather), compute the same plan on every rank,
+   and take host copies of the boxes this rank writes (or plain views for a
+   blocking save).
+2. ``write_and_commit``: rank 0 creates the partial directory and every array;
+   each rank writes its boxes and checksums its pieces; rank 0 gathers the piece
+   records, writes the manifest, renames the directory into place, then runs the
+   caller's ``after_commit`` (``latest`` pointer, retention) before telling the
+   others the outcome. A checkpoint is thus visible only after every rank's data
+   is durably written (tensorstore fsyncs files by default).
+
+Every collective carries an error slot: a rank that fails keeps taking part and
+all ranks raise the same ``CheckpointError``; nothing is committed.
+
+``on_phase`` is called with the name of each phase reached on this rank:
+``planned``, ``created``, ``wrote:<tensor>`` (per tensor), ``written``, and on
+rank 0 ``manifest_written`` and ``committed``. It serves progress logging and
+fault-injection tests (a test kills the process at a chosen phase).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moe_ckpt import storage
+from moe_ckpt.boxes import Box
+from moe_ckpt.comm import Collectives, collectives_for
+from moe_ckpt.directory import commit, partial_path
+from moe_ckpt.dtypes import itemsize
+from moe_ckpt.errors import CheckpointError
+from moe_ckpt.host import HostBuffers, crc32, host_views
+from moe_ckpt.manifest import Manifest, PieceRecord, TensorRecord, write_manifest
+from moe_ckpt.plan import TensorPlan, Write, pieces, plan_tensor
+from moe_ckpt.shards import Described, ShardLike, describe_all
+from moe_ckpt.storage import StorageOptions, array_key
+
+PhaseHook = Callable[[str], None]
+
+
+@dataclass
+class PendingSave:
+    """A planned save with host data for this rank's boxes; no live tensors referenced."""
+
+    comm: Collectives
+    final: Path
+    step: int | None
+    options: StorageOptions
+    plans: dict[str, TensorPlan]
+    layouts: dict[str, tuple[dict, ...]]
+    my_writes: list[tuple[str, Box, np.ndarray]]
+    metadata: dict[str, Any]
+    rank_metadata: list[Any]
+    on_phase: PhaseHook | None
+
+
+def _notify(hook: PhaseHook | None, phase: str) -> None:
+    if hook is not None:
+        hook(phase)
+
+
+def _raise_if_any(errors: list[str | None], local: BaseException | None, what: str) -> None:
+    """Raise on every rank if any rank failed; the failing rank re-raises its own error."""
+    failed = [e for e in errors if e]
+    if local is not None:
+        raise local
+    if failed:
+        raise CheckpointError(f"{what} failed on another rank: {failed[0]}")
+
+
+def _gathered_plans(
+    gathered: list[dict[str, tuple]], options: StorageOptions
+) -> tuple[dict[str, TensorPlan], dict[str, tuple[dict, ...]]]:
+    """One plan per tensor from every rank's (shape, dtype, layout record, boxes)."""
+    first: dict[str, tuple[int, tuple, str]] = {}
+    held: dict[str, list[Write]] = {}
+    layouts: dict[str, list[dict]] = {}
+    for rank, tensors in enumerate(gathered):
+        for name, (shape, dtype, layout, boxes) in tensors.items():
+            if name not in first:
+                first[name] = (rank, shape, dtype)
+                held[name], layouts[name] = [], []
+            r0, shape0, dtype0 = first[name]
+            if (shape, dtype) != (shape0, dtype0):
+                raise ValueError(
+                    f"tensor {name!r}: rank {r0} holds it as {dtype0} of global shape "
+                    f"{shape0} but rank {rank} as {dtype} of global shape {shape}"
+                )
+            held[name] += [Write(rank, b) for b in boxes]
+            layouts[name].append(layout)
+    plans = {
+        name: plan_tensor(
+            name, shape, dtype, itemsize(dtype), held[name],
+            options.target_chunk_bytes, options.min_chunk_bytes,
+        )
+        for name, (_, shape, dtype) in first.items()
+    }
+    return plans, {name: tuple(v) for name, v in layouts.items()}
+
+
+def prepare_save(
+    final: Path,
+    tensors: Mapping[str, ShardLike | torch.Tensor],
+    metadata: Mapping[str, Any] | None,
+    *,
+    comm: Collectives,
+    step: int | None,
+    rank_metadata: Any,
+    options: StorageOptions,
+    buffers: HostBuffers | None,
+    on_phase: PhaseHook | None,
+) -> PendingSave:
+    """Validate, plan (one all-gather) and take this rank's host data."""
+    final = Path(final).absolute()
+    local_error: BaseException | None = None
+    payload: dict[str, tuple] = {}
+    described: dict[str, Described] = {}
+    try:
+        metadata = dict(metadata or {})
+        json.dumps(metadata)
+        json.dumps(rank_metadata)
+        if comm.rank == 0 and final.exists():
+            raise FileExistsError(f"checkpoint {final} already exists")
+        described = describe_all(tensors, comm.rank)
+        for name, d in described.items():
+            array_key(name)
+            payload[name] = (d.global_shape, d.dtype, d.held.to_json(), [r.box for r in d.regions])
+    except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
+        local_error = e
+    gathered = comm.all_gather((repr(local_error) if local_error else None, payload, rank_metadata))
+    _raise_if_any([g[0] for g in gathered], local_error, "save planning")
+    plans, layouts = _gathered_plans([g[1] for g in gathered], options)
+
+    mine: list[tuple[str, Box, torch.Tensor]] = []
+    for name, plan in plans.items():
+        for w in plan.writes:
+            if w.rank == comm.rank:
+                region = next(r for r in described[name].regions if r.box.intersect(w.box) == w.box)
+                mine.append((name, w.box, region.view[w.box.slices(region.box)]))
+    if buffers is None:
+        arrays = host_views([v for _, _, v in mine])
+    else:
+        arrays = buffers.snapshot([((n, b), v) for n, b, v in mine])
+    pending = PendingSave(
+        comm=comm,
+        final=final,
+        step=step,
+        options=options,
+        plans=plans,
+        layouts=layouts,
+        my_writes=[(n, b, a) for (n, b, _), a in zip(mine, arrays, strict=True)],
+        metadata=metadata,
+        rank_metadata=[g[2] for g in gathered],
+        on_phase=on_phase,
+    )
+    _notify(on_phase, "planned")
+    return pending
+
+
+def _create_arrays(p: PendingSave, partial: Path, ctx: Any) -> None:
+    partial.mkdir(parents=True)
+    futures = [
+        storage.create_array(
+            ctx, partial, p.options.kvstore, array_key(name), plan.shape, plan.dtype, plan.chunk_shape
+        )
+        for name, plan in p.plans.items()
+    ]
+    for f in futures:
+        f.result()
+
+
+def _write_mine(
+    p: PendingSave, partial: Path, ctx: Any, pool: ThreadPoolExecutor
+) -> list[tuple[str, PieceRecord]]:
+    """Write this rank's boxes, checksumming pieces alongside; return the piece records."""
+    by_name: dict[str, list[tuple[Box, np.ndarray]]] = {}
+    for name, box, data in p.my_writes:
+        by_name.setdefault(name, []).append((box, data))
+    opened = {n: storage.open_array(ctx, partial, p.options.kvstore, array_key(n)) for n in by_name}
+    in_flight = []
+    for name, items in by_name.items():
+        array = opened[name].result()
+        writes = [array[box.slices()].write(data) for box, data in items]
+        sums = [
+            pool.submit(_piece_record, piece, data[piece.slices(box)], p.comm.rank)
+            for box, data in items
+            for piece in pieces(box, p.plans[name].chunk_shape)
+        ]
+        in_flight.append((name, writes, sums))
+    records = []
+    for name, writes, sums in in_flight:
+        for w in writes:
+            w.result()
+        records += [(name, s.result()) for s in sums]
+        _notify(p.on_phase, f"wrote:{name}")
+    return records
+
+
+def _piece_record(box: Box, data: np.ndarray, rank: int) -> PieceRecord:
+    return PieceRecord(box, crc32(data), rank)
+
+
+def write_and_commit(
+    p: PendingSave, after_commit: Callable[[Path], None] | None = None
+) -> None:
+    """Write this rank's data and, once every rank succeeded, commit (see module notes)."""
+    comm = p.comm
+    ctx = storage.new_context()
+    partial: Path | None = None
+    local_error: BaseException | None = None
+    if comm.rank == 0:
+        try:
+            partial = partial_path(p.final)
+            _create_arrays(p, partial, ctx)
+        except Exception as e:  # noqa: BLE001
+            local_error = e
+    err, partial_name = comm.broadcast((repr(local_error) if local_error else None, str(partial)))
+    if err:
+        _discard(comm, partial)
+        _raise_if_any([err], local_error, "creating the checkpoint")
+    partial = Path(partial_name)
+    _notify(p.on_phase, "created")
+
+    records: list = []
+    try:
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            records = _write_mine(p, partial, ctx, pool)
+        _notify(p.on_phase, "written")
+    except Exception as e:  # noqa: BLE001
+        local_error = e
+    gathered = comm.gather((repr(local_error) if local_error else None, records))
+
+    status: str | None = None
+    if comm.rank == 0:
+        assert gathered is not None
+        status = next((g[0] for g in gathered if g[0]), None)
+        if status is None:
+            try:
+                write_manifest(partial, _manifest(p, [r for g in gathered for r in g[1]]))
+                _notify(p.on_phase, "manifest_written")
+                commit(partial, p.final)
+                _notify(p.on_phase, "committed")
+                if after_commit is not None:
+                    after_commit(p.final)
+            except Exception as e:  # noqa: BLE001
+                local_error = e
+                status = repr(e)
+    status = comm.broadcast(status)
+    if status:
+        _discard(comm, partial)
+        _raise_if_any([status], local_error, f"saving {p.final}")
+
+
+def _discard(comm: Collectives, partial: Path | None) -> None:
+    if comm.rank == 0 and partial is not None and partial.exists():
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _manifest(p: PendingSave, records: list[tuple[str, PieceRecord]]) -> Manifest:
+    by_tensor: dict[str, list[PieceRecord]] = {name: [] for name in p.plans}
+    for name, rec in records:
+        by_tensor[name].append(rec)
+    tensors = {
+        name: TensorRecord(
+            name=name,
+            key=array_key(name),
+            shape=plan.shape,
+            dtype=plan.dtype,
+            chunk_shape=plan.chunk_shape,
+            pieces=tuple(sorted(by_tensor[name], key=lambda r: r.box.offset)),
+            layout=p.layouts[name],
+        )
+        for name, plan in p.plans.items()
+    }
+    return Manifest(
+        step=p.step,
+        kvstore=p.options.kvstore,
+        world_size=p.comm.world_size,
+        tensors=tensors,
+        metadata=p.metadata,
+        rank_metadata=p.rank_metadata,
+    )
+
+
+def save(
+    checkpoint_dir: str | os.PathLike,
+    tensors: Mapping[str, ShardLike | torch.Tensor],
+    metadata: Mapping[str, Any] | None = None,
+    *,
+    step: int | None = None,
+    rank_metadata: Any = None,
+    options: StorageOptions = StorageOptions(),
+    group: Any = None,
+    on_phase: PhaseHook | None = None,
+) -> None:
+    """Save sharded tensors as one checkpoint at ``checkpoint_dir`` (collective, blocking).
+
+    Every rank of ``group`` (default: the default process group, or a single
+    process without torch.distributed) calls it with the shards it holds.
+    ``metadata`` (JSON-serialisable) is taken from rank 0; ``rank_metadata``
+    (JSON-serialisable) is kept per rank. The directory appears only when the
+    checkpoint is complete; it must not exist yet.
+    """
+    comm = collectives_for(group)
+    pending = prepare_save(
+        Path(checkpoint_dir), tensors, metadata, comm=comm, step=step,
+        rank_metadata=rank_metadata, options=options, buffers=None, on_phase=on_phase,
+    )
+    write_and_commit(pending)
