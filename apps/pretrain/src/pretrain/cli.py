@@ -1,37 +1,100 @@
 """The ``pretrain`` command.
 
-    uv run pretrain                                   # the embedded default on CPU or one GPU
-    uv run pretrain --config tiny train.steps=10      # a preset plus dotted overrides
-    uv run pretrain --config my_run.toml run_dir=runs/a
-    torchrun --nproc-per-node 8 -m pretrain --config my_run.toml   # several GPUs
+    uv run pretrain                                      # the embedded default (stdlib bytes)
+    uv run pretrain --config tiny train.steps=10         # a preset plus dotted overrides
+    uv run pretrain --config my_run.toml run_dir=runs/a  # a TOML file
+    torchrun --nproc-per-node 8 -m pretrain --config my_run.toml
+    uv run pretrain prepare-data docs/*.txt --out data/docs --tokenizer tokenizer.json
+    uv run pretrain plot runs/a
+
+Exit status: 0 done (also after a clean stop on SIGTERM); 2 bad command line or
+config (one line on stderr naming the key); 1 any other error the run reports
+(bad data, too many non-finite steps), also one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from pretrain.config import ConfigError, load_config
+from pretrain.config import PRESETS, ConfigError, load_config
+from pretrain.data import DataError, prepare_data
+from pretrain.plot import PlotError, plot_run
+from pretrain.train import train
+from pretrain.trainer import TrainingAborted
+
+COMMANDS = ("prepare-data", "plot")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _fail(message: str, status: int) -> int:
+    print(f"pretrain: error: {message}", file=sys.stderr, flush=True)
+    return status
+
+
+def _train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="pretrain",
-        description="Train a mixture-of-experts language model.",
-        epilog="Overrides are dotted KEY=VALUE pairs, e.g. train.steps=10 model.n_experts=16.",
+        description="Train a mixture-of-experts language model. "
+                    f"Other commands: {', '.join(COMMANDS)} (pretrain COMMAND --help).",
+        epilog="Overrides are dotted KEY=VALUE pairs, e.g. train.steps=10 model.n_experts=16. "
+               f"Presets: {', '.join(PRESETS)}.",
     )
-    parser.add_argument("--config", default=None, help="built-in preset name or TOML file")
+    parser.add_argument("--config", default=None, metavar="FILE_OR_NAME",
+                        help="built-in preset name or TOML file (default: default)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        train(load_config(args.config, args.overrides))
     except ConfigError as e:
-        print(f"pretrain: error: {e}", file=sys.stderr)
-        return 2
-    from pretrain.train import train
-
-    train(cfg)
+        return _fail(str(e), 2)
+    except (DataError, TrainingAborted) as e:
+        return _fail(str(e), 1)
     return 0
+
+
+def _prepare_data(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pretrain prepare-data",
+        description="Tokenize text files into a token directory for data.path.",
+    )
+    parser.add_argument("files", nargs="+", type=Path, metavar="FILES")
+    parser.add_argument("--out", required=True, type=Path, metavar="DIR")
+    parser.add_argument("--tokenizer", type=Path, default=None, metavar="TOKENIZER_JSON",
+                        help="a tokenizers JSON file (default: bytes, vocab 256)")
+    args = parser.parse_args(argv)
+    try:
+        done = prepare_data(args.files, args.out, args.tokenizer)
+    except DataError as e:
+        return _fail(str(e), 1)
+    print(f"wrote {done.n_tokens:,} tokens ({done.dtype}, vocab {done.vocab_size}) in "
+          f"{len(done.files)} file(s) to {done.directory}")
+    return 0
+
+
+def _plot(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pretrain plot",
+        description="Plot a run's loss, throughput and expert load as PNGs in RUN_DIR.",
+    )
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    args = parser.parse_args(argv)
+    try:
+        written = plot_run(args.run_dir)
+    except PlotError as e:
+        return _fail(str(e), 1)
+    for path in written:
+        print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "prepare-data":
+        return _prepare_data(argv[1:])
+    if argv and argv[0] == "plot":
+        return _plot(argv[1:])
+    return _train(argv)
 
 
 if __name__ == "__main__":

@@ -1,28 +1,60 @@
-"""The composed run configuration, its built-in presets, TOML files and overrides.
+"""The composed run configuration, its built-in presets and layout validation.
 
-Each package owns its config dataclass (``moe_model.MoEConfig`` ...); this module
-composes them with the app's own (train, optim, data) into ``PretrainConfig``.
-A run's config comes from a preset name or a TOML file, then ``KEY=VALUE``
-overrides with dotted keys (``model.n_experts=16``, ``train.steps=10``). Unknown
-keys and values of the wrong type fail with a one-line message naming the key.
+Each package owns the config dataclass of what it implements (``model`` is
+``moe_model.MoEConfig``); the app composes them with its own sections. Sections
+that a library will own once it is wired in (``parallel``, ``optim``,
+``checkpoint``) are declared here with the fields the app needs, so a library's
+dataclass can replace a section without changing any key users type.
+
+A run's config comes from a preset name or a TOML file, then dotted ``KEY=VALUE``
+overrides; see :mod:`pretrain.config_tree` for the typing rules. Everything that
+can be checked without knowing the world size is checked by ``validate``;
+``validate_layout`` adds the checks that need it and runs at startup.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from moe_model import MoEConfig
 
+from pretrain.config_tree import ConfigError, apply_tree, dump_toml, set_key, to_tree
+from pretrain.data.sources import STDLIB, SYNTHETIC
 
-class ConfigError(ValueError):
-    """A configuration the run cannot use; the message names the offending key."""
+__all__ = [
+    "PRESETS",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "Layout",
+    "MetricsConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "PretrainConfig",
+    "TrainConfig",
+    "config_toml",
+    "load_config",
+    "validate_layout",
+]
+
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = 1  # pipeline stages; data parallelism is derived: DP = world size / pp
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"  # schedule when pp > 1
+    pp_virtual_stages: int = 1  # model chunks per pipeline rank (> 1 only with interleaved_1f1b)
+    ep: int = 1  # expert parallelism (EP-MP): ranks splitting each MoE layer's experts; divides DP
+    ep_backend: Literal["auto", "local", "all_to_all", "nvshmem"] = "auto"  # auto: local if ep == 1 else all_to_all
+    ddp_mode: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"  # gradient sync collective
+
+    def resolved_ep_backend(self) -> str:
+        if self.ep_backend == "auto":
+            return "local" if self.ep == 1 else "all_to_all"
+        return self.ep_backend
 
 
 @dataclass
@@ -31,57 +63,157 @@ class TrainConfig:
     seq_len: int = 128  # tokens per sequence
     global_batch: int = 16  # sequences per optimizer step (all ranks, all microbatches)
     micro_batch: int = 16  # sequences per rank per microbatch
-    device: str = "auto"  # auto (cuda if present) | cpu | cuda
-    compute_dtype: str = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
+    max_consecutive_skips: int = 5  # abort after this many steps in a row with a non-finite loss/grad
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when present
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
 
 
 @dataclass
 class OptimConfig:
+    name: Literal["adamw", "muon"] = "adamw"  # update rule (muon: matrices; AdamW for the rest)
     lr: float = 3e-3  # peak learning rate
-    min_lr_ratio: float = 0.1  # final LR of the cosine decay, as a fraction of lr
-    warmup_steps: int = 20  # linear warmup steps
-    weight_decay: float = 0.1  # decoupled weight decay (AdamW)
-    beta1: float = 0.9  # AdamW first-moment decay
-    beta2: float = 0.95  # AdamW second-moment decay
-    eps: float = 1e-8  # AdamW epsilon
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # shape after warmup
+    warmup_steps: int = 20  # linear warmup steps from 0 to lr
+    min_lr_ratio: float = 0.1  # final LR of the decay, as a fraction of lr (cosine, wsd)
+    decay_fraction: float = 0.2  # wsd: share of the steps spent decaying at the end
+    weight_decay: float = 0.1  # decoupled weight decay, on matrices only
+    beta1: float = 0.9  # first-moment decay
+    beta2: float = 0.95  # second-moment decay
+    eps: float = 1e-8  # Adam epsilon
     grad_clip: float = 1.0  # max global gradient norm (0 disables clipping)
+    expert_lr_mult: float = 1.0  # routed experts' LR = lr * expert_lr_mult
 
 
 @dataclass
 class DataConfig:
-    path: str | None = None  # token file or directory; None: the embedded standard-library corpus
+    path: str = STDLIB  # stdlib (this interpreter's sources as bytes) | synthetic | a token dir or file
+    seed: int | None = None  # seed of the global sequence order; None: the run seed
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save every N optimizer steps (0: never)
+    resume: str = "auto"  # auto (latest complete checkpoint in run_dir, if any) | none | a checkpoint path
+    keep_last: int = 2  # complete checkpoints kept (0: all)
+    async_save: bool = True  # write in the background while training continues
+
+
+@dataclass
+class MetricsConfig:
+    expert_load_every: int = 10  # record tokens per expert per layer every N steps (0: never)
+    tensorboard: bool = False  # also write TensorBoard events (needs the tensorboard extra)
 
 
 @dataclass
 class PretrainConfig:
     model: MoEConfig = field(default_factory=MoEConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     run_dir: str | None = None  # output folder; None: a new folder under runs/
-    seed: int = 0  # seeds initialisation and data order
+    seed: int = 0  # seeds initialisation (and the data order unless data.seed is set)
 
     def validate(self) -> None:
-        self.model.validate()
-        t = self.train
-        for name in ("steps", "seq_len", "global_batch", "micro_batch"):
-            if getattr(t, name) <= 0:
-                raise ConfigError(f"train.{name} must be positive, got {getattr(t, name)}")
-        if t.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"train.device must be auto, cpu or cuda; got {t.device!r}")
-        if t.compute_dtype not in ("auto", "float32", "bfloat16"):
+        """Every check that does not need the world size; raises ``ConfigError``."""
+        try:
+            self.model.validate()
+        except ValueError as e:
+            raise ConfigError(f"invalid model config: {e}") from None
+        positive = ["train.steps", "train.seq_len", "train.global_batch", "train.micro_batch",
+                    "train.max_consecutive_skips", "parallel.pp", "parallel.pp_virtual_stages",
+                    "parallel.ep", "optim.lr"]
+        non_negative = ["optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay",
+                        "optim.grad_clip", "optim.expert_lr_mult", "optim.eps",
+                        "checkpoint.every", "checkpoint.keep_last", "metrics.expert_load_every",
+                        "seed"]
+        for key in positive + non_negative:
+            value = self._get(key)
+            if value < 0 or (value == 0 and key in positive):
+                raise ConfigError(f"{key} must be {'positive' if key in positive else '>= 0'}, got {value}")
+        if self.data.seed is not None and self.data.seed < 0:
+            raise ConfigError(f"data.seed must be >= 0 or none, got {self.data.seed}")
+        o = self.optim
+        if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
+            raise ConfigError(f"optim.beta1/beta2 must be in [0, 1), got {o.beta1}, {o.beta2}")
+        if o.min_lr_ratio > 1 or not 0 < o.decay_fraction <= 1:
+            raise ConfigError("optim.min_lr_ratio must be <= 1 and optim.decay_fraction in (0, 1]")
+        p = self.parallel
+        if (p.pp_virtual_stages > 1) != (p.pp_schedule == "interleaved_1f1b"):
             raise ConfigError(
-                f"train.compute_dtype must be auto, float32 or bfloat16; got {t.compute_dtype!r}"
+                f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs "
+                "parallel.pp_schedule=interleaved_1f1b (and that schedule needs more than 1)"
             )
-        if t.global_batch % t.micro_batch:
+        if p.ep_backend == "local" and p.ep > 1:
             raise ConfigError(
-                f"train.global_batch={t.global_batch} is not divisible by "
-                f"train.micro_batch={t.micro_batch}"
+                f"parallel.ep_backend=local keeps every expert on its rank; parallel.ep={p.ep} "
+                "needs all_to_all or nvshmem"
             )
+        if not self.checkpoint.resume:
+            raise ConfigError("checkpoint.resume must be auto, none or a checkpoint path")
 
+    def _get(self, key: str) -> Any:
+        obj: Any = self
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the world is split: PP x DP, and inside DP, EP-MP (``ep``) x EP-DP."""
+
+    world_size: int
+    pp: int
+    dp: int
+    ep: int  # EP-MP: ranks holding different expert shards
+    ep_dp: int  # ranks holding copies of the same expert shard; dp = ep * ep_dp
+    microbatches: int  # microbatches per rank per optimizer step
+
+    def describe(self) -> str:
+        return (f"world {self.world_size} = pp {self.pp} x dp {self.dp} "
+                f"(dp = ep {self.ep} x ep_dp {self.ep_dp}); {self.microbatches} microbatches/rank")
+
+
+def validate_layout(cfg: PretrainConfig, world_size: int) -> Layout:
+    """The layout of ``cfg`` on ``world_size`` ranks, or a ``ConfigError`` saying why not."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
+    if world_size % p.pp:
+        raise ConfigError(f"world size {world_size} is not divisible by parallel.pp={p.pp}")
+    dp = world_size // p.pp
+    if dp % p.ep:
+        raise ConfigError(
+            f"parallel.ep={p.ep} does not divide the data-parallel size {dp} "
+            f"(world size {world_size} / parallel.pp={p.pp})"
+        )
+    if m.n_experts % p.ep:
+        raise ConfigError(f"model.n_experts={m.n_experts} is not divisible by parallel.ep={p.ep}")
+    if t.global_batch % (dp * t.micro_batch):
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} is not divisible by data-parallel size {dp} "
+            f"x train.micro_batch={t.micro_batch}"
+        )
+    stages = p.pp * p.pp_virtual_stages
+    if m.n_layers < stages:
+        raise ConfigError(
+            f"model.n_layers={m.n_layers} is fewer than the {stages} pipeline stages "
+            f"(parallel.pp={p.pp} x parallel.pp_virtual_stages={p.pp_virtual_stages})"
+        )
+    return Layout(world_size, p.pp, dp, p.ep, dp // p.ep, t.global_batch // (dp * t.micro_batch))
+
+
+_BENCH_MODEL = {
+    "vocab_size": 100352, "d_model": 2048, "n_layers": 8, "n_heads": 16, "n_kv_heads": 4,
+    "head_dim": 128, "n_experts": 64, "top_k": 8, "expert_hidden": 1024,
+}
+_BENCH_TRAIN = {"steps": 20, "seq_len": 4096, "global_batch": 64, "micro_batch": 2}
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # The embedded default: trains in a couple of minutes on two CPU cores.
+    # The embedded default: the stdlib corpus, a couple of minutes on two CPU cores.
     "default": {},
     # Seconds on a CPU; used by the tests.
     "tiny": {
@@ -89,98 +221,30 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "n_experts": 4, "top_k": 2, "expert_hidden": 64},
         "train": {"steps": 4, "seq_len": 32, "global_batch": 4, "micro_batch": 2},
         "optim": {"warmup_steps": 2},
+        "metrics": {"expert_load_every": 1},
+    },
+    # Throughput benchmarks on H200s (issue 10): synthetic tokens, bf16 compute.
+    "bench-1gpu": {
+        "model": _BENCH_MODEL,
+        "train": _BENCH_TRAIN,
+        "optim": {"warmup_steps": 5},
+        "data": {"path": SYNTHETIC},
+    },
+    "bench-2gpu": {
+        "model": {**_BENCH_MODEL, "n_layers": 16},
+        "train": _BENCH_TRAIN,
+        "optim": {"warmup_steps": 5},
+        "data": {"path": SYNTHETIC},
     },
 }
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Convert a TOML value or an override string to the field's declared type."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            return None
-        return _coerce(key, value, options[0])
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{key} expects true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key} expects an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        try:
-            return int(str(value).replace("_", ""))
-        except ValueError:
-            raise ConfigError(f"{key} expects an integer, got {value!r}") from None
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key} expects a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key} expects a number, got {value!r}") from None
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key} expects a string, got {value!r}")
-        return value
-    raise ConfigError(f"{key} has a type ({tp}) that cannot be set from the command line")
-
-
-def _unknown(key: str, candidates: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(key, candidates, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return ConfigError(f"unknown config key {key!r}{hint}")
-
-
-def _all_keys(obj: Any, prefix: str = "") -> list[str]:
-    keys = []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            keys += _all_keys(value, f"{prefix}{f.name}.")
-        else:
-            keys.append(prefix + f.name)
-    return keys
-
-
-def set_key(cfg: PretrainConfig, key: str, value: Any) -> None:
-    """Set a dotted key on the composed config, converting ``value`` to the field type."""
-    parts = key.split(".")
-    obj: Any = cfg
-    for i, part in enumerate(parts):
-        if not dataclasses.is_dataclass(obj) or part not in {f.name for f in dataclasses.fields(obj)}:
-            raise _unknown(key, _all_keys(cfg))
-        if i == len(parts) - 1:
-            current = getattr(obj, part)
-            if dataclasses.is_dataclass(current):
-                raise ConfigError(f"{key} is a section; set one of its fields, e.g. {key}.{dataclasses.fields(current)[0].name}")
-            object.__setattr__(obj, part, _coerce(key, value, _field_types(type(obj))[part]))
-        else:
-            obj = getattr(obj, part)
-
-
-def _apply_tree(cfg: PretrainConfig, tree: dict[str, Any], prefix: str = "") -> None:
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            _apply_tree(cfg, v, f"{prefix}{k}.")
-        else:
-            set_key(cfg, prefix + k, v)
-
-
 def load_config(source: str | None = None, overrides: list[str] | None = None) -> PretrainConfig:
-    """Build the run config from a preset name or TOML path, then ``KEY=VALUE`` overrides."""
+    """The run config from a preset name or TOML path (default: ``default``), then overrides."""
     cfg = PretrainConfig()
     source = source or "default"
     if source in PRESETS:
-        _apply_tree(cfg, PRESETS[source])
+        apply_tree(cfg, PRESETS[source])
     else:
         path = Path(source)
         if not path.is_file():
@@ -190,27 +254,20 @@ def load_config(source: str | None = None, overrides: list[str] | None = None) -
             )
         try:
             tree = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
-        _apply_tree(cfg, tree)
+        apply_tree(cfg, tree)
     for item in overrides or []:
-        if "=" not in item:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like KEY=VALUE")
-        key, value = item.split("=", 1)
         set_key(cfg, key.strip(), value.strip())
-    try:
-        cfg.validate()
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    cfg.validate()
     return cfg
 
 
-def to_dict(cfg: PretrainConfig) -> dict[str, Any]:
-    """The resolved config as a TOML-ready tree (None values are left out)."""
+def config_toml(cfg: PretrainConfig, layout: Layout | None = None) -> str:
+    """The resolved config as TOML that ``load_config`` reads back to an equal config."""
+    header = "resolved pretrain config" + (f"; {layout.describe()}" if layout else "")
+    return dump_toml(to_tree(cfg), header=header)
 
-    def strip(tree: dict[str, Any]) -> dict[str, Any]:
-        return {k: strip(v) if isinstance(v, dict) else v for k, v in tree.items() if v is not None}
-
-    return strip(dataclasses.asdict(cfg))

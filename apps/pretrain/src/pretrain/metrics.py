@@ -1,30 +1,119 @@
-"""Per-step metrics: one JSON object per optimizer step, plus a progress line."""
+"""Per-step metrics: pluggable trackers, the JSONL file, and the progress line.
+
+Only the logging rank (the last pipeline stage's DP rank 0) opens trackers and
+prints; the record it receives is already reduced over the ranks. A tracker is
+anything with ``log(record)`` and ``close()``: ``metrics.jsonl`` is always
+written (it is what ``pretrain plot`` and the tests read); TensorBoard is an
+optional extra, imported only when asked for, and its absence costs one line of
+warning rather than the run.
+
+Record fields (one JSON object per optimizer step; absent means not measured):
+``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s`` (all ranks),
+``step_time_s``, ``skipped`` (non-finite loss or gradient: no update),
+``lb_loss`` / ``z_loss`` (per MoE layer and token, as weighted in the
+objective; ``z_loss`` null when the model computes none), ``expert_load_imbalance``
+(worst layer's max/mean tokens per expert), ``dropped_token_rate`` (routed slots
+no expert processed), on GPU ``mfu`` and ``peak_mem_gib``, and every
+``metrics.expert_load_every`` steps ``expert_load`` (tokens per expert, one list
+per MoE layer). Non-finite floats are written as ``null``.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
+
+METRICS_FILE = "metrics.jsonl"
 
 
-class MetricsWriter:
+class Tracker(Protocol):
+    def log(self, record: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _finite_or_none(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+class JsonlTracker:
+    """Appends one JSON object per step to ``run_dir/metrics.jsonl`` (line-buffered)."""
+
     def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS_FILE
         self._file: TextIO = self.path.open("a", buffering=1)
 
-    def write(self, record: dict[str, Any]) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                 for k, v in record.items()}
-        self._file.write(json.dumps(clean) + "\n")
+    def log(self, record: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}) + "\n")
 
     def close(self) -> None:
         self._file.close()
 
 
-def progress_line(record: dict[str, Any], total_steps: int) -> str:
-    return (
-        f"step {record['step']:>5}/{total_steps}  loss {record['loss']:.4f}  "
-        f"lr {record['lr']:.2e}  grad_norm {record['grad_norm']:.3f}  "
-        f"tok/s {record['tokens_per_s']:,.0f}"
-    )
+class TensorBoardTracker:
+    """Scalar fields as TensorBoard scalars under ``run_dir/tensorboard``."""
+
+    def __init__(self, run_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard extra
+
+        self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log(self, record: Mapping[str, Any]) -> None:
+        step = record["step"]
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def open_trackers(run_dir: Path, tensorboard: bool) -> list[Tracker]:
+    """The JSONL tracker, plus TensorBoard when asked for and installed."""
+    trackers: list[Tracker] = [JsonlTracker(run_dir)]
+    if tensorboard:
+        try:
+            trackers.append(TensorBoardTracker(run_dir))
+        except ImportError:
+            print("pretrain: warning: metrics.tensorboard=true but tensorboard is not installed "
+                  "(pip install 'pretrain[tensorboard]'); logging to metrics.jsonl only",
+                  file=sys.stderr, flush=True)
+    return trackers
+
+
+def progress_line(record: Mapping[str, Any], total_steps: int) -> str:
+    parts = [
+        f"step {record['step']:>5}/{total_steps}",
+        f"loss {record['loss']:.4f}",
+        f"lr {record['lr']:.2e}",
+        f"grad_norm {record['grad_norm']:.3f}",
+        f"tok/s {record['tokens_per_s']:,.0f}",
+    ]
+    if "mfu" in record:
+        parts.append(f"mfu {100 * record['mfu']:.1f}%")
+    if "peak_mem_gib" in record:
+        parts.append(f"mem {record['peak_mem_gib']:.1f} GiB")
+    if record.get("skipped"):
+        parts.append("SKIPPED (non-finite)")
+    return "  ".join(parts)
+
+
+class MetricsLog:
+    """Fans each step's record out to the trackers and prints the progress line."""
+
+    def __init__(self, trackers: list[Tracker], total_steps: int, echo: bool) -> None:
+        self.trackers, self.total_steps, self.echo = trackers, total_steps, echo
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        for tracker in self.trackers:
+            tracker.log(record)
+        if self.echo:
+            print(progress_line(record, self.total_steps), flush=True)
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()

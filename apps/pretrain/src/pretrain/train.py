@@ -1,143 +1,76 @@
-"""The training loop (single process).
+"""A training run from a config: process group, layout, run directory, loop.
 
-One optimizer step: for each microbatch, forward and backward of the token-loss
-*sum* divided by the global batch's target-token count (so the gradient is the
-same however the batch is split), then clip, step, and log.
+    with the process group (one process, torchrun, or a test harness):
+        layout  = validate_layout(cfg, world)     # fails before any allocation
+        mesh    = build_mesh(layout)              # PP x DP, EP inside DP
+        run_dir = chosen on rank 0, broadcast     # every rank writes to the same place
+        trainer = Trainer(cfg, mesh, device)      # data opened and checked, model built
+        the logging rank writes run_dir/config.toml and opens the trackers
+        trainer.fit(...) under a SIGTERM flag
 """
 
 from __future__ import annotations
 
-import math
-import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
-import tomli_w
-import torch
+import torch.distributed as dist
+from moe_model import total_params
 
-from moe_model import (
-    MoETransformer,
-    flops_per_token,
-    init_weights,
-    lm_loss_sum,
-    set_aux_loss_scale,
-)
-from pretrain.config import PretrainConfig, to_dict
-from pretrain.data import TokenStream, load_stdlib_bytes
-from pretrain.metrics import MetricsWriter, progress_line
+from pretrain.config import ConfigError, Layout, PretrainConfig, config_toml, validate_layout
+from pretrain.mesh import build_mesh
+from pretrain.metrics import MetricsLog, open_trackers
+from pretrain.runtime import distributed
+from pretrain.signals import StopRequest
+from pretrain.trainer import Trainer
 
-H200_BF16_PEAK = 989e12
+CONFIG_FILE = "config.toml"
 
 
-def resolve_device(cfg: PretrainConfig) -> torch.device:
-    if cfg.train.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(cfg.train.device)
+def _require_wired(cfg: PretrainConfig, layout: Layout) -> None:
+    """Refuse settings whose machinery is not part of this build (rather than ignore them)."""
+    missing = []
+    if layout.pp > 1:
+        missing.append(f"parallel.pp={layout.pp} (pipeline parallelism)")
+    if layout.ep > 1:
+        missing.append(f"parallel.ep={layout.ep} (expert parallelism)")
+    if cfg.optim.name != "adamw":
+        missing.append(f"optim.name={cfg.optim.name} (the distributed optimizer)")
+    if missing:
+        raise ConfigError(f"not available in this build yet: {', '.join(missing)}")
 
 
-def resolve_dtype(cfg: PretrainConfig, device: torch.device) -> torch.dtype:
-    if cfg.train.compute_dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, cfg.train.compute_dtype)
+def _run_dir(cfg: PretrainConfig) -> Path:
+    """``run_dir``, or a new timestamped folder chosen by rank 0 and broadcast."""
+    choice = [cfg.run_dir or str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))]
+    dist.broadcast_object_list(choice, src=0)
+    cfg.run_dir = choice[0]
+    path = Path(cfg.run_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
-def make_run_dir(cfg: PretrainConfig) -> Path:
-    if cfg.run_dir is None:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        cfg.run_dir = str(Path("runs") / stamp)
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
-
-
-def lr_at(step: int, cfg: PretrainConfig) -> float:
-    """Linear warmup then cosine decay to ``min_lr_ratio * lr`` (``step`` counts from 1)."""
-    o, total = cfg.optim, cfg.train.steps
-    if step <= o.warmup_steps:
-        return o.lr * step / max(1, o.warmup_steps)
-    progress = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * cosine)
-
-
-def train(cfg: PretrainConfig) -> list[dict]:
-    device = resolve_device(cfg)
-    dtype = resolve_dtype(cfg, device)
-    run_dir = make_run_dir(cfg)
-    (run_dir / "config.toml").write_text(tomli_w.dumps(to_dict(cfg)))
-
-    torch.manual_seed(cfg.seed)
-    model = MoETransformer(cfg.model).to(device)
-    init_weights(model, cfg.model, cfg.seed)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-        eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
-    )
-    stream = TokenStream(load_stdlib_bytes(), cfg.train.seq_len, cfg.seed)
-    metrics = MetricsWriter(run_dir)
-    t = cfg.train
-    n_micro = t.global_batch // t.micro_batch
-    tokens_per_step = t.global_batch * t.seq_len
-    flops_per_step = flops_per_token(cfg.model, t.seq_len) * tokens_per_step
-    print(f"run_dir {run_dir}  device {device}  dtype {str(dtype).removeprefix('torch.')}  "
-          f"params {sum(p.numel() for p in model.parameters()):,}", flush=True)
-
-    history = []
-    for step in range(1, t.steps + 1):
-        start = time.perf_counter()
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batch = stream.global_batch(step, t.global_batch).to(device)
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        n_target_tokens = targets.numel()
-        set_aux_loss_scale(model, 1.0 / n_target_tokens)
-        loss_sum = torch.zeros((), device=device)
-        for mb in range(n_micro):
-            sl = slice(mb * t.micro_batch, (mb + 1) * t.micro_batch)
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                logits = model(inputs[sl])
-            loss = lm_loss_sum(logits, targets[sl]) / n_target_tokens
-            loss.backward()
-            loss_sum += loss.detach()
-        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        lb, imbalance = _moe_stats(model)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        record = {
-            "step": step,
-            "loss": loss_sum.item(),
-            "lr": lr,
-            "grad_norm": grad_norm.item(),
-            "tokens_per_s": tokens_per_step / elapsed,
-            "step_time_s": elapsed,
-            "lb_loss": lb,
-            "expert_imbalance": imbalance,
-        }
-        if device.type == "cuda":
-            record["mfu"] = flops_per_step / elapsed / H200_BF16_PEAK
-            record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        metrics.write(record)
-        print(progress_line(record, t.steps), flush=True)
-        history.append(record)
-    metrics.close()
-    return history
-
-
-def _moe_stats(model: MoETransformer) -> tuple[float, float]:
-    """Mean load-balancing loss per layer and the worst layer's max/mean expert load."""
-    lbs, imbalances = [], []
-    for _, layer in model.moe_layers():
-        stats = layer.pop_step_stats()
-        if stats:
-            counts = stats["tokens_per_expert"].float()
-            lbs.append(stats["lb_loss_sum"])
-            imbalances.append(counts.max() / counts.mean().clamp_min(1e-9))
-    if not lbs:
-        return 0.0, 1.0
-    return torch.stack(lbs).mean().item(), torch.stack(imbalances).max().item()
+def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
+    """Train per ``cfg`` as one rank of the launcher's world; returns the step records."""
+    with distributed(cfg.train.device) as rt:
+        layout = validate_layout(cfg, rt.world_size)
+        _require_wired(cfg, layout)
+        mesh = build_mesh(layout, rt.device.type)
+        run_dir = _run_dir(cfg)
+        trainer = Trainer(cfg, mesh, rt.device)
+        logging = mesh.is_logging_rank
+        if logging:
+            (run_dir / CONFIG_FILE).write_text(config_toml(cfg, layout))
+            print(f"run_dir {run_dir}  device {rt.device}  dtype {str(trainer.dtype)[6:]}  "
+                  f"params {total_params(cfg.model):,}  {layout.describe()}", flush=True)
+            if cfg.checkpoint.every or cfg.checkpoint.resume not in ("auto", "none"):
+                print("note: checkpoint.* is validated but checkpoints are not written or "
+                      "loaded by this build yet", flush=True)
+        log = MetricsLog(open_trackers(run_dir, cfg.metrics.tensorboard) if logging else [],
+                         cfg.train.steps, echo=logging)
+        try:
+            with StopRequest() as stop:
+                return trainer.fit(log, stop)
+        finally:
+            log.close()

@@ -1,0 +1,137 @@
+"""Pre-tokenized token files: headerless arrays plus a JSON sidecar.
+
+A token directory holds ``*.bin`` files, each a headerless little-endian array of
+``uint16`` or ``uint32`` token ids (so ``numpy.memmap`` reads them with no copy
+and any tool can write them), and ``tokens.json``::
+
+    {"dtype": "uint16", "vocab_size": 50304,
+     "files": [{"name": "part-00000.bin", "tokens": 1048576}],   # optional: order, sizes
+     "tokenizer": "tokenizer.json"}                              # optional: provenance
+
+Without ``files`` every ``*.bin`` is read in name order. The files are one token
+stream in that order; ``data.path`` may also name a single ``.bin`` file of such
+a directory.
+
+Opening checks everything that would otherwise fail deep inside a step: the
+dtype, file sizes, the declared vocabulary against the model's, and every token
+id against the model's vocabulary (vectorised, in chunks, so the check costs one
+read of the data and bounded memory).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SIDECAR = "tokens.json"
+DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+CHECK_CHUNK = 1 << 24  # tokens per vectorised id check
+
+
+class DataError(ValueError):
+    """Training data the run cannot use; the message names the file or key."""
+
+
+@dataclass(frozen=True)
+class TokenArrays:
+    """A token stream made of named 1-D integer arrays, read in order."""
+
+    arrays: list[np.ndarray]
+    names: list[str]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(a.shape[0] for a in self.arrays)
+
+
+def dtype_for_vocab(vocab_size: int) -> str:
+    """The narrowest supported dtype holding ids ``< vocab_size``."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def write_sidecar(directory: Path, dtype: str, vocab_size: int, files: list[dict[str, Any]],
+                  tokenizer: str) -> None:
+    """Write ``tokens.json`` atomically: a crashed writer never leaves a valid-looking sidecar."""
+    meta = {"dtype": dtype, "vocab_size": vocab_size, "files": files, "tokenizer": tokenizer}
+    tmp = directory / (SIDECAR + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1) + "\n")
+    tmp.replace(directory / SIDECAR)
+
+
+def _read_sidecar(directory: Path) -> dict[str, Any]:
+    path = directory / SIDECAR
+    if not path.is_file():
+        raise DataError(
+            f"{directory} has no {SIDECAR}; write the data with `pretrain prepare-data` or add "
+            f'{SIDECAR} with {{"dtype": "uint16", "vocab_size": N}}'
+        )
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON: {e}") from None
+    if meta.get("dtype") not in DTYPES:
+        raise DataError(f"{path}: dtype must be one of {', '.join(DTYPES)}, got {meta.get('dtype')!r}")
+    if not isinstance(meta.get("vocab_size"), int) or meta["vocab_size"] <= 0:
+        raise DataError(f"{path}: vocab_size must be a positive integer, got {meta.get('vocab_size')!r}")
+    return meta
+
+
+def check_token_ids(array: np.ndarray, vocab_size: int, name: str) -> None:
+    """Raise ``DataError`` naming ``name`` if any id is ``>= vocab_size`` (chunked max)."""
+    for start in range(0, array.shape[0], CHECK_CHUNK):
+        chunk = array[start:start + CHECK_CHUNK]
+        if int(chunk.max()) >= vocab_size:
+            offset = start + int(np.argmax(chunk >= vocab_size))
+            raise DataError(
+                f"{name}: token id {int(array[offset])} at position {offset} is >= "
+                f"model.vocab_size={vocab_size}"
+            )
+
+
+def open_token_files(path: str | Path, vocab_size: int) -> TokenArrays:
+    """Memory-map a token directory (or one ``.bin`` of it) after checking it fully."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data.path {str(path)!r} does not exist")
+    directory = path if path.is_dir() else path.parent
+    meta = _read_sidecar(directory)
+    dtype = DTYPES[meta["dtype"]]
+    if meta["vocab_size"] > vocab_size:
+        raise DataError(
+            f"{directory / SIDECAR}: the data's vocab_size {meta['vocab_size']} exceeds "
+            f"model.vocab_size={vocab_size}"
+        )
+    if path.is_file():
+        files, expected = [path], [None]
+    elif "files" in meta:
+        files = [directory / f["name"] for f in meta["files"]]
+        expected = [f.get("tokens") for f in meta["files"]]
+    else:
+        files = sorted(directory.glob("*.bin"))
+        expected = [None] * len(files)
+    if not files:
+        raise DataError(f"{directory} holds no *.bin token files")
+    arrays, names = [], []
+    for file, n_expected in zip(files, expected):
+        if not file.is_file():
+            raise DataError(f"{file}: listed in {SIDECAR} but missing")
+        size = file.stat().st_size
+        if size % dtype.itemsize:
+            raise DataError(f"{file}: {size} bytes is not a whole number of {meta['dtype']} tokens")
+        if n_expected is not None and size // dtype.itemsize != n_expected:
+            raise DataError(
+                f"{file}: holds {size // dtype.itemsize} tokens, {SIDECAR} says {n_expected}"
+            )
+        if size == 0:
+            continue
+        array = np.memmap(file, dtype=dtype, mode="r")
+        check_token_ids(array, vocab_size, str(file))
+        arrays.append(array)
+        names.append(str(file))
+    if not arrays:
+        raise DataError(f"{directory}: every token file is empty")
+    return TokenArrays(arrays, names)

@@ -1,0 +1,61 @@
+"""Process-group lifetime and device choice for one training process.
+
+Every run, one process or many, trains inside a ``torch.distributed`` process
+group, so the trainer has a single code path (groups of size 1 cost nothing).
+The rank and world come from the launcher's environment (``torchrun`` sets
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``);
+without them this is a one-process world on an in-memory store. A group that
+already exists (a test harness made it) is joined and left alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def resolve_device(preference: str, local_rank: int) -> torch.device:
+    """``auto`` picks CUDA when present; a CUDA rank uses the GPU of its local rank."""
+    use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA device is available")
+    return torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+
+
+@contextmanager
+def distributed(device_preference: str, timeout_s: float = 1800.0) -> Iterator[Runtime]:
+    """Join or create the default process group for the run; destroy what was created."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(device_preference, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    created = not dist.is_initialized()
+    if created:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        if all(v in os.environ for v in _TORCHRUN_VARS):
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timedelta(seconds=timeout_s), **kwargs)
+    try:
+        yield Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,161 @@
+"""Config composition: typed overrides, presets, TOML round trips, layout validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import tomllib
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+from moe_model import MoEConfig
+
+from pretrain.config import PRESETS, PretrainConfig, config_toml, load_config, validate_layout
+from pretrain.config_tree import ConfigError, apply_tree, coerce, dump_toml, set_key, to_tree
+
+
+class Color(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+@dataclass
+class Inner:
+    width: int = 4
+    ratio: float | None = 0.5
+    mode: Literal["fast", "exact"] = "fast"
+
+
+@dataclass
+class Outer:
+    inner: Inner = field(default_factory=Inner)
+    name: str = "x"
+    flag: bool = False
+    limit: int | None = None
+    color: Color = Color.RED
+    layers: list[int] = field(default_factory=list)
+    pair: tuple[int, float] = (1, 2.0)
+
+
+def test_overrides_follow_the_declared_types():
+    cfg = Outer()
+    for key, value in [("inner.width", "8"), ("inner.ratio", "none"), ("inner.mode", "exact"),
+                       ("name", "run"), ("flag", "true"), ("limit", "1_000"), ("color", "BLUE"),
+                       ("layers", "[1, 2,3]"), ("pair", "3,0.25")]:
+        set_key(cfg, key, value)
+    assert cfg == Outer(Inner(8, None, "exact"), "run", True, 1000, Color.BLUE, [1, 2, 3], (3, 0.25))
+    set_key(cfg, "inner.ratio", 2)  # TOML ints are fine for floats
+    set_key(cfg, "limit", "null")
+    assert cfg.inner.ratio == 2.0 and isinstance(cfg.inner.ratio, float) and cfg.limit is None
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("inner.width", "4.5", "inner.width expects an integer, got '4.5'"),
+    ("inner.width", True, "inner.width expects an integer, got True"),
+    ("inner.ratio", "half", "inner.ratio expects a number or none, got 'half'"),
+    ("inner.mode", "slow", "inner.mode expects one of fast, exact, got 'slow'"),
+    ("flag", "maybe", "flag expects true or false, got 'maybe'"),
+    ("name", 3, "name expects a string, got 3"),
+    ("color", "green", "color expects one of RED, BLUE, got 'green'"),
+    ("pair", "1", "pair expects 2 values, got 1"),
+    ("layers", "1,x", "layers[1] expects an integer, got 'x'"),
+    ("inner", "3", "inner is a section; set one of its keys, e.g. inner.width"),
+    ("inner.widht", "3", "unknown config key 'inner.widht'; did you mean 'inner.width'?"),
+    ("innr.width", "3", "unknown config key 'innr.width'; did you mean 'inner.width'?"),
+    ("nothing_like_it", "3", "unknown config key 'nothing_like_it'"),
+])
+def test_bad_overrides_fail_with_one_line(key, value, message):
+    with pytest.raises(ConfigError) as e:
+        set_key(Outer(), key, value)
+    assert str(e.value) == message
+    assert "\n" not in str(e.value)
+
+
+def test_every_model_field_is_settable_from_a_string():
+    """Generic over MoEConfig: fields another package adds work without app changes."""
+    cfg = PretrainConfig()
+    for f in dataclasses.fields(MoEConfig):
+        value = getattr(cfg.model, f.name)
+        text = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+        set_key(cfg, f"model.{f.name}", text)
+        assert getattr(cfg.model, f.name) == value, f.name
+    assert coerce("model.d_model", "512", int) == 512
+
+
+def test_presets_are_valid_and_round_trip_through_toml(tmp_path):
+    for name in PRESETS:
+        cfg = load_config(name, ["run_dir=runs/x", "data.seed=7"])
+        validate_layout(cfg, 1)
+        path = tmp_path / f"{name}.toml"
+        path.write_text(config_toml(cfg))
+        assert load_config(str(path)) == cfg, name
+    bench = load_config("bench-1gpu")
+    m = bench.model
+    assert (m.d_model, m.n_layers, m.n_heads, m.head_dim, m.n_kv_heads) == (2048, 8, 16, 128, 4)
+    assert (m.n_experts, m.top_k, m.expert_hidden, m.vocab_size) == (64, 8, 1024, 100352)
+    assert (bench.train.seq_len, bench.train.micro_batch, bench.train.global_batch) == (4096, 2, 64)
+    assert bench.data.path == "synthetic"
+    assert load_config("bench-2gpu").model.n_layers == 16
+
+
+def test_optional_field_with_a_non_none_default_round_trips():
+    @dataclass
+    class Tree:
+        cap: float | None = 1.25
+
+    tree = Tree(cap=None)
+    back = Tree()
+    apply_tree(back, tomllib.loads(dump_toml(to_tree(tree))))
+    assert back == tree
+
+
+def test_toml_file_errors_name_the_key(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\nstpes = 3\n')
+    with pytest.raises(ConfigError, match="unknown config key 'train.stpes'; did you mean 'train.steps'"):
+        load_config(str(path))
+    path.write_text("[train\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match="neither a built-in preset"):
+        load_config(str(tmp_path / "missing.toml"))
+    with pytest.raises(ConfigError, match="must look like KEY=VALUE"):
+        load_config("tiny", ["train.steps"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.steps=0"], "train.steps must be positive, got 0"),
+    (["model.n_kv_heads=3"], "invalid model config"),
+    (["parallel.ep=2", "parallel.ep_backend=local"], "parallel.ep_backend=local"),
+    (["parallel.pp_virtual_stages=2"], "needs parallel.pp_schedule=interleaved_1f1b"),
+    (["data.seed=-1"], "data.seed must be >= 0"),
+])
+def test_validate_names_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", overrides)
+
+
+@pytest.mark.parametrize("world, overrides, message", [
+    (3, ["parallel.pp=2"], "world size 3 is not divisible by parallel.pp=2"),
+    (4, ["parallel.pp=2", "parallel.ep=4"],
+     "parallel.ep=4 does not divide the data-parallel size 2 (world size 4 / parallel.pp=2)"),
+    (6, ["parallel.ep=3", "train.global_batch=12", "train.micro_batch=1"],
+     "model.n_experts=4 is not divisible by parallel.ep=3"),
+    (2, ["train.global_batch=6", "train.micro_batch=2"],
+     "train.global_batch=6 is not divisible by data-parallel size 2 x train.micro_batch=2"),
+    (4, ["parallel.pp=4"], "model.n_layers=2 is fewer than the 4 pipeline stages"),
+])
+def test_impossible_layouts(world, overrides, message):
+    cfg = load_config("tiny", overrides)
+    with pytest.raises(ConfigError) as e:
+        validate_layout(cfg, world)
+    assert message in str(e.value)
+
+
+def test_layout_derives_dp_and_ep_dp():
+    cfg = load_config("tiny", ["parallel.pp=2", "parallel.ep=2", "train.global_batch=8",
+                               "train.micro_batch=1"])
+    layout = validate_layout(cfg, 8)
+    assert (layout.pp, layout.dp, layout.ep, layout.ep_dp, layout.microbatches) == (2, 4, 2, 2, 2)
+    assert cfg.parallel.resolved_ep_backend() == "all_to_all"

@@ -1,0 +1,188 @@
+"""Data: layout-independent order, resume from a step, token files, prepare-data."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from pretrain.cli import main
+from pretrain.data import (
+    BatchReader,
+    DataError,
+    GlobalOrder,
+    StreamSequences,
+    SyntheticSequences,
+    TokenArrays,
+    feistel_permute,
+    open_source,
+    open_token_files,
+    prepare_data,
+)
+
+
+def _stream(n_tokens: int = 5000, seq_len: int = 8, n_files: int = 3) -> StreamSequences:
+    tokens = (np.arange(n_tokens) % 251).astype(np.uint16)
+    parts = np.array_split(tokens, n_files)
+    return StreamSequences(TokenArrays(parts, [f"f{i}" for i in range(n_files)]), seq_len)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 4097])
+def test_feistel_is_a_bijection(n):
+    perm = feistel_permute(np.arange(n), n, seed=3, epoch=1)
+    assert sorted(perm.tolist()) == list(range(n))
+
+
+def test_order_depends_on_seed_and_epoch():
+    base = feistel_permute(np.arange(1000), 1000, 0, 0)
+    assert not np.array_equal(base, feistel_permute(np.arange(1000), 1000, 1, 0))
+    assert not np.array_equal(base, feistel_permute(np.arange(1000), 1000, 0, 1))
+    assert not np.array_equal(base, np.arange(1000))
+
+
+def test_each_epoch_visits_every_sequence_once():
+    order = GlobalOrder(n_sequences=37, seed=5)
+    ids = order.sequence_ids(np.arange(3 * 37))
+    for epoch in range(3):
+        assert sorted(ids[epoch * 37:(epoch + 1) * 37].tolist()) == list(range(37))
+    assert not np.array_equal(ids[:37], ids[37:74])
+
+
+def test_windows_cross_file_boundaries():
+    source = _stream(n_tokens=100, seq_len=10, n_files=3)  # files of 34, 33, 33 tokens
+    rows = source.read(np.array([0, 3, 8]))
+    expected = np.stack([np.arange(s * 10, s * 10 + 11) for s in (0, 3, 8)]) % 251
+    assert rows.dtype == np.int64 and np.array_equal(rows, expected)
+    assert source.n_sequences == 9  # (100 - 1) // 10 full windows of 11 tokens
+    with pytest.raises(DataError, match="fewer than one sequence"):
+        _stream(n_tokens=8, seq_len=8, n_files=1)
+
+
+@pytest.mark.parametrize("dp, micro", [(2, 1), (2, 2), (4, 1), (4, 2), (8, 1)])
+def test_rank_slices_concatenate_to_the_one_rank_batch(dp, micro):
+    source, seed, global_batch = _stream(), 11, 8
+    one_rank = BatchReader(source, seed, global_batch, micro_batch=global_batch)
+    for step in (1, 2, 70):  # 70 x 8 samples > 624 sequences: crosses an epoch
+        reference = one_rank.microbatch(step, 0)
+        pieces = []
+        for rank in range(dp):
+            reader = BatchReader(source, seed, global_batch, micro, dp_rank=rank, dp_size=dp)
+            pieces += [reader.microbatch(step, m) for m in range(reader.n_microbatches)]
+        assert torch.equal(torch.cat(pieces), reference)
+
+
+def test_resume_from_a_step_number_reads_the_same_batches():
+    source = _stream()
+    run = BatchReader(source, 0, 8, 2, dp_rank=1, dp_size=2)
+    seen = {(s, m): run.microbatch(s, m) for s in range(1, 7) for m in range(2)}
+    resumed = BatchReader(source, 0, 8, 2, dp_rank=1, dp_size=2)  # a new process at step 4
+    for s in range(4, 7):
+        for m in range(2):
+            assert torch.equal(resumed.microbatch(s, m), seen[(s, m)])
+    assert not torch.equal(seen[(1, 0)], seen[(2, 0)])
+
+
+def test_synthetic_tokens_are_deterministic_and_in_vocab():
+    a = SyntheticSequences(vocab_size=1000, seq_len=16, seed=1).read(np.array([5, 9]))
+    b = SyntheticSequences(vocab_size=1000, seq_len=16, seed=1).read(np.array([5, 9]))
+    c = SyntheticSequences(vocab_size=1000, seq_len=16, seed=2).read(np.array([5, 9]))
+    assert a.shape == (2, 17) and np.array_equal(a, b) and not np.array_equal(a, c)
+    assert a.min() >= 0 and a.max() < 1000
+
+
+def test_prepare_data_bytes_round_trip(tmp_path):
+    texts = [b"def f(x):\n    return x\n", "caf\u00e9 \u2014 unicode\n".encode(), b"no newline"]
+    inputs = []
+    for i, text in enumerate(texts):
+        path = tmp_path / f"in{i}.txt"
+        path.write_bytes(text)
+        inputs.append(path)
+    out = tmp_path / "tokens"
+    assert main(["prepare-data", *map(str, inputs), "--out", str(out)]) == 0
+    meta = json.loads((out / "tokens.json").read_text())
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 256 and meta["tokenizer"] == "bytes"
+    tokens = open_token_files(out, vocab_size=256)
+    assert np.concatenate(tokens.arrays).tobytes() == np.frombuffer(b"".join(texts), np.uint8).astype("<u2").tobytes()
+    source = open_source(str(out), seq_len=4, vocab_size=256, seed=0)
+    assert bytes(source.read(np.array([0]))[0].astype(np.uint8)) == b"def f"
+
+
+def test_prepare_data_shards_and_single_file_path(tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_bytes(bytes(range(100)) * 3)
+    done = prepare_data([src], tmp_path / "out", shard_tokens=128)
+    assert [f["tokens"] for f in done.files] == [128, 128, 44]
+    all_tokens = np.concatenate(open_token_files(tmp_path / "out", 256).arrays)
+    assert np.array_equal(all_tokens, np.frombuffer(src.read_bytes(), np.uint8))
+    one = open_token_files(tmp_path / "out" / "part-00001.bin", 256)
+    assert np.array_equal(one.arrays[0], all_tokens[128:256])
+    with pytest.raises(DataError, match="already holds token files"):
+        prepare_data([src], tmp_path / "out")
+
+
+def _word_tokenizer(path, n_words: int) -> Tokenizer:
+    vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(n_words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return tok
+
+
+@pytest.mark.parametrize("n_words, dtype", [(50, "uint16"), (70_000, "uint32")])
+def test_prepare_data_with_a_tokenizer(tmp_path, n_words, dtype):
+    tok = _word_tokenizer(tmp_path / "tokenizer.json", n_words)
+    texts = ["w1 w2 w3\nw4 w49\n", "w0 w7 unknown w5\n"]
+    if n_words > 1 << 16:
+        texts.append("w69999 w65536\n")
+    inputs = []
+    for i, text in enumerate(texts):
+        (tmp_path / f"{i}.txt").write_text(text)
+        inputs.append(tmp_path / f"{i}.txt")
+    out = tmp_path / "out"
+    done = prepare_data(inputs, out, tokenizer=tmp_path / "tokenizer.json")
+    assert done.dtype == dtype and done.vocab_size == n_words + 1
+    expected = sum((tok.encode(t, add_special_tokens=False).ids for t in texts), [])
+    got = np.concatenate(open_token_files(out, vocab_size=n_words + 1).arrays)
+    assert got.tolist() == expected
+
+
+def test_prepare_data_rejects_non_utf8_with_a_tokenizer(tmp_path, capsys):
+    _word_tokenizer(tmp_path / "tok.json", 5)
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"w1 w2\n\xff\xfe w3\n")
+    status = main(["prepare-data", str(bad), "--out", str(tmp_path / "o"),
+                   "--tokenizer", str(tmp_path / "tok.json")])
+    err = capsys.readouterr().err.strip()
+    assert status == 1 and err == f"pretrain: error: {bad}: not UTF-8 text at byte 6; omit --tokenizer to tokenize it as bytes"
+
+
+def test_token_ids_beyond_the_vocab_name_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr("pretrain.data.files.CHECK_CHUNK", 1000)  # exercise the chunking
+    ids = np.full(5000, 7, dtype="<u2")
+    ids[3456] = 300
+    (tmp_path / "a.bin").write_bytes(np.zeros(10, "<u2").tobytes())
+    (tmp_path / "b.bin").write_bytes(ids.tobytes())
+    (tmp_path / "tokens.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 256}))
+    with pytest.raises(DataError) as e:
+        open_token_files(tmp_path, vocab_size=256)
+    assert str(e.value) == f"{tmp_path / 'b.bin'}: token id 300 at position 3456 is >= model.vocab_size=256"
+
+
+@pytest.mark.parametrize("sidecar, data, message", [
+    (None, b"", "has no tokens.json"),
+    ({"dtype": "int8", "vocab_size": 256}, b"", "dtype must be one of uint16, uint32"),
+    ({"dtype": "uint16", "vocab_size": 512}, b"\x01\x00", "the data's vocab_size 512 exceeds model.vocab_size=256"),
+    ({"dtype": "uint16", "vocab_size": 256}, b"\x01\x00\x02", "3 bytes is not a whole number of uint16 tokens"),
+    ({"dtype": "uint16", "vocab_size": 256, "files": [{"name": "x.bin", "tokens": 1}]}, b"", "x.bin: listed in tokens.json but missing"),
+])
+def test_bad_token_directories(tmp_path, sidecar, data, message):
+    (tmp_path / "a.bin").write_bytes(data)
+    if sidecar is not None:
+        (tmp_path / "tokens.json").write_text(json.dumps(sidecar))
+    with pytest.raises(DataError, match=message):
+        open_token_files(tmp_path, vocab_size=256)
+    with pytest.raises(DataError, match="does not exist"):
+        open_token_files(tmp_path / "nope", vocab_size=256)
