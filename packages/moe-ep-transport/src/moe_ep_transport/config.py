@@ -1,0 +1,60 @@
+"""Expert-parallel configuration and the static sizes derived from it.
+
+Everything a no-sync transport must size up front comes from here: the rank
+capacity (rows one rank can receive per call) and the slot bound of a source.
+Experts are partitioned contiguously over the EP group: rank ``r`` holds global
+experts ``[r * E/M, (r + 1) * E/M)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+OverflowPolicy = Literal["drop", "error"]
+
+
+@dataclass(frozen=True)
+class EPConfig:
+    n_experts: int  # E: routed experts of the whole model layer (global ids 0..E-1)
+    top_k: int  # k: experts per token
+    max_tokens: int  # T_max: tokens per rank per call; a static bound (no host sync to size buffers)
+    d_model: int  # D: hidden width; sizes the rowwise transport's symmetric buffers
+    capacity_factor: float | None = 1.25  # rank capacity = ceil(cf * T_max * k); None = dropless
+    overflow: OverflowPolicy = "drop"  # what happens past capacity: fair drop, or raise
+
+    def __post_init__(self) -> None:
+        for name in ("n_experts", "top_k", "max_tokens", "d_model"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EPConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"EPConfig.top_k={self.top_k} exceeds n_experts={self.n_experts}")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"EPConfig.capacity_factor must be positive or None, got {self.capacity_factor}")
+        if self.overflow not in ("drop", "error"):
+            raise ValueError(f"EPConfig.overflow must be 'drop' or 'error', got {self.overflow!r}")
+
+    @property
+    def max_slots(self) -> int:
+        """Routed (token, slot) rows one rank sends at most: T_max * k."""
+        return self.max_tokens * self.top_k
+
+    def local_experts(self, ep_size: int) -> int:
+        if self.n_experts % ep_size:
+            raise ValueError(
+                f"EPConfig.n_experts={self.n_experts} is not divisible by the EP group size {ep_size}"
+            )
+        return self.n_experts // ep_size
+
+    def rank_capacity(self, ep_size: int) -> int:
+        """Rows one rank can receive per call (C).
+
+        Balanced routing sends each rank T*k rows on average, so the factor is a
+        head-room over the mean. Dropless sizes for the worst case: every rank's
+        T*k rows landing on one rank.
+        """
+        worst = ep_size * self.max_slots
+        if self.capacity_factor is None:
+            return worst
+        return min(worst, max(1, math.ceil(self.capacity_factor * self.max_slots)))

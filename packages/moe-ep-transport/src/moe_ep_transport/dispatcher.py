@@ -1,0 +1,242 @@
+"""Expert-parallel token dispatcher: the ``TokenDispatcher`` contract over an EP group.
+
+Shape legend: T tokens on this rank, D width, k top-k, N = T*k slots, E global
+experts, L local experts, M EP ranks, C rank capacity (rows returned by dispatch).
+
+``dispatch(x[T,D], expert_ids[T,k])`` returns ``rows[C,D]`` (expert-major over the
+local experts, padding rows zero), ``group_offsets[L]`` (int32 cumulative ends, on
+the device) and a handle; ``combine(rows_out[C,D], weights[T,k], handle)`` returns
+``y[T,D] = sum_j weights[t,j] * expert_output(t,j)`` accumulated in FP32 in slot
+order. Both are autograd functions: dispatch's backward is a combine of the row
+gradients with unit weights, combine's backward a dispatch of ``weights * grad_y``
+plus the gradient of the weights.
+
+Overflow (a destination asked for more than C rows): with ``overflow="drop"`` the
+rows chosen by :mod:`moe_ep_transport.overflow` are dropped; their weights count as
+zero in combine (the token's other experts keep their weights, which are *not*
+renormalised: the residual stream carries the token, and renormalising would
+scale the surviving experts by a load-dependent factor). ``handle.plan.dropped_M``
+and the telemetry report them. ``overflow="error"`` raises :class:`EPOverflowError`
+on every rank before any row moves; it reads the drop count on the host, the one
+place in dispatch/combine that synchronises (use it to validate a configuration;
+train with ``"drop"`` or dropless).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moe_ep_transport import ops
+from moe_ep_transport.codec import RowCodec
+from moe_ep_transport.config import EPConfig
+from moe_ep_transport.overflow import counts_seed
+from moe_ep_transport.plan import RoutePlan, local_counts, plan_routes
+from moe_ep_transport.telemetry import EPTelemetry
+from moe_ep_transport.transport import Transport
+
+
+class EPOverflowError(RuntimeError):
+    """A rank was asked for more rows than its capacity under ``overflow="error"``."""
+
+
+@dataclass
+class EPHandle:
+    plan: RoutePlan  # the routing of this call (drops, layout); device tensors
+    route: Any  # the transport's per-call state
+
+
+def _accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """FP32, or wider when an operand is wider (FP64 tests stay exact)."""
+    acc = torch.float32
+    for dtype in dtypes:
+        acc = torch.promote_types(acc, dtype)
+    return acc
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x_TD: torch.Tensor, dispatcher: EPDispatcher, route: Any) -> torch.Tensor:
+        ctx.dispatcher, ctx.route = dispatcher, route
+        ctx.x_dtype = x_TD.dtype
+        return dispatcher._send_tokens(x_TD, route)
+
+    @staticmethod
+    def backward(ctx: Any, grad_CD: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        plan = ctx.route.plan
+        ones_N = plan.valid_N.to(_accumulation_dtype(grad_CD.dtype))
+        grad_TD, _ = ctx.dispatcher.transport.gather_sum(
+            ctx.route, grad_CD.contiguous(), ones_N, store_rows=False
+        )
+        return grad_TD.to(ctx.x_dtype), None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, rows_CD: torch.Tensor, weights_TK: torch.Tensor, dispatcher: EPDispatcher, route: Any
+    ) -> torch.Tensor:
+        plan = route.plan
+        acc = _accumulation_dtype(rows_CD.dtype, weights_TK.dtype)
+        w_N = torch.where(plan.valid_N, weights_TK.reshape(-1).to(acc), 0.0)
+        need_rows = ctx.needs_input_grad[1]
+        y_TD, rows_ND = dispatcher.transport.gather_sum(route, rows_CD, w_N, store_rows=need_rows)
+        ctx.dispatcher, ctx.route = dispatcher, route
+        ctx.w_dtype, ctx.rows_dtype, ctx.width = weights_TK.dtype, rows_CD.dtype, rows_CD.shape[1]
+        ctx.save_for_backward(w_N, rows_ND if need_rows else None)
+        return y_TD
+
+    @staticmethod
+    def backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        w_N, rows_ND = ctx.saved_tensors
+        plan = ctx.route.plan
+        T, k, D = plan.n_tokens, plan.top_k, ctx.width
+        grad_rows = grad_w = None
+        g32_TD = grad_TD.to(w_N.dtype)
+        if ctx.needs_input_grad[0]:
+            scaled_ND = (g32_TD.unsqueeze(1) * w_N.view(T, k, 1)).to(ctx.rows_dtype).view(T * k, D)
+            slots = torch.arange(T * k, device=scaled_ND.device)
+            words = ctx.dispatcher.transport.send(ctx.route, ops.as_words(scaled_ND), slots)
+            grad_rows = ops.from_words(words, ctx.rows_dtype)
+        if ctx.needs_input_grad[1]:
+            rows_TKD = rows_ND.view(T, k, D).to(w_N.dtype)
+            grad_w = torch.einsum("tkd,td->tk", rows_TKD, g32_TD).to(ctx.w_dtype)
+        return grad_rows, grad_w, None, None
+
+
+class EPDispatcher:
+    """Dispatch/combine for one MoE layer over a transport (shared by the layers of a group).
+
+    ``seed`` salts the overflow priorities (give each layer its own).
+    """
+
+    def __init__(
+        self, cfg: EPConfig, transport: Transport, codec: RowCodec | None = None, seed: int = 0
+    ) -> None:
+        self.cfg = cfg
+        self.transport = transport
+        self.codec = codec
+        self.seed = seed
+        self.ep_size = transport.world_size
+        self.rank = transport.rank
+        self.n_local = cfg.local_experts(self.ep_size)
+        self.expert_start = self.rank * self.n_local
+        self.capacity = cfg.rank_capacity(self.ep_size)
+        self.telemetry = EPTelemetry()
+
+    def bytes_per_row(self, dtype: torch.dtype) -> int:
+        """Bytes one dispatched row moves (the codec's packed width when one is set)."""
+        if self.codec is not None:
+            return self.codec.packed_width(self.cfg.d_model)
+        return self.cfg.d_model * dtype.itemsize
+
+    def _check_inputs(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor) -> None:
+        cfg = self.cfg
+        if x_TD.dim() != 2 or x_TD.shape[1] != cfg.d_model:
+            raise ValueError(f"x must be [T, {cfg.d_model}] (EPConfig.d_model), got {tuple(x_TD.shape)}")
+        if expert_ids_TK.shape != (x_TD.shape[0], cfg.top_k):
+            raise ValueError(
+                f"expert_ids must be [T={x_TD.shape[0]}, k={cfg.top_k}], got {tuple(expert_ids_TK.shape)}"
+            )
+        if expert_ids_TK.dtype.is_floating_point or expert_ids_TK.dtype == torch.bool:
+            raise ValueError(f"expert_ids must be an integer tensor, got {expert_ids_TK.dtype}")
+        if x_TD.shape[0] > cfg.max_tokens:
+            raise ValueError(f"x has {x_TD.shape[0]} tokens, more than EPConfig.max_tokens={cfg.max_tokens}")
+        if expert_ids_TK.device != x_TD.device:
+            raise ValueError(f"expert_ids is on {expert_ids_TK.device}, x on {x_TD.device}")
+
+    def dispatch(
+        self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, EPHandle]:
+        self._check_inputs(x_TD, expert_ids_TK)
+        expert_N = expert_ids_TK.reshape(-1).to(torch.int64)
+        counts_ME = self.transport.exchange_counts(local_counts(expert_N, self.cfg.n_experts))
+        plan = plan_routes(
+            expert_N, counts_ME, rank=self.rank, top_k=self.cfg.top_k, capacity=self.capacity,
+            seed=counts_seed(counts_ME, self.seed),
+        )
+        if self.cfg.overflow == "error":
+            self._raise_on_overflow(plan)
+        self.telemetry.record(plan)
+        route = self.transport.open_route(plan)
+        rows_CD = _Dispatch.apply(x_TD, self, route)
+        return rows_CD, plan.group_offsets_L, EPHandle(plan, route)
+
+    def combine(self, rows_out_CD: torch.Tensor, weights_TK: torch.Tensor, handle: EPHandle) -> torch.Tensor:
+        plan = handle.plan
+        if rows_out_CD.shape[0] != self.capacity:
+            raise ValueError(f"rows_out must have {self.capacity} rows (capacity), got {rows_out_CD.shape[0]}")
+        if weights_TK.shape != (plan.n_tokens, plan.top_k):
+            raise ValueError(
+                f"weights must be [{plan.n_tokens}, {plan.top_k}], got {tuple(weights_TK.shape)}"
+            )
+        return _Combine.apply(rows_out_CD, weights_TK, self, handle.route)
+
+    def _send_tokens(self, x_TD: torch.Tensor, route: Any) -> torch.Tensor:
+        """Forward row movement: encode each token once, send a copy per kept slot, decode."""
+        plan = route.plan
+        token_N = torch.arange(plan.n_tokens * plan.top_k, device=x_TD.device) // plan.top_k
+        if self.codec is None:
+            words = self.transport.send(route, ops.as_words(x_TD), token_N)
+            return ops.from_words(words, x_TD.dtype)
+        packed = ops.as_words(self.codec.encode(x_TD))
+        received = ops.from_words(self.transport.send(route, packed, token_N), torch.uint8)
+        rows_CD = self.codec.decode(received, x_TD.dtype)
+        return torch.where((plan.row_src_C >= 0).unsqueeze(1), rows_CD, 0)
+
+    def _raise_on_overflow(self, plan: RoutePlan) -> None:
+        dropped = plan.dropped_M.tolist()  # the documented host sync of overflow="error"
+        if any(dropped):
+            M, E = plan.counts_ME.shape
+            asked = plan.counts_ME.view(M, M, E // M).sum((0, 2)).tolist()
+            worst = max(range(M), key=lambda r: asked[r])
+            raise EPOverflowError(
+                f"EP rank {worst} was asked for {asked[worst]} rows but its capacity is "
+                f"{self.capacity} (capacity_factor={self.cfg.capacity_factor}, "
+                f"max_tokens={self.cfg.max_tokens}, top_k={self.cfg.top_k}); "
+                f"rows over capacity per rank: {dropped}"
+            )
+
+
+def make_transport(
+    backend: str,
+    cfg: EPConfig,
+    group: dist.ProcessGroup | None = None,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    codec: RowCodec | None = None,
+) -> Transport:
+    """Build the transport of an EP group (one per group, shared by its MoE layers).
+
+    ``backend="all_to_all"``: the reference (gloo or NCCL). ``backend="rowwise"``:
+    NVSHMEM one-sided puts on CUDA; on CPU the same algorithm over emulated peer
+    memory (for tests). The rowwise slabs are sized for rows of ``dtype`` (and the
+    codec's packed rows) at ``cfg``'s capacity.
+    """
+    from moe_ep_transport.transport import AllToAllTransport
+
+    if backend == "all_to_all":
+        return AllToAllTransport(group)
+    if backend != "rowwise":
+        raise ValueError(f"unknown EP transport backend {backend!r}: 'all_to_all' or 'rowwise'")
+    from moe_ep_transport.rowwise import RowwiseTransport, slab_bytes_for
+
+    ep_size = dist.get_world_size(group)
+    row_bytes = cfg.d_model * dtype.itemsize
+    if codec is not None:
+        row_bytes = max(row_bytes, codec.packed_width(cfg.d_model))
+    nbytes = slab_bytes_for(cfg, ep_size, row_bytes)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        from moe_ep_transport.nvshmem_memory import NvshmemPeerMemory
+
+        memory = NvshmemPeerMemory(nbytes, group, device)
+    else:
+        from moe_ep_transport.peer_memory import EmulatedPeerMemory
+
+        memory = EmulatedPeerMemory(nbytes, group, device)
+    return RowwiseTransport(memory, cfg)

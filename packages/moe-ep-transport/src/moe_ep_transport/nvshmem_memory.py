@@ -1,0 +1,162 @@
+"""Peer memory on NVSHMEM symmetric buffers (GPU, NVLink peers), bootstrapped from torch.
+
+NVSHMEM is started once per process over the ranks of a torch process group: rank
+0 of the group creates a unique id, ``broadcast_object_list`` carries it to the
+others, and every rank calls ``nvshmem.core.init(..., initializer_method="uid")``
+with its group rank as PE. The NVSHMEM job is therefore the EP group itself, and
+``barrier_all`` is a barrier of that group. A process can join one NVSHMEM job
+only: all rowwise transports of a process must share the group (they also should
+share one transport: the slabs are scratch space that the MoE layers take turns on).
+
+The symmetric heap must hold both slabs; ``NVSHMEM_SYMMETRIC_SIZE`` (NVSHMEM's own
+setting) is set from the requested size before init unless the user set it.
+
+Peers are reached by plain loads/stores through ``nvshmem_ptr`` addresses, so every
+peer must be load/store reachable (same node, NVLink or PCIe P2P).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moe_ep_transport.peer_memory import N_SLABS
+
+_HEAP_MARGIN = 256 << 20  # NVSHMEM's own symmetric state (barriers, teams) lives on the heap too
+
+_job: dict[str, Any] = {}  # the process's NVSHMEM job: {"ranks": global ranks, "device": index}
+
+
+class _StreamRef:
+    """The ``__cuda_stream__`` protocol nvshmem4py takes, for a torch stream."""
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self._handle = stream.cuda_stream
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self._handle)
+
+
+def _nvshmem() -> Any:
+    try:
+        import nvshmem.core
+        import nvshmem.core.interop.torch  # noqa: F401 - the torch tensor helpers
+    except ImportError as e:
+        raise ImportError(
+            "the rowwise GPU transport needs nvshmem4py: pip install 'moe-ep-transport[nvshmem]'"
+        ) from e
+    return nvshmem.core
+
+
+def bootstrap(group: dist.ProcessGroup | None, device: torch.device, heap_bytes: int) -> Any:
+    """Start NVSHMEM over ``group`` (once per process) and return ``nvshmem.core``."""
+    nvshmem = _nvshmem()
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    if _job:
+        if _job["ranks"] != ranks:
+            raise RuntimeError(
+                f"NVSHMEM already runs over ranks {_job['ranks']}; a process can join one NVSHMEM "
+                f"job only, and this transport asks for ranks {ranks}"
+            )
+        return nvshmem
+    import numpy as np
+    from cuda.core import Device
+
+    torch.cuda.set_device(device)
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_bytes + _HEAP_MARGIN))
+    rank, nranks = dist.get_rank(group), dist.get_world_size(group)
+    uid = nvshmem.get_unique_id(empty=rank != 0)
+    uid_bytes = np.asarray(uid._data).view(np.uint8)
+    box = [uid_bytes.tobytes() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=ranks[0], group=group)
+    uid_bytes[:] = np.frombuffer(box[0], dtype=np.uint8)
+    cuda_device = Device(device.index)
+    cuda_device.set_current()
+    nvshmem.init(device=cuda_device, uid=uid, rank=rank, nranks=nranks, initializer_method="uid")
+    _job.update(ranks=ranks, device=device.index)
+    return nvshmem
+
+
+def finalize() -> None:
+    """End this process's NVSHMEM job (collective); free every transport's slabs first."""
+    if _job:
+        _nvshmem().finalize()
+        _job.clear()
+
+
+class NvshmemPeerMemory:
+    """Two symmetric slabs per rank and the table of every peer's slab addresses."""
+
+    def __init__(self, slab_bytes: int, group: dist.ProcessGroup | None = None,
+                 device: torch.device | str | int | None = None) -> None:
+        device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"NvshmemPeerMemory needs a CUDA device, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.slab_bytes = slab_bytes
+        self._nvshmem = bootstrap(group, device, N_SLABS * slab_bytes)
+        interop = self._nvshmem.interop.torch
+        self._slabs = [interop.tensor((slab_bytes,), dtype=torch.uint8) for _ in range(N_SLABS)]
+        self._tables = []
+        for slab in self._slabs:
+            addresses = []
+            for pe in range(self.world_size):
+                peer = slab if pe == self.rank else interop.get_peer_tensor(slab, pe)
+                if peer is None or peer.data_ptr() == 0:
+                    raise RuntimeError(
+                        f"rank {pe} of the EP group is not load/store reachable from rank "
+                        f"{self.rank}: the rowwise transport needs peers on one NVLink domain"
+                    )
+                addresses.append(peer.data_ptr())
+            self._tables.append(torch.tensor(addresses, dtype=torch.int64, device=device))
+        self._is_me = torch.arange(self.world_size, device=device) == self.rank
+        self._stream_refs: dict[int, _StreamRef] = {}
+
+    def slab(self, index: int) -> torch.Tensor:
+        return self._slabs[index]
+
+    def put_rows(
+        self,
+        slab: int,
+        byte_offset: int,
+        src_RW: torch.Tensor,
+        src_index_N: torch.Tensor,
+        dst_rank_N: torch.Tensor,
+        dst_row_N: torch.Tensor,
+        *,
+        local_dst: torch.Tensor | None = None,
+        meta_N: torch.Tensor | None = None,
+    ) -> None:
+        from moe_ep_transport import kernels
+
+        if byte_offset % 16:
+            raise ValueError(f"slab offset {byte_offset} is not 16-byte aligned")
+        table = self._tables[slab]
+        dst_table = table + byte_offset
+        if local_dst is not None:
+            dst_table = torch.where(self._is_me, local_dst.data_ptr(), dst_table)
+        kernels.put_rows(
+            src_RW.contiguous(), src_index_N, dst_rank_N, dst_row_N, dst_table,
+            meta_N, table if meta_N is not None else None,
+        )
+
+    def barrier(self) -> None:
+        stream = torch.cuda.current_stream()
+        ref = self._stream_refs.get(stream.cuda_stream)
+        if ref is None:
+            ref = self._stream_refs.setdefault(stream.cuda_stream, _StreamRef(stream))
+        self._nvshmem.barrier_all(stream=ref)
+
+    def close(self) -> None:
+        """Free the slabs (collective). The memory is unusable afterwards."""
+        torch.cuda.current_stream().synchronize()
+        for slab in self._slabs:
+            self._nvshmem.interop.torch.free_tensor(slab)
+        self._slabs, self._tables = [], []

@@ -1,0 +1,144 @@
+"""The rowwise transport: one-sided row puts into symmetric buffers, no host sync.
+
+Per dispatch: (1) every rank puts its per-expert counts into every peer's slab and
+a barrier completes the exchange; (2) every rank plans, on the device, the
+destination (rank, row) of each of its routed rows (:mod:`moe_ep_transport.plan`);
+(3) one kernel stores each row straight into the destination's slab (rows a rank
+sends to itself go straight into the output tensor), with the row's source slot
+index beside it; a barrier completes it; the destination copies the rows of other
+ranks out of its slab into a fresh tensor (the slab is reused by the next phase,
+while the rows must live until the expert backward).
+
+Per combine the destination puts each expert output row back into its source's
+slab at the source's slot index (the origin recorded in step 3); after a barrier
+each source sums its top-k rows in FP32, reading its own rows straight from the
+expert output. Putting (not fetching) saves copying the expert output into a
+symmetric buffer first, and stores travel faster than loads over NVLink.
+
+Sizes are static: capacity C rows to receive, T_max*k slots to return.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_ep_transport import ops
+from moe_ep_transport.config import EPConfig
+from moe_ep_transport.peer_memory import N_SLABS, PeerMemory, slab_view
+from moe_ep_transport.plan import RoutePlan
+
+_ALIGN = 256
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def slab_bytes_for(cfg: EPConfig, ep_size: int, row_bytes: int) -> int:
+    """Bytes each slab needs for rows of at most ``row_bytes`` (any phase)."""
+    capacity = cfg.rank_capacity(ep_size)
+    counts = ep_size * cfg.n_experts * 4
+    send = _align(capacity * 8) + capacity * _align_row(row_bytes)
+    back = cfg.max_slots * _align_row(row_bytes)
+    return _align(max(counts, send, back))
+
+
+def _align_row(row_bytes: int) -> int:
+    return (row_bytes + 3) // 4 * 4
+
+
+@dataclass
+class RowwiseRoute:
+    plan: RoutePlan
+    origin_C: torch.Tensor | None = None  # source slot index of each receive row (after the first send)
+
+
+class RowwiseTransport:
+    def __init__(self, memory: PeerMemory, cfg: EPConfig) -> None:
+        self.memory = memory
+        self.rank = memory.rank
+        self.world_size = memory.world_size
+        self.capacity = cfg.rank_capacity(self.world_size)
+        self.max_slots = cfg.max_slots
+        self._meta_bytes = _align(self.capacity * 8)
+        self._phase = 0  # advances identically on every rank (all ranks run the same calls)
+
+    def _next_slab(self) -> int:
+        index = self._phase % N_SLABS
+        self._phase += 1
+        return index
+
+    def _check_fits(self, nbytes: int, what: str) -> None:
+        if nbytes > self.memory.slab_bytes:
+            raise ValueError(
+                f"{what} needs {nbytes} bytes of symmetric buffer but the transport's slabs hold "
+                f"{self.memory.slab_bytes}; build the transport for wider rows (row_bytes) or a "
+                f"larger EPConfig"
+            )
+
+    def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        M, E = self.world_size, counts_E.numel()
+        self._check_fits(M * E * 4, "the count exchange")
+        slab = self._next_slab()
+        device = counts_E.device
+        self.memory.put_rows(
+            slab, 0, counts_E.to(torch.int32).view(1, E),
+            torch.zeros(M, dtype=torch.int64, device=device),
+            torch.arange(M, device=device),
+            torch.full((M,), self.rank, dtype=torch.int64, device=device),
+        )
+        self.memory.barrier()
+        return slab_view(self.memory.slab(slab), 0, torch.int32, E)[:M].to(torch.int64)
+
+    def open_route(self, plan: RoutePlan) -> RowwiseRoute:
+        if plan.capacity != self.capacity:
+            raise ValueError(f"plan capacity {plan.capacity} != transport capacity {self.capacity}")
+        return RowwiseRoute(plan)
+
+    def send(self, route: RowwiseRoute, src_RW: torch.Tensor, src_index_N: torch.Tensor) -> torch.Tensor:
+        plan, C, W = route.plan, self.capacity, src_RW.shape[1]
+        self._check_fits(self._meta_bytes + C * W * src_RW.element_size(), "a row send")
+        slab = self._next_slab()
+        first = route.origin_C is None
+        meta = torch.arange(src_index_N.numel(), device=src_RW.device) if first else None
+        out = src_RW.new_empty(C, W)
+        self.memory.put_rows(
+            slab, self._meta_bytes, src_RW, src_index_N, plan.dst_rank_N, plan.dst_row_N,
+            local_dst=out, meta_N=meta,
+        )
+        self.memory.barrier()
+        buf = self.memory.slab(slab)
+        if first:
+            route.origin_C = buf[: C * 8].view(torch.int64).clone()
+        inbox = slab_view(buf, self._meta_bytes, src_RW.dtype, W)[:C]
+        ops.finish_receive(out, inbox, plan.row_src_C, self.rank)
+        return out
+
+    def gather_sum(
+        self, route: RowwiseRoute, rows_CD: torch.Tensor, w_N: torch.Tensor, store_rows: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        plan, me = route.plan, self.rank
+        if route.origin_C is None:
+            raise RuntimeError("gather_sum before send: the route has no row origins")
+        rows_CD = rows_CD.contiguous()
+        words = ops.as_words(rows_CD)
+        n = plan.dst_rank_N.numel()
+        self._check_fits(self.max_slots * words.shape[1] * words.element_size(), "a row return")
+        slab = self._next_slab()
+        remote_C = (plan.row_src_C != me) & (plan.row_src_C >= 0)
+        self.memory.put_rows(
+            slab, 0, words,
+            torch.arange(rows_CD.shape[0], device=rows_CD.device),
+            torch.where(remote_C, plan.row_src_C, -1),
+            route.origin_C,
+        )
+        self.memory.barrier()
+        inbox_ND = slab_view(self.memory.slab(slab), 0, rows_CD.dtype, rows_CD.shape[1])[:n]
+        local_N = plan.dst_rank_N == me
+        sel = torch.where(plan.valid_N, local_N.to(torch.int64), -1)
+        row = torch.where(local_N, plan.dst_row_N, torch.arange(n, device=sel.device))
+        return ops.topk_gather_sum(
+            inbox_ND, rows_CD, sel, row, w_N, plan.top_k, rows_CD.dtype, store_rows
+        )

@@ -1,0 +1,117 @@
+"""What a transport does, and the all-to-all reference transport.
+
+A transport moves rows for a :class:`~moe_ep_transport.plan.RoutePlan` that every
+backend computes identically; it decides nothing about the layout. Four steps:
+
+- ``exchange_counts(counts_E) -> counts_ME``: every rank learns every rank's counts.
+- ``open_route(plan) -> route``: per-call state (splits, permutations, origins).
+- ``send(route, src_RW, src_index_N) -> out_CW``: row ``src[src_index[i]]`` of slot
+  ``i`` lands at ``out[dst_row[i]]`` on ``dst_rank[i]``; padding rows are zero; a
+  fresh tensor.
+- ``gather_sum(route, rows_CD, w_N, store_rows) -> (y_TD, rows_ND | None)``: the
+  reverse trip, reduced: ``y[t] = sum_j w[t*k+j] * rows[dst_row]@dst_rank`` in FP32.
+
+Shape legend: T tokens, k top-k, N = T*k slots, M ranks, E experts, C capacity,
+W 32-bit words per row, D row width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from moe_ep_transport import ops
+from moe_ep_transport.plan import RoutePlan
+
+
+class Transport(Protocol):
+    rank: int
+    world_size: int
+
+    def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor: ...
+
+    def open_route(self, plan: RoutePlan) -> Any: ...
+
+    def send(self, route: Any, src_RW: torch.Tensor, src_index_N: torch.Tensor) -> torch.Tensor: ...
+
+    def gather_sum(
+        self, route: Any, rows_CD: torch.Tensor, w_N: torch.Tensor, store_rows: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+@dataclass
+class AllToAllRoute:
+    plan: RoutePlan
+    send_order: torch.Tensor  # slots in (destination rank, destination row) order, kept ones only
+    recv_pos: torch.Tensor  # receive row of each row as all_to_all delivers them (source-major)
+    send_splits: list[int]  # rows to each rank
+    recv_splits: list[int]  # rows from each rank
+
+
+class AllToAllTransport:
+    """Count exchange, then ``all_to_all_single`` with host-visible split sizes.
+
+    The reference backend: it runs on gloo (CPU) and NCCL alike and synchronises
+    the host once per call (``open_route`` reads the split sizes).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(counts_E) for _ in range(self.world_size)]
+        dist.all_gather(parts, counts_E.contiguous(), group=self.group)
+        return torch.stack(parts)
+
+    def open_route(self, plan: RoutePlan) -> AllToAllRoute:
+        M, E = plan.kept_ME.shape
+        L = E // M
+        me, C = self.rank, plan.capacity
+        splits = plan.kept_ME.view(M, M, L).sum(2).tolist()  # [source][destination]; host sync
+        send_splits = splits[me]
+        recv_splits = [splits[s][me] for s in range(M)]
+        key = torch.where(plan.valid_N, plan.dst_rank_N * C + plan.dst_row_N, M * C)
+        send_order = torch.argsort(key)[: sum(send_splits)]
+        # all_to_all delivers source-major: cells (s, l) in that order, each cell's rows in order.
+        kept_sl = plan.kept_ME[:, me * L : (me + 1) * L]
+        sizes = kept_sl.reshape(-1)
+        ends = sizes.cumsum(0)
+        j = torch.arange(sum(recv_splits), device=sizes.device)
+        cell = torch.searchsorted(ends, j, right=True)
+        base_sl = plan.recv_base_LM.t().reshape(-1)
+        recv_pos = base_sl.index_select(0, cell) + j - (ends - sizes).index_select(0, cell)
+        return AllToAllRoute(plan, send_order, recv_pos, send_splits, recv_splits)
+
+    def send(self, route: AllToAllRoute, src_RW: torch.Tensor, src_index_N: torch.Tensor) -> torch.Tensor:
+        payload = src_RW.index_select(0, src_index_N.index_select(0, route.send_order))
+        inbox = src_RW.new_empty(sum(route.recv_splits), src_RW.shape[1])
+        dist.all_to_all_single(
+            inbox, payload, route.recv_splits, route.send_splits, group=self.group
+        )
+        out = src_RW.new_zeros(route.plan.capacity, src_RW.shape[1])
+        return out.index_copy_(0, route.recv_pos, inbox)
+
+    def gather_sum(
+        self, route: AllToAllRoute, rows_CD: torch.Tensor, w_N: torch.Tensor, store_rows: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        plan = route.plan
+        words = ops.as_words(rows_CD)
+        payload = words.index_select(0, route.recv_pos)
+        inbox = words.new_empty(sum(route.send_splits), words.shape[1])
+        dist.all_to_all_single(
+            inbox, payload, route.send_splits, route.recv_splits, group=self.group
+        )
+        n = plan.dst_rank_N.numel()
+        back = words.new_zeros(n, words.shape[1]).index_copy_(0, route.send_order, inbox)
+        back_ND = ops.from_words(back, rows_CD.dtype)
+        sel = torch.where(plan.valid_N, 0, -1)
+        slot = torch.arange(n, device=sel.device)
+        y, _ = ops.topk_gather_sum(
+            back_ND, back_ND, sel, slot, w_N, plan.top_k, rows_CD.dtype, store_rows=False
+        )
+        return y, (back_ND if store_rows else None)
