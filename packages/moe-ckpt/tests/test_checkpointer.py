@@ -1,0 +1,179 @@
+"""Checkpointer: latest and retention, asynchronous saves, crashes (SIGKILL), errors."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moe_ckpt as mc
+from moe_ckpt import directory
+from moe_testing import run_distributed
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import _crash_child  # noqa: E402  (the crash test's saving process)
+from _crash_child import state  # noqa: E402
+
+
+def _load_state(ckpt: mc.Checkpointer, step: int | None = None) -> tuple[mc.Manifest, dict]:
+    out = {k: torch.empty_like(v) for k, v in state(0).items()}
+    return ckpt.load(out, step=step), out
+
+
+def test_latest_and_retention_keep_the_newest(tmp_path: Path):
+    config = mc.CheckpointerConfig(keep_last=2, async_save=False)
+    with mc.Checkpointer(tmp_path, config) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, state(step))
+        assert ckpt.steps() == [3, 4] and ckpt.latest_step() == 4
+        (tmp_path / ".step_0000000009.partial-abc123").mkdir()  # crash leftovers
+        (tmp_path / ".step_0000000001.deleting-abc123").mkdir()
+        (tmp_path / "step_0000000099").mkdir()  # no manifest: not a checkpoint
+        assert ckpt.steps() == [3, 4] and ckpt.latest_step() == 4
+        manifest, out = _load_state(ckpt)
+        assert manifest.step == 4 and all(torch.equal(out[k], v) for k, v in state(4).items())
+        ckpt.save(5, state(5))
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "latest", "step_0000000004", "step_0000000005", "step_0000000099"
+        ]
+        (tmp_path / "latest").unlink()  # crash between commit and pointer update
+        assert ckpt.latest_step() == 5
+        (tmp_path / "latest").write_text("step_0000000077\n")  # dangling pointer
+        assert ckpt.latest_step() == 5
+        with pytest.raises(FileExistsError):
+            ckpt.save(5, state(5))
+
+
+def test_retention_protects_the_new_and_the_latest_checkpoint(tmp_path: Path):
+    for step in (10, 20, 30):
+        mc.save(tmp_path / directory.step_dir_name(step), state(step), step=step)
+    directory.write_latest(tmp_path, tmp_path / directory.step_dir_name(10))  # rolled back to 10
+    new = tmp_path / directory.step_dir_name(15)
+    mc.save(new, state(15), step=15)
+    directory.retain(tmp_path, keep_last=1, protect=new)
+    assert sorted(directory.committed_steps(tmp_path)) == [10, 15, 30]
+
+
+def test_async_save_snapshots_before_returning(tmp_path: Path):
+    phases: list[str] = []
+    with mc.Checkpointer(tmp_path, on_phase=phases.append) as ckpt:
+        live = state(1)
+        ckpt.save(1, live, {"note": "async"})
+        for t in live.values():  # training goes on and changes the tensors
+            t.fill_(float("nan"))
+        ckpt.wait()
+        manifest, out = _load_state(ckpt)
+    assert manifest.metadata == {"note": "async"}
+    assert all(torch.equal(out[k], v) for k, v in state(1).items())
+    assert phases[0] == "planned" and phases[-3:] == ["committed", "latest_updated", "retained"]
+
+
+def test_background_error_surfaces_on_the_next_call(tmp_path: Path):
+    def fail_once(phase: str) -> None:
+        if phase == "written" and not (tmp_path / "failed").exists():
+            (tmp_path / "failed").touch()
+            raise OSError("disk on fire")
+
+    with mc.Checkpointer(tmp_path / "ck", on_phase=fail_once) as ckpt:
+        ckpt.save(1, state(1))  # returns: the failure happens in the background
+        with pytest.raises(mc.CheckpointError, match="step 1.*disk on fire"):
+            ckpt.save(2, state(2))
+        ckpt.save(2, state(2))
+        ckpt.wait()
+        assert ckpt.steps() == [2]
+    assert not any(directory.is_partial_name(p.name) for p in (tmp_path / "ck").iterdir())
+
+
+CRASH_PHASES = [
+    "planned", "created", "wrote:a", "written", "manifest_written", "committed", "latest_updated",
+]
+
+
+def test_sigkill_at_any_phase_leaves_the_previous_checkpoint(tmp_path: Path):
+    """Kill a saving process at each phase; check what resumption and retention see."""
+    base = tmp_path / "base"
+    config = mc.CheckpointerConfig(keep_last=1, async_save=False)
+    with mc.Checkpointer(base, config) as ckpt:
+        ckpt.save(1, state(1))
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])  # no effect if the forkserver already runs
+    children = {}
+    for phase in CRASH_PHASES:
+        root = tmp_path / phase.replace(":", "_")
+        shutil.copytree(base, root)
+        marker = tmp_path / f"{root.name}.reached"
+        proc = ctx.Process(target=_crash_child.run, args=(str(root), 2, phase, str(marker)))
+        proc.start()
+        children[phase] = (root, marker, proc)
+    try:
+        deadline = time.monotonic() + 120
+        for phase, (_, marker, proc) in children.items():
+            while not marker.exists():
+                assert proc.is_alive(), f"child for {phase} exited with {proc.exitcode}"
+                assert time.monotonic() < deadline, f"child never reached {phase}"
+                time.sleep(0.05)
+            proc.kill()  # SIGKILL
+            proc.join(timeout=30)
+            assert proc.exitcode == -9, phase
+    finally:
+        for _, _, proc in children.values():
+            if proc.is_alive():
+                proc.kill()
+
+    for phase, (root, _, _) in children.items():
+        committed = CRASH_PHASES.index(phase) >= CRASH_PHASES.index("committed")
+        resumed = 2 if phase == "latest_updated" else 1
+        with mc.Checkpointer(root, config) as ckpt:
+            assert ckpt.steps() == ([1, 2] if committed else [1]), phase
+            assert ckpt.latest_step() == resumed, phase
+            manifest, out = _load_state(ckpt)
+            assert manifest.step == resumed, phase
+            assert all(torch.equal(out[k], v) for k, v in state(resumed).items()), phase
+            ckpt.save(3, state(3))  # retention and cleanup after the crash
+            assert ckpt.steps() == [3] and ckpt.latest_step() == 3, phase
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000000003"], phase
+
+
+def rank_async_with_training_collectives(root: str) -> list[float]:
+    """Async saves while the default group runs all-reduces; one rank fails once."""
+    rank = dist.get_rank()
+    failed = Path(root) / "failed"
+
+    def fail_on_rank_1(phase: str) -> None:
+        if rank == 1 and phase == "written" and not failed.exists():
+            failed.touch()
+            raise OSError("rank 1 cannot write")
+
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(6, 4, generator=g)
+    local = full[rank * 3 : rank * 3 + 3].clone()
+    config = mc.CheckpointerConfig(keep_last=2)
+    sums = []
+    with mc.Checkpointer(root, config, on_phase=fail_on_rank_1) as ckpt:
+        for step in range(3):
+            ckpt.save(step, {"w": mc.Shard(local, (6, 4), (rank * 3, 0))}, {"step": step})
+            for _ in range(20):  # the training loop's own collectives, concurrent with the write
+                x = torch.ones(1000)
+                dist.all_reduce(x)
+                sums.append(float(x[0]))
+            if step == 0:
+                with pytest.raises(mc.CheckpointError, match="step 0"):
+                    ckpt.wait()
+        ckpt.wait()
+        assert ckpt.steps() == [1, 2] and ckpt.latest_step() == 2
+        whole = torch.zeros(6, 4)
+        manifest = ckpt.load({"w": whole})
+    assert torch.equal(whole, full) and manifest.step == 2 and manifest.world_size == 2
+    return sums
+
+
+def test_async_saves_do_not_block_training_collectives(tmp_path: Path):
+    sums = run_distributed(rank_async_with_training_collectives, 2, str(tmp_path), timeout=120)
+    assert sums[0] == sums[1] == [2.0] * 60
