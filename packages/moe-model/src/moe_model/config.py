@@ -2,15 +2,24 @@
 
 Every field carries a one-line comment; `validate()` raises ``ValueError`` naming
 the offending field, so a bad override fails before any tensor is allocated.
+Fields that default to ``None`` resolve through the properties at the bottom
+(``dense_hidden_width`` ...), so a saved config keeps the user's intent.
 """
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, fields
+
+ROUTER_SCORES = ("softmax", "sigmoid")
+LB_GRANULARITIES = ("microbatch", "global_batch")
+RECOMPUTE_POLICIES = ("none", "block", "selective")
+GROUPED_MM_BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 
 
 @dataclass
 class MoEConfig:
+    # --- shape
     vocab_size: int = 256  # token ids are in [0, vocab_size)
     d_model: int = 256  # residual stream width
     n_layers: int = 4  # transformer blocks
@@ -18,44 +27,93 @@ class MoEConfig:
     n_kv_heads: int = 4  # key/value heads (GQA); divides n_heads
     head_dim: int = 32  # width of one attention head
     n_experts: int = 8  # routed experts per MoE layer
-    top_k: int = 2  # experts each token is routed to
+    top_k: int = 2  # routed experts each token is sent to
     expert_hidden: int = 256  # SwiGLU hidden width of one routed expert
+    n_shared_experts: int = 0  # always-active shared experts per MoE layer, added to the routed output
+    shared_expert_hidden: int | None = None  # SwiGLU hidden width of one shared expert; None: expert_hidden
+    n_dense_layers: int = 0  # the first k blocks use a dense SwiGLU MLP instead of an MoE layer
+    dense_hidden: int | None = None  # dense blocks' SwiGLU width; None: the MoE layer's active width
+    # --- routing and balancing
+    router_score: str = "softmax"  # softmax | sigmoid: per-expert score from the router logits
+    norm_topk_weights: bool = False  # rescale the k selected scores to sum to 1 per token
+    lb_loss_coef: float = 0.01  # weight of the load-balancing loss (0 disables it)
+    lb_loss_granularity: str = "microbatch"  # microbatch | global_batch: token set the expert load f_e is counted over
+    z_loss_coef: float = 0.0  # weight of the router z-loss, logsumexp(logits)^2 per token (0 disables it)
+    bias_update_rate: float = 0.0  # aux-loss-free balancing: per-step change of the selection bias (0 disables it)
+    capacity_factor: float | None = None  # None: dropless; else each expert takes <= ceil(cf * T * k / E) rows
+    # --- attention and embeddings
+    qk_norm: bool = True  # RMSNorm over head_dim on queries and keys (Qwen3 style)
     rope_theta: float = 10000.0  # RoPE base frequency
     norm_eps: float = 1e-6  # RMSNorm epsilon
-    qk_norm: bool = True  # RMSNorm over head_dim on queries and keys (Qwen3 style)
-    lb_loss_coef: float = 0.01  # weight of the load-balancing loss
+    tie_embeddings: bool = False  # the LM head shares the input embedding's weight
+    # --- execution
+    recompute: str = "none"  # none | block (whole blocks) | selective (keep GEMM/attention outputs only)
+    grouped_mm_backend: str = "auto"  # expert GEMMs: auto | grouped_mm | triton | loop
     init_std: float = 0.02  # std of the normal init; output projections are scaled by 1/sqrt(2*n_layers)
-    grouped_mm_backend: str = "auto"  # expert GEMMs: auto | grouped_mm | loop
 
     def __post_init__(self) -> None:
         self.validate()
 
+    # ------------------------------------------------------------------ checks
     def validate(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ValueError(f"MoEConfig.{f.name} must be an int, got {value!r}")
+        self._check_types()
         positive = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                    "n_experts", "top_k", "expert_hidden"]
+                    "n_experts", "top_k", "expert_hidden", "rope_theta", "norm_eps", "init_std"]
         for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"MoEConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"MoEConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}"
+            self._require(name, getattr(self, name) > 0, "must be positive")
+        for name in ("n_shared_experts", "n_dense_layers", "lb_loss_coef", "z_loss_coef",
+                     "bias_update_rate"):
+            self._require(name, getattr(self, name) >= 0, "must be >= 0")
+        for name in ("shared_expert_hidden", "dense_hidden", "capacity_factor"):
+            value = getattr(self, name)
+            self._require(name, value is None or value > 0, "must be positive or None")
+        self._require("n_kv_heads", self.n_heads % self.n_kv_heads == 0,
+                      f"must divide n_heads={self.n_heads}")
+        self._require("head_dim", self.head_dim % 2 == 0, "must be even for RoPE")
+        self._require("top_k", self.top_k <= self.n_experts,
+                      f"must not exceed n_experts={self.n_experts}")
+        self._require("n_dense_layers", self.n_dense_layers <= self.n_layers,
+                      f"must not exceed n_layers={self.n_layers}")
+        for name, options in (("router_score", ROUTER_SCORES),
+                              ("lb_loss_granularity", LB_GRANULARITIES),
+                              ("recompute", RECOMPUTE_POLICIES),
+                              ("grouped_mm_backend", GROUPED_MM_BACKENDS)):
+            self._require(name, getattr(self, name) in options, f"must be one of {', '.join(options)}")
+
+    def _check_types(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            value, tp = getattr(self, f.name), hints[f.name]
+            allowed = typing.get_args(tp) or (tp,)
+            ok = any(
+                (a is type(None) and value is None)
+                or (a is float and isinstance(value, int | float) and not isinstance(value, bool))
+                or (a is int and isinstance(value, int) and not isinstance(value, bool))
+                or (a in (bool, str) and isinstance(value, a))
+                for a in allowed
             )
-        if self.head_dim % 2:
-            raise ValueError(f"MoEConfig.head_dim must be even for RoPE, got {self.head_dim}")
-        if self.top_k > self.n_experts:
-            raise ValueError(
-                f"MoEConfig.top_k={self.top_k} must not exceed n_experts={self.n_experts}"
-            )
-        if self.lb_loss_coef < 0:
-            raise ValueError(f"MoEConfig.lb_loss_coef must be >= 0, got {self.lb_loss_coef}")
-        if self.rope_theta <= 0:
-            raise ValueError(f"MoEConfig.rope_theta must be positive, got {self.rope_theta}")
-        if self.grouped_mm_backend not in ("auto", "grouped_mm", "loop"):
-            raise ValueError(
-                "MoEConfig.grouped_mm_backend must be one of auto, grouped_mm, loop; "
-                f"got {self.grouped_mm_backend!r}"
-            )
+            if not ok:
+                raise ValueError(f"MoEConfig.{f.name} must be {tp}, got {value!r}")
+
+    def _require(self, name: str, ok: bool, why: str) -> None:
+        if not ok:
+            raise ValueError(f"MoEConfig.{name} {why}, got {getattr(self, name)!r}")
+
+    # ------------------------------------------------------------- resolved
+    @property
+    def shared_hidden_width(self) -> int:
+        """Total hidden width of the shared experts (several ungated experts act as one)."""
+        per_expert = self.shared_expert_hidden or self.expert_hidden
+        return self.n_shared_experts * per_expert
+
+    @property
+    def dense_hidden_width(self) -> int:
+        """Width of a dense block's MLP; by default the FLOPs of an MoE layer's active MLPs."""
+        return self.dense_hidden or self.top_k * self.expert_hidden + self.shared_hidden_width
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.n_dense_layers
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers

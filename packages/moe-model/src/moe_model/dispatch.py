@@ -1,5 +1,8 @@
 """Token dispatch: the interface between routing and the expert GEMMs.
 
+Shape legend: T tokens, k top_k, S = T*k routed slots (slot ``t*k + j`` is token
+``t``'s ``j``-th choice), R dispatched rows, D d_model, E experts.
+
 A dispatcher gathers the routed (token, slot) rows into an expert-major buffer
 that a grouped GEMM consumes directly, and scatters expert outputs back. The
 interface is a structural ``Protocol``: implementations (the local dispatcher
@@ -9,18 +12,33 @@ Contract:
 - ``dispatch(x[T,D], expert_ids[T,k]) -> (rows[R,D], group_offsets[E_local] int32, handle)``:
   rows for local expert ``e`` are ``rows[group_offsets[e-1]:group_offsets[e]]``
   (``group_offsets`` are cumulative end offsets, as ``torch._grouped_mm`` takes them);
-  rows past ``group_offsets[-1]`` are padding and are ignored by ``combine``.
-  ``R`` is a static bound (no host synchronisation is needed to size it).
+  rows past ``group_offsets[-1]`` are padding, ignored by ``combine``, and their
+  gradient is zero. ``R`` is a static bound (no host synchronisation sizes it).
 - ``combine(rows_out[R,D], weights[T,k], handle) -> y[T,D]``: the top-k weighted sum
-  of each token's expert outputs, accumulated in FP32.
+  of each token's expert outputs, accumulated in FP32; dropped slots add nothing.
 - Both are differentiable; all metadata stays on the device.
+- A dispatcher that can drop rows may also satisfy ``ReportsDrops``; the MoE layer
+  then logs its drop counts.
+
+The local dispatcher's capacity policy (``capacity_factor`` set): each expert keeps
+at most ``C = ceil(capacity_factor * T * k / E)`` rows. Within an expert, slots are
+ranked by (choice rank ``j``, then a fixed bijective hash of the token index): a
+token's first choice beats anyone's second choice, and among equals the order is a
+position-independent scramble. Nothing favours low expert ids or early tokens, and
+the outcome is deterministic (activation recompute reproduces it exactly).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from moe_model.router import count_per_expert
+
+_HASH_MULTIPLIER = 2654435761  # odd, so t -> t * m mod 2^32 is a bijection (Knuth)
 
 
 @runtime_checkable
@@ -32,28 +50,145 @@ class TokenDispatcher(Protocol):
     def combine(self, rows_out: torch.Tensor, weights: torch.Tensor, handle: Any) -> torch.Tensor: ...
 
 
-class LocalDispatcher:
-    """All experts on this rank: a stable sort by expert id; dropless, R = T * k."""
+@runtime_checkable
+class ReportsDrops(Protocol):
+    def dropped_per_expert(self, handle: Any) -> torch.Tensor:
+        """[E] int64: routed slots of this dispatch that no expert processed."""
+        ...
 
-    def __init__(self, n_experts: int) -> None:
+
+@dataclass
+class LocalDispatchHandle:
+    token_of_row: torch.Tensor  # [R] int64 source token (0 for padding rows)
+    slot_of_row: torch.Tensor  # [R] int64 source slot (0 for padding rows)
+    row_of_slot: torch.Tensor  # [S] int64 row holding each slot (0 for dropped slots)
+    kept_of_slot: torch.Tensor | None  # [S] float32 1 = processed, 0 = dropped; None: dropless
+    valid_rows: torch.Tensor | None  # [R] bool, False for padding; None: no padding
+    dropped_per_expert: torch.Tensor  # [E] int64
+    n_tokens: int  # T
+
+
+class _Gather(torch.autograd.Function):
+    """``rows[r] = x[token_of_row[r]]`` (padding rows zero). The backward sums each
+    token's ``k`` row gradients by gathering them, without atomics, so it is
+    deterministic (an ``index_select`` backward would scatter-add)."""
+
+    @staticmethod
+    def forward(ctx: Any, x_TD: torch.Tensor, h: LocalDispatchHandle) -> torch.Tensor:
+        ctx.handle = h
+        rows_RD = x_TD.index_select(0, h.token_of_row)
+        if h.valid_rows is not None:
+            rows_RD = torch.where(h.valid_rows[:, None], rows_RD, 0)
+        return rows_RD
+
+    @staticmethod
+    def backward(ctx: Any, d_rows_RD: torch.Tensor) -> tuple[torch.Tensor, None]:
+        h: LocalDispatchHandle = ctx.handle
+        d_slots = d_rows_RD.index_select(0, h.row_of_slot).view(h.n_tokens, -1, d_rows_RD.shape[1])
+        if h.kept_of_slot is not None:
+            d_slots = d_slots * h.kept_of_slot.view(h.n_tokens, -1, 1).to(d_slots.dtype)
+        return d_slots.sum(1), None
+
+
+class _Combine(torch.autograd.Function):
+    """``y[t] = sum_j w[t,j] * rows_out[row_of_slot[t,j]]`` in FP32; saves only ``rows_out``."""
+
+    @staticmethod
+    def forward(ctx: Any, rows_out_RD: torch.Tensor, weights_Tk: torch.Tensor,
+                h: LocalDispatchHandle) -> torch.Tensor:
+        T, k = weights_Tk.shape
+        w_S = weights_Tk.reshape(-1).float()
+        if h.kept_of_slot is not None:
+            w_S = w_S * h.kept_of_slot
+        g_TkD = rows_out_RD.index_select(0, h.row_of_slot).view(T, k, -1)
+        y_TD = torch.bmm(w_S.view(T, 1, k), g_TkD.float()).view(T, -1)
+        ctx.save_for_backward(rows_out_RD, w_S)
+        ctx.handle, ctx.weights_dtype = h, weights_Tk.dtype
+        return y_TD.to(rows_out_RD.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dy_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        rows_out_RD, w_S = ctx.saved_tensors
+        h: LocalDispatchHandle = ctx.handle
+        T, D = dy_TD.shape
+        k = w_S.shape[0] // T
+        dy32_TD = dy_TD.float()
+        d_rows = dy32_TD.index_select(0, h.token_of_row) * w_S.index_select(0, h.slot_of_row)[:, None]
+        if h.valid_rows is not None:
+            d_rows = torch.where(h.valid_rows[:, None], d_rows, 0.0)
+        g_TkD = rows_out_RD.index_select(0, h.row_of_slot).view(T, k, D)
+        d_w_Tk = torch.bmm(g_TkD.float(), dy32_TD.unsqueeze(-1)).view(T, k)
+        if h.kept_of_slot is not None:
+            d_w_Tk = d_w_Tk * h.kept_of_slot.view(T, k)
+        return d_rows.to(rows_out_RD.dtype), d_w_Tk.to(ctx.weights_dtype), None
+
+
+class LocalDispatcher:
+    """All experts on this rank: sort slots expert-major; dropless unless a capacity is set.
+
+    Dropless: ``R = T*k``, no padding. With ``capacity_factor``: ``R = min(T*k, E*C)``
+    and the kept rows are packed at the front (see the module docstring for the policy).
+    """
+
+    def __init__(self, n_experts: int, capacity_factor: float | None = None) -> None:
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be positive or None, got {capacity_factor}")
         self.n_experts = n_experts
+        self.capacity_factor = capacity_factor
+
+    def capacity(self, n_slots: int) -> int:
+        """Rows each expert may take for ``n_slots`` routed slots (``n_slots`` if dropless)."""
+        if self.capacity_factor is None:
+            return n_slots
+        return max(1, math.ceil(self.capacity_factor * n_slots / self.n_experts))
 
     def dispatch(
-        self, x: torch.Tensor, expert_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        T, k = expert_ids.shape
-        flat = expert_ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # slot index, expert-major
-        token_of_row = order // k
-        rows = x.index_select(0, token_of_row)
-        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))
-        group_offsets = counts.cumsum(0).to(torch.int32)
-        return rows, group_offsets, (order, token_of_row, T)
+        self, x_TD: torch.Tensor, expert_ids_Tk: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchHandle]:
+        T, k = expert_ids_Tk.shape
+        S, E, dev = T * k, self.n_experts, x_TD.device
+        e_S = expert_ids_Tk.reshape(-1)
+        counts_E = count_per_expert(e_S, E)
+        slots_S = torch.arange(S, device=dev)
+        if self.capacity_factor is None:
+            order_R = torch.argsort(e_S, stable=True)  # row r holds slot order_R[r]
+            row_of_slot = torch.empty_like(order_R).scatter_(0, order_R, slots_S)
+            handle = LocalDispatchHandle(
+                token_of_row=order_R // k, slot_of_row=order_R, row_of_slot=row_of_slot,
+                kept_of_slot=None, valid_rows=None, dropped_per_expert=torch.zeros_like(counts_E),
+                n_tokens=T,
+            )
+            return _Gather.apply(x_TD, handle), counts_E.cumsum(0).to(torch.int32), handle
 
-    def combine(self, rows_out: torch.Tensor, weights: torch.Tensor, handle: Any) -> torch.Tensor:
-        order, token_of_row, T = handle
-        w_R = weights.reshape(-1).index_select(0, order).float()
-        y = torch.zeros(T, rows_out.shape[-1], dtype=torch.float32, device=rows_out.device)
-        y = y.index_add(0, token_of_row, rows_out.float() * w_R[:, None])
-        return y.to(rows_out.dtype)
+        C = self.capacity(S)
+        R = min(S, E * C)
+        token_S = slots_S // k
+        scramble_S = (token_S * _HASH_MULTIPLIER) & 0xFFFFFFFF
+        key_S = ((e_S * k + slots_S % k) << 32) | scramble_S
+        order = torch.argsort(key_S)  # keys are unique: expert-major, then priority
+        e_sorted = e_S.index_select(0, order)
+        first_of_expert_E = counts_E.cumsum(0) - counts_E
+        rank = torch.arange(S, device=dev) - first_of_expert_E.index_select(0, e_sorted)
+        kept_E = counts_E.clamp(max=C)
+        group_offsets = kept_E.cumsum(0)
+        keep = rank < C
+        dest = torch.where(keep, group_offsets.index_select(0, e_sorted) - kept_E.index_select(0, e_sorted) + rank, R)
+        slot_of_row = torch.zeros(R + 1, dtype=torch.int64, device=dev).scatter_(0, dest, order)[:R]
+        row_of_slot = torch.zeros(S, dtype=torch.int64, device=dev).scatter_(
+            0, order, torch.where(keep, dest, 0))
+        kept_of_slot = torch.zeros(S, dtype=torch.float32, device=dev).scatter_(0, order, keep.float())
+        valid_rows = torch.arange(R, device=dev) < group_offsets[-1]
+        handle = LocalDispatchHandle(
+            token_of_row=slot_of_row // k, slot_of_row=slot_of_row, row_of_slot=row_of_slot,
+            kept_of_slot=kept_of_slot, valid_rows=valid_rows, dropped_per_expert=counts_E - kept_E,
+            n_tokens=T,
+        )
+        return _Gather.apply(x_TD, handle), group_offsets.to(torch.int32), handle
+
+    def combine(
+        self, rows_out_RD: torch.Tensor, weights_Tk: torch.Tensor, handle: LocalDispatchHandle
+    ) -> torch.Tensor:
+        return _Combine.apply(rows_out_RD, weights_Tk, handle)
+
+    def dropped_per_expert(self, handle: LocalDispatchHandle) -> torch.Tensor:
+        return handle.dropped_per_expert

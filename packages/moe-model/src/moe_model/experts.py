@@ -1,6 +1,7 @@
 """Routed experts: SwiGLU weights stacked per expert, run as grouped GEMMs.
 
-Shape legend: E local experts, D d_model, F expert hidden, R dispatched rows.
+Shape legend: E local experts, D d_model, F expert hidden, R dispatched rows,
+K/N a GEMM's reduction/output width.
 Weights follow ``nn.Linear``'s [out, in] convention per expert:
 ``w1_EFD`` (gate), ``w3_EFD`` (up), ``w2_EDF`` (down).
 
@@ -8,55 +9,91 @@ The module may hold a contiguous range of the model's experts
 (``expert_start``, ``n_local``): expert parallelism narrows it, and the
 initialiser uses ``expert_start`` so every expert gets the same values whatever
 range a rank holds.
+
+Grouped GEMM backends (``grouped_mm(..., backend=)``), all reading device-side offsets:
+- ``grouped_mm``: ``torch._grouped_mm`` (CUTLASS on sm_90+; needs 16-byte aligned strides).
+- ``triton``: this package's Triton kernels (``moe_model.triton_grouped_mm``).
+- ``loop``: one matmul per expert; the reference. It reads the offsets on the host
+  (a synchronisation), so it is never chosen automatically on a GPU.
+- ``auto``: the fastest safe one for the device and dtype (see ``resolve_backend``).
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 
-def _grouped_mm_loop(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Reference: one matmul per expert. Reads the offsets on the host (synchronises)."""
-    ends = offsets.tolist()
-    out = x_RK.new_zeros(x_RK.shape[0], w_EKN.shape[-1])
-    start = 0
-    for e, end in enumerate(ends):
-        if end > start:
-            out[start:end] = x_RK[start:end] @ w_EKN[e]
-        start = end
-    return out
+
+def grouped_mm_loop(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Reference: one matmul per expert; rows past ``offsets[-1]`` come out zero."""
+    bounds = [0, *offsets.tolist()]
+    parts = [x_RK[bounds[e]:bounds[e + 1]] @ w_EKN[e] for e in range(w_EKN.shape[0])]
+    parts.append(x_RK.new_zeros(x_RK.shape[0] - bounds[-1], w_EKN.shape[-1]))
+    return torch.cat(parts)
 
 
 def _fits_grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor) -> bool:
-    """``torch._grouped_mm`` needs every stride a multiple of 16 bytes."""
+    """``torch._grouped_mm`` needs every row stride a multiple of 16 bytes, and on CUDA bf16 on sm_90+."""
     size = x_RK.element_size()
-    return (x_RK.shape[-1] * size) % 16 == 0 and (w_EKN.shape[-1] * size) % 16 == 0
+    aligned = (x_RK.shape[-1] * size) % 16 == 0 and (w_EKN.shape[-1] * size) % 16 == 0
+    if x_RK.device.type == "cuda":
+        return aligned and x_RK.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x_RK.device) >= (9, 0)
+    return aligned
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(backend: str, x_RK: torch.Tensor, w_EKN: torch.Tensor) -> str:
+    """The concrete backend ``auto`` stands for on these tensors.
+
+    On a GPU: Triton for 2-byte floats when it is installed (it measured faster
+    than ``torch._grouped_mm`` on H200 MoE shapes; see tools/bench_moe_layer.py),
+    else ``torch._grouped_mm`` where it applies, else Triton, else the loop. On a
+    CPU: ``torch._grouped_mm`` where its stride rule holds, else the loop.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown grouped GEMM backend {backend!r}; expected one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    if x_RK.device.type == "cuda":
+        if _triton_available() and x_RK.element_size() == 2:
+            return "triton"
+        if _fits_grouped_mm(x_RK, w_EKN):
+            return "grouped_mm"
+        return "triton" if _triton_available() else "loop"
+    return "grouped_mm" if _fits_grouped_mm(x_RK, w_EKN) else "loop"
 
 
 def grouped_mm(
     x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets: torch.Tensor, backend: str = "auto"
 ) -> torch.Tensor:
-    """``out[r] = x[r] @ w[e(r)]`` with expert segments given by cumulative ``offsets``.
+    """``out[r] = x[r] @ w[e(r)]`` with expert segments given by cumulative int32 ``offsets``.
 
-    ``auto`` uses ``torch._grouped_mm`` when the shapes meet its 16-byte stride rule
-    (always true for real model widths) and the per-expert loop otherwise.
+    Differentiable in ``x`` and ``w``. Rows past ``offsets[-1]`` (padding) are
+    unspecified in the output and must be ignored by the caller.
     """
-    if backend == "auto":
-        backend = "grouped_mm" if _fits_grouped_mm(x_RK, w_EKN) else "loop"
-    if backend == "loop":
-        return _grouped_mm_loop(x_RK, w_EKN, offsets)
+    backend = resolve_backend(backend, x_RK, w_EKN)
     if backend == "grouped_mm":
         return torch._grouped_mm(x_RK, w_EKN, offs=offsets)
-    raise ValueError(f"unknown grouped GEMM backend {backend!r}")
+    if backend == "triton":
+        from moe_model.triton_grouped_mm import triton_grouped_mm
+
+        return triton_grouped_mm(x_RK, w_EKN, offsets)
+    return grouped_mm_loop(x_RK, w_EKN, offsets)
 
 
 class GroupedExperts(nn.Module):
-    def __init__(
-        self, n_experts: int, d_model: int, hidden: int, backend: str = "auto"
-    ) -> None:
+    def __init__(self, n_experts: int, d_model: int, hidden: int, backend: str = "auto") -> None:
         super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown grouped GEMM backend {backend!r}; expected one of {BACKENDS}")
         self.n_experts_total = n_experts
         self.expert_start = 0
         self.n_local = n_experts
@@ -82,6 +119,7 @@ class GroupedExperts(nn.Module):
         self.n_local = count
 
     def forward(self, rows_RD: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of each row with its expert's weights; computed in ``rows_RD.dtype``."""
         dtype = rows_RD.dtype
         w1, w3, w2 = (w.to(dtype).transpose(-2, -1) for w in (self.w1, self.w3, self.w2))
         h_RF = F.silu(grouped_mm(rows_RD, w1, group_offsets, self.backend)) * grouped_mm(

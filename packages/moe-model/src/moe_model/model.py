@@ -1,10 +1,16 @@
 """The MoE transformer.
 
 Structure (names are stable whatever parallelism is applied later):
-``embed`` -> ``blocks["0".."L-1"]`` (attention + MoE) -> ``norm`` -> ``head``.
-A pipeline stage is this same module with some blocks removed and ``embed`` or
-``norm``/``head`` set to ``None``: ``forward`` then takes or returns hidden states
-instead of tokens or logits. The model itself holds no parallelism.
+``embed`` -> ``blocks["0".."L-1"]`` (attention + MLP) -> ``norm`` -> ``head``.
+Each block's MLP is an ``MoELayer``, except the first ``n_dense_layers`` blocks,
+which hold a dense ``SwiGLU``. A pipeline stage is this same module with some
+blocks removed and ``embed`` or ``norm``/``head`` set to ``None`` (see
+``moe_model.partition``): ``forward`` then takes or returns hidden states instead
+of tokens or logits. The model itself holds no parallelism.
+
+With ``tie_embeddings`` the head's weight *is* the embedding's parameter; its one
+logical name is ``embed.weight`` (a pipeline's last stage that holds only the
+head shares it under ``head.weight`` and must keep the two copies in sync).
 """
 
 from __future__ import annotations
@@ -15,21 +21,30 @@ import torch
 from torch import nn
 
 from moe_model.config import MoEConfig
-from moe_model.layers import Attention, RMSNorm
-from moe_model.moe import MoELayer
+from moe_model.layers import Attention, RMSNorm, SwiGLU
+from moe_model.moe import CountReducer, MoELayer
+from moe_model.recompute import recompute_block
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: MoEConfig) -> None:
+    def __init__(self, cfg: MoEConfig, moe: bool = True) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MoELayer(cfg)
+        self.mlp: MoELayer | SwiGLU = (
+            MoELayer(cfg) if moe else SwiGLU(cfg.d_model, cfg.dense_hidden_width)
+        )
+        self.recompute = cfg.recompute
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "none" or not torch.is_grad_enabled():
+            return self._forward(x_BSD)
+        return recompute_block(self._forward, x_BSD, selective=self.recompute == "selective")
+
+    def _forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
+        return x_BSD + self.mlp(self.mlp_norm(x_BSD))
 
 
 class MoETransformer(nn.Module):
@@ -37,13 +52,22 @@ class MoETransformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.blocks = nn.ModuleDict(
+            {str(i): Block(cfg, moe=cfg.is_moe_layer(i)) for i in range(cfg.n_layers)}
+        )
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens [B,S] (or hidden [B,S,D] without ``embed``) -> logits [B,S,V] (or hidden)."""
-        h = self.embed(x) if self.embed is not None else x
+        if self.embed is not None:
+            if x.dim() != 2 or x.is_floating_point():
+                raise ValueError(f"tokens must be an integer [B, S] tensor, got {x.dtype} {tuple(x.shape)}")
+            h = self.embed(x)
+        else:
+            h = x
         for block in self.blocks.values():
             h = block(h)
         if self.norm is not None:
@@ -63,3 +87,10 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     for module in model.modules():
         if isinstance(module, MoELayer):
             module.aux_loss_scale = scale
+
+
+def set_count_reducer(model: nn.Module, reducer: CountReducer | None) -> None:
+    """Install the data-parallel count reduction used by ``global_batch`` load balancing."""
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.count_reducer = reducer

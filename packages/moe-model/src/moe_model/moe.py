@@ -1,29 +1,53 @@
-"""The MoE feed-forward layer: route, dispatch, grouped experts, combine.
+"""The MoE feed-forward layer: route, dispatch, grouped experts, combine (+ shared experts).
+
+Shape legend: B batch, S sequence, T = B*S tokens, D d_model, E experts, k top_k.
 
 Auxiliary losses do not travel with the activations. ``attach_aux_loss`` returns
 its input unchanged and, in backward, feeds ``aux_loss_scale`` as the gradient of
 the auxiliary loss. The losses therefore reach the router on every pipeline stage
 without being passed between stages, and the caller controls their weight with
 the same divisor it uses for the token loss (the loss is a token *sum*; the
-trainer divides by the global token count, so no term depends on how the batch is
-split into microbatches or ranks).
+trainer divides by the global token count, ``set_aux_loss_scale(model, 1/N)``).
 
-Per-step statistics (tokens per expert, loss values) are accumulated detached on
-the device for logging and for bias-based balancing; ``pop_step_stats`` reads and
-resets them once per optimizer step.
+Load-balancing granularity (what the expert load ``f_e`` is counted over):
+- ``microbatch``: this rank's current microbatch.
+- ``global_batch``: the optimizer step's tokens seen so far on all data-parallel
+  ranks. The layer keeps a running sum of the step's counts, reduced over the
+  data-parallel group by ``count_reducer`` (a callable the trainer injects, e.g.
+  an all-reduce over its DP group; without one, this rank's step is the "global"
+  batch). With one microbatch per step, ``f`` is exactly the global batch's load.
+  With gradient accumulation, microbatch ``m`` uses the counts of microbatches
+  ``1..m`` (the gradient of microbatch ``m`` exists before later microbatches are
+  routed, so the full step's load cannot be used); the last microbatch sees the
+  whole global batch. ``pop_step_stats()`` marks the step boundary and resets the
+  running sum, so the trainer must call it once per optimizer step. The reducer is
+  called once per MoE layer per forward (never in a recomputed forward), so all
+  ranks of the DP group must run the same number of MoE forwards per step.
+
+Per-step statistics (device tensors, detached) are accumulated for logging and
+bias balancing; ``pop_step_stats`` returns and resets them:
+``tokens_per_expert`` [E] routed slots, ``dropped_per_expert`` [E] slots the
+dispatcher dropped (capacity), ``lb_loss_sum`` / ``z_loss_sum`` the unweighted
+token-sum losses, ``n_tokens`` the tokens routed (so per-token means are
+``lb_loss_sum / n_tokens``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from moe_model.config import MoEConfig
-from moe_model.dispatch import LocalDispatcher, TokenDispatcher
+from moe_model.dispatch import LocalDispatcher, ReportsDrops, TokenDispatcher
 from moe_model.experts import GroupedExperts
-from moe_model.router import TopKRouter
+from moe_model.layers import SwiGLU
+from moe_model.recompute import is_recomputing
+from moe_model.router import TopKRouter, load_balancing_loss
+
+CountReducer = Callable[[torch.Tensor], torch.Tensor]  # [E] counts -> [E] summed over the DP group
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -44,41 +68,84 @@ def attach_aux_loss(x: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> to
     return _AttachAuxLoss.apply(x, aux_loss, scale)
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the expert GEMMs run in: autocast's if active, else the input's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
-        self.lb_coef = cfg.lb_loss_coef
+        self.lb_coef, self.z_coef = cfg.lb_loss_coef, cfg.z_loss_coef
+        self.lb_granularity = cfg.lb_loss_granularity
         self.router = TopKRouter(cfg)
         self.experts = GroupedExperts(cfg.n_experts, cfg.d_model, cfg.expert_hidden,
                                       cfg.grouped_mm_backend)
-        self.dispatcher: TokenDispatcher = LocalDispatcher(cfg.n_experts)
+        self.shared = SwiGLU(cfg.d_model, cfg.shared_hidden_width) if cfg.n_shared_experts else None
+        self.dispatcher: TokenDispatcher = LocalDispatcher(cfg.n_experts, cfg.capacity_factor)
         self.aux_loss_scale = 1.0  # set by the trainer: 1 / (tokens in the global batch)
+        self.count_reducer: CountReducer | None = None  # set by the trainer for global_batch balancing
         self._stats: dict[str, torch.Tensor] = {}
+        self._step_counts: torch.Tensor | None = None  # running global-batch counts of this step
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         routing = self.router(x_TD)
-        rows, offsets, handle = self.dispatcher.dispatch(x_TD, routing.expert_ids)
+        rows, offsets, handle = self.dispatcher.dispatch(
+            x_TD.to(_compute_dtype(x_TD)), routing.expert_ids)
         rows_out = self.experts(rows, offsets)
         y_TD = self.dispatcher.combine(rows_out, routing.weights, handle)
-        aux = self.lb_coef * routing.lb_loss
-        if self.training and aux.requires_grad:
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
+        lb = load_balancing_loss(routing.probs, self._balance_counts(routing.tokens_per_expert))
+        if self.training and (self.lb_coef or self.z_coef):
+            aux = self.lb_coef * lb + self.z_coef * routing.z_loss
             y_TD = attach_aux_loss(y_TD, aux, self.aux_loss_scale)
-        self._accumulate(routing.tokens_per_expert, aux.detach(), B * S)
+        if not is_recomputing():
+            dropped = (self.dispatcher.dropped_per_expert(handle)
+                       if isinstance(self.dispatcher, ReportsDrops) else None)
+            self._record(routing.tokens_per_expert, dropped, lb, routing.z_loss, B * S)
         return y_TD.view(B, S, D)
 
-    def _accumulate(self, counts: torch.Tensor, lb: torch.Tensor, n_tokens: int) -> None:
+    def _balance_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """The counts ``f_e`` is taken from (see the module docstring)."""
+        if self.lb_granularity == "microbatch" or is_recomputing():
+            return counts_E  # a recomputed forward's value is unused (see router._BalanceLoss)
+        reduced = self.count_reducer(counts_E.clone()) if self.count_reducer else counts_E
+        self._step_counts = reduced if self._step_counts is None else self._step_counts + reduced
+        return self._step_counts
+
+    def _record(self, counts: torch.Tensor, dropped: torch.Tensor | None, lb: torch.Tensor,
+                z: torch.Tensor, n_tokens: int) -> None:
         if not self._stats:
+            zero = torch.zeros((), dtype=torch.float32, device=counts.device)
             self._stats = {
                 "tokens_per_expert": torch.zeros_like(counts),
-                "lb_loss_sum": torch.zeros((), dtype=torch.float32, device=counts.device),
+                "dropped_per_expert": torch.zeros_like(counts),
+                "lb_loss_sum": zero.clone(),
+                "z_loss_sum": zero.clone(),
+                "n_tokens": torch.zeros((), dtype=torch.int64, device=counts.device),
             }
-        self._stats["tokens_per_expert"] += counts
-        self._stats["lb_loss_sum"] += lb
+        s = self._stats
+        s["tokens_per_expert"] += counts
+        if dropped is not None:
+            s["dropped_per_expert"] += dropped
+        s["lb_loss_sum"] += lb.detach()
+        s["z_loss_sum"] += z.detach()
+        s["n_tokens"] += n_tokens
 
     def pop_step_stats(self) -> dict[str, torch.Tensor]:
-        """Statistics accumulated since the last call (device tensors), then reset."""
-        stats, self._stats = self._stats, {}
+        """Statistics accumulated since the last call (device tensors), then reset.
+
+        Call once per optimizer step: it also ends the step for global-batch balancing.
+        """
+        stats, self._stats, self._step_counts = self._stats, {}, None
         return stats
+
+    def update_bias(self, counts_E: torch.Tensor) -> None:
+        """Aux-loss-free balancing, once per optimizer step; see ``TopKRouter.update_bias``."""
+        self.router.update_bias(counts_E)

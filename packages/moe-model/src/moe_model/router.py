@@ -1,13 +1,24 @@
-"""Top-k token router, computed in FP32.
+"""Top-k token router and its balancing terms, computed in FP32.
 
 Shape legend: T tokens, D d_model, E experts (all, not local), k top_k.
-Everything the router returns stays on the device: counting uses
-``scatter_add_`` rather than ``bincount`` (which synchronises with the host).
+
+- Scores: ``softmax`` over the router logits, or an independent ``sigmoid`` per
+  expert (DeepSeek-V3 style). The balancing loss uses the scores normalised per
+  token (identical to the softmax scores in the softmax case).
+- Selection: top-k of ``score + expert_bias``. The bias (aux-loss-free balancing)
+  only changes *which* experts are chosen, never the combine weights; it is a
+  buffer moved by ``update_bias`` once per optimizer step, not by the optimizer.
+- Loss terms are tensors in token-*sum* form (the caller divides by the global
+  token count, like the LM loss), so their gradients do not depend on how the
+  batch is split into microbatches or ranks.
+- Counting uses ``scatter_add_`` rather than ``bincount`` (which synchronises with
+  the host), so nothing here waits for the device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,10 +28,11 @@ from moe_model.config import MoEConfig
 
 @dataclass
 class RoutingResult:
-    expert_ids: torch.Tensor  # [T, k] int64, global expert ids
-    weights: torch.Tensor  # [T, k] float32, combine weights
-    tokens_per_expert: torch.Tensor  # [E] int64, routed (token, slot) pairs per expert
-    lb_loss: torch.Tensor  # scalar float32, load-balancing loss summed over tokens (see MoELayer)
+    expert_ids: torch.Tensor  # [T, k] int64 global expert ids, best first
+    weights: torch.Tensor  # [T, k] float32 combine weights (differentiable)
+    tokens_per_expert: torch.Tensor  # [E] int64 routed (token, slot) pairs per expert
+    probs: torch.Tensor  # [T, E] float32 per-token score distribution for the balancing loss
+    z_loss: torch.Tensor  # scalar float32: sum over tokens of logsumexp(logits)^2
 
 
 def count_per_expert(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -30,21 +42,88 @@ def count_per_expert(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
+class _BalanceLoss(torch.autograd.Function):
+    """``E * sum_e f_e * sum_t p_te`` with the load ``f`` a constant.
+
+    ``f`` is kept on ``ctx`` rather than saved for backward: under activation
+    recompute the forward runs again (without re-counting over the data-parallel
+    group), and the backward must still use the load of the original forward.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, probs_TE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        f_E = counts_E.float() / counts_E.sum().clamp_min(1).float()
+        ctx.w_E = probs_TE.shape[1] * f_E
+        ctx.n_tokens = probs_TE.shape[0]
+        return (probs_TE.sum(0) * ctx.w_E).sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return (grad * ctx.w_E).expand(ctx.n_tokens, -1), None
+
+
+def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Switch-style balancing loss in token-sum form.
+
+    ``E * sum_e f_e * sum_t p_te`` with ``f_e = counts_e / sum(counts)``, the share of
+    routed slots expert ``e`` received over the token set ``counts`` were taken
+    from (this microbatch, or more; see ``MoELayer``). Per token it is 1 when the
+    load is uniform; gradients flow through ``probs`` only.
+    """
+    return _BalanceLoss.apply(probs_TE, counts_E)
+
+
+def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """ST-MoE z-loss in token-sum form: ``sum_t logsumexp(logits_t)^2``."""
+    return logits_TE.logsumexp(dim=-1).square().sum()
+
+
 class TopKRouter(nn.Module):
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.score, self.norm_topk = cfg.router_score, cfg.norm_topk_weights
+        self.bias_update_rate = cfg.bias_update_rate
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model))
+        self.expert_bias: torch.Tensor | None
+        if cfg.bias_update_rate > 0:
+            self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
 
     def forward(self, x_TD: torch.Tensor) -> RoutingResult:
-        logits_TE = x_TD.float() @ self.weight.float().t()
-        probs_TE = logits_TE.softmax(dim=-1)
-        weights_Tk, expert_ids_Tk = probs_TE.topk(self.top_k, dim=-1)
-        counts_E = count_per_expert(expert_ids_Tk, self.n_experts)
-        # Switch-style balance term, in token-sum form so that the caller scales it
-        # with the same divisor as the token loss: sum_t sum_e f_e * p_te * E, with
-        # f_e the fraction of this microbatch's routed slots that went to expert e.
-        T = x_TD.shape[0]
-        f_E = counts_E.float() / (T * self.top_k)
-        lb_loss = self.n_experts * (f_E * probs_TE.sum(0)).sum()
-        return RoutingResult(expert_ids_Tk, weights_Tk, counts_E, lb_loss)
+        with torch.autocast(x_TD.device.type, enabled=False):
+            logits_TE = x_TD.float() @ self.weight.float().t()
+        if self.score == "softmax":
+            scores_TE = probs_TE = logits_TE.softmax(dim=-1)
+        else:
+            scores_TE = logits_TE.sigmoid()
+            probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+        if self.expert_bias is None:
+            weights_Tk, ids_Tk = scores_TE.topk(self.top_k, dim=-1)
+        else:
+            ids_Tk = (scores_TE.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
+            weights_Tk = scores_TE.gather(1, ids_Tk)
+        if self.norm_topk:
+            weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
+        return RoutingResult(
+            expert_ids=ids_Tk,
+            weights=weights_Tk,
+            tokens_per_expert=count_per_expert(ids_Tk, self.n_experts),
+            probs=probs_TE,
+            z_loss=router_z_loss(logits_TE),
+        )
+
+    @torch.no_grad()
+    def update_bias(self, counts_E: torch.Tensor) -> None:
+        """Aux-loss-free balancing step: raise under-loaded experts' bias, lower over-loaded.
+
+        ``counts_E``: the optimizer step's routed slots per expert, accumulated over
+        all microbatches and summed over the data-parallel group. Only the sign of
+        each expert's deviation from the mean is used, so the step is independent of
+        the microbatch count, DP size and PP stage count. A no-op when disabled.
+        """
+        if self.expert_bias is None:
+            return
+        load_E = counts_E.to(self.expert_bias.device, torch.float32)
+        self.expert_bias += self.bias_update_rate * torch.sign(load_E.mean() - load_E)

@@ -1,0 +1,138 @@
+"""Triton kernels of the grouped GEMM (imported lazily by ``moe_model.triton_grouped_mm``,
+whose docstring describes them). Importing this module requires Triton."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def group_of_tile(offs_ptr, E, tile, tiles_n, BM: tl.constexpr, E_BLOCK: tl.constexpr):
+    """(group, first tile of the group, group row start, group row end) of ``tile``."""
+    idx = tl.arange(0, E_BLOCK)
+    ends = tl.load(offs_ptr + idx, mask=idx < E, other=0)
+    starts = tl.load(offs_ptr + idx - 1, mask=(idx > 0) & (idx < E), other=0)
+    tiles = tl.where(idx < E, tl.cdiv(ends - starts, BM) * tiles_n, 0)
+    cum = tl.cumsum(tiles, axis=0)
+    g = tl.sum((cum <= tile).to(tl.int32), axis=0)
+    base = tl.max(tl.where(cum <= tile, cum, 0), axis=0)
+    g_start = tl.sum(tl.where(idx == g, starts, 0), axis=0)
+    g_end = tl.sum(tl.where(idx == g, ends, 0), axis=0)
+    return g, base, g_start, g_end, tl.sum(tiles, axis=0)
+
+
+@triton.jit
+def swizzle(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    width = GROUP_M * tiles_n
+    first_m = (local // width) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (local % width) % size_m, (local % width) // size_m
+
+
+@triton.jit
+def rows_kernel(
+    x, w, y_ptr, offs_ptr,
+    R, N, K, E, num_progs,
+    stride_xr, stride_we, stride_wk, stride_wn, stride_yr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    E_BLOCK: tl.constexpr, W_K_CONTIGUOUS: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``y[r] = x[r] @ w[g(r)]``. With ``USE_TMA``, ``x`` is a tensor descriptor of
+    ``[R, K]`` and ``w`` one of the 2-D weight view (``[E*N, K]`` if K is contiguous,
+    else ``[E*K, N]``), and ``K % BK == 0``; otherwise both are pointers.
+
+    One flat loop runs over (tile, k-step) pairs of this program's tiles, so the
+    software pipeline keeps loading across tile boundaries (the next tile's first
+    K blocks arrive while the current tile finishes) instead of draining per tile.
+    """
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    _, _, _, _, total = group_of_tile(offs_ptr, E, 0, tiles_n, BM, E_BLOCK)
+    my_tiles = tl.where(pid < total, tl.cdiv(total - pid, num_progs), 0)
+    rm = tl.arange(0, BM)
+    rn = tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    tile = pid - num_progs
+    ki = -1
+    g = 0
+    g_end = 0
+    row0 = 0
+    pid_n = 0
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for _ in range(0, my_tiles * k_tiles):
+        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
+        if ki == 0:
+            tile += num_progs
+            g, base, g_start, g_end, _ = group_of_tile(offs_ptr, E, tile, tiles_n, BM, E_BLOCK)
+            pid_m, pid_n = swizzle(tile - base, tl.cdiv(g_end - g_start, BM), tiles_n, GROUP_M)
+            row0 = g_start + pid_m * BM
+        # Rows past the group end belong to the next group (TMA zero-fills past R;
+        # pointers clamp to the last row): computed, never stored. Columns past N
+        # are wrapped (pointers) or zero-filled / the next expert's (TMA), never stored.
+        if USE_TMA:
+            a = x.load([row0, ki * BK])
+            if W_K_CONTIGUOUS:
+                b = tl.trans(w.load([g * N + pid_n * BN, ki * BK]))
+            else:
+                b = w.load([g * K + ki * BK, pid_n * BN])
+        else:
+            a_rows = tl.minimum(rm, R - 1 - row0)
+            cols = (pid_n * BN + rn) % N
+            a_ptrs = x + row0.to(tl.int64) * stride_xr + a_rows[:, None] * stride_xr + (ki * BK + rk)[None, :]
+            w_base = w + g.to(tl.int64) * stride_we
+            if W_K_CONTIGUOUS:
+                b_ptrs = w_base + (ki * BK + rk)[:, None] + cols[None, :] * stride_wn
+            else:
+                b_ptrs = w_base + (ki * BK + rk)[:, None] * stride_wk + cols[None, :]
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = rk < K - ki * BK
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if ki == k_tiles - 1:
+            out_cols = pid_n * BN + rn
+            y_ptrs = y_ptr + row0.to(tl.int64) * stride_yr + rm[:, None] * stride_yr + out_cols[None, :]
+            mask = ((row0 + rm)[:, None] < g_end) & (out_cols[None, :] < N)
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+
+
+@triton.jit
+def wgrad_kernel(
+    a_ptr, b_ptr, c_ptr, offs_ptr,
+    M, N, E,
+    stride_ar, stride_br, stride_ce, stride_cm, stride_cn,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    pid = tl.program_id(0)
+    g = pid // (tiles_m * tiles_n)
+    pid_m, pid_n = swizzle(pid % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
+    g_end = tl.load(offs_ptr + g)
+    g_start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    rm = tl.arange(0, BM)
+    rn = tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    cols_m = (pid_m * BM + rm) % M
+    cols_n = (pid_n * BN + rn) % N
+    a_ptrs = a_ptr + g_start.to(tl.int64) * stride_ar + rk[:, None] * stride_ar + cols_m[None, :]
+    b_ptrs = b_ptr + g_start.to(tl.int64) * stride_br + rk[:, None] * stride_br + cols_n[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for r0 in range(g_start, g_end, BK):
+        r_ok = rk < g_end - r0
+        a = tl.load(a_ptrs, mask=r_ok[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=r_ok[:, None], other=0.0)
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+        a_ptrs += BK * stride_ar
+        b_ptrs += BK * stride_br
+    out_m = pid_m * BM + rm
+    out_n = pid_n * BN + rn
+    c_ptrs = c_ptr + g.to(tl.int64) * stride_ce + out_m[:, None] * stride_cm + out_n[None, :] * stride_cn
+    mask = (out_m[:, None] < M) & (out_n[None, :] < N)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)

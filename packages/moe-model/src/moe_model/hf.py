@@ -1,0 +1,307 @@
+"""Hugging Face interop: the ``Qwen3MoeForCausalLM`` checkpoint layout.
+
+On disk (what ``transformers`` reads and writes, including 5.x, which fuses the
+experts in memory but converts back on save): ``config.json`` plus safetensors
+with one tensor per expert projection, e.g.
+``model.layers.{i}.mlp.experts.{e}.gate_proj.weight [F, D]``, the router at
+``model.layers.{i}.mlp.gate.weight [E, D]`` and dense layers (``mlp_only_layers``)
+at ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``. Our stacked
+``blocks.{i}.mlp.experts.w1 [E, F, D]`` is exactly the per-expert ``gate_proj``
+weights stacked (w3 = up_proj, w2 = down_proj); the 5.x in-memory fused
+``gate_up_proj [E, 2F, D]`` is also accepted when loading.
+
+The conversion is exposed as pure functions so a checkpoint exporter can write
+HF files from global tensors without building a model: ``hf_config(cfg)`` (the
+``config.json`` content) and ``convert_to_hf(name, tensor, cfg)``.
+
+Qwen3-MoE cannot represent shared experts, sigmoid router scores, a selection
+bias (aux-loss-free balancing), or attention without QK-norm; such configs are
+refused. Training-only settings (loss coefficients, recompute, capacity) are not
+part of the checkpoint; transformers always runs dropless.
+
+``safetensors`` is this package's optional ``hf`` extra and is imported lazily.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_model.config import MoEConfig
+from moe_model.model import MoETransformer
+from moe_model.params import logical_shapes
+
+_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "head.weight": "lm_head.weight"}
+_BLOCK = {  # ours after "blocks.{i}." -> HF after "model.layers.{i}."
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.wq.weight": "self_attn.q_proj.weight",
+    "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight",
+    "attn.wo.weight": "self_attn.o_proj.weight",
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.w1.weight": "mlp.gate_proj.weight",
+    "mlp.w3.weight": "mlp.up_proj.weight",
+    "mlp.w2.weight": "mlp.down_proj.weight",
+}
+_EXPERTS = {"mlp.experts.w1": "gate_proj", "mlp.experts.w3": "up_proj", "mlp.experts.w2": "down_proj"}
+_IGNORED_HF = ("rotary_emb.inv_freq",)
+
+
+def check_representable(cfg: MoEConfig) -> None:
+    """Raise ``ValueError`` if the Qwen3-MoE layout cannot hold this model."""
+    problems = []
+    if cfg.n_shared_experts:
+        problems.append("n_shared_experts > 0 (Qwen3-MoE has no shared experts)")
+    if cfg.router_score != "softmax":
+        problems.append(f"router_score={cfg.router_score!r} (Qwen3-MoE routes with softmax)")
+    if cfg.bias_update_rate > 0:
+        problems.append("bias_update_rate > 0 (Qwen3-MoE has no expert selection bias)")
+    if not cfg.qk_norm:
+        problems.append("qk_norm=False (Qwen3-MoE always normalises queries and keys)")
+    if problems:
+        raise ValueError("the Qwen3-MoE layout cannot represent MoEConfig with " + "; ".join(problems))
+
+
+def hf_config(cfg: MoEConfig, dtype: torch.dtype = torch.bfloat16,
+              max_position_embeddings: int = 32768) -> dict[str, Any]:
+    """``config.json`` content of a ``Qwen3MoeForCausalLM`` equal to ``cfg``'s model."""
+    check_representable(cfg)
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.dense_hidden_width,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(cfg.n_dense_layers)),
+        "moe_intermediate_size": cfg.expert_hidden,
+        "num_experts": cfg.n_experts,
+        "num_experts_per_tok": cfg.top_k,
+        "norm_topk_prob": cfg.norm_topk_weights,
+        "router_aux_loss_coef": cfg.lb_loss_coef,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "use_cache": True,
+    }
+
+
+def _dense_layers(hf: Mapping[str, Any], n_layers: int) -> int:
+    """Number of leading dense layers; refuses any other dense/sparse pattern."""
+    step = hf.get("decoder_sparse_step", 1) or 1
+    only = set(hf.get("mlp_only_layers") or [])
+    dense = [i for i in range(n_layers) if i in only or (i + 1) % step != 0]
+    if dense != list(range(len(dense))):
+        raise ValueError(
+            f"config.json: dense layers {dense} (mlp_only_layers / decoder_sparse_step) are "
+            "not a leading run; moe_model only supports the first k layers being dense"
+        )
+    return len(dense)
+
+
+def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> MoEConfig:
+    """``MoEConfig`` of a Qwen3-MoE ``config.json``; ``overrides`` set training-only fields."""
+    if hf.get("model_type") != "qwen3_moe":
+        raise ValueError(f"config.json: model_type {hf.get('model_type')!r} is not 'qwen3_moe'")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    checks = {
+        "hidden_act": hf.get("hidden_act", "silu") == "silu",
+        "attention_bias": not hf.get("attention_bias", False),
+        "use_sliding_window": not hf.get("use_sliding_window", False),
+        "rope_parameters": rope.get("rope_type", rope.get("type", "default")) == "default",
+    }
+    bad = [k for k, ok in checks.items() if not ok]
+    if bad:
+        raise ValueError(f"config.json: unsupported setting(s) {bad} for moe_model")
+    n_layers = hf["num_hidden_layers"]
+    n_dense = _dense_layers(hf, n_layers)
+    fields: dict[str, Any] = {
+        "vocab_size": hf["vocab_size"],
+        "d_model": hf["hidden_size"],
+        "n_layers": n_layers,
+        "n_heads": hf["num_attention_heads"],
+        "n_kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        "n_experts": hf.get("num_experts", hf.get("num_local_experts")),
+        "top_k": hf["num_experts_per_tok"],
+        "expert_hidden": hf["moe_intermediate_size"],
+        "n_dense_layers": n_dense,
+        "dense_hidden": hf["intermediate_size"] if n_dense else None,
+        "norm_topk_weights": bool(hf.get("norm_topk_prob", False)),
+        "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "qk_norm": True,
+    }
+    return MoEConfig(**{**fields, **overrides})
+
+
+def _split_block(name: str) -> tuple[int, str] | None:
+    if not name.startswith("blocks."):
+        return None
+    _, layer, rest = name.split(".", 2)
+    return int(layer), rest
+
+
+def hf_names(name: str, cfg: MoEConfig) -> list[str]:
+    """HF tensor names of our logical tensor ``name`` (one per expert for stacked experts)."""
+    check_representable(cfg)
+    if name == "head.weight" and cfg.tie_embeddings:
+        return []
+    if name in _TOP:
+        return [_TOP[name]]
+    split = _split_block(name)
+    if split is not None:
+        layer, rest = split
+        prefix = f"model.layers.{layer}."
+        if rest in _BLOCK:
+            return [prefix + _BLOCK[rest]]
+        if rest in _EXPERTS:
+            return [f"{prefix}mlp.experts.{e}.{_EXPERTS[rest]}.weight" for e in range(cfg.n_experts)]
+    raise ValueError(f"{name!r} has no Qwen3-MoE counterpart")
+
+
+def convert_to_hf(name: str, tensor: torch.Tensor, cfg: MoEConfig) -> list[tuple[str, torch.Tensor]]:
+    """HF tensors for our full logical tensor ``name`` (stacked experts -> one per expert)."""
+    names = hf_names(name, cfg)
+    if len(names) == 1 or not names:
+        return [(n, tensor) for n in names]
+    if tensor.shape[0] != len(names):
+        raise ValueError(
+            f"{name}: expected the full logical tensor with {len(names)} experts, got shape "
+            f"{tuple(tensor.shape)}"
+        )
+    return list(zip(names, tensor.unbind(0), strict=True))
+
+
+def convert_from_hf(get: Callable[[str], torch.Tensor], cfg: MoEConfig) -> dict[str, torch.Tensor]:
+    """Our full state dict from HF tensors, fetched by name with ``get`` (KeyError if missing)."""
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in logical_shapes(cfg).items():
+        names = hf_names(name if not (name == "head.weight" and cfg.tie_embeddings) else "embed.weight", cfg)
+        try:
+            parts = [get(n) for n in names]
+        except KeyError as e:
+            raise ValueError(f"checkpoint is missing {e.args[0]!r} (needed for {name})") from None
+        tensor = parts[0] if len(parts) == 1 else torch.stack(parts)
+        if tensor.shape != shape:
+            raise ValueError(f"{names[0]}: shape {tuple(tensor.shape)} does not give {name} {tuple(shape)}")
+        state[name] = tensor
+    return state
+
+
+class _SafetensorsDir:
+    """Tensors of a (possibly sharded) safetensors checkpoint folder, read lazily by name."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (path / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        self._handles = [safe_open(str(path / f), framework="pt") for f in files]
+        self._where = {k: h for h in self._handles for k in h.keys()}
+        self._fused: dict[str, torch.Tensor] = {}
+        self.used: set[str] = set()
+
+    def keys(self) -> set[str]:
+        return set(self._where)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name in self._where:
+            self.used.add(name)
+            return self._where[name].get_tensor(name)
+        return self._from_fused(name)
+
+    def _from_fused(self, name: str) -> torch.Tensor:
+        """Per-expert tensors out of the fused ``gate_up_proj`` / ``down_proj`` layout."""
+        head, sep, tail = name.partition(".mlp.experts.")
+        if not sep:
+            raise KeyError(name)
+        expert, proj = tail.split(".")[:2]
+        fused = f"{head}.mlp.experts.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+        if fused not in self._where:
+            raise KeyError(name)
+        if fused not in self._fused:
+            self.used.add(fused)
+            self._fused[fused] = self._where[fused].get_tensor(fused)
+        t = self._fused[fused][int(expert)]
+        if proj == "down_proj":
+            return t
+        half = t.shape[0] // 2
+        return t[:half] if proj == "gate_proj" else t[half:]
+
+
+def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu", **overrides: Any) -> MoETransformer:
+    """Load a ``Qwen3MoeForCausalLM`` checkpoint folder into a new ``MoETransformer``.
+
+    ``overrides`` set training-only ``MoEConfig`` fields (e.g. ``recompute="block"``).
+    Unknown tensors in the checkpoint are an error, as are missing ones.
+    """
+    path = Path(path)
+    cfg = config_from_hf(json.loads((path / "config.json").read_text()), **overrides)
+    files = _SafetensorsDir(path)
+    state = convert_from_hf(files.get, cfg)
+    unused = sorted(k for k in files.keys() - files.used if not k.endswith(_IGNORED_HF))
+    if unused:
+        raise ValueError(f"{path}: tensors not used by the model: {unused[:8]}{' ...' if len(unused) > 8 else ''}")
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    model.to_empty(device=device)
+    model.to(dtype)
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def save_pretrained(model: MoETransformer, path: str | Path, dtype: torch.dtype | None = None,
+                    max_position_embeddings: int = 32768) -> None:
+    """Write ``model`` (whole, unpartitioned) as a checkpoint ``transformers`` loads.
+
+    ``dtype``: the stored dtype (default: the parameters' dtype).
+    """
+    cfg: MoEConfig = model.config
+    check_representable(cfg)
+    missing = [n for n in ("embed", "norm", "head") if getattr(model, n) is None]
+    missing += [f"blocks.{i}" for i in range(cfg.n_layers) if str(i) not in model.blocks]
+    missing += [f"{n}.experts (holds {layer.experts.expert_range})"
+                for n, layer in model.moe_layers() if layer.experts.n_local != cfg.n_experts]
+    if missing:
+        raise ValueError(f"save_pretrained needs the whole model; this one lacks {missing}")
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        for hf_name, hf_t in convert_to_hf(name, t, cfg):
+            tensors[hf_name] = hf_t.detach().to("cpu", dtype or hf_t.dtype).contiguous()
+    stored = dtype or next(model.parameters()).dtype
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = hf_config(cfg, stored, max_position_embeddings)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,227 @@
+"""Grouped GEMM in Triton over expert segments given by device-side offsets.
+
+Shape legend: R rows (tokens dispatched to experts, expert-major), E experts,
+K reduction width, N output width; a group is one expert's run of rows,
+``offsets[e]`` its cumulative end (int32, on the device, never read by the host).
+
+Two kernels cover the forward and both backward GEMMs of ``y = x @ w[e(r)]``:
+
+- ``_rows_kernel``, segmented M: ``y[r] = x[r] @ w[g(r)]``. Used for the forward
+  and for ``dx = dy @ w[g]^T`` (the same kernel on the transposed weight view).
+  The (group, m-tile, n-tile) work list is derived on the device: every program
+  loads the offsets, counts each group's m-tiles, prefix-sums them and finds its
+  tile's group with a vector comparison (no per-group loop, no host sync). Tiles
+  inside a group are visited in GROUP_M swizzled order so that consecutive
+  programs share weight columns and input rows in L2. The grid is either one
+  program per possible tile (the bound ``(cdiv(R, BM) + E) * cdiv(N, BN)``; idle
+  programs exit at once) or persistent (one program per SM walking the list).
+  Rows past a group's end are read from the next group (never out of bounds) and
+  never stored, so the A operand needs no mask.
+- ``_wgrad_kernel``, segmented K: ``c[g] = a_g^T @ b_g`` with the reduction over
+  group ``g``'s rows; gives ``dw[g] = x_g^T @ dy_g`` (or its transpose, whichever
+  matches the weight's memory layout). Empty groups store zeros.
+
+Both accumulate in FP32 and read/write any 2-byte or 4-byte float dtype; FP32
+inputs use IEEE products (no TF32) so they can serve as an exact reference.
+The entry points are registered as ``torch.library`` custom ops, so selective
+activation recompute (which works at the operator level) can keep their outputs.
+Triton is imported lazily: importing this module never needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # rows of the output tile
+    block_n: int  # columns of the output tile
+    block_k: int  # reduction step
+    group_m: int  # m-tiles per swizzle group (L2 reuse)
+    num_warps: int
+    num_stages: int  # software pipeline depth of the K loop
+    persistent: bool  # one program per SM walking the tile list (rows kernel only)
+    use_tma: bool  # load the rows kernel's operands through tensor descriptors (TMA) where possible
+
+
+# Measured on H200 (tools/bench_moe_layer.py --sweep); CPU runs are the Triton
+# interpreter, where small tiles keep tests fast.
+_GPU_ROWS = TileConfig(128, 256, 64, 8, 8, 3, True, True)
+_GPU_WGRAD = TileConfig(128, 256, 64, 8, 8, 3, False, False)
+_CPU = TileConfig(16, 16, 16, 2, 1, 1, False, False)
+
+
+def default_config(kind: str, device: torch.device) -> TileConfig:
+    if device.type != "cuda":
+        return _CPU
+    return _GPU_ROWS if kind == "rows" else _GPU_WGRAD
+
+
+def _kernels():  # noqa: ANN202 - the Triton module and its jitted kernels
+    import triton
+
+    from moe_model import _grouped_mm_kernels as k
+
+    return triton, k.rows_kernel, k.wgrad_kernel
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tma_ok(x_RK: torch.Tensor, w_EKN: torch.Tensor, cfg: TileConfig) -> bool:
+    """TMA needs 16-byte aligned bases and row strides, and whole K blocks (a K block
+    must not run into the next expert's weights)."""
+    K, N = x_RK.shape[1], w_EKN.shape[2]
+    size = x_RK.element_size()
+    return (K % cfg.block_k == 0 and (K * size) % 16 == 0 and (N * size) % 16 == 0
+            and x_RK.data_ptr() % 16 == 0 and w_EKN.data_ptr() % 16 == 0
+            and (w_EKN.is_contiguous() or w_EKN.transpose(1, 2).is_contiguous()))
+
+
+def _check(name: str, t: torch.Tensor, dim: int) -> None:
+    if t.dim() != dim:
+        raise ValueError(f"grouped GEMM: {name} must be {dim}-D, got shape {tuple(t.shape)}")
+
+
+def rows_mm(
+    x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """``y[r] = x[r] @ w[g(r)]`` for rows below ``offsets[-1]``; later rows are left unset.
+
+    ``w_EKN`` may be contiguous in K or in N (a transposed view of a ``[E, N, K]``
+    weight is read in place).
+    """
+    _check("x", x_RK, 2)
+    _check("w", w_EKN, 3)
+    R, K = x_RK.shape
+    E, Kw, N = w_EKN.shape
+    if Kw != K or offsets_E.shape != (E,):
+        raise ValueError(
+            f"grouped GEMM: x {tuple(x_RK.shape)}, w {tuple(w_EKN.shape)} and offsets "
+            f"{tuple(offsets_E.shape)} do not match"
+        )
+    x_RK = x_RK.contiguous()
+    k_contiguous = w_EKN.stride(1) == 1
+    if not k_contiguous and w_EKN.stride(2) != 1:
+        w_EKN = w_EKN.contiguous()
+    y_RN = torch.empty(R, N, dtype=x_RK.dtype, device=x_RK.device)
+    if R == 0 or N == 0:
+        return y_RN
+    cfg = config or default_config("rows", x_RK.device)
+    triton, rows_kernel, _ = _kernels()
+    max_tiles = (triton.cdiv(R, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n)
+    grid = min(max_tiles, _num_sms(x_RK.device)) if cfg.persistent else max_tiles
+    use_tma = cfg.use_tma and _tma_ok(x_RK, w_EKN, cfg)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_arg = TensorDescriptor.from_tensor(x_RK, [cfg.block_m, cfg.block_k])
+        if k_contiguous:  # [E, N, K] in memory
+            w_2d, block = w_EKN.transpose(1, 2).reshape(E * N, K), [cfg.block_n, cfg.block_k]
+        else:  # [E, K, N] in memory
+            w_2d, block = w_EKN.reshape(E * K, N), [cfg.block_k, cfg.block_n]
+        w_arg = TensorDescriptor.from_tensor(w_2d, block)
+    else:
+        x_arg, w_arg = x_RK, w_EKN
+    rows_kernel[(grid,)](
+        x_arg, w_arg, y_RN, offsets_E,
+        R, N, K, E, grid,
+        x_RK.stride(0), w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2), y_RN.stride(0),
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        E_BLOCK=triton.next_power_of_2(E), W_K_CONTIGUOUS=k_contiguous,
+        EVEN_K=K % cfg.block_k == 0, USE_TMA=use_tma, PRECISION=_precision(x_RK.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y_RN
+    cfg = config or default_config("rows", x_RK.device)
+    triton, rows_kernel, _ = _kernels()
+    max_tiles = (triton.cdiv(R, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n)
+    grid = min(max_tiles, _num_sms(x_RK.device)) if cfg.persistent else max_tiles
+    rows_kernel[(grid,)](
+        x_RK, w_EKN, y_RN, offsets_E,
+        R, N, K, E, grid,
+        x_RK.stride(0), w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2), y_RN.stride(0),
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        E_BLOCK=triton.next_power_of_2(E), W_K_CONTIGUOUS=w_EKN.stride(1) == 1,
+        EVEN_K=K % cfg.block_k == 0, PRECISION=_precision(x_RK.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y_RN
+
+
+def wgrad_mm(
+    x_RK: torch.Tensor, dy_RN: torch.Tensor, offsets_E: torch.Tensor, like_EKN: torch.Tensor,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """``dw[g] = x_g^T @ dy_g`` as an ``[E, K, N]`` tensor laid out like ``like_EKN``.
+
+    The kernel writes row-major tiles, so for a weight stored ``[E, N, K]`` (K
+    contiguous) it computes ``dy_g^T @ x_g`` instead and returns the transposed view.
+    """
+    E, K, N = like_EKN.shape
+    x_RK, dy_RN = x_RK.contiguous(), dy_RN.contiguous()
+    k_contiguous = like_EKN.stride(1) == 1 and like_EKN.stride(2) != 1
+    a, b = (dy_RN, x_RK) if k_contiguous else (x_RK, dy_RN)
+    M, Nc = a.shape[1], b.shape[1]
+    c_EMN = torch.empty(E, M, Nc, dtype=like_EKN.dtype, device=x_RK.device)
+    cfg = config or default_config("wgrad", x_RK.device)
+    triton, _, wgrad_kernel = _kernels()
+    grid = E * triton.cdiv(M, cfg.block_m) * triton.cdiv(Nc, cfg.block_n)
+    if grid:
+        wgrad_kernel[(grid,)](
+            a, b, c_EMN, offsets_E,
+            M, Nc, E,
+            a.stride(0), b.stride(0), c_EMN.stride(0), c_EMN.stride(1), c_EMN.stride(2),
+            BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+            PRECISION=_precision(x_RK.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return c_EMN.transpose(1, 2) if k_contiguous else c_EMN
+
+
+# ----------------------------------------------------------------- custom ops
+@torch.library.custom_op("moe_model::triton_grouped_mm", mutates_args=())
+def triton_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Differentiable ``y[r] = x[r] @ w[g(r)]`` (``x [R,K]``, ``w [E,K,N]``, ``offsets [E]`` int32)."""
+    return rows_mm(x, w, offsets)
+
+
+@triton_grouped_mm.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+@torch.library.custom_op("moe_model::triton_grouped_mm_wgrad", mutates_args=())
+def _wgrad_op(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return wgrad_mm(x, dy, offsets, like)
+
+
+@_wgrad_op.register_fake
+def _(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(like)
+
+
+def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+    x, w, offsets = inputs
+    ctx.save_for_backward(x, w, offsets)
+
+
+def _backward(ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor) -> tuple:
+    x, w, offsets = ctx.saved_tensors
+    dx = triton_grouped_mm(dy, w.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
+    dw = _wgrad_op(x, dy, offsets, w) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+triton_grouped_mm.register_autograd(_backward, setup_context=_setup_context)
