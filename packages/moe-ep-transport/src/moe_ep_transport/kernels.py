@@ -76,7 +76,8 @@ def _topk_gather_sum_kernel(
         row = tl.load(row_ptr + i)
         w = tl.load(w_ptr + i)
         base = tl.where(sel == 1, secondary_ptr, primary_ptr)
-        x = tl.load(base + row * width + cols, mask=cm & (sel >= 0), other=0.0)
+        limit = tl.where(sel >= 0, width, 0)  # a dropped slot reads nothing (zeros)
+        x = tl.load(base + row * width + cols, mask=cols < limit, other=0.0)
         acc = acc + x.to(w_ptr.dtype.element_ty) * w
         if STORE_ROWS:
             tl.store(rows_out_ptr + i.to(tl.int64) * width + cols, x, mask=cm)

@@ -39,7 +39,14 @@ def finish_receive(out_CW: torch.Tensor, inbox_CW: torch.Tensor, row_src_C: torc
         from moe_ep_transport import kernels
 
         kernels.finish_receive(out_CW, inbox_CW, row_src_C, me)
-        return
+    else:
+        finish_receive_reference(out_CW, inbox_CW, row_src_C, me)
+
+
+def finish_receive_reference(
+    out_CW: torch.Tensor, inbox_CW: torch.Tensor, row_src_C: torch.Tensor, me: int
+) -> None:
+    """PyTorch version of :func:`finish_receive` (boolean indexing: synchronises on CUDA)."""
     remote = (row_src_C != me) & (row_src_C >= 0)
     out_CW[remote] = inbox_CW[remote]
     out_CW[row_src_C < 0] = 0
@@ -71,6 +78,22 @@ def topk_gather_sum(
         return kernels.topk_gather_sum(
             primary_RD, secondary_RD, sel_N, row_N, w_N, top_k, out_dtype, store_rows
         )
+    return topk_gather_sum_reference(
+        primary_RD, secondary_RD, sel_N, row_N, w_N, top_k, out_dtype, store_rows
+    )
+
+
+def topk_gather_sum_reference(
+    primary_RD: torch.Tensor,
+    secondary_RD: torch.Tensor,
+    sel_N: torch.Tensor,
+    row_N: torch.Tensor,
+    w_N: torch.Tensor,
+    top_k: int,
+    out_dtype: torch.dtype,
+    store_rows: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """PyTorch version of :func:`topk_gather_sum` (boolean indexing: synchronises on CUDA)."""
     n, width = sel_N.numel(), primary_RD.shape[1]
     x_ND = primary_RD.new_zeros(n, width)
     for s, source in enumerate((primary_RD, secondary_RD)):

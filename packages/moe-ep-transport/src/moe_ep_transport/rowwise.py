@@ -65,6 +65,12 @@ class RowwiseTransport:
         self._meta_bytes = _align(self.capacity * 8)
         self._phase = 0  # advances identically on every rank (all ranks run the same calls)
 
+    def close(self) -> None:
+        """Release the symmetric buffers (collective; NVSHMEM memory only)."""
+        close = getattr(self.memory, "close", None)
+        if close is not None:
+            close()
+
     def _next_slab(self) -> int:
         index = self._phase % N_SLABS
         self._phase += 1

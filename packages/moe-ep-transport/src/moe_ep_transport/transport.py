@@ -63,6 +63,9 @@ class AllToAllTransport:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
 
+    def close(self) -> None:
+        """Nothing to release (symmetry with the rowwise transport)."""
+
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(counts_E) for _ in range(self.world_size)]
         dist.all_gather(parts, counts_E.contiguous(), group=self.group)

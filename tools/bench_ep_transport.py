@@ -1,0 +1,200 @@
+"""EP dispatch+combine throughput: rowwise NVSHMEM vs all-to-all vs bare NCCL, two GPUs.
+
+    tools/from_source.sh torchrun --nproc-per-node 2 tools/bench_ep_transport.py --out $OUT/ep_transport.json
+
+For each per-layer size (tokens per rank, d_model 2048, top-8 of 64 experts) and
+routing (balanced; random router logits; Zipf-skewed towards low expert ids) it
+times, in the same run and on the same routing:
+- ``nccl``: two bare ``all_to_all_single`` of the kept rows (there and back), the
+  split sizes known in advance (the floor of what an all-to-all transport pays);
+- ``all_to_all``: this package's reference backend (count exchange, host splits);
+- ``rowwise``: this package's NVSHMEM backend (no host sync).
+It also measures the one-way NVLink put ceiling with a plain large put (every
+row of a large buffer stored into the peer, both ranks at once, our put kernel).
+
+Payload = kept rows x bytes per row that one rank dispatches; GB/s counts the
+payload twice (dispatch and combine); ``x nccl`` is NCCL's time over the backend's;
+``% put`` is the rowwise rate of bytes that cross NVLink (rows to the other rank)
+over the put ceiling. Times are the slowest rank's mean per iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_ep_transport import EPConfig, EPDispatcher, make_transport, nvshmem_memory
+from moe_ep_transport.rowwise import slab_bytes_for
+
+
+@dataclass
+class Row:
+    tokens: int
+    routing: str
+    backend: str
+    payload_mib: float  # kept rows x row bytes, one rank, one direction
+    remote_mib: float  # part of the payload that crosses to the other rank
+    drop_rate: float
+    load_imbalance: float
+    ms: float  # dispatch + combine, slowest rank
+    dispatch_ms: float
+    gbps: float  # 2 x payload / time
+    x_nccl: float  # nccl time / this time
+    pct_put_ceiling: float  # 2 x remote / time over the one-way put ceiling
+
+
+def _routing(kind: str, T: int, E: int, k: int, rank: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(1000 + rank)
+    if kind == "balanced":
+        t = torch.arange(T, device=device).unsqueeze(1)
+        return (t * k + torch.arange(k, device=device) * (E // k) + rank) % E
+    if kind == "random":
+        return torch.topk(torch.randn(T, E, generator=gen, device=device), k, dim=1).indices
+    if kind == "zipf":
+        p = 1.0 / torch.arange(1, E + 1, device=device, dtype=torch.float32)
+        return torch.multinomial(p.expand(T, E), k, replacement=False, generator=gen)
+    raise ValueError(f"unknown routing {kind!r}")
+
+
+def _time(fn, iters: int, warmup: int) -> float:
+    """Mean ms per call on this rank, then the maximum over ranks."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    ms = torch.tensor([start.elapsed_time(end) / iters], device="cuda")
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return float(ms)
+
+
+def _put_ceiling(transport, row_words: int, put_bytes: int, iters: int) -> float:
+    """GB/s one way: every rank stores a large buffer into the other rank's slab."""
+    memory = transport.memory
+    n = min(put_bytes, memory.slab_bytes) // (row_words * 4)
+    src = torch.randint(0, 1 << 30, (n, row_words), dtype=torch.int32, device="cuda")
+    rows = torch.arange(n, device="cuda")
+    peer = torch.full((n,), (memory.rank + 1) % memory.world_size, device="cuda")
+
+    def put():
+        memory.put_rows(0, 0, src, rows, peer, rows)
+        memory.barrier()
+
+    ms = _time(put, iters, 3)
+    return n * row_words * 4 / (ms * 1e-3) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", default="512,1024,2048,4096,8192,16384,32768")
+    ap.add_argument("--routing", default="balanced,random,zipf")
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--capacity-factor", type=float, default=1.25)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--put-mib", type=int, default=1024)
+    ap.add_argument("--out", default="ep_transport.json")
+    args = ap.parse_args()
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    rank, M = dist.get_rank(), dist.get_world_size()
+    E, k, D, dtype = args.experts, args.top_k, args.d_model, torch.bfloat16
+    tokens = sorted(int(t) for t in args.tokens.split(","))
+    row_bytes = D * dtype.itemsize
+
+    def config(T: int) -> EPConfig:
+        return EPConfig(E, k, T, D, capacity_factor=args.capacity_factor)
+
+    # The symmetric heap holds the largest size's slabs (sizes are benchmarked one at a time).
+    largest = slab_bytes_for(config(tokens[-1]), M, row_bytes)
+    nvshmem_memory.bootstrap(None, device, heap_bytes=2 * max(largest, args.put_mib << 20))
+    probe = make_transport("rowwise", EPConfig(E, k, tokens[-1], D, capacity_factor=args.capacity_factor), device=device)
+    ceiling = _put_ceiling(probe, row_bytes // 4, args.put_mib << 20, args.iters)
+    probe.close()
+
+    rows: list[Row] = []
+    for T in tokens:
+        cfg = config(T)
+        transports = {"all_to_all": make_transport("all_to_all", cfg),
+                      "rowwise": make_transport("rowwise", cfg, device=device)}
+        x = torch.randn(T, D, device=device).to(dtype)
+        for kind in args.routing.split(","):
+            ids = _routing(kind, T, E, k, rank, device)
+            w = torch.softmax(torch.randn(T, k, device=device), dim=1)
+            probe_d = EPDispatcher(cfg, transports["all_to_all"])
+            with torch.no_grad():
+                _, _, handle = probe_d.dispatch(x, ids)
+            stats = probe_d.telemetry.pop()
+            route = handle.route
+            kept = sum(route.send_splits)
+            remote = kept - route.send_splits[rank]
+            payload = torch.randn(kept, D, device=device).to(dtype)
+            back = torch.empty(sum(route.recv_splits), D, device=device, dtype=dtype)
+
+            def nccl():
+                dist.all_to_all_single(back, payload, route.recv_splits, route.send_splits)
+                dist.all_to_all_single(payload, back, route.send_splits, route.recv_splits)
+
+            times = {"nccl": (_time(nccl, args.iters, 3), float("nan"))}
+            for name, transport in transports.items():
+                dispatcher = EPDispatcher(cfg, transport)
+
+                def both(d=dispatcher):
+                    with torch.no_grad():
+                        out, _, h = d.dispatch(x, ids)
+                        d.combine(out, w, h)
+
+                def dispatch_only(d=dispatcher):
+                    with torch.no_grad():
+                        d.dispatch(x, ids)
+
+                times[name] = (_time(both, args.iters, 3), _time(dispatch_only, args.iters, 3))
+            for name, (ms, dms) in times.items():
+                rows.append(Row(
+                    tokens=T, routing=kind, backend=name,
+                    payload_mib=kept * row_bytes / 2**20, remote_mib=remote * row_bytes / 2**20,
+                    drop_rate=float(stats["drop_rate"]), load_imbalance=float(stats["load_imbalance"]),
+                    ms=ms, dispatch_ms=dms, gbps=2 * kept * row_bytes / (ms * 1e-3) / 1e9,
+                    x_nccl=times["nccl"][0] / ms,
+                    pct_put_ceiling=100 * 2 * remote * row_bytes / (ms * 1e-3) / 1e9 / ceiling,
+                ))
+        transports["rowwise"].close()
+
+    nvshmem_memory.finalize()
+    if rank == 0:
+        result = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "ranks": M,
+            "d_model": D, "experts": E, "top_k": k, "capacity_factor": args.capacity_factor,
+            "put_ceiling_gbps_one_way": ceiling,
+            "rows": [asdict(r) for r in rows],
+        }
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"one-way NVLink put ceiling (both ranks putting at once): {ceiling:.0f} GB/s")
+        print(f"{'tokens':>6} {'routing':>8} {'backend':>10} {'MiB':>7} {'drop%':>6} {'imbal':>5} "
+              f"{'ms':>7} {'disp ms':>7} {'GB/s':>6} {'x nccl':>6} {'% put':>6}")
+        for r in rows:
+            print(f"{r.tokens:>6} {r.routing:>8} {r.backend:>10} {r.payload_mib:>7.1f} "
+                  f"{100 * r.drop_rate:>6.2f} {r.load_imbalance:>5.2f} {r.ms:>7.3f} {r.dispatch_ms:>7.3f} "
+                  f"{r.gbps:>6.0f} {r.x_nccl:>6.2f} {r.pct_put_ceiling:>6.1f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
