@@ -1,0 +1,213 @@
+"""Backward split in two passes: input gradient now, weight gradient later.
+
+Zero-bubble schedules send a stage's input gradient upstream as early as
+possible and run the weight-gradient work later, in what would be a bubble.
+This module does that split on any autograd graph, without model cooperation.
+
+The graph, seen from the stage outputs, has three kinds of nodes:
+
+- *input-path* nodes: those from which the stage input's gradient is reachable;
+  the input pass runs exactly these (``torch.autograd.grad`` w.r.t. the input);
+- *weight-only* nodes: those that reach parameters but not the input;
+- *boundaries*: input-path nodes with a weight-only child. The input pass runs a
+  boundary but skips its weight outputs; a pre-hook keeps the gradients that
+  arrived at it.
+
+The weight pass restarts autograd at the boundaries with the kept gradients
+(``GradientEdge`` roots) and stops at the parameters. It goes through autograd's
+``AccumulateGrad`` with ``inputs=params``, so ``param.grad`` accumulates exactly
+as in an ordinary backward and post-accumulate-grad hooks fire: a data-parallel
+wrapper that moves gradients into its buckets from such hooks works unchanged.
+(torch.distributed.pipelining writes ``param.grad`` directly in its weight pass,
+which bypasses those hooks; see the package README.)
+
+Boundaries are grouped by the parameters they reach, one autograd call per
+group, so the weight pass never re-runs input-path nodes except when a parameter
+is used twice with input-path work in between (then the kept gradients are
+pinned on every boundary of the group, which keeps the result exact).
+
+A stage without a gradient-requiring input (the first stage: token ids) has no
+input path: the input pass does nothing and the weight pass is the full backward.
+Auxiliary losses attached inside the graph need nothing special: their gradient
+enters at the node that attached them, like any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+@dataclass
+class _Group:
+    roots: list[GradientEdge] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    params: dict[Node, torch.Tensor] = field(default_factory=dict)  # by AccumulateGrad node
+    pinned: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class WeightGradWork:
+    """What the input pass leaves for the weight pass of one (stage, microbatch)."""
+
+    groups: list[_Group]
+
+
+def _graph(roots: list[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
+    """Nodes reachable from ``roots`` in post-order (children first), and children."""
+    children: dict[Node, list[Node]] = {}
+    order: list[Node] = []
+    stack: list[tuple[Node, bool]] = [(r, False) for r in roots]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if node in children:
+            continue
+        children[node] = [c for c, _ in node.next_functions if c is not None]
+        stack.append((node, True))
+        stack.extend((c, False) for c in children[node] if c not in children)
+    return order, children
+
+
+def backward_input(
+    outputs: Sequence[torch.Tensor],
+    output_grads: Sequence[torch.Tensor | None],
+    stage_input: torch.Tensor | None,
+    params: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor | None, WeightGradWork]:
+    """Gradient of the stage input (``None`` without one) and the deferred weight work.
+
+    ``output_grads[i]`` is the gradient of ``outputs[i]`` (``None``: ones, for a
+    scalar loss). The graph stays alive until :func:`backward_weight` runs.
+    """
+    grads = [torch.ones_like(o) if g is None else g for o, g in zip(outputs, output_grads, strict=True)]
+    edges = [get_gradient_edge(o) for o in outputs]
+    order, children = _graph([e.node for e in edges])
+    input_node = (
+        get_gradient_edge(stage_input).node
+        if stage_input is not None and stage_input.requires_grad
+        else None
+    )
+    param_of = {get_gradient_edge(p).node: p for p in params if p.requires_grad}
+
+    to_input: set[Node] = set()
+    to_param: set[Node] = set()
+    for node in order:  # children before parents
+        kids = children[node]
+        if node is input_node or any(k in to_input for k in kids):
+            to_input.add(node)
+        if node in param_of or any(k in to_param for k in kids):
+            to_param.add(node)
+
+    def params_below(starts: list[Node]) -> set[Node]:
+        """Parameter nodes reachable from weight-only ``starts``."""
+        found, seen, stack = set(), set(starts), list(starts)
+        while stack:
+            node = stack.pop()
+            if node in param_of:
+                found.add(node)
+            for k in children[node]:
+                if k in to_param and k not in seen:
+                    seen.add(k)
+                    stack.append(k)
+        return found
+
+    # W roots: boundaries (gradients captured below) and outputs off the input path.
+    boundary_params: dict[Node, set[Node]] = {}
+    for node in to_input & to_param:
+        weight_kids = [k for k in children[node] if k in to_param and k not in to_input]
+        if weight_kids:
+            boundary_params[node] = params_below(weight_kids)
+    direct: list[tuple[GradientEdge, torch.Tensor, set[Node]]] = [
+        (e, g, params_below([e.node]))
+        for e, g in zip(edges, grads, strict=True)
+        if e.node in to_param and e.node not in to_input
+    ]
+
+    captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    handles = []
+    for node in boundary_params:
+        def keep(grad_outputs: tuple[torch.Tensor | None, ...], node: Node = node) -> None:
+            captured[node] = tuple(grad_outputs)
+
+        handles.append(node.register_prehook(keep))
+    try:
+        input_grad = None
+        if input_node is not None and input_node in to_input:
+            (input_grad,) = torch.autograd.grad(
+                list(outputs), [stage_input], grads, retain_graph=True
+            )
+    finally:
+        for h in handles:
+            h.remove()
+
+    return input_grad, WeightGradWork(_group(boundary_params, captured, direct, param_of))
+
+
+def _group(
+    boundary_params: dict[Node, set[Node]],
+    captured: dict[Node, tuple[torch.Tensor | None, ...]],
+    direct: list[tuple[GradientEdge, torch.Tensor, set[Node]]],
+    param_of: dict[Node, torch.Tensor],
+) -> list[_Group]:
+    """Union W roots that reach a common parameter: one autograd call per group."""
+    parent: dict[object, object] = {}
+
+    def find(x: object) -> object:
+        while parent.setdefault(x, x) is not x:
+            parent[x] = parent[parent[x]]  # type: ignore[index]
+            x = parent[x]
+        return x
+
+    def union(a: object, b: object) -> None:
+        parent[find(a)] = find(b)
+
+    roots: list[tuple[object, set[Node]]] = [(n, ps) for n, ps in boundary_params.items()]
+    roots += [(("direct", i), ps) for i, (_, _, ps) in enumerate(direct)]
+    for key, ps in roots:
+        find(key)
+        for p in ps:
+            union(key, p)
+
+    groups: dict[object, _Group] = {}
+    for key, ps in roots:
+        if not ps:
+            continue
+        group = groups.setdefault(find(key), _Group())
+        if isinstance(key, tuple):
+            edge, grad, _ = direct[key[1]]
+            group.roots.append(edge)
+            group.grads.append(grad)
+        else:
+            kept = captured.get(key)
+            if kept is None:  # no gradient reached this boundary
+                continue
+            group.pinned[key] = kept
+            for i, g in enumerate(kept):
+                if g is not None:
+                    group.roots.append(GradientEdge(key, i))
+                    group.grads.append(g)
+        group.params.update((p, param_of[p]) for p in ps)
+    return [g for g in groups.values() if g.roots]
+
+
+def backward_weight(work: WeightGradWork) -> None:
+    """Accumulate the deferred parameter gradients into ``param.grad`` (hooks fire)."""
+    for group in work.groups:
+        handles = []
+        if len(group.pinned) > 1:
+            for node, kept in group.pinned.items():
+                handles.append(node.register_prehook(lambda _g, kept=kept: kept))
+        try:
+            torch.autograd.backward(
+                group.roots, group.grads, inputs=list(group.params.values()), retain_graph=True
+            )
+        finally:
+            for h in handles:
+                h.remove()
+    work.groups.clear()

@@ -1,0 +1,197 @@
+"""Running one optimizer step's microbatches through the pipeline.
+
+``Pipeline.step`` executes this rank's action list of the schedule:
+
+- ``F``: run the stage module on the microbatch (token ids on the first stage,
+  the received activation elsewhere); the last stage applies ``loss_fn`` times
+  ``loss_scale`` and keeps the loss; other stages send their output on.
+- ``B``: full backward (or, when the schedule splits it, the input-gradient pass
+  of ``moe_pp.backward``) from the received output gradient, or from the loss on
+  the last stage; the input gradient goes to the previous stage.
+- ``W``: the deferred weight-gradient pass.
+
+All of it runs inside ``grad_sync.no_sync()``; ``grad_sync.finish_grad_sync()``
+follows once, so the data-parallel reduction sees every microbatch of every
+local stage. Parameter gradients accumulate through autograd in every schedule
+(post-accumulate-grad hooks fire), and the losses of all microbatches are
+broadcast from the last stage, so every rank can log them.
+
+Loss convention: the caller's ``loss_fn`` returns a microbatch's token-loss
+*sum*; ``loss_scale`` is ``1 / N_global`` (target tokens in the whole global
+batch), the same divisor the model's auxiliary losses are scaled with. The
+auxiliary losses live in each MoE layer's autograd graph, so they reach the
+routers on every stage without crossing stage boundaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_pp.backward import WeightGradWork, backward_input, backward_weight
+from moe_pp.p2p import ACTIVATION, GRADIENT, OrderedP2P, message_order
+from moe_pp.protocols import GradSync, PipelineModel
+from moe_pp.schedules import SCHEDULES, Schedule, make_schedule, simulate
+from moe_pp.split import POLICIES, StageSplit, split_model
+from moe_pp.stages import RankStages, build_rank_stages
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class PipelineConfig:
+    schedule: str = "1f1b"  # gpipe | 1f1b | zero_bubble (1f1b with virtual_stages > 1: interleaved)
+    virtual_stages: int = 1  # stages (model chunks) per PP rank; stage s runs on rank s % pp
+    split: str = "params"  # balanced split policy: params (memory) | flops (compute)
+    stage_blocks: list[int] | None = None  # explicit blocks per stage, overrides split
+
+    def validate(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"PipelineConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.virtual_stages < 1:
+            raise ValueError(f"PipelineConfig.virtual_stages must be >= 1, got {self.virtual_stages}")
+        if self.split not in POLICIES:
+            raise ValueError(f"PipelineConfig.split must be one of {POLICIES}, got {self.split!r}")
+
+
+class Pipeline:
+    """This rank's stages plus the schedule that runs them.
+
+    ``activation_shape``/``activation_dtype``: the tensor passed between stages
+    for one microbatch (``[micro_batch, seq_len, d_model]`` in the compute dtype);
+    the receivers allocate their buffers from it.
+    """
+
+    def __init__(
+        self,
+        stages: RankStages,
+        schedule: Schedule,
+        loss_fn: LossFn,
+        activation_shape: Sequence[int],
+        activation_dtype: torch.dtype,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        pp = dist.get_world_size(group)
+        if schedule.pp != pp or dist.get_rank(group) != stages.rank:
+            raise ValueError(
+                f"the schedule is for pp={schedule.pp} and the stages for PP rank {stages.rank}, "
+                f"but this process is PP rank {dist.get_rank(group)} of {pp}"
+            )
+        expected = [s for s in range(schedule.n_stages) if schedule.rank_of(s) == stages.rank]
+        if [s.index for s in stages.stages] != expected:
+            raise ValueError(
+                f"PP rank {stages.rank} holds stages {[s.index for s in stages.stages]}; "
+                f"the schedule runs {expected} there"
+            )
+        self.stages = stages
+        self.schedule = schedule
+        self.loss_fn = loss_fn
+        self.activation_shape = tuple(activation_shape)
+        self.activation_dtype = activation_dtype
+        self.group = group
+        self.timeline = simulate(schedule)
+        self._messages = message_order(self.timeline)
+        self._by_index = {s.index: s for s in stages.stages}
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """All of this rank's parameters under their model names (for DDP, optimizer, checkpoints)."""
+        return self.stages.module
+
+    def step(
+        self,
+        inputs: Sequence[torch.Tensor] | None,
+        targets: Sequence[torch.Tensor] | None,
+        loss_scale: float = 1.0,
+        grad_sync: GradSync | None = None,
+    ) -> torch.Tensor:
+        """Forward and backward of all microbatches; returns their scaled losses ``[M]`` on every rank.
+
+        ``inputs``/``targets``: one tensor per microbatch; needed on the rank of the
+        first / last stage (others may pass them or ``None``). Gradients accumulate
+        into ``param.grad`` (or wherever ``grad_sync``'s hooks move them).
+        """
+        M = self.schedule.n_microbatches
+        first = self._by_index.get(0)
+        last = self._by_index.get(self.schedule.n_stages - 1)
+        for name, given, needed in (("inputs", inputs, first), ("targets", targets, last)):
+            if needed is not None and (given is None or len(given) != M):
+                got = "None" if given is None else f"{len(given)} tensors"
+                raise ValueError(f"PP rank {self.stages.rank} runs stage {needed.index} and needs "
+                                 f"{name} for {M} microbatches, got {got}")
+        device = next(self.stages.module.parameters()).device
+        p2p = OrderedP2P(self._messages, self.stages.rank, self.group, self.activation_shape,
+                         self.activation_dtype, device)
+        losses = torch.zeros(M, dtype=torch.float32, device=device)
+        params = {s.index: [p for p in s.module.parameters() if p.requires_grad]
+                  for s in self.stages.stages}
+        stage_in: dict[tuple[int, int], torch.Tensor] = {}
+        stage_out: dict[tuple[int, int], torch.Tensor] = {}
+        deferred: dict[tuple[int, int], WeightGradWork] = {}
+
+        with grad_sync.no_sync() if grad_sync is not None else nullcontext():
+            for action in self.schedule.orders[self.stages.rank]:
+                s, mb = action.stage, action.microbatch
+                stage = self._by_index[s]
+                if action.kind == "F":
+                    if stage.is_first:
+                        x = inputs[mb]  # type: ignore[index]
+                    else:
+                        x = p2p.recv((ACTIVATION, s - 1, mb)).requires_grad_()
+                    y = stage.module(x)
+                    if stage.is_last:
+                        y = self.loss_fn(y, targets[mb]) * loss_scale  # type: ignore[index]
+                        if y.dim() != 0:
+                            raise ValueError(f"loss_fn must return a scalar, got shape {tuple(y.shape)}")
+                        losses[mb] = y.detach()
+                    else:
+                        p2p.send((ACTIVATION, s, mb), y)
+                    stage_in[s, mb], stage_out[s, mb] = x, y
+                elif action.kind == "B":
+                    x, y = stage_in.pop((s, mb)), stage_out.pop((s, mb))
+                    dy = None if stage.is_last else p2p.recv((GRADIENT, s + 1, mb))
+                    x_grad = x if not stage.is_first else None
+                    if self.schedule.split_backward:
+                        dx, deferred[s, mb] = backward_input([y], [dy], x_grad, params[s])
+                    else:
+                        torch.autograd.backward([y], [dy])
+                        dx = x.grad if x_grad is not None else None
+                    if x_grad is not None:
+                        p2p.send((GRADIENT, s, mb), torch.zeros_like(x) if dx is None else dx)
+                else:
+                    backward_weight(deferred.pop((s, mb)))
+            p2p.finish()
+        if grad_sync is not None:
+            grad_sync.finish_grad_sync()
+        last_rank = self.schedule.rank_of(self.schedule.n_stages - 1)
+        src = dist.get_global_rank(self.group, last_rank) if self.group is not None else last_rank
+        dist.broadcast(losses, src=src, group=self.group)
+        return losses
+
+
+def build_pipeline(
+    model: PipelineModel,
+    config: PipelineConfig,
+    n_microbatches: int,
+    loss_fn: LossFn,
+    activation_shape: Sequence[int],
+    activation_dtype: torch.dtype,
+    group: dist.ProcessGroup | None = None,
+    seq_len: int | None = None,
+) -> Pipeline:
+    """Split ``model`` per ``config``, keep this rank's stages, and build the schedule.
+
+    ``seq_len`` is needed by the ``flops`` split policy. The model may be on the
+    meta device; materialise ``pipeline.module`` before the first step.
+    """
+    config.validate()
+    pp, rank = dist.get_world_size(group), dist.get_rank(group)
+    blocks = config.stage_blocks if config.stage_blocks is not None else config.split
+    split: StageSplit = split_model(model, pp, config.virtual_stages, blocks, seq_len)
+    stages = build_rank_stages(model, split, rank)
+    schedule = make_schedule(config.schedule, pp, config.virtual_stages, n_microbatches)
+    return Pipeline(stages, schedule, loss_fn, activation_shape, activation_dtype, group)
