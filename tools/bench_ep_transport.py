@@ -27,7 +27,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-
 from moe_ep_transport import EPConfig, EPDispatcher, make_transport, nvshmem_memory
 from moe_ep_transport.rowwise import slab_bytes_for
 
@@ -94,6 +93,51 @@ def _put_ceiling(transport, row_words: int, put_bytes: int, iters: int) -> float
     return n * row_words * 4 / (ms * 1e-3) / 1e9
 
 
+def _bench_case(cfg: EPConfig, transports: dict, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                kind: str, iters: int, ceiling: float) -> list[Row]:
+    """Bare NCCL, then each backend, on one routing."""
+    rank, row_bytes = dist.get_rank(), x.shape[1] * x.element_size()
+    probe = EPDispatcher(cfg, transports["all_to_all"])
+    with torch.no_grad():
+        _, _, handle = probe.dispatch(x, ids)
+    stats = probe.telemetry.pop()
+    route = handle.route
+    kept = sum(route.send_splits)
+    remote = kept - route.send_splits[rank]
+    payload = torch.randn(kept, x.shape[1], device=x.device).to(x.dtype)
+    back = torch.empty(sum(route.recv_splits), x.shape[1], device=x.device, dtype=x.dtype)
+
+    def nccl() -> None:
+        dist.all_to_all_single(back, payload, route.recv_splits, route.send_splits)
+        dist.all_to_all_single(payload, back, route.send_splits, route.recv_splits)
+
+    times = {"nccl": (_time(nccl, iters, 3), float("nan"))}
+    for name, transport in transports.items():
+        dispatcher = EPDispatcher(cfg, transport)
+
+        def both(d: EPDispatcher = dispatcher) -> None:
+            with torch.no_grad():
+                out, _, h = d.dispatch(x, ids)
+                d.combine(out, w, h)
+
+        def dispatch_only(d: EPDispatcher = dispatcher) -> None:
+            with torch.no_grad():
+                d.dispatch(x, ids)
+
+        times[name] = (_time(both, iters, 3), _time(dispatch_only, iters, 3))
+    return [
+        Row(
+            tokens=x.shape[0], routing=kind, backend=name,
+            payload_mib=kept * row_bytes / 2**20, remote_mib=remote * row_bytes / 2**20,
+            drop_rate=float(stats["drop_rate"]), load_imbalance=float(stats["load_imbalance"]),
+            ms=ms, dispatch_ms=dms, gbps=2 * kept * row_bytes / (ms * 1e-3) / 1e9,
+            x_nccl=times["nccl"][0] / ms,
+            pct_put_ceiling=100 * 2 * remote * row_bytes / (ms * 1e-3) / 1e9 / ceiling,
+        )
+        for name, (ms, dms) in times.items()
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="512,1024,2048,4096,8192,16384,32768")
@@ -103,7 +147,7 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--capacity-factor", type=float, default=1.25)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--put-mib", type=int, default=1024)
+    ap.add_argument("--put-mib", type=int, default=1024, help="size of the plain put (capped by a slab)")
     ap.add_argument("--out", default="ep_transport.json")
     args = ap.parse_args()
 
@@ -121,8 +165,8 @@ def main() -> None:
 
     # The symmetric heap holds the largest size's slabs (sizes are benchmarked one at a time).
     largest = slab_bytes_for(config(tokens[-1]), M, row_bytes)
-    nvshmem_memory.bootstrap(None, device, heap_bytes=2 * max(largest, args.put_mib << 20))
-    probe = make_transport("rowwise", EPConfig(E, k, tokens[-1], D, capacity_factor=args.capacity_factor), device=device)
+    nvshmem_memory.bootstrap(None, device, heap_bytes=2 * largest)
+    probe = make_transport("rowwise", config(tokens[-1]), device=device)
     ceiling = _put_ceiling(probe, row_bytes // 4, args.put_mib << 20, args.iters)
     probe.close()
 
@@ -135,43 +179,7 @@ def main() -> None:
         for kind in args.routing.split(","):
             ids = _routing(kind, T, E, k, rank, device)
             w = torch.softmax(torch.randn(T, k, device=device), dim=1)
-            probe_d = EPDispatcher(cfg, transports["all_to_all"])
-            with torch.no_grad():
-                _, _, handle = probe_d.dispatch(x, ids)
-            stats = probe_d.telemetry.pop()
-            route = handle.route
-            kept = sum(route.send_splits)
-            remote = kept - route.send_splits[rank]
-            payload = torch.randn(kept, D, device=device).to(dtype)
-            back = torch.empty(sum(route.recv_splits), D, device=device, dtype=dtype)
-
-            def nccl():
-                dist.all_to_all_single(back, payload, route.recv_splits, route.send_splits)
-                dist.all_to_all_single(payload, back, route.send_splits, route.recv_splits)
-
-            times = {"nccl": (_time(nccl, args.iters, 3), float("nan"))}
-            for name, transport in transports.items():
-                dispatcher = EPDispatcher(cfg, transport)
-
-                def both(d=dispatcher):
-                    with torch.no_grad():
-                        out, _, h = d.dispatch(x, ids)
-                        d.combine(out, w, h)
-
-                def dispatch_only(d=dispatcher):
-                    with torch.no_grad():
-                        d.dispatch(x, ids)
-
-                times[name] = (_time(both, args.iters, 3), _time(dispatch_only, args.iters, 3))
-            for name, (ms, dms) in times.items():
-                rows.append(Row(
-                    tokens=T, routing=kind, backend=name,
-                    payload_mib=kept * row_bytes / 2**20, remote_mib=remote * row_bytes / 2**20,
-                    drop_rate=float(stats["drop_rate"]), load_imbalance=float(stats["load_imbalance"]),
-                    ms=ms, dispatch_ms=dms, gbps=2 * kept * row_bytes / (ms * 1e-3) / 1e9,
-                    x_nccl=times["nccl"][0] / ms,
-                    pct_put_ceiling=100 * 2 * remote * row_bytes / (ms * 1e-3) / 1e9 / ceiling,
-                ))
+            rows += _bench_case(cfg, transports, x, ids, w, kind, args.iters, ceiling)
         transports["rowwise"].close()
 
     nvshmem_memory.finalize()
@@ -181,6 +189,7 @@ def main() -> None:
             "torch": torch.__version__,
             "ranks": M,
             "d_model": D, "experts": E, "top_k": k, "capacity_factor": args.capacity_factor,
+            "bytes_per_row": row_bytes,
             "put_ceiling_gbps_one_way": ceiling,
             "rows": [asdict(r) for r in rows],
         }

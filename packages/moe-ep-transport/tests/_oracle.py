@@ -58,7 +58,7 @@ def oracle(data: MoEData, keep: list[torch.Tensor]):
     ws = [w.clone().requires_grad_(True) for w in data.w]
     ys = []
     loss = 0
-    for x, ids, w, g, m in zip(xs, data.ids, ws, data.g, keep):
+    for x, ids, w, g, m in zip(xs, data.ids, ws, data.g, keep, strict=True):
         out = torch.tanh(torch.einsum("td,tkde->tke", x, W[ids]))
         y = (out * (w * m)[..., None]).sum(1)
         ys.append(y.detach())

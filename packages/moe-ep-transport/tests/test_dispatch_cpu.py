@@ -13,12 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from moe_testing import run_distributed
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _oracle import BytesCodec, all_gather_objects, assert_close, experts, make_data, oracle  # noqa: E402
-
 from moe_ep_transport import EPConfig, EPDispatcher, EPOverflowError, make_transport  # noqa: E402
 
 E, K, D = 8, 2, 16

@@ -13,12 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from moe_testing import run_distributed
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _oracle import BytesCodec  # noqa: E402
-
 from moe_ep_transport import EPConfig, EPDispatcher, EPOverflowError, make_transport, ops  # noqa: E402
 
 E, K, D, T = 64, 8, 1024, 2048

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-
 from moe_ep_transport.config import EPConfig
 from moe_ep_transport.overflow import counts_seed, dropped_window
 from moe_ep_transport.plan import local_counts, plan_routes
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 def _plans(expert_ids: list[torch.Tensor], n_experts: int, top_k: int, capacity: int, salt: int = 0):
@@ -27,10 +31,10 @@ def _reference_layout(expert_ids: list[torch.Tensor], n_experts: int):
     L = n_experts // M
     layout = {r: [] for r in range(M)}  # r -> list of (source, slot)
     for r in range(M):
-        for l in range(L):
+        for e in range(L):
             for s in range(M):
                 for i, g in enumerate(expert_ids[s].reshape(-1).tolist()):
-                    if g == r * L + l:
+                    if g == r * L + e:
                         layout[r].append((s, i))
     return layout
 
@@ -64,8 +68,8 @@ def test_dropless_layout_matches_loops(M: int, T: list[int]) -> None:
         expect_src = [s for s, _ in layout[r]] + [-1] * (capacity - n)
         assert plans[r].row_src_C.tolist() == expect_src
         sizes = torch.diff(plans[r].group_offsets_L, prepend=torch.zeros(1, dtype=torch.int32))
-        for l in range(L):
-            assert int(sizes[l]) == sum(int((e == r * L + l).sum()) for e in ids)
+        for e in range(L):
+            assert int(sizes[e]) == sum(int((i == r * L + e).sum()) for i in ids)
 
 
 def test_overflow_is_proportional_and_within_capacity() -> None:
@@ -174,3 +178,18 @@ def test_config_rejects_bad_fields() -> None:
         EPConfig(4, 2, 8, 16, overflow="truncate")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="divisible"):
         EPConfig(6, 2, 8, 16).local_experts(4)
+
+
+def test_bytes_per_row_reports_the_codec_width() -> None:
+    from _oracle import BytesCodec
+    from moe_ep_transport import EPDispatcher, bytes_per_row
+
+    class _Group:  # a transport stand-in: only the group shape is read
+        rank, world_size = 1, 2
+
+    cfg = EPConfig(8, 2, 16, 48)
+    plain = EPDispatcher(cfg, _Group())  # type: ignore[arg-type]
+    coded = EPDispatcher(cfg, _Group(), codec=BytesCodec())  # type: ignore[arg-type]
+    assert plain.bytes_per_row(torch.float32) == 48 * 4 == bytes_per_row(48, torch.float32)
+    assert coded.bytes_per_row(torch.float32) == 96 == bytes_per_row(48, torch.float32, BytesCodec())
+    assert (plain.expert_start, plain.n_local, plain.capacity) == (4, 4, 40)
