@@ -1,0 +1,61 @@
+"""The structural interfaces moe_optim consumes and produces.
+
+``GradSource`` is declared here, by the consumer (docs/ARCHITECTURE.md); moe_ddp's
+``MultiGroupDDP`` satisfies it without importing this package, and so does a
+plain list of tuples (the tests use one). ``Shard`` is what this package gives a
+checkpoint library: it satisfies moe_ckpt's ``ShardLike`` (the ``flat_offset``
+form) structurally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class GradSource(Protocol):
+    """Yields ``(name, param, main_grad_fp32, replica_group)`` per trainable parameter.
+
+    ``replica_group`` is the process group the parameter is replicated over
+    (``None``: not replicated). For a tensor sharded over its group of size ``G``
+    (see ``is_sharded``) only ``main_grad.reshape(G, -1)[r]`` must be valid on
+    rank ``r``; every other ``main_grad`` has the parameter's shape and holds the
+    fully reduced gradient. The tensors must stay the same objects across steps
+    (they are views of persistent buckets) and be reduced before ``step()``.
+    """
+
+    def __iter__(
+        self,
+    ) -> Iterator[tuple[str, nn.Parameter, torch.Tensor, dist.ProcessGroup | None]]: ...
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a rank's parameter sits in its logical (global) tensor.
+
+    Expert parallelism gives a rank a dim-0 slice of the stacked expert tensors;
+    ``dim0_offset`` is the slice's start. Dense parameters: the full shape, 0.
+    """
+
+    global_shape: tuple[int, ...]
+    dim0_offset: int = 0
+
+
+@dataclass
+class Shard:
+    """A contiguous run of a logical tensor's row-major flattening held by this rank.
+
+    ``local`` is 1-D and is the live optimizer tensor (loading fills it in place);
+    ``flat_offset`` is where it starts in the flattened ``global_shape``.
+    Replicas of the same region (EP-DP copies, replicated small tensors) describe
+    identical regions; a checkpoint writer keeps one of them.
+    """
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    flat_offset: int

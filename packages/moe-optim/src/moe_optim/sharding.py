@@ -1,0 +1,112 @@
+"""Per-tensor sharding of FP32 main weights and optimizer states over a replica group.
+
+Each eligible tensor is flattened and cut into ``G`` equal contiguous shards;
+rank ``r`` of the group owns shard ``r``. The mapping is local to one tensor, so
+update, weight rebuild and checkpoint offsets stay direct. Tensors that are small
+or whose element count ``G`` does not divide stay replicated: every rank of the
+group updates the whole tensor identically.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_optim.protocols import Placement
+
+
+def is_sharded(numel: int, group_size: int, min_shard_numel: int) -> bool:
+    """The rule moe_ddp applies too (a contract of docs/ARCHITECTURE.md, GradSource)."""
+    return group_size > 1 and numel % group_size == 0 and numel >= min_shard_numel
+
+
+@dataclass
+class TensorLayout:
+    """One parameter as seen by this rank: its group, its shard and its place globally."""
+
+    name: str
+    param: nn.Parameter
+    group: dist.ProcessGroup | None
+    group_size: int
+    rank: int  # in the replica group
+    sharded: bool
+    placement: Placement
+
+    @classmethod
+    def build(
+        cls,
+        name: str,
+        param: nn.Parameter,
+        group: dist.ProcessGroup | None,
+        min_shard_numel: int,
+        placement: Placement | None,
+    ) -> TensorLayout:
+        size, rank = 1, 0
+        if group is not None:
+            rank = dist.get_rank(group)
+            if rank < 0:
+                raise ValueError(f"replica group of parameter {name!r} does not contain this rank")
+            size = dist.get_world_size(group)
+        if not param.is_contiguous():
+            raise ValueError(f"parameter {name!r} is not contiguous; its compute weight is rebuilt in place")
+        placement = placement or Placement(tuple(param.shape))
+        _check_placement(name, tuple(param.shape), placement)
+        sharded = is_sharded(param.numel(), size, min_shard_numel)
+        return cls(name, param, group, size, rank, sharded, placement)
+
+    @property
+    def local_numel(self) -> int:
+        """Elements of the FP32 main weight this rank keeps."""
+        return self.param.numel() // self.group_size if self.sharded else self.param.numel()
+
+    @property
+    def start(self) -> int:
+        """Where this rank's part starts in the parameter's own flattening."""
+        return self.rank * self.local_numel if self.sharded else 0
+
+    @property
+    def flat_offset(self) -> int:
+        """Where this rank's part starts in the *logical* tensor's flattening."""
+        row = math.prod(self.param.shape[1:]) if self.param.ndim else 1
+        return self.placement.dim0_offset * row + self.start
+
+    def local_grad(self, main_grad: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a main grad, as a 1-D view."""
+        if main_grad.dtype != torch.float32:
+            raise ValueError(f"main grad of {self.name!r} is {main_grad.dtype}, expected torch.float32")
+        if main_grad.numel() != self.param.numel():
+            raise ValueError(
+                f"main grad of {self.name!r} has {main_grad.numel()} elements, "
+                f"the parameter {self.param.numel()}"
+            )
+        if self.sharded:
+            return main_grad.reshape(self.group_size, -1)[self.rank]
+        if main_grad.shape != self.param.shape:
+            raise ValueError(
+                f"main grad of {self.name!r} has shape {tuple(main_grad.shape)}, a sharded layout, "
+                "but the optimizer keeps this tensor replicated: min_shard_numel differs between "
+                "the gradient source and the optimizer"
+            )
+        return main_grad.reshape(-1)
+
+    def initial_main(self) -> torch.Tensor:
+        flat = self.param.detach().reshape(-1)
+        return flat[self.start : self.start + self.local_numel].to(torch.float32).clone()
+
+
+def _check_placement(name: str, shape: tuple[int, ...], placement: Placement) -> None:
+    glob = tuple(placement.global_shape)
+    ok = len(glob) == len(shape) and (
+        not shape
+        or (glob[1:] == shape[1:] and 0 <= placement.dim0_offset
+            and placement.dim0_offset + shape[0] <= glob[0])
+    )
+    if not ok or (not shape and placement.dim0_offset):
+        raise ValueError(
+            f"placement of {name!r} (global shape {glob}, dim-0 offset {placement.dim0_offset}) "
+            f"cannot hold its local shape {shape} as a dim-0 slice"
+        )
