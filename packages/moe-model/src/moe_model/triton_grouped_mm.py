@@ -54,10 +54,19 @@ _GPU_WGRAD = TileConfig(128, 256, 64, 8, 8, 3, False, False)
 _CPU = TileConfig(16, 16, 16, 2, 1, 1, False, False)
 
 
+_GPU = {"rows": _GPU_ROWS, "wgrad": _GPU_WGRAD}
+
+
 def default_config(kind: str, device: torch.device) -> TileConfig:
-    if device.type != "cuda":
-        return _CPU
-    return _GPU_ROWS if kind == "rows" else _GPU_WGRAD
+    """Tile configuration of kernel ``kind`` (``rows`` or ``wgrad``) on ``device``."""
+    return _GPU[kind] if device.type == "cuda" else _CPU
+
+
+def set_default_config(kind: str, config: TileConfig) -> None:
+    """Replace the GPU tile configuration of ``kind`` (e.g. with a tuned one)."""
+    if kind not in _GPU:
+        raise ValueError(f"kernel kind must be one of {sorted(_GPU)}, got {kind!r}")
+    _GPU[kind] = config
 
 
 def _kernels():  # noqa: ANN202 - the Triton module and its jitted kernels
