@@ -15,10 +15,9 @@ import io
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from moe_ddp import DDPConfig, MultiGroupDDP, is_sharded
 from moe_testing import run_distributed
+from torch import nn
 
 D_IN, HIDDEN, N_EXPERTS, TOKENS, MICRO = 9, 16, 4, 12, 3
 MIN_SHARD = 32

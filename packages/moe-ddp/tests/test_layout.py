@@ -1,7 +1,6 @@
 """Bucket planning: order, caps, owner-major regions, alignment."""
 
 import pytest
-
 from moe_ddp import ALIGN_NUMEL, ParamEntry, is_sharded, plan_buckets
 
 

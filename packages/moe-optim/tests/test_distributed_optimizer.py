@@ -19,8 +19,6 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from moe_optim import (
     AdamWConfig,
     Cosine,
@@ -32,6 +30,7 @@ from moe_optim import (
     Shard,
 )
 from moe_testing import run_distributed
+from torch import nn
 
 SHAPES: dict[str, tuple[int, ...]] = {
     "embed.weight": (10, 8),  # 80: sharded for D=2,4, replicated for D=3
@@ -121,7 +120,7 @@ class Grads:
             self.items.append([name, param, torch.zeros(shape), group, start, count, sharded])
 
     def fill(self, step: int, poison: bool = False) -> None:
-        for name, param, main_grad, group, start, count, sharded in self.items:
+        for name, _, main_grad, group, start, count, sharded in self.items:
             g = gradient(name, step)[start : start + count]
             if poison:
                 g = g.clone()

@@ -173,12 +173,15 @@ class DistributedOptimizer:
     def _read_grads(self) -> list[torch.Tensor]:
         grads = []
         for k, (name, param, main_grad, _) in enumerate(self._grads):
-            layout = self._layouts[k] if k < len(self._layouts) else None
-            if layout is None or layout.name != name or layout.param is not param:
-                raise ValueError(
-                    f"the gradient source changed: item {k} is {name!r}, expected "
-                    f"{layout.name if layout else 'no more items'!r}"
-                )
+            if k >= len(self._layouts):
+                raise ValueError(f"the gradient source yielded more than the {len(self._layouts)} "
+                                 "items it had at construction")
+            layout = self._layouts[k]
+            if layout.name != name:
+                raise ValueError(f"the gradient source changed: item {k} is {name!r}, expected {layout.name!r}")
+            if layout.param is not param:
+                raise ValueError(f"the gradient source changed: item {k} ({name!r}) is another "
+                                 "parameter object than at construction")
             grads.append(layout.local_grad(main_grad))
         if len(grads) != len(self._layouts):
             raise ValueError(f"the gradient source yielded {len(grads)} items, expected {len(self._layouts)}")
