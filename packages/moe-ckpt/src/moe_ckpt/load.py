@@ -1,10 +1,11 @@
 """Loading: any box or flat run of any stored tensor, verified, into the caller's tensors.
 
 Loading needs no collectives: each rank reads the manifest and the pieces that
-intersect its targets. Every piece read is checked against its CRC-32 before any
-of its bytes reach a target, and every target element must be covered by stored
-pieces, so a load either fills all targets with verified data or raises (a target
-may then hold some verified values: treat it as garbage after an error).
+intersect its targets. Every piece is checked against its CRC-32 and every target
+element must be covered by stored pieces, so a load either fills all targets with
+verified data or raises. A piece that lands whole in one CPU target is read
+straight into the target's memory and verified there, so after an error the
+targets hold unverified bytes: discard them.
 
 Reads run ahead of verification by up to ``max_inflight_bytes`` so tensorstore
 keeps the disk busy while pieces are hashed and copied by a thread pool.
@@ -21,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tensorstore as ts
 import torch
 
 from moe_ckpt import storage
 from moe_ckpt.boxes import Box
 from moe_ckpt.directory import is_partial_name
-from moe_ckpt.dtypes import from_numpy, itemsize, torch_dtype
+from moe_ckpt.dtypes import from_numpy, itemsize, to_numpy, torch_dtype
 from moe_ckpt.errors import (
     ChecksumError,
     CheckpointError,
@@ -44,6 +46,19 @@ class _PieceRead:
     record: TensorRecord
     piece: PieceRecord
     targets: list[tuple[Region, Box]]  # (target region, its intersection with the piece)
+
+    def direct_target(self) -> np.ndarray | None:
+        """The target memory itself when the whole piece goes to one CPU region.
+
+        Reading straight into it saves a copy; the checksum is then verified in
+        place (after an error, targets hold unverified bytes: see the module notes).
+        """
+        if len(self.targets) != 1:
+            return None
+        region, inter = self.targets[0]
+        if inter != self.piece.box or region.view.device.type != "cpu":
+            return None
+        return to_numpy(region.view.detach()[inter.slices(region.box)])
 
 
 def open_checkpoint(checkpoint_dir: str | os.PathLike) -> Manifest:
@@ -92,14 +107,16 @@ def _plan_reads(rec: TensorRecord, d: Described) -> list[_PieceRead]:
     return [reads[i] for i in sorted(reads)]
 
 
-def _apply(read: _PieceRead, data: np.ndarray, where: str) -> None:
-    """Verify one piece, then copy its intersections into the target views."""
+def _apply(read: _PieceRead, data: np.ndarray, direct: bool, where: str) -> None:
+    """Verify one piece, then copy its intersections into the target views (unless read there)."""
     rec, piece = read.record, read.piece
     if crc32(data) != piece.crc32:
         raise ChecksumError(
             f"tensor {rec.name!r}: checksum mismatch in the piece at {piece.box.offset} of "
             f"shape {piece.box.shape} (written by rank {piece.rank}; array {rec.key!r} {where})"
         )
+    if direct:
+        return
     src = from_numpy(data, rec.dtype)
     with torch.no_grad():  # grad mode is per thread: targets may be parameters
         for region, inter in read.targets:
@@ -129,20 +146,21 @@ def load(
     where = f"in the {manifest.kvstore} layout of {path}"
     ctx = storage.new_context()
     arrays: dict[str, Any] = {}
-    reading: deque[tuple[_PieceRead, Any, int]] = deque()
+    reading: deque[tuple[_PieceRead, Any, np.ndarray | None, int]] = deque()
     applying: deque[tuple[Future, int]] = deque()
     held_bytes = 0
 
     def read_done() -> None:
-        read, fut, nbytes = reading.popleft()
+        read, fut, direct, nbytes = reading.popleft()
         try:
-            data = fut.result()
+            value = fut.result()
         except Exception as e:  # noqa: BLE001 - name the tensor, keep the cause
             raise CheckpointError(
                 f"tensor {read.record.name!r}: reading the piece at {read.piece.box.offset} of "
                 f"shape {read.piece.box.shape} (array {read.record.key!r} {where}) failed: {e}"
             ) from e
-        applying.append((pool.submit(_apply, read, data, where), nbytes))
+        data = value if direct is None else direct
+        applying.append((pool.submit(_apply, read, data, direct is not None, where), nbytes))
 
     def apply_done() -> None:
         nonlocal held_bytes
@@ -161,7 +179,13 @@ def load(
                         f"tensor {rec.name!r}: cannot open array {rec.key!r} {where}: {e}"
                     ) from e
             nbytes = read.piece.box.volume * itemsize(rec.dtype)
-            reading.append((read, arrays[rec.name][read.piece.box.slices()].read(order="C"), nbytes))
+            source = arrays[rec.name][read.piece.box.slices()]
+            direct = read.direct_target()
+            if direct is None:
+                fut = source.read(order="C")
+            else:
+                fut = ts.array(direct, copy=False, write=True).write(source)
+            reading.append((read, fut, direct, nbytes))
             held_bytes += nbytes
             while held_bytes > max_inflight_bytes and len(reading) + len(applying) > 1:
                 if reading and not (applying and applying[0][0].done()):

@@ -193,7 +193,13 @@ def _write_mine(
     in_flight = []
     for name, items in by_name.items():
         array = opened[name].result()
-        writes = [array[box.slices()].write(data) for box, data in items]
+        # No copy into tensorstore: ``data`` stays untouched until this save returns
+        # (live tensors of a blocking save, or host buffers reused only by the next
+        # save) and nothing of this save's tensorstore context outlives it.
+        writes = [
+            array[box.slices()].write(data, can_reference_source_data_indefinitely=True)
+            for box, data in items
+        ]
         sums = [
             pool.submit(_piece_record, piece, data[piece.slices(box)], p.comm.rank)
             for box, data in items
