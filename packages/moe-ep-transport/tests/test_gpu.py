@@ -46,7 +46,7 @@ def _inputs(rank: int, skew: float, device):
     top = torch.topk(logits, K, dim=1)
     w = torch.softmax(top.values, dim=1)
     g = torch.randn(T, D, generator=gen)
-    scale = torch.linspace(0.5, 1.5, E // dist.get_world_size())
+    scale = torch.linspace(0.5, 1.5, E // dist.get_world_size()).to(torch.bfloat16)  # keeps rows BF16
     return [t.to(device) for t in (x, top.indices, w, g, scale)]
 
 
