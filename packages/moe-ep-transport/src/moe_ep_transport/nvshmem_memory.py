@@ -27,7 +27,7 @@ from moe_ep_transport.peer_memory import N_SLABS
 
 _HEAP_MARGIN = 256 << 20  # NVSHMEM's own symmetric state (barriers, teams) lives on the heap too
 
-_job: dict[str, Any] = {}  # the process's NVSHMEM job: {"ranks": global ranks, "device": index}
+_job: dict[str, Any] = {}  # the process's NVSHMEM job: {"ranks": global ranks of its PEs}
 
 
 class _StreamRef:
@@ -76,7 +76,7 @@ def bootstrap(group: dist.ProcessGroup | None, device: torch.device, heap_bytes:
     cuda_device = Device(device.index)
     cuda_device.set_current()
     nvshmem.init(device=cuda_device, uid=uid, rank=rank, nranks=nranks, initializer_method="uid")
-    _job.update(ranks=ranks, device=device.index)
+    _job.update(ranks=ranks)
     return nvshmem
 
 
