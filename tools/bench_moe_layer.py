@@ -171,6 +171,32 @@ def bench_layer(s: Shape, routing: str, backend: str, device: torch.device,
             "max_over_mean_load": (counts.max() / counts.mean()).item()}, ids
 
 
+def launch_overhead_us(device: torch.device, calls: int = 300) -> dict[str, float]:
+    """Host time per call of each backend's forward on a tiny GEMM (GPU time negligible)."""
+    import time
+
+    x = torch.randn(256, 256, device=device, dtype=torch.bfloat16)
+    w = torch.randn(8, 256, 256, device=device, dtype=torch.bfloat16).transpose(1, 2)
+    offs = torch.arange(32, 257, 32, device=device, dtype=torch.int32)
+    calls_by_name = {
+        "torch._grouped_mm": lambda: torch._grouped_mm(x, w, offs=offs),
+        "triton (custom op)": lambda: grouped_mm(x, w, offs, "triton"),
+        "triton (kernel wrapper)": lambda: rows_mm(x, w, offs),
+    }
+    out = {}
+    with torch.no_grad():
+        for name, fn in calls_by_name.items():
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            out[name] = (time.perf_counter() - start) / calls * 1e6
+    return out
+
+
 def run_benchmark(s: Shape, device: torch.device) -> list[dict]:
     rows = []
     for routing in ("balanced", "real", "skewed"):
@@ -315,12 +341,15 @@ def main() -> None:
         for kind, cfg in best_configs(out["sweep"]).items():
             set_default_config(kind, cfg)
     out["configs"] = {kind: asdict(default_config(kind, device)) for kind in ("rows", "wgrad")}
+    out["launch_overhead_us"] = launch_overhead_us(device)
     out["results"] = run_benchmark(shape, device)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     if args.sweep:
         print_sweep(out["sweep"])
         print(f"benchmark configs: {out['configs']}")
+    print("host time per forward call, tiny GEMM (us): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in out["launch_overhead_us"].items()))
     print_table(out["results"])
 
 

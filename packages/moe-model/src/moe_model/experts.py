@@ -31,9 +31,11 @@ BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 
 def grouped_mm_loop(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Reference: one matmul per expert; rows past ``offsets[-1]`` come out zero."""
-    bounds = [0, *offsets.tolist()]
-    parts = [x_RK[bounds[e]:bounds[e + 1]] @ w_EKN[e] for e in range(w_EKN.shape[0])]
-    parts.append(x_RK.new_zeros(x_RK.shape[0] - bounds[-1], w_EKN.shape[-1]))
+    ends = offsets.tolist()
+    sizes = [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+    pieces = torch.split(x_RK, [*sizes, x_RK.shape[0] - ends[-1]])  # one backward copy, not one per expert
+    parts = [piece @ w_EKN[e] for e, piece in enumerate(pieces[:-1])]
+    parts.append(x_RK.new_zeros(pieces[-1].shape[0], w_EKN.shape[-1]))
     return torch.cat(parts)
 
 

@@ -47,10 +47,11 @@ class TileConfig:
     use_tma: bool  # load the rows kernel's operands through tensor descriptors (TMA) where possible
 
 
-# Measured on H200 (tools/bench_moe_layer.py --sweep); CPU runs are the Triton
-# interpreter, where small tiles keep tests fast.
+# The fastest of tools/bench_moe_layer.py --sweep on H200 (triton 3.6) at the
+# bench-1gpu MoE shapes; CPU runs are the Triton interpreter, where small tiles keep
+# tests fast.
 _GPU_ROWS = TileConfig(128, 256, 64, 8, 8, 3, True, True)
-_GPU_WGRAD = TileConfig(128, 256, 64, 8, 8, 3, False, False)
+_GPU_WGRAD = TileConfig(128, 256, 32, 8, 8, 5, False, False)
 _CPU = TileConfig(16, 16, 16, 2, 1, 1, False, False)
 
 
