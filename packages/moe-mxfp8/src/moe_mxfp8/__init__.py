@@ -1,1 +1,54 @@
-"""moe_mxfp8"""
+"""moe_mxfp8: MXFP8 (OCP microscaling) formats, kernels, layers and weight caches.
+
+- ``quantize`` / ``dequantize``: E4M3 data with one E8M0 scale per 32 elements along
+  an axis, bit-identical to torchao's MX reference (floor scale rule); pure torch or
+  Triton kernels (``moe_mxfp8._triton``, imported only when used).
+- ``MXFP8Linear`` / ``MXFP8GroupedExperts``: drop-in modules holding the original
+  parameters, with MXFP8 forward and input-gradient GEMMs (exactly emulated on
+  Hopper) and MXFP8 weight caches derived from the weights.
+- ``apply_mxfp8`` swaps modules by name pattern; ``refresh_weight_caches`` is the
+  optimizer's weights-updated hook.
+- ``MXFP8RowCodec``: an MXFP8 payload for expert-parallel dispatch (``RowCodec``).
+"""
+
+from moe_mxfp8.apply import (
+    MXFP8Config,
+    apply_mxfp8,
+    mxfp8_modules,
+    name_matches,
+    refresh_weight_caches,
+)
+from moe_mxfp8.cache import MXFP8WeightCache
+from moe_mxfp8.codec import MXFP8RowCodec
+from moe_mxfp8.experts import MXFP8GroupedExperts
+from moe_mxfp8.format import (
+    BLOCK_SIZE,
+    MXFP8Tensor,
+    dequantize,
+    quantize,
+    quantize_dequantize,
+    quantize_rows_and_cols,
+    scale_to_float,
+)
+from moe_mxfp8.gemm import native_mx_available
+from moe_mxfp8.linear import MXFP8Linear
+
+__all__ = [
+    "BLOCK_SIZE",
+    "MXFP8Config",
+    "MXFP8GroupedExperts",
+    "MXFP8Linear",
+    "MXFP8RowCodec",
+    "MXFP8Tensor",
+    "MXFP8WeightCache",
+    "apply_mxfp8",
+    "dequantize",
+    "mxfp8_modules",
+    "name_matches",
+    "native_mx_available",
+    "quantize",
+    "quantize_dequantize",
+    "quantize_rows_and_cols",
+    "refresh_weight_caches",
+    "scale_to_float",
+]

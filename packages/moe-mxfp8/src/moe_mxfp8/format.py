@@ -81,7 +81,7 @@ def _triton_importable() -> bool:
     return True
 
 
-def _use_triton(t: torch.Tensor, backend: str) -> bool:
+def uses_triton(t: torch.Tensor, backend: str) -> bool:
     _check_backend(backend)
     if backend == "triton":
         return True
@@ -183,7 +183,7 @@ def quantize(
     _check_input(x, "x")
     _check_block_size(block_size)
     axis = _norm_axis(axis, x.dim(), "x")
-    if _use_triton(x, backend):
+    if uses_triton(x, backend):
         from moe_mxfp8._triton import quantize_along
 
         return quantize_along(x, axis, block_size)
@@ -220,7 +220,7 @@ def dequantize(
     axis = _check_pair(data, scales, axis, block_size)
     if dtype not in _INPUT_DTYPES:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-    if _use_triton(data, backend):
+    if uses_triton(data, backend):
         from moe_mxfp8._triton import dequantize_along
 
         return dequantize_along(data, scales, axis, block_size, dtype)
@@ -239,7 +239,7 @@ def quantize_rows_and_cols(
     _check_block_size(block_size)
     if x.dim() < 2:
         raise ValueError(f"x must have at least 2 dims for two orientations, got {x.dim()}")
-    if _use_triton(x, backend):
+    if uses_triton(x, backend):
         from moe_mxfp8._triton import quantize_both
 
         (rd, rs), (cd, cs) = quantize_both(x, block_size)
@@ -267,7 +267,7 @@ def quantize_dequantize(
     _check_input(x, "x")
     _check_block_size(block_size)
     axis = x.dim() - 1
-    if _use_triton(x, backend):
+    if uses_triton(x, backend):
         from moe_mxfp8._triton import quantize_dequantize_rows
 
         deq, pair = quantize_dequantize_rows(x, dtype, keep_mxfp8, block_size)

@@ -1,0 +1,96 @@
+"""Swap a model's modules for MXFP8 ones by name pattern, and refresh their caches.
+
+Structural: an ``nn.Linear`` becomes ``MXFP8Linear``; any module with parameters
+``w1``, ``w3``, ``w2`` (grouped experts) becomes ``MXFP8GroupedExperts``. The new
+modules hold the same ``nn.Parameter`` objects under the same names, so parameter
+names, optimizer state, gradient buckets and checkpoints are untouched.
+
+Order in a training setup: build, initialise and partition the model (expert
+narrowing replaces parameters), ``apply_mxfp8``, wrap for data parallelism, build
+the optimizer, then register ``lambda: refresh_weight_caches(model)`` as its
+weights-updated hook and call it once (wrapping may move parameter storage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from moe_mxfp8.experts import MXFP8GroupedExperts
+from moe_mxfp8.linear import GEMMS, MXFP8Linear
+
+
+@dataclass
+class MXFP8Config:
+    targets: tuple[str, ...] = ("experts",)  # module-name globs; each matches any dotted suffix
+    save_mxfp8_activations: bool = False  # keep tensors saved for backward in MXFP8
+    gemm: str = "emulated"  # dense layers: emulated | native (sm_100 only); experts: emulated
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if isinstance(self.targets, str) or not all(isinstance(t, str) and t for t in self.targets):
+            raise ValueError(f"MXFP8Config.targets must be a tuple of non-empty globs, got {self.targets!r}")
+        if self.gemm not in GEMMS:
+            raise ValueError(f"MXFP8Config.gemm must be one of {GEMMS}, got {self.gemm!r}")
+
+
+def name_matches(fqn: str, pattern: str) -> bool:
+    """True when ``pattern`` matches ``fqn`` or one of its dotted suffixes.
+
+    ``"experts"`` matches ``blocks.0.mlp.experts``; ``"attn.w?"`` matches
+    ``blocks.3.attn.wq``; ``"blocks.0.*"`` matches everything under block 0.
+    """
+    parts = fqn.split(".")
+    return any(fnmatchcase(".".join(parts[i:]), pattern) for i in range(len(parts)))
+
+
+def _is_grouped_experts(module: nn.Module) -> bool:
+    params = dict(module.named_parameters(recurse=False))
+    return all(n in params and params[n].dim() == 3 for n in ("w1", "w3", "w2"))
+
+
+def mxfp8_modules(model: nn.Module) -> Iterator[tuple[str, MXFP8Linear | MXFP8GroupedExperts]]:
+    for name, module in model.named_modules():
+        if isinstance(module, (MXFP8Linear, MXFP8GroupedExperts)):
+            yield name, module
+
+
+def apply_mxfp8(model: nn.Module, config: MXFP8Config | None = None) -> list[str]:
+    """Replace every matching ``nn.Linear`` / grouped-experts module in place.
+
+    Returns the names replaced (empty when nothing matched, e.g. a pipeline stage
+    without MoE layers). Modules that match but are of neither kind are left alone.
+    """
+    config = config or MXFP8Config()
+    config.validate()
+    replaced = []
+    for fqn, module in list(model.named_modules()):
+        if not fqn or isinstance(module, (MXFP8Linear, MXFP8GroupedExperts)):
+            continue
+        if not any(name_matches(fqn, t) for t in config.targets):
+            continue
+        if isinstance(module, nn.Linear):
+            new: nn.Module = MXFP8Linear.from_module(module, config.save_mxfp8_activations,
+                                                    config.gemm)
+        elif _is_grouped_experts(module):
+            new = MXFP8GroupedExperts.from_module(module, config.save_mxfp8_activations)
+        else:
+            continue
+        parent_name, _, child = fqn.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, new)
+        replaced.append(fqn)
+    return replaced
+
+
+def refresh_weight_caches(model: nn.Module) -> int:
+    """Re-derive every MXFP8 weight cache in ``model`` (the weights-updated hook); returns the count."""
+    count = 0
+    for _, module in mxfp8_modules(model):
+        module.refresh_weight_cache()
+        count += 1
+    return count

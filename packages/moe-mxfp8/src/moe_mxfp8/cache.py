@@ -1,0 +1,62 @@
+"""Derived MXFP8 copies of a weight, in the two orientations its GEMMs reduce over.
+
+The weight (a parameter the optimizer owns, rebuilt each step from the FP32 main
+weight) stays the only source of truth. The cache is a pure function of it:
+``refresh()`` re-quantizes the weight rounded to BF16, so a layer sees the same
+MXFP8 values whether the optimizer keeps BF16 compute weights or FP32 parameters.
+Nothing ever updates the cache on its own. ``check_fresh()`` catches a cache that
+was not refreshed after the weight changed (an optimizer step, a checkpoint load,
+a device move) by comparing the weight's storage and version counter with those
+recorded at the last refresh; the layers call it on every forward.
+
+Orientation, for a weight stored ``[..., out, in]``: ``rows`` is blocked along the
+last dim (the forward GEMM reduces over ``in``), ``cols`` along dim -2 (the
+input-gradient GEMM reduces over ``out``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_mxfp8.format import BLOCK_SIZE, MXFP8Tensor, quantize_rows_and_cols
+
+CACHE_SOURCE_DTYPE = torch.bfloat16  # the compute-weight dtype the cache is derived from
+
+
+class MXFP8WeightCache:
+    """MXFP8 ``rows``/``cols`` of ``cat(params, dim=-2)`` (one param, or e.g. gate and up)."""
+
+    def __init__(self, params: tuple[nn.Parameter, ...], block_size: int = BLOCK_SIZE) -> None:
+        if not params:
+            raise ValueError("MXFP8WeightCache needs at least one parameter")
+        self.params = params
+        self.block_size = block_size
+        self.rows: MXFP8Tensor | None = None
+        self.cols: MXFP8Tensor | None = None
+        self._stamp: tuple[tuple[int, int, torch.device], ...] = ()
+        self.refresh()
+
+    def _current_stamp(self) -> tuple[tuple[int, int, torch.device], ...]:
+        return tuple((p.data_ptr(), p._version, p.device) for p in self.params)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Re-derive both orientations from the current weight values."""
+        ps = [p.detach().to(CACHE_SOURCE_DTYPE) for p in self.params]
+        weight = ps[0] if len(ps) == 1 else torch.cat(ps, dim=-2)
+        self.rows, self.cols = quantize_rows_and_cols(weight, self.block_size)
+        self._stamp = self._current_stamp()
+
+    def check_fresh(self, owner: str) -> None:
+        """Raise if a parameter changed (values, storage or device) since the last refresh."""
+        if self._current_stamp() != self._stamp:
+            raise RuntimeError(
+                f"{owner}: the weights changed since the MXFP8 weight cache was built; call "
+                "refresh_weight_cache() after every weight update (register "
+                "moe_mxfp8.refresh_weight_caches as the optimizer's weights-updated hook)"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes + self.cols.nbytes

@@ -1,0 +1,173 @@
+"""MXFP8GroupedExperts: routed SwiGLU experts whose grouped GEMMs read MXFP8 operands.
+
+Shape legend: R dispatched rows (expert-major), E local experts, D d_model,
+F expert hidden, 2F gate and up side by side.
+Weights, as in the model they replace: ``w1 [E,F,D]`` (gate), ``w3 [E,F,D]`` (up),
+``w2 [E,D,F]`` (down); ``forward(rows[R,D], group_offsets[E] int32 cumulative ends)``.
+
+Per layer, with every GEMM accumulating in FP32:
+- forward: ``h13 = rows @ w13^T`` (one grouped GEMM for gate and up; ``w13`` is
+  ``cat(w1, w3)`` along F, a cache layout only), ``h = silu(h1) * h3``,
+  ``y = h @ w2^T``; ``rows`` and ``h`` quantized along their reduction dim (D, F),
+  the weights from the caches' ``rows`` orientation.
+- input gradients: ``dh = dy @ w2`` and ``drows = dh13 @ w13`` with ``dy``/``dh13``
+  quantized along D/2F and the weights from the caches' ``cols`` orientation.
+- weight gradients ``dw = dy^T @ x`` per expert in the compute dtype (not quantized).
+
+``save_mxfp8_activations`` keeps the tensors saved for backward in MXFP8: ``rows``
+and ``h`` in the form the forward GEMMs already used, and the SwiGLU input ``h13``
+quantized once more; otherwise ``rows`` and ``h13`` are kept in the compute dtype
+and ``h`` is recomputed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_mxfp8.cache import MXFP8WeightCache
+from moe_mxfp8.format import MXFP8Tensor, quantize, quantize_dequantize
+from moe_mxfp8.gemm import carrier_dtype, compute_dtype, grouped_mm, grouped_weight_grad
+
+_CARRIED_ATTRS = (bool, int, float, str, type(None))
+
+
+class _MXFP8ExpertsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, rows_RD: torch.Tensor, offsets_E: torch.Tensor, w1: torch.Tensor,
+                w3: torch.Tensor, w2: torch.Tensor, layer: MXFP8GroupedExperts,
+                dtype: torch.dtype) -> torch.Tensor:
+        carrier = carrier_dtype(dtype)
+        keep = layer.save_mxfp8_activations
+        w13, w2c = layer.w13_cache, layer.w2_cache
+        rows_deq, rows_mx = quantize_dequantize(rows_RD, carrier, keep_mxfp8=keep)
+        h13_R2F = grouped_mm(rows_deq, w13.rows.dequantize(carrier).transpose(-2, -1),
+                             offsets_E).to(dtype)
+        h_RF = _swiglu(h13_R2F)
+        h_deq, h_mx = quantize_dequantize(h_RF, carrier, keep_mxfp8=keep)
+        y_RD = grouped_mm(h_deq, w2c.rows.dequantize(carrier).transpose(-2, -1), offsets_E)
+        if keep:
+            h13_mx = MXFP8Tensor(*quantize(h13_R2F), axis=1)
+            saved = (rows_mx, h13_mx, h_mx)
+            ctx.save_for_backward(offsets_E, *(t for mx in saved for t in (mx.data, mx.scales)))
+        else:
+            ctx.save_for_backward(offsets_E, rows_RD, h13_R2F)
+        # The backward uses the weight copies this forward saw, whatever happens in between.
+        ctx.w13_cols, ctx.w2_cols = w13.cols, w2c.cols
+        ctx.keep, ctx.dtype = keep, dtype
+        ctx.param_dtypes = (w1.dtype, w3.dtype, w2.dtype)
+        return y_RD.to(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dy_RD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        dtype = ctx.dtype
+        carrier = carrier_dtype(dtype)
+        offsets_E, *saved = ctx.saved_tensors
+        if ctx.keep:
+            rows_RD, h13_R2F, h_RF = (MXFP8Tensor(saved[i], saved[i + 1], axis=1).dequantize(dtype)
+                                      for i in (0, 2, 4))
+        else:
+            rows_RD, h13_R2F = saved
+            h_RF = _swiglu(h13_R2F)
+        dy_RD = dy_RD.to(dtype)
+        dy_deq, _ = quantize_dequantize(dy_RD, carrier)
+        dh_RF = grouped_mm(dy_deq, ctx.w2_cols.dequantize(carrier), offsets_E)
+        dh13_R2F = _swiglu_backward(h13_R2F, dh_RF).to(dtype)
+        drows = None
+        if ctx.needs_input_grad[0]:
+            dh13_deq, _ = quantize_dequantize(dh13_R2F, carrier)
+            drows = grouped_mm(dh13_deq, ctx.w13_cols.dequantize(carrier), offsets_E).to(dtype)
+        dw1 = dw3 = dw2 = None
+        if any(ctx.needs_input_grad[2:5]):
+            hidden = h13_R2F.shape[1] // 2
+            dw13 = grouped_weight_grad(dh13_R2F, rows_RD, offsets_E)
+            dw1 = dw13[:, :hidden].to(ctx.param_dtypes[0])
+            dw3 = dw13[:, hidden:].to(ctx.param_dtypes[1])
+            dw2 = grouped_weight_grad(dy_RD, h_RF, offsets_E).to(ctx.param_dtypes[2])
+        return drows, None, dw1, dw3, dw2, None, None
+
+
+def _swiglu(h13_R2F: torch.Tensor) -> torch.Tensor:
+    h1, h3 = h13_R2F.chunk(2, dim=-1)
+    return F.silu(h1) * h3
+
+
+def _swiglu_backward(h13_R2F: torch.Tensor, dh_RF: torch.Tensor) -> torch.Tensor:
+    """Gradients of ``silu(h1) * h3`` w.r.t. ``[h1, h3]``, computed in FP32."""
+    h1, h3 = (t.float() for t in h13_R2F.chunk(2, dim=-1))
+    dh = dh_RF.float()
+    sig = torch.sigmoid(h1)
+    dh1 = dh * h3 * sig * (1 + h1 * (1 - sig))
+    dh3 = dh * h1 * sig
+    return torch.cat([dh1, dh3], dim=-1)
+
+
+class MXFP8GroupedExperts(nn.Module):
+    """Grouped SwiGLU experts on MXFP8 GEMMs, holding the given ``w1``/``w3``/``w2``."""
+
+    def __init__(self, w1: nn.Parameter, w3: nn.Parameter, w2: nn.Parameter,
+                 save_mxfp8_activations: bool = False) -> None:
+        super().__init__()
+        if w1.dim() != 3 or w1.shape != w3.shape:
+            raise ValueError(
+                f"w1 and w3 must both be [E, F, D], got {tuple(w1.shape)} and {tuple(w3.shape)}"
+            )
+        E, F_, D = w1.shape
+        if tuple(w2.shape) != (E, D, F_):
+            raise ValueError(f"w2 must be [E, D, F] = {(E, D, F_)}, got {tuple(w2.shape)}")
+        self.w1, self.w3, self.w2 = w1, w3, w2
+        self.save_mxfp8_activations = save_mxfp8_activations
+        self.w13_cache = MXFP8WeightCache((w1, w3))
+        self.w2_cache = MXFP8WeightCache((w2,))
+
+    @classmethod
+    def from_module(cls, experts: nn.Module,
+                    save_mxfp8_activations: bool = False) -> MXFP8GroupedExperts:
+        """Take over a grouped-experts module's own ``w1``/``w3``/``w2`` parameters.
+
+        Any module with those three parameters qualifies (matched by structure, no
+        import of the model package). Its public plain attributes (e.g. the expert
+        range ``expert_start``/``n_local``) are carried over so code reading them keeps
+        working. Narrow expert ranges before converting.
+        """
+        params = dict(experts.named_parameters(recurse=False))
+        missing = [n for n in ("w1", "w3", "w2") if n not in params]
+        if missing:
+            raise TypeError(
+                f"{type(experts).__name__} has no parameter(s) {missing}; expected w1, w3, w2"
+            )
+        layer = cls(params["w1"], params["w3"], params["w2"], save_mxfp8_activations)
+        for name, value in vars(experts).items():
+            if not name.startswith("_") and name != "training" and isinstance(value, _CARRIED_ATTRS):
+                setattr(layer, name, value)
+        return layer
+
+    def refresh_weight_cache(self) -> None:
+        """Re-derive the MXFP8 weight copies; call after every weight update."""
+        self.w13_cache.refresh()
+        self.w2_cache.refresh()
+
+    def forward(self, rows_RD: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
+        D = self.w1.shape[-1]
+        if rows_RD.dim() != 2 or rows_RD.shape[1] != D:
+            raise ValueError(f"rows must be [R, {D}], got {tuple(rows_RD.shape)}")
+        if group_offsets.shape != (self.w1.shape[0],) or group_offsets.dtype != torch.int32:
+            raise ValueError(
+                f"group_offsets must be int32 [{self.w1.shape[0]}], got {group_offsets.dtype} "
+                f"{tuple(group_offsets.shape)}"
+            )
+        name = type(self).__name__
+        self.w13_cache.check_fresh(name)
+        self.w2_cache.check_fresh(name)
+        dtype = compute_dtype(rows_RD)
+        with torch.autocast(rows_RD.device.type, enabled=False):
+            return _MXFP8ExpertsFn.apply(rows_RD.to(dtype), group_offsets, self.w1, self.w3,
+                                         self.w2, self, dtype)
+
+    def extra_repr(self) -> str:
+        E, F_, D = self.w1.shape
+        return (f"experts={E}, d_model={D}, hidden={F_}, "
+                f"save_mxfp8_activations={self.save_mxfp8_activations}")

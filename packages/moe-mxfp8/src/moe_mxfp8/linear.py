@@ -1,0 +1,130 @@
+"""MXFP8Linear: ``nn.Linear`` with MXFP8 forward and input-gradient GEMMs.
+
+Shape legend: M rows (all leading dims flattened), K in_features, N out_features.
+
+- forward ``y = x @ w^T``: ``x`` quantized along K, ``w`` from the cache's ``rows``.
+- input gradient ``dx = dy @ w``: ``dy`` quantized along N, ``w`` from the cache's
+  ``cols`` (blocked along N).
+- weight gradient ``dw = dy^T @ x`` in the compute dtype (BF16 in training), not
+  quantized: it feeds the optimizer directly.
+All three accumulate in FP32. ``save_mxfp8_input`` keeps ``x`` for the weight
+gradient in its MXFP8 form (already computed for the forward) instead of in the
+compute dtype: about half the saved bytes, at the cost of a quantized ``x`` in ``dw``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from moe_mxfp8.cache import MXFP8WeightCache
+from moe_mxfp8.format import MXFP8Tensor, quantize, quantize_dequantize
+from moe_mxfp8.gemm import carrier_dtype, compute_dtype, native_mx_available, native_mx_mm
+
+GEMMS = ("emulated", "native")
+
+
+class _MXFP8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x_MK: torch.Tensor, weight: torch.Tensor, layer: MXFP8Linear,
+                dtype: torch.dtype) -> torch.Tensor:
+        cache = layer.weight_cache
+        carrier = carrier_dtype(dtype)
+        if layer.gemm == "native":
+            x_mx = MXFP8Tensor(*quantize(x_MK), axis=1)
+            y_MN = native_mx_mm(x_mx, cache.rows, dtype)
+        else:
+            x_deq, x_mx = quantize_dequantize(x_MK, carrier, keep_mxfp8=layer.save_mxfp8_input)
+            y_MN = (x_deq @ cache.rows.dequantize(carrier).t()).to(dtype)
+        if layer.save_mxfp8_input:
+            ctx.save_for_backward(x_mx.data, x_mx.scales)
+        else:
+            ctx.save_for_backward(x_MK)
+        # The backward uses the weight copy this forward saw, whatever happens in between.
+        ctx.layer, ctx.dtype, ctx.w_cols = layer, dtype, cache.cols
+        return y_MN
+
+    @staticmethod
+    def backward(ctx: Any, dy_MN: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        layer, dtype, w_cols = ctx.layer, ctx.dtype, ctx.w_cols
+        carrier = carrier_dtype(dtype)
+        dy_MN = dy_MN.to(dtype)
+        if layer.save_mxfp8_input:
+            data, scales = ctx.saved_tensors
+            x_MK = MXFP8Tensor(data, scales, axis=1).dequantize(dtype)
+        else:
+            (x_MK,) = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            if layer.gemm == "native":
+                dy_mx = MXFP8Tensor(*quantize(dy_MN), axis=1)
+                w_KN = MXFP8Tensor(w_cols.data.t().contiguous(), w_cols.scales.t().contiguous(),
+                                   axis=1)
+                dx = native_mx_mm(dy_mx, w_KN, dtype)
+            else:
+                dy_deq, _ = quantize_dequantize(dy_MN, carrier)
+                dx = (dy_deq @ w_cols.dequantize(carrier)).to(dtype)
+        if ctx.needs_input_grad[1]:
+            dw = (dy_MN.t() @ x_MK).to(layer.weight.dtype)
+        return dx, dw, None, None
+
+
+class MXFP8Linear(nn.Module):
+    """A linear layer whose GEMMs read MXFP8 operands; holds the same ``weight``/``bias``."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None,
+                 save_mxfp8_input: bool = False, gemm: str = "emulated") -> None:
+        super().__init__()
+        if weight.dim() != 2:
+            raise ValueError(f"MXFP8Linear weight must be 2-D [out, in], got {tuple(weight.shape)}")
+        if gemm not in GEMMS:
+            raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+        if gemm == "native":
+            if not native_mx_available(weight.device):
+                raise ValueError(
+                    "gemm='native' needs a CUDA device of compute capability 10.x "
+                    f"(block-scaled tensor cores); weight is on {weight.device}"
+                )
+            if weight.shape[0] % 32 or weight.shape[1] % 32:
+                raise ValueError(
+                    f"gemm='native' needs both weight dims divisible by 32, got {tuple(weight.shape)}"
+                )
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.weight = weight
+        self.bias = bias
+        self.save_mxfp8_input = save_mxfp8_input
+        self.gemm = gemm
+        self.weight_cache = MXFP8WeightCache((weight,))
+
+    @classmethod
+    def from_module(cls, linear: nn.Linear, save_mxfp8_input: bool = False,
+                    gemm: str = "emulated") -> MXFP8Linear:
+        """Wrap an ``nn.Linear``'s own parameters (same objects, same names)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
+        return cls(linear.weight, linear.bias, save_mxfp8_input, gemm)
+
+    def refresh_weight_cache(self) -> None:
+        """Re-derive the MXFP8 weight copies; call after every weight update."""
+        self.weight_cache.refresh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"MXFP8Linear expects inputs [..., {self.in_features}], got {tuple(x.shape)}"
+            )
+        self.weight_cache.check_fresh(type(self).__name__)
+        dtype = compute_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            y = _MXFP8LinearFn.apply(x.reshape(-1, self.in_features).to(dtype), self.weight, self,
+                                     dtype)
+            if self.bias is not None:
+                y = y + self.bias.to(dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, gemm={self.gemm}, "
+                f"save_mxfp8_input={self.save_mxfp8_input}")

@@ -1,0 +1,140 @@
+"""Triton kernel cases, run by test_triton_interpret.py in a child process.
+
+The child sets ``TRITON_INTERPRET=1`` before Triton is imported, so the kernels run
+on CPU tensors; the parent's Triton (and any GPU test in it) never sees the
+variable. Prints one JSON object: case name -> number of mismatching elements
+(or an error string).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from moe_mxfp8 import (  # noqa: E402
+    MXFP8RowCodec,
+    dequantize,
+    quantize,
+    quantize_dequantize,
+    quantize_rows_and_cols,
+)
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+SHAPES = {"37x77": (37, 77), "5x3x45": (5, 3, 45), "3x33x65": (3, 33, 65), "64x96": (64, 96)}
+
+
+def sample(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Random rows over many magnitudes with special values sprinkled in."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    if dtype == torch.float16:
+        x = x * torch.exp2(torch.randint(-20, 12, (*shape[:-1], 1), generator=g).float())
+    else:
+        x = x * torch.exp2(torch.randint(-140, 120, (*shape[:-1], 1), generator=g).float())
+    flat = x.view(-1)
+    flat[:40] = 0.0
+    flat[41] = -0.0
+    flat[50] = 6e4 if dtype == torch.float16 else 1e30
+    flat[60:70] = torch.randn(10, generator=g) * (1e-6 if dtype == torch.float16 else 1e-40)
+    flat[100] = float("inf")
+    flat[130] = float("nan")
+    flat[200:240] = 448.0
+    flat[300] = -float("inf")
+    return x.to(dtype)
+
+
+def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return -1
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    both_nan = a.float().isnan() & b.float().isnan()
+    return int(((a.view(as_int) != b.view(as_int)) & ~both_nan).sum())
+
+
+def cases():
+    for sname, shape in SHAPES.items():
+        for dname, dtype in DTYPES.items():
+            x = sample(shape, dtype)
+            for axis in range(len(shape)):
+                def q(x=x, axis=axis):
+                    (d, s), (rd, rs) = quantize(x, axis, backend="triton"), quantize(x, axis, backend="torch")
+                    return mismatches(d, rd) + mismatches(s, rs)
+
+                def dq(x=x, axis=axis, dtype=dtype):
+                    d, s = quantize(x, axis, backend="torch")
+                    return sum(mismatches(dequantize(d, s, axis, dtype=o, backend="triton"),
+                                          dequantize(d, s, axis, dtype=o, backend="torch"))
+                               for o in DTYPES.values())
+
+                yield f"quantize/{sname}/{dname}/axis{axis}", q
+                yield f"dequantize/{sname}/{dname}/axis{axis}", dq
+
+            def both(x=x):
+                got, ref = quantize_rows_and_cols(x, backend="triton"), quantize_rows_and_cols(x, backend="torch")
+                return sum(mismatches(getattr(g, f), getattr(r, f))
+                           for g, r in zip(got, ref) for f in ("data", "scales"))
+
+            def qdq(x=x):
+                total = 0
+                for o in DTYPES.values():
+                    (dg, mg), (dr, mr) = (quantize_dequantize(x, o, keep_mxfp8=True, backend=b)
+                                          for b in ("triton", "torch"))
+                    total += mismatches(dg, dr) + mismatches(mg.data, mr.data) + mismatches(mg.scales, mr.scales)
+                return total
+
+            yield f"both/{sname}/{dname}", both
+            yield f"quantize_dequantize/{sname}/{dname}", qdq
+
+    def block16():
+        x = sample((9, 50), torch.bfloat16, seed=1)
+        total = 0
+        for axis in (0, 1):
+            (d, s), (rd, rs) = (quantize(x, axis, 16, backend=b) for b in ("triton", "torch"))
+            total += mismatches(d, rd) + mismatches(s, rs)
+            total += mismatches(dequantize(d, s, axis, 16, backend="triton"),
+                                dequantize(d, s, axis, 16, backend="torch"))
+        return total
+
+    def codec():
+        total = 0
+        for D in (64, 70, 2):
+            x = sample((13, D), torch.bfloat16, seed=D) if D >= 64 else torch.randn(13, D).bfloat16()
+            packed_t = MXFP8RowCodec(backend="triton").encode(x)
+            packed_r = MXFP8RowCodec(backend="torch").encode(x)
+            # The data bytes compare as E4M3 (NaN is NaN whatever its sign), scales as bytes.
+            total += mismatches(packed_t[:, :D].view(torch.float8_e4m3fn),
+                                packed_r[:, :D].view(torch.float8_e4m3fn))
+            total += mismatches(packed_t[:, D:], packed_r[:, D:])
+            for o in DTYPES.values():
+                total += mismatches(MXFP8RowCodec(backend="triton").decode(packed_r, o),
+                                    MXFP8RowCodec(backend="torch").decode(packed_r, o))
+        return total
+
+    def empty():
+        x = torch.zeros(0, 40)
+        d, s = quantize(x, backend="triton")
+        return int(d.shape != (0, 40) or s.shape != (0, 2))
+
+    yield "block_size_16", block16
+    yield "codec", codec
+    yield "empty", empty
+
+
+def main() -> None:
+    results = {}
+    for name, fn in cases():
+        try:
+            results[name] = fn()
+        except Exception:  # noqa: BLE001 - reported to the parent test
+            results[name] = traceback.format_exc()
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
