@@ -10,12 +10,12 @@ warning rather than the run.
 Record fields (one JSON object per optimizer step; absent means not measured):
 ``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s`` (all ranks),
 ``step_time_s``, ``skipped`` (non-finite loss or gradient: no update),
-``lb_loss`` / ``z_loss`` (per MoE layer and token, as weighted in the
-objective; ``z_loss`` null when the model computes none), ``expert_load_imbalance``
-(worst layer's max/mean tokens per expert), ``dropped_token_rate`` (routed slots
-no expert processed), on GPU ``mfu`` and ``peak_mem_gib``, and every
-``metrics.expert_load_every`` steps ``expert_load`` (tokens per expert, one list
-per MoE layer). Non-finite floats are written as ``null``.
+``lb_loss`` / ``z_loss`` (unweighted, per token, averaged over MoE layers; a
+uniform load gives ``lb_loss`` 1), ``expert_load_imbalance`` (worst layer's
+max/mean tokens per expert), ``dropped_token_rate`` (routed slots
+no expert processed), on GPU ``mfu`` and ``peak_mem_gib``, and at step 1 and
+every ``metrics.expert_load_every`` steps ``expert_load`` (tokens per expert, one
+list per MoE layer). Non-finite floats are written as ``null``.
 """
 
 from __future__ import annotations

@@ -3,21 +3,22 @@
 What the app needs from a MoE layer (declared here, by the consumer): a
 ``pop_step_stats()`` returning device tensors accumulated since the last call,
 
-- ``tokens_per_expert`` ``[E]`` int: routed (token, slot) pairs per expert (required);
-- ``lb_loss_sum`` scalar: the weighted load-balancing loss in token-sum form;
-- ``z_loss_sum`` scalar (optional): the weighted router z-loss in token-sum form;
-- ``dropped_per_expert`` ``[E]`` int (optional): slots no expert processed.
-  Absent means the layer's dispatcher drops nothing (the local dropless path).
+- ``tokens_per_expert`` ``[E]`` int: routed (token, slot) pairs per expert;
+- ``n_tokens`` scalar int: tokens routed;
+- ``lb_loss_sum`` scalar: the unweighted load-balancing loss in token-sum form;
+- ``z_loss_sum`` scalar (optional): the unweighted router z-loss in token-sum form;
+- ``dropped_per_expert`` ``[E]`` int (optional): slots no expert processed;
+  absent means the dispatcher drops nothing.
 
 Shape legend: L MoE layers (in model order), E experts.
-All layers' values travel in one flat FP64 tensor so a step costs one
+All layers' values travel in one flat FP64 tensor, so a step costs one
 all-reduce however many layers there are (FP64 keeps token counts exact).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import torch
@@ -30,52 +31,52 @@ class StepStatsSource(Protocol):
 
 @dataclass
 class MoEStepStats:
-    tokens_per_expert_LE: torch.Tensor  # float64, summed over microbatches (and ranks once reduced)
+    tokens_per_expert_LE: torch.Tensor  # float64 sums over microbatches (and ranks once reduced)
+    dropped_LE: torch.Tensor
+    n_tokens_L: torch.Tensor
     lb_loss_sum_L: torch.Tensor
-    z_loss_sum_L: torch.Tensor | None  # None: no layer computes a z-loss
-    dropped_L: torch.Tensor
+    z_loss_sum_L: torch.Tensor | None  # None: the layers compute no z-loss
 
     @staticmethod
     def pop(layers: Iterable[StepStatsSource]) -> MoEStepStats | None:
-        """Read and reset every layer's statistics; None when there are no MoE layers."""
-        stats = [layer.pop_step_stats() for layer in layers]
-        stats = [s for s in stats if s]
+        """Read and reset every layer's statistics; None when no layer routed tokens."""
+        stats = [s for s in (layer.pop_step_stats() for layer in layers) if s]
         if not stats:
             return None
-        counts = torch.stack([s["tokens_per_expert"].double() for s in stats])
-        zero = counts.new_zeros(())
 
-        def scalars(key: str) -> torch.Tensor:
-            return torch.stack([s[key].double().reshape(()) if key in s else zero for s in stats])
+        def stack(key: str) -> torch.Tensor:
+            return torch.stack([s[key].double() for s in stats])
 
-        dropped = torch.stack([s["dropped_per_expert"].double().sum() if "dropped_per_expert" in s
-                               else zero for s in stats])
-        has_z = any("z_loss_sum" in s for s in stats)
-        return MoEStepStats(counts, scalars("lb_loss_sum"),
-                            scalars("z_loss_sum") if has_z else None, dropped)
+        counts = stack("tokens_per_expert")
+        dropped = stack("dropped_per_expert") if "dropped_per_expert" in stats[0] \
+            else torch.zeros_like(counts)
+        z_loss = stack("z_loss_sum") if "z_loss_sum" in stats[0] else None
+        return MoEStepStats(counts, dropped, stack("n_tokens"), stack("lb_loss_sum"), z_loss)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for t in (getattr(self, f.name) for f in fields(self)) if t is not None]
 
     def all_reduce(self, group: dist.ProcessGroup | None) -> None:
-        """Sum over ``group`` (the ranks that saw different tokens of the same layers)."""
-        parts = [self.tokens_per_expert_LE, self.lb_loss_sum_L, self.dropped_L]
-        if self.z_loss_sum_L is not None:
-            parts.append(self.z_loss_sum_L)
-        flat = torch.cat([p.reshape(-1) for p in parts])
+        """Sum over ``group`` (ranks that routed different tokens through the same layers)."""
+        tensors = self._tensors()
+        flat = torch.cat([t.reshape(-1) for t in tensors])
         dist.all_reduce(flat, group=group)
         offset = 0
-        for p in parts:
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
-    def record(self, n_tokens: int, with_load: bool) -> dict[str, Any]:
-        """Metric fields; ``n_tokens`` is the step's token count the sums are over."""
+    def record(self, with_load: bool) -> dict[str, Any]:
+        """Metric fields: per-token losses averaged over layers, load balance, drops."""
         counts = self.tokens_per_expert_LE
+        n_tokens = self.n_tokens_L.clamp_min(1)
         imbalance = counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-9)
         out: dict[str, Any] = {
-            "lb_loss": (self.lb_loss_sum_L.mean() / n_tokens).item(),
+            "lb_loss": (self.lb_loss_sum_L / n_tokens).mean().item(),
             "z_loss": None if self.z_loss_sum_L is None
-            else (self.z_loss_sum_L.mean() / n_tokens).item(),
+            else (self.z_loss_sum_L / n_tokens).mean().item(),
             "expert_load_imbalance": imbalance.max().item(),
-            "dropped_token_rate": (self.dropped_L.sum() / counts.sum().clamp_min(1)).item(),
+            "dropped_token_rate": (self.dropped_LE.sum() / counts.sum().clamp_min(1)).item(),
         }
         if with_load:
             out["expert_load"] = counts.long().tolist()

@@ -50,6 +50,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Trainer:
+    """One rank's model, optimizer and data slice; ``step`` runs one optimizer step."""
+
     def __init__(self, cfg: PretrainConfig, mesh: ParallelMesh, device: torch.device) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.dtype = resolve_dtype(cfg.train.compute_dtype, device)
@@ -65,11 +67,11 @@ class Trainer:
         self.tokens_per_step = t.global_batch * t.seq_len  # = target tokens of the global batch
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
 
-    def fit(self, log: MetricsLog, stop: StopRequest, first_step: int = 1) -> list[dict[str, Any]]:
-        """Steps ``first_step..train.steps``; returns the records (on every rank)."""
+    def fit(self, log: MetricsLog, stop: StopRequest) -> list[dict[str, Any]]:
+        """Steps 1..``train.steps`` until done or stopped; returns the records (on every rank)."""
         history, consecutive_skips = [], 0
         limit = self.cfg.train.max_consecutive_skips
-        for step in range(first_step, self.cfg.train.steps + 1):
+        for step in range(1, self.cfg.train.steps + 1):
             record = self.step(step)
             log.write(record)
             history.append(record)
@@ -108,7 +110,7 @@ class Trainer:
         if moe is not None:
             every = self.cfg.metrics.expert_load_every
             with_load = every > 0 and (step == 1 or step % every == 0)
-            record.update(moe.record(self.tokens_per_step, with_load))
+            record.update(moe.record(with_load))
         if self.device.type == "cuda":
             n_gpus = self.mesh.layout.world_size
             record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (n_gpus * PEAK_FLOPS)

@@ -1,0 +1,98 @@
+"""Metrics: MoE statistics as record fields, trackers, the progress line, plots."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from pretrain.metrics import JsonlTracker, MetricsLog, open_trackers, progress_line
+from pretrain.moe_stats import MoEStepStats
+from pretrain.plot import PlotError, plot_run
+
+
+class _Layer:
+    def __init__(self, stats: dict[str, torch.Tensor]) -> None:
+        self.stats = stats
+
+    def pop_step_stats(self) -> dict[str, torch.Tensor]:
+        stats, self.stats = self.stats, {}
+        return stats
+
+
+def _layer(counts, n_tokens, lb, z=None, dropped=None) -> _Layer:
+    stats = {"tokens_per_expert": torch.tensor(counts), "n_tokens": torch.tensor(n_tokens),
+             "lb_loss_sum": torch.tensor(float(lb))}
+    if z is not None:
+        stats["z_loss_sum"] = torch.tensor(float(z))
+    if dropped is not None:
+        stats["dropped_per_expert"] = torch.tensor(dropped)
+    return _Layer(stats)
+
+
+def test_moe_stats_record():
+    layers = [_layer([4, 4, 4, 4], 8, 8.0, z=2.0, dropped=[0, 0, 0, 0]),
+              _layer([10, 2, 2, 2], 8, 12.0, z=6.0, dropped=[2, 0, 0, 0])]
+    stats = MoEStepStats.pop(layers)
+    record = stats.record(with_load=True)
+    assert record["lb_loss"] == pytest.approx((1.0 + 1.5) / 2)
+    assert record["z_loss"] == pytest.approx((0.25 + 0.75) / 2)
+    assert record["expert_load_imbalance"] == pytest.approx(10 / 4)
+    assert record["dropped_token_rate"] == pytest.approx(2 / 32)
+    assert record["expert_load"] == [[4, 4, 4, 4], [10, 2, 2, 2]]
+    assert MoEStepStats.pop(layers) is None  # popped: nothing left this step
+
+
+def test_moe_stats_without_optional_keys():
+    record = MoEStepStats.pop([_layer([3, 1], 2, 2.0)]).record(with_load=False)
+    assert record["z_loss"] is None and record["dropped_token_rate"] == 0.0
+    assert "expert_load" not in record
+
+
+def test_jsonl_writes_one_object_per_step_and_null_for_non_finite(tmp_path):
+    tracker = JsonlTracker(tmp_path)
+    tracker.log({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "skipped": True})
+    tracker.log({"step": 2, "loss": 1.5})
+    tracker.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 1, "loss": None, "grad_norm": None, "skipped": True},
+                     {"step": 2, "loss": 1.5}]
+
+
+def test_missing_tensorboard_is_a_warning_not_a_failure(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError
+    trackers = open_trackers(tmp_path, tensorboard=True)
+    assert [type(t).__name__ for t in trackers] == ["JsonlTracker"]
+    err = capsys.readouterr().err
+    assert "tensorboard is not installed" in err and "pretrain[tensorboard]" in err
+    for t in trackers:
+        t.close()
+
+
+def test_progress_line_and_echo(capsys, tmp_path):
+    record = {"step": 3, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 12345.6,
+              "skipped": False, "mfu": 0.4, "peak_mem_gib": 70.25}
+    assert progress_line(record, 10) == ("step     3/10  loss 2.5000  lr 1.00e-03  grad_norm 0.500  "
+                                         "tok/s 12,346  mfu 40.0%  mem 70.2 GiB")
+    log = MetricsLog([], 10, echo=False)
+    log.write(record)
+    assert capsys.readouterr().out == ""
+
+
+def test_plot_writes_pngs(tmp_path):
+    with pytest.raises(PlotError, match="does not exist"):
+        plot_run(tmp_path)
+    tracker = JsonlTracker(tmp_path)
+    for step in range(1, 31):
+        record = {"step": step, "loss": 5.0 / step, "lr": 1e-3, "grad_norm": 1.0,
+                  "tokens_per_s": 1000.0 + step, "skipped": step == 7, "mfu": 0.3}
+        if step % 5 == 0:
+            record["expert_load"] = [[step, 10, 0, 30], [5, 5, 5, 5], [1, 2, 3, 4]]
+        tracker.log(record)
+    tracker.close()
+    written = plot_run(tmp_path)
+    assert [p.name for p in written] == ["loss.png", "throughput.png", "expert_load.png"]
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
