@@ -411,6 +411,7 @@ def _persistent_bytes(expert_parallel: bool) -> dict[str, float]:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         logical = sum(math.prod(s) for s in shapes.values())
         out[family] = sum(storages.values()) / logical
+    out["bytes_per_step"] = opt.bytes_per_step
     return out
 
 
@@ -421,6 +422,9 @@ def test_persistent_bytes_per_parameter():
     d = 4
     for r in run_distributed(_persistent_bytes, d, False, timeout=60):
         assert within(r["dense"], 6 + 12 / d) and within(r["experts"], 6 + 12 / d), r
+        # Ring all-gather of the BF16 weights: each rank sends the other 3 of 4 regions
+        # (32768 parameters / 4 per region), plus the 4-byte norm all-reduce.
+        assert r["bytes_per_step"] == {(0, 1, 2, 3): 3 * (32768 // 4) * 2 + 2 * 3 * 4 // 4}
     m_e = 2
     for r in run_distributed(_persistent_bytes, d, True, timeout=60):
         assert within(r["dense"], 6 + 12 / d), r

@@ -127,7 +127,7 @@ class DistributedOptimizer:
             self._layouts, self._mains, int(config.gather_bucket_mb * 2**20)
         )
         self._hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
-        self.last_step_bytes: dict[tuple[int, ...], int] = self._bytes_per_step()
+        self.bytes_per_step: dict[tuple[int, ...], int] = self._count_bytes_per_step()
         """Bytes this rank sends per group in one step (norm, Muon exchange, weight
         rebuild); static, a function of the layout."""
 
@@ -157,7 +157,7 @@ class DistributedOptimizer:
             out.append((MuonExchange(shapes, lay.group, lay.group_size, lay.rank), idx))
         return out
 
-    def _bytes_per_step(self) -> dict[tuple[int, ...], int]:
+    def _count_bytes_per_step(self) -> dict[tuple[int, ...], int]:
         out = dict(self._rebuilder.sent_bytes())
         for exchange, _ in self._exchanges:
             key = _group_ranks(exchange.group)
@@ -199,7 +199,7 @@ class DistributedOptimizer:
         self._adamw_step(grads, lr_factor, found_inf)
         self._step.sub_(found_inf)
         self._muon_step(grads, lr_factor, found_inf.bool())
-        self._rebuild()
+        self.rebuild_weights()
         return StepStats(grad_norm=norm, skipped=found_inf.bool())
 
     def _adamw_step(self, grads: list[torch.Tensor], lr_factor: float, found_inf: torch.Tensor) -> None:
@@ -257,7 +257,11 @@ class DistributedOptimizer:
             new = main * (1.0 - lr * self._rules[i].weight_decay) - lr * updates[i]
             main.copy_(torch.where(skip, main, new))
 
-    def _rebuild(self) -> None:
+    @torch.no_grad()
+    def rebuild_weights(self) -> None:
+        """Write the FP32 main weights into the compute weights, then run the
+        weights-updated hooks. ``step()`` and ``load_sharded_state()`` do this;
+        collective: every rank of every replica group calls it."""
         self._rebuilder.run()
         for hook in list(self._hooks.values()):
             hook()
@@ -316,7 +320,7 @@ class DistributedOptimizer:
                 )
             if src.local is not target.local:
                 target.local.copy_(src.local.reshape(target.local.shape))
-        self._rebuild()
+        self.rebuild_weights()
 
     @property
     def step_count(self) -> torch.Tensor:
