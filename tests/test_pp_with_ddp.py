@@ -22,10 +22,9 @@ import torch
 import torch.distributed as dist
 from moe_ddp import DDPConfig, MultiGroupDDP
 from moe_model import MoEConfig, MoETransformer, init_weights, lm_loss_sum, set_aux_loss_scale
+from moe_pp import SCHEDULES, GradSync, PipelineConfig, build_pipeline
 from moe_testing import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
-
-from moe_pp import SCHEDULES, GradSync, PipelineConfig, build_pipeline
 
 CFG = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
            n_experts=4, top_k=2, expert_hidden=16, lb_loss_coef=0.1)

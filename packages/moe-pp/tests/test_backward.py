@@ -8,9 +8,8 @@ from collections.abc import Callable
 import pytest
 import torch
 from moe_model import MoEConfig, MoETransformer, init_weights, lm_loss_sum, set_aux_loss_scale
-from torch import nn
-
 from moe_pp import backward_input, backward_weight
+from torch import nn
 
 
 class Reused(nn.Module):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from moe_pp import SCHEDULES, Action, Schedule, ScheduleError, make_schedule, simulate
 from moe_pp.p2p import message_order
 

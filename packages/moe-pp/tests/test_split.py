@@ -7,8 +7,6 @@ import itertools
 import pytest
 import torch
 from moe_model import MoEConfig, MoETransformer, init_weights
-from torch import nn
-
 from moe_pp import (
     SplitError,
     balanced_counts,
@@ -16,6 +14,7 @@ from moe_pp import (
     forward_flops_per_token,
     split_model,
 )
+from torch import nn
 
 CFG = dict(vocab_size=64, d_model=32, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=8,
            n_experts=4, top_k=2, expert_hidden=16)

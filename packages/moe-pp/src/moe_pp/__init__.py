@@ -16,8 +16,8 @@ from moe_pp.schedules import (
     Costs,
     Schedule,
     ScheduleError,
-    Timeline,
     TimedAction,
+    Timeline,
     make_schedule,
     simulate,
 )
