@@ -72,7 +72,7 @@ class _MXFP8ExpertsFn(torch.autograd.Function):
         else:
             rows_RD, h13_R2F = saved
             h_RF = _swiglu(h13_R2F)
-        dy_RD = dy_RD.to(dtype)
+        dy_RD = dy_RD.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
         dy_deq, _ = quantize_dequantize(dy_RD, carrier)
         dh_RF = grouped_mm(dy_deq, ctx.w2_cols.dequantize(carrier), offsets_E)
         dh13_R2F = _swiglu_backward(h13_R2F, dh_RF).to(dtype)

@@ -50,7 +50,7 @@ class _MXFP8LinearFn(torch.autograd.Function):
     def backward(ctx: Any, dy_MN: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         layer, dtype, w_cols = ctx.layer, ctx.dtype, ctx.w_cols
         carrier = carrier_dtype(dtype)
-        dy_MN = dy_MN.to(dtype)
+        dy_MN = dy_MN.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
         if layer.save_mxfp8_input:
             data, scales = ctx.saved_tensors
             x_MK = MXFP8Tensor(data, scales, axis=1).dequantize(dtype)

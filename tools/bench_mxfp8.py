@@ -1,0 +1,186 @@
+"""Benchmark moe_mxfp8 on one GPU: quantize kernels vs a device copy, MXFP8 experts vs BF16.
+
+    tools/from_source.sh python3 tools/bench_mxfp8.py --out $OUT/bench_mxfp8.json
+
+1. Kernels on [tokens * top_k, d_model] BF16 (the dispatched expert rows): a device
+   copy measured in the same run is the ceiling; each kernel's bandwidth counts the
+   bytes it must read and write. Row = blocks along the contiguous dim (activations,
+   the codec), column = blocks along dim 0 (weight caches' input-gradient copy),
+   both = the weight-cache kernel (one read, two outputs).
+2. Expert layer (d_model 2048, 64 experts, top-8, hidden 1024, 16k tokens, random
+   routing): moe_model.GroupedExperts in BF16 vs MXFP8GroupedExperts (Hopper:
+   exact emulation, i.e. quantize + dequantize + the same BF16 grouped GEMMs), with
+   BF16 compute weights in both; forward and forward+backward.
+Prints a table last and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from moe_mxfp8 import (
+    MXFP8GroupedExperts,
+    MXFP8RowCodec,
+    dequantize,
+    quantize,
+    quantize_dequantize,
+    quantize_rows_and_cols,
+)
+
+COPY_CEILING = 4.2e12  # H200 device copy, bytes/s (read + write)
+BF16_PEAK = 989e12  # H200 dense BF16, FLOP/s
+
+
+def cuda_time(fn, reps: int = 10, trials: int = 7) -> float:
+    """Median seconds per call over ``trials`` batches of ``reps`` back-to-back calls."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(trials):
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / reps)
+    return statistics.median(times)
+
+
+def bench_kernels(rows: int, d: int) -> dict:
+    x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
+    n = x.numel()
+    out = torch.empty_like(x)
+    mx_bytes = n + n // 32  # E4M3 data + E8M0 scales
+    data, scales = quantize(x)
+    col_data, col_scales = quantize(x, axis=0)
+    cases = {
+        "device copy (ceiling)": (lambda: out.copy_(x), 2 * n * 2),
+        "quantize rows": (lambda: quantize(x), 2 * n + mx_bytes),
+        "quantize columns": (lambda: quantize(x, axis=0), 2 * n + mx_bytes),
+        "quantize both (weight cache)": (lambda: quantize_rows_and_cols(x), 2 * n + 2 * mx_bytes),
+        "quantize+dequantize rows (GEMM operand)": (
+            lambda: quantize_dequantize(x, torch.bfloat16), 2 * n + 2 * n),
+        "dequantize rows": (lambda: dequantize(data, scales), mx_bytes + 2 * n),
+        "dequantize columns": (lambda: dequantize(col_data, col_scales, axis=0), mx_bytes + 2 * n),
+    }
+    results = {}
+    for name, (fn, nbytes) in cases.items():
+        seconds = cuda_time(fn)
+        results[name] = {"ms": seconds * 1e3, "bytes": nbytes, "tb_per_s": nbytes / seconds / 1e12}
+    copy = results["device copy (ceiling)"]["tb_per_s"]
+    for r in results.values():
+        r["fraction_of_copy"] = r["tb_per_s"] / copy
+    return results
+
+
+def routed_offsets(tokens: int, experts: int, top_k: int) -> torch.Tensor:
+    """Group ends of random top-k routing (uniform expert choice per token)."""
+    ids = torch.rand(tokens, experts, device="cuda").topk(top_k, dim=1).indices
+    counts = torch.zeros(experts, dtype=torch.int64, device="cuda")
+    counts.scatter_add_(0, ids.reshape(-1), torch.ones(tokens * top_k, dtype=torch.int64, device="cuda"))
+    return counts.cumsum(0).to(torch.int32)
+
+
+def saved_bytes(fn) -> int:
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
+def bench_experts(tokens: int, d: int, experts: int, top_k: int, hidden: int) -> dict:
+    from moe_model import GroupedExperts  # the model's own BF16 layer
+
+    torch.manual_seed(0)
+    bf16 = GroupedExperts(experts, d, hidden, backend="grouped_mm").cuda()
+    for p in bf16.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    bf16 = bf16.to(torch.bfloat16)  # compute weights in BF16, as the optimizer rebuilds them
+    offsets = routed_offsets(tokens, experts, top_k)
+    rows = torch.randn(tokens * top_k, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(rows)
+    flops_fwd = 2 * rows.shape[0] * d * hidden * 3
+    layers = {
+        "bf16 (moe_model.GroupedExperts)": bf16,
+        "mxfp8 emulated": MXFP8GroupedExperts.from_module(bf16),
+        "mxfp8 emulated, MXFP8 saved activations": MXFP8GroupedExperts.from_module(bf16, True),
+    }
+    results = {}
+    for name, layer in layers.items():
+        fwd = cuda_time(lambda layer=layer: layer(rows, offsets), reps=3, trials=5)
+        step = cuda_time(lambda layer=layer: layer(rows, offsets).backward(grad), reps=3, trials=5)
+        results[name] = {
+            "forward_ms": fwd * 1e3,
+            "fwd_bwd_ms": step * 1e3,
+            "fwd_bwd_tflops": 3 * flops_fwd / step / 1e12,
+            "saved_activation_gib": saved_bytes(lambda layer=layer: layer(rows, offsets)) / 2**30,
+        }
+    base = results["bf16 (moe_model.GroupedExperts)"]
+    for r in results.values():
+        r["fwd_bwd_vs_bf16"] = r["fwd_bwd_ms"] / base["fwd_bwd_ms"]
+    mx = layers["mxfp8 emulated"]
+    results["weight_cache_gib"] = (mx.w13_cache.nbytes + mx.w2_cache.nbytes) / 2**30
+    results["weight_cache_refresh_ms"] = cuda_time(mx.refresh_weight_cache, reps=3, trials=5) * 1e3
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_mxfp8.json")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_mxfp8 needs a CUDA GPU")
+    kernels = bench_kernels(args.tokens * args.top_k, args.d_model)
+    layer = bench_experts(args.tokens, args.d_model, args.experts, args.top_k, args.hidden)
+    codec = MXFP8RowCodec()
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "shape": vars(args),
+        "kernels": kernels,
+        "experts": layer,
+        "codec": {"bytes_per_row": codec.packed_width(args.d_model),
+                  "bf16_bytes_per_row": 2 * args.d_model,
+                  "ratio_vs_bf16": codec.bytes_ratio(args.d_model)},
+    }
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+
+    print(f"\n{report['device']}, torch {torch.__version__}; rows [{args.tokens * args.top_k}, "
+          f"{args.d_model}] BF16")
+    print(f"{'kernel':42s} {'ms':>8s} {'TB/s':>7s} {'of copy':>8s}")
+    for name, r in kernels.items():
+        print(f"{name:42s} {r['ms']:8.3f} {r['tb_per_s']:7.2f} {r['fraction_of_copy']:8.0%}")
+    print(f"(copy ceiling of the design brief: {COPY_CEILING / 1e12:.1f} TB/s)")
+    print(f"\nexperts: d_model {args.d_model}, {args.experts} experts, top-{args.top_k}, "
+          f"hidden {args.hidden}, {args.tokens} tokens")
+    print(f"{'layer':42s} {'fwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} {'vs bf16':>8s} {'saved GiB':>10s}")
+    for name, r in layer.items():
+        if isinstance(r, dict):
+            print(f"{name:42s} {r['forward_ms']:8.2f} {r['fwd_bwd_ms']:8.2f} "
+                  f"{r['fwd_bwd_tflops']:8.0f} {r['fwd_bwd_vs_bf16']:8.2f} "
+                  f"{r['saved_activation_gib']:10.3f}")
+    print(f"weight caches {layer['weight_cache_gib']:.3f} GiB, refresh "
+          f"{layer['weight_cache_refresh_ms']:.2f} ms; codec {codec.packed_width(args.d_model)} "
+          f"bytes/row = {codec.bytes_ratio(args.d_model):.1%} of BF16")
+    print(f"(MFU reference: {BF16_PEAK / 1e12:.0f} TFLOP/s dense BF16)")
+
+
+if __name__ == "__main__":
+    main()
