@@ -109,6 +109,9 @@ class OrderedP2P:
                         "exist yet: the runtime and the schedule's timeline disagree"
                     )
                 work = dist.isend(tensor, dst=self._peer(m.dst_rank), group=self._group, tag=m.tag)
+                # Keep a sent tensor only until its send completes (a non-blocking query),
+                # not for the whole step.
+                self._sending = [(t, w) for t, w in self._sending if not w.is_completed()]
                 self._sending.append((tensor, work))
             else:
                 buffer = torch.empty(self._shape, dtype=self._dtype, device=self._device)

@@ -49,9 +49,9 @@ def partial_model(
 ) -> nn.Module:
     """The model's root with only ``block_names`` and, if ``first``/``last``, embed / norm+head.
 
-    Shares every submodule with ``model``; the copy owns only its containers (module,
-    parameter, buffer and hook dicts), so changing one view's structure does not
-    change another's.
+    Shares everything with ``model`` but its submodule dict, so replacing a child
+    in one view does not touch another, while materialising or re-initialising a
+    shared child (or a root-level buffer) is seen by all of them.
     """
     check_model(model)
     keep = list(block_names)
@@ -59,9 +59,7 @@ def partial_model(
     if unknown:
         raise SplitError(f"the model has no blocks named {unknown}")
     view = copy.copy(model)
-    for key, value in vars(model).items():
-        if isinstance(value, dict | set | list):
-            view.__dict__[key] = copy.copy(value)
+    view.__dict__["_modules"] = copy.copy(model.__dict__["_modules"])
     view.blocks = nn.ModuleDict({name: model.blocks[name] for name in keep})
     if not first:
         view.embed = None
