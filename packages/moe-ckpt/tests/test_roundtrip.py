@@ -114,7 +114,7 @@ def test_flipped_byte_in_a_chunk_file_names_the_tensor(tmp_path: Path):
 def test_flipped_byte_in_an_ocdbt_data_file_names_the_tensor(tmp_path: Path):
     state = {"big": torch.randn(256, 256), "small": torch.randn(4)}
     mc.save(tmp_path / "ck", state, options=mc.StorageOptions(kvstore="ocdbt"))
-    data_files = sorted((tmp_path / "ck" / "ocdbt" / "d").iterdir(), key=lambda p: p.stat().st_size)
+    data_files = sorted((tmp_path / "ck" / "ocdbt" / "rank0" / "d").iterdir(), key=lambda p: p.stat().st_size)
     largest = data_files[-1]
     assert largest.stat().st_size > 256 * 256 * 4  # the big tensor's bytes live here
     _flip_byte(largest, largest.stat().st_size // 2)

@@ -145,7 +145,7 @@ def load(
         reads += _plan_reads(_check_target(manifest, d, path), d)
     where = f"in the {manifest.kvstore} layout of {path}"
     ctx = storage.new_context()
-    arrays: dict[str, Any] = {}
+    arrays: dict[tuple[str, int], Any] = {}
     reading: deque[tuple[_PieceRead, Any, np.ndarray | None, int]] = deque()
     applying: deque[tuple[Future, int]] = deque()
     held_bytes = 0
@@ -171,15 +171,18 @@ def load(
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         for read in reads:
             rec = read.record
-            if rec.name not in arrays:
+            writer = read.piece.rank if storage.per_writer(manifest.kvstore) else 0
+            if (rec.name, writer) not in arrays:
                 try:
-                    arrays[rec.name] = storage.open_array(ctx, path, manifest.kvstore, rec.key).result()
+                    arrays[rec.name, writer] = storage.open_array(
+                        ctx, path, manifest.kvstore, rec.key, writer
+                    ).result()
                 except Exception as e:  # noqa: BLE001
                     raise CheckpointError(
                         f"tensor {rec.name!r}: cannot open array {rec.key!r} {where}: {e}"
                     ) from e
             nbytes = read.piece.box.volume * itemsize(rec.dtype)
-            source = arrays[rec.name][read.piece.box.slices()]
+            source = arrays[rec.name, writer][read.piece.box.slices()]
             direct = read.direct_target()
             if direct is None:
                 fut = source.read(order="C")

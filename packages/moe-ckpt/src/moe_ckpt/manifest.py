@@ -130,8 +130,9 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Write durably and atomically: temp file, fsync, rename, fsync the directory."""
     path = Path(directory) / MANIFEST_NAME
     tmp = path.with_name(MANIFEST_NAME + ".tmp")
+    text = json.dumps(manifest.to_json(), separators=(",", ":"))
     with open(tmp, "w") as f:
-        json.dump(manifest.to_json(), f, separators=(",", ":"))
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -6,8 +6,9 @@ Two halves, so that ``Checkpointer`` can run the second in a background thread:
    shard metadata (one small all-gather), compute the same plan on every rank,
    and take host copies of the boxes this rank writes (or plain views for a
    blocking save).
-2. ``write_and_commit``: rank 0 creates the partial directory and every array;
-   each rank writes its boxes and checksums its pieces; rank 0 gathers the piece
+2. ``write_and_commit``: rank 0 creates the partial directory (and the shared
+   arrays of the ``file`` layout); each rank writes its boxes and checksums its
+   pieces; rank 0 gathers the piece
    records, writes the manifest, renames the directory into place, then runs the
    caller's ``after_commit`` (``latest`` pointer, retention) before telling the
    others the outcome. A checkpoint is thus visible only after every rank's data
@@ -170,16 +171,16 @@ def prepare_save(
     return pending
 
 
-def _create_arrays(p: PendingSave, partial: Path, ctx: Any) -> None:
-    partial.mkdir(parents=True)
+def _create(p: PendingSave, names: list[str], partial: Path, ctx: Any, writer: int) -> list:
+    """Create the arrays of ``names``; return their tensorstore handles."""
     futures = [
         storage.create_array(
-            ctx, partial, p.options.kvstore, array_key(name), plan.shape, plan.dtype, plan.chunk_shape
+            ctx, partial, p.options.kvstore, array_key(name), p.plans[name].shape,
+            p.plans[name].dtype, p.plans[name].chunk_shape, writer,
         )
-        for name, plan in p.plans.items()
+        for name in names
     ]
-    for f in futures:
-        f.result()
+    return [f.result() for f in futures]
 
 
 def _write_mine(
@@ -189,10 +190,15 @@ def _write_mine(
     by_name: dict[str, list[tuple[Box, np.ndarray]]] = {}
     for name, box, data in p.my_writes:
         by_name.setdefault(name, []).append((box, data))
-    opened = {n: storage.open_array(ctx, partial, p.options.kvstore, array_key(n)) for n in by_name}
+    names = list(by_name)
+    rank, kvstore = p.comm.rank, p.options.kvstore
+    if storage.per_writer(kvstore):
+        arrays = _create(p, names, partial, ctx, rank)
+    else:
+        futures = [storage.open_array(ctx, partial, kvstore, array_key(n), rank) for n in names]
+        arrays = [f.result() for f in futures]
     in_flight = []
-    for name, items in by_name.items():
-        array = opened[name].result()
+    for (name, items), array in zip(by_name.items(), arrays, strict=True):
         # No copy into tensorstore: ``data`` stays untouched until this save returns
         # (live tensors of a blocking save, or host buffers reused only by the next
         # save) and nothing of this save's tensorstore context outlives it.
@@ -230,7 +236,9 @@ def write_and_commit(
     if comm.rank == 0:
         try:
             partial = partial_path(p.final)
-            _create_arrays(p, partial, ctx)
+            partial.mkdir(parents=True)
+            if not storage.per_writer(p.options.kvstore):
+                _create(p, list(p.plans), partial, ctx, writer=0)
         except Exception as e:  # noqa: BLE001
             local_error = e
     err, partial_name = comm.broadcast((repr(local_error) if local_error else None, str(partial)))

@@ -1,19 +1,20 @@
-"""Tensorstore arrays of a checkpoint: one zarr v3 array per logical tensor.
+"""Tensorstore arrays of a checkpoint: zarr v3 arrays of each tensor's global shape.
 
 Two key-value layouts, chosen per checkpoint and recorded in its manifest:
 
-- ``"ocdbt"`` (default): one OCDBT database under ``<checkpoint>/ocdbt/`` shared
-  by all ranks. Chunks are packed into a few large data files, so a checkpoint is
-  tens of files instead of one per chunk (metadata servers of parallel
-  filesystems care). Ranks commit without a coordinator, through tensorstore's
-  optimistic conditional writes to the database manifest; each rank commits once
-  per tensor batch, so a few ranks per database is cheap (see the README numbers).
-- ``"file"``: plain zarr v3, one file per chunk under ``<checkpoint>/arrays/``,
-  readable by any zarr v3 reader.
+- ``"file"``: plain zarr v3 under ``<checkpoint>/arrays/<tensor>/``, one file per
+  chunk. Each logical tensor is one array that all ranks write into (rank 0
+  creates it), readable by any zarr v3 reader.
+- ``"ocdbt"``: chunks packed into a few large data files of an OCDBT database,
+  one database per writing rank under ``<checkpoint>/ocdbt/rank<r>/``. Each holds
+  the tensor as an array of its global shape in which only that rank's pieces
+  are present; the manifest records each piece's writer. Per-rank databases
+  because uncoordinated writers sharing one database serialise on its manifest
+  (measured: see the README) and a coordinator server is one more service to run.
 
 Keys are relative to the checkpoint directory, so a checkpoint can be renamed (the
-atomic commit does) or moved. One ``ts.Context`` per save or load: it is what lets
-all arrays of a rank share one OCDBT writer instead of racing each other.
+atomic commit does) or moved. One ``ts.Context`` per save or load: it is what
+lets all arrays of a rank share one OCDBT writer instead of racing each other.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ import tensorstore as ts
 
 KvStoreKind = Literal["ocdbt", "file"]
 KVSTORE_KINDS: tuple[str, ...] = ("ocdbt", "file")
+
+
+def per_writer(kvstore: str) -> bool:
+    """Whether each writing rank has its own copy of every array it writes into."""
+    return kvstore == "ocdbt"
 
 
 @dataclass(frozen=True)
@@ -50,10 +56,10 @@ def array_key(name: str) -> str:
     return key
 
 
-def _spec(checkpoint_dir: Path, kvstore: str, key: str) -> dict:
+def _spec(checkpoint_dir: Path, kvstore: str, key: str, writer: int) -> dict:
     root = Path(checkpoint_dir).absolute()
     if kvstore == "ocdbt":
-        base = {"driver": "file", "path": f"{root / 'ocdbt'}/"}
+        base = {"driver": "file", "path": f"{root / 'ocdbt' / f'rank{writer}'}/"}
         kv = {"driver": "ocdbt", "base": base, "path": f"{key}/"}
     else:
         kv = {"driver": "file", "path": f"{root / 'arrays' / key}/"}
@@ -72,9 +78,11 @@ def create_array(
     shape: tuple[int, ...],
     dtype: str,
     chunk_shape: tuple[int, ...],
+    writer: int,
 ) -> ts.Future:
+    """Create an array (``writer`` picks the database of a per-writer layout)."""
     return ts.open(
-        _spec(checkpoint_dir, kvstore, key),
+        _spec(checkpoint_dir, kvstore, key, writer),
         create=True,
         dtype=ts.dtype(dtype),
         shape=list(shape),
@@ -83,5 +91,7 @@ def create_array(
     )
 
 
-def open_array(ctx: ts.Context, checkpoint_dir: Path, kvstore: str, key: str) -> ts.Future:
-    return ts.open(_spec(checkpoint_dir, kvstore, key), open=True, context=ctx)
+def open_array(
+    ctx: ts.Context, checkpoint_dir: Path, kvstore: str, key: str, writer: int
+) -> ts.Future:
+    return ts.open(_spec(checkpoint_dir, kvstore, key, writer), open=True, context=ctx)
