@@ -34,7 +34,7 @@ def grouped_mm_loop(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets: torch.Tens
     ends = offsets.tolist()
     sizes = [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
     pieces = torch.split(x_RK, [*sizes, x_RK.shape[0] - ends[-1]])  # one backward copy, not one per expert
-    parts = [piece @ w_EKN[e] for e, piece in enumerate(pieces[:-1])]
+    parts = [piece @ w_KN for piece, w_KN in zip(pieces[:-1], w_EKN.unbind(0), strict=True)]
     parts.append(x_RK.new_zeros(pieces[-1].shape[0], w_EKN.shape[-1]))
     return torch.cat(parts)
 

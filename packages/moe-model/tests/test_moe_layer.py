@@ -1,0 +1,132 @@
+"""The MoE layer and model: auxiliary losses, global-batch balancing over ranks,
+recompute policies, shared experts and dense layers."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from moe_testing import run_distributed
+
+from moe_model import (
+    MoEConfig,
+    MoELayer,
+    MoETransformer,
+    init_weights,
+    lm_loss_sum,
+    load_balancing_loss,
+    set_aux_loss_scale,
+    set_count_reducer,
+)
+
+SMALL = dict(vocab_size=97, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8,
+             n_experts=8, top_k=2, expert_hidden=16)
+
+
+def layer_and_input(seed=0, T=24, **kw):
+    cfg = MoEConfig(**{**SMALL, **kw})
+    layer = MoELayer(cfg)
+    init_weights(layer, cfg, seed=seed)
+    x = torch.randn(1, T, cfg.d_model, generator=torch.Generator().manual_seed(seed + 1))
+    return cfg, layer, x
+
+
+def test_aux_loss_gradient_is_scaled_and_reaches_the_router():
+    cfg, layer, x = layer_and_input(lb_loss_coef=0.5, z_loss_coef=0.25)
+    scale = 1 / 48
+    layer.aux_loss_scale = scale
+    y = layer(x)
+    (g_total,) = torch.autograd.grad(y.sum(), layer.router.weight)
+    # the same layer without auxiliary losses, plus the aux terms computed by hand
+    routing = layer.router(x.view(-1, cfg.d_model))
+    aux = 0.5 * load_balancing_loss(routing.probs, routing.tokens_per_expert) + 0.25 * routing.z_loss
+    (g_aux,) = torch.autograd.grad(aux * scale, layer.router.weight)
+    layer.lb_coef = layer.z_coef = 0.0
+    (g_main,) = torch.autograd.grad(layer(x).sum(), layer.router.weight)
+    torch.testing.assert_close(g_total, g_main + g_aux)
+
+
+def test_step_stats_accumulate_and_reset():
+    _, layer, x = layer_and_input(capacity_factor=0.5)
+    layer(x)
+    layer(x)
+    s = layer.pop_step_stats()
+    assert s["n_tokens"].item() == 48
+    assert s["tokens_per_expert"].sum().item() == 48 * 2
+    assert s["dropped_per_expert"].sum().item() > 0
+    assert s["lb_loss_sum"].item() > 0 and s["z_loss_sum"].item() > 0
+    assert layer.pop_step_stats() == {}
+
+
+def test_global_batch_counts_run_over_the_step():
+    """Microbatch m balances against the counts of microbatches 1..m; the step boundary resets."""
+    _, layer, x = layer_and_input(lb_loss_granularity="global_batch")
+    x1, x2 = x[:, :12], x[:, 12:]
+    c1 = layer.router(x1.view(12, -1)).tokens_per_expert
+    c2 = layer.router(x2.view(12, -1)).tokens_per_expert
+    layer(x1)
+    assert torch.equal(layer._balance_counts(c2), c1 + c2)
+    layer.pop_step_stats()
+    assert torch.equal(layer._balance_counts(c2), c2)
+
+
+def _global_batch_rank() -> None:
+    rank = dist.get_rank()
+    cfg, layer, x = layer_and_input(seed=3, T=32, lb_loss_granularity="global_batch", lb_loss_coef=1.0)
+    set_count_reducer(layer, lambda c: (dist.all_reduce(c), c)[1])
+    layer.aux_loss_scale = 1 / 32
+    mine = x[:, rank * 16:(rank + 1) * 16]
+    (g,) = torch.autograd.grad(layer(mine).sum() * 0, layer.router.weight)  # aux-loss gradient only
+    dist.all_reduce(g)
+    # oracle: one process routing the whole global batch at once
+    oracle = MoELayer(cfg)
+    init_weights(oracle, cfg, seed=3)
+    oracle.aux_loss_scale = 1 / 32
+    (g_ref,) = torch.autograd.grad(oracle(x).sum() * 0, oracle.router.weight)
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-7)
+    # and microbatch granularity differs (the point of the option)
+    local = MoELayer(MoEConfig(**{**SMALL, "lb_loss_coef": 1.0}))
+    init_weights(local, cfg, seed=3)
+    local.aux_loss_scale = 1 / 32
+    (g_local,) = torch.autograd.grad(local(mine).sum() * 0, local.router.weight)
+    dist.all_reduce(g_local)
+    assert not torch.allclose(g_local, g_ref, rtol=1e-3, atol=1e-6)
+
+
+def test_global_batch_balancing_over_two_ranks_matches_one_process():
+    run_distributed(_global_batch_rank, 2, timeout=120)
+
+
+@pytest.mark.parametrize("policy", ["block", "selective"])
+def test_recompute_gives_identical_gradients_and_stats(policy):
+    base = dict(SMALL, n_shared_experts=1, n_dense_layers=1, z_loss_coef=1e-2, capacity_factor=1.0,
+                lb_loss_granularity="global_batch")
+    tokens = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(0))
+    results = []
+    for recompute in ("none", policy):
+        cfg = MoEConfig(**base, recompute=recompute)
+        model = MoETransformer(cfg)
+        init_weights(model, cfg, seed=0)
+        set_aux_loss_scale(model, 1 / 24)
+        (lm_loss_sum(model(tokens[:, :-1]), tokens[:, 1:]) / 24).backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        stats = [layer.pop_step_stats() for _, layer in model.moe_layers()]
+        results.append((grads, stats))
+    (g0, s0), (g1, s1) = results
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=0, atol=0, msg=name)
+    for a, b in zip(s0, s1, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_shared_experts_and_dense_layers():
+    cfg = MoEConfig(**SMALL, n_shared_experts=2, shared_expert_hidden=8, n_dense_layers=1,
+                    dense_hidden=24, tie_embeddings=True)
+    model = MoETransformer(cfg)
+    names = dict(model.named_parameters())
+    assert names["blocks.0.mlp.w1.weight"].shape == (24, 32)
+    assert names["blocks.1.mlp.shared.w1.weight"].shape == (16, 32)
+    assert "blocks.0.mlp.router.weight" not in names
+    assert [n for n, _ in model.moe_layers()] == ["blocks.1.mlp", "blocks.2.mlp"]
+    assert model.head.weight is model.embed.weight and "head.weight" not in names
+    init_weights(model, cfg, seed=0)
+    logits = model(torch.randint(0, 97, (2, 5)))
+    assert logits.shape == (2, 5, 97) and torch.isfinite(logits).all()
