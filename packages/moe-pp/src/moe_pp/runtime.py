@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from moe_pp.p2p import ACTIVATION, GRADIENT, OrderedP2P, message_order
 from moe_pp.protocols import GradSync, PipelineModel
 from moe_pp.schedules import SCHEDULES, Schedule, make_schedule, simulate
 from moe_pp.split import POLICIES, StageSplit, split_model
-from moe_pp.stages import RankStages, build_rank_stages
+from moe_pp.stages import RankStages, Stage, build_rank_stages
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -56,6 +56,20 @@ class PipelineConfig:
             raise ValueError(f"PipelineConfig.virtual_stages must be >= 1, got {self.virtual_stages}")
         if self.split not in POLICIES:
             raise ValueError(f"PipelineConfig.split must be one of {POLICIES}, got {self.split!r}")
+
+
+@dataclass
+class _StepState:
+    """What one ``Pipeline.step`` carries between actions."""
+
+    p2p: OrderedP2P
+    inputs: Sequence[torch.Tensor] | None
+    targets: Sequence[torch.Tensor] | None
+    loss_scale: float
+    losses: torch.Tensor  # [M] scaled microbatch losses (filled on the last stage's rank)
+    params: dict[int, list[torch.nn.Parameter]]  # trainable parameters per local stage
+    held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    deferred: dict[tuple[int, int], WeightGradWork] = field(default_factory=dict)
 
 
 class Pipeline:
@@ -124,53 +138,62 @@ class Pipeline:
                 raise ValueError(f"PP rank {self.stages.rank} runs stage {needed.index} and needs "
                                  f"{name} for {M} microbatches, got {got}")
         device = next(self.stages.module.parameters()).device
-        p2p = OrderedP2P(self._messages, self.stages.rank, self.group, self.activation_shape,
-                         self.activation_dtype, device)
-        losses = torch.zeros(M, dtype=torch.float32, device=device)
-        params = {s.index: [p for p in s.module.parameters() if p.requires_grad]
-                  for s in self.stages.stages}
-        stage_in: dict[tuple[int, int], torch.Tensor] = {}
-        stage_out: dict[tuple[int, int], torch.Tensor] = {}
-        deferred: dict[tuple[int, int], WeightGradWork] = {}
-
+        step = _StepState(
+            p2p=OrderedP2P(self._messages, self.stages.rank, self.group, self.activation_shape,
+                           self.activation_dtype, device),
+            inputs=inputs,
+            targets=targets,
+            loss_scale=loss_scale,
+            losses=torch.zeros(M, dtype=torch.float32, device=device),
+            params={s.index: [p for p in s.module.parameters() if p.requires_grad]
+                    for s in self.stages.stages},
+        )
         with grad_sync.no_sync() if grad_sync is not None else nullcontext():
             for action in self.schedule.orders[self.stages.rank]:
-                s, mb = action.stage, action.microbatch
-                stage = self._by_index[s]
+                stage = self._by_index[action.stage]
                 if action.kind == "F":
-                    if stage.is_first:
-                        x = inputs[mb]  # type: ignore[index]
-                    else:
-                        x = p2p.recv((ACTIVATION, s - 1, mb)).requires_grad_()
-                    y = stage.module(x)
-                    if stage.is_last:
-                        y = self.loss_fn(y, targets[mb]) * loss_scale  # type: ignore[index]
-                        if y.dim() != 0:
-                            raise ValueError(f"loss_fn must return a scalar, got shape {tuple(y.shape)}")
-                        losses[mb] = y.detach()
-                    else:
-                        p2p.send((ACTIVATION, s, mb), y)
-                    stage_in[s, mb], stage_out[s, mb] = x, y
+                    self._forward(step, stage, action.microbatch)
                 elif action.kind == "B":
-                    x, y = stage_in.pop((s, mb)), stage_out.pop((s, mb))
-                    dy = None if stage.is_last else p2p.recv((GRADIENT, s + 1, mb))
-                    x_grad = x if not stage.is_first else None
-                    if self.schedule.split_backward:
-                        dx, deferred[s, mb] = backward_input([y], [dy], x_grad, params[s])
-                    else:
-                        torch.autograd.backward([y], [dy])
-                        dx = x.grad if x_grad is not None else None
-                    if x_grad is not None:
-                        p2p.send((GRADIENT, s, mb), torch.zeros_like(x) if dx is None else dx)
+                    self._backward(step, stage, action.microbatch)
                 else:
-                    backward_weight(deferred.pop((s, mb)))
-            p2p.finish()
+                    backward_weight(step.deferred.pop((stage.index, action.microbatch)))
+            step.p2p.finish()
         if grad_sync is not None:
             grad_sync.finish_grad_sync()
         last_rank = self.schedule.rank_of(self.schedule.n_stages - 1)
         src = dist.get_global_rank(self.group, last_rank) if self.group is not None else last_rank
-        dist.broadcast(losses, src=src, group=self.group)
-        return losses
+        dist.broadcast(step.losses, src=src, group=self.group)
+        return step.losses
+
+    def _forward(self, step: _StepState, stage: Stage, mb: int) -> None:
+        s = stage.index
+        if stage.is_first:
+            x = step.inputs[mb]  # type: ignore[index]
+        else:
+            x = step.p2p.recv((ACTIVATION, s - 1, mb)).requires_grad_()
+        y = stage.module(x)
+        if stage.is_last:
+            y = self.loss_fn(y, step.targets[mb]) * step.loss_scale  # type: ignore[index]
+            if y.dim() != 0:
+                raise ValueError(f"loss_fn must return a scalar, got shape {tuple(y.shape)}")
+            step.losses[mb] = y.detach()
+        else:
+            step.p2p.send((ACTIVATION, s, mb), y)
+        step.held[s, mb] = (x, y)
+
+    def _backward(self, step: _StepState, stage: Stage, mb: int) -> None:
+        """Full backward, or the input-gradient pass when the schedule splits it."""
+        s = stage.index
+        x, y = step.held.pop((s, mb))
+        dy = None if stage.is_last else step.p2p.recv((GRADIENT, s + 1, mb))
+        grad_input = None if stage.is_first else x  # token ids have no gradient
+        if self.schedule.split_backward:
+            dx, step.deferred[s, mb] = backward_input([y], [dy], grad_input, step.params[s])
+        else:
+            torch.autograd.backward([y], [dy])
+            dx = None if grad_input is None else grad_input.grad
+        if grad_input is not None:
+            step.p2p.send((GRADIENT, s, mb), torch.zeros_like(x) if dx is None else dx)
 
 
 def build_pipeline(

@@ -197,10 +197,12 @@ def balanced_counts(
 ) -> list[int]:
     """Blocks per stage (contiguous, each >= 1) minimising the largest stage cost.
 
-    Exact dynamic programme over cut points, O(stages * blocks^2); the first stage
-    also pays ``first_extra`` and the last ``last_extra``. Among optimal splits the
-    one with the latest cuts is taken (earlier stages get more blocks), so the
-    result is deterministic on every rank.
+    Two exact dynamic programmes over cut points, O(stages * blocks^2): the first
+    finds the smallest possible maximum stage cost; the second, among splits that
+    reach it, takes the one with the smallest sum of squared stage costs (so a
+    stage that cannot be filled further does not leave the others uneven). The
+    first stage also pays ``first_extra``, the last ``last_extra``; ties go to the
+    earliest cut, so every rank computes the same split.
     """
     n = len(block_costs)
     if not 1 <= n_stages <= n:
@@ -213,20 +215,27 @@ def balanced_counts(
         extra = (first_extra if stage == 0 else 0.0) + (last_extra if stage == n_stages - 1 else 0.0)
         return prefix[end] - prefix[start] + extra
 
-    inf = float("inf")
-    # best[k][i]: the smallest possible max cost of stages 0..k-1 holding blocks [0, i)
-    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, n_stages + 1):
-        for i in range(k, n - (n_stages - k) + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], stage_cost(k - 1, j, i))
-                if value <= best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    counts, end = [], n
-    for k in range(n_stages, 0, -1):
-        start = cut[k][end]
-        counts.append(end - start)
-        end = start
-    return counts[::-1]
+    def solve(objective, combine) -> tuple[float, list[int]]:
+        """Best value of stages 0..S-1 over blocks [0, n) and its stage sizes."""
+        inf = float("inf")
+        # best[k][i]: best value of stages 0..k-1 holding blocks [0, i); cut: stage k-1's start
+        best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+        cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+        best[0][0] = 0.0
+        for k in range(1, n_stages + 1):
+            for i in range(k, n - (n_stages - k) + 1):
+                for j in range(k - 1, i):
+                    term = objective(stage_cost(k - 1, j, i))
+                    value = combine(best[k - 1][j], term)
+                    if value < best[k][i]:
+                        best[k][i], cut[k][i] = value, j
+        counts, end = [], n
+        for k in range(n_stages, 0, -1):
+            counts.append(end - cut[k][end])
+            end = cut[k][end]
+        return best[n_stages][n], counts[::-1]
+
+    peak, _ = solve(lambda c: c, max)
+    limit = peak + 1e-9 * max(1.0, abs(peak))
+    _, counts = solve(lambda c: c * c if c <= limit else float("inf"), lambda a, b: a + b)
+    return counts
