@@ -412,6 +412,8 @@ def _persistent_bytes(expert_parallel: bool) -> dict[str, float]:
         logical = sum(math.prod(s) for s in shapes.values())
         out[family] = sum(storages.values()) / logical
     out["bytes_per_step"] = opt.bytes_per_step
+    if distributed:
+        dist.barrier()  # no rank may leave (and close the store) while others still set up groups
     return out
 
 
