@@ -42,7 +42,8 @@ def _train(argv: list[str]) -> int:
     )
     parser.add_argument("--config", default=None, metavar="FILE_OR_NAME",
                         help="built-in preset name or TOML file (default: default)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="dotted config override, applied in order")
     args = parser.parse_args(argv)
     try:
         train(load_config(args.config, args.overrides))
@@ -58,8 +59,10 @@ def _prepare_data(argv: list[str]) -> int:
         prog="pretrain prepare-data",
         description="Tokenize text files into a token directory for data.path.",
     )
-    parser.add_argument("files", nargs="+", type=Path, metavar="FILES")
-    parser.add_argument("--out", required=True, type=Path, metavar="DIR")
+    parser.add_argument("files", nargs="+", type=Path, metavar="FILES",
+                        help="text files, concatenated in this order")
+    parser.add_argument("--out", required=True, type=Path, metavar="DIR",
+                        help="output token directory (must not hold token files yet)")
     parser.add_argument("--tokenizer", type=Path, default=None, metavar="TOKENIZER_JSON",
                         help="a tokenizers JSON file (default: bytes, vocab 256)")
     args = parser.parse_args(argv)
@@ -77,7 +80,8 @@ def _plot(argv: list[str]) -> int:
         prog="pretrain plot",
         description="Plot a run's loss, throughput and expert load as PNGs in RUN_DIR.",
     )
-    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR",
+                        help="a run directory holding metrics.jsonl")
     args = parser.parse_args(argv)
     try:
         written = plot_run(args.run_dir)

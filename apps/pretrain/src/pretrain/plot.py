@@ -138,7 +138,9 @@ def _plot_expert_load(plt: Any, records: list[dict[str, Any]], path: Path) -> bo
     ncols = min(n_layers, 4)
     nrows = math.ceil(n_layers / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols + 1.2, 2.8 * nrows + 0.8),
-                             squeeze=False, sharex=True, sharey=True)
+                             squeeze=False)
+    step_ticks = np.unique(np.linspace(0, n_steps - 1, min(n_steps, 6)).round().astype(int))
+    expert_ticks = np.arange(0, n_experts, max(1, n_experts // 8))
     image = None
     for layer, ax in enumerate(axes.flat):
         if layer >= n_layers:
@@ -147,21 +149,22 @@ def _plot_expert_load(plt: Any, records: list[dict[str, Any]], path: Path) -> bo
         image = ax.imshow(rel_SLE[:, layer, :].T, aspect="auto", interpolation="nearest",
                           cmap="RdBu_r", vmin=-LOAD_RANGE_LOG2, vmax=LOAD_RANGE_LOG2,
                           extent=(-0.5, n_steps - 0.5, n_experts - 0.5, -0.5))
-        worst = (load_SLE[-1, layer].max() / max(mean[-1, layer, 0], 1e-9))
+        worst = load_SLE[-1, layer].max() / max(mean[-1, layer, 0], 1e-9)
         ax.set_title(f"MoE layer {layer}: max/mean {worst:.2f} at step {steps[-1]}", fontsize=9)
+        ax.set_xticks(step_ticks, [str(steps[i]) for i in step_ticks], fontsize=8)
+        ax.set_yticks(expert_ticks, [str(e) for e in expert_ticks], fontsize=8)
         if layer % ncols == 0:
             ax.set_ylabel("expert")
-            ax.set_yticks(np.unique(np.linspace(0, n_experts - 1, min(n_experts, 9)).round()))
-        if layer // ncols == nrows - 1 or layer + ncols >= n_layers:
-            ticks = np.unique(np.linspace(0, n_steps - 1, min(n_steps, 6)).round().astype(int))
-            ax.set_xticks(ticks, [str(steps[i]) for i in ticks])
+        if layer + ncols >= n_layers:  # nothing below it
             ax.set_xlabel("step")
     fig.suptitle("Expert load: tokens per expert relative to a uniform load (log2 scale)")
     fig.tight_layout(rect=(0, 0, 0.88, 1))
     cbar_ax = fig.add_axes((0.9, 0.12, 0.018, 0.72))
     cbar = fig.colorbar(image, cax=cbar_ax)
     ticks = np.arange(-LOAD_RANGE_LOG2, LOAD_RANGE_LOG2 + 1)
-    cbar.set_ticks(ticks, labels=[f"{2.0 ** t:g}x" for t in ticks])
+    labels = [f"{2.0 ** t:g}x" for t in ticks]
+    labels[0], labels[-1] = "\u2264" + labels[0], "\u2265" + labels[-1]  # the scale is clipped
+    cbar.set_ticks(ticks, labels=labels)
     cbar_ax.set_title("load /\nmean", fontsize=9)
     fig.savefig(path, dpi=120)
     plt.close(fig)
