@@ -25,7 +25,8 @@ def test_grouped_mm_backend_matches_loop(k_contiguous):
     results = {}
     for backend in ("grouped_mm", "loop"):
         out = grouped_mm(x, w, offsets, backend)
-        results[backend] = (out[:valid], *torch.autograd.grad(out[:valid], (x, store), dy[:valid]))
+        dx, dw = torch.autograd.grad(out[:valid], (x, store), dy[:valid])
+        results[backend] = (out[:valid], dx[:valid], dw)  # padding rows are unspecified
     for a, b in zip(results["grouped_mm"], results["loop"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert results["loop"][2][1].abs().sum() == 0 and results["loop"][2][4].abs().sum() == 0

@@ -36,6 +36,7 @@ def test_transformers_checkpoint_loads_with_equal_logits(tmp_path, kw):
     hf.save_pretrained(tmp_path)
     ours = from_pretrained(tmp_path).eval()
     assert ours.config.n_dense_layers == len(kw.get("mlp_only_layers", []))
+    assert (ours.head.weight is ours.embed.weight) == ours.config.tie_embeddings
     with torch.no_grad():
         diff = (hf(TOKENS).logits - ours(TOKENS)).abs().max().item()
     assert diff < 1e-4

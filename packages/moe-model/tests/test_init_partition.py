@@ -48,6 +48,11 @@ def test_partition_holds_the_full_models_values(tie):
     assert checked >= 20
     if tie:  # the head alone on the last stage still gets the embedding's values
         assert torch.equal(part.head.weight, full.embed.weight)
+        with torch.device("meta"):
+            whole = MoETransformer(cfg)
+        whole.to_empty(device="cpu")
+        init_weights(whole, cfg, seed=7)
+        assert whole.head.weight is whole.embed.weight
     for _, layer in part.moe_layers():
         assert layer.experts.expert_range == range(4, 8)
         assert (layer.router.expert_bias == 0).all()

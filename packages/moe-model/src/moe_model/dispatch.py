@@ -90,18 +90,23 @@ class _Gather(torch.autograd.Function):
         return d_slots.sum(1), None
 
 
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
 class _Combine(torch.autograd.Function):
-    """``y[t] = sum_j w[t,j] * rows_out[row_of_slot[t,j]]`` in FP32; saves only ``rows_out``."""
+    """``y[t] = sum_j w[t,j] * rows_out[row_of_slot[t,j]]`` in (at least) FP32; saves only ``rows_out``."""
 
     @staticmethod
     def forward(ctx: Any, rows_out_RD: torch.Tensor, weights_Tk: torch.Tensor,
                 h: LocalDispatchHandle) -> torch.Tensor:
         T, k = weights_Tk.shape
-        w_S = weights_Tk.reshape(-1).float()
+        acc = _accumulation_dtype(rows_out_RD.dtype)
+        w_S = weights_Tk.reshape(-1).to(acc)
         if h.kept_of_slot is not None:
-            w_S = w_S * h.kept_of_slot
+            w_S = w_S * h.kept_of_slot.to(acc)
         g_TkD = rows_out_RD.index_select(0, h.row_of_slot).view(T, k, -1)
-        y_TD = torch.bmm(w_S.view(T, 1, k), g_TkD.float()).view(T, -1)
+        y_TD = torch.bmm(w_S.view(T, 1, k), g_TkD.to(acc)).view(T, -1)
         ctx.save_for_backward(rows_out_RD, w_S)
         ctx.handle, ctx.weights_dtype = h, weights_Tk.dtype
         return y_TD.to(rows_out_RD.dtype)
@@ -112,14 +117,14 @@ class _Combine(torch.autograd.Function):
         h: LocalDispatchHandle = ctx.handle
         T, D = dy_TD.shape
         k = w_S.shape[0] // T
-        dy32_TD = dy_TD.float()
+        dy32_TD = dy_TD.to(w_S.dtype)
         d_rows = dy32_TD.index_select(0, h.token_of_row) * w_S.index_select(0, h.slot_of_row)[:, None]
         if h.valid_rows is not None:
             d_rows = torch.where(h.valid_rows[:, None], d_rows, 0.0)
         g_TkD = rows_out_RD.index_select(0, h.row_of_slot).view(T, k, D)
-        d_w_Tk = torch.bmm(g_TkD.float(), dy32_TD.unsqueeze(-1)).view(T, k)
+        d_w_Tk = torch.bmm(g_TkD.to(w_S.dtype), dy32_TD.unsqueeze(-1)).view(T, k)
         if h.kept_of_slot is not None:
-            d_w_Tk = d_w_Tk * h.kept_of_slot.view(T, k)
+            d_w_Tk = d_w_Tk * h.kept_of_slot.view(T, k).to(w_S.dtype)
         return d_rows.to(rows_out_RD.dtype), d_w_Tk.to(ctx.weights_dtype), None
 
 

@@ -14,7 +14,7 @@ Grouped GEMM backends (``grouped_mm(..., backend=)``), all reading device-side o
 - ``grouped_mm``: ``torch._grouped_mm`` (CUTLASS on sm_90+; needs 16-byte aligned strides).
 - ``triton``: this package's Triton kernels (``moe_model.triton_grouped_mm``).
 - ``loop``: one matmul per expert; the reference. It reads the offsets on the host
-  (a synchronisation), so it is never chosen automatically on a GPU.
+  (a synchronisation), so on a GPU ``auto`` falls back to it only without Triton.
 - ``auto``: the fastest safe one for the device and dtype (see ``resolve_backend``).
 """
 
@@ -55,22 +55,22 @@ def _triton_available() -> bool:
 def resolve_backend(backend: str, x_RK: torch.Tensor, w_EKN: torch.Tensor) -> str:
     """The concrete backend ``auto`` stands for on these tensors.
 
-    On a GPU: Triton for 2-byte floats when it is installed (it measured faster
-    than ``torch._grouped_mm`` on H200 MoE shapes; see tools/bench_moe_layer.py),
-    else ``torch._grouped_mm`` where it applies, else Triton, else the loop. On a
-    CPU: ``torch._grouped_mm`` where its stride rule holds, else the loop.
+    On a GPU: ``torch._grouped_mm`` where it applies (bf16 on sm_90+, 16-byte
+    aligned widths): on H200 at the bench-1gpu MoE shapes it and the Triton kernels
+    ran the layer's GEMMs (forward + backward) within 3% of each other, and it costs
+    ~20 us of host time per call against Triton's ~100 us (tools/moe_model_notes.md).
+    Elsewhere Triton (fp16, pre-Hopper GPUs, odd widths) if installed, else the loop.
+    On a CPU: ``torch._grouped_mm`` where its stride rule holds, else the loop.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown grouped GEMM backend {backend!r}; expected one of {BACKENDS}")
     if backend != "auto":
         return backend
-    if x_RK.device.type == "cuda":
-        if _triton_available() and x_RK.element_size() == 2:
-            return "triton"
-        if _fits_grouped_mm(x_RK, w_EKN):
-            return "grouped_mm"
-        return "triton" if _triton_available() else "loop"
-    return "grouped_mm" if _fits_grouped_mm(x_RK, w_EKN) else "loop"
+    if _fits_grouped_mm(x_RK, w_EKN):
+        return "grouped_mm"
+    if x_RK.device.type == "cuda" and _triton_available():
+        return "triton"
+    return "loop"
 
 
 def grouped_mm(
@@ -79,7 +79,7 @@ def grouped_mm(
     """``out[r] = x[r] @ w[e(r)]`` with expert segments given by cumulative int32 ``offsets``.
 
     Differentiable in ``x`` and ``w``. Rows past ``offsets[-1]`` (padding) are
-    unspecified in the output and must be ignored by the caller.
+    unspecified in the output and in the gradient of ``x``; callers ignore them.
     """
     backend = resolve_backend(backend, x_RK, w_EKN)
     if backend == "grouped_mm":

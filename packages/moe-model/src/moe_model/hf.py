@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from moe_model.config import MoEConfig
+from moe_model.init import logical_name
 from moe_model.model import MoETransformer
 from moe_model.params import logical_shapes
 
@@ -199,7 +200,7 @@ def convert_from_hf(get: Callable[[str], torch.Tensor], cfg: MoEConfig) -> dict[
     """Our full state dict from HF tensors, fetched by name with ``get`` (KeyError if missing)."""
     state: dict[str, torch.Tensor] = {}
     for name, shape in logical_shapes(cfg).items():
-        names = hf_names(name if not (name == "head.weight" and cfg.tie_embeddings) else "embed.weight", cfg)
+        names = hf_names(logical_name(name, cfg), cfg)  # a tied head reads the embedding
         try:
             parts = [get(n) for n in names]
         except KeyError as e:
@@ -274,6 +275,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
     with torch.device("meta"):
         model = MoETransformer(cfg)
     model.to_empty(device=device)
+    model.tie_weights()
     model.to(dtype)
     model.load_state_dict(state, strict=True)
     return model

@@ -52,6 +52,9 @@ def param_std(name: str, cfg: MoEConfig) -> float:
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: MoEConfig, seed: int) -> None:
     """Initialise every parameter of ``model`` (a full model or any partition of it)."""
+    tie = getattr(model, "tie_weights", None)
+    if tie is not None:
+        tie()
     done: set[str] = set()
     for mod_name, module in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""

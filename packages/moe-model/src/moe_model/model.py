@@ -57,7 +57,14 @@ class MoETransformer(nn.Module):
         )
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make the head share the embedding's parameter (if tied and both are held).
+
+        ``to_empty`` (materialising a ``meta`` model) separates them; ``init_weights``
+        calls this again."""
+        if self.config.tie_embeddings and self.embed is not None and self.head is not None:
             self.head.weight = self.embed.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -4,28 +4,30 @@ Shape legend: R rows (tokens dispatched to experts, expert-major), E experts,
 K reduction width, N output width; a group is one expert's run of rows,
 ``offsets[e]`` its cumulative end (int32, on the device, never read by the host).
 
-Two kernels cover the forward and both backward GEMMs of ``y = x @ w[e(r)]``:
+Two kernels (``_grouped_mm_kernels``) cover the forward and both backward GEMMs of
+``y = x @ w[e(r)]``:
 
-- ``_rows_kernel``, segmented M: ``y[r] = x[r] @ w[g(r)]``. Used for the forward
-  and for ``dx = dy @ w[g]^T`` (the same kernel on the transposed weight view).
-  The (group, m-tile, n-tile) work list is derived on the device: every program
-  loads the offsets, counts each group's m-tiles, prefix-sums them and finds its
-  tile's group with a vector comparison (no per-group loop, no host sync). Tiles
-  inside a group are visited in GROUP_M swizzled order so that consecutive
-  programs share weight columns and input rows in L2. The grid is either one
-  program per possible tile (the bound ``(cdiv(R, BM) + E) * cdiv(N, BN)``; idle
-  programs exit at once) or persistent (one program per SM walking the list).
-  Rows past a group's end are read from the next group (never out of bounds) and
-  never stored, so the A operand needs no mask.
-- ``_wgrad_kernel``, segmented K: ``c[g] = a_g^T @ b_g`` with the reduction over
-  group ``g``'s rows; gives ``dw[g] = x_g^T @ dy_g`` (or its transpose, whichever
-  matches the weight's memory layout). Empty groups store zeros.
+- rows kernel, segmented M: ``y[r] = x[r] @ w[g(r)]``. Used for the forward and
+  for ``dx = dy @ w[g]^T`` (the same kernel on the transposed weight view). The
+  (group, m-tile, n-tile) work list is derived on the device: each program loads
+  the offsets, counts each group's m-tiles, prefix-sums them and finds a tile's
+  group with one vector comparison (no per-group loop, no host sync). Tiles inside
+  a group go in GROUP_M swizzled order so neighbouring programs share weight
+  columns and input rows in L2. Persistent mode runs one program per SM over a
+  flat (tile, k-step) loop, so the software pipeline prefetches the next tile's
+  first K blocks while the current tile finishes; operands come through TMA
+  tensor descriptors when the widths allow (the tuned default on H100/H200).
+  Rows past a group's end are read (they are the next group's, or zero-filled
+  past R) but never stored, so loads need no row masks.
+- wgrad kernel, segmented K: ``c[g] = a_g^T @ b_g`` with the reduction over group
+  ``g``'s rows; gives ``dw[g] = x_g^T @ dy_g`` (or its transpose, whichever matches
+  the weight's memory layout). One program per output tile; empty groups store zeros.
 
-Both accumulate in FP32 and read/write any 2-byte or 4-byte float dtype; FP32
-inputs use IEEE products (no TF32) so they can serve as an exact reference.
-The entry points are registered as ``torch.library`` custom ops, so selective
-activation recompute (which works at the operator level) can keep their outputs.
-Triton is imported lazily: importing this module never needs it.
+Both accumulate in FP32 and read/write 2-byte or 4-byte floats; FP32 inputs use
+IEEE products (no TF32) so they can serve as an exact reference. The entry point
+is registered as a ``torch.library`` custom op, so selective activation recompute
+(which works at the operator level) can keep its outputs. Triton is imported
+lazily: importing this module never needs it.
 """
 
 from __future__ import annotations
@@ -53,8 +55,6 @@ class TileConfig:
 _GPU_ROWS = TileConfig(128, 256, 64, 8, 8, 3, True, True)
 _GPU_WGRAD = TileConfig(128, 256, 32, 8, 8, 5, False, False)
 _CPU = TileConfig(16, 16, 16, 2, 1, 1, False, False)
-
-
 _GPU = {"rows": _GPU_ROWS, "wgrad": _GPU_WGRAD}
 
 
@@ -128,32 +128,6 @@ def rows_mm(
     y_RN = torch.empty(R, N, dtype=x_RK.dtype, device=x_RK.device)
     if R == 0 or N == 0:
         return y_RN
-    cfg = config or default_config("rows", x_RK.device)
-    triton, rows_kernel, _ = _kernels()
-    max_tiles = (triton.cdiv(R, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n)
-    grid = min(max_tiles, _num_sms(x_RK.device)) if cfg.persistent else max_tiles
-    use_tma = cfg.use_tma and _tma_ok(x_RK, w_EKN, cfg)
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        x_arg = TensorDescriptor.from_tensor(x_RK, [cfg.block_m, cfg.block_k])
-        if k_contiguous:  # [E, N, K] in memory
-            w_2d, block = w_EKN.transpose(1, 2).reshape(E * N, K), [cfg.block_n, cfg.block_k]
-        else:  # [E, K, N] in memory
-            w_2d, block = w_EKN.reshape(E * K, N), [cfg.block_k, cfg.block_n]
-        w_arg = TensorDescriptor.from_tensor(w_2d, block)
-    else:
-        x_arg, w_arg = x_RK, w_EKN
-    rows_kernel[(grid,)](
-        x_arg, w_arg, y_RN, offsets_E,
-        R, N, K, E, grid,
-        x_RK.stride(0), w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2), y_RN.stride(0),
-        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-        E_BLOCK=triton.next_power_of_2(E), W_K_CONTIGUOUS=k_contiguous,
-        EVEN_K=K % cfg.block_k == 0, USE_TMA=use_tma, PRECISION=_precision(x_RK.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return y_RN
     cfg = config or default_config("rows", x_RK.device)
     triton, rows_kernel, _ = _kernels()
     max_tiles = (triton.cdiv(R, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n)
