@@ -83,3 +83,20 @@ def test_triton_matches_reference_at_real_widths(k_contiguous):
     torch.testing.assert_close(dx[:valid].float(), rdx[:valid].float(), rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(dw.float(), rdw.float(), rtol=2e-2, atol=5e-2)
     assert dw.float()[(sizes == 0).cuda()].abs().max() == 0
+
+
+@pytest.mark.parametrize("policy", ["block", "selective"])
+def test_recompute_on_gpu_matches_no_recompute(policy):
+    grads = []
+    tokens = torch.randint(0, LAYER["vocab_size"], (2, 129), device="cuda",
+                           generator=torch.Generator(device="cuda").manual_seed(0))
+    for recompute in ("none", policy):
+        cfg = MoEConfig(**LAYER, grouped_mm_backend="triton", recompute=recompute)
+        model = MoETransformer(cfg).cuda()
+        init_weights(model, cfg, seed=0)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1])
+        (lm_loss_sum(logits, tokens[:, 1:]) / tokens[:, 1:].numel()).backward()
+        grads.append({n: p.grad.float() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=2e-2, atol=1e-5, msg=name)
