@@ -225,6 +225,39 @@ def test_mean_mode_matches_pytorch_ddp():
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def _bf16_reduction(mode: str) -> bytes:
+    rank = dist.get_rank()
+    model = ToyMoE(range(N_EXPERTS))
+    ddp = MultiGroupDDP(model, lambda n, p: dist.group.WORLD,
+                        DDPConfig(mode=mode, comm_dtype="bfloat16", min_shard_numel=MIN_SHARD))
+    for mb in range(MICRO):
+        with ddp.no_sync() if mb < MICRO - 1 else torch.enable_grad():
+            loss_sum(model, *microbatch(rank, 2, mb, False)).div(global_tokens(2)).backward()
+    ddp.finish_grad_sync()
+    twin = MultiGroupDDP(ToyMoE(range(N_EXPERTS)), lambda n, p: dist.group.WORLD,
+                         DDPConfig(mode=mode, min_shard_numel=MIN_SHARD))
+    twin.finish_grad_sync()  # the same buckets reduced in FP32, for the byte count
+    return portable({
+        "grads": {n: (g[rank] if g.shape != p.shape else g) for n, p, g, _ in ddp},
+        "bytes": ddp.last_sync_bytes,
+        "fp32_bytes": twin.last_sync_bytes[(0, 1)],
+    })
+
+
+@pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
+def test_bf16_communication_reduces_a_bf16_copy(mode):
+    ref = reference_grads(2, ep=False)
+    for rank, r in enumerate(unpack(run_distributed(_bf16_reduction, 2, mode, timeout=60))):
+        for name, got in r["grads"].items():
+            want = ref[name] if got.shape == ref[name].shape else ref[name].reshape(2, -1)[rank]
+            assert got.dtype == torch.float32
+            # Each rank's contribution and the sum are rounded to BF16 (8-bit mantissa).
+            scale = float(want.abs().max())
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * scale, msg=name)
+        fp32 = r["fp32_bytes"]
+        assert r["bytes"] == {(0, 1): fp32 // 2}  # the counter counts BF16 bytes
+
+
 def _gradient_after_sync_is_refused() -> None:
     model = ToyMoE(range(N_EXPERTS))
     ddp = MultiGroupDDP(model, lambda n, p: dist.group.WORLD)
