@@ -302,6 +302,11 @@ def test_bf16_grads_accumulate_in_fp32_and_are_freed():
         assert torch.equal(main_grad, acc[name]), name
     ddp.zero_grad()
     assert all(float(buf.abs().sum()) == 0.0 for _, buf in ddp.grad_buffers())
+    # Persistent gradient memory: the FP32 buckets only (4 bytes per parameter plus
+    # alignment padding); no BF16 param.grad survives a backward.
+    bucket_bytes = sum(buf.untyped_storage().nbytes() for _, buf in ddp.grad_buffers())
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 4 * n_params <= bucket_bytes <= 1.05 * 4 * n_params
 
 
 def test_config_errors_name_the_field():
