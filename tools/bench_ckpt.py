@@ -31,13 +31,13 @@ import shutil
 import statistics
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
+import moe_ckpt as mc
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-
-import moe_ckpt as mc
 
 TENSOR_BYTES = 128 << 20
 SHAPES = [((4096, 8192), torch.float32), ((8192, 8192), torch.bfloat16)]
@@ -149,8 +149,14 @@ def as_dtensors(state: dict[str, mc.Shard], device: torch.device) -> dict[str, t
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     return {
-        k: DTensor.from_local(s.local, mesh, [Shard(0)], run_check=False,
-                              shape=torch.Size(s.global_shape), stride=torch.empty(s.global_shape, device="meta").stride())
+        k: DTensor.from_local(
+            s.local,
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=torch.Size(s.global_shape),
+            stride=torch.empty(s.global_shape, device="meta").stride(),
+        )
         for k, s in state.items()
     }
 
@@ -158,22 +164,29 @@ def as_dtensors(state: dict[str, mc.Shard], device: torch.device) -> dict[str, t
 def bench_blocking(state, root: Path, device, repeats: int, gloo) -> dict[str, dict]:
     total = state_bytes(state)
     results = {}
-    for label, kvstore in (("moe-ckpt ocdbt", "ocdbt"), ("moe-ckpt file", "file"), ("torch DCP", None)):
+    for label, kvstore in (
+        ("moe-ckpt ocdbt", "ocdbt"),
+        ("moe-ckpt file", "file"),
+        ("torch DCP", None),
+    ):
         saves, loads, files, nbytes = [], [], 0, 0
         for rep in range(repeats):
             path = fresh(root / f"{label.replace(' ', '_')}_{rep}")
-            targets = {k: mc.Shard(torch.zeros_like(s.local), s.global_shape, s.global_offset) for k, s in state.items()}
+            targets = {
+                k: mc.Shard(torch.zeros_like(s.local), s.global_shape, s.global_offset)
+                for k, s in state.items()
+            }
             if kvstore is not None:
                 opts = mc.StorageOptions(kvstore=kvstore)
-                saves.append(timed(lambda: mc.save(path, state, step=rep, options=opts, group=gloo), device))
-                evict_on_rank0(path)
-                loads.append(timed(lambda: mc.load(path, targets), device))
+                save = partial(mc.save, path, state, step=rep, options=opts, group=gloo)
+                load = partial(mc.load, path, targets)
             else:
-                src, dst = as_dtensors(state, device), as_dtensors(targets, device)
                 kw = {"process_group": gloo} if dist.is_initialized() else {"no_dist": True}
-                saves.append(timed(lambda: dcp.save(src, checkpoint_id=path, **kw), device))
-                evict_on_rank0(path)
-                loads.append(timed(lambda: dcp.load(dst, checkpoint_id=path, **kw), device))
+                save = partial(dcp.save, as_dtensors(state, device), checkpoint_id=path, **kw)
+                load = partial(dcp.load, as_dtensors(targets, device), checkpoint_id=path, **kw)
+            saves.append(timed(save, device))
+            evict_on_rank0(path)
+            loads.append(timed(load, device))
             for k, s in state.items():
                 assert torch.equal(targets[k].local, s.local), f"{label}: {k} differs after load"
             files, nbytes = disk_usage(path)
@@ -181,8 +194,12 @@ def bench_blocking(state, root: Path, device, repeats: int, gloo) -> dict[str, d
             if world()[1] == 0:
                 shutil.rmtree(path, ignore_errors=True)
         results[label] = {
-            "save_s": saves, "load_s": loads, "files": files, "bytes_on_disk": nbytes,
-            "save_GBps": total / min(saves) / 1e9, "load_GBps": total / min(loads) / 1e9,
+            "save_s": saves,
+            "load_s": loads,
+            "files": files,
+            "bytes_on_disk": nbytes,
+            "save_GBps": total / min(saves) / 1e9,
+            "load_GBps": total / min(loads) / 1e9,
         }
     return results
 
@@ -232,7 +249,11 @@ def bench_async(state, root: Path, device, loop: TrainLoop, steps: int, gloo) ->
     out = {}
     for label in ("moe-ckpt Checkpointer", "torch DCP async_save"):
         path = fresh(root / label.replace(" ", "_"))
-        ckpt = mc.Checkpointer(path, mc.CheckpointerConfig(keep_last=1)) if label.startswith("moe") else None
+        ckpt = (
+            mc.Checkpointer(path, mc.CheckpointerConfig(keep_last=1))
+            if label.startswith("moe")
+            else None
+        )
         src = as_dtensors(state, device) if ckpt is None else None
         kw = {"process_group": gloo} if dist.is_initialized() else {}
         rounds = []
@@ -254,11 +275,13 @@ def bench_async(state, root: Path, device, loop: TrainLoop, steps: int, gloo) ->
             else:
                 getattr(pending, "upload_completion", pending).result()
             barrier()
-            rounds.append({
-                "blocked_s": blocked,
-                "loop_overhead_s": (t_loop - t_start) - steps * base,
-                "write_left_after_loop_s": time.perf_counter() - t_loop,
-            })
+            rounds.append(
+                {
+                    "blocked_s": blocked,
+                    "loop_overhead_s": (t_loop - t_start) - steps * base,
+                    "write_left_after_loop_s": time.perf_counter() - t_loop,
+                }
+            )
         if ckpt is not None:
             ckpt.close()
         out[label] = {"baseline_step_s": base, "steps": steps, "rounds": rounds}
@@ -271,7 +294,9 @@ def bench_async(state, root: Path, device, loop: TrainLoop, steps: int, gloo) ->
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gb", type=float, default=2.0, help="global state size")
-    p.add_argument("--dir", default="/tmp/moe_ckpt_bench", help="scratch directory on the disk to test")
+    p.add_argument(
+        "--dir", default="/tmp/moe_ckpt_bench", help="scratch directory on the disk to test"
+    )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--steps", type=int, default=24, help="training-loop steps in the async test")
     p.add_argument("--step-ms", type=float, default=200.0, help="compute per training-loop step")
@@ -284,7 +309,9 @@ def main() -> None:
         local = int(os.environ.get("LOCAL_RANK", 0))
         if cuda:
             torch.cuda.set_device(local)
-        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timedelta(minutes=30)
+        )
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     gloo = dist.new_group(backend="gloo") if dist.is_initialized() else None
     n, rank = world()
@@ -294,8 +321,14 @@ def main() -> None:
     total = state_bytes(state)
     sync(device)
     result = {
-        "config": vars(args) | {"world_size": n, "device": str(device), "state_bytes": total,
-                                "torch": torch.__version__, "tensors": len(state)},
+        "config": vars(args)
+        | {
+            "world_size": n,
+            "device": str(device),
+            "state_bytes": total,
+            "torch": torch.__version__,
+            "tensors": len(state),
+        },
         "ceiling": ceiling(state, root, device),
         "blocking": bench_blocking(state, root, device, args.repeats, gloo),
     }
@@ -313,17 +346,23 @@ def main() -> None:
 
 def print_table(r: dict) -> None:
     c = r["config"]
-    print(f"\nstate {c['state_bytes'] / 1e9:.2f} GB over {c['world_size']} rank(s) on {c['device']}, "
-          f"torch {c['torch']}; disk ceiling: write {r['ceiling']['write_GBps']:.2f} GB/s, "
-          f"read {r['ceiling']['read_GBps']:.2f} GB/s")
+    print(
+        f"\nstate {c['state_bytes'] / 1e9:.2f} GB over {c['world_size']} rank(s) on {c['device']}, "
+        f"torch {c['torch']}; disk ceiling: write {r['ceiling']['write_GBps']:.2f} GB/s, "
+        f"read {r['ceiling']['read_GBps']:.2f} GB/s"
+    )
     print(f"{'method':24s} {'save GB/s':>10s} {'load GB/s':>10s} {'files':>7s}")
     for label, v in r["blocking"].items():
         print(f"{label:24s} {v['save_GBps']:10.2f} {v['load_GBps']:10.2f} {v['files']:7d}")
-    print(f"\n{'async save (1st / 2nd)':24s} {'loop blocked s':>16s} {'loop slowdown s':>16s} {'write after loop s':>19s}")
+    print(
+        f"\n{'async save (1st / 2nd)':24s} {'loop blocked s':>16s} {'loop slowdown s':>16s} {'write after loop s':>19s}"
+    )
     for label, v in r["async"].items():
         a, b = v["rounds"]
-        print(f"{label:24s} {a['blocked_s']:7.3f} / {b['blocked_s']:6.3f} {a['loop_overhead_s']:7.2f} / {b['loop_overhead_s']:6.2f} "
-              f"{a['write_left_after_loop_s']:8.2f} / {b['write_left_after_loop_s']:6.2f}")
+        print(
+            f"{label:24s} {a['blocked_s']:7.3f} / {b['blocked_s']:6.3f} {a['loop_overhead_s']:7.2f} / {b['loop_overhead_s']:6.2f} "
+            f"{a['write_left_after_loop_s']:8.2f} / {b['write_left_after_loop_s']:6.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from moe_ckpt import Checkpointer, CheckpointerConfig, StorageOptions
 
 
@@ -27,7 +26,9 @@ def run(root: str, step: int, phase: str, marker: str) -> None:
             time.sleep(600)
 
     config = CheckpointerConfig(
-        keep_last=1, async_save=False, storage=StorageOptions(kvstore="file", target_chunk_bytes=512)
+        keep_last=1,
+        async_save=False,
+        storage=StorageOptions(kvstore="file", target_chunk_bytes=512),
     )
     with Checkpointer(root, config, on_phase=park) as ckpt:
         ckpt.save(step, state(step), {"step": step})

@@ -8,11 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+import moe_ckpt as mc
 import pytest
 import torch
 import torch.distributed as dist
-
-import moe_ckpt as mc
 from moe_ckpt import directory
 from moe_testing import run_distributed
 
@@ -41,7 +40,10 @@ def test_latest_and_retention_keep_the_newest(tmp_path: Path):
         assert manifest.step == 4 and all(torch.equal(out[k], v) for k, v in state(4).items())
         ckpt.save(5, state(5))
         assert sorted(p.name for p in tmp_path.iterdir()) == [
-            "latest", "step_0000000004", "step_0000000005", "step_0000000099"
+            "latest",
+            "step_0000000004",
+            "step_0000000005",
+            "step_0000000099",
         ]
         (tmp_path / "latest").unlink()  # crash between commit and pointer update
         assert ckpt.latest_step() == 5
@@ -92,7 +94,13 @@ def test_background_error_surfaces_on_the_next_call(tmp_path: Path):
 
 
 CRASH_PHASES = [
-    "planned", "created", "wrote:a", "written", "manifest_written", "committed", "latest_updated",
+    "planned",
+    "created",
+    "wrote:a",
+    "written",
+    "manifest_written",
+    "committed",
+    "latest_updated",
 ]
 
 

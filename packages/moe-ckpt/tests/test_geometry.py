@@ -9,7 +9,6 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from moe_ckpt.boxes import Box, flat_run_boxes, full_box, grid_cells
 from moe_ckpt.plan import Write, assign_writers, choose_chunk_shape
 from moe_ckpt.shards import FlatShard, Shard, describe
@@ -97,7 +96,11 @@ def test_chunk_grid_aligns_to_shard_boundaries_and_respects_the_cap():
 def test_describe_views_local_memory_for_both_shard_kinds():
     local = torch.arange(10.0)
     regions = describe("f", FlatShard(local, (3, 4), 1), rank=0).regions
-    assert [r.box for r in regions] == [Box((0, 1), (1, 3)), Box((1, 0), (1, 4)), Box((2, 0), (1, 3))]
+    assert [r.box for r in regions] == [
+        Box((0, 1), (1, 3)),
+        Box((1, 0), (1, 4)),
+        Box((2, 0), (1, 3)),
+    ]
     for r in regions:
         r.view.fill_(-1)
     assert (local == -1).all()

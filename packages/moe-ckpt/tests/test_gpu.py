@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import moe_ckpt as mc
 import pytest
 import torch
 import torch.distributed as dist
-
-import moe_ckpt as mc
 from moe_testing import run_distributed
 
 
@@ -25,8 +24,10 @@ def test_device_tensors_roundtrip_and_async_snapshot(tmp_path: Path):
         for v in live.values():  # queued after the snapshot copies: must not leak into them
             v.mul_(0).add_(float("nan"))
         ckpt.wait()
-        out = {k: mc.FlatShard(torch.empty(v.numel(), device="cuda", dtype=v.dtype), tuple(v.shape), 0)
-               for k, v in expected.items()}
+        out = {
+            k: mc.FlatShard(torch.empty(v.numel(), device="cuda", dtype=v.dtype), tuple(v.shape), 0)
+            for k, v in expected.items()
+        }
         ckpt.load(out)
     for k, v in expected.items():
         assert torch.equal(out[k].local.view(v.shape), v), k
@@ -52,4 +53,6 @@ def rank_nccl_training_with_async_saves(root: str) -> None:
 
 @pytest.mark.multigpu(2)
 def test_async_saves_beside_nccl_collectives(tmp_path: Path):
-    run_distributed(rank_nccl_training_with_async_saves, 2, str(tmp_path), backend="nccl", timeout=180)
+    run_distributed(
+        rank_nccl_training_with_async_saves, 2, str(tmp_path), backend="nccl", timeout=180
+    )

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import moe_ckpt as mc
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
-
-import moe_ckpt as mc
 from moe_testing import run_distributed
+from safetensors.torch import load_file
 
 
 def toy_convert(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -35,13 +34,22 @@ def save_sharded(path: str) -> None:
     """Two ranks: flat optimizer-style shards, expert boxes, replicated norm and extras."""
     rank = dist.get_rank()
     m = model_state()
-    mc.save(path, {
-        "model/embed.weight": mc.FlatShard(m["model/embed.weight"].reshape(-1)[rank * 200 : rank * 200 + 200], (50, 8), rank * 200),
-        "model/layers.0.experts.w1": mc.Shard(m["model/layers.0.experts.w1"][rank * 2 : rank * 2 + 2], (4, 6, 8), (rank * 2, 0, 0)),
-        "model/norm.weight": m["model/norm.weight"],
-        "optim/exp_avg/embed.weight": torch.zeros(50, 8),
-        "step": torch.tensor(9),
-    })
+    mc.save(
+        path,
+        {
+            "model/embed.weight": mc.FlatShard(
+                m["model/embed.weight"].reshape(-1)[rank * 200 : rank * 200 + 200],
+                (50, 8),
+                rank * 200,
+            ),
+            "model/layers.0.experts.w1": mc.Shard(
+                m["model/layers.0.experts.w1"][rank * 2 : rank * 2 + 2], (4, 6, 8), (rank * 2, 0, 0)
+            ),
+            "model/norm.weight": m["model/norm.weight"],
+            "optim/exp_avg/embed.weight": torch.zeros(50, 8),
+            "step": torch.tensor(9),
+        },
+    )
 
 
 def test_export_from_a_sharded_checkpoint(tmp_path: Path):
@@ -49,8 +57,12 @@ def test_export_from_a_sharded_checkpoint(tmp_path: Path):
     run_distributed(save_sharded, 2, str(ck), timeout=60)
     cfg = {"model_type": "toy_moe", "hidden_size": 8}
     out = mc.export_hf(
-        ck, tmp_path / "hf", convert=toy_convert, select=lambda n: n.startswith("model/"),
-        config=cfg, max_shard_bytes=300,
+        ck,
+        tmp_path / "hf",
+        convert=toy_convert,
+        select=lambda n: n.startswith("model/"),
+        config=cfg,
+        max_shard_bytes=300,
     )
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))

@@ -18,11 +18,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import moe_ckpt as mc
 import numpy as np
 import torch
 import torch.distributed as dist
-
-import moe_ckpt as mc
 from moe_testing import run_distributed
 
 SPECS: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
@@ -79,14 +78,20 @@ def _expected(name: str, s) -> torch.Tensor:
     full = oracle(name)
     if hasattr(s, "flat_offset"):
         return full.reshape(-1)[s.flat_offset : s.flat_offset + s.local.numel()]
-    return full[tuple(slice(o, o + n) for o, n in zip(s.global_offset, s.local.shape))]
+    return full[tuple(slice(o, o + n) for o, n in zip(s.global_offset, s.local.shape, strict=True))]
 
 
 def save_layout(root: str, kind: str, options: mc.StorageOptions) -> None:
     world, rank = _world()
     tensors = {n: shard(n, kind, world, rank, fill=True) for n in SPECS}
-    mc.save(Path(root) / f"w{world}-{kind}", tensors, {"layout": kind}, step=world,
-            rank_metadata={"rank": rank}, options=options)
+    mc.save(
+        Path(root) / f"w{world}-{kind}",
+        tensors,
+        {"layout": kind},
+        step=world,
+        rank_metadata={"rank": rank},
+        options=options,
+    )
 
 
 def load_and_check(ckpt: Path, kind: str) -> None:
@@ -142,7 +147,9 @@ def rank_fn_back_to_two(root: str) -> list[str]:
     replicated = {n: shard(n, "replicated", world, rank, fill=False) for n in SPECS}
     mc.load(Path(root) / "w4-rows", replicated)
     again = Path(root).parent / "again" / "w2-replicated"
-    mc.save(again, replicated, {"layout": "replicated"}, rank_metadata={"rank": rank}, options=ALIGNED)
+    mc.save(
+        again, replicated, {"layout": "replicated"}, rank_metadata={"rank": rank}, options=ALIGNED
+    )
     for kind in ["rows", "flat"]:
         load_and_check(again, kind)
         checked.append(f"w4-rows->replicated->{again.name}->{kind}")

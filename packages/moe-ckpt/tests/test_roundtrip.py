@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import moe_ckpt as mc
 import pytest
 import torch
-
-import moe_ckpt as mc
 from moe_ckpt.manifest import MANIFEST_NAME
 
 KVSTORES = ["ocdbt", "file"]
@@ -38,12 +37,18 @@ def _opts(kvstore: str) -> mc.StorageOptions:
 def test_every_dtype_roundtrips_exactly_with_metadata(tmp_path: Path, kvstore: str):
     state = _state()
     meta = {"config": {"d_model": 8}, "data": {"position": 17}}
-    mc.save(tmp_path / "ck", state, meta, step=5, rank_metadata={"rng": [1, 2]}, options=_opts(kvstore))
+    mc.save(
+        tmp_path / "ck", state, meta, step=5, rank_metadata={"rng": [1, 2]}, options=_opts(kvstore)
+    )
     out = {k: torch.full_like(v, 7) for k, v in state.items()}
     manifest = mc.load(tmp_path / "ck", out)
     for k, v in state.items():
         assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
-    assert manifest.step == 5 and manifest.metadata == meta and manifest.rank_metadata == [{"rng": [1, 2]}]
+    assert (
+        manifest.step == 5
+        and manifest.metadata == meta
+        and manifest.rank_metadata == [{"rng": [1, 2]}]
+    )
     assert manifest.kvstore == kvstore and manifest.tensors["w"].chunk_shape == (1, 7)
 
 
@@ -101,20 +106,26 @@ def _flip_byte(path: Path, offset: int) -> None:
 
 def test_flipped_byte_in_a_chunk_file_names_the_tensor(tmp_path: Path):
     state = {"emb": torch.randn(64, 32), "norm": torch.randn(32)}
-    mc.save(tmp_path / "ck", state, options=mc.StorageOptions(kvstore="file", target_chunk_bytes=1024))
+    mc.save(
+        tmp_path / "ck", state, options=mc.StorageOptions(kvstore="file", target_chunk_bytes=1024)
+    )
     chunk = tmp_path / "ck" / "arrays" / "emb" / "c" / "5" / "0"
     _flip_byte(chunk, 100)
     mc.load(tmp_path / "ck", {"norm": torch.empty(32)})  # other tensors still load
     with pytest.raises(mc.ChecksumError, match=r"tensor 'emb'.*piece at \(40, 0\)"):
         mc.load(tmp_path / "ck", {"emb": torch.empty(64, 32)})
-    with pytest.raises(mc.ChecksumError, match="'emb'"):  # also when only part of the piece is wanted
+    with pytest.raises(
+        mc.ChecksumError, match="'emb'"
+    ):  # also when only part of the piece is wanted
         mc.load(tmp_path / "ck", {"emb": mc.Shard(torch.empty(1, 2), (64, 32), (41, 3))})
 
 
 def test_flipped_byte_in_an_ocdbt_data_file_names_the_tensor(tmp_path: Path):
     state = {"big": torch.randn(256, 256), "small": torch.randn(4)}
     mc.save(tmp_path / "ck", state, options=mc.StorageOptions(kvstore="ocdbt"))
-    data_files = sorted((tmp_path / "ck" / "ocdbt" / "rank0" / "d").iterdir(), key=lambda p: p.stat().st_size)
+    data_files = sorted(
+        (tmp_path / "ck" / "ocdbt" / "rank0" / "d").iterdir(), key=lambda p: p.stat().st_size
+    )
     largest = data_files[-1]
     assert largest.stat().st_size > 256 * 256 * 4  # the big tensor's bytes live here
     _flip_byte(largest, largest.stat().st_size // 2)

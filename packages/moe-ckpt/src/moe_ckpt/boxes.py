@@ -34,9 +34,9 @@ class Box:
         """The common part, or None when it is empty."""
         lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset, strict=True))
         hi = tuple(min(a, b) for a, b in zip(self.end, other.end, strict=True))
-        if any(h <= l for l, h in zip(lo, hi, strict=True)):
+        if any(b <= a for a, b in zip(lo, hi, strict=True)):
             return None
-        return Box(lo, tuple(h - l for l, h in zip(lo, hi, strict=True)))
+        return Box(lo, tuple(b - a for a, b in zip(lo, hi, strict=True)))
 
     def slices(self, within: Box | None = None) -> tuple[slice, ...]:
         """Index of this box in global coordinates, or relative to a box containing it."""
@@ -71,7 +71,7 @@ class Box:
 
 def _box_between(lo: list[int], hi: list[int], dim: int, start: int, stop: int) -> Box:
     offset = list(lo)
-    shape = [h - l for l, h in zip(lo, hi, strict=True)]
+    shape = [b - a for a, b in zip(lo, hi, strict=True)]
     offset[dim], shape[dim] = start, stop - start
     return Box(tuple(offset), tuple(shape))
 

@@ -55,7 +55,9 @@ class CheckpointerConfig:
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and self.keep_last < 1:
-            raise ValueError(f"CheckpointerConfig.keep_last must be >= 1 or None, got {self.keep_last}")
+            raise ValueError(
+                f"CheckpointerConfig.keep_last must be >= 1 or None, got {self.keep_last}"
+            )
 
 
 class Checkpointer:
@@ -74,7 +76,9 @@ class Checkpointer:
         self._group: dist.ProcessGroup | None = None
         self._comm: Collectives = SingleProcess()
         if dist.is_available() and dist.is_initialized():
-            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.timeout_s))
+            self._group = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=config.timeout_s)
+            )
             self._comm = GroupCollectives(self._group)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-ckpt-writer")
         self._pending: tuple[int, Future] | None = None
@@ -99,15 +103,23 @@ class Checkpointer:
         self.wait()
         blocking = (not self.config.async_save) if blocking is None else blocking
         pending = prepare_save(
-            self.root / directory.step_dir_name(step), tensors, metadata,
-            comm=self._comm, step=step, rank_metadata=rank_metadata,
-            options=self.config.storage, buffers=None if blocking else self._buffers,
+            self.root / directory.step_dir_name(step),
+            tensors,
+            metadata,
+            comm=self._comm,
+            step=step,
+            rank_metadata=rank_metadata,
+            options=self.config.storage,
+            buffers=None if blocking else self._buffers,
             on_phase=self._on_phase,
         )
         if blocking:
             write_and_commit(pending, self._after_commit)
         else:
-            self._pending = (step, self._executor.submit(write_and_commit, pending, self._after_commit))
+            self._pending = (
+                step,
+                self._executor.submit(write_and_commit, pending, self._after_commit),
+            )
 
     def _after_commit(self, final: Path) -> None:
         """On rank 0, after the commit rename and before any rank's save returns."""
@@ -131,7 +143,9 @@ class Checkpointer:
         try:
             future.result()
         except Exception as e:
-            raise CheckpointError(f"asynchronous save of step {step} under {self.root} failed: {e}") from e
+            raise CheckpointError(
+                f"asynchronous save of step {step} under {self.root} failed: {e}"
+            ) from e
 
     def steps(self) -> list[int]:
         """Committed steps under the root, ascending."""
@@ -152,7 +166,11 @@ class Checkpointer:
         self.wait()
         name = None
         if self._comm.rank == 0:
-            path = directory.latest(self.root) if step is None else self.root / directory.step_dir_name(step)
+            path = (
+                directory.latest(self.root)
+                if step is None
+                else self.root / directory.step_dir_name(step)
+            )
             name = path.name if path is not None else None
         name = self._comm.broadcast(name)
         if name is None:

@@ -47,12 +47,19 @@ def export_hf(
     manifest = open_checkpoint(checkpoint_dir)
     names = [n for n in manifest.tensors if select(n)]
     if not names:
-        raise ValueError(f"select() chose none of the {len(manifest.tensors)} tensors in {checkpoint_dir}")
+        raise ValueError(
+            f"select() chose none of the {len(manifest.tensors)} tensors in {checkpoint_dir}"
+        )
     tmp = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex}")
     tmp.mkdir(parents=True)
     try:
-        shard_files, weight_map, total = _write_shards(checkpoint_dir, names, convert, dtype, max_shard_bytes, tmp)
-        final_names = {f: f"model-{i + 1:05d}-of-{len(shard_files):05d}.safetensors" for i, f in enumerate(shard_files)}
+        shard_files, weight_map, total = _write_shards(
+            checkpoint_dir, names, convert, dtype, max_shard_bytes, tmp
+        )
+        final_names = {
+            f: f"model-{i + 1:05d}-of-{len(shard_files):05d}.safetensors"
+            for i, f in enumerate(shard_files)
+        }
         for f, final in final_names.items():
             os.rename(tmp / f, tmp / final)
         index = {
@@ -95,7 +102,11 @@ def _write_shards(
             if hf_name in weight_map or hf_name in shard:
                 raise ValueError(f"convert() produced {hf_name!r} twice (last from {name!r})")
             # A copy: converters may return views sharing storage, which safetensors refuses.
-            t = t.detach().to(dtype=dtype if t.is_floating_point() else t.dtype, copy=True).contiguous()
+            t = (
+                t.detach()
+                .to(dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
+                .contiguous()
+            )
             nbytes = t.numel() * t.element_size()
             if shard and shard_bytes + nbytes > max_shard_bytes:
                 flush()

@@ -52,7 +52,12 @@ class HostBuffers:
             for key, v in views:
                 pin = v.device.type == "cuda"
                 buf = self._buffers.get(key)
-                if buf is None or buf.shape != v.shape or buf.dtype != v.dtype or buf.is_pinned() != pin:
+                if (
+                    buf is None
+                    or buf.shape != v.shape
+                    or buf.dtype != v.dtype
+                    or buf.is_pinned() != pin
+                ):
                     buf = torch.empty(v.shape, dtype=v.dtype, pin_memory=pin)
                 buf.copy_(v.detach(), non_blocking=pin)
                 if pin:

@@ -30,8 +30,8 @@ from moe_ckpt.boxes import Box
 from moe_ckpt.directory import is_partial_name
 from moe_ckpt.dtypes import from_numpy, itemsize, to_numpy, torch_dtype
 from moe_ckpt.errors import (
-    ChecksumError,
     CheckpointError,
+    ChecksumError,
     IncompleteCheckpointError,
     MissingTensorError,
     TensorMismatchError,

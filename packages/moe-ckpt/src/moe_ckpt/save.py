@@ -104,8 +104,13 @@ def _gathered_plans(
             layouts[name].append(layout)
     plans = {
         name: plan_tensor(
-            name, shape, dtype, itemsize(dtype), held[name],
-            options.target_chunk_bytes, options.min_chunk_bytes,
+            name,
+            shape,
+            dtype,
+            itemsize(dtype),
+            held[name],
+            options.target_chunk_bytes,
+            options.min_chunk_bytes,
         )
         for name, (_, shape, dtype) in first.items()
     }
@@ -175,8 +180,14 @@ def _create(p: PendingSave, names: list[str], partial: Path, ctx: Any, writer: i
     """Create the arrays of ``names``; return their tensorstore handles."""
     futures = [
         storage.create_array(
-            ctx, partial, p.options.kvstore, array_key(name), p.plans[name].shape,
-            p.plans[name].dtype, p.plans[name].chunk_shape, writer,
+            ctx,
+            partial,
+            p.options.kvstore,
+            array_key(name),
+            p.plans[name].shape,
+            p.plans[name].dtype,
+            p.plans[name].chunk_shape,
+            writer,
         )
         for name in names
     ]
@@ -225,9 +236,7 @@ def _piece_record(box: Box, data: np.ndarray, rank: int) -> PieceRecord:
     return PieceRecord(box, crc32(data), rank)
 
 
-def write_and_commit(
-    p: PendingSave, after_commit: Callable[[Path], None] | None = None
-) -> None:
+def write_and_commit(p: PendingSave, after_commit: Callable[[Path], None] | None = None) -> None:
     """Write this rank's data and, once every rank succeeded, commit (see module notes)."""
     comm = p.comm
     ctx = storage.new_context()
@@ -316,7 +325,7 @@ def save(
     *,
     step: int | None = None,
     rank_metadata: Any = None,
-    options: StorageOptions = StorageOptions(),
+    options: StorageOptions | None = None,
     group: Any = None,
     on_phase: PhaseHook | None = None,
 ) -> None:
@@ -330,7 +339,14 @@ def save(
     """
     comm = collectives_for(group)
     pending = prepare_save(
-        Path(checkpoint_dir), tensors, metadata, comm=comm, step=step,
-        rank_metadata=rank_metadata, options=options, buffers=None, on_phase=on_phase,
+        Path(checkpoint_dir),
+        tensors,
+        metadata,
+        comm=comm,
+        step=step,
+        rank_metadata=rank_metadata,
+        options=options or StorageOptions(),
+        buffers=None,
+        on_phase=on_phase,
     )
     write_and_commit(pending)

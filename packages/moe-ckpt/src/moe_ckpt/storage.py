@@ -43,7 +43,9 @@ class StorageOptions:
 
     def __post_init__(self) -> None:
         if self.kvstore not in KVSTORE_KINDS:
-            raise ValueError(f"StorageOptions.kvstore must be one of {KVSTORE_KINDS}, got {self.kvstore!r}")
+            raise ValueError(
+                f"StorageOptions.kvstore must be one of {KVSTORE_KINDS}, got {self.kvstore!r}"
+            )
         if self.target_chunk_bytes < 1 or self.min_chunk_bytes < 0:
             raise ValueError("StorageOptions: target_chunk_bytes >= 1 and min_chunk_bytes >= 0")
 
