@@ -9,6 +9,9 @@ and a second ``all_to_all`` returns each rank its shard of the update. Each
 tensor's full matrix crosses the network twice, once in each direction, and the
 result equals single-process Muon exactly (the same matrix goes through the same
 iteration). Split sizes come from the static layout: no host synchronisation.
+
+Shape legend: G ranks in the replica group, N elements a rank exchanges per peer
+(the total shard size of the tensors the receiving rank owns).
 """
 
 from __future__ import annotations

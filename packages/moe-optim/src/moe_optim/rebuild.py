@@ -8,6 +8,8 @@ Buffers are capped in size and at most two are in flight, so the transient
 memory stays bounded whatever the model size. Replicated tensors are copied
 from their local main weight directly. Collectives are issued in a fixed order
 (the parameter order), identical on all ranks of a group.
+
+Shape legend: G ranks in the replica group, N elements of one rank's region.
 """
 
 from __future__ import annotations
