@@ -132,13 +132,25 @@ def rows_mm(
     triton, rows_kernel, _ = _kernels()
     max_tiles = (triton.cdiv(R, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n)
     grid = min(max_tiles, _num_sms(x_RK.device)) if cfg.persistent else max_tiles
+    use_tma = cfg.use_tma and _tma_ok(x_RK, w_EKN, cfg)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_arg = TensorDescriptor.from_tensor(x_RK, [cfg.block_m, cfg.block_k])
+        if k_contiguous:  # [E, N, K] in memory
+            w_2d, block = w_EKN.transpose(1, 2).reshape(E * N, K), [cfg.block_n, cfg.block_k]
+        else:  # [E, K, N] in memory
+            w_2d, block = w_EKN.reshape(E * K, N), [cfg.block_k, cfg.block_n]
+        w_arg = TensorDescriptor.from_tensor(w_2d, block)
+    else:
+        x_arg, w_arg = x_RK, w_EKN
     rows_kernel[(grid,)](
-        x_RK, w_EKN, y_RN, offsets_E,
+        x_arg, w_arg, y_RN, offsets_E,
         R, N, K, E, grid,
         x_RK.stride(0), w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2), y_RN.stride(0),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-        E_BLOCK=triton.next_power_of_2(E), W_K_CONTIGUOUS=w_EKN.stride(1) == 1,
-        EVEN_K=K % cfg.block_k == 0, PRECISION=_precision(x_RK.dtype),
+        E_BLOCK=triton.next_power_of_2(E), W_K_CONTIGUOUS=k_contiguous,
+        EVEN_K=K % cfg.block_k == 0, USE_TMA=use_tma, PRECISION=_precision(x_RK.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y_RN
