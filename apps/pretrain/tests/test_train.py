@@ -30,43 +30,52 @@ def _metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("tiny")
-    history = train(load_config("tiny", [f"run_dir={run_dir}"]))
-    return run_dir, history
-
-
-def test_tiny_run_writes_config_and_metrics(tiny_run):
-    run_dir, history = tiny_run
-    records = _metrics(run_dir)
+def test_tiny_run_writes_config_and_metrics(tmp_path):
+    history = train(load_config("tiny", [f"run_dir={tmp_path}"]))
+    records = _metrics(tmp_path)
     assert records == history and [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
         assert RECORD_KEYS <= set(r), RECORD_KEYS - set(r)
         assert r["skipped"] is False and np.isfinite(r["loss"]) and r["dropped_token_rate"] == 0.0
         assert len(r["expert_load"]) == 2 and sum(r["expert_load"][0]) == 4 * 32 * 2  # tokens x top_k
     assert records[-1]["loss"] < records[0]["loss"]
-    assert load_config(str(run_dir / "config.toml")) == load_config("tiny", [f"run_dir={run_dir}"])
+    assert load_config(str(tmp_path / "config.toml")) == load_config("tiny", [f"run_dir={tmp_path}"])
 
 
-def test_dp2_under_torchrun_matches_one_process(tiny_run, tmp_path):
-    """Two ranks read disjoint halves of each global batch and sum gradients: same losses."""
-    run_dir, history = tiny_run
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def test_router_bias_steps_once_per_optimizer_step(tmp_path):
+    cfg = load_config("tiny", [f"run_dir={tmp_path}", "model.bias_update_rate=0.01"])
+    with distributed("cpu"):
+        trainer = _trainer(cfg)
+        record = trainer.step(1)
+    for (_, layer), load in zip(trainer.model.moe_layers(), record["expert_load"], strict=True):
+        load_E = torch.tensor(load, dtype=torch.float32)
+        expected = 0.01 * torch.sign(load_E.mean() - load_E)
+        assert torch.equal(layer.router.expert_bias, expected)
+
+
+def test_dp2_under_torchrun_matches_one_process(tmp_path):
+    """Two ranks read disjoint halves of each global batch and sum gradients: same losses.
+
+    Global-batch load balancing and the routers' bias step both need the expert load
+    summed over DP; with one microbatch per rank on each side they see the same tokens.
+    """
+    balance = ["model.lb_loss_granularity=global_batch", "model.bias_update_rate=0.01"]
+    reference = train(load_config("tiny", [*balance, "train.micro_batch=4",
+                                           f"run_dir={tmp_path / 'one'}"]))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "pretrain", "--config", "tiny", f"run_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=240, env=env,
+         "-m", "pretrain", "--config", "tiny", *balance, f"run_dir={tmp_path / 'two'}"],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "world 2 = pp 1 x dp 2 (dp = ep 1 x ep_dp 2); microbatches per rank: 1" in proc.stdout
     progress = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(progress) == 4  # one rank prints
-    records = _metrics(tmp_path)
+    records = _metrics(tmp_path / "two")
     assert [r["step"] for r in records] == [1, 2, 3, 4]  # one rank writes
-    for ours, ref in zip(records, history):
+    for ours, ref in zip(records, reference):
         assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-5)
         assert ours["expert_load"] == ref["expert_load"]
-    assert "world 2 = pp 1 x dp 2" in proc.stdout
 
 
 def _trainer(cfg):

@@ -174,7 +174,7 @@ class Layout:
 
     def describe(self) -> str:
         return (f"world {self.world_size} = pp {self.pp} x dp {self.dp} "
-                f"(dp = ep {self.ep} x ep_dp {self.ep_dp}); {self.microbatches} microbatches/rank")
+                f"(dp = ep {self.ep} x ep_dp {self.ep_dp}); microbatches per rank: {self.microbatches}")
 
 
 def validate_layout(cfg: PretrainConfig, world_size: int) -> Layout:

@@ -39,10 +39,12 @@ class MoEStepStats:
 
     @staticmethod
     def pop(layers: Iterable[StepStatsSource]) -> MoEStepStats | None:
-        """Read and reset every layer's statistics; None when no layer routed tokens."""
-        stats = [s for s in (layer.pop_step_stats() for layer in layers) if s]
-        if not stats:
+        """Read and reset every layer's statistics (in model order); None when none routed."""
+        stats = [layer.pop_step_stats() for layer in layers]
+        if not any(stats):
             return None
+        if not all(stats):
+            raise RuntimeError("some MoE layers recorded no routing statistics this step")
 
         def stack(key: str) -> torch.Tensor:
             return torch.stack([s[key].double() for s in stats])

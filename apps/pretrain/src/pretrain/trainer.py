@@ -9,7 +9,9 @@
 3. ``_reduce_stats``      loss and MoE routing statistics summed over DP.
 4. ``_clip``              global gradient norm, clipped; a non-finite loss or norm
                           skips the update (counted by ``fit``).
-5. ``_update``            optimizer step at the scheduled learning rate.
+5. ``_update``            optimizer step at the scheduled learning rate, then the
+                          routers' bias step (aux-loss-free balancing) from the
+                          step's expert load summed over DP: once per step.
 
 Phases 2, 4 and 5 are where the multi-group DDP, the global-norm clip over
 replica groups and the distributed optimizer plug in; phase 1 is where pipeline
@@ -64,6 +66,9 @@ class Trainer:
         self.model = MoETransformer(cfg.model).to(device)
         init_weights(self.model, cfg.model, cfg.seed)
         self.optimizer = build_optimizer(self.model, cfg.optim)
+        if mesh.layout.dp > 1:  # global-batch load balancing counts over every DP rank's tokens
+            for _, layer in self.model.moe_layers():
+                layer.count_reducer = self._sum_over_dp
         self.tokens_per_step = t.global_batch * t.seq_len  # = target tokens of the global batch
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
 
@@ -97,7 +102,7 @@ class Trainer:
         grad_norm = self._clip()
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if not skipped:
-            self._update(lr)
+            self._update(lr, moe)
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -162,6 +167,14 @@ class Trainer:
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
 
-    def _update(self, lr: float) -> None:
+    def _update(self, lr: float, moe: MoEStepStats | None) -> None:
+        """Optimizer step, then the routers' bias step from the step's reduced expert load."""
         set_lr(self.optimizer, lr)
         self.optimizer.step()
+        if moe is not None:
+            for (_, layer), counts_E in zip(self.model.moe_layers(), moe.tokens_per_expert_LE):
+                layer.update_bias(counts_E)
+
+    def _sum_over_dp(self, counts: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(counts, group=self.mesh.dp_group)
+        return counts
