@@ -72,7 +72,7 @@ def reference_experts(rows, offsets, w1, w3, w2, dy, mx_saved: bool):
 
 
 @pytest.mark.parametrize("mx_saved", [False, True])
-@pytest.mark.parametrize("R", [30, 32])  # 30: per-expert weight-gradient loop; 32: _grouped_mm
+@pytest.mark.parametrize("R", [27, 30])  # without and with padding rows past the last offset
 def test_grouped_experts_match_reference(mx_saved, R):
     E, D, F_ = 4, 40, 24  # neither width is a multiple of 32
     experts = ToyExperts(E, D, F_)
