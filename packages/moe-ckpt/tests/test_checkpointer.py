@@ -150,14 +150,14 @@ def test_sigkill_at_any_phase_leaves_the_previous_checkpoint(tmp_path: Path):
 
 
 def rank_async_with_training_collectives(root: str) -> list[float]:
-    """Async saves while the default group runs all-reduces; one rank fails once."""
+    """Async saves while the default group runs all-reduces; rank 1 fails twice."""
     rank = dist.get_rank()
     failed = Path(root) / "failed"
 
     def fail_on_rank_1(phase: str) -> None:
-        if rank == 1 and phase == "written" and not failed.exists():
-            failed.touch()
-            raise OSError("rank 1 cannot write")
+        if rank == 1 and phase in ("planned", "written") and not (failed / phase).exists():
+            (failed / phase).touch()
+            raise OSError(f"rank 1 fails when {phase}")
 
     g = torch.Generator().manual_seed(0)
     full = torch.randn(6, 4, generator=g)
@@ -165,6 +165,14 @@ def rank_async_with_training_collectives(root: str) -> list[float]:
     config = mc.CheckpointerConfig(keep_last=2)
     sums = []
     with mc.Checkpointer(root, config, on_phase=fail_on_rank_1) as ckpt:
+        if rank == 0:
+            failed.mkdir()
+        dist.barrier()
+        # A blocking save failing on rank 1 after planning: both ranks raise, nothing commits.
+        expected = OSError if rank == 1 else mc.CheckpointError
+        with pytest.raises(expected, match="rank 1 fails when planned"):
+            ckpt.save(7, {"w": mc.Shard(local, (6, 4), (rank * 3, 0))}, blocking=True)
+        assert ckpt.steps() == []
         for step in range(3):
             ckpt.save(step, {"w": mc.Shard(local, (6, 4), (rank * 3, 0))}, {"step": step})
             for _ in range(20):  # the training loop's own collectives, concurrent with the write

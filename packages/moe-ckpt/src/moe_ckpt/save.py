@@ -54,7 +54,8 @@ PhaseHook = Callable[[str], None]
 
 @dataclass
 class PendingSave:
-    """A planned save with host data for this rank's boxes; no live tensors referenced."""
+    """A planned save: this rank's boxes as host arrays (copies for an asynchronous
+    save, views of CPU tensors for a blocking one), or the error that prevented it."""
 
     comm: Collectives
     final: Path
@@ -66,6 +67,7 @@ class PendingSave:
     metadata: dict[str, Any]
     rank_metadata: list[Any]
     on_phase: PhaseHook | None
+    error: BaseException | None = None
 
 
 def _notify(hook: PhaseHook | None, phase: str) -> None:
@@ -146,34 +148,43 @@ def prepare_save(
             payload[name] = (d.global_shape, d.dtype, d.held.to_json(), [r.box for r in d.regions])
     except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
         local_error = e
-    gathered = comm.all_gather((repr(local_error) if local_error else None, payload, rank_metadata))
+    gathered = comm.all_gather((_error_text(comm, local_error), payload, rank_metadata))
     _raise_if_any([g[0] for g in gathered], local_error, "save planning")
     plans, layouts = _gathered_plans([g[1] for g in gathered], options)
 
-    mine: list[tuple[str, Box, torch.Tensor]] = []
-    for name, plan in plans.items():
-        for w in plan.writes:
-            if w.rank == comm.rank:
-                region = next(r for r in described[name].regions if r.box.intersect(w.box) == w.box)
-                mine.append((name, w.box, region.view[w.box.slices(region.box)]))
-    if buffers is None:
-        arrays = host_views([v for _, _, v in mine])
-    else:
-        arrays = buffers.snapshot([((n, b), v) for n, b, v in mine])
-    pending = PendingSave(
+    # From here on a failure is carried to ``write_and_commit``, whose collectives
+    # make every rank fail together instead of leaving the others waiting.
+    my_writes: list[tuple[str, Box, np.ndarray]] = []
+    try:
+        mine: list[tuple[str, Box, torch.Tensor]] = []
+        for name, plan in plans.items():
+            for w in plan.writes:
+                if w.rank == comm.rank:
+                    region = next(
+                        r for r in described[name].regions if r.box.intersect(w.box) == w.box
+                    )
+                    mine.append((name, w.box, region.view[w.box.slices(region.box)]))
+        if buffers is None:
+            arrays = host_views([v for _, _, v in mine])
+        else:
+            arrays = buffers.snapshot([((n, b), v) for n, b, v in mine])
+        my_writes = [(n, b, a) for (n, b, _), a in zip(mine, arrays, strict=True)]
+        _notify(on_phase, "planned")
+    except Exception as e:  # noqa: BLE001
+        local_error = e
+    return PendingSave(
         comm=comm,
         final=final,
         step=step,
         options=options,
         plans=plans,
         layouts=layouts,
-        my_writes=[(n, b, a) for (n, b, _), a in zip(mine, arrays, strict=True)],
+        my_writes=my_writes,
         metadata=metadata,
         rank_metadata=[g[2] for g in gathered],
         on_phase=on_phase,
+        error=local_error,
     )
-    _notify(on_phase, "planned")
-    return pending
 
 
 def _create(p: PendingSave, names: list[str], partial: Path, ctx: Any, writer: int) -> list:
@@ -237,34 +248,40 @@ def _piece_record(box: Box, data: np.ndarray, rank: int) -> PieceRecord:
 
 
 def write_and_commit(p: PendingSave, after_commit: Callable[[Path], None] | None = None) -> None:
-    """Write this rank's data and, once every rank succeeded, commit (see module notes)."""
+    """Write this rank's data and, once every rank succeeded, commit (see module notes).
+
+    Every rank takes part in the three collectives whatever fails where, so that
+    all ranks return or raise together.
+    """
     comm = p.comm
     ctx = storage.new_context()
+    local_error = p.error
     partial: Path | None = None
-    local_error: BaseException | None = None
-    if comm.rank == 0:
+    if comm.rank == 0 and local_error is None:
         try:
             partial = partial_path(p.final)
             partial.mkdir(parents=True)
             if not storage.per_writer(p.options.kvstore):
                 _create(p, list(p.plans), partial, ctx, writer=0)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - reported to every rank
             local_error = e
-    err, partial_name = comm.broadcast((repr(local_error) if local_error else None, str(partial)))
-    if err:
+    created = _error_text(comm, local_error) if comm.rank == 0 else None
+    created, partial_name = comm.broadcast((created, str(partial)))
+    if created:
         _discard(comm, partial)
-        _raise_if_any([err], local_error, "creating the checkpoint")
+        _raise_if_any([created], local_error, "creating the checkpoint")
     partial = Path(partial_name)
-    _notify(p.on_phase, "created")
 
     records: list = []
-    try:
-        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            records = _write_mine(p, partial, ctx, pool)
-        _notify(p.on_phase, "written")
-    except Exception as e:  # noqa: BLE001
-        local_error = e
-    gathered = comm.gather((repr(local_error) if local_error else None, records))
+    if local_error is None:
+        try:
+            _notify(p.on_phase, "created")
+            with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+                records = _write_mine(p, partial, ctx, pool)
+            _notify(p.on_phase, "written")
+        except Exception as e:  # noqa: BLE001
+            local_error = e
+    gathered = comm.gather((_error_text(comm, local_error), records))
 
     status: str | None = None
     if comm.rank == 0:
@@ -280,11 +297,15 @@ def write_and_commit(p: PendingSave, after_commit: Callable[[Path], None] | None
                     after_commit(p.final)
             except Exception as e:  # noqa: BLE001
                 local_error = e
-                status = repr(e)
+                status = _error_text(comm, e)
     status = comm.broadcast(status)
     if status:
         _discard(comm, partial)
         _raise_if_any([status], local_error, f"saving {p.final}")
+
+
+def _error_text(comm: Collectives, error: BaseException | None) -> str | None:
+    return None if error is None else f"rank {comm.rank}: {error!r}"
 
 
 def _discard(comm: Collectives, partial: Path | None) -> None:
