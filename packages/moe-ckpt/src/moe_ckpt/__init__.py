@@ -17,7 +17,7 @@ from moe_ckpt.errors import (
     TensorMismatchError,
 )
 from moe_ckpt.hf_export import export_hf
-from moe_ckpt.load import load, open_checkpoint, read_tensor
+from moe_ckpt.load import load, open_checkpoint, read_tensor, read_tensors
 from moe_ckpt.manifest import Manifest, TensorRecord
 from moe_ckpt.save import save
 from moe_ckpt.shards import BoxShardLike, FlatShard, FlatShardLike, Shard, ShardLike
@@ -43,5 +43,6 @@ __all__ = [
     "load",
     "open_checkpoint",
     "read_tensor",
+    "read_tensors",
     "save",
 ]

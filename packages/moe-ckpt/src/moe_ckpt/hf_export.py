@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from moe_ckpt.load import open_checkpoint, read_tensor
+from moe_ckpt.load import open_checkpoint, read_tensors
 
 Converter = Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 INDEX_NAME = "model.safetensors.index.json"
@@ -97,8 +97,8 @@ def _write_shards(
                 weight_map[k] = files[-1]
             shard, shard_bytes = {}, 0
 
-    for name in names:
-        for hf_name, t in convert(name, read_tensor(checkpoint_dir, name)):
+    for name, full in read_tensors(checkpoint_dir, names):
+        for hf_name, t in convert(name, full):
             if hf_name in weight_map or hf_name in shard:
                 raise ValueError(f"convert() produced {hf_name!r} twice (last from {name!r})")
             # A copy: converters may return views sharing storage, which safetensors refuses.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +139,16 @@ def load(
     """
     path = Path(checkpoint_dir)
     manifest = open_checkpoint(path)
+    _load_into(path, manifest, targets, max_inflight_bytes)
+    return manifest
+
+
+def _load_into(
+    path: Path,
+    manifest: Manifest,
+    targets: Mapping[str, ShardLike | torch.Tensor],
+    max_inflight_bytes: int,
+) -> None:
     described = {name: describe(name, t, rank=0) for name, t in targets.items()}
     reads = []
     for d in described.values():
@@ -199,14 +209,23 @@ def load(
             read_done()
         while applying:
             apply_done()
-    return manifest
+
+
+def read_tensors(
+    checkpoint_dir: str | os.PathLike, names: Iterable[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole stored tensors on the CPU, verified, one at a time (export, inspection)."""
+    path = Path(checkpoint_dir)
+    manifest = open_checkpoint(path)
+    for name in names:
+        rec = manifest.tensors.get(name)
+        if rec is None:
+            raise MissingTensorError(f"tensor {name!r} is not in checkpoint {path}")
+        out = torch.empty(rec.shape, dtype=torch_dtype(rec.dtype))
+        _load_into(path, manifest, {name: out}, max_inflight_bytes=1 << 30)
+        yield name, out
 
 
 def read_tensor(checkpoint_dir: str | os.PathLike, name: str) -> torch.Tensor:
-    """One whole stored tensor on the CPU, verified (for export and inspection)."""
-    rec = open_checkpoint(checkpoint_dir).tensors.get(name)
-    if rec is None:
-        raise MissingTensorError(f"tensor {name!r} is not in checkpoint {checkpoint_dir}")
-    out = torch.empty(rec.shape, dtype=torch_dtype(rec.dtype))
-    load(checkpoint_dir, {name: out})
-    return out
+    """One whole stored tensor on the CPU, verified."""
+    return next(read_tensors(checkpoint_dir, [name]))[1]
