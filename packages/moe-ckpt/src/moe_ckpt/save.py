@@ -148,8 +148,15 @@ def prepare_save(
             payload[name] = (d.global_shape, d.dtype, d.held.to_json(), [r.box for r in d.regions])
     except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
         local_error = e
-    gathered = comm.all_gather((_error_text(comm, local_error), payload, rank_metadata))
+    settings = (str(final), options)
+    gathered = comm.all_gather((_error_text(comm, local_error), payload, rank_metadata, settings))
     _raise_if_any([g[0] for g in gathered], local_error, "save planning")
+    for rank, g in enumerate(gathered):
+        if g[3] != gathered[0][3]:
+            raise ValueError(
+                f"save: rank {rank} saves to {g[3][0]} with {g[3][1]} but rank 0 to "
+                f"{gathered[0][3][0]} with {gathered[0][3][1]}; all ranks must agree"
+            )
     plans, layouts = _gathered_plans([g[1] for g in gathered], options)
 
     # From here on a failure is carried to ``write_and_commit``, whose collectives
