@@ -30,6 +30,7 @@ import os
 import shutil
 import statistics
 import time
+import warnings
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -303,6 +304,7 @@ def main() -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", default=None, help="JSON output path")
     args = p.parse_args()
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP, 1 process
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if "WORLD_SIZE" in os.environ:
