@@ -48,7 +48,8 @@ class ParallelConfig:
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"  # schedule when pp > 1
     pp_virtual_stages: int = 1  # model chunks per pipeline rank (> 1 only with interleaved_1f1b)
     ep: int = 1  # expert parallelism (EP-MP): ranks splitting each MoE layer's experts; divides DP
-    ep_backend: Literal["auto", "local", "all_to_all", "nvshmem"] = "auto"  # auto: local if ep == 1 else all_to_all
+    # EP token transport; auto: local when ep == 1, else all_to_all
+    ep_backend: Literal["auto", "local", "all_to_all", "nvshmem"] = "auto"
     ddp_mode: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"  # gradient sync collective
 
     def resolved_ep_backend(self) -> str:
@@ -132,7 +133,8 @@ class PretrainConfig:
         for key in positive + non_negative:
             value = self._get(key)
             if value < 0 or (value == 0 and key in positive):
-                raise ConfigError(f"{key} must be {'positive' if key in positive else '>= 0'}, got {value}")
+                bound = "positive" if key in positive else ">= 0"
+                raise ConfigError(f"{key} must be {bound}, got {value}")
         if self.data.seed is not None and self.data.seed < 0:
             raise ConfigError(f"data.seed must be >= 0 or none, got {self.data.seed}")
         o = self.optim
@@ -174,7 +176,8 @@ class Layout:
 
     def describe(self) -> str:
         return (f"world {self.world_size} = pp {self.pp} x dp {self.dp} "
-                f"(dp = ep {self.ep} x ep_dp {self.ep_dp}); microbatches per rank: {self.microbatches}")
+                f"(dp = ep {self.ep} x ep_dp {self.ep_dp}); "
+                f"microbatches per rank: {self.microbatches}")
 
 
 def validate_layout(cfg: PretrainConfig, world_size: int) -> Layout:

@@ -156,7 +156,8 @@ def set_key(root: Any, key: str, value: Any) -> None:
     parts = key.split(".")
     obj = root
     for i, part in enumerate(parts):
-        if not dataclasses.is_dataclass(obj) or part not in {f.name for f in dataclasses.fields(obj)}:
+        names = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else ()
+        if part not in names:
             raise unknown_key(key, root)
         if i < len(parts) - 1:
             obj = getattr(obj, part)

@@ -38,7 +38,9 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def describe(self) -> str:
-        return f"received {self.received.name}" if self.received else "another rank received a stop signal"
+        if self.received is None:
+            return "another rank received a stop signal"
+        return f"received {self.received.name}"
 
     def agreed(self, device: torch.device) -> bool:
         """True on every rank when any rank received a stop signal (collective)."""

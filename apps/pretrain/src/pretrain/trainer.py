@@ -156,7 +156,7 @@ class Trainer:
             offset += p.numel()
 
     def _reduce_stats(self, loss: torch.Tensor) -> tuple[float, MoEStepStats | None]:
-        """The global loss and the step's routing statistics, summed over DP (every rank gets them)."""
+        """The global loss and the step's routing statistics, summed over DP (on every rank)."""
         dist.all_reduce(loss, group=self.mesh.dp_group)
         moe = MoEStepStats.pop(layer for _, layer in self.model.moe_layers())
         if moe is not None:

@@ -24,7 +24,8 @@ class BatchReader:
                  dp_rank: int = 0, dp_size: int = 1) -> None:
         if global_batch % (dp_size * micro_batch):
             raise ValueError(
-                f"global batch {global_batch} is not divisible by dp {dp_size} x micro batch {micro_batch}"
+                f"global batch {global_batch} is not divisible by "
+                f"dp {dp_size} x micro batch {micro_batch}"
             )
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")

@@ -13,6 +13,7 @@ which is how the common BPE pre-tokenizers split text anyway.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,13 +111,10 @@ def _encode_with_tokenizer(tokenizer_path: Path) -> tuple[int, Any]:
         raise DataError(f"{tokenizer_path}: not a tokenizers JSON file: {e}") from None
 
     def encode(path: Path) -> Iterator[np.ndarray]:
-        batch: list[str] = []
-        for text in _text_blocks(path):
-            batch.append(text)
-            if len(batch) == BATCH_BLOCKS:
-                yield from (np.asarray(e.ids) for e in tokenizer.encode_batch(batch, add_special_tokens=False))
-                batch = []
-        yield from (np.asarray(e.ids) for e in tokenizer.encode_batch(batch, add_special_tokens=False))
+        blocks = _text_blocks(path)
+        while batch := list(itertools.islice(blocks, BATCH_BLOCKS)):
+            for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
+                yield np.asarray(encoding.ids)
 
     return tokenizer.get_vocab_size(with_added_tokens=True), encode
 

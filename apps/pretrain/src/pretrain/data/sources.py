@@ -104,7 +104,8 @@ class SyntheticSequences:
         self.n_sequences = SYNTHETIC_SEQUENCES
 
     def read(self, ids: np.ndarray) -> np.ndarray:
-        rows = [np.random.default_rng([self.seed, int(i)]).integers(0, self.vocab_size, self.seq_len + 1)
+        rows = [np.random.default_rng([self.seed, int(i)]).integers(0, self.vocab_size,
+                                                                    self.seq_len + 1)
                 for i in ids]
         return np.stack(rows).astype(np.int64, copy=False)
 
