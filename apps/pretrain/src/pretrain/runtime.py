@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE")  # set by torchrun (and by any launcher speaking env://)
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def distributed(device_preference: str, timeout_s: float = 1800.0) -> Iterator[R
     if created:
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        if all(v in os.environ for v in _TORCHRUN_VARS):
+        if any(v in os.environ for v in _LAUNCHER_VARS):  # env:// names any missing variable
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
