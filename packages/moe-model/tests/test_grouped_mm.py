@@ -47,3 +47,16 @@ def test_triton_kernels_under_interpreter():
                           timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert done.stdout.strip().endswith("ok")
+
+
+def test_gpu_tile_configs_fit_shared_memory_for_fp32():
+    """The tuned bf16 tiles overflowed an H200's shared memory with fp32 operands."""
+    from moe_model.triton_grouped_mm import _SHARED_MEMORY_BUDGET, default_config
+
+    cuda = torch.device("cuda")
+    for kind in ("rows", "wgrad"):
+        bf16 = default_config(kind, cuda, torch.bfloat16)
+        fp32 = default_config(kind, cuda, torch.float32)
+        for cfg, size in ((bf16, 2), (fp32, 4)):
+            assert cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * size <= _SHARED_MEMORY_BUDGET
+        assert fp32.num_stages >= 2

@@ -32,7 +32,7 @@ lazily: importing this module never needs it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -58,9 +58,36 @@ _CPU = TileConfig(16, 16, 16, 2, 1, 1, False, False)
 _GPU = {"rows": _GPU_ROWS, "wgrad": _GPU_WGRAD}
 
 
-def default_config(kind: str, device: torch.device) -> TileConfig:
-    """Tile configuration of kernel ``kind`` (``rows`` or ``wgrad``) on ``device``."""
-    return _GPU[kind] if device.type == "cuda" else _CPU
+# Hopper's opt-in shared memory per block is 227 KiB; leave room for the epilogue.
+_SHARED_MEMORY_BUDGET = 200 * 1024
+
+
+def _fit_shared_memory(cfg: TileConfig, element_size: int) -> TileConfig:
+    """Shrink the pipeline depth (then the N tile) until the K-loop buffers fit.
+
+    The tuned configurations are for 2-byte operands; FP32 operands need twice the
+    shared memory per stage, which overflowed the H200's limit at the tuned depth.
+    """
+    while True:
+        stage_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k * element_size
+        if cfg.num_stages * stage_bytes <= _SHARED_MEMORY_BUDGET:
+            return cfg
+        if cfg.num_stages > 2:
+            cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.block_n > 64:
+            cfg = replace(cfg, block_n=cfg.block_n // 2)
+        else:
+            return cfg
+
+
+def default_config(
+    kind: str, device: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> TileConfig:
+    """Tile configuration of kernel ``kind`` (``rows`` or ``wgrad``) on ``device`` for
+    operands of ``dtype``."""
+    if device.type != "cuda":
+        return _CPU
+    return _fit_shared_memory(_GPU[kind], torch.empty((), dtype=dtype).element_size())
 
 
 def set_default_config(kind: str, config: TileConfig) -> None:
@@ -128,7 +155,7 @@ def rows_mm(
     y_RN = torch.empty(R, N, dtype=x_RK.dtype, device=x_RK.device)
     if R == 0 or N == 0:
         return y_RN
-    cfg = config or default_config("rows", x_RK.device)
+    cfg = config or default_config("rows", x_RK.device, x_RK.dtype)
     triton, rows_kernel, _ = _kernels()
     max_tiles = (triton.cdiv(R, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n)
     grid = min(max_tiles, _num_sms(x_RK.device)) if cfg.persistent else max_tiles
@@ -171,7 +198,7 @@ def wgrad_mm(
     a, b = (dy_RN, x_RK) if k_contiguous else (x_RK, dy_RN)
     M, Nc = a.shape[1], b.shape[1]
     c_EMN = torch.empty(E, M, Nc, dtype=like_EKN.dtype, device=x_RK.device)
-    cfg = config or default_config("wgrad", x_RK.device)
+    cfg = config or default_config("wgrad", x_RK.device, x_RK.dtype)
     triton, _, wgrad_kernel = _kernels()
     grid = E * triton.cdiv(M, cfg.block_m) * triton.cdiv(Nc, cfg.block_n)
     if grid:
