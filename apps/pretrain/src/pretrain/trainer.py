@@ -27,7 +27,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from moe_model import MoETransformer, flops_per_token, init_weights, lm_loss_sum, set_aux_loss_scale
+from moe_model import (
+    MoETransformer,
+    flops_per_token,
+    init_weights,
+    lm_loss_sum,
+    set_aux_loss_scale,
+    set_count_reducer,
+)
 
 from pretrain.config import PretrainConfig
 from pretrain.data import BatchReader, open_source
@@ -67,8 +74,7 @@ class Trainer:
         init_weights(self.model, cfg.model, cfg.seed)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         if mesh.layout.dp > 1:  # global-batch load balancing counts over every DP rank's tokens
-            for _, layer in self.model.moe_layers():
-                layer.count_reducer = self._sum_over_dp
+            set_count_reducer(self.model, self._sum_over_dp)
         self.tokens_per_step = t.global_batch * t.seq_len  # = target tokens of the global batch
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
 
