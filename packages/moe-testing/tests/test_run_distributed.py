@@ -65,3 +65,16 @@ def _exit_hard() -> None:
 def test_dead_rank_is_reported():
     with pytest.raises(DistributedTestError, match="rank 1 died with exit code 3"):
         run_distributed(_exit_hard, 2, timeout=60)
+
+
+def _return_tensors() -> dict:
+    rank = dist.get_rank()
+    return {"rank": rank, "t": torch.full((3,), float(rank)), "bf16": torch.ones(2, dtype=torch.bfloat16)}
+
+
+def test_ranks_can_return_tensors():
+    out = run_distributed(_return_tensors, 2, timeout=60)
+    for r, value in enumerate(out):
+        assert value["rank"] == r
+        assert torch.equal(value["t"], torch.full((3,), float(r)))
+        assert value["bf16"].dtype == torch.bfloat16

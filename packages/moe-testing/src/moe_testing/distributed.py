@@ -39,7 +39,10 @@ def _context() -> mp.context.BaseContext:
     if _CONTEXT is None:
         if sys.platform.startswith("linux"):
             ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(["torch", "torch.distributed"])
+            # Modules every rank needs: import them once in the server, not per child.
+            ctx.set_forkserver_preload(
+                ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes"]
+            )
         else:
             ctx = mp.get_context("spawn")
         _CONTEXT = ctx
@@ -68,6 +71,26 @@ def _load_function(path: str, qualname: str) -> Callable[..., Any]:
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _serialize(value: Any) -> bytes:
+    """Results cross the process boundary as ``torch.save`` bytes: tensors in them
+    must not point at shared memory of a process that is about to exit."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _deserialize(payload: bytes) -> Any:
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(payload), weights_only=False)
 
 
 def _child(
@@ -107,7 +130,10 @@ def _child(
         )
         fn = _load_function(path, qualname)
         value = fn(*args, **kwargs)
-        results.put((rank, "ok", value))
+        results.put((rank, "ok", _serialize(value)))
+        # Then wait for every rank before tearing down the store: a rank leaving early
+        # breaks peers that are still using it (e.g. creating subgroups).
+        dist.barrier()
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -130,7 +156,8 @@ def run_distributed(
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result.
 
     ``fn`` must be a module-level function (or a class attribute) of an importable
-    file; arguments and return values must pickle. The default process group is
+    file; arguments must pickle; return values may hold tensors (they travel as
+    ``torch.save`` bytes). The default process group is
     initialised before ``fn`` runs (``gloo`` on CPU, ``nccl`` when ``backend`` says
     so; ``torch.distributed.get_rank()`` gives the rank). Raises
     :class:`DistributedTestError` naming the failing rank with its traceback, or
@@ -217,4 +244,4 @@ def run_distributed(
             f"{fn.__qualname__}: ranks {missing} of {world_size} did not finish within "
             f"{timeout:.0f} s and were killed"
         )
-    return [values[r] for r in range(world_size)]
+    return [_deserialize(values[r]) for r in range(world_size)]
