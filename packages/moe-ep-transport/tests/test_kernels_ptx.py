@@ -2,7 +2,8 @@
 
 Two properties the design relies on: the put kernel stores 128-bit vectors through
 peer pointers (bandwidth), and the top-k sum has no fused multiply-add (so it
-equals the PyTorch reference bit for bit).
+equals the PyTorch reference bit for bit). The plan kernels must at least lower
+for Hopper.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 _HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def _ptx(fn, signature: dict[str, str], constexprs: dict, **options) -> str:
-    """PTX as a launch would build it: pointers 16-byte aligned, ``width`` a multiple of 16."""
+def _ptx(fn, signature: dict[str, str], constexprs: dict, aligned: tuple[str, ...] = ("width",),
+         **options) -> str:
+    """PTX as a launch would build it: pointers 16-byte aligned, ``aligned`` ints multiples of 16."""
     names = list(signature)
-    aligned = [n for n, t in signature.items() if t.startswith("*")] + ["width"]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    aligned_names = [n for n, t in signature.items() if t.startswith("*")] + list(aligned)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned_names}
     src = compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=_HOPPER, options=options).asm["ptx"]
 
@@ -32,18 +34,25 @@ def _count(ptx: str, op: str) -> int:
     return len(re.findall(rf"\b{re.escape(op)}\b", ptx))
 
 
-def test_put_rows_stores_128_bit_vectors_through_peer_pointers() -> None:
-    sig = {"src_ptr": "*i32", "src_index_ptr": "*i64", "dst_rank_ptr": "*i64", "dst_row_ptr": "*i64",
-           "dst_table_ptr": "*i64", "meta_src_ptr": "*i64", "meta_table_ptr": "*i64",
-           "n_rows": "i32", "width": "i32", "HAS_META": "constexpr", "BLOCK_R": "constexpr",
-           "BLOCK_W": "constexpr"}
-    ptx = _ptx(kernels._put_rows_kernel, sig, {"HAS_META": True, "BLOCK_R": 4, "BLOCK_W": 1024}, num_warps=8)
+_PUT_SIGNATURE = {
+    "src_ptr": "*i32", "src_index_ptr": "*i64", "dst_rank_ptr": "*i64", "dst_row_ptr": "*i64",
+    "table_ptr": "*i64", "byte_offset": "i32", "local_addr": "i64", "me": "i32", "meta_src_ptr": "*i64",
+    "n_rows": "i32", "width": "i32", "HAS_LOCAL": "constexpr", "SKIP_LOCAL": "constexpr",
+    "HAS_META": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr",
+}
+
+
+@pytest.mark.parametrize("local,skip,meta", [(True, False, True), (False, True, False)])
+def test_put_rows_stores_128_bit_vectors_through_peer_pointers(local: bool, skip: bool, meta: bool) -> None:
+    consts = {"HAS_LOCAL": local, "SKIP_LOCAL": skip, "HAS_META": meta, "BLOCK_R": 4, "BLOCK_W": 1024}
+    ptx = _ptx(kernels._put_rows_kernel, _PUT_SIGNATURE, consts, aligned=("width", "byte_offset", "local_addr"),
+               num_warps=8)
     assert _count(ptx, "st.global.v4.b32") > 0 and _count(ptx, "st.global.b32") == 0
 
 
 def test_topk_sum_has_no_fused_multiply_add() -> None:
-    sig = {"primary_ptr": "*bf16", "secondary_ptr": "*bf16", "sel_ptr": "*i64", "row_ptr": "*i64",
-           "w_ptr": "*fp32", "y_ptr": "*bf16", "rows_out_ptr": "*bf16", "width": "i32",
+    sig = {"inbox_ptr": "*bf16", "local_ptr": "*bf16", "dst_rank_ptr": "*i64", "dst_row_ptr": "*i64",
+           "w_ptr": "*fp32", "y_ptr": "*bf16", "rows_out_ptr": "*bf16", "me": "i32", "width": "i32",
            "K": "constexpr", "STORE_ROWS": "constexpr", "BLOCK_W": "constexpr"}
     consts = {"K": 8, "STORE_ROWS": True, "BLOCK_W": 1024}
     ptx = _ptx(kernels._topk_gather_sum_kernel, sig, consts, num_warps=4, enable_fp_fusion=False)
@@ -51,3 +60,24 @@ def test_topk_sum_has_no_fused_multiply_add() -> None:
     assert _count(ptx, "ld.global.v4.b32") > 0  # 8 BF16 per load
     fused = _ptx(kernels._topk_gather_sum_kernel, sig, consts, num_warps=4, enable_fp_fusion=True)
     assert _count(fused, "fma.rn.f32") > 0  # the option is what keeps products and sums apart
+
+
+def test_plan_kernels_compile_for_hopper() -> None:
+    """The plan kernels lower for sm_90 at the benchmark's shapes (64 experts, 2 ranks)."""
+    from moe_ep_transport import plan_kernels
+
+    _ptx(plan_kernels._rank_slots_kernel,
+         {"expert_ptr": "*i64", "rank_ptr": "*i32", "hist_ptr": "*i32", "n_slots": "i32", "n_experts": "i32",
+          "BLOCK_S": "constexpr", "E_P": "constexpr"},
+         {"BLOCK_S": 128, "E_P": 64}, aligned=(), num_warps=4)
+    _ptx(plan_kernels._plan_cells_kernel,
+         {"counts_ptr": "*i32", "stats_ptr": "*i64", "table_ptr": "*i64", "recv_ptr": "*i64",
+          "offsets_ptr": "*i32", "capacity": "i32", "salt": "i32", "me": "i32", "n_ranks": "i32",
+          "n_experts": "i32", "M_P": "constexpr", "E_P": "constexpr"},
+         {"M_P": 2, "E_P": 64}, aligned=(), num_warps=4)
+    _ptx(plan_kernels._plan_rows_kernel,
+         {"expert_ptr": "*i64", "rank_in_block_ptr": "*i32", "cum_ptr": "*i32", "table_ptr": "*i64",
+          "recv_end_ptr": "*i64", "dst_rank_ptr": "*i64", "dst_row_ptr": "*i64", "row_src_ptr": "*i64",
+          "n_slots": "i32", "n_rows": "i32", "n_ranks": "i32", "n_experts": "i32",
+          "BLOCK": "constexpr", "E_P": "constexpr"},
+         {"BLOCK": 128, "E_P": 64}, aligned=(), num_warps=4)

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from moe_ep_transport import ops
 from moe_ep_transport.config import EPConfig
-from moe_ep_transport.overflow import counts_seed, dropped_window
-from moe_ep_transport.plan import local_counts, plan_routes
+from moe_ep_transport.overflow import dropped_window
+from moe_ep_transport.plan import plan_routes
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -17,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 def _plans(expert_ids: list[torch.Tensor], n_experts: int, top_k: int, capacity: int, salt: int = 0):
     """The plan of every simulated rank, from the same count matrix."""
     flat = [e.reshape(-1) for e in expert_ids]
-    counts_ME = torch.stack([local_counts(f, n_experts) for f in flat])
-    seed = counts_seed(counts_ME, salt)
+    slots = [ops.rank_slots(f, n_experts) for f in flat]
+    counts_ME = torch.stack([s.counts_E for s in slots])
     return [
-        plan_routes(f, counts_ME, rank=r, top_k=top_k, capacity=capacity, seed=seed)
-        for r, f in enumerate(flat)
+        plan_routes(f, s, counts_ME, rank=r, top_k=top_k, capacity=capacity, salt=salt)
+        for r, (f, s) in enumerate(zip(flat, slots, strict=True))
     ]
 
 

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from moe_ep_transport import ops
 from moe_ep_transport.codec import RowCodec
 from moe_ep_transport.config import EPConfig
-from moe_ep_transport.overflow import counts_seed
-from moe_ep_transport.plan import RoutePlan, local_counts, plan_routes
+from moe_ep_transport.overflow import HASH_PRIME
+from moe_ep_transport.plan import RoutePlan, plan_routes
 from moe_ep_transport.telemetry import EPTelemetry
 from moe_ep_transport.transport import Transport
 
@@ -67,7 +67,8 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_CD: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         plan = ctx.route.plan
-        ones_N = plan.valid_N.to(_accumulation_dtype(grad_CD.dtype))
+        n = plan.dst_rank_N.numel()
+        ones_N = ops.ones(n, _accumulation_dtype(grad_CD.dtype), grad_CD.device)  # dropped: zero anyway
         grad_TD, _ = ctx.dispatcher.transport.gather_sum(
             ctx.route, grad_CD.contiguous(), ones_N, store_rows=False
         )
@@ -79,9 +80,8 @@ class _Combine(torch.autograd.Function):
     def forward(
         ctx: Any, rows_CD: torch.Tensor, weights_TK: torch.Tensor, dispatcher: EPDispatcher, route: Any
     ) -> torch.Tensor:
-        plan = route.plan
         acc = _accumulation_dtype(rows_CD.dtype, weights_TK.dtype)
-        w_N = torch.where(plan.valid_N, weights_TK.reshape(-1).to(acc), 0.0)
+        w_N = weights_TK.reshape(-1).to(acc)  # dropped slots weigh zero inside the sum
         need_rows = ctx.needs_input_grad[1]
         y_TD, rows_ND = dispatcher.transport.gather_sum(route, rows_CD, w_N, store_rows=need_rows)
         ctx.dispatcher, ctx.route = dispatcher, route
@@ -97,8 +97,9 @@ class _Combine(torch.autograd.Function):
         grad_rows = grad_w = None
         g32_TD = grad_TD.to(w_N.dtype)
         if ctx.needs_input_grad[0]:
+            # Dropped slots are not sent, so their (unmasked) weights do not matter here.
             scaled_ND = (g32_TD.unsqueeze(1) * w_N.view(T, k, 1)).to(ctx.rows_dtype).view(T * k, D)
-            slots = torch.arange(T * k, device=scaled_ND.device)
+            slots = ops.index_range(T * k, scaled_ND.device)
             words = ctx.dispatcher.transport.send(ctx.route, ops.as_words(scaled_ND), slots)
             grad_rows = ops.from_words(words, ctx.rows_dtype)
         if ctx.needs_input_grad[1]:
@@ -120,12 +121,14 @@ class EPDispatcher:
         self.transport = transport
         self.codec = codec
         self.seed = seed
+        self._salt = seed % HASH_PRIME
         self.ep_size = transport.world_size
         self.rank = transport.rank
         self.n_local = cfg.local_experts(self.ep_size)
         self.expert_start = self.rank * self.n_local
         self.capacity = cfg.rank_capacity(self.ep_size)
         self.telemetry = EPTelemetry()
+        self._token_cache: torch.Tensor | None = None
 
     def bytes_per_row(self, dtype: torch.dtype) -> int:
         """Bytes one dispatched row moves (the codec's packed width when one is set)."""
@@ -152,11 +155,12 @@ class EPDispatcher:
         self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, EPHandle]:
         self._check_inputs(x_TD, expert_ids_TK)
-        expert_N = expert_ids_TK.reshape(-1).to(torch.int64)
-        counts_ME = self.transport.exchange_counts(local_counts(expert_N, self.cfg.n_experts))
+        expert_N = expert_ids_TK.reshape(-1)  # any integer dtype: the plan kernels read it as is
+        slots = ops.rank_slots(expert_N, self.cfg.n_experts)
+        counts_ME = self.transport.exchange_counts(slots.counts_E)
         plan = plan_routes(
-            expert_N, counts_ME, rank=self.rank, top_k=self.cfg.top_k, capacity=self.capacity,
-            seed=counts_seed(counts_ME, self.seed),
+            expert_N, slots, counts_ME, rank=self.rank, top_k=self.cfg.top_k, capacity=self.capacity,
+            salt=self._salt,
         )
         if self.cfg.overflow == "error":
             self._raise_on_overflow(plan)
@@ -178,7 +182,7 @@ class EPDispatcher:
     def _send_tokens(self, x_TD: torch.Tensor, route: Any) -> torch.Tensor:
         """Forward row movement: encode each token once, send a copy per kept slot, decode."""
         plan = route.plan
-        token_N = torch.arange(plan.n_tokens * plan.top_k, device=x_TD.device) // plan.top_k
+        token_N = self._token_of_slot(plan.n_tokens * plan.top_k, x_TD.device)
         if self.codec is None:
             words = self.transport.send(route, ops.as_words(x_TD), token_N)
             return ops.from_words(words, x_TD.dtype)
@@ -186,6 +190,13 @@ class EPDispatcher:
         received = ops.from_words(self.transport.send(route, packed, token_N), torch.uint8)
         rows_CD = self.codec.decode(received, x_TD.dtype)
         return torch.where((plan.row_src_C >= 0).unsqueeze(1), rows_CD, 0)
+
+    def _token_of_slot(self, n: int, device: torch.device) -> torch.Tensor:
+        """``arange(n) // k``, built once per device for the largest call."""
+        cached = self._token_cache
+        if cached is None or cached.device != device:
+            cached = self._token_cache = torch.arange(self.cfg.max_slots, device=device) // self.cfg.top_k
+        return cached[:n]
 
     def _raise_on_overflow(self, plan: RoutePlan) -> None:
         dropped = plan.dropped_M.tolist()  # the documented host sync of overflow="error"

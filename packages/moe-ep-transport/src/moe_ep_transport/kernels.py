@@ -4,11 +4,12 @@ Import this module only where a kernel is launched (it imports triton).
 Row tensors are 2-D and contiguous; a row is ``width`` elements of its dtype
 (callers view rows as 32-bit words when they only move them).
 
-Pointer tables are int64 tensors of byte addresses (one per destination rank); a
-peer's address comes from NVSHMEM (``nvshmem_ptr``), so a plain store reaches the
-peer's memory over NVLink. The addresses are 16-byte aligned, which the put kernel
-states with ``tl.multiple_of`` on the pointers so that its stores vectorise
-(128-bit; checked on the compiled PTX).
+Pointer tables are int64 tensors of slab byte addresses (one per destination
+rank); a peer's address comes from NVSHMEM (``nvshmem_ptr``), so a plain store
+reaches the peer's memory over NVLink. The offset into the slab and the local
+destination are kernel arguments (no per-call table arithmetic). The addresses are
+16-byte aligned, which the put kernel states with ``tl.multiple_of`` on the
+pointers so that its stores vectorise (128-bit; checked on the compiled PTX).
 """
 
 from __future__ import annotations
@@ -22,17 +23,23 @@ _MAX_BLOCK_W = 1024  # elements of one row chunk (4 KiB of 32-bit words)
 
 @triton.jit
 def _put_rows_kernel(
-    src_ptr, src_index_ptr, dst_rank_ptr, dst_row_ptr, dst_table_ptr,
-    meta_src_ptr, meta_table_ptr, n_rows, width,
-    HAS_META: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    src_ptr, src_index_ptr, dst_rank_ptr, dst_row_ptr, table_ptr, byte_offset, local_addr, me,
+    meta_src_ptr, n_rows, width,
+    HAS_LOCAL: tl.constexpr, SKIP_LOCAL: tl.constexpr, HAS_META: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rank = tl.load(dst_rank_ptr + rows, mask=rows < n_rows, other=-1)
     ok = rank >= 0
+    if SKIP_LOCAL:
+        ok = ok & (rank != me)
     src_row = tl.load(src_index_ptr + rows, mask=ok, other=0)
     dst_row = tl.load(dst_row_ptr + rows, mask=ok, other=0)
-    base = tl.load(dst_table_ptr + rank, mask=ok, other=0).to(tl.pointer_type(src_ptr.dtype.element_ty))
-    dst = tl.multiple_of(base, 16) + dst_row * width
+    slab = tl.load(table_ptr + rank, mask=ok, other=0)
+    addr = slab + byte_offset
+    if HAS_LOCAL:
+        addr = tl.where(rank == me, local_addr, addr)
+    dst = tl.multiple_of(addr.to(tl.pointer_type(src_ptr.dtype.element_ty)), 16) + dst_row * width
     src = src_ptr + src_row * width
     for c0 in range(0, width, BLOCK_W):
         cols = c0 + tl.arange(0, BLOCK_W)
@@ -40,15 +47,14 @@ def _put_rows_kernel(
         v = tl.load(src[:, None] + cols[None, :], mask=m)
         tl.store(dst[:, None] + cols[None, :], v, mask=m)
     if HAS_META:
-        meta_base = tl.load(meta_table_ptr + rank, mask=ok, other=0).to(tl.pointer_type(tl.int64))
         meta = tl.load(meta_src_ptr + rows, mask=ok, other=0)
-        tl.store(meta_base + dst_row, meta, mask=ok)
+        tl.store(slab.to(tl.pointer_type(tl.int64)) + dst_row, meta, mask=ok)
 
 
 @triton.jit
 def _finish_receive_kernel(
-    out_ptr, inbox_ptr, row_src_ptr, me, n_rows, width,
-    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    out_ptr, inbox_ptr, row_src_ptr, origin_out_ptr, origin_in_ptr, me, n_rows, width,
+    HAS_ORIGIN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     src = tl.load(row_src_ptr + rows, mask=rows < n_rows, other=me)
@@ -60,11 +66,14 @@ def _finish_receive_kernel(
         offs = rows.to(tl.int64)[:, None] * width + cols[None, :]
         v = tl.load(inbox_ptr + offs, mask=remote[:, None] & cm, other=0)
         tl.store(out_ptr + offs, v, mask=write[:, None] & cm)
+    if HAS_ORIGIN:
+        origin = tl.load(origin_in_ptr + rows, mask=rows < n_rows)
+        tl.store(origin_out_ptr + rows, origin, mask=rows < n_rows)
 
 
 @triton.jit
 def _topk_gather_sum_kernel(
-    primary_ptr, secondary_ptr, sel_ptr, row_ptr, w_ptr, y_ptr, rows_out_ptr, width,
+    inbox_ptr, local_ptr, dst_rank_ptr, dst_row_ptr, w_ptr, y_ptr, rows_out_ptr, me, width,
     K: tl.constexpr, STORE_ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -72,16 +81,17 @@ def _topk_gather_sum_kernel(
     cm = cols < width
     acc = tl.zeros([BLOCK_W], dtype=w_ptr.dtype.element_ty)
     for j in tl.static_range(K):
-        i = t * K + j
-        sel = tl.load(sel_ptr + i)
-        row = tl.load(row_ptr + i)
-        w = tl.load(w_ptr + i)
-        base = tl.where(sel == 1, secondary_ptr, primary_ptr)
-        limit = tl.where(sel >= 0, width, 0)  # a dropped slot reads nothing (zeros)
+        i = t.to(tl.int64) * K + j
+        rank = tl.load(dst_rank_ptr + i)
+        local = rank == me
+        base = tl.where(local, local_ptr, inbox_ptr)
+        row = tl.where(local, tl.load(dst_row_ptr + i), i)
+        limit = tl.where(rank >= 0, width, 0)  # a dropped slot reads nothing (zeros) ...
         x = tl.load(base + row * width + cols, mask=cols < limit, other=0.0)
+        w = tl.where(rank >= 0, tl.load(w_ptr + i), 0.0)  # ... with weight zero
         acc = acc + x.to(w_ptr.dtype.element_ty) * w
         if STORE_ROWS:
-            tl.store(rows_out_ptr + i.to(tl.int64) * width + cols, x, mask=cm)
+            tl.store(rows_out_ptr + i * width + cols, x, mask=cm)
     tl.store(y_ptr + t.to(tl.int64) * width + cols, acc.to(y_ptr.dtype.element_ty), mask=cm)
 
 
@@ -94,73 +104,93 @@ def put_rows(
     src_index_N: torch.Tensor,
     dst_rank_N: torch.Tensor,
     dst_row_N: torch.Tensor,
-    dst_table: torch.Tensor,
+    table_M: torch.Tensor,
+    *,
+    byte_offset: int = 0,
+    me: int = -1,
+    local_dst: torch.Tensor | None = None,
+    skip_local: bool = False,
     meta_N: torch.Tensor | None = None,
-    meta_table: torch.Tensor | None = None,
 ) -> None:
-    """``dst[dst_rank[i]][dst_row[i]] = src[src_index[i]]`` for every ``i`` with ``dst_rank >= 0``.
+    """Row ``dst_row[i]`` at ``table[dst_rank[i]] + byte_offset`` becomes ``src[src_index[i]]``.
 
-    ``dst_table[r]`` is the byte address of rank ``r``'s destination rows (same dtype
-    and width as ``src``). With ``meta_N``, also ``meta_dst[dst_rank[i]][dst_row[i]] = meta[i]``
-    (int64) at the addresses of ``meta_table``.
+    ``table_M[r]`` is the byte address of rank ``r``'s slab; the rows there have
+    ``src``'s dtype and width. Slots with ``dst_rank < 0`` are skipped; slots for
+    rank ``me`` go to ``local_dst`` instead when given, and are skipped with
+    ``skip_local``. With ``meta_N``, also ``int64 slab[dst_row[i]] = meta[i]`` at the
+    slab's start.
     """
+    if local_dst is not None and skip_local:
+        raise ValueError("put_rows: local_dst and skip_local exclude each other")
     n = dst_rank_N.numel()
     if n == 0:
         return
     width = src_SW.shape[1]
-    has_meta = meta_N is not None
     block_r = 4
     _put_rows_kernel[(triton.cdiv(n, block_r),)](
-        src_SW, src_index_N, dst_rank_N, dst_row_N, dst_table,
-        meta_N if has_meta else dst_row_N, meta_table if has_meta else dst_table, n, width,
-        HAS_META=has_meta, BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
+        src_SW, src_index_N, dst_rank_N, dst_row_N, table_M, byte_offset,
+        local_dst.data_ptr() if local_dst is not None else 0, me,
+        meta_N if meta_N is not None else dst_row_N, n, width,
+        HAS_LOCAL=local_dst is not None, SKIP_LOCAL=skip_local, HAS_META=meta_N is not None,
+        BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
     )
 
 
-def finish_receive(out_CW: torch.Tensor, inbox_CW: torch.Tensor, row_src_C: torch.Tensor, me: int) -> None:
+def finish_receive(
+    out_CW: torch.Tensor,
+    inbox_CW: torch.Tensor,
+    row_src_C: torch.Tensor,
+    me: int,
+    origin_out_C: torch.Tensor | None = None,
+    origin_in_C: torch.Tensor | None = None,
+) -> None:
     """Copy rows that came from other ranks from the inbox into ``out``; zero padding rows.
 
     Rows this rank sent to itself were written into ``out`` directly by the put.
+    With ``origin_out_C``, ``origin_in_C`` is copied into it in the same launch.
     """
     n = out_CW.shape[0]
     if n == 0:
         return
     width = out_CW.shape[1]
     block_r = 4
+    has_origin = origin_out_C is not None
     _finish_receive_kernel[(triton.cdiv(n, block_r),)](
-        out_CW, inbox_CW, row_src_C, me, n, width,
-        BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
+        out_CW, inbox_CW, row_src_C,
+        origin_out_C if has_origin else row_src_C, origin_in_C if has_origin else row_src_C,
+        me, n, width, HAS_ORIGIN=has_origin, BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
     )
 
 
 def topk_gather_sum(
-    primary_RD: torch.Tensor,
-    secondary_RD: torch.Tensor,
-    sel_N: torch.Tensor,
-    row_N: torch.Tensor,
+    inbox_ND: torch.Tensor,
+    local_CD: torch.Tensor,
+    dst_rank_N: torch.Tensor,
+    dst_row_N: torch.Tensor,
+    me: int,
     w_N: torch.Tensor,
     top_k: int,
     out_dtype: torch.dtype,
     store_rows: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``y[t] = sum_j w[t*k+j] * src(t*k+j)`` in ``w``'s dtype, slot order, no fused multiply-add.
+    """``y[t] = sum_j w[t*k+j] * x(t*k+j)`` in ``w``'s dtype, slot order, no fused multiply-add.
 
-    Slot ``i`` reads ``primary[row[i]]`` (``sel == 0``), ``secondary[row[i]]``
-    (``sel == 1``) or zeros (``sel < 0``). FMA contraction is disabled so the sum
+    Slot ``i`` reads ``local[dst_row[i]]`` (``dst_rank == me``), ``inbox[i]`` (another
+    rank) or zeros with weight zero (dropped). FMA contraction is disabled so the sum
     equals the unfused PyTorch reference bit for bit.
     """
-    n = sel_N.numel()
+    n = dst_rank_N.numel()
     T = n // top_k
-    width = primary_RD.shape[1]
-    y = torch.empty(T, width, dtype=out_dtype, device=primary_RD.device)
+    width = local_CD.shape[1]
+    y = torch.empty(T, width, dtype=out_dtype, device=local_CD.device)
     rows_out = (
-        torch.empty(n, width, dtype=primary_RD.dtype, device=primary_RD.device) if store_rows else None
+        torch.empty(n, width, dtype=local_CD.dtype, device=local_CD.device) if store_rows else None
     )
     if T == 0:
         return y, rows_out
     block_w = _block_w(width)
     _topk_gather_sum_kernel[(T, triton.cdiv(width, block_w))](
-        primary_RD, secondary_RD, sel_N, row_N, w_N, y, rows_out if store_rows else y, width,
+        inbox_ND, local_CD, dst_rank_N, dst_row_N, w_N, y, rows_out if store_rows else y, me, width,
         K=top_k, STORE_ROWS=store_rows, BLOCK_W=block_w, num_warps=4, enable_fp_fusion=False,
     )
     return y, rows_out

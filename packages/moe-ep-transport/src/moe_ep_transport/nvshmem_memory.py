@@ -116,7 +116,6 @@ class NvshmemPeerMemory:
                     )
                 addresses.append(peer.data_ptr())
             self._tables.append(torch.tensor(addresses, dtype=torch.int64, device=device))
-        self._is_me = torch.arange(self.world_size, device=device) == self.rank
         self._stream_refs: dict[int, _StreamRef] = {}
 
     def slab(self, index: int) -> torch.Tensor:
@@ -132,19 +131,17 @@ class NvshmemPeerMemory:
         dst_row_N: torch.Tensor,
         *,
         local_dst: torch.Tensor | None = None,
+        skip_local: bool = False,
         meta_N: torch.Tensor | None = None,
     ) -> None:
         from moe_ep_transport import kernels
 
         if byte_offset % 16:
             raise ValueError(f"slab offset {byte_offset} is not 16-byte aligned")
-        table = self._tables[slab]
-        dst_table = table + byte_offset
-        if local_dst is not None:
-            dst_table = torch.where(self._is_me, local_dst.data_ptr(), dst_table)
         kernels.put_rows(
-            src_RW.contiguous(), src_index_N, dst_rank_N, dst_row_N, dst_table,
-            meta_N, table if meta_N is not None else None,
+            src_RW.contiguous(), src_index_N, dst_rank_N, dst_row_N, self._tables[slab],
+            byte_offset=byte_offset, me=self.rank, local_dst=local_dst, skip_local=skip_local,
+            meta_N=meta_N,
         )
 
     def barrier(self) -> None:

@@ -1,19 +1,51 @@
-"""Local row operations shared by the transports, with one PyTorch and one Triton path.
+"""Device operations of dispatch and combine, each one launch on CUDA.
 
-The PyTorch path runs on CPU (and is the reference); the Triton path runs on CUDA
-tensors. Both compute the same IEEE operations in the same order (FP32 products
-then sums, slot by slot, no fused multiply-add), so they agree bit for bit.
+Every function here has a PyTorch path (CPU, and the reference) and a Triton path
+(CUDA tensors) that compute the same values bit for bit: integer planning, row
+moves, and FP32 products then sums, slot by slot, without fused multiply-add.
+Dispatch and combine do little else between these calls and the transport's puts
+and barriers, so their launch count is small and fixed (a CPU test bounds it).
 
-Shape legend: N slots (T tokens x k), R source rows, C receive rows, W words, D width.
+Shape legend: N slots (T tokens x k), E experts, C receive rows, W words, D width.
 """
 
 from __future__ import annotations
 
 import torch
 
+from moe_ep_transport import plan_reference
+from moe_ep_transport.plan_reference import CellPlan, SlotRanks
+
 
 def _on_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
+
+
+_constants: dict[tuple, torch.Tensor] = {}
+
+
+def _constant(kind: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cached read-only 1-D tensor of at least ``n`` elements, sliced to ``n`` (no launch per call)."""
+    key = (kind, dtype, device)
+    have = _constants.get(key)
+    if have is None or have.numel() < n:
+        size = max(n, 2 * have.numel() if have is not None else 0)
+        if kind == "range":
+            have = torch.arange(size, dtype=dtype, device=device)
+        else:
+            have = torch.ones(size, dtype=dtype, device=device)
+        _constants[key] = have
+    return have[:n]
+
+
+def index_range(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` (int64), shared between calls."""
+    return _constant("range", n, torch.int64, device)
+
+
+def ones(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``ones(n)``, shared between calls."""
+    return _constant("ones", n, dtype, device)
 
 
 def as_words(rows: torch.Tensor) -> torch.Tensor:
@@ -33,76 +65,133 @@ def from_words(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return words.view(torch.uint8).view(dtype) if words.dtype != dtype else words
 
 
-def finish_receive(out_CW: torch.Tensor, inbox_CW: torch.Tensor, row_src_C: torch.Tensor, me: int) -> None:
-    """Move rows from other ranks out of the symmetric inbox into ``out``; zero the padding."""
+# --- the routing plan (definitions in plan_reference) ------------------------------
+
+
+def rank_slots(expert_N: torch.Tensor, n_experts: int) -> SlotRanks:
+    """Per-block expert counts and ranks of the slots (plan step 1)."""
+    if _on_triton(expert_N):
+        from moe_ep_transport import plan_kernels
+
+        return plan_kernels.rank_slots(expert_N, n_experts)
+    return plan_reference.rank_slots_reference(expert_N, n_experts)
+
+
+def plan_cells(counts_ME: torch.Tensor, capacity: int, salt: int, rank: int) -> CellPlan:
+    """Fair overflow allocation and receive layout from the count matrix (plan step 2)."""
+    if _on_triton(counts_ME):
+        from moe_ep_transport import plan_kernels
+
+        return plan_kernels.plan_cells(counts_ME, capacity, salt, rank)
+    return plan_reference.plan_cells_reference(counts_ME, capacity, salt, rank)
+
+
+def plan_rows(
+    expert_N: torch.Tensor, slots: SlotRanks, cells: CellPlan, ep_size: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Destination of every slot and source of every receive row (plan step 3)."""
+    if _on_triton(expert_N):
+        from moe_ep_transport import plan_kernels
+
+        return plan_kernels.plan_rows(expert_N, slots, cells, ep_size, capacity)
+    return plan_reference.plan_rows_reference(expert_N, slots, cells, ep_size, capacity)
+
+
+# --- row movement and reduction ----------------------------------------------------
+
+
+def finish_receive(
+    out_CW: torch.Tensor,
+    inbox_CW: torch.Tensor,
+    row_src_C: torch.Tensor,
+    me: int,
+    origin_out_C: torch.Tensor | None = None,
+    origin_in_C: torch.Tensor | None = None,
+) -> None:
+    """Move rows from other ranks out of the symmetric inbox into ``out``; zero the padding.
+
+    With ``origin_out_C``, also copy the rows' origins (``origin_in_C``, int64) out of
+    the inbox.
+    """
+    if (origin_out_C is None) != (origin_in_C is None):
+        raise ValueError("finish_receive: give both origin_out_C and origin_in_C, or neither")
     if _on_triton(out_CW):
         from moe_ep_transport import kernels
 
-        kernels.finish_receive(out_CW, inbox_CW, row_src_C, me)
+        kernels.finish_receive(out_CW, inbox_CW, row_src_C, me, origin_out_C, origin_in_C)
     else:
-        finish_receive_reference(out_CW, inbox_CW, row_src_C, me)
+        finish_receive_reference(out_CW, inbox_CW, row_src_C, me, origin_out_C, origin_in_C)
 
 
 def finish_receive_reference(
-    out_CW: torch.Tensor, inbox_CW: torch.Tensor, row_src_C: torch.Tensor, me: int
+    out_CW: torch.Tensor,
+    inbox_CW: torch.Tensor,
+    row_src_C: torch.Tensor,
+    me: int,
+    origin_out_C: torch.Tensor | None = None,
+    origin_in_C: torch.Tensor | None = None,
 ) -> None:
     """PyTorch version of :func:`finish_receive` (boolean indexing: synchronises on CUDA)."""
     remote = (row_src_C != me) & (row_src_C >= 0)
     out_CW[remote] = inbox_CW[remote]
     out_CW[row_src_C < 0] = 0
+    if origin_out_C is not None:
+        origin_out_C.copy_(origin_in_C)
 
 
 def topk_gather_sum(
-    primary_RD: torch.Tensor,
-    secondary_RD: torch.Tensor,
-    sel_N: torch.Tensor,
-    row_N: torch.Tensor,
+    inbox_ND: torch.Tensor,
+    local_CD: torch.Tensor,
+    dst_rank_N: torch.Tensor,
+    dst_row_N: torch.Tensor,
+    me: int,
     w_N: torch.Tensor,
     top_k: int,
     out_dtype: torch.dtype,
     store_rows: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Weighted top-k sum per token, reading each slot's row from one of two sources.
+    """Weighted top-k sum per token of the rows that came back, in ``w_N``'s dtype.
 
-    Accumulates in ``w_N``'s dtype (FP32 in training; FP64 when the inputs are).
-
-    Slot ``i = t*k + j`` reads ``primary[row[i]]`` if ``sel[i] == 0``,
-    ``secondary[row[i]]`` if ``sel[i] == 1`` and zeros if ``sel[i] < 0`` (a dropped
-    slot). ``y[t] = ((0 + x_0 w_0) + x_1 w_1) + ...``, cast to ``out_dtype``.
-    With ``store_rows`` the gathered rows ``[N, D]`` are returned too (for the
-    gradient of the weights).
+    Slot ``i = t*k + j`` reads ``local[dst_row[i]]`` if ``dst_rank[i] == me`` (its row
+    never left this rank), ``inbox[i]`` if it went to another rank, and zeros with
+    weight zero if it was dropped (``dst_rank[i] < 0``, whatever ``w[i]`` holds).
+    ``y[t] = ((0 + x_0 w_0) + x_1 w_1) + ...``, cast to ``out_dtype``. With
+    ``store_rows`` the gathered rows ``[N, D]`` are returned too (for the gradient of
+    the weights).
     """
-    if _on_triton(primary_RD):
+    if _on_triton(local_CD):
         from moe_ep_transport import kernels
 
         return kernels.topk_gather_sum(
-            primary_RD, secondary_RD, sel_N, row_N, w_N, top_k, out_dtype, store_rows
+            inbox_ND, local_CD, dst_rank_N, dst_row_N, me, w_N, top_k, out_dtype, store_rows
         )
     return topk_gather_sum_reference(
-        primary_RD, secondary_RD, sel_N, row_N, w_N, top_k, out_dtype, store_rows
+        inbox_ND, local_CD, dst_rank_N, dst_row_N, me, w_N, top_k, out_dtype, store_rows
     )
 
 
 def topk_gather_sum_reference(
-    primary_RD: torch.Tensor,
-    secondary_RD: torch.Tensor,
-    sel_N: torch.Tensor,
-    row_N: torch.Tensor,
+    inbox_ND: torch.Tensor,
+    local_CD: torch.Tensor,
+    dst_rank_N: torch.Tensor,
+    dst_row_N: torch.Tensor,
+    me: int,
     w_N: torch.Tensor,
     top_k: int,
     out_dtype: torch.dtype,
     store_rows: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """PyTorch version of :func:`topk_gather_sum` (boolean indexing: synchronises on CUDA)."""
-    n, width = sel_N.numel(), primary_RD.shape[1]
-    x_ND = primary_RD.new_zeros(n, width)
-    for s, source in enumerate((primary_RD, secondary_RD)):
-        take = sel_N == s
-        x_ND[take] = source[row_N[take]]
+    n, width = dst_rank_N.numel(), local_CD.shape[1]
+    x_ND = local_CD.new_zeros(n, width)
+    local = dst_rank_N == me
+    remote = (dst_rank_N >= 0) & ~local
+    x_ND[local] = local_CD[dst_row_N[local]]
+    x_ND[remote] = inbox_ND[:n][remote]
     T = n // top_k
     x_TKD = x_ND.view(T, top_k, width)
-    w_TK = w_N.view(T, top_k)
-    acc = torch.zeros(T, width, dtype=w_N.dtype, device=primary_RD.device)
+    w_TK = torch.where(dst_rank_N >= 0, w_N, 0).view(T, top_k)
+    acc = torch.zeros(T, width, dtype=w_N.dtype, device=local_CD.device)
     for j in range(top_k):
         acc = acc + x_TKD[:, j].to(w_N.dtype) * w_TK[:, j, None]
     return acc.to(out_dtype), (x_ND if store_rows else None)

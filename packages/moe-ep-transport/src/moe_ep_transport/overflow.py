@@ -19,14 +19,19 @@ only happens under imbalance, where counts change from step to step, which is
 what moves the rotation; identical count matrices give identical drops.
 
 Everything is integer tensor arithmetic on the device: no host synchronisation.
+This module is the PyTorch definition; ``plan_kernels`` computes the same integers
+in one Triton program on CUDA (the hash constants are shared from here).
 """
 
 from __future__ import annotations
 
 import torch
 
-_P = 2_147_483_647  # 2^31 - 1, a prime: products of two residues stay below 2^62
-_A = 48_271  # MINSTD multiplier
+HASH_PRIME = 2_147_483_647  # 2^31 - 1, a prime: products of two residues stay below 2^62
+HASH_MULTIPLIER = 48_271  # MINSTD multiplier
+HASH_START = 1_234_567
+HASH_INCREMENT = 12_345
+_P, _A = HASH_PRIME, HASH_MULTIPLIER
 
 
 def mix(*parts: torch.Tensor | int) -> torch.Tensor | int:
@@ -34,10 +39,10 @@ def mix(*parts: torch.Tensor | int) -> torch.Tensor | int:
 
     Tensors broadcast. Only used to spread priorities, not for security.
     """
-    h: torch.Tensor | int = 1_234_567
+    h: torch.Tensor | int = HASH_START
     for p in parts:
         h = ((h + p % _P + 1) * _A) % _P
-        h = (h * _A + 12_345) % _P
+        h = (h * _A + HASH_INCREMENT) % _P
     return h
 
 

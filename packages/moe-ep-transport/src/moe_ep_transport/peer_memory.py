@@ -41,15 +41,16 @@ class PeerMemory(Protocol):
         dst_row_N: torch.Tensor,
         *,
         local_dst: torch.Tensor | None = None,
+        skip_local: bool = False,
         meta_N: torch.Tensor | None = None,
     ) -> None:
         """Write ``src[src_index[i]]`` into row ``dst_row[i]`` of rank ``dst_rank[i]``'s slab.
 
         Rows start at ``byte_offset`` and have ``src``'s dtype and width. Slots with
         ``dst_rank < 0`` are skipped. Rows for this rank go to ``local_dst`` instead
-        when given. ``meta_N`` (int64) is written at the slab's start, one per row.
-        Collective: every rank calls it; completion is only guaranteed after
-        :meth:`barrier`.
+        when given, or are skipped with ``skip_local``. ``meta_N`` (int64) is written
+        at the slab's start, one per row. Collective: every rank calls it; completion
+        is only guaranteed after :meth:`barrier`. One kernel launch on the GPU.
         """
         ...
 
@@ -100,8 +101,11 @@ class EmulatedPeerMemory:
         dst_row_N: torch.Tensor,
         *,
         local_dst: torch.Tensor | None = None,
+        skip_local: bool = False,
         meta_N: torch.Tensor | None = None,
     ) -> None:
+        if local_dst is not None and skip_local:
+            raise ValueError("put_rows: local_dst and skip_local exclude each other")
         n = torch.tensor([dst_rank_N.numel()], device=dst_rank_N.device)
         sizes = [torch.empty_like(n) for _ in range(self.world_size)]
         dist.all_gather(sizes, n, group=self.group)
@@ -117,6 +121,8 @@ class EmulatedPeerMemory:
         inbox = slab_view(self._slabs[slab], byte_offset, src_RW.dtype, src_RW.shape[1])
         meta_inbox = self._slabs[slab][: self.slab_bytes // 8 * 8].view(torch.int64)
         for s in range(self.world_size):
+            if skip_local and s == self.rank:
+                continue
             mine = ranks[s] == self.rank
             target = local_dst if (s == self.rank and local_dst is not None) else inbox
             target[rows[s][mine]] = payload[s][mine]

@@ -10,12 +10,15 @@ ranks out of its slab into a fresh tensor (the slab is reused by the next phase,
 while the rows must live until the expert backward).
 
 Per combine the destination puts each expert output row back into its source's
-slab at the source's slot index (the origin recorded in step 3); after a barrier
-each source sums its top-k rows in FP32, reading its own rows straight from the
-expert output. Putting (not fetching) saves copying the expert output into a
-symmetric buffer first, and stores travel faster than loads over NVLink.
+slab at the source's slot index (the origin recorded in step 3; rows of its own
+stay where they are); after a barrier each source sums its top-k rows in FP32,
+reading its own rows straight from the expert output. Putting (not fetching)
+saves copying the expert output into a symmetric buffer first, and stores travel
+faster than loads over NVLink.
 
-Sizes are static: capacity C rows to receive, T_max*k slots to return.
+Every step is one launch (a put, a barrier, a kernel of :mod:`moe_ep_transport.ops`);
+index tensors that do not change between calls are built once. Sizes are static:
+capacity C rows to receive, T_max*k slots to return.
 """
 
 from __future__ import annotations
@@ -64,6 +67,11 @@ class RowwiseTransport:
         self.max_slots = cfg.max_slots
         self._meta_bytes = _align(self.capacity * 8)
         self._phase = 0  # advances identically on every rank (all ranks run the same calls)
+        # The count exchange's fixed addressing: row 0 of the counts to row `rank` of every peer.
+        M, device = self.world_size, memory.slab(0).device
+        self._count_src_M = torch.zeros(M, dtype=torch.int64, device=device)
+        self._count_rank_M = torch.arange(M, device=device)
+        self._count_row_M = torch.full((M,), self.rank, dtype=torch.int64, device=device)
 
     def close(self) -> None:
         """Release the symmetric buffers (collective; NVSHMEM memory only)."""
@@ -85,18 +93,16 @@ class RowwiseTransport:
             )
 
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """Every rank's counts, int32 ``[M, E]``: a view of the slab, valid until the next phase."""
         M, E = self.world_size, counts_E.numel()
         self._check_fits(M * E * 4, "the count exchange")
         slab = self._next_slab()
-        device = counts_E.device
         self.memory.put_rows(
             slab, 0, counts_E.to(torch.int32).view(1, E),
-            torch.zeros(M, dtype=torch.int64, device=device),
-            torch.arange(M, device=device),
-            torch.full((M,), self.rank, dtype=torch.int64, device=device),
+            self._count_src_M, self._count_rank_M, self._count_row_M,
         )
         self.memory.barrier()
-        return slab_view(self.memory.slab(slab), 0, torch.int32, E)[:M].to(torch.int64)
+        return slab_view(self.memory.slab(slab), 0, torch.int32, E)[:M]
 
     def open_route(self, plan: RoutePlan) -> RowwiseRoute:
         if plan.capacity != self.capacity:
@@ -108,43 +114,40 @@ class RowwiseTransport:
         self._check_fits(self._meta_bytes + C * W * src_RW.element_size(), "a row send")
         slab = self._next_slab()
         first = route.origin_C is None
-        meta = torch.arange(src_index_N.numel(), device=src_RW.device) if first else None
+        device = src_RW.device
         out = src_RW.new_empty(C, W)
         self.memory.put_rows(
             slab, self._meta_bytes, src_RW, src_index_N, plan.dst_rank_N, plan.dst_row_N,
-            local_dst=out, meta_N=meta,
+            local_dst=out, meta_N=ops.index_range(src_index_N.numel(), device) if first else None,
         )
         self.memory.barrier()
         buf = self.memory.slab(slab)
-        if first:
-            route.origin_C = buf[: C * 8].view(torch.int64).clone()
         inbox = slab_view(buf, self._meta_bytes, src_RW.dtype, W)[:C]
-        ops.finish_receive(out, inbox, plan.row_src_C, self.rank)
+        if first:
+            route.origin_C = torch.empty(C, dtype=torch.int64, device=device)
+            origin_in_C = buf[: C * 8].view(torch.int64)
+            ops.finish_receive(out, inbox, plan.row_src_C, self.rank, route.origin_C, origin_in_C)
+        else:
+            ops.finish_receive(out, inbox, plan.row_src_C, self.rank)
         return out
 
     def gather_sum(
         self, route: RowwiseRoute, rows_CD: torch.Tensor, w_N: torch.Tensor, store_rows: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        plan, me = route.plan, self.rank
+        plan = route.plan
         if route.origin_C is None:
             raise RuntimeError("gather_sum before send: the route has no row origins")
-        rows_CD = rows_CD.contiguous()
         words = ops.as_words(rows_CD)
-        n = plan.dst_rank_N.numel()
+        n, C = plan.dst_rank_N.numel(), rows_CD.shape[0]
         self._check_fits(self.max_slots * words.shape[1] * words.element_size(), "a row return")
         slab = self._next_slab()
-        remote_C = (plan.row_src_C != me) & (plan.row_src_C >= 0)
         self.memory.put_rows(
-            slab, 0, words,
-            torch.arange(rows_CD.shape[0], device=rows_CD.device),
-            torch.where(remote_C, plan.row_src_C, -1),
-            route.origin_C,
+            slab, 0, words, ops.index_range(C, rows_CD.device), plan.row_src_C, route.origin_C,
+            skip_local=True,
         )
         self.memory.barrier()
         inbox_ND = slab_view(self.memory.slab(slab), 0, rows_CD.dtype, rows_CD.shape[1])[:n]
-        local_N = plan.dst_rank_N == me
-        sel = torch.where(plan.valid_N, local_N.to(torch.int64), -1)
-        row = torch.where(local_N, plan.dst_row_N, torch.arange(n, device=sel.device))
         return ops.topk_gather_sum(
-            inbox_ND, rows_CD, sel, row, w_N, plan.top_k, rows_CD.dtype, store_rows
+            inbox_ND, rows_CD.contiguous(), plan.dst_rank_N, plan.dst_row_N, self.rank, w_N,
+            plan.top_k, rows_CD.dtype, store_rows,
         )

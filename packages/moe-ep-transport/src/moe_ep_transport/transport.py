@@ -3,13 +3,15 @@
 A transport moves rows for a :class:`~moe_ep_transport.plan.RoutePlan` that every
 backend computes identically; it decides nothing about the layout. Four steps:
 
-- ``exchange_counts(counts_E) -> counts_ME``: every rank learns every rank's counts.
+- ``exchange_counts(counts_E) -> counts_ME``: every rank learns every rank's counts
+  (int32 in, int32 or int64 out; valid until the transport's next call).
 - ``open_route(plan) -> route``: per-call state (splits, permutations, origins).
 - ``send(route, src_RW, src_index_N) -> out_CW``: row ``src[src_index[i]]`` of slot
   ``i`` lands at ``out[dst_row[i]]`` on ``dst_rank[i]``; padding rows are zero; a
   fresh tensor.
 - ``gather_sum(route, rows_CD, w_N, store_rows) -> (y_TD, rows_ND | None)``: the
-  reverse trip, reduced: ``y[t] = sum_j w[t*k+j] * rows[dst_row]@dst_rank`` in FP32.
+  reverse trip, reduced: ``y[t] = sum_j w[t*k+j] * rows[dst_row]@dst_rank`` in
+  ``w_N``'s dtype; dropped slots count zero whatever their weight.
 
 Shape legend: T tokens, k top-k, N = T*k slots, M ranks, E experts, C capacity,
 W 32-bit words per row, D row width.
@@ -67,9 +69,9 @@ class AllToAllTransport:
         """Nothing to release (symmetry with the rowwise transport)."""
 
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(counts_E) for _ in range(self.world_size)]
-        dist.all_gather(parts, counts_E.contiguous(), group=self.group)
-        return torch.stack(parts)
+        counts_ME = counts_E.new_empty(self.world_size * counts_E.numel())
+        dist.all_gather_into_tensor(counts_ME, counts_E.contiguous(), group=self.group)
+        return counts_ME.view(self.world_size, -1)
 
     def open_route(self, plan: RoutePlan) -> AllToAllRoute:
         M, E = plan.kept_ME.shape
@@ -109,12 +111,10 @@ class AllToAllTransport:
         dist.all_to_all_single(
             inbox, payload, route.send_splits, route.recv_splits, group=self.group
         )
-        n = plan.dst_rank_N.numel()
-        back = words.new_zeros(n, words.shape[1]).index_copy_(0, route.send_order, inbox)
-        back_ND = ops.from_words(back, rows_CD.dtype)
-        sel = torch.where(plan.valid_N, 0, -1)
-        slot = torch.arange(n, device=sel.device)
-        y, _ = ops.topk_gather_sum(
-            back_ND, back_ND, sel, slot, w_N, plan.top_k, rows_CD.dtype, store_rows=False
+        # Slot i's row lands at i; the sum reads only the slots that went to other ranks.
+        back = words.new_empty(plan.dst_rank_N.numel(), words.shape[1])
+        back.index_copy_(0, route.send_order, inbox)
+        return ops.topk_gather_sum(
+            ops.from_words(back, rows_CD.dtype), rows_CD.contiguous(), plan.dst_rank_N, plan.dst_row_N,
+            self.rank, w_N, plan.top_k, rows_CD.dtype, store_rows,
         )
-        return y, (back_ND if store_rows else None)

@@ -1,0 +1,179 @@
+"""Triton kernels of the routing plan: three launches instead of a hundred small ops.
+
+Each kernel computes exactly the integers of its PyTorch definition in
+:mod:`moe_ep_transport.plan_reference` (shape legend there); tests compare them
+bit for bit under ``TRITON_INTERPRET=1``. Import this module only where a kernel
+is launched (it imports triton).
+
+Expert ids outside ``[0, E)`` cannot be checked on the device without a host
+synchronisation; they match no expert, so their slots are dropped and counted
+nowhere (the CPU path raises). The kernels never address memory with them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_ep_transport import overflow
+from moe_ep_transport.plan_reference import CellPlan, SlotRanks, next_power_of_2, slot_block
+
+_PRIME = tl.constexpr(overflow.HASH_PRIME)
+_MULT = tl.constexpr(overflow.HASH_MULTIPLIER)
+_START = tl.constexpr(overflow.HASH_START)
+_INCR = tl.constexpr(overflow.HASH_INCREMENT)
+
+
+@triton.jit
+def _mix(h, p):
+    """One part of :func:`moe_ep_transport.overflow.mix` (non-negative int64 operands)."""
+    h = ((h + p % _PRIME + 1) * _MULT) % _PRIME
+    return (h * _MULT + _INCR) % _PRIME
+
+
+@triton.jit
+def _rank_slots_kernel(expert_ptr, rank_ptr, hist_ptr, n_slots, n_experts,
+                       BLOCK_S: tl.constexpr, E_P: tl.constexpr):
+    b = tl.program_id(0)
+    slot = b * BLOCK_S + tl.arange(0, BLOCK_S)
+    live = slot < n_slots
+    expert = tl.load(expert_ptr + slot, mask=live, other=-1).to(tl.int64)
+    cols = tl.arange(0, E_P)
+    onehot = (expert[:, None] == cols[None, :]).to(tl.int32)
+    running = tl.cumsum(onehot, axis=0)
+    tl.store(rank_ptr + slot, tl.sum(running * onehot, axis=1) - 1, mask=live)
+    tl.store(hist_ptr + b * n_experts + cols, tl.sum(onehot, axis=0), mask=cols < n_experts)
+
+
+@triton.jit
+def _plan_cells_kernel(counts_ptr, stats_ptr, table_ptr, recv_ptr, offsets_ptr,
+                       capacity, salt, me, n_ranks, n_experts,
+                       M_P: tl.constexpr, E_P: tl.constexpr):
+    # One program; element (r, j) is destination r's cell j = l*M + s (its receive order).
+    M = n_ranks
+    E = n_experts
+    zero = tl.zeros([M_P, E_P], dtype=tl.int64)
+    r = tl.arange(0, M_P).to(tl.int64)[:, None] + zero
+    j = tl.arange(0, E_P).to(tl.int64)[None, :] + zero
+    s = j % M
+    g = r * (E // M) + j // M
+    live = (r < M) & (j < E)
+    flat = s * E + g  # index in [source, expert] order
+    c = tl.load(counts_ptr + flat, mask=live, other=0).to(tl.int64)
+
+    # overflow.counts_seed
+    terms = tl.where(live, (c % _PRIME) * _mix(_mix(_START, flat), salt) % _PRIME, 0)
+    seed = _mix(_mix(_START, tl.sum(tl.sum(terms, axis=1), axis=0) % _PRIME), salt)
+
+    # overflow.fair_allocation, row by row over destinations
+    need = tl.sum(c, axis=1)[:, None]
+    denom = tl.maximum(need, 1)
+    exact = c * capacity
+    share = exact // denom
+    leftover = capacity - tl.sum(share, axis=1)[:, None]
+    eligible = live & (exact % denom != 0)
+    rot = _mix(_mix(_START, seed), r) % E
+    elig = eligible.to(tl.int64)
+    before = tl.cumsum(elig, axis=1) - elig
+    at_rot = tl.sum(tl.where(j == rot, before, 0), axis=1)[:, None]
+    total = tl.sum(elig, axis=1)[:, None]
+    rotated = tl.where(j >= rot, before - at_rot, before + total - at_rot)
+    bonus = (eligible & (rotated < leftover)).to(tl.int64)
+    kept = tl.where(need > capacity, share + bonus, c)
+    base = tl.cumsum(kept, axis=1) - kept
+
+    tl.store(stats_ptr + flat, c, mask=live)
+    tl.store(stats_ptr + M * E + flat, kept, mask=live)
+    mine = live & (s == me)
+    start = _mix(_mix(_mix(_START, seed), s), g) % tl.maximum(c, 1)
+    tl.store(table_ptr + g, c, mask=mine)
+    tl.store(table_ptr + E + g, c - kept, mask=mine)
+    tl.store(table_ptr + 2 * E + g, start, mask=mine)
+    tl.store(table_ptr + 3 * E + g, base, mask=mine)
+    here = live & (r == me)
+    tl.store(recv_ptr + j, base, mask=here)
+    tl.store(recv_ptr + E + j, base + kept, mask=here)
+    tl.store(offsets_ptr + j // M, (base + kept).to(tl.int32), mask=here & (s == M - 1))
+
+
+@triton.jit
+def _plan_rows_kernel(expert_ptr, rank_in_block_ptr, cum_ptr, table_ptr, recv_end_ptr,
+                      dst_rank_ptr, dst_row_ptr, row_src_ptr,
+                      n_slots, n_rows, n_ranks, n_experts,
+                      BLOCK: tl.constexpr, E_P: tl.constexpr):
+    # Program b plans slot block b (the block of _rank_slots_kernel) and receive rows [b*BLOCK, ...).
+    b = tl.program_id(0)
+    E = n_experts
+    slot = b * BLOCK + tl.arange(0, BLOCK)
+    live = slot < n_slots
+    expert = tl.load(expert_ptr + slot, mask=live, other=-1).to(tl.int64)
+    ok = live & (expert >= 0) & (expert < E)
+    q = tl.load(rank_in_block_ptr + slot, mask=ok, other=0).to(tl.int64)
+    earlier = tl.load(cum_ptr + tl.maximum(b - 1, 0) * E + expert, mask=ok, other=0).to(tl.int64)
+    q += tl.where(b > 0, earlier, 0)
+    size = tl.maximum(tl.load(table_ptr + expert, mask=ok, other=1), 1)
+    drop = tl.load(table_ptr + E + expert, mask=ok, other=0)
+    start = tl.load(table_ptr + 2 * E + expert, mask=ok, other=0)
+    base = tl.load(table_ptr + 3 * E + expert, mask=ok, other=0)
+    # overflow.dropped_window; q - start lies in (-size, size)
+    offset = q - start
+    dropped = tl.where(offset < 0, offset + size, offset) < drop
+    first = tl.minimum(drop, size - start)
+    preceding = tl.minimum(q, drop - first) + tl.minimum(tl.maximum(offset, 0), first)
+    keep = ok & ~dropped
+    tl.store(dst_rank_ptr + slot, tl.where(keep, expert // (E // n_ranks), -1), mask=live)
+    tl.store(dst_row_ptr + slot, tl.where(keep, base + q - preceding, 0), mask=live)
+
+    rows = b * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, E_P)
+    ends = tl.load(recv_end_ptr + cols, mask=cols < E, other=n_rows)
+    cell = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int64), axis=1)
+    tl.store(row_src_ptr + rows, tl.where(cell < E, cell % n_ranks, -1), mask=rows < n_rows)
+
+
+def rank_slots(expert_N: torch.Tensor, n_experts: int) -> SlotRanks:
+    n = expert_N.numel()
+    block = slot_block(n_experts)
+    n_blocks = max(1, triton.cdiv(n, block))
+    rank_N = torch.empty(n, dtype=torch.int32, device=expert_N.device)
+    hist_BE = torch.empty(n_blocks, n_experts, dtype=torch.int32, device=expert_N.device)
+    _rank_slots_kernel[(n_blocks,)](
+        expert_N.contiguous(), rank_N, hist_BE, n, n_experts,
+        BLOCK_S=block, E_P=next_power_of_2(n_experts), num_warps=4,
+    )
+    return SlotRanks(rank_N, torch.cumsum(hist_BE, 0, dtype=torch.int32))
+
+
+def plan_cells(counts_ME: torch.Tensor, capacity: int, salt: int, rank: int) -> CellPlan:
+    M, E = counts_ME.shape
+    device = counts_ME.device
+    cells = CellPlan(
+        torch.empty(2, M, E, dtype=torch.int64, device=device),
+        torch.empty(4, E, dtype=torch.int64, device=device),
+        torch.empty(2, E, dtype=torch.int64, device=device),
+        torch.empty(E // M, dtype=torch.int32, device=device),
+    )
+    _plan_cells_kernel[(1,)](
+        counts_ME.contiguous(), *cells, capacity, salt % overflow.HASH_PRIME, rank, M, E,
+        M_P=next_power_of_2(M), E_P=next_power_of_2(E), num_warps=4,
+    )
+    return cells
+
+
+def plan_rows(
+    expert_N: torch.Tensor, slots: SlotRanks, cells: CellPlan, ep_size: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, E = expert_N.numel(), cells.slot_table_4E.shape[1]
+    device = expert_N.device
+    dst_rank_N = torch.empty(n, dtype=torch.int64, device=device)
+    dst_row_N = torch.empty(n, dtype=torch.int64, device=device)
+    row_src_C = torch.empty(capacity, dtype=torch.int64, device=device)
+    block = slot_block(E)
+    grid = max(1, triton.cdiv(max(n, capacity), block))
+    _plan_rows_kernel[(grid,)](
+        expert_N.contiguous(), slots.rank_in_block_N, slots.cum_BE, cells.slot_table_4E, cells.recv_2E[1],
+        dst_rank_N, dst_row_N, row_src_C, n, capacity, ep_size, E,
+        BLOCK=block, E_P=next_power_of_2(E), num_warps=4,
+    )
+    return dst_rank_N, dst_row_N, row_src_C

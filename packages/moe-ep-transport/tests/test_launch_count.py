@@ -1,0 +1,124 @@
+"""Dispatch and combine launch a small, fixed number of device operations (a regression guard).
+
+Their cost at per-layer sizes was host time: a hundred and more small launches per
+dispatch, not bytes. On CUDA every ``moe_ep_transport.ops`` device function is one
+Triton launch (``rank_slots`` two, with its cumsum), every ``PeerMemory.put_rows``
+one kernel and every barrier one NVSHMEM launch; any other aten op that computes
+(not a view, not an allocation) is one more CUDA launch. On CPU the same code runs
+with the PyTorch references and the emulated peer memory, so counting aten ops
+*outside* those calls, plus the calls at their GPU cost, gives the launches of the
+GPU path without a GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from moe_testing import run_distributed
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _oracle import make_data  # noqa: E402
+from moe_ep_transport import EPConfig, EPDispatcher, make_transport, ops  # noqa: E402
+
+# GPU launches per call of each device function (ops: Triton; memory: put kernel, NVSHMEM barrier).
+_GPU_LAUNCHES = {"rank_slots": 2, "plan_cells": 1, "plan_rows": 1, "finish_receive": 1,
+                 "topk_gather_sum": 1, "put_rows": 1, "barrier": 1}
+# Aten ops that launch nothing: views, metadata, allocations without a fill.
+_NO_LAUNCH = {
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "slice", "select", "unsqueeze",
+    "squeeze", "expand", "permute", "t", "transpose", "detach", "alias", "unbind", "split",
+    "split_with_sizes", "narrow", "empty", "empty_like", "new_empty", "empty_strided",
+    "new_empty_strided", "lift_fresh", "promote_types", "result_type",
+}
+# Bounds: one no-grad dispatch+combine; one training step (dispatch, combine, both backwards).
+_MAX_FORWARD = 13
+_MAX_TRAINING = 24
+
+
+class _LaunchCounter(TorchDispatchMode):
+    """Counts launching aten ops, except inside calls that :meth:`device_call` accounts for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aten: collections.Counter[str] = collections.Counter()
+        self.device: collections.Counter[str] = collections.Counter()
+        self._inside = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self._inside and name not in _NO_LAUNCH:
+            self.aten[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def device_call(self, name: str, fn):
+        def call(*args, **kwargs):
+            if not self._inside:
+                self.device[name] += 1
+            self._inside += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._inside -= 1
+
+        return call
+
+    @property
+    def launches(self) -> int:
+        return sum(self.aten.values()) + sum(_GPU_LAUNCHES[n] * c for n, c in self.device.items())
+
+
+def _count_launches() -> dict:
+    rank = dist.get_rank()
+    E, K, D = 8, 2, 16
+    cfg = EPConfig(E, K, 12, D, capacity_factor=1.0)
+    transport = make_transport("rowwise", cfg, dtype=torch.bfloat16)
+    dispatcher = EPDispatcher(cfg, transport)
+    data = make_data([12, 12], E, K, D, torch.bfloat16, seed=3, skew=1.0)
+    x, ids, w, g = data.x[rank], data.ids[rank], data.w[rank].float(), data.g[rank]
+
+    def forward() -> None:
+        with torch.no_grad():
+            rows, _, handle = dispatcher.dispatch(x, ids)
+            dispatcher.combine(rows, w, handle)
+
+    def training() -> None:
+        xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        rows, _, handle = dispatcher.dispatch(xg, ids)
+        dispatcher.combine(rows, wg, handle).backward(g)
+
+    counts = {}
+    for name, step in (("forward", forward), ("training", training)):
+        step()  # warm-up: cached index tensors and telemetry sums are built once
+        counter = _LaunchCounter()
+        patched = {}
+        for fn_name in ("rank_slots", "plan_cells", "plan_rows", "finish_receive", "topk_gather_sum"):
+            patched[fn_name] = getattr(ops, fn_name)
+            setattr(ops, fn_name, counter.device_call(fn_name, patched[fn_name]))
+        memory = transport.memory
+        memory.put_rows = counter.device_call("put_rows", type(memory).put_rows.__get__(memory))
+        memory.barrier = counter.device_call("barrier", type(memory).barrier.__get__(memory))
+        try:
+            with counter:
+                step()
+        finally:
+            for fn_name, fn in patched.items():
+                setattr(ops, fn_name, fn)
+            del memory.put_rows, memory.barrier
+        counts[name] = dict(launches=counter.launches, aten=dict(counter.aten), device=dict(counter.device))
+    return counts
+
+
+def test_dispatch_and_combine_launch_few_device_operations() -> None:
+    out = run_distributed(_count_launches, 2, timeout=120)
+    for counts in out:
+        fwd, train = counts["forward"], counts["training"]
+        # Every device function is reached (a renamed one would silently count nothing).
+        assert set(fwd["device"]) == set(_GPU_LAUNCHES), fwd
+        assert fwd["device"]["put_rows"] == 3 and fwd["device"]["barrier"] == 3, fwd
+        assert fwd["launches"] <= _MAX_FORWARD, fwd
+        assert train["launches"] <= _MAX_TRAINING, train
