@@ -9,13 +9,20 @@ times, in the same run and on the same routing:
   split sizes known in advance (the floor of what an all-to-all transport pays);
 - ``all_to_all``: this package's reference backend (count exchange, host splits);
 - ``rowwise``: this package's NVSHMEM backend (no host sync).
-It also measures the one-way NVLink put ceiling with a plain large put (every
-row of a large buffer stored into the peer, both ranks at once, our put kernel).
+With ``--graphs`` it also replays ``nccl`` and ``rowwise`` from CUDA graphs
+(``:graph`` rows: device time alone, no launch overhead; ``x nccl`` of a graph row
+compares with NCCL's graph row). It measures the one-way NVLink put ceiling with a
+plain large put (every row of a large buffer stored into the peer, both ranks at
+once, our put kernel) and the NVSHMEM barrier alone.
 
 Payload = kept rows x bytes per row that one rank dispatches; GB/s counts the
-payload twice (dispatch and combine); ``x nccl`` is NCCL's time over the backend's;
-``% put`` is the rowwise rate of bytes that cross NVLink (rows to the other rank)
-over the put ceiling. Times are the slowest rank's mean per iteration.
+payload twice (dispatch and combine) for every backend, NCCL included, so the
+columns compare like for like; ``x nccl`` is NCCL's time over the backend's;
+``% put`` is the rate of bytes that cross NVLink (rows to the other rank, twice)
+over the put ceiling. ``ms`` is device time per iteration (events around a loop:
+when the host cannot issue work as fast as the GPU runs it, this is host time);
+``host ms`` is the CPU time to issue one iteration. Times are the slowest rank's
+mean per iteration.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -40,7 +49,8 @@ class Row:
     remote_mib: float  # part of the payload that crosses to the other rank
     drop_rate: float
     load_imbalance: float
-    ms: float  # dispatch + combine, slowest rank
+    ms: float  # dispatch + combine, device time, slowest rank
+    host_ms: float  # CPU time to issue one dispatch + combine, slowest rank
     dispatch_ms: float
     gbps: float  # 2 x payload / time
     x_nccl: float  # nccl time / this time
@@ -60,21 +70,46 @@ def _routing(kind: str, T: int, E: int, k: int, rank: int, device: torch.device)
     raise ValueError(f"unknown routing {kind!r}")
 
 
-def _time(fn, iters: int, warmup: int) -> float:
-    """Mean ms per call on this rank, then the maximum over ranks."""
+def _time(fn: Callable[[], object], iters: int, warmup: int) -> tuple[float, float]:
+    """(device ms, host ms) per call: the rank's mean, then the maximum over ranks."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     dist.barrier()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    t0 = time.perf_counter()
     for _ in range(iters):
         fn()
+    host_ms = (time.perf_counter() - t0) * 1e3 / iters
     end.record()
     torch.cuda.synchronize()
-    ms = torch.tensor([start.elapsed_time(end) / iters], device="cuda")
+    ms = torch.tensor([start.elapsed_time(end) / iters, host_ms], device="cuda")
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-    return float(ms)
+    return float(ms[0]), float(ms[1])
+
+
+def _graph_time(fn: Callable[[], object], iters: int) -> tuple[float, float]:
+    """(device ms, host ms) per call of ``fn`` replayed from a CUDA graph.
+
+    The graph holds two calls: a rowwise dispatch+combine is three slab phases, so
+    two of them leave the slab parity where the capture found it, and consecutive
+    replays alternate slabs as eager calls do.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        fn()
+        fn()
+    ms, host_ms = _time(graph.replay, max(1, iters // 2), 2)
+    return ms / 2, host_ms / 2
 
 
 def _put_ceiling(transport, row_words: int, put_bytes: int, iters: int) -> float:
@@ -89,12 +124,17 @@ def _put_ceiling(transport, row_words: int, put_bytes: int, iters: int) -> float
         memory.put_rows(0, 0, src, rows, peer, rows)
         memory.barrier()
 
-    ms = _time(put, iters, 3)
+    ms, _ = _time(put, iters, 3)
     return n * row_words * 4 / (ms * 1e-3) / 1e9
 
 
+def _barrier_time(transport, iters: int) -> tuple[float, float]:
+    """(device ms, host ms) of one NVSHMEM barrier, back to back."""
+    return _time(transport.memory.barrier, 10 * iters, 10)
+
+
 def _bench_case(cfg: EPConfig, transports: dict, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                kind: str, iters: int, ceiling: float) -> list[Row]:
+                kind: str, iters: int, ceiling: float, graphs: bool) -> list[Row]:
     """Bare NCCL, then each backend, on one routing."""
     rank, row_bytes = dist.get_rank(), x.shape[1] * x.element_size()
     probe = EPDispatcher(cfg, transports["all_to_all"])
@@ -111,7 +151,8 @@ def _bench_case(cfg: EPConfig, transports: dict, x: torch.Tensor, ids: torch.Ten
         dist.all_to_all_single(back, payload, route.recv_splits, route.send_splits)
         dist.all_to_all_single(payload, back, route.send_splits, route.recv_splits)
 
-    times = {"nccl": (_time(nccl, iters, 3), float("nan"))}
+    nan = float("nan")
+    times = {"nccl": (*_time(nccl, iters, 3), nan)}
     for name, transport in transports.items():
         dispatcher = EPDispatcher(cfg, transport)
 
@@ -124,18 +165,22 @@ def _bench_case(cfg: EPConfig, transports: dict, x: torch.Tensor, ids: torch.Ten
             with torch.no_grad():
                 d.dispatch(x, ids)
 
-        times[name] = (_time(both, iters, 3), _time(dispatch_only, iters, 3))
-    return [
-        Row(
+        times[name] = (*_time(both, iters, 3), _time(dispatch_only, iters, 3)[0])
+        if graphs and name == "rowwise":
+            times["nccl:graph"] = (*_graph_time(nccl, iters), nan)
+            times["rowwise:graph"] = (*_graph_time(both, iters), nan)
+    rows = []
+    for name, (ms, host_ms, dms) in times.items():
+        baseline = times["nccl:graph" if name.endswith(":graph") else "nccl"][0]
+        rows.append(Row(
             tokens=x.shape[0], routing=kind, backend=name,
             payload_mib=kept * row_bytes / 2**20, remote_mib=remote * row_bytes / 2**20,
             drop_rate=float(stats["drop_rate"]), load_imbalance=float(stats["load_imbalance"]),
-            ms=ms, dispatch_ms=dms, gbps=2 * kept * row_bytes / (ms * 1e-3) / 1e9,
-            x_nccl=times["nccl"][0] / ms,
+            ms=ms, host_ms=host_ms, dispatch_ms=dms, gbps=2 * kept * row_bytes / (ms * 1e-3) / 1e9,
+            x_nccl=baseline / ms,
             pct_put_ceiling=100 * 2 * remote * row_bytes / (ms * 1e-3) / 1e9 / ceiling,
-        )
-        for name, (ms, dms) in times.items()
-    ]
+        ))
+    return rows
 
 
 def main() -> None:
@@ -148,6 +193,8 @@ def main() -> None:
     ap.add_argument("--capacity-factor", type=float, default=1.25)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--put-mib", type=int, default=1024, help="size of the plain put (capped by a slab)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="also replay nccl and rowwise from CUDA graphs (device time without launch cost)")
     ap.add_argument("--out", default="ep_transport.json")
     args = ap.parse_args()
 
@@ -168,6 +215,7 @@ def main() -> None:
     nvshmem_memory.bootstrap(None, device, heap_bytes=2 * largest)
     probe = make_transport("rowwise", config(tokens[-1]), device=device)
     ceiling = _put_ceiling(probe, row_bytes // 4, args.put_mib << 20, args.iters)
+    barrier_ms, barrier_host_ms = _barrier_time(probe, args.iters)
     probe.close()
 
     rows: list[Row] = []
@@ -179,7 +227,7 @@ def main() -> None:
         for kind in args.routing.split(","):
             ids = _routing(kind, T, E, k, rank, device)
             w = torch.softmax(torch.randn(T, k, device=device), dim=1)
-            rows += _bench_case(cfg, transports, x, ids, w, kind, args.iters, ceiling)
+            rows += _bench_case(cfg, transports, x, ids, w, kind, args.iters, ceiling, args.graphs)
         transports["rowwise"].close()
 
     nvshmem_memory.finalize()
@@ -191,17 +239,19 @@ def main() -> None:
             "d_model": D, "experts": E, "top_k": k, "capacity_factor": args.capacity_factor,
             "bytes_per_row": row_bytes,
             "put_ceiling_gbps_one_way": ceiling,
+            "barrier_ms": barrier_ms, "barrier_host_ms": barrier_host_ms,
             "rows": [asdict(r) for r in rows],
         }
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         print(f"one-way NVLink put ceiling (both ranks putting at once): {ceiling:.0f} GB/s")
-        print(f"{'tokens':>6} {'routing':>8} {'backend':>10} {'MiB':>7} {'drop%':>6} {'imbal':>5} "
-              f"{'ms':>7} {'disp ms':>7} {'GB/s':>6} {'x nccl':>6} {'% put':>6}")
+        print(f"NVSHMEM barrier alone: {1e3 * barrier_ms:.1f} us device, {1e3 * barrier_host_ms:.1f} us host")
+        print(f"{'tokens':>6} {'routing':>8} {'backend':>13} {'MiB':>7} {'drop%':>6} {'imbal':>5} "
+              f"{'ms':>7} {'host ms':>7} {'disp ms':>7} {'GB/s':>6} {'x nccl':>6} {'% put':>6}")
         for r in rows:
-            print(f"{r.tokens:>6} {r.routing:>8} {r.backend:>10} {r.payload_mib:>7.1f} "
-                  f"{100 * r.drop_rate:>6.2f} {r.load_imbalance:>5.2f} {r.ms:>7.3f} {r.dispatch_ms:>7.3f} "
-                  f"{r.gbps:>6.0f} {r.x_nccl:>6.2f} {r.pct_put_ceiling:>6.1f}")
+            print(f"{r.tokens:>6} {r.routing:>8} {r.backend:>13} {r.payload_mib:>7.1f} "
+                  f"{100 * r.drop_rate:>6.2f} {r.load_imbalance:>5.2f} {r.ms:>7.3f} {r.host_ms:>7.3f} "
+                  f"{r.dispatch_ms:>7.3f} {r.gbps:>6.0f} {r.x_nccl:>6.2f} {r.pct_put_ceiling:>6.1f}")
     dist.destroy_process_group()
 
 

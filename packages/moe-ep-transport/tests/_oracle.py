@@ -95,3 +95,53 @@ class BytesCodec:
 
     def decode(self, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return packed.contiguous().view(torch.bfloat16).to(dtype)
+
+
+def plan_cases():
+    """(M, E, k, tokens per rank, capacity, skew) for the plan kernels: dropless, overflowing,
+    ranks without tokens, E not a power of two, several slot blocks."""
+    yield 2, 8, 2, [7, 5], 28, 0.0
+    yield 4, 12, 3, [9, 0, 13, 4], 14, 2.0
+    yield 1, 6, 2, [40], 60, 1.0
+    yield 2, 64, 8, [300, 260], 3000, 3.0
+    yield 4, 16, 4, [0, 0, 0, 0], 8, 0.0
+
+
+def check_plan_kernels(device: str) -> None:
+    """The Triton plan kernels on ``device`` equal the PyTorch definitions (on CPU) bit for bit."""
+    from moe_ep_transport import plan_kernels, plan_reference
+
+    def same(got, want) -> bool:
+        return all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
+
+    gen = torch.Generator().manual_seed(3)
+    cases_overflowing = 0
+    for M, E, k, tokens, capacity, skew in plan_cases():
+        ids = [torch.topk(torch.randn(T, E, generator=gen) + skew * torch.linspace(3, 0, E), k, dim=1)
+               .indices.reshape(-1) for T in tokens]
+        slots = [plan_reference.rank_slots_reference(expert_N, E) for expert_N in ids]
+        for expert_N, want in zip(ids, slots, strict=True):
+            for dtype in (torch.int64, torch.int32):
+                assert same(plan_kernels.rank_slots(expert_N.to(device, dtype), E), want), (M, E, dtype)
+        counts_ME = torch.stack([s.counts_E for s in slots])
+        overflowed = False
+        for rank in range(M):
+            for salt in (0, 7):
+                want_cells = plan_reference.plan_cells_reference(counts_ME, capacity, salt, rank)
+                cells = plan_kernels.plan_cells(counts_ME.to(device), capacity, salt, rank)
+                assert same(cells, want_cells), (M, E, rank, salt)
+            overflowed |= bool((want_cells.stats_2ME[0] != want_cells.stats_2ME[1]).any())
+            want_rows = plan_reference.plan_rows_reference(ids[rank], slots[rank], want_cells, M, capacity)
+            on_device = plan_reference.SlotRanks(*(t.to(device) for t in slots[rank]))
+            rows = plan_kernels.plan_rows(ids[rank].to(device), on_device, cells, M, capacity)
+            assert same(rows, want_rows), (M, E, rank)
+        asked_M = counts_ME.view(M, M, E // M).sum((0, 2))
+        assert overflowed == bool((asked_M > capacity).any()), (M, E, "drops exactly when over capacity")
+        cases_overflowing += overflowed
+    assert cases_overflowing >= 2  # the cases exercise the fair drop
+    # Ids outside [0, E) are dropped on the device, never addressed.
+    bad = torch.tensor([0, 9, -1, 3], device=device)
+    slots = plan_kernels.rank_slots(bad, 8)
+    assert int(slots.counts_E.sum()) == 2
+    cells = plan_kernels.plan_cells(slots.counts_E.view(1, 8), 8, 0, 0)
+    assert plan_kernels.plan_rows(bad, slots, cells, 1, 8)[0].tolist() == [0, -1, -1, 0]

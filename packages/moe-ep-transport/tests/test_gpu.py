@@ -1,4 +1,5 @@
-"""GPU tests: NVSHMEM rowwise == all-to-all bit for bit, no host sync, overflow, kernels.
+"""GPU tests: NVSHMEM rowwise == all-to-all bit for bit, no host sync, CUDA graph replay,
+overflow, kernels.
 
 Run on two GPUs with nvshmem4py installed:
     tools/from_source.sh python3 -m pytest -p moe_testing.pytest_plugin \
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from moe_testing import run_distributed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _oracle import BytesCodec  # noqa: E402
+from _oracle import BytesCodec, check_plan_kernels  # noqa: E402
 from moe_ep_transport import EPConfig, EPDispatcher, EPOverflowError, make_transport, ops  # noqa: E402
 
 E, K, D, T = 64, 8, 1024, 2048
@@ -107,6 +108,50 @@ def test_rowwise_dispatch_combine_backward_without_host_sync() -> None:
     assert run_distributed(_no_host_sync, 2, backend="nccl", timeout=300) == [True, True]
 
 
+def _graph_replay() -> bool:
+    """Two dispatch+combine calls captured in a CUDA graph replay to the eager result."""
+    from moe_ep_transport import nvshmem_memory
+
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device())
+    cfg = EPConfig(E, K, T, D, capacity_factor=1.0)
+    transport = make_transport("rowwise", cfg, device=device)
+    dispatcher = EPDispatcher(cfg, transport)
+    x, ids, w, _, _ = _inputs(rank, 2.0, device)  # a skew that overflows: drops inside the graph
+
+    def step() -> torch.Tensor:
+        with torch.no_grad():
+            rows, _, handle = dispatcher.dispatch(x, ids)
+            return dispatcher.combine(rows, w, handle)
+
+    want = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        got = [step(), step()]  # an even number of slab phases: replays alternate like eager calls
+    ok = True
+    for _ in range(3):
+        for y in got:
+            y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        ok &= all(torch.equal(y, want) for y in got)
+    del graph
+    transport.close()
+    nvshmem_memory.finalize()
+    return ok
+
+
+@pytest.mark.multigpu(2)
+def test_rowwise_dispatch_combine_replays_from_a_cuda_graph() -> None:
+    assert run_distributed(_graph_replay, 2, backend="nccl", timeout=300) == [True, True]
+
+
 def _overflow_error() -> list:
     from moe_ep_transport import nvshmem_memory
 
@@ -138,20 +183,26 @@ def test_overflow_error_policy_raises_on_both_ranks() -> None:
 @pytest.mark.gpu
 def test_triton_kernels_equal_torch_reference_on_cuda() -> None:
     gen = torch.Generator().manual_seed(0)
-    n_tok, k, width = 3000, 8, 2048
-    primary = torch.randn(n_tok * k, width, generator=gen).to(torch.bfloat16).cuda()
-    secondary = torch.randn(5000, width, generator=gen).to(torch.bfloat16).cuda()
-    sel = torch.randint(-1, 2, (n_tok * k,), generator=gen).cuda()
-    row = torch.where(sel == 1, torch.randint(0, 5000, (n_tok * k,), generator=gen).cuda(),
-                      torch.arange(n_tok * k).cuda())
-    w = torch.where(sel >= 0, torch.rand(n_tok * k, generator=gen).cuda(), 0.0)
-    y, rows = ops.topk_gather_sum(primary, secondary, sel, row, w, k, torch.bfloat16, True)
-    y_ref, rows_ref = ops.topk_gather_sum_reference(primary, secondary, sel, row, w, k, torch.bfloat16, True)
+    n_tok, k, width, me = 3000, 8, 2048, 1
+    inbox = torch.randn(n_tok * k, width, generator=gen).to(torch.bfloat16).cuda()
+    local = torch.randn(5000, width, generator=gen).to(torch.bfloat16).cuda()
+    rank = torch.randint(-1, 3, (n_tok * k,), generator=gen).cuda()
+    row = torch.randint(0, 5000, (n_tok * k,), generator=gen).cuda()
+    w = torch.rand(n_tok * k, generator=gen).cuda()
+    y, rows = ops.topk_gather_sum(inbox, local, rank, row, me, w, k, torch.bfloat16, True)
+    y_ref, rows_ref = ops.topk_gather_sum_reference(inbox, local, rank, row, me, w, k, torch.bfloat16, True)
     assert torch.equal(y, y_ref) and torch.equal(rows, rows_ref)
     out = torch.randint(0, 100, (4000, 1024), dtype=torch.int32, generator=gen).cuda()
     inbox = torch.randint(0, 100, (4000, 1024), dtype=torch.int32, generator=gen).cuda()
     row_src = torch.randint(-1, 3, (4000,), generator=gen).cuda()
-    want = out.clone()
-    ops.finish_receive_reference(want, inbox, row_src, 1)
-    ops.finish_receive(out, inbox, row_src, 1)
-    assert torch.equal(out, want)
+    origin_in = torch.randint(0, 1 << 40, (4000,), generator=gen).cuda()
+    want, want_origin = out.clone(), torch.zeros_like(origin_in)
+    ops.finish_receive_reference(want, inbox, row_src, 1, want_origin, origin_in)
+    origin = torch.zeros_like(origin_in)
+    ops.finish_receive(out, inbox, row_src, 1, origin, origin_in)
+    assert torch.equal(out, want) and torch.equal(origin, want_origin)
+
+
+@pytest.mark.gpu
+def test_plan_kernels_equal_torch_reference_on_cuda() -> None:
+    check_plan_kernels("cuda")
