@@ -137,6 +137,7 @@ class RowwiseTransport:
         plan = route.plan
         if route.origin_C is None:
             raise RuntimeError("gather_sum before send: the route has no row origins")
+        rows_CD = rows_CD.contiguous()
         words = ops.as_words(rows_CD)
         n, C = plan.dst_rank_N.numel(), rows_CD.shape[0]
         self._check_fits(self.max_slots * words.shape[1] * words.element_size(), "a row return")
@@ -148,6 +149,6 @@ class RowwiseTransport:
         self.memory.barrier()
         inbox_ND = slab_view(self.memory.slab(slab), 0, rows_CD.dtype, rows_CD.shape[1])[:n]
         return ops.topk_gather_sum(
-            inbox_ND, rows_CD.contiguous(), plan.dst_rank_N, plan.dst_row_N, self.rank, w_N,
+            inbox_ND, rows_CD, plan.dst_rank_N, plan.dst_row_N, self.rank, w_N,
             plan.top_k, rows_CD.dtype, store_rows,
         )

@@ -105,6 +105,7 @@ class AllToAllTransport:
         self, route: AllToAllRoute, rows_CD: torch.Tensor, w_N: torch.Tensor, store_rows: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         plan = route.plan
+        rows_CD = rows_CD.contiguous()
         words = ops.as_words(rows_CD)
         payload = words.index_select(0, route.recv_pos)
         inbox = words.new_empty(sum(route.send_splits), words.shape[1])
@@ -115,6 +116,6 @@ class AllToAllTransport:
         back = words.new_empty(plan.dst_rank_N.numel(), words.shape[1])
         back.index_copy_(0, route.send_order, inbox)
         return ops.topk_gather_sum(
-            ops.from_words(back, rows_CD.dtype), rows_CD.contiguous(), plan.dst_rank_N, plan.dst_row_N,
+            ops.from_words(back, rows_CD.dtype), rows_CD, plan.dst_rank_N, plan.dst_row_N,
             self.rank, w_N, plan.top_k, rows_CD.dtype, store_rows,
         )
