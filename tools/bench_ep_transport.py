@@ -1,6 +1,8 @@
 """EP dispatch+combine throughput: rowwise NVSHMEM vs all-to-all vs bare NCCL, two GPUs.
 
     tools/from_source.sh torchrun --nproc-per-node 2 tools/bench_ep_transport.py --out $OUT/ep_transport.json
+    tools/from_source.sh torchrun --nproc-per-node 2 tools/bench_ep_transport.py --graphs \
+        --routing balanced --out $OUT/ep_transport_graphs.json
 
 For each per-layer size (tokens per rank, d_model 2048, top-8 of 64 experts) and
 routing (balanced; random router logits; Zipf-skewed towards low expert ids) it
