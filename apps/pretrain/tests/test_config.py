@@ -10,7 +10,6 @@ from typing import Literal
 
 import pytest
 from moe_model import MoEConfig
-
 from pretrain.config import PRESETS, PretrainConfig, config_toml, load_config, validate_layout
 from pretrain.config_tree import ConfigError, apply_tree, coerce, dump_toml, set_key, to_tree
 
@@ -128,8 +127,12 @@ def test_toml_file_errors_name_the_key(tmp_path):
     (["train.steps=0"], "train.steps must be positive, got 0"),
     (["model.n_kv_heads=3"], "invalid model config"),
     (["parallel.ep=2", "parallel.ep_backend=local"], "parallel.ep_backend=local"),
-    (["parallel.pp_virtual_stages=2"], "needs parallel.pp_schedule=interleaved_1f1b"),
     (["data.seed=-1"], "data.seed must be >= 0"),
+    (["train.stop_after=0"], "train.stop_after must be positive or none, got 0"),
+    (["optim.warmup_steps=4"], "train.steps=4 must exceed optim.warmup_steps=4"),
+    (["parallel.ep_payload=mxfp8"], "parallel.ep_payload=mxfp8 needs expert parallelism"),
+    (["mxfp8.gemm=fast"], "invalid mxfp8 config: MXFP8Config.gemm must be one of"),
+    (["parallel.pp=2", "model.tie_embeddings=true"], "model.tie_embeddings with parallel.pp > 1"),
 ])
 def test_validate_names_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -145,6 +148,9 @@ def test_validate_names_the_field(overrides, message):
     (2, ["train.global_batch=6", "train.micro_batch=2"],
      "train.global_batch=6 is not divisible by data-parallel size 2 x train.micro_batch=2"),
     (4, ["parallel.pp=4"], "model.n_layers=2 is fewer than the 4 pipeline stages"),
+    (2, ["parallel.pp=2", "parallel.pp_virtual_stages=2", "model.n_layers=4",
+         "train.global_batch=6"],
+     "parallel.pp_virtual_stages=2 needs the microbatches per rank (3 = train.global_batch"),
 ])
 def test_impossible_layouts(world, overrides, message):
     cfg = load_config("tiny", overrides)
@@ -159,3 +165,12 @@ def test_layout_derives_dp_and_ep_dp():
     layout = validate_layout(cfg, 8)
     assert (layout.pp, layout.dp, layout.ep, layout.ep_dp, layout.microbatches) == (2, 4, 2, 2, 2)
     assert cfg.parallel.resolved_ep_backend() == "all_to_all"
+
+
+def test_mxfp8_targets_round_trip(tmp_path):
+    cfg = load_config("tiny", ["mxfp8.targets=experts,attn.w?"])
+    assert cfg.mxfp8.targets == ("experts", "attn.w?")
+    assert load_config("tiny").mxfp8.targets == ()  # off by default
+    path = tmp_path / "run.toml"
+    path.write_text(config_toml(cfg))
+    assert load_config(str(path)) == cfg

@@ -7,9 +7,8 @@ import sys
 
 import pytest
 import torch
-
 from pretrain.metrics import JsonlTracker, MetricsLog, open_trackers, progress_line
-from pretrain.moe_stats import MoEStepStats
+from pretrain.moe_stats import StepPacker
 from pretrain.plot import PlotError, plot_run
 
 
@@ -22,33 +21,45 @@ class _Layer:
         return stats
 
 
-def _layer(counts, n_tokens, lb, z=None, dropped=None) -> _Layer:
-    stats = {"tokens_per_expert": torch.tensor(counts), "n_tokens": torch.tensor(n_tokens),
-             "lb_loss_sum": torch.tensor(float(lb))}
-    if z is not None:
-        stats["z_loss_sum"] = torch.tensor(float(z))
-    if dropped is not None:
-        stats["dropped_per_expert"] = torch.tensor(dropped)
-    return _Layer(stats)
+def _layer(counts, n_tokens, lb, z, dropped) -> _Layer:
+    return _Layer({"tokens_per_expert": torch.tensor(counts), "n_tokens": torch.tensor(n_tokens),
+                   "lb_loss_sum": torch.tensor(float(lb)), "z_loss_sum": torch.tensor(float(z)),
+                   "dropped_per_expert": torch.tensor(dropped)})
 
 
-def test_moe_stats_record():
-    layers = [_layer([4, 4, 4, 4], 8, 8.0, z=2.0, dropped=[0, 0, 0, 0]),
-              _layer([10, 2, 2, 2], 8, 12.0, z=6.0, dropped=[2, 0, 0, 0])]
-    stats = MoEStepStats.pop(layers)
-    record = stats.record(with_load=True)
+def test_step_packing_sums_stages_and_ranks_into_model_wide_slots():
+    """Two pipeline stages (one MoE layer each), the last holding the loss, one with a stop.
+
+    Summing their packed tensors is what the world all-reduce does.
+    """
+    first = StepPacker({0: _layer([4, 4, 4, 4], 8, 8.0, 2.0, [0, 0, 0, 0])}, 2, 4, torch.device("cpu"))
+    last = StepPacker({1: _layer([10, 2, 2, 2], 8, 12.0, 6.0, [2, 0, 0, 0])}, 2, 4, torch.device("cpu"))
+    reduced = first.pack(None, stop=True) + last.pack(torch.tensor(2.5), stop=False)
+    assert last.counts(reduced).tolist() == [[4, 4, 4, 4], [10, 2, 2, 2]]
+    values = last.unpack(reduced)
+    assert values.loss == 2.5 and values.stop
+    record = values.moe.record(with_load=True)
     assert record["lb_loss"] == pytest.approx((1.0 + 1.5) / 2)
     assert record["z_loss"] == pytest.approx((0.25 + 0.75) / 2)
     assert record["expert_load_imbalance"] == pytest.approx(10 / 4)
     assert record["dropped_token_rate"] == pytest.approx(2 / 32)
     assert record["expert_load"] == [[4, 4, 4, 4], [10, 2, 2, 2]]
-    assert MoEStepStats.pop(layers) is None  # popped: nothing left this step
+    assert "expert_load" not in values.moe.record(with_load=False)
+    with pytest.raises(RuntimeError, match="MoE layer 0 recorded no routing statistics"):
+        first.pack(None, stop=False)  # popped: nothing left this step
+    assert StepPacker({}, 0, 4, torch.device("cpu")).unpack(torch.zeros(2)).moe is None
 
 
-def test_moe_stats_without_optional_keys():
-    record = MoEStepStats.pop([_layer([3, 1], 2, 2.0)]).record(with_load=False)
-    assert record["z_loss"] is None and record["dropped_token_rate"] == 0.0
-    assert "expert_load" not in record
+def test_jsonl_keeps_the_records_up_to_the_resumed_step(tmp_path):
+    tracker = JsonlTracker(tmp_path)
+    for step in (1, 2, 3):
+        tracker.log({"step": step})
+    tracker.close()
+    tracker = JsonlTracker(tmp_path, keep_through=2)  # resumed after step 2: step 3 is redone
+    tracker.log({"step": 3, "loss": 1.0})
+    tracker.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 1}, {"step": 2}, {"step": 3, "loss": 1.0}]
 
 
 def test_jsonl_writes_one_object_per_step_and_null_for_non_finite(tmp_path):

@@ -1,10 +1,12 @@
 """The composed run configuration, its built-in presets and layout validation.
 
 Each package owns the config dataclass of what it implements (``model`` is
-``moe_model.MoEConfig``); the app composes them with its own sections. Sections
-that a library will own once it is wired in (``parallel``, ``optim``,
-``checkpoint``) are declared here with the fields the app needs, so a library's
-dataclass can replace a section without changing any key users type.
+``moe_model.MoEConfig``, ``mxfp8`` is ``moe_mxfp8.MXFP8Config``); the app composes
+them with its own sections. ``parallel``, ``optim`` and ``checkpoint`` are the
+app's: they hold the keys users type and the app translates them into the
+libraries' configs (``moe_ddp.DDPConfig``, ``moe_optim.OptimConfig``,
+``moe_pp.PipelineConfig``, ``moe_ckpt.CheckpointerConfig``), which carry knobs a
+run must not change (the DDP reduction must stay a sum, see ``pretrain.trainer``).
 
 A run's config comes from a preset name or a TOML file, then dotted ``KEY=VALUE``
 overrides; see :mod:`pretrain.config_tree` for the typing rules. Everything that
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from moe_model import MoEConfig
+from moe_mxfp8 import MXFP8Config
 
 from pretrain.config_tree import ConfigError, apply_tree, dump_toml, set_key, to_tree
 from pretrain.data.sources import STDLIB, SYNTHETIC
@@ -45,12 +48,16 @@ __all__ = [
 @dataclass
 class ParallelConfig:
     pp: int = 1  # pipeline stages; data parallelism is derived: DP = world size / pp
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"  # schedule when pp > 1
-    pp_virtual_stages: int = 1  # model chunks per pipeline rank (> 1 only with interleaved_1f1b)
+    pp_schedule: Literal["gpipe", "1f1b", "zero_bubble"] = "1f1b"  # schedule when pp > 1
+    pp_virtual_stages: int = 1  # model chunks per pipeline rank (1f1b with > 1: interleaved 1F1B)
+    pp_split: Literal["params", "flops"] = "params"  # balance pipeline stages by memory or compute
     ep: int = 1  # expert parallelism (EP-MP): ranks splitting each MoE layer's experts; divides DP
-    # EP token transport; auto: local when ep == 1, else all_to_all
-    ep_backend: Literal["auto", "local", "all_to_all", "nvshmem"] = "auto"
+    # EP token transport: local (no EP) | all_to_all (gloo/NCCL) | rowwise (NVSHMEM puts on GPU,
+    # emulated peer memory on CPU); auto: local when ep == 1, else all_to_all
+    ep_backend: Literal["auto", "local", "all_to_all", "rowwise"] = "auto"
+    ep_payload: Literal["compute", "mxfp8"] = "compute"  # dispatched rows: compute dtype or MXFP8
     ddp_mode: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"  # gradient sync collective
+    bucket_cap_mb: float = 64.0  # gradient bucket size (MiB of FP32)
 
     def resolved_ep_backend(self) -> str:
         if self.ep_backend == "auto":
@@ -60,7 +67,8 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 300  # optimizer steps
+    steps: int = 300  # optimizer steps (the LR schedule spans them)
+    stop_after: int | None = None  # end this process after that step, checkpointing as on SIGTERM
     seq_len: int = 128  # tokens per sequence
     global_batch: int = 16  # sequences per optimizer step (all ranks, all microbatches)
     micro_batch: int = 16  # sequences per rank per microbatch
@@ -71,13 +79,15 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "muon"] = "adamw"  # update rule (muon: matrices; AdamW for the rest)
-    lr: float = 3e-3  # peak learning rate
+    name: Literal["adamw", "muon"] = "adamw"  # update rule (muon: hidden matrices; AdamW the rest)
+    lr: float = 3e-3  # peak learning rate (AdamW)
+    muon_lr: float = 0.02  # peak learning rate of the Muon matrices (optim.name=muon)
+    muon_momentum: float = 0.95  # Muon momentum decay
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # shape after warmup
     warmup_steps: int = 20  # linear warmup steps from 0 to lr
     min_lr_ratio: float = 0.1  # final LR of the decay, as a fraction of lr (cosine, wsd)
     decay_fraction: float = 0.2  # wsd: share of the steps spent decaying at the end
-    weight_decay: float = 0.1  # decoupled weight decay, on matrices only
+    weight_decay: float = 0.1  # decoupled weight decay (none on norms, embeddings and biases)
     beta1: float = 0.9  # first-moment decay
     beta2: float = 0.95  # second-moment decay
     eps: float = 1e-8  # Adam epsilon
@@ -108,6 +118,8 @@ class MetricsConfig:
 @dataclass
 class PretrainConfig:
     model: MoEConfig = field(default_factory=MoEConfig)
+    # MXFP8 layers; targets are module-name globs ("experts", "attn.w?"); empty: off
+    mxfp8: MXFP8Config = field(default_factory=lambda: MXFP8Config(targets=()))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -123,9 +135,13 @@ class PretrainConfig:
             self.model.validate()
         except ValueError as e:
             raise ConfigError(f"invalid model config: {e}") from None
+        try:
+            self.mxfp8.validate()
+        except ValueError as e:
+            raise ConfigError(f"invalid mxfp8 config: {e}") from None
         positive = ["train.steps", "train.seq_len", "train.global_batch", "train.micro_batch",
                     "train.max_consecutive_skips", "parallel.pp", "parallel.pp_virtual_stages",
-                    "parallel.ep", "optim.lr"]
+                    "parallel.ep", "parallel.bucket_cap_mb", "optim.lr", "optim.muon_lr"]
         non_negative = ["optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay",
                         "optim.grad_clip", "optim.expert_lr_mult", "optim.eps",
                         "checkpoint.every", "checkpoint.keep_last", "metrics.expert_load_every",
@@ -135,23 +151,37 @@ class PretrainConfig:
             if value < 0 or (value == 0 and key in positive):
                 bound = "positive" if key in positive else ">= 0"
                 raise ConfigError(f"{key} must be {bound}, got {value}")
-        if self.data.seed is not None and self.data.seed < 0:
-            raise ConfigError(f"data.seed must be >= 0 or none, got {self.data.seed}")
+        for key in ("data.seed", "train.stop_after"):
+            value = self._get(key)
+            if value is not None and value < (0 if key == "data.seed" else 1):
+                bound = ">= 0" if key == "data.seed" else "positive"
+                raise ConfigError(f"{key} must be {bound} or none, got {value}")
         o = self.optim
-        if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
-            raise ConfigError(f"optim.beta1/beta2 must be in [0, 1), got {o.beta1}, {o.beta2}")
+        if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1 and 0 <= o.muon_momentum < 1):
+            raise ConfigError(f"optim.beta1/beta2/muon_momentum must be in [0, 1), got "
+                              f"{o.beta1}, {o.beta2}, {o.muon_momentum}")
         if o.min_lr_ratio > 1 or not 0 < o.decay_fraction <= 1:
             raise ConfigError("optim.min_lr_ratio must be <= 1 and optim.decay_fraction in (0, 1]")
-        p = self.parallel
-        if (p.pp_virtual_stages > 1) != (p.pp_schedule == "interleaved_1f1b"):
+        if o.schedule != "constant" and self.train.steps <= o.warmup_steps:
             raise ConfigError(
-                f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs "
-                "parallel.pp_schedule=interleaved_1f1b (and that schedule needs more than 1)"
+                f"optim.schedule={o.schedule} decays after the warmup: train.steps={self.train.steps} "
+                f"must exceed optim.warmup_steps={o.warmup_steps}"
             )
+        p = self.parallel
         if p.ep_backend == "local" and p.ep > 1:
             raise ConfigError(
                 f"parallel.ep_backend=local keeps every expert on its rank; parallel.ep={p.ep} "
-                "needs all_to_all or nvshmem"
+                "needs all_to_all or rowwise"
+            )
+        if p.ep_payload == "mxfp8" and p.resolved_ep_backend() == "local":
+            raise ConfigError(
+                "parallel.ep_payload=mxfp8 needs expert parallelism: parallel.ep > 1 or an "
+                "all_to_all or rowwise parallel.ep_backend"
+            )
+        if self.model.tie_embeddings and p.pp > 1:
+            raise ConfigError(
+                "model.tie_embeddings with parallel.pp > 1 is not supported: the embedding and the "
+                "head would live on different pipeline stages"
             )
         if not self.checkpoint.resume:
             raise ConfigError("checkpoint.resume must be auto, none or a checkpoint path")
@@ -206,7 +236,14 @@ def validate_layout(cfg: PretrainConfig, world_size: int) -> Layout:
             f"model.n_layers={m.n_layers} is fewer than the {stages} pipeline stages "
             f"(parallel.pp={p.pp} x parallel.pp_virtual_stages={p.pp_virtual_stages})"
         )
-    return Layout(world_size, p.pp, dp, p.ep, dp // p.ep, t.global_batch // (dp * t.micro_batch))
+    microbatches = t.global_batch // (dp * t.micro_batch)
+    if p.pp > 1 and p.pp_virtual_stages > 1 and microbatches % p.pp:
+        raise ConfigError(
+            f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs the microbatches per rank "
+            f"({microbatches} = train.global_batch / (dp {dp} x train.micro_batch)) to be a "
+            f"multiple of parallel.pp={p.pp}"
+        )
+    return Layout(world_size, p.pp, dp, p.ep, dp // p.ep, microbatches)
 
 
 _BENCH_MODEL = {
@@ -218,11 +255,12 @@ _BENCH_TRAIN = {"steps": 20, "seq_len": 4096, "global_batch": 64, "micro_batch":
 PRESETS: dict[str, dict[str, Any]] = {
     # The embedded default: the stdlib corpus, a couple of minutes on two CPU cores.
     "default": {},
-    # Seconds on a CPU; used by the tests.
+    # Seconds on a CPU; used by the tests. Global batch 8 of micro batch 2 splits evenly over
+    # 1, 2 and 4 data-parallel ranks with the same microbatches, so those layouts compare exactly.
     "tiny": {
         "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16,
                   "n_experts": 4, "top_k": 2, "expert_hidden": 64},
-        "train": {"steps": 4, "seq_len": 32, "global_batch": 4, "micro_batch": 2},
+        "train": {"steps": 4, "seq_len": 32, "global_batch": 8, "micro_batch": 2},
         "optim": {"warmup_steps": 2},
         "metrics": {"expert_load_every": 1},
     },

@@ -41,10 +41,19 @@ def _finite_or_none(value: Any) -> Any:
 
 
 class JsonlTracker:
-    """Appends one JSON object per step to ``run_dir/metrics.jsonl`` (line-buffered)."""
+    """Appends one JSON object per step to ``run_dir/metrics.jsonl`` (line-buffered).
 
-    def __init__(self, run_dir: Path) -> None:
+    ``keep_through``: the step the run starts after (a resumed run's checkpoint,
+    0 for a fresh one). Records of later steps, written by the run before it
+    stopped or crashed, are dropped, so the file always holds one trajectory.
+    """
+
+    def __init__(self, run_dir: Path, keep_through: int | None = None) -> None:
         self.path = run_dir / METRICS_FILE
+        if keep_through is not None and self.path.is_file():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= keep_through]
+            self.path.write_text("".join(line + "\n" for line in kept))
         self._file: TextIO = self.path.open("a", buffering=1)
 
     def log(self, record: Mapping[str, Any]) -> None:
@@ -72,9 +81,9 @@ class TensorBoardTracker:
         self._writer.close()
 
 
-def open_trackers(run_dir: Path, tensorboard: bool) -> list[Tracker]:
-    """The JSONL tracker, plus TensorBoard when asked for and installed."""
-    trackers: list[Tracker] = [JsonlTracker(run_dir)]
+def open_trackers(run_dir: Path, tensorboard: bool, keep_through: int | None = None) -> list[Tracker]:
+    """The JSONL tracker (see ``keep_through`` there), plus TensorBoard when asked for and installed."""
+    trackers: list[Tracker] = [JsonlTracker(run_dir, keep_through)]
     if tensorboard:
         try:
             trackers.append(TensorBoardTracker(run_dir))

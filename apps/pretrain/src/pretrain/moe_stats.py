@@ -1,28 +1,36 @@
-"""MoE routing statistics of one optimizer step, reduced over ranks, as metrics.
+"""One optimizer step's loss, stop flag and MoE routing statistics, reduced in one collective.
 
 What the app needs from a MoE layer (declared here, by the consumer): a
 ``pop_step_stats()`` returning device tensors accumulated since the last call,
 
 - ``tokens_per_expert`` ``[E]`` int: routed (token, slot) pairs per expert;
+- ``dropped_per_expert`` ``[E]`` int: slots no expert processed (capacity);
 - ``n_tokens`` scalar int: tokens routed;
-- ``lb_loss_sum`` scalar: the unweighted load-balancing loss in token-sum form;
-- ``z_loss_sum`` scalar (optional): the unweighted router z-loss in token-sum form;
-- ``dropped_per_expert`` ``[E]`` int (optional): slots no expert processed;
-  absent means the dispatcher drops nothing.
+- ``lb_loss_sum`` / ``z_loss_sum`` scalars: the unweighted load-balancing loss and
+  router z-loss in token-sum form.
 
-Shape legend: L MoE layers (in model order), E experts.
-All layers' values travel in one flat FP64 tensor, so a step costs one
-all-reduce however many layers there are (FP64 keeps token counts exact).
+Every rank packs its values into one flat FP64 tensor laid out over the *whole
+model's* MoE layers (``slot`` = MoE layer index in model order): a pipeline stage
+fills the slots of the layers it holds and leaves the others zero, and only ranks
+holding the last stage put in the loss. A SUM all-reduce over the world then gives
+every rank the loss of the global batch, every layer's statistics summed over the
+data-parallel ranks (which routed different tokens) and whether any rank received
+a stop signal: one collective per step, however many layers, stages and flags.
+FP64 keeps token counts exact.
+
+Shape legend: L MoE layers of the model, E experts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
+
+_HEAD = 2  # loss, stop flag
+_SCALARS = ("n_tokens", "lb_loss_sum", "z_loss_sum")
 
 
 class StepStatsSource(Protocol):
@@ -31,42 +39,13 @@ class StepStatsSource(Protocol):
 
 @dataclass
 class MoEStepStats:
-    tokens_per_expert_LE: torch.Tensor  # float64 sums over microbatches (and ranks once reduced)
+    """Routing statistics of one step, summed over ranks (host tensors, FP64)."""
+
+    tokens_per_expert_LE: torch.Tensor
     dropped_LE: torch.Tensor
     n_tokens_L: torch.Tensor
     lb_loss_sum_L: torch.Tensor
-    z_loss_sum_L: torch.Tensor | None  # None: the layers compute no z-loss
-
-    @staticmethod
-    def pop(layers: Iterable[StepStatsSource]) -> MoEStepStats | None:
-        """Read and reset every layer's statistics (in model order); None when none routed."""
-        stats = [layer.pop_step_stats() for layer in layers]
-        if not any(stats):
-            return None
-        if not all(stats):
-            raise RuntimeError("some MoE layers recorded no routing statistics this step")
-
-        def stack(key: str) -> torch.Tensor:
-            return torch.stack([s[key].double() for s in stats])
-
-        counts = stack("tokens_per_expert")
-        dropped = stack("dropped_per_expert") if "dropped_per_expert" in stats[0] \
-            else torch.zeros_like(counts)
-        z_loss = stack("z_loss_sum") if "z_loss_sum" in stats[0] else None
-        return MoEStepStats(counts, dropped, stack("n_tokens"), stack("lb_loss_sum"), z_loss)
-
-    def _tensors(self) -> list[torch.Tensor]:
-        return [t for t in (getattr(self, f.name) for f in fields(self)) if t is not None]
-
-    def all_reduce(self, group: dist.ProcessGroup | None) -> None:
-        """Sum over ``group`` (ranks that routed different tokens through the same layers)."""
-        tensors = self._tensors()
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+    z_loss_sum_L: torch.Tensor
 
     def record(self, with_load: bool) -> dict[str, Any]:
         """Metric fields: per-token losses averaged over layers, load balance, drops."""
@@ -75,11 +54,72 @@ class MoEStepStats:
         imbalance = counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-9)
         out: dict[str, Any] = {
             "lb_loss": (self.lb_loss_sum_L / n_tokens).mean().item(),
-            "z_loss": None if self.z_loss_sum_L is None
-            else (self.z_loss_sum_L / n_tokens).mean().item(),
+            "z_loss": (self.z_loss_sum_L / n_tokens).mean().item(),
             "expert_load_imbalance": imbalance.max().item(),
             "dropped_token_rate": (self.dropped_LE.sum() / counts.sum().clamp_min(1)).item(),
         }
         if with_load:
             out["expert_load"] = counts.long().tolist()
         return out
+
+
+@dataclass
+class StepValues:
+    """The reduced step as the host reads it."""
+
+    loss: float
+    stop: bool
+    moe: MoEStepStats | None
+
+
+class StepPacker:
+    """Packs a rank's step values into model-wide slots; unpacks the reduced tensor.
+
+    ``layers`` maps a slot (MoE layer index in the model) to the layer this rank
+    holds there.
+    """
+
+    def __init__(self, layers: Mapping[int, StepStatsSource], n_slots: int, n_experts: int,
+                 device: torch.device) -> None:
+        bad = [s for s in layers if not 0 <= s < n_slots]
+        if bad:
+            raise ValueError(f"MoE layer slots {bad} are outside the model's {n_slots} MoE layers")
+        self.layers, self.n_slots, self.n_experts = dict(layers), n_slots, n_experts
+        self.width = 2 * n_experts + len(_SCALARS)
+        self.device = device
+
+    def pack(self, loss: torch.Tensor | None, stop: bool) -> torch.Tensor:
+        """``[2 + L * (2E + 3)]`` FP64: loss (``None``: this rank holds no loss), stop, stats.
+
+        Pops every held layer's statistics (this ends the step for them).
+        """
+        flat = torch.zeros(_HEAD + self.n_slots * self.width, dtype=torch.float64,
+                           device=self.device)
+        if loss is not None:
+            flat[0] = loss
+        flat[1] = float(stop)
+        slots = flat[_HEAD:].view(self.n_slots, self.width)
+        E = self.n_experts
+        for slot, layer in self.layers.items():
+            stats = layer.pop_step_stats()
+            if not stats:
+                raise RuntimeError(f"MoE layer {slot} recorded no routing statistics this step")
+            row = slots[slot]
+            row[:E] = stats["tokens_per_expert"]
+            row[E:2 * E] = stats["dropped_per_expert"]
+            row[2 * E:] = torch.stack([stats[k].to(torch.float64) for k in _SCALARS])
+        return flat
+
+    def counts(self, flat: torch.Tensor) -> torch.Tensor:
+        """``[L, E]`` routed slots per expert of a (reduced) packed tensor: a device view."""
+        return flat[_HEAD:].view(self.n_slots, self.width)[:, :self.n_experts]
+
+    def unpack(self, flat: torch.Tensor) -> StepValues:
+        """The reduced values from a host copy of the packed tensor."""
+        moe = None
+        if self.n_slots:
+            slots = flat[_HEAD:].view(self.n_slots, self.width)
+            E = self.n_experts
+            moe = MoEStepStats(slots[:, :E], slots[:, E:2 * E], slots[:, 2 * E], slots[:, 2 * E + 1],
+                               slots[:, 2 * E + 2])
+        return StepValues(loss=flat[0].item(), stop=bool(flat[1].item() > 0), moe=moe)

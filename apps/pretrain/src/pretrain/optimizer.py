@@ -1,48 +1,96 @@
-"""The single-replica optimizer: ``torch.optim.AdamW`` with the app's parameter policy.
+"""The run's optimizer: moe_optim's ``DistributedOptimizer`` with the app's parameter policy.
 
-This is the optimizer of runs without the distributed optimizer (moe_optim),
-kept deliberately plain. The parameter policy is the part that carries over:
-weight decay on matrices only (norm gains and other vectors are not decayed),
-and the routed experts' learning rate scaled by ``optim.expert_lr_mult``. Each
-param group carries an ``lr_mult`` so one scheduled LR sets every group.
+The policy, as ``ParamRule``s (every matching rule applies, in order):
+
+- no weight decay on vectors (norm gains, biases) and on the token embedding;
+- routed experts' learning rate scaled by ``optim.expert_lr_mult``;
+- with ``optim.name=muon``, Muon for the hidden matrices (attention, MLPs, router,
+  stacked experts as a batch of matrices); the embedding and the LM head stay on
+  AdamW, as Muon's authors recommend.
+
+FP32 main weights and optimizer states are sharded over each parameter's replica
+group (the same group its gradient is reduced over: DP for dense parameters,
+EP-DP for routed experts). ``norm_group`` is the world, so the gradient norm
+counts every logical parameter once across pipeline stages and expert shards.
+Expert parameters carry their place in the logical tensor (a dim-0 slice under
+EP), which is what checkpoints store them by.
+
+``PhasedOptimizer`` marks the start of the weight rebuild for a phase timer
+(``pretrain.phases``); without a timer it is the plain optimizer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.distributed as dist
+from moe_model import param_kind
+from moe_optim import (
+    AdamWConfig,
+    DistributedOptimizer,
+    GradSource,
+    MuonConfig,
+    OptimConfig,
+    ParamRule,
+    Placement,
+)
 from torch import nn
 
-from pretrain.config import OptimConfig
+from pretrain.config import OptimConfig as AppOptimConfig
+
+MIN_SHARD_NUMEL = 4096  # smaller tensors stay replicated; DDP and the optimizer must agree
+_ADAMW_MATRICES = ("embed.weight", "head.weight")  # stay on AdamW under optim.name=muon
 
 
-def routed_expert_params(model: nn.Module) -> set[int]:
-    """``id`` of every routed-expert parameter (replicated over EP-DP, not DP)."""
-    ids: set[int] = set()
-    for _, layer in model.moe_layers():
-        ids.update(id(p) for p in layer.experts.parameters())
-    return ids
-
-
-def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
-    experts = routed_expert_params(model)
-    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
-    for p in model.parameters():
-        if p.requires_grad:
-            groups.setdefault((p.ndim >= 2, id(p) in experts), []).append(p)
-    return [
-        {"params": params, "weight_decay": cfg.weight_decay if decay else 0.0,
-         "lr_mult": cfg.expert_lr_mult if expert else 1.0}
-        for (decay, expert), params in sorted(groups.items())
+def param_rules(cfg: AppOptimConfig) -> list[ParamRule]:
+    rules = [
+        ParamRule(lambda n, p: p.ndim < 2 or n == "embed.weight", weight_decay=0.0),
+        ParamRule(lambda n, p: param_kind(n) == "expert", lr_scale=cfg.expert_lr_mult),
     ]
+    if cfg.name == "muon":
+        rules.append(ParamRule(lambda n, p: p.ndim >= 2 and n not in _ADAMW_MATRICES,
+                               algorithm="muon"))
+    return rules
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    if cfg.name != "adamw":
-        raise ValueError(f"optim.name={cfg.name!r} needs the distributed optimizer (moe_optim)")
-    return torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                             eps=cfg.eps)
+def optim_config(cfg: AppOptimConfig) -> OptimConfig:
+    return OptimConfig(
+        adamw=AdamWConfig(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                          weight_decay=cfg.weight_decay),
+        muon=MuonConfig(lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay),
+        max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else None,
+        min_shard_numel=MIN_SHARD_NUMEL,
+    )
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr * group["lr_mult"]
+def placements(n_experts: int, expert_start: int) -> Callable[[str, nn.Parameter], Placement]:
+    """Each parameter's logical shape: routed experts are a dim-0 slice from ``expert_start``
+    of ``n_experts``; everything else is held whole."""
+
+    def placement_of(name: str, param: nn.Parameter) -> Placement:
+        if param_kind(name) == "expert":
+            return Placement((n_experts, *param.shape[1:]), expert_start)
+        return Placement(tuple(param.shape))
+
+    return placement_of
+
+
+class PhasedOptimizer(DistributedOptimizer):
+    """``DistributedOptimizer`` that reports when its weight rebuild starts."""
+
+    on_rebuild: Callable[[], None] | None = None
+
+    def rebuild_weights(self) -> None:
+        if self.on_rebuild is not None:
+            self.on_rebuild()
+        super().rebuild_weights()
+
+
+def build_optimizer(grads: GradSource, cfg: AppOptimConfig, n_experts: int, expert_start: int,
+                    device: torch.device) -> PhasedOptimizer:
+    """The distributed optimizer over ``grads`` (the DDP wrapper); collective-free to build."""
+    return PhasedOptimizer(
+        grads, optim_config(cfg), norm_group=dist.group.WORLD, rules=param_rules(cfg),
+        placement_of=placements(n_experts, expert_start), device=device,
+    )

@@ -3,17 +3,14 @@
 A handler that only sets a flag is safe at any point of a step (it never runs
 collective or CUDA work inside a signal frame). The ranks must agree before
 anyone stops, or the ranks that did not get the signal would wait forever in the
-next step's collectives: ``agreed`` is a MAX all-reduce of the flag, one int per
-step, at a point where the step has already synchronised with the host.
+next step's collectives: the trainer adds the flag to the one all-reduce each
+step already makes (``pretrain.moe_stats``), so agreeing costs nothing.
 """
 
 from __future__ import annotations
 
 import signal
 from types import FrameType, TracebackType
-
-import torch
-import torch.distributed as dist
 
 
 class StopRequest:
@@ -42,10 +39,7 @@ class StopRequest:
             return "another rank received a stop signal"
         return f"received {self.received.name}"
 
-    def agreed(self, device: torch.device) -> bool:
-        """True on every rank when any rank received a stop signal (collective)."""
-        if dist.get_world_size() == 1:
-            return self.received is not None
-        flag = torch.tensor([int(self.received is not None)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    @property
+    def requested(self) -> bool:
+        """This process received a stop signal."""
+        return self.received is not None

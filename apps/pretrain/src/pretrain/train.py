@@ -1,12 +1,14 @@
-"""A training run from a config: process group, layout, run directory, loop.
+"""A training run from a config: process group, layout, run directory, checkpoints, loop.
 
     with the process group (one process, torchrun, or a test harness):
         layout  = validate_layout(cfg, world)     # fails before any allocation
         mesh    = build_mesh(layout)              # PP x DP, EP inside DP
         run_dir = chosen on rank 0, broadcast     # every rank writes to the same place
-        trainer = Trainer(cfg, mesh, device)      # data opened and checked, model built
-        the logging rank writes run_dir/config.toml and opens the trackers
-        trainer.fit(...) under a SIGTERM flag
+        trainer = Trainer(cfg, mesh, device)      # data checked, model part built, DDP, optimizer
+        checkpoints: resume (checkpoint.resume), then the logging rank writes
+        run_dir/config.toml and opens the trackers
+        trainer.fit(...) under a SIGTERM flag, saving checkpoints on schedule and on stop
+        close: the checkpointer waits for its last save, the EP transport is released
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Any
 import torch.distributed as dist
 from moe_model import total_params
 
-from pretrain.config import ConfigError, Layout, PretrainConfig, config_toml, validate_layout
+from pretrain.checkpoint import RunCheckpoints
+from pretrain.config import PretrainConfig, config_toml, validate_layout
 from pretrain.mesh import build_mesh
 from pretrain.metrics import MetricsLog, open_trackers
 from pretrain.runtime import distributed
@@ -26,19 +29,6 @@ from pretrain.signals import StopRequest
 from pretrain.trainer import Trainer
 
 CONFIG_FILE = "config.toml"
-
-
-def _require_wired(cfg: PretrainConfig, layout: Layout) -> None:
-    """Refuse settings whose machinery is not part of this build (rather than ignore them)."""
-    missing = []
-    if layout.pp > 1:
-        missing.append(f"parallel.pp={layout.pp} (pipeline parallelism)")
-    if layout.ep > 1:
-        missing.append(f"parallel.ep={layout.ep} (expert parallelism)")
-    if cfg.optim.name != "adamw":
-        missing.append(f"optim.name={cfg.optim.name} (the distributed optimizer)")
-    if missing:
-        raise ConfigError(f"not available in this build yet: {', '.join(missing)}")
 
 
 def _run_dir(cfg: PretrainConfig) -> Path:
@@ -52,25 +42,33 @@ def _run_dir(cfg: PretrainConfig) -> Path:
 
 
 def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
-    """Train per ``cfg`` as one rank of the launcher's world; returns the step records."""
+    """Train per ``cfg`` as one rank of the launcher's world; returns this process's records."""
     with distributed(cfg.train.device) as rt:
         layout = validate_layout(cfg, rt.world_size)
-        _require_wired(cfg, layout)
         mesh = build_mesh(layout, rt.device.type)
         run_dir = _run_dir(cfg)
         trainer = Trainer(cfg, mesh, rt.device)
-        logging = mesh.is_logging_rank
-        if logging:
-            (run_dir / CONFIG_FILE).write_text(config_toml(cfg, layout))
-            print(f"run_dir {run_dir}  device {rt.device}  dtype {str(trainer.dtype)[6:]}  "
-                  f"params {total_params(cfg.model):,}  {layout.describe()}", flush=True)
-            if cfg.checkpoint.every or cfg.checkpoint.resume not in ("auto", "none"):
-                print("note: checkpoint.* is validated but checkpoints are not written or "
-                      "loaded by this build yet", flush=True)
-        log = MetricsLog(open_trackers(run_dir, cfg.metrics.tensorboard) if logging else [],
-                         cfg.train.steps, echo=logging)
         try:
-            with StopRequest() as stop:
-                return trainer.fit(log, stop)
+            with RunCheckpoints(run_dir, cfg, layout, trainer) as checkpoints:
+                resumed = checkpoints.resume()
+                done = 0 if resumed is None else resumed.step
+                logging = mesh.is_logging_rank
+                if logging:
+                    (run_dir / CONFIG_FILE).write_text(config_toml(cfg, layout))
+                    print(f"run_dir {run_dir}  device {rt.device}  dtype {str(trainer.dtype)[6:]}  "
+                          f"params {total_params(cfg.model):,}  {layout.describe()}", flush=True)
+                    if resumed is not None:
+                        saved = resumed.metadata["layout"]
+                        print(f"resumed after step {done} (checkpoint.resume="
+                              f"{cfg.checkpoint.resume}; saved on world {saved['world_size']} = "
+                              f"pp {saved['pp']} x dp {saved['dp']}, ep {saved['ep']})", flush=True)
+                trackers = open_trackers(run_dir, cfg.metrics.tensorboard, keep_through=done) \
+                    if logging else []
+                log = MetricsLog(trackers, cfg.train.steps, echo=logging)
+                try:
+                    with StopRequest() as stop:
+                        return trainer.fit(log, stop, checkpoints, start_step=done + 1)
+                finally:
+                    log.close()
         finally:
-            log.close()
+            trainer.close()

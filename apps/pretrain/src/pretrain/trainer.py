@@ -1,48 +1,68 @@
 """One rank's training loop: an optimizer step in explicit phases.
 
-``Trainer.step`` runs, in order:
+Built once (``pretrain.build``): this rank's part of the model, then
+``MultiGroupDDP`` (every parameter's gradient reduced with SUM inside its replica
+group: dense -> DP, routed experts -> EP-DP), then the distributed optimizer
+over it, then the MXFP8 caches' refresh hook.
 
-1. ``_forward_backward``  this rank's microbatches of the global batch; each loss is
-   the token-loss *sum* divided by the global batch's target-token count, so any
-   split over microbatches and ranks sums to the same loss and gradient.
-2. ``_sync_gradients``    sum gradients over each parameter's replica group.
-3. ``_reduce_stats``      loss and MoE routing statistics summed over DP.
-4. ``_clip``              global gradient norm, clipped; a non-finite loss or norm
-                          skips the update (counted by ``fit``).
-5. ``_update``            optimizer step at the scheduled learning rate, then the
-                          routers' bias step (aux-loss-free balancing) from the
-                          step's expert load summed over DP: once per step.
+``Trainer.step`` runs, in order (the names are the phase timer's):
 
-Phases 2, 4 and 5 are where the multi-group DDP, the global-norm clip over
-replica groups and the distributed optimizer plug in; phase 1 is where pipeline
-schedules do. This version sums plain gradients over the DP group, which is
-every parameter's replica group while ``parallel.ep == 1`` and ``parallel.pp == 1``.
+1. ``forward`` / ``backward``: this rank's microbatches of the global batch, all
+   but the last under ``no_sync()``; each loss is the token-loss *sum* times
+   ``1 / N`` with ``N`` the global batch's target-token count (the auxiliary
+   losses use the same scale), so any split over microbatches, ranks and stages
+   sums to the same loss and gradient, and SUM is the right reduction. With
+   ``parallel.pp > 1`` moe_pp's pipeline runs the schedule instead (phase
+   ``pipeline``) and calls ``finish_grad_sync`` itself.
+2. ``grad_sync``: ``finish_grad_sync`` launches the buckets the last backward did
+   not, and waits.
+3. ``optimizer``: global-norm clip, AdamW/Muon on the FP32 shards at the
+   scheduled LR; a non-finite norm skips the update on the device. Then
+   ``weight_rebuild``: the compute weights are gathered from the main weights and
+   the MXFP8 caches refresh.
+4. ``stats``: the loss, the stop flag and every MoE layer's routing statistics in
+   one SUM all-reduce over the world (``pretrain.moe_stats``); the routers' bias
+   step (aux-loss-free balancing) from the step's expert load summed over DP,
+   once per step, on the device, and not on a skipped step.
+
+Host synchronisation: none inside the step on GPU (the no-sync transports,
+device-side routing, clipping and skip flag). The one synchronisation per step
+is ``_read``: one copy of the reduced values, the gradient norm and the skip flag
+to the host at the end of the step, which the logging, the skip counter and the
+stop decision need. (``parallel.ep_backend=all_to_all`` adds the host-visible
+split sizes of its all-to-all; ``rowwise`` does not.)
 """
 
 from __future__ import annotations
 
-import math
 import time
-from typing import Any
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from moe_ddp import DDPConfig, MultiGroupDDP
 from moe_model import (
-    MoETransformer,
     flops_per_token,
-    init_weights,
     lm_loss_sum,
+    param_kind,
     set_aux_loss_scale,
     set_count_reducer,
 )
+from moe_mxfp8 import refresh_weight_caches
+from torch import nn
 
+from pretrain.build import build_model_part
 from pretrain.config import PretrainConfig
 from pretrain.data import BatchReader, open_source
 from pretrain.mesh import ParallelMesh
 from pretrain.metrics import MetricsLog
-from pretrain.moe_stats import MoEStepStats
-from pretrain.optimizer import build_optimizer, set_lr
-from pretrain.schedule import lr_at
+from pretrain.moe_stats import StepPacker
+from pretrain.optimizer import MIN_SHARD_NUMEL, build_optimizer
+from pretrain.phases import PhaseTimer
+from pretrain.schedule import build_schedule
 from pretrain.signals import StopRequest
 
 PEAK_FLOPS = 989e12  # dense BF16 peak of one H200: the MFU denominator peers use
@@ -52,135 +72,204 @@ class TrainingAborted(RuntimeError):
     """The run cannot continue (e.g. too many consecutive non-finite steps)."""
 
 
+class StepCheckpoints(Protocol):
+    """What the loop needs from the run's checkpointer (``pretrain.checkpoint``)."""
+
+    def due(self, step: int, stopping: bool) -> bool: ...
+
+    def save(self, step: int) -> None: ...
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
 
 
-class Trainer:
-    """One rank's model, optimizer and data slice; ``step`` runs one optimizer step."""
+@dataclass
+class _DeviceStep:
+    """A step's results still on the device."""
 
-    def __init__(self, cfg: PretrainConfig, mesh: ParallelMesh, device: torch.device) -> None:
+    reduced: torch.Tensor  # StepPacker layout, summed over the world
+    grad_norm: torch.Tensor
+    skipped: torch.Tensor
+    lr: float
+
+
+class _MarkedGradSync:
+    """The DDP wrapper as the pipeline sees it, marking where ``finish_grad_sync`` starts."""
+
+    def __init__(self, ddp: MultiGroupDDP, mark: Callable[[str], None]) -> None:
+        self.ddp, self.mark = ddp, mark
+
+    def no_sync(self) -> Any:
+        return self.ddp.no_sync()
+
+    def finish_grad_sync(self) -> None:
+        self.mark("grad_sync")
+        self.ddp.finish_grad_sync()
+
+
+class Trainer:
+    """One rank's model part, optimizer and data slice; ``step`` runs one optimizer step.
+
+    ``phase_timer``: optional step-time breakdown (benchmarks); ``None`` costs nothing.
+    """
+
+    def __init__(self, cfg: PretrainConfig, mesh: ParallelMesh, device: torch.device,
+                 phase_timer: PhaseTimer | None = None) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.dtype = resolve_dtype(cfg.train.compute_dtype, device)
-        t = cfg.train
+        self.timer = phase_timer
+        t, m = cfg.train, cfg.model
         data_seed = cfg.seed if cfg.data.seed is None else cfg.data.seed
-        source = open_source(cfg.data.path, t.seq_len, cfg.model.vocab_size, data_seed)
+        source = open_source(cfg.data.path, t.seq_len, m.vocab_size, data_seed)
         self.data = BatchReader(source, data_seed, t.global_batch, t.micro_batch,
                                 mesh.dp_rank, mesh.layout.dp)
         torch.manual_seed(cfg.seed)
-        self.model = MoETransformer(cfg.model).to(device)
-        init_weights(self.model, cfg.model, cfg.seed)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.part = build_model_part(cfg, mesh, device, self.dtype)
+        self.model: nn.Module = self.part.module
+        self.ddp = MultiGroupDDP(
+            self.model, lambda name, _: mesh.replica_group(param_kind(name) == "expert"),
+            DDPConfig(mode=cfg.parallel.ddp_mode, reduce_op="sum",
+                      bucket_cap_mb=cfg.parallel.bucket_cap_mb, min_shard_numel=MIN_SHARD_NUMEL),
+        )
+        self.optimizer = build_optimizer(self.ddp, cfg.optim, m.n_experts,
+                                         mesh.expert_range(m.n_experts).start, device)
+        if self.part.mxfp8_layers:
+            self.optimizer.register_weights_updated_hook(lambda: refresh_weight_caches(self.model))
+            refresh_weight_caches(self.model)
+        if phase_timer is not None:
+            self.optimizer.on_rebuild = lambda: phase_timer.mark("weight_rebuild")
         if mesh.layout.dp > 1:  # global-batch load balancing counts over every DP rank's tokens
             set_count_reducer(self.model, self._sum_over_dp)
         self.tokens_per_step = t.global_batch * t.seq_len  # = target tokens of the global batch
-        self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
+        self.loss_scale = 1.0 / self.tokens_per_step
+        set_aux_loss_scale(self.model, self.loss_scale)
+        self.schedule = build_schedule(cfg.optim, t.steps)
+        self.packer = StepPacker(self.part.moe_layers, m.n_moe_layers, m.n_experts, device)
+        self.flops_per_token = flops_per_token(m, t.seq_len)
 
-    def fit(self, log: MetricsLog, stop: StopRequest) -> list[dict[str, Any]]:
-        """Steps 1..``train.steps`` until done or stopped; returns the records (on every rank)."""
+    def close(self) -> None:
+        """Release the EP transport (collective)."""
+        self.part.close()
+
+    # -- the loop ------------------------------------------------------------------
+
+    def fit(self, log: MetricsLog, stop: StopRequest, checkpoints: StepCheckpoints | None = None,
+            start_step: int = 1) -> list[dict[str, Any]]:
+        """Steps ``start_step..train.steps`` until done or stopped; the records (on every rank)."""
+        t = self.cfg.train
         history, consecutive_skips = [], 0
-        limit = self.cfg.train.max_consecutive_skips
-        for step in range(1, self.cfg.train.steps + 1):
-            record = self.step(step)
+        for step in range(start_step, t.steps + 1):
+            record, stop_agreed = self._step(step, stop.requested)
             log.write(record)
             history.append(record)
+            reason = stop.describe() if stop_agreed else \
+                "train.stop_after" if step == t.stop_after else None
+            if checkpoints is not None and checkpoints.due(step, reason is not None):
+                checkpoints.save(step)
             consecutive_skips = consecutive_skips + 1 if record["skipped"] else 0
-            if consecutive_skips >= limit:
+            if consecutive_skips >= t.max_consecutive_skips:
                 raise TrainingAborted(
-                    f"{consecutive_skips} consecutive steps (to step {step}) had a non-finite loss or "
+                    f"{consecutive_skips} consecutive steps (to step {step}) had a non-finite "
                     f"gradient norm (loss {record['loss']}, grad_norm {record['grad_norm']}); "
                     "aborting (train.max_consecutive_skips); lower optim.lr or check the data"
                 )
-            if stop.agreed(self.device):
+            if reason is not None:
                 if self.mesh.is_logging_rank:
-                    print(f"stopping after step {step}: {stop.describe()}", flush=True)
+                    print(f"stopping after step {step}: {reason}", flush=True)
                 break
         return history
 
     def step(self, step: int) -> dict[str, Any]:
-        start = time.perf_counter()
-        lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
-        loss = self._forward_backward(step)
-        self._sync_gradients()
-        loss, moe = self._reduce_stats(loss)
-        grad_norm = self._clip()
-        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        if not skipped:
-            self._update(lr, moe)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - start
-        record: dict[str, Any] = {
-            "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-            "tokens_per_s": self.tokens_per_step / elapsed, "step_time_s": elapsed,
-            "skipped": skipped,
-        }
-        if moe is not None:
-            every = self.cfg.metrics.expert_load_every
-            with_load = every > 0 and (step == 1 or step % every == 0)
-            record.update(moe.record(with_load))
-        if self.device.type == "cuda":
-            n_gpus = self.mesh.layout.world_size
-            record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (n_gpus * PEAK_FLOPS)
-            record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        return record
+        """One optimizer step; its metrics record."""
+        return self._step(step, stop_requested=False)[0]
 
-    def _forward_backward(self, step: int) -> torch.Tensor:
-        """Sum of this rank's microbatch losses, each already divided by the global token count."""
-        set_aux_loss_scale(self.model, 1.0 / self.tokens_per_step)
+    def _step(self, step: int, stop_requested: bool) -> tuple[dict[str, Any], bool]:
+        start = time.perf_counter()
+        result = self._run(step, stop_requested)
+        return self._read(step, result, start)
+
+    # -- phases (device work only) ---------------------------------------------------
+
+    def _mark(self, phase: str | None) -> None:
+        if self.timer is not None:
+            self.timer.mark(phase)
+
+    def _run(self, step: int, stop_requested: bool) -> _DeviceStep:
+        lr_factor = self.schedule(step)
+        loss = self._forward_backward(step)
+        self._mark("optimizer")
+        stats = self.optimizer.step(lr_factor)
+        self._mark("stats")
+        reduced = self.packer.pack(loss, stop_requested)
+        dist.all_reduce(reduced)
+        self._update_router_bias(reduced, stats.skipped)
+        self.ddp.zero_grad()
+        self._mark(None)
+        return _DeviceStep(reduced, stats.grad_norm, stats.skipped, self.cfg.optim.lr * lr_factor)
+
+    def _tokens(self, step: int, index: int) -> torch.Tensor:
+        """``[micro_batch, seq_len + 1]`` token ids of this rank's microbatch, on the device."""
+        tokens = self.data.microbatch(step, index)
+        if self.device.type == "cuda":
+            tokens = tokens.pin_memory()
+        return tokens.to(self.device, non_blocking=True)
+
+    def _forward_backward(self, step: int) -> torch.Tensor | None:
+        """This rank's part of the global loss; ``None`` where no last pipeline stage is held."""
+        batches = [self._tokens(step, i) for i in range(self.data.n_microbatches)]
+        pipeline = self.part.pipeline
+        if pipeline is not None:
+            self._mark("pipeline")
+            losses = pipeline.step([b[:, :-1] for b in batches], [b[:, 1:] for b in batches],
+                                   self.loss_scale, grad_sync=_MarkedGradSync(self.ddp, self._mark))
+            return losses.sum() if self.mesh.is_last_stage else None
         loss_sum = torch.zeros((), device=self.device)
-        for index in range(self.data.n_microbatches):
-            tokens = self.data.microbatch(step, index)
-            if self.device.type == "cuda":
-                tokens = tokens.pin_memory()
-            tokens = tokens.to(self.device, non_blocking=True)
-            inputs, targets = tokens[:, :-1], tokens[:, 1:]
-            with torch.autocast(self.device.type, dtype=self.dtype,
-                                enabled=self.dtype != torch.float32):
-                logits = self.model(inputs)
-            loss = lm_loss_sum(logits, targets) / self.tokens_per_step
-            loss.backward()
+        for index, tokens in enumerate(batches):
+            last = index == len(batches) - 1
+            with nullcontext() if last else self.ddp.no_sync():
+                self._mark("forward")
+                loss = lm_loss_sum(self.model(tokens[:, :-1]), tokens[:, 1:]) * self.loss_scale
+                self._mark("backward")
+                loss.backward()
             loss_sum += loss.detach()
+        self._mark("grad_sync")
+        self.ddp.finish_grad_sync()
         return loss_sum
 
-    def _sync_gradients(self) -> None:
-        """Sum every gradient over the DP group (one flat all-reduce)."""
-        if self.mesh.layout.dp == 1:
-            return
-        params = list(self.model.parameters())
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, group=self.mesh.dp_group)
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
+    def _update_router_bias(self, reduced: torch.Tensor, skipped: torch.Tensor) -> None:
+        """The routers' bias step from the step's load summed over DP; none on a skipped step.
 
-    def _reduce_stats(self, loss: torch.Tensor) -> tuple[float, MoEStepStats | None]:
-        """The global loss and the step's routing statistics, summed over DP (on every rank)."""
-        dist.all_reduce(loss, group=self.mesh.dp_group)
-        moe = MoEStepStats.pop(layer for _, layer in self.model.moe_layers())
-        if moe is not None:
-            moe.all_reduce(self.mesh.dp_group)
-        return loss.item(), moe
-
-    def _clip(self) -> float:
-        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
-
-    def _update(self, lr: float, moe: MoEStepStats | None) -> None:
-        """Optimizer step, then the routers' bias step from the step's reduced expert load."""
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        if moe is not None:
-            for (_, layer), counts_E in zip(self.model.moe_layers(), moe.tokens_per_expert_LE):
-                layer.update_bias(counts_E)
+        The bias moves by ``rate * sign(mean - load)``: an all-zero load moves nothing,
+        so zeroing the counts of a skipped step skips the update without a host read.
+        """
+        counts_LE = self.packer.counts(reduced) * (~skipped).to(reduced.dtype)
+        for index, layer in self.part.moe_layers.items():
+            layer.update_bias(counts_LE[index])
 
     def _sum_over_dp(self, counts: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(counts, group=self.mesh.dp_group)
         return counts
+
+    # -- the one host synchronisation of a step --------------------------------------------
+
+    def _read(self, step: int, result: _DeviceStep, start: float) -> tuple[dict[str, Any], bool]:
+        host = torch.cat([result.reduced, result.grad_norm.reshape(1).double(),
+                          result.skipped.reshape(1).double()]).cpu()
+        elapsed = time.perf_counter() - start
+        values = self.packer.unpack(host[:-2])
+        record: dict[str, Any] = {
+            "step": step, "loss": values.loss, "lr": result.lr, "grad_norm": host[-2].item(),
+            "tokens_per_s": self.tokens_per_step / elapsed, "step_time_s": elapsed,
+            "skipped": bool(host[-1].item()),
+        }
+        if values.moe is not None:
+            every = self.cfg.metrics.expert_load_every
+            record.update(values.moe.record(every > 0 and (step == 1 or step % every == 0)))
+        if self.device.type == "cuda":
+            n_gpus = self.mesh.layout.world_size
+            record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (n_gpus * PEAK_FLOPS)
+            record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        return record, values.stop

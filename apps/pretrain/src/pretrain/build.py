@@ -1,0 +1,127 @@
+"""This rank's part of the model: built on meta, cut to the layout, materialised, converted.
+
+Order (each step needs the ones before it):
+
+1. the whole model, on the ``meta`` device when large (structure only, no
+   memory: a model far larger than one device is never allocated whole), else
+   directly on the device (a meta build imports PyTorch's reference kernels,
+   seconds of start-up a small run should not pay);
+2. pipeline (``parallel.pp > 1``): moe_pp splits it and keeps this PP rank's
+   stages (views sharing the model's submodules, under the model's names);
+3. expert parallelism: every MoE layer keeps only this EP-MP rank's experts;
+4. materialise on the device and initialise; values depend only on (seed,
+   parameter name, global expert id), so every layout starts from the same weights;
+5. cast the parameters to the compute dtype; buffers (the routers' selection
+   bias) stay FP32. The distributed optimizer keeps the FP32 main weights;
+6. MXFP8 (``mxfp8.targets``): swap the target layers, same parameters and names;
+7. EP dispatch: one transport per EP group, shared by all MoE layers, one
+   dispatcher per layer (seeded by the layer, for fair overflow drops).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from moe_ep_transport import EPConfig, EPDispatcher, EPHandle, Transport, make_transport
+from moe_model import MoELayer, MoETransformer, init_weights, lm_loss_sum, total_params
+from moe_mxfp8 import MXFP8RowCodec, apply_mxfp8
+from moe_pp import Pipeline, PipelineConfig, build_pipeline
+from torch import nn
+
+from pretrain.config import PretrainConfig
+from pretrain.mesh import ParallelMesh
+
+_ROOT_CHILDREN = ("embed", "norm", "head")
+META_BUILD_BYTES = 1 << 30  # build on meta when the whole model's FP32 weights exceed this
+
+
+class ReportingEPDispatcher(EPDispatcher):
+    """``EPDispatcher`` that also reports drops per expert, as moe_model's ``ReportsDrops``.
+
+    ``counts - kept`` of this rank's row of the route plan: the slots *this rank*
+    routed that a destination dropped, so summing over the data-parallel ranks
+    counts every dropped slot once (the transport's telemetry is the same on every
+    rank of the EP group and would count each drop once per rank).
+    """
+
+    def dropped_per_expert(self, handle: EPHandle) -> torch.Tensor:
+        plan = handle.plan
+        return plan.counts_ME[plan.rank] - plan.kept_ME[plan.rank]
+
+
+@dataclass
+class ModelPart:
+    module: nn.Module  # this rank's parameters under the model's names
+    pipeline: Pipeline | None  # this rank's stages and schedule (parallel.pp > 1)
+    moe_layers: dict[int, MoELayer]  # MoE layer index in the model -> the layer held here
+    transport: Transport | None  # the EP group's token transport (parallel.ep_backend != local)
+    mxfp8_layers: list[str]  # modules swapped for MXFP8 ones
+    nvshmem: bool  # the transport runs on NVSHMEM (finalised on close)
+
+    def close(self) -> None:
+        """Release the EP transport (collective over the EP group)."""
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+            if self.nvshmem:
+                from moe_ep_transport import nvshmem_memory
+
+                nvshmem_memory.finalize()
+
+
+def cast_parameters_(module: nn.Module, dtype: torch.dtype) -> None:
+    """Parameters to ``dtype`` in place (same ``Parameter`` objects); buffers untouched."""
+    for p in module.parameters():
+        p.data = p.data.to(dtype)
+
+
+def _moe_layer_index(name: str, n_dense_layers: int) -> int:
+    """``blocks.{i}.mlp`` -> index among the model's MoE layers (dense blocks lead)."""
+    return int(name.split(".")[1]) - n_dense_layers
+
+
+def build_model_part(cfg: PretrainConfig, mesh: ParallelMesh, device: torch.device,
+                     dtype: torch.dtype) -> ModelPart:
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    on_meta = 4 * total_params(m) > META_BUILD_BYTES
+    with torch.device("meta" if on_meta else device):
+        model = MoETransformer(m)
+    pipeline = None
+    module: nn.Module = model
+    if p.pp > 1:
+        pipeline = build_pipeline(
+            model, PipelineConfig(schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages,
+                                  split=p.pp_split),
+            n_microbatches=mesh.layout.microbatches, loss_fn=lm_loss_sum,
+            activation_shape=(t.micro_batch, t.seq_len, m.d_model), activation_dtype=dtype,
+            group=mesh.pp_group, seq_len=t.seq_len,
+        )
+        module = pipeline.module
+    layers = {_moe_layer_index(name, m.n_dense_layers): layer for name, layer in module.moe_layers()}
+    experts = mesh.expert_range(m.n_experts)
+    for layer in layers.values():
+        layer.experts.narrow_(experts.start, len(experts))
+    if on_meta:
+        module.to_empty(device=device)
+    init_weights(module, m, cfg.seed)
+    cast_parameters_(module, dtype)
+    mxfp8_layers = apply_mxfp8(module, cfg.mxfp8) if cfg.mxfp8.targets else []
+    if pipeline is not None:  # a swapped root child (the head) must reach the stage views too
+        for stage in pipeline.stages.stages:
+            for name in _ROOT_CHILDREN:
+                if getattr(stage.module, name) is not None:
+                    setattr(stage.module, name, getattr(module, name))
+    backend = p.resolved_ep_backend()
+    transport = None
+    if backend != "local":
+        ep_cfg = EPConfig(n_experts=m.n_experts, top_k=m.top_k,
+                          max_tokens=t.micro_batch * t.seq_len, d_model=m.d_model,
+                          capacity_factor=m.capacity_factor)
+        codec = MXFP8RowCodec() if p.ep_payload == "mxfp8" else None
+        transport = make_transport(backend, ep_cfg, mesh.ep_mp_group, device=device, dtype=dtype,
+                                   codec=codec)
+        for index, layer in layers.items():
+            layer.dispatcher = ReportingEPDispatcher(ep_cfg, transport, codec=codec, seed=index)
+    return ModelPart(module, pipeline, layers, transport, mxfp8_layers,
+                     nvshmem=backend == "rowwise" and device.type == "cuda")
