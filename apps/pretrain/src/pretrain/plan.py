@@ -1,0 +1,118 @@
+"""``pretrain plan``: per-GPU memory of a run before renting the machines.
+
+    uv run pretrain plan --config bench-1gpu                        # one H200
+    uv run pretrain plan --config bench-2gpu --gpus 2 parallel.ep=2 # the same overrides as a run
+    uv run pretrain plan --config my_run.toml --gpus 64 --json      # machine-readable
+    uv run pretrain plan --sweep                                    # 12B-1.2T models on 16-512 GPUs
+
+The plan counts, per pipeline rank, the persistent training state tensor by
+tensor with the packages' own layout rules (compute weights, FP32 gradient
+buckets, sharded FP32 main weights and optimizer states, MXFP8 caches), the
+activations the schedule keeps in flight with their transients, the optimizer
+step's buffers, and what lives outside PyTorch's allocator (CUDA context, NCCL,
+the NVSHMEM heap). See ``pretrain.planner`` for how each number is derived and
+``tools/perf_notes.md`` for what has been measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pretrain.config import PRESETS, ConfigError, load_config
+from pretrain.planner import (
+    FAMILY,
+    H200_GIB,
+    PlanRequest,
+    format_plan,
+    plan_memory,
+    summary_row,
+    sweep,
+)
+
+_SWEEP_COLUMNS = ("gpus", "pp", "dp", "ep", "recompute", "in_flight", "persistent_gib",
+                  "activations_gib", "peak_allocated_gib", "device_gib")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain plan",
+        description="Predict per-GPU peak memory of a run (or of a family of large layouts) "
+                    "and whether it fits.",
+        epilog=f"Overrides are dotted KEY=VALUE pairs as for a run. Presets: {', '.join(PRESETS)}.",
+    )
+    parser.add_argument("--config", default=None, metavar="FILE_OR_NAME",
+                        help="built-in preset name or TOML file (default: default)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="dotted config override, applied in order")
+    parser.add_argument("--gpus", type=int, default=1, metavar="N",
+                        help="world size the run will use (default: 1)")
+    parser.add_argument("--gpu-gib", type=float, default=H200_GIB, metavar="GIB",
+                        help=f"memory of one GPU in GiB (default: {H200_GIB:g}, an H200)")
+    parser.add_argument("--headroom", type=float, default=0.10, metavar="FRACTION",
+                        help="share of the GPU to keep free (default: 0.10)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--sweep", action="store_true",
+                        help="plan the built-in 12B-1.2T model family on 16-512 GPUs instead")
+    return parser
+
+
+def _print_sweep(args: argparse.Namespace) -> None:
+    results = sweep(gpu_gib=args.gpu_gib, headroom=args.headroom)
+    rows = []
+    for result in results:
+        plan = result.chosen or result.smallest
+        rows.append({"model": result.member.name, "report": result.member.report,
+                     "total_params": plan.total_params, "active_params": plan.active_params,
+                     "layouts_tried": result.tried, **summary_row(plan)})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"Layouts on {args.gpu_gib:g} GiB GPUs ({args.headroom:.0%} headroom): seq 4096, "
+          "global batch 4 Mi tokens, micro batch 1, 1F1B, BF16, capacity factor 1.25.")
+    print("First layout that fits, preferring fewer pipeline stages, then less recompute, then "
+          "smaller EP; 'NO FIT' rows show the layout needing the least memory.")
+    for member in FAMILY:
+        print(f"\n{member.name}: {_rows_for(rows, member.name)[0]['active_params'] / 1e9:.1f}B active "
+              f"@ {_rows_for(rows, member.name)[0]['total_params'] / 1e9:.0f}B total "
+              f"(report: {member.report}); d {member.model.d_model}, {member.model.n_layers} layers, "
+              f"{member.model.n_experts} experts top-{member.model.top_k}, "
+              f"hidden {member.model.expert_hidden}")
+        print("  " + "  ".join(f"{c:>9}" for c in (*_SWEEP_COLUMNS, "fits")))
+        for row in _rows_for(rows, member.name):
+            cells = [f"{row[c]!s:>9}" for c in _SWEEP_COLUMNS]
+            print("  " + "  ".join(cells) + f"  {'yes' if row['fits'] else 'NO FIT':>9}")
+
+
+def __rows_for(rows: list[dict], name: str) -> list[dict]:
+    return [r for r in rows if r["model"] == name]
+
+
+def plan_command(argv: list[str]) -> int:
+    """``pretrain plan``; exit 0 (also when the layout does not fit), 2 on a bad config."""
+    args = _parser().parse_args(argv)
+    if args.gpus < 1 or args.gpu_gib <= 0 or not 0 <= args.headroom < 1:
+        print("pretrain plan: error: --gpus must be >= 1, --gpu-gib positive and --headroom "
+              "in [0, 1)", file=sys.stderr)
+        return 2
+    if args.sweep:
+        if args.config is not None or args.overrides:
+            print("pretrain plan: error: --sweep plans the built-in family; it takes no "
+                  "--config or overrides", file=sys.stderr)
+            return 2
+        _print_sweep(args)
+        return 0
+    try:
+        cfg = load_config(args.config, args.overrides)
+        request = PlanRequest.from_config(cfg, args.gpus, gpu_gib=args.gpu_gib,
+                                          headroom=args.headroom)
+    except (ConfigError, ValueError) as e:
+        print(f"pretrain plan: error: {e}", file=sys.stderr)
+        return 2
+    plan = plan_memory(request)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=1))
+    else:
+        print(format_plan(plan, f"pretrain plan --config {args.config or 'default'}"))
+    return 0

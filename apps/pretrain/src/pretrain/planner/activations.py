@@ -1,0 +1,377 @@
+"""What one microbatch keeps in memory, tensor by tensor, as our implementation runs it.
+
+Shape legend: B micro batch, S sequence, T = B*S tokens, D d_model, H query heads,
+Q = H*Dh and KV = K*Dh the query and key/value widths, E experts (all), k top_k,
+N = T*k routed slots, R rows the experts run on (N when dropless and local, the
+capacity otherwise), F expert hidden, Fs shared hidden, Fd dense hidden, V vocab,
+b bytes of a compute element (2 for BF16).
+
+Each block is an inventory of named tensors with their bytes, read off the code
+of moe_model (and moe_ep_transport, moe_mxfp8 where they replace a piece) and
+checked against measurements (``pretrain.planner.measure.LiveBytes``, CPU tests):
+
+- ``saved``: what autograd keeps from the forward to the backward without
+  recompute, including tensors custom ``autograd.Function``s keep as context
+  attributes (``ctx``: the dispatch index vectors and route plans), which stay
+  even under recompute;
+- ``selective``: outputs of the operators selective recompute keeps (GEMMs and
+  attention, moe_model.recompute);
+- ``fwd_live``: what else is alive at the forward's high-water mark (the residual
+  stream, Python locals, the FP32 combine's temporaries);
+- backward moments, in execution order: what is freed by then and which
+  temporaries (gradients, the FP32 combine's, one weight gradient) are alive.
+
+Sets make overlaps explicit (a tensor both saved and alive is counted once).
+The RMSNorm of moe_model upcasts to FP32, so each norm keeps an FP32 copy of its
+input; the router runs in FP32 and keeps an FP32 copy of its input as well.
+
+``kernels`` selects the few device-specific allocations: CUDA flash attention's
+backward allocates an FP32 accumulator for dQ and, with GQA, expanded dK/dV; the
+CPU kernel allocates neither (as tensors PyTorch can see).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from moe_model import MoEConfig
+
+FP32 = 4
+INDEX = 8  # int64 index tensors
+OFFSET = 4  # int32 group offsets
+
+Kernels = Literal["cuda", "cpu"]
+EPBackend = Literal["local", "all_to_all", "rowwise"]
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How a microbatch runs: everything besides the model shape that sets its bytes."""
+
+    micro_batch: int  # B: sequences per microbatch
+    seq_len: int  # S
+    compute_bytes: int = 2  # b: BF16 activations and compute weights
+    param_bytes: int = 2  # parameters are held in the compute dtype (the DDP path)
+    ep: int = 1  # EP-MP ranks splitting each MoE layer's experts
+    ep_backend: EPBackend = "local"  # local dispatch, all-to-all, or rowwise (NVSHMEM puts)
+    mxfp8_expert_layers: frozenset[int] = frozenset()  # layers whose experts run moe_mxfp8's GEMMs
+    mxfp8_save_activations: bool = False  # MXFP8 layers keep their saved tensors in MXFP8
+    kernels: Kernels = "cuda"
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+@dataclass
+class Inventory:
+    """Named tensors of one block (or stage edge) and the roles they play."""
+
+    sizes: dict[str, int] = field(default_factory=dict)
+    saved: set[str] = field(default_factory=set)
+    ctx: set[str] = field(default_factory=set)
+    selective: set[str] = field(default_factory=set)
+    fwd_live: set[str] = field(default_factory=set)
+    # Backward moments in execution order: (tensors freed by then, temporaries alive then).
+    bwd_moments: list[tuple[set[str], set[str]]] = field(default_factory=list)
+
+    def add(self, name: str, nbytes: int, *roles: str) -> None:
+        """Register ``name`` (``nbytes``) in each role set named (``saved``, ``ctx``, ...)."""
+        if name in self.sizes and self.sizes[name] != nbytes:
+            raise ValueError(f"tensor {name!r} registered with {self.sizes[name]} and {nbytes} bytes")
+        self.sizes[name] = nbytes
+        for role in roles:
+            getattr(self, role).add(name)
+
+    def bytes(self, names: Iterable[str]) -> int:
+        return sum(self.sizes[n] for n in set(names))
+
+    def kept(self, recompute: str) -> set[str]:
+        """Tensors held from the forward until the block's backward, under ``recompute``."""
+        if recompute == "none":
+            return self.saved | self.ctx
+        keep = self.ctx | {"input"}  # the checkpoint keeps the block input
+        return keep | self.selective if recompute == "selective" else keep
+
+    def held(self, recompute: str) -> int:
+        return self.bytes(self.kept(recompute))
+
+    def forward_peak(self, recompute: str) -> int:
+        """High-water mark of this block's forward, the block input included."""
+        return self.bytes(self.kept(recompute) | self.fwd_live | {"input"})
+
+    def moment(self, freed: Iterable[str], temporaries: Iterable[str]) -> None:
+        """A point of the backward: what its earlier steps freed, what is alive only then."""
+        self.bwd_moments.append((set(freed), set(temporaries)))
+
+    def backward_peak(self, recompute: str) -> int:
+        """High-water mark of this block's backward: what the backward still reads plus
+        the temporaries of each moment. Recompute replays the forward first (selective
+        recompute hands its cached outputs to the replay, which frees those nothing
+        saves), so the replay's own high-water mark is a candidate too."""
+        full = self.saved | self.ctx | ({"input"} if recompute != "none" else set())
+        peak = max(self.bytes((full - freed) | temps) for freed, temps in self.bwd_moments)
+        if recompute != "none":
+            peak = max(peak, self.bytes(full | self.fwd_live | {"grad_out"}))
+        return peak
+
+
+def _norm(inv: Inventory, prefix: str, rows: int, width: int, b: int, out_saved: bool) -> None:
+    """moe_model's RMSNorm: FP32 copy of x, rstd, the BF16 normalised x (for the gain's
+    gradient) and the output (kept only when a GEMM consumes it)."""
+    inv.add(f"{prefix}.x32", FP32 * rows * width, "saved")
+    inv.add(f"{prefix}.rstd", FP32 * rows, "saved")
+    inv.add(f"{prefix}.xn", b * rows * width, "saved")
+    inv.add(f"{prefix}.out", b * rows * width, *(("saved",) if out_saved else ()))
+
+
+def _attention(inv: Inventory, cfg: MoEConfig, ex: Execution) -> None:
+    """Projections, QK-norm, RoPE, SDPA (flash: keeps q, k, v, out and the log-sum-exp)."""
+    T, S, b, D = ex.tokens, ex.seq_len, ex.compute_bytes, cfg.d_model
+    H, Dh = cfg.n_heads, cfg.head_dim
+    Q, KV = H * Dh, cfg.n_kv_heads * Dh
+    _norm(inv, "attn_norm", T, D, b, out_saved=True)
+    inv.add("attn.q_proj", b * T * Q, "selective")
+    inv.add("attn.k_proj", b * T * KV, "selective")
+    inv.add("attn.v", b * T * KV, "saved", "selective")
+    if cfg.qk_norm:
+        for name, heads, width in (("q", H, Q), ("k", cfg.n_kv_heads, KV)):
+            inv.add(f"attn.{name}_norm.x32", FP32 * T * width, "saved")
+            inv.add(f"attn.{name}_norm.rstd", FP32 * T * heads, "saved")
+            inv.add(f"attn.{name}_norm.xn", b * T * width, "saved")
+    inv.add("attn.rope_cos", FP32 * S * Dh, "saved")  # rebuilt by every layer
+    inv.add("attn.rope_sin", FP32 * S * Dh, "saved")
+    inv.add("attn.q_rope", b * T * Q, "saved")
+    inv.add("attn.k_rope", b * T * KV, "saved")
+    inv.add("attn.out", b * T * Q, "saved", "selective")
+    inv.add("attn.lse", FP32 * T * H, "saved", "selective")
+    inv.add("attn.wo_out", b * T * D, "selective")
+    inv.add("h_mid", b * T * D, "fwd_live")  # x + attention, alive until the block's last add
+    inv.add("attn.d_out", b * T * Q)
+    inv.add("attn.dq", b * T * Q)
+    inv.add("attn.dkv", 2 * b * T * KV)
+    temps = {"grad_out", "attn.d_out", "attn.dq", "attn.dkv"}
+    if ex.kernels == "cuda":
+        inv.add("attn.dq_accum", FP32 * T * Q)  # flash attention's FP32 dQ accumulator
+        temps.add("attn.dq_accum")
+        if cfg.n_kv_heads != H:
+            inv.add("attn.dkv_expanded", 2 * b * T * Q)  # dK/dV per query head, then summed
+            temps.add("attn.dkv_expanded")
+    mlp = {n for n in inv.sizes if not n.startswith(("attn", "input", "grad_out"))}
+    inv.moment(mlp, temps)  # runs after the MLP's backward has freed its tensors
+
+
+def _router(inv: Inventory, cfg: MoEConfig, ex: Execution) -> None:
+    """FP32 router: x32 @ w32, scores, top-k. Whenever a loss coefficient is nonzero the
+    auxiliary losses are in the graph, and the z-loss term keeps the logits."""
+    T, D, E, k = ex.tokens, cfg.d_model, cfg.n_experts, cfg.top_k
+    aux = cfg.lb_loss_coef > 0 or cfg.z_loss_coef > 0
+    inv.add("router.x32", FP32 * T * D, "saved")
+    if ex.param_bytes != FP32:
+        inv.add("router.w32", FP32 * E * D, "saved")
+    inv.add("router.logits", FP32 * T * E, "selective", *(("saved",) if aux else ()))
+    inv.add("router.scores", FP32 * T * E, "saved", "fwd_live")
+    if cfg.router_score == "sigmoid":
+        inv.add("router.score_sum", FP32 * T, "saved")
+        inv.add("router.probs", FP32 * T * E, "fwd_live")
+    inv.add("router.lse", FP32 * T, *(("saved",) if aux else ()))
+    inv.add("router.topk_ids", INDEX * T * k, "saved", "fwd_live")
+    inv.add("router.weights", FP32 * T * k, "saved", "fwd_live")
+    if cfg.norm_topk_weights:
+        inv.add("router.weight_sum", FP32 * T, "saved")
+        inv.add("router.weights_normed", FP32 * T * k, "saved", "fwd_live")
+    if cfg.lb_loss_coef > 0:
+        inv.add("router.lb_weight", FP32 * E, "ctx")
+
+
+def local_rows(cfg: MoEConfig, tokens: int) -> int:
+    """Rows the local dispatcher hands the experts: all slots, or E * capacity."""
+    n = tokens * cfg.top_k
+    if cfg.capacity_factor is None:
+        return n
+    return min(n, cfg.n_experts * max(1, math.ceil(cfg.capacity_factor * n / cfg.n_experts)))
+
+
+def ep_capacity(cfg: MoEConfig, tokens: int, ep: int) -> int:
+    """Rows one EP rank receives per call (moe_ep_transport.EPConfig.rank_capacity)."""
+    slots = tokens * cfg.top_k
+    if cfg.capacity_factor is None:
+        return ep * slots
+    return min(ep * slots, max(1, math.ceil(cfg.capacity_factor * slots)))
+
+
+def _local_dispatch(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int) -> None:
+    """moe_model.LocalDispatcher: index vectors on the handle (ctx); the combine
+    ``y = bmm(w, rows_out[row_of_slot].float())`` keeps rows_out and w."""
+    T, D, E, b = ex.tokens, cfg.d_model, cfg.n_experts, ex.compute_bytes
+    N = T * cfg.top_k
+    if cfg.capacity_factor is None:
+        inv.add("dispatch.slot_of_row", INDEX * N, "ctx")
+        inv.add("dispatch.token_of_row", INDEX * N, "ctx")
+    else:
+        inv.add("dispatch.slot_of_row", INDEX * (R + 1), "ctx")  # a view of R + 1 entries
+        inv.add("dispatch.token_of_row", INDEX * R, "ctx")
+        inv.add("dispatch.kept_of_slot", FP32 * N, "ctx")
+        inv.add("dispatch.valid_rows", R, "ctx")
+        inv.add("combine.weights", FP32 * N, "saved")  # weights * kept
+    inv.add("dispatch.row_of_slot", INDEX * N, "ctx")
+    inv.add("dispatch.dropped", INDEX * E, "ctx")
+    inv.add("dispatch.offsets", OFFSET * E, "saved", "fwd_live")
+    inv.add("dispatch.rows", b * R * D, "saved", "fwd_live")
+    inv.add("combine.gathered", b * N * D, "fwd_live")
+    inv.add("combine.gathered32", FP32 * N * D, "fwd_live")
+    inv.add("combine.y32", FP32 * T * D, "fwd_live", "selective")
+    inv.add("combine.dy32", FP32 * T * D)
+    inv.add("combine.d_rows32", FP32 * N * D)
+    inv.add("combine.d_weights", FP32 * N)
+    inv.moment((), {"grad_out", "combine.dy32", "combine.d_rows32", "combine.gathered",
+                    "combine.gathered32", "combine.d_weights"})
+
+
+def _ep_dispatch(inv: Inventory, cfg: MoEConfig, ex: Execution, C: int) -> None:
+    """moe_ep_transport.EPDispatcher: the route plan lives on the autograd context; the
+    combine keeps the gathered rows [N, D] (for the weights' gradient) and w [N]."""
+    T, D, E, b, M = ex.tokens, cfg.d_model, cfg.n_experts, ex.compute_bytes, ex.ep
+    N, L = T * cfg.top_k, cfg.n_experts // ex.ep
+    inv.add("plan.counts", 2 * INDEX * M * E, "ctx")  # counts_ME, kept_ME
+    inv.add("plan.dst", 2 * INDEX * N, "ctx")  # dst_rank_N, dst_row_N
+    inv.add("plan.row_src", INDEX * C, "ctx")
+    inv.add("plan.recv_base", INDEX * L * M, "ctx")
+    inv.add("dispatch.offsets", OFFSET * L, "saved", "fwd_live")
+    combine_temps = {"combine.y32"}
+    if ex.ep_backend == "all_to_all":
+        inv.add("route.send_order", INDEX * N, "ctx")
+        inv.add("route.recv_pos", INDEX * C, "ctx")
+        inv.add("combine.payload", b * C * D, "fwd_live")
+        inv.add("combine.inbox", b * N * D, "fwd_live")
+        combine_temps |= {"combine.payload", "combine.inbox"}
+    else:
+        inv.add("route.origin", INDEX * C, "ctx")
+    inv.add("dispatch.rows", b * C * D, "saved", "fwd_live")
+    inv.add("combine.weights", FP32 * N, "saved")
+    inv.add("combine.rows", b * N * D, "saved", "fwd_live")
+    inv.add("combine.y32", FP32 * T * D, "fwd_live", "selective")
+    inv.add("combine.dy32", FP32 * T * D)
+    inv.add("combine.d_rows", b * N * D)  # grad_y * w, sent back to the experts' ranks
+    inv.add("combine.d_rows_in", b * C * D)  # what arrives: the experts' output gradient
+    inv.moment((), {"grad_out", "combine.dy32", "combine.d_rows", "combine.d_rows_in"}
+               | (combine_temps - {"combine.y32"}))
+
+
+def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool) -> None:
+    """SwiGLU over R rows: BF16 grouped GEMMs, or moe_mxfp8's (keeps rows and h13, or
+    their MXFP8 forms with ``save_mxfp8_activations``). The backward's high-water mark
+    is at the SwiGLU's gradient, with the down projection's weight gradient not yet
+    handed to DDP (the stacked weights are transposed before the GEMMs, so their
+    gradients reach the accumulator only after the SwiGLU's backward)."""
+    from moe_mxfp8.format import mxfp8_nbytes
+
+    D, F, b = cfg.d_model, cfg.expert_hidden, ex.compute_bytes
+    E_local = cfg.n_experts // ex.ep
+    inv.add("experts.out", b * R * D, "saved", "selective", "fwd_live")
+    inv.add("experts.dw", b * E_local * F * D)
+    # By the SwiGLU's gradient, the down projection's backward has freed its input h
+    # and the output gradient; the combine's backward has freed what it kept.
+    freed = {"experts.out", "experts.h", "combine.weights", "combine.rows"}
+    if not mxfp8:
+        for name in ("h1", "h3"):
+            inv.add(f"experts.{name}", b * R * F, "saved", "selective")
+        inv.add("experts.act", b * R * F, "saved")
+        inv.add("experts.h", b * R * F, "saved")
+        inv.add("experts.d_h", b * R * F)
+        inv.add("experts.d_gates", 2 * b * R * F)
+        inv.moment(freed, {"grad_out", "experts.d_h", "experts.d_gates", "experts.dw"})
+        return
+    inv.selective.discard("experts.out")  # one custom function: nothing inside is cached
+    if ex.mxfp8_save_activations:
+        inv.saved.discard("dispatch.rows")
+        inv.add("experts.rows_mx", mxfp8_nbytes((R, D)), "saved")
+        inv.add("experts.h13_mx", mxfp8_nbytes((R, 2 * F)), "saved")
+        inv.add("experts.h_mx", mxfp8_nbytes((R, F)), "saved")
+    else:
+        inv.add("experts.h13", b * R * 2 * F, "saved")
+    # The FP32 SwiGLU gradient: h1, h3, dh, sigmoid (4 x R*F) and the [R, 2F] result.
+    inv.add("experts.swiglu_grad32", FP32 * R * F * 6)
+    inv.add("experts.d_h", b * R * F)
+    inv.moment(freed, {"grad_out", "experts.d_h", "experts.swiglu_grad32", "experts.dw"})
+
+
+def _swiglu(inv: Inventory, prefix: str, T: int, D: int, F: int, b: int, peaks: bool) -> None:
+    """A dense SwiGLU (dense layers, shared experts); its backward runs before the
+    routed branch's (created later in the forward, so first in the backward). The
+    down projection's weight gradient goes to DDP at once (``nn.Linear`` transposes its
+    weight inside the call), before the SwiGLU's own gradient. ``peaks``: the block's
+    forward peaks here (a dense block: at the gate product, act, h3 and h are alive)."""
+    forward = ("fwd_live",) if peaks else ()
+    inv.add(f"{prefix}.h1", b * T * F, "saved", "selective")
+    inv.add(f"{prefix}.h3", b * T * F, "saved", "selective", *forward)
+    inv.add(f"{prefix}.act", b * T * F, "saved", *forward)
+    inv.add(f"{prefix}.h", b * T * F, "saved", *forward)
+    inv.add(f"{prefix}.out", b * T * D, "selective")
+    inv.add(f"{prefix}.d_h", b * T * F)
+    inv.add(f"{prefix}.d_gates", 2 * b * T * F)
+    inv.add(f"{prefix}.dw", b * D * F)
+    inv.moment((), {"grad_out", f"{prefix}.d_h", f"{prefix}.dw"})
+    inv.moment({f"{prefix}.h"}, {"grad_out", f"{prefix}.d_h", f"{prefix}.d_gates"})
+
+
+def block_inventory(cfg: MoEConfig, layer: int, ex: Execution) -> Inventory:
+    """Every tensor of block ``layer`` for one microbatch."""
+    T, D, b = ex.tokens, cfg.d_model, ex.compute_bytes
+    inv = Inventory()
+    inv.add("input", b * T * D)
+    inv.add("grad_out", b * T * D)
+    moe = cfg.is_moe_layer(layer)
+    _norm(inv, "mlp_norm", T, D, b, out_saved=not moe or cfg.n_shared_experts > 0)
+    inv.fwd_live.add("mlp_norm.out")
+    if moe:
+        if cfg.n_shared_experts:
+            _swiglu(inv, "shared", T, D, cfg.shared_hidden_width, b, peaks=False)
+        _router(inv, cfg, ex)
+        if ex.ep > 1:
+            R = ep_capacity(cfg, T, ex.ep)
+            _ep_dispatch(inv, cfg, ex, R)
+        else:
+            R = local_rows(cfg, T)
+            _local_dispatch(inv, cfg, ex, R)
+        _experts(inv, cfg, ex, R, layer in ex.mxfp8_expert_layers)
+    else:
+        _swiglu(inv, "mlp", T, D, cfg.dense_hidden_width, b, peaks=True)
+    _attention(inv, cfg, ex)
+    return inv
+
+
+@dataclass(frozen=True)
+class EdgeMemory:
+    """The stage's ends: token ids (first stage); final norm, head and loss (last stage)."""
+
+    held: int  # kept until the stage's backward
+    fwd_peak: int  # added on top of everything held, at the head's forward high-water mark
+    bwd_peak: int  # same, at the loss's backward high-water mark
+
+
+def head_memory(cfg: MoEConfig, ex: Execution) -> EdgeMemory:
+    """Final norm, head and FP32 cross-entropy (``lm_loss_sum``).
+
+    Forward: logits [T,V] in BF16, an FP32 copy, log-softmax's FP32 output (kept; the
+    trainer and the pipeline pass the logits straight to the loss, so they die with it).
+    Backward: the loss gradient [T,V] FP32, log-softmax's input gradient FP32, then the
+    BF16 logits gradient and the head's BF16 weight gradient (freed by the DDP hook).
+    """
+    T, D, V, b = ex.tokens, cfg.d_model, cfg.vocab_size, ex.compute_bytes
+    inv = Inventory()
+    _norm(inv, "final_norm", T, D, b, out_saved=True)
+    log_probs = FP32 * T * V
+    held = inv.bytes(inv.saved) + log_probs
+    fwd = inv.bytes(inv.saved) + b * T * V + 2 * FP32 * T * V
+    ce_backward = held + 2 * FP32 * T * V
+    head_backward = held - log_probs + b * T * V + b * V * D + b * T * D
+    return EdgeMemory(held=held, fwd_peak=fwd, bwd_peak=max(ce_backward, head_backward))
+
+
+def tokens_memory(ex: Execution) -> int:
+    """Token ids of a microbatch (int64 [B, S+1]), kept by the embedding's backward."""
+    return INDEX * ex.micro_batch * (ex.seq_len + 1)

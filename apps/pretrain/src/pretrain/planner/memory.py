@@ -1,0 +1,281 @@
+"""The memory plan of a run: per pipeline rank, every category, the peak, and whether it fits.
+
+    peak allocated = persistent state
+                   + max(activation high-water mark of the schedule,
+                         optimizer-step transients)
+                   + kernel workspaces
+    on the device  = peak allocated x (1 + allocator fragmentation)
+                   + CUDA context + NCCL communicators + NVSHMEM symmetric heap
+
+"Peak allocated" is what ``torch.cuda.max_memory_allocated`` reports and what the
+GPU validation compares against; the terms outside PyTorch's allocator (context,
+NCCL, NVSHMEM) and fragmentation only enter "on the device", which decides whether
+a layout fits. Every rank of a pipeline stage holds the same amounts (DP and EP
+ranks are symmetric), so one rank per stage is planned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from moe_model import MoEConfig, active_params, total_params
+from moe_mxfp8 import name_matches
+from pretrain.config import PretrainConfig, validate_layout
+from pretrain.planner.activations import EPBackend, Execution, ep_capacity
+from pretrain.planner.persistent import (
+    ModelShapes,
+    PersistentMemory,
+    StateLayout,
+    persistent_memory,
+)
+from pretrain.planner.pipeline import rank_activations
+from pretrain.planner.stage import StageMemory, stage_memory
+
+GIB = 2**30
+FP32 = 4
+
+# Outside PyTorch's allocator; estimates to be replaced by GPU measurements
+# (tools/perf_notes.md says how).
+CUDA_CONTEXT = int(0.6 * GIB)  # CUDA 13 context with torch's kernels loaded
+NCCL_PER_GROUP = 256 * 2**20  # buffers of one NCCL communicator of 2-8 NVLink peers
+KERNEL_WORKSPACES = 64 * 2**20  # cuBLAS/cuBLASLt workspaces, allocated through PyTorch
+FRAGMENTATION = 0.05  # reserved / allocated - 1 of the caching allocator
+NVSHMEM_HEAP_MARGIN = 256 * 2**20  # moe_ep_transport.nvshmem_memory's margin for NVSHMEM state
+H200_GIB = 140.0  # an H200 "141 GB": 143,771 MiB as nvidia-smi reports it
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """A model and a layout to plan, with the device it must fit on."""
+
+    model: MoEConfig
+    world: int
+    pp: int = 1
+    ep: int = 1
+    schedule: str = "1f1b"  # moe_pp schedule: gpipe | 1f1b (interleaved when virtual > 1) | zero_bubble
+    virtual: int = 1
+    pp_split: str = "params"  # moe_pp split policy: params | flops
+    micro_batch: int = 1
+    seq_len: int = 4096
+    global_batch: int = 1  # sequences per optimizer step
+    ddp_mode: str = "reduce_scatter"
+    bucket_cap_mb: float = 64.0
+    optimizer: str = "adamw"
+    ep_backend: EPBackend = "local"
+    mxfp8_targets: tuple[str, ...] = ()
+    mxfp8_save_activations: bool = False
+    gpu_gib: float = H200_GIB
+    headroom: float = 0.10  # share of the device kept free
+
+    def __post_init__(self) -> None:
+        for name in ("world", "pp", "ep", "virtual", "micro_batch", "seq_len", "global_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PlanRequest.{name} must be >= 1, got {getattr(self, name)}")
+        if self.world % self.pp:
+            raise ValueError(f"world {self.world} is not divisible by pp={self.pp}")
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide the data-parallel size {self.dp}")
+        if self.model.n_experts % self.ep:
+            raise ValueError(f"n_experts={self.model.n_experts} is not divisible by ep={self.ep}")
+        if self.global_batch % (self.dp * self.micro_batch):
+            raise ValueError(f"global_batch={self.global_batch} is not divisible by dp={self.dp} "
+                             f"x micro_batch={self.micro_batch}")
+        if self.model.n_layers < self.pp * self.virtual:
+            raise ValueError(f"{self.model.n_layers} layers cannot fill {self.pp * self.virtual} stages")
+        if (self.ep > 1) == (self.ep_backend == "local"):
+            raise ValueError(f"ep_backend={self.ep_backend!r} does not go with ep={self.ep}")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"optimizer must be adamw or muon, got {self.optimizer!r}")
+        if not 0 <= self.headroom < 1:
+            raise ValueError(f"headroom must be in [0, 1), got {self.headroom}")
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.pp
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per rank per optimizer step."""
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @classmethod
+    def from_config(cls, cfg: PretrainConfig, world: int, **planner: object) -> PlanRequest:
+        """The request for ``cfg`` run on ``world`` ranks (layout checked as the app does).
+
+        ``planner`` sets what the run config does not carry (``gpu_gib``, ``headroom``)."""
+        layout = validate_layout(cfg, world)
+        p = cfg.parallel
+        return cls(model=cfg.model, world=world, pp=layout.pp, ep=layout.ep,
+                   schedule=p.pp_schedule, virtual=p.pp_virtual_stages, pp_split=p.pp_split,
+                   micro_batch=cfg.train.micro_batch, seq_len=cfg.train.seq_len,
+                   global_batch=cfg.train.global_batch, ddp_mode=p.ddp_mode,
+                   bucket_cap_mb=p.bucket_cap_mb, optimizer=cfg.optim.name,
+                   ep_backend=_ep_backend(p.resolved_ep_backend()),
+                   mxfp8_targets=tuple(cfg.mxfp8.targets),
+                   mxfp8_save_activations=cfg.mxfp8.save_mxfp8_activations,
+                   **planner)  # type: ignore[arg-type]
+
+
+def _ep_backend(name: str) -> EPBackend:
+    if name not in ("local", "all_to_all", "rowwise"):
+        raise ValueError(f"unknown EP backend {name!r}")
+    return name  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One pipeline rank (every DP/EP rank of that stage holds the same)."""
+
+    pp_rank: int
+    layers: tuple[int, ...]
+    params: int  # parameters held (its slices)
+    weights: int
+    grads: int
+    optimizer: int
+    mxfp8_caches: int
+    bookkeeping: int
+    activations_held_per_microbatch: int  # summed over the rank's stages
+    activations_peak: int  # schedule high-water mark (microbatches in flight, transients)
+    in_flight: int
+    optimizer_step_transient: int
+    kernel_workspaces: int
+    peak_allocated: int
+    fragmentation: int
+    cuda_context: int
+    nccl: int
+    nvshmem_heap: int
+    device_total: int
+    fits: bool
+
+    @property
+    def persistent(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.mxfp8_caches + self.bookkeeping
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    request: PlanRequest
+    total_params: int
+    active_params: int
+    capacity_rows: int  # rows the experts run on per MoE layer and microbatch
+    ranks: tuple[RankPlan, ...] = field(default_factory=tuple)
+
+    @property
+    def worst(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: r.device_total)
+
+    @property
+    def fits(self) -> bool:
+        return all(r.fits for r in self.ranks)
+
+    def to_json(self) -> dict:
+        req = asdict(self.request)
+        req["model"] = asdict(self.request.model)
+        req["mxfp8_targets"] = list(self.request.mxfp8_targets)
+        return {
+            "request": req, "dp": self.request.dp, "microbatches": self.request.microbatches,
+            "total_params": self.total_params, "active_params": self.active_params,
+            "capacity_rows": self.capacity_rows, "fits": self.fits,
+            "worst_pp_rank": self.worst.pp_rank,
+            "ranks": [{**asdict(r), "persistent": r.persistent} for r in self.ranks],
+        }
+
+
+def _optimizer_step_transient(state: PersistentMemory, optimizer: str) -> int:
+    """Allocations of the step boundary (activations are freed by then).
+
+    Rebuild: moe_optim gathers compute weights in capped chunks, three in flight at
+    most. Muon (modelled from moe_optim's code, not measured): FP32 update directions
+    and results of every owned shard (8 B/element), the exchanges' send, receive and
+    return buffers for sharded tensors (12 B/element), and one Newton-Schulz batch of
+    equal-shaped matrices at a time (FP32 input and result, BF16 iterate, Gram
+    products and their sums: ~16 B/element).
+    """
+    transient = 3 * state.largest_gather_chunk
+    if optimizer == "muon":
+        transient += 8 * state.muon_owned + 12 * state.muon_exchanged + 16 * state.muon_largest_batch
+    return transient
+
+
+def _nccl_groups(req: PlanRequest) -> int:
+    """Communicators a rank joins with more than one member: DP, EP-DP, EP-MP, PP, world."""
+    sizes = [req.dp, req.dp // req.ep, req.ep, req.pp, req.world]
+    return sum(1 for s in sizes if s > 1)
+
+
+def _nvshmem_heap(req: PlanRequest) -> int:
+    """Two symmetric slabs (moe_ep_transport.rowwise) plus NVSHMEM's own state."""
+    if req.ep_backend != "rowwise":
+        return 0
+    from moe_ep_transport import EPConfig
+    from moe_ep_transport.peer_memory import N_SLABS
+    from moe_ep_transport.rowwise import slab_bytes_for
+
+    m = req.model
+    cfg = EPConfig(n_experts=m.n_experts, top_k=m.top_k, max_tokens=req.micro_batch * req.seq_len,
+                   d_model=m.d_model, capacity_factor=m.capacity_factor)
+    return N_SLABS * slab_bytes_for(cfg, req.ep, 2 * m.d_model) + NVSHMEM_HEAP_MARGIN
+
+
+def plan_memory(req: PlanRequest, shapes: ModelShapes | None = None,
+                kernels: str = "cuda") -> MemoryPlan:
+    """Plan every pipeline rank of ``req`` (``shapes``: the model's, when planning many
+    layouts of one model; ``kernels``: whose attention kernels allocate, cuda | cpu)."""
+    m = req.model
+    shapes = shapes or ModelShapes(m)
+    if replace(shapes.cfg, recompute=m.recompute) != m:
+        raise ValueError("plan_memory: shapes were built for another model configuration")
+    ex = Execution(
+        micro_batch=req.micro_batch, seq_len=req.seq_len, ep=req.ep, ep_backend=req.ep_backend,
+        mxfp8_expert_layers=frozenset(
+            layer for layer in range(m.n_layers)
+            if any(name_matches(f"blocks.{layer}.mlp.experts", t) for t in req.mxfp8_targets)),
+        mxfp8_save_activations=req.mxfp8_save_activations,
+        kernels=kernels,  # type: ignore[arg-type]
+    )
+    state_layout = StateLayout(dp=req.dp, ep=req.ep, ddp_mode=req.ddp_mode,
+                               bucket_cap_mb=req.bucket_cap_mb, optimizer=req.optimizer,
+                               mxfp8_targets=req.mxfp8_targets)
+    stage_layers = shapes.stage_layers(req.pp, req.virtual, req.pp_split, req.seq_len)
+    n_stages = len(stage_layers)
+    capacity = m.top_k * ex.tokens if req.ep == 1 else ep_capacity(m, ex.tokens, req.ep)
+    ranks = []
+    for rank in range(req.pp):
+        own = list(range(rank, n_stages, req.pp))
+        layers = tuple(layer for s in own for layer in stage_layers[s])
+        stages: dict[int, StageMemory] = {
+            s: stage_memory(m, stage_layers[s], s == 0, s == n_stages - 1, ex) for s in own
+        }
+        acts = rank_activations(stages, req.pp, req.virtual, req.schedule, req.microbatches, rank)
+        params = shapes.held(layers, 0 in own, n_stages - 1 in own, req.ep)
+        state = persistent_memory(m, params, state_layout)
+        step = _optimizer_step_transient(state, req.optimizer)
+        peak = state.total + max(acts.peak, step) + KERNEL_WORKSPACES
+        frag = int(FRAGMENTATION * peak)
+        nccl = NCCL_PER_GROUP * _nccl_groups(req)
+        heap = _nvshmem_heap(req)
+        device = peak + frag + CUDA_CONTEXT + nccl + heap
+        ranks.append(RankPlan(
+            pp_rank=rank, layers=layers, params=state.n_params, weights=state.weights,
+            grads=state.grads, optimizer=state.optimizer, mxfp8_caches=state.mxfp8_caches,
+            bookkeeping=state.bookkeeping,
+            activations_held_per_microbatch=sum(s.held for s in stages.values()),
+            activations_peak=acts.peak, in_flight=acts.in_flight,
+            optimizer_step_transient=step, kernel_workspaces=KERNEL_WORKSPACES,
+            peak_allocated=peak, fragmentation=frag, cuda_context=CUDA_CONTEXT, nccl=nccl,
+            nvshmem_heap=heap, device_total=device,
+            fits=device <= (1 - req.headroom) * req.gpu_gib * GIB,
+        ))
+    return MemoryPlan(req, total_params(m), active_params(m), capacity, tuple(ranks))
+
+
+def gib(nbytes: int) -> float:
+    return nbytes / GIB
+
+
+def fits_share(plan: MemoryPlan) -> float:
+    """Worst rank's device total as a share of the usable device memory."""
+    req = plan.request
+    return plan.worst.device_total / ((1 - req.headroom) * req.gpu_gib * GIB)
+
+

@@ -1,0 +1,209 @@
+"""Persistent training state of one rank, tensor by tensor, with the packages' own rules.
+
+For each parameter the rank holds (its pipeline stages' blocks, the embedding on
+the first stage, the final norm and head on the last, its EP slice of every expert
+tensor):
+
+- compute weight: the parameter itself, in the compute dtype;
+- FP32 gradient: moe_ddp's flat buckets, laid out by ``moe_ddp.layout.plan_buckets``
+  (per replica group, owner-major reduce-scatter buckets, 16-element alignment),
+  so bucket padding is counted exactly;
+- FP32 main weight and optimizer states of the owned part: a tensor is sharded
+  over its replica group iff ``moe_ddp.is_sharded`` (numel divisible by the group
+  size and at least ``min_shard_numel``), else every replica keeps all of it;
+  AdamW keeps two moments, Muon one momentum; which tensor gets which is the app's
+  own policy (``pretrain.optimizer.param_rules``, resolved by moe_optim);
+- MXFP8 weight caches of targeted modules (both orientations, data plus scales).
+
+Replica groups: dense parameters replicate over DP, routed experts over EP-DP.
+Under ``reduce_scatter`` a sharded tensor's gradient bucket still has the whole
+tensor (reduce-scatter is in place): only the optimizer state is sharded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from moe_ddp import is_sharded
+from moe_ddp.layout import ParamEntry, plan_buckets
+from moe_model import MoEConfig, MoETransformer, param_kind
+from moe_optim.config import resolve_rule
+from pretrain.config import OptimConfig as AppOptimConfig
+from pretrain.optimizer import MIN_SHARD_NUMEL, optim_config, param_rules
+
+FP32 = 4
+INDEX = 8
+
+
+@dataclass(frozen=True)
+class HeldParam:
+    name: str
+    shape: tuple[int, ...]  # this rank's part (experts: its EP slice)
+    kind: str  # "dense" | "expert"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class PersistentMemory:
+    weights: int  # compute weights (and persistent buffers)
+    grads: int  # FP32 gradient buckets
+    optimizer: int  # FP32 main weights, moments/momentum, step counter, norm weights
+    mxfp8_caches: int  # derived MXFP8 weight copies
+    bookkeeping: int  # per-step routing statistics
+    n_params: int  # parameters this rank holds (its parts)
+    largest_gather_chunk: int  # bytes of the largest compute-weight rebuild chunk
+    muon_owned: int = 0  # elements of Muon tensors this rank updates (its shards)
+    muon_exchanged: int = 0  # of those, elements of sharded tensors (sent to their owners)
+    muon_largest_batch: int = 0  # elements of the largest same-shape Newton-Schulz batch it runs
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.mxfp8_caches + self.bookkeeping
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """What decides the persistent bytes besides the parameters."""
+
+    dp: int
+    ep: int
+    ddp_mode: str = "reduce_scatter"  # moe_ddp mode
+    bucket_cap_mb: float = 64.0  # moe_ddp bucket cap (MiB of FP32)
+    optimizer: str = "adamw"  # adamw | muon
+    param_bytes: int = 2
+    mxfp8_targets: tuple[str, ...] = ()  # module-name globs (moe_mxfp8.MXFP8Config.targets)
+
+    @property
+    def ep_dp(self) -> int:
+        return self.dp // self.ep
+
+
+class ModelShapes:
+    """The logical parameters of a model (built once on the meta device) and its
+    pipeline splits, shared by every layout planned for that model."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        with torch.device("meta"):
+            self.model = MoETransformer(cfg)
+        self.cfg = cfg
+        self.params = [(name, tuple(p.shape)) for name, p in
+                       self.model.named_parameters(remove_duplicate=False) if p.requires_grad]
+        self._splits: dict[tuple[int, int, str, int], list[tuple[int, ...]]] = {}
+
+    def stage_layers(self, pp: int, virtual: int, policy: str, seq_len: int) -> list[tuple[int, ...]]:
+        """Blocks of every pipeline stage, as moe_pp splits them."""
+        if pp * virtual == 1:
+            return [tuple(range(self.cfg.n_layers))]
+        key = (pp, virtual, policy, seq_len)
+        if key not in self._splits:
+            from moe_pp import split_model
+
+            split = split_model(self.model, pp, virtual, policy, seq_len)
+            self._splits[key] = [tuple(int(n) for n in names) for names in split.stage_blocks]
+        return self._splits[key]
+
+    def held(self, layers: Sequence[int], first: bool, last: bool, ep: int) -> list[HeldParam]:
+        """The parameters a rank holding blocks ``layers`` keeps, in registration order.
+
+        A tied head on a last stage without the embedding is its own copy
+        (``head.weight``), as moe_pp keeps it."""
+        wanted = {str(i) for i in layers}
+        held = []
+        for name, shape in self.params:
+            top, _, rest = name.partition(".")
+            keep = ((top == "embed" and first) or (top in ("norm", "head") and last)
+                    or (top == "blocks" and rest.split(".")[0] in wanted))
+            if self.cfg.tie_embeddings and name == "head.weight" and first:
+                keep = False  # the embedding's parameter, already counted
+            if not keep:
+                continue
+            kind = param_kind(name)
+            if kind == "expert":
+                shape = (shape[0] // ep, *shape[1:])
+            held.append(HeldParam(name, shape, kind))
+        return held
+
+
+def _mxfp8_cache_bytes(cfg: MoEConfig, params: list[HeldParam], targets: tuple[str, ...]) -> int:
+    """Both orientations (rows: blocked along the last dim, cols: along the one before)
+    of every targeted linear's weight and of each targeted expert stack (gate and up
+    share one [E, 2F, D] cache)."""
+    if not targets:
+        return 0
+    from moe_mxfp8 import name_matches
+    from moe_mxfp8.format import mxfp8_nbytes
+
+    def both(shape: tuple[int, ...]) -> int:
+        return mxfp8_nbytes(shape, axis=-1) + mxfp8_nbytes(shape, axis=-2)
+
+    total = 0
+    for p in params:
+        module, _, leaf = p.name.rpartition(".")
+        if not any(name_matches(module, t) for t in targets):
+            continue
+        if p.kind == "expert":
+            if leaf == "w1":  # with w3: one cache of [E, 2F, D]
+                total += both((p.shape[0], 2 * p.shape[1], p.shape[2]))
+            elif leaf == "w2":
+                total += both(p.shape)
+        elif len(p.shape) == 2 and not module.endswith(("embed", "router")):
+            total += both(p.shape)
+    return total
+
+
+def persistent_memory(cfg: MoEConfig, params: list[HeldParam],
+                      state: StateLayout) -> PersistentMemory:
+    """Bytes of every persistent tensor of a rank holding ``params``."""
+    app_optim = AppOptimConfig(name=state.optimizer)  # type: ignore[arg-type]
+    rules, optim = param_rules(app_optim), optim_config(app_optim)
+    cap = int(optim.gather_bucket_mb * 2**20)
+    entries, optimizer, muon_owned, muon_exchanged = [], 0, 0, 0
+    gather_chunks: dict[str, int] = {}
+    largest_chunk = 0
+    muon_batches: dict[tuple[int, ...], int] = {}
+    for p in params:
+        group = state.dp if p.kind == "dense" else state.ep_dp
+        sharded = is_sharded(p.numel, group, MIN_SHARD_NUMEL)
+        if group > 1:
+            collective = "reduce_scatter" if state.ddp_mode == "reduce_scatter" and sharded \
+                else "all_reduce"
+        else:
+            collective = "none"
+        entries.append(ParamEntry(p.numel, p.kind, group, collective))
+        owned = p.numel // group if sharded else p.numel
+        meta = torch.empty(p.shape, device="meta")
+        muon = resolve_rule(p.name, meta, rules, optim).algorithm == "muon"  # type: ignore[arg-type]
+        optimizer += FP32 * owned * (2 if muon else 3)  # main + momentum | main + two moments
+        if muon:  # owners run whole matrices, spread evenly over the group
+            muon_owned += owned
+            muon_exchanged += owned if sharded else 0
+            matrix = p.shape[-2:]
+            muon_batches[matrix] = muon_batches.get(matrix, 0) + owned
+        if sharded:  # the rebuild gathers per replica group in capped chunks
+            nbytes = p.numel * state.param_bytes
+            chunk = gather_chunks.get(p.kind, 0)
+            chunk = nbytes if chunk + nbytes > cap and chunk else chunk + nbytes
+            gather_chunks[p.kind] = chunk
+            largest_chunk = max(largest_chunk, chunk)
+    optimizer += FP32 * (1 + len(params))  # step counter, per-tensor norm weights
+    cap_numel = max(1, int(state.bucket_cap_mb * 2**20) // FP32)
+    grads = FP32 * sum(b.numel for b in plan_buckets(entries, cap_numel))
+    weights = sum(p.numel for p in params) * state.param_bytes
+    n_moe = sum(1 for p in params if p.name.endswith("router.weight"))
+    if cfg.bias_update_rate > 0:
+        weights += n_moe * FP32 * cfg.n_experts  # the routers' selection bias buffers
+    # Per MoE layer and step: tokens and drops per expert, loss sums, token count.
+    bookkeeping = n_moe * (2 * INDEX * cfg.n_experts + 2 * FP32 + INDEX)
+    return PersistentMemory(
+        weights=weights, grads=grads, optimizer=optimizer,
+        mxfp8_caches=_mxfp8_cache_bytes(cfg, params, state.mxfp8_targets),
+        bookkeeping=bookkeeping, n_params=sum(p.numel for p in params),
+        largest_gather_chunk=largest_chunk, muon_owned=muon_owned, muon_exchanged=muon_exchanged,
+        muon_largest_batch=max(muon_batches.values(), default=0),
+    )

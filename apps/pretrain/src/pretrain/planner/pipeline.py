@@ -1,0 +1,57 @@
+"""Microbatches in flight: the activation high-water mark of a pipeline rank.
+
+A rank runs its schedule's actions one at a time (moe_pp's per-rank action lists).
+A forward of (stage, microbatch) peaks at that stage's forward high-water mark on
+top of everything the other in-flight microbatches hold, then keeps its held
+bytes; a backward peaks likewise and releases them (a split backward releases at
+its weight pass). Walking the exact action list of the configured schedule gives
+the rank's peak and its largest number of microbatches in flight, whatever the
+stages' sizes (the first stage has the token ids, the last the logits).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from moe_pp import Schedule, make_schedule
+from pretrain.planner.stage import StageMemory
+
+
+@dataclass(frozen=True)
+class RankActivations:
+    peak: int  # high-water mark of activation bytes on the rank
+    in_flight: int  # most (stage, microbatch) pairs held at once
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(name: str, pp: int, virtual: int, n_microbatches: int) -> Schedule:
+    """Building a schedule simulates it (deadlock check): worth keeping for sweeps."""
+    return make_schedule(name, pp, virtual, n_microbatches)
+
+
+def rank_activations(stages: Mapping[int, StageMemory], pp: int, virtual: int, schedule: str,
+                     n_microbatches: int, rank: int) -> RankActivations:
+    """Walk rank ``rank``'s actions of moe_pp schedule ``schedule`` (``gpipe``, ``1f1b``
+    (interleaved with ``virtual > 1``), ``zero_bubble``); ``stages`` maps the rank's
+    stage indices to their memory."""
+    if pp == 1:
+        (only,) = stages.values()  # microbatches run one after another
+        return RankActivations(only.peak, 1)
+    plan = _schedule(schedule, pp, virtual, n_microbatches)
+    release = "W" if plan.split_backward else "B"
+    held = peak = in_flight = most = 0
+    for action in plan.orders[rank]:
+        stage = stages[action.stage]
+        if action.kind == "F":
+            peak = max(peak, held + stage.fwd_peak)
+            held += stage.held
+            in_flight += 1
+            most = max(most, in_flight)
+        elif action.kind == "B":
+            peak = max(peak, held - stage.held + stage.bwd_peak)
+        if action.kind == release:
+            held -= stage.held
+            in_flight -= 1
+    return RankActivations(peak, most)
