@@ -185,15 +185,15 @@ def _optimizer_step_transient(state: PersistentMemory, optimizer: str) -> int:
     """Allocations of the step boundary (activations are freed by then).
 
     Rebuild: moe_optim gathers compute weights in capped chunks, three in flight at
-    most. Muon (modelled from moe_optim's code, not measured): FP32 update directions
-    and results of every owned shard (8 B/element), the exchanges' send, receive and
-    return buffers for sharded tensors (12 B/element), and one Newton-Schulz batch of
-    equal-shaped matrices at a time (FP32 input and result, BF16 iterate, Gram
-    products and their sums: ~16 B/element).
+    most. Muon, from moe_optim's code: FP32 update directions and results of every
+    owned shard (8 B/element), the exchanges' send, receive and return buffers for
+    sharded tensors (12 B/element), and one Newton-Schulz batch of equal-shaped
+    matrices at a time (its FP32 copy, BF16 iterate and Gram products: 8 B/element,
+    measured on CPU together with the 8 B/element; the exchange term is not).
     """
     transient = 3 * state.largest_gather_chunk
     if optimizer == "muon":
-        transient += 8 * state.muon_owned + 12 * state.muon_exchanged + 16 * state.muon_largest_batch
+        transient += 8 * state.muon_owned + 12 * state.muon_exchanged + 8 * state.muon_largest_batch
     return transient
 
 
@@ -246,7 +246,8 @@ def plan_memory(req: PlanRequest, shapes: ModelShapes | None = None,
         stages: dict[int, StageMemory] = {
             s: stage_memory(m, stage_layers[s], s == 0, s == n_stages - 1, ex) for s in own
         }
-        acts = rank_activations(stages, req.pp, req.virtual, req.schedule, req.microbatches, rank)
+        acts = rank_activations(stages, req.pp, req.virtual, req.schedule, req.microbatches, rank,
+                                message_bytes=ex.compute_bytes * ex.tokens * m.d_model)
         params = shapes.held(layers, 0 in own, n_stages - 1 in own, req.ep)
         state = persistent_memory(m, params, state_layout)
         step = _optimizer_step_transient(state, req.optimizer)

@@ -7,6 +7,16 @@ bytes; a backward peaks likewise and releases them (a split backward releases at
 its weight pass). Walking the exact action list of the configured schedule gives
 the rank's peak and its largest number of microbatches in flight, whatever the
 stages' sizes (the first stage has the token ids, the last the logits).
+
+moe_pp issues its point-to-point operations lazily in one global message order
+and drops a sent tensor only when a later send finds it delivered, so a rank can
+hold receive buffers posted ahead and sent gradients not yet released. Measured
+on two gloo ranks: one to three activation-sized messages; the plan reserves
+``pp`` of them.
+
+Zero bubble is planned as 1F1B's order with the microbatch held until its weight
+pass; what the deferred weight pass keeps besides (the output gradients of the
+weight GEMMs) is not counted yet: expect an underestimate (7% on a CPU PP2 test).
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moe_pp import Schedule, make_schedule
+
 from pretrain.planner.stage import StageMemory
 
 
@@ -32,16 +43,18 @@ def _schedule(name: str, pp: int, virtual: int, n_microbatches: int) -> Schedule
 
 
 def rank_activations(stages: Mapping[int, StageMemory], pp: int, virtual: int, schedule: str,
-                     n_microbatches: int, rank: int) -> RankActivations:
+                     n_microbatches: int, rank: int, message_bytes: int = 0) -> RankActivations:
     """Walk rank ``rank``'s actions of moe_pp schedule ``schedule`` (``gpipe``, ``1f1b``
     (interleaved with ``virtual > 1``), ``zero_bubble``); ``stages`` maps the rank's
-    stage indices to their memory."""
+    stage indices to their memory; ``message_bytes``: one activation (or its gradient)
+    between stages."""
     if pp == 1:
         (only,) = stages.values()  # microbatches run one after another
         return RankActivations(only.peak, 1)
     plan = _schedule(schedule, pp, virtual, n_microbatches)
     release = "W" if plan.split_backward else "B"
-    held = peak = in_flight = most = 0
+    held = pp * message_bytes  # messages posted ahead or not yet released
+    peak = in_flight = most = 0
     for action in plan.orders[rank]:
         stage = stages[action.stage]
         if action.kind == "F":

@@ -59,7 +59,10 @@ def stage_memory(cfg: MoEConfig, layers: Sequence[int], first: bool, last: bool,
         edge_held = residual  # the output sent to the next stage
     total_held = held + edge_held
 
-    bwd_peak = held + (head.bwd_peak if head is not None else edge_held + residual)
+    # A non-last stage keeps its output until its backward is done, next to the
+    # gradient it received for it (the last block's output gradient).
+    held += 0 if head is not None else edge_held
+    bwd_peak = held + (head.bwd_peak if head is not None else residual)
     for inv in reversed(inventories):
         held -= inv.held(recompute)
         bwd_peak = max(bwd_peak, held + inv.backward_peak(recompute))
