@@ -1,4 +1,7 @@
-"""GPU runs of the app: GPU-only metrics, and DP2 over NCCL against one GPU."""
+"""GPU runs of the app: GPU-only metrics, DP2 over NCCL against one GPU, no host sync in a step.
+
+    tools/from_source.sh python3 -m pytest -p moe_testing.pytest_plugin apps/pretrain/tests/test_gpu.py -m "gpu or multigpu"
+"""
 
 from __future__ import annotations
 
@@ -8,9 +11,18 @@ import subprocess
 import sys
 
 import pytest
-
-from pretrain.config import load_config
+import torch
+from moe_testing import run_distributed
+from pretrain.config import load_config, validate_layout
+from pretrain.mesh import build_mesh
+from pretrain.runtime import distributed
 from pretrain.train import train
+from pretrain.trainer import Trainer
+
+# Widths that torch._grouped_mm takes (16-byte rows), so no expert GEMM reads offsets on the host.
+NO_SYNC = ["train.device=cuda", "model.d_model=128", "model.head_dim=32", "model.expert_hidden=128",
+           "model.bias_update_rate=0.01", "model.lb_loss_granularity=global_batch",
+           "train.steps=8"]
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -25,15 +37,62 @@ def test_tiny_on_a_gpu_reports_mfu_and_peak_memory(tmp_path):
         assert not r["skipped"] and 0 < r["mfu"] < 1 and r["peak_mem_gib"] > 0
 
 
+@pytest.mark.gpu
+def test_mxfp8_experts_train_on_a_gpu(tmp_path):
+    history = train(load_config("tiny", [f"run_dir={tmp_path}", "train.device=cuda",
+                                         "mxfp8.targets=experts", "train.steps=8"]))
+    assert all(not r["skipped"] for r in history) and history[-1]["loss"] < history[0]["loss"]
+
+
 @pytest.mark.multigpu(2)
-def test_dp2_over_nccl_matches_one_gpu(tmp_path):
+def test_dp2_and_ep2_over_nccl_match_one_gpu(tmp_path):
     common = ["--config", "tiny", "train.device=cuda", "train.compute_dtype=float32"]
     single = train(load_config(common[1], [*common[2:], f"run_dir={tmp_path / 'one'}"]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "pretrain", *common, f"run_dir={tmp_path / 'two'}"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for ours, ref in zip(_metrics(tmp_path / "two"), single, strict=True):
-        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4)
+    for name, extra in (("dp2", []), ("ep2", ["parallel.ep=2", "parallel.ep_backend=rowwise"])):
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             "-m", "pretrain", *common, *extra, f"run_dir={tmp_path / name}"],
+            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        for ours, ref in zip(_metrics(tmp_path / name), single, strict=True):
+            assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4), name
+
+
+def _steady_state_step_syncs(overrides: list[str]) -> list[str]:
+    """Run 3 warm-up steps, then one step's device work under sync debug mode "error"."""
+    cfg = load_config("tiny", overrides)
+    failures = []
+    with distributed("cuda") as rt:
+        trainer = Trainer(cfg, build_mesh(validate_layout(cfg, rt.world_size), "cuda"), rt.device)
+        try:
+            for step in (1, 2, 3):
+                trainer.step(step)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                result = trainer._run(4, stop_requested=False)
+            except RuntimeError as e:
+                failures.append(str(e).splitlines()[0])
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            if not failures:
+                record, _ = trainer._read(4, result, 0.0)  # the one synchronisation, outside
+                assert not record["skipped"]
+        finally:
+            trainer.close()
+    return failures
+
+
+@pytest.mark.gpu
+def test_a_warmed_up_step_with_local_experts_does_not_sync_the_host():
+    assert _steady_state_step_syncs(NO_SYNC) == []
+
+
+def _ep2_rowwise_syncs() -> list[str]:
+    return _steady_state_step_syncs([*NO_SYNC, "parallel.ep=2", "parallel.ep_backend=rowwise"])
+
+
+@pytest.mark.multigpu(2)
+def test_a_warmed_up_ep2_step_on_nvshmem_does_not_sync_the_host():
+    assert run_distributed(_ep2_rowwise_syncs, 2, backend="nccl", timeout=300) == [[], []]

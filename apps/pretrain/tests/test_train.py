@@ -149,7 +149,8 @@ def test_sigterm_through_the_command_saves_a_checkpoint_and_exits_0(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "pretrain", "--config", "tiny", "train.steps=100000",
-         f"run_dir={run}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         f"run_dir={run}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         for line in proc.stdout:
             if line.startswith("step     2/"):

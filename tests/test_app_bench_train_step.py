@@ -1,0 +1,42 @@
+"""Smoke test of tools/bench_train_step.py on the CPU: the app's Trainer, every method and routing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_train_step.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("bench_train_step", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_train_step_runs_tiny_on_cpu(tmp_path, capsys):
+    bench = _tool()
+    out = tmp_path / "bench.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a second thread only adds contention
+    try:
+        report = bench.main(["--config", "tiny", "--device", "cpu", "--warmup", "1", "--steps", "2",
+                             "--methods", "ddp", "ep", "--out", str(out), "train.global_batch=2"])
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads(out.read_text()) == report
+    runs = {(r["method"], r["routing"]): r for r in report["runs"]}
+    assert set(runs) == {(m, r) for m in ("ddp", "ep") for r in ("model", "balanced", "zipf")}
+    for r in runs.values():
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and len(r["loss"]) == 2
+        assert r["phase_ms"]["forward"] > 0 and r["phase_ms"]["backward"] > 0
+        assert r["phase_ms"]["optimizer"] > 0 and r["phase_ms"]["weight_rebuild"] > 0
+        assert r["mfu"] is None and r["peak_mem_gib"] is None  # GPU-only figures
+    assert runs["ddp", "balanced"]["expert_load_imbalance"] == 1.0  # forced: 2*32*2 slots / 4
+    assert runs["ddp", "zipf"]["expert_load_imbalance"] > 1.5
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-7].split()[:2] == ["method", "routing"] and lines[-1].split()[:2] == ["ep", "zipf"]

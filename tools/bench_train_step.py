@@ -1,0 +1,209 @@
+"""Full training-step benchmark through the app's own ``Trainer`` (not a copy of its loop).
+
+    # one H200: bench-1gpu with the distributed optimizer, three routings
+    tools/from_source.sh python3 tools/bench_train_step.py --config bench-1gpu \\
+        --out $OUT/train_step_1gpu.json
+    # two H200s: bench-2gpu as DP2 and as EP2 (NVSHMEM rowwise transport)
+    tools/from_source.sh python3 -m torch.distributed.run --nproc-per-node 2 \\
+        tools/bench_train_step.py --config bench-2gpu --methods ddp ep --out $OUT/train_step_2gpu.json
+    # CPU smoke run (CI runs this through tests/test_app_bench_train_step.py)
+    uv run python tools/bench_train_step.py --config tiny --device cpu --warmup 1 --steps 2
+
+Methods (the same model, data and batch; only the layout differs):
+
+- ``ddp``: data parallelism over every rank, FP32 grads in buckets reduced inside
+  each replica group, the distributed optimizer (``parallel.ep=1``);
+- ``ep``: expert parallelism over every rank (EP2 on two GPUs), dense parameters
+  data-parallel; the token transport is ``--ep-backend`` (default: ``rowwise``,
+  NVSHMEM, on CUDA; ``all_to_all`` on CPU).
+
+Routings: ``model`` (the router's own choices), ``balanced`` and ``zipf`` (forced
+by ``pretrain.routing_override``: same router cost, forced expert choices), since
+benchmarks that only force balanced routing overstate throughput.
+
+Per (method, routing): ``--warmup`` steps, then ``--steps`` timed steps, each a
+full ``Trainer.step`` (data, forward, backward, gradient sync, clip, optimizer,
+weight rebuild, statistics, the one end-of-step host read). Reported: tokens/s
+(whole job and per GPU), MFU against 989 TFLOP/s per GPU with
+``moe_model.flops_per_token``, the model FLOP rate against a BF16 matmul ceiling
+measured in the same run, peak memory (max over ranks), and the step-time
+breakdown from CUDA events at the trainer's phase boundaries (``PhaseTimer``;
+max over ranks; "other" is data, statistics, the bias step and host time between
+marks). The JSON holds every step; a short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from moe_model import flops_per_token
+from pretrain.config import load_config, validate_layout
+from pretrain.mesh import build_mesh
+from pretrain.phases import PhaseTimer
+from pretrain.routing_override import ROUTING_MODES, force_routing
+from pretrain.runtime import distributed
+from pretrain.trainer import PEAK_FLOPS, Trainer
+
+METHODS = ("ddp", "ep")
+PHASES = ("forward", "backward", "pipeline", "grad_sync", "optimizer", "weight_rebuild", "stats")
+MATMUL_N = 8192
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="bench-1gpu", help="preset name or TOML file")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=["ddp"])
+    p.add_argument("--routing", nargs="+", choices=ROUTING_MODES, default=list(ROUTING_MODES))
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per (method, routing)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per (method, routing)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--ep-backend", choices=["all_to_all", "rowwise"], default=None,
+                   help="EP transport of the ep method (default: rowwise on CUDA, else all_to_all)")
+    p.add_argument("--out", type=Path, default=None, help="JSON file (written by rank 0)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="config overrides for every run, e.g. model.recompute=selective")
+    return p.parse_args(argv)
+
+
+def matmul_ceiling_tflops(device: torch.device) -> float | None:
+    """Dense BF16 matmul TFLOP/s measured now (the hardware ceiling of this run); CUDA only."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(MATMUL_N, MATMUL_N, device=device, dtype=torch.bfloat16)
+    b = torch.randn(MATMUL_N, MATMUL_N, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    iters = 20
+    start.record()
+    for _ in range(iters):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * MATMUL_N**3 * iters / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def run_method(a: argparse.Namespace, method: str, device: torch.device, world: int,
+               run_dir: Path) -> list[dict[str, Any]]:
+    """Build one Trainer for ``method`` and time every routing on it."""
+    per_routing = a.warmup + a.steps
+    overrides = [*a.overrides, f"train.steps={per_routing * len(a.routing)}",
+                 "optim.schedule=constant", "checkpoint.every=0", "metrics.expert_load_every=0",
+                 f"train.device={device.type}", f"run_dir={run_dir / method}"]
+    if method == "ep":
+        backend = a.ep_backend or ("rowwise" if device.type == "cuda" else "all_to_all")
+        overrides += [f"parallel.ep={world}", f"parallel.ep_backend={backend}"]
+    cfg = load_config(a.config, overrides)
+    mesh = build_mesh(validate_layout(cfg, world), device.type)
+    timer = PhaseTimer(device)
+    trainer = Trainer(cfg, mesh, device, phase_timer=timer)
+    rows = []
+    step = 0
+    try:
+        for routing in a.routing:
+            hooks = force_routing(trainer.model, routing, seed=cfg.seed)
+            for _ in range(a.warmup):
+                step += 1
+                trainer.step(step)
+                timer.collect()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            records, phases = [], []
+            for _ in range(a.steps):
+                step += 1
+                records.append(trainer.step(step))
+                phases.append(timer.collect())
+            for hook in hooks:
+                hook.remove()
+            rows.append(summarize(method, routing, cfg, world, records, phases, device))
+    finally:
+        trainer.close()
+    return rows
+
+
+def summarize(method: str, routing: str, cfg: Any, world: int, records: list[dict],
+              phases: list[dict[str, float]], device: torch.device) -> dict[str, Any]:
+    step_s = statistics.mean(r["step_time_s"] for r in records)
+    mean_phase = [statistics.mean(p.get(name, 0.0) for p in phases) for name in PHASES]
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    *phase_s, step_s, peak = _max_over_ranks([*mean_phase, step_s, peak], device)
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    flops = flops_per_token(cfg.model, cfg.train.seq_len) * tokens / step_s  # model FLOP/s, all GPUs
+    return {
+        "method": method, "routing": routing, "world": world,
+        "tokens_per_s": tokens / step_s, "tokens_per_s_per_gpu": tokens / step_s / world,
+        "model_tflops_per_gpu": flops / world / 1e12,
+        "mfu": flops / (world * PEAK_FLOPS) if device.type == "cuda" else None,
+        "peak_mem_gib": peak if device.type == "cuda" else None,
+        "step_ms": step_s * 1e3,
+        "phase_ms": {name: s * 1e3 for name, s in zip(PHASES, phase_s, strict=True)},
+        "other_ms": (step_s - sum(phase_s)) * 1e3,
+        "loss": [r["loss"] for r in records],
+        "dropped_token_rate": statistics.mean(r.get("dropped_token_rate", 0.0) for r in records),
+        "expert_load_imbalance": statistics.mean(r.get("expert_load_imbalance", 1.0) for r in records),
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    ceiling = report["matmul_ceiling_tflops"]
+    print(f"\n{report['config']} on {report['world']} x {report['device']}, torch {report['torch']}"
+          + (f"; BF16 matmul ceiling {ceiling:.0f} TFLOP/s, MFU vs {PEAK_FLOPS / 1e12:.0f}" if ceiling
+             else ""))
+    head = ["method", "routing", "tok/s", "tok/s/GPU", "MFU", "of ceil", "peak GiB", "step ms",
+            "fwd", "bwd", "pipe", "sync", "optim", "rebuild", "stats", "other"]
+    print(" ".join(f"{h:>9s}" for h in head))
+    for r in report["runs"]:
+        ph = r["phase_ms"]
+        cells = [r["method"], r["routing"], f"{r['tokens_per_s']:,.0f}",
+                 f"{r['tokens_per_s_per_gpu']:,.0f}",
+                 f"{r['mfu']:.1%}" if r["mfu"] is not None else "-",
+                 f"{r['model_tflops_per_gpu'] / ceiling:.1%}" if ceiling else "-",
+                 f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-",
+                 f"{r['step_ms']:.1f}", *(f"{ph[name]:.1f}" for name in PHASES),
+                 f"{r['other_ms']:.1f}"]
+        print(" ".join(f"{c:>9s}" for c in cells))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
+    with distributed(a.device) as rt, tempfile.TemporaryDirectory() as tmp:
+        ceiling = matmul_ceiling_tflops(rt.device)
+        started = time.time()
+        runs = []
+        for method in a.methods:
+            runs += run_method(a, method, rt.device, rt.world_size, Path(tmp))
+            gc.collect()
+            if rt.device.type == "cuda":
+                torch.cuda.empty_cache()
+        report = {
+            "config": a.config, "overrides": a.overrides, "world": rt.world_size,
+            "device": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "warmup": a.warmup, "steps": a.steps,
+            "matmul_ceiling_tflops": ceiling, "peak_tflops": PEAK_FLOPS / 1e12,
+            "wall_s": time.time() - started, "runs": runs,
+        }
+        if rt.rank == 0:
+            if a.out is not None:
+                a.out.parent.mkdir(parents=True, exist_ok=True)
+                a.out.write_text(json.dumps(report, indent=2))
+            print_table(report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
