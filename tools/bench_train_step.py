@@ -3,9 +3,10 @@
     # one H200: bench-1gpu with the distributed optimizer, three routings
     tools/from_source.sh python3 tools/bench_train_step.py --config bench-1gpu \\
         --out $OUT/train_step_1gpu.json
-    # two H200s: bench-2gpu as DP2 and as EP2 (NVSHMEM rowwise transport)
+    # two H200s: bench-2gpu as DP2, as EP2 (NVSHMEM rowwise transport) and under FSDP2
     tools/from_source.sh python3 -m torch.distributed.run --nproc-per-node 2 \\
-        tools/bench_train_step.py --config bench-2gpu --methods ddp ep --out $OUT/train_step_2gpu.json
+        tools/bench_train_step.py --config bench-2gpu --methods ddp ep fsdp2 \\
+        --out $OUT/train_step_2gpu.json
     # CPU smoke run (CI runs this through tests/test_app_bench_train_step.py)
     uv run python tools/bench_train_step.py --config tiny --device cpu --warmup 1 --steps 2
 
@@ -15,7 +16,10 @@ Methods (the same model, data and batch; only the layout differs):
   each replica group, the distributed optimizer (``parallel.ep=1``);
 - ``ep``: expert parallelism over every rank (EP2 on two GPUs), dense parameters
   data-parallel; the token transport is ``--ep-backend`` (default: ``rowwise``,
-  NVSHMEM, on CUDA; ``all_to_all`` on CPU).
+  NVSHMEM, on CUDA; ``all_to_all`` on CPU);
+- ``fsdp2``: the baseline of ``tools/fsdp2_baseline.py`` (PyTorch's ``fully_shard``
+  per block, full reshard, same model, data, loss and optimizer policy); it marks
+  forward, backward (its reduce-scatters run inside), optimizer and stats.
 
 Routings: ``model`` (the router's own choices), ``balanced`` and ``zipf`` (forced
 by ``pretrain.routing_override``: same router cost, forced expert choices), since
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import statistics
 import tempfile
@@ -53,7 +58,8 @@ from pretrain.routing_override import ROUTING_MODES, force_routing
 from pretrain.runtime import distributed
 from pretrain.trainer import PEAK_FLOPS, Trainer
 
-METHODS = ("ddp", "ep")
+METHODS = ("ddp", "ep", "fsdp2")
+FSDP2_BASELINE = Path(__file__).resolve().with_name("fsdp2_baseline.py")
 PHASES = ("forward", "backward", "pipeline", "grad_sync", "optimizer", "weight_rebuild", "stats")
 MATMUL_N = 8192
 
@@ -98,9 +104,17 @@ def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def build_fsdp2_trainer(cfg: Any, device: torch.device, timer: PhaseTimer) -> Any:
+    """The FSDP2 baseline's trainer (``tools/fsdp2_baseline.py``, loaded from beside this file)."""
+    spec = importlib.util.spec_from_file_location("fsdp2_baseline", FSDP2_BASELINE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build_fsdp2_trainer(cfg, None, device, timer)
+
+
 def run_method(a: argparse.Namespace, method: str, device: torch.device, world: int,
                run_dir: Path) -> list[dict[str, Any]]:
-    """Build one Trainer for ``method`` and time every routing on it."""
+    """Build one trainer for ``method`` and time every routing on it."""
     per_routing = a.warmup + a.steps
     overrides = [*a.overrides, f"train.steps={per_routing * len(a.routing)}",
                  "optim.schedule=constant", "checkpoint.every=0", "metrics.expert_load_every=0",
@@ -109,9 +123,12 @@ def run_method(a: argparse.Namespace, method: str, device: torch.device, world: 
         backend = a.ep_backend or ("rowwise" if device.type == "cuda" else "all_to_all")
         overrides += [f"parallel.ep={world}", f"parallel.ep_backend={backend}"]
     cfg = load_config(a.config, overrides)
-    mesh = build_mesh(validate_layout(cfg, world), device.type)
     timer = PhaseTimer(device)
-    trainer = Trainer(cfg, mesh, device, phase_timer=timer)
+    if method == "fsdp2":
+        trainer = build_fsdp2_trainer(cfg, device, timer)
+    else:
+        mesh = build_mesh(validate_layout(cfg, world), device.type)
+        trainer = Trainer(cfg, mesh, device, phase_timer=timer)
     rows = []
     step = 0
     try:
@@ -154,9 +171,15 @@ def summarize(method: str, routing: str, cfg: Any, world: int, records: list[dic
         "phase_ms": {name: s * 1e3 for name, s in zip(PHASES, phase_s, strict=True)},
         "other_ms": (step_s - sum(phase_s)) * 1e3,
         "loss": [r["loss"] for r in records],
-        "dropped_token_rate": statistics.mean(r.get("dropped_token_rate", 0.0) for r in records),
-        "expert_load_imbalance": statistics.mean(r.get("expert_load_imbalance", 1.0) for r in records),
+        "dropped_token_rate": _mean(records, "dropped_token_rate"),
+        "expert_load_imbalance": _mean(records, "expert_load_imbalance"),
     }
+
+
+def _mean(records: list[dict], key: str) -> float | None:
+    """Mean of a record field; ``None`` where the trainer does not report it (FSDP2)."""
+    values = [r[key] for r in records if r.get(key) is not None]
+    return statistics.mean(values) if values else None
 
 
 def print_table(report: dict[str, Any]) -> None:

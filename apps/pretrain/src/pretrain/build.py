@@ -12,7 +12,8 @@ Order (each step needs the ones before it):
 4. materialise on the device and initialise; values depend only on (seed,
    parameter name, global expert id), so every layout starts from the same weights;
 5. cast the parameters to the compute dtype; buffers (the routers' selection
-   bias) stay FP32. The distributed optimizer keeps the FP32 main weights;
+   bias) stay FP32. The distributed optimizer keeps the FP32 main weights, taken
+   from these values (BF16-rounded initial values on GPU, the same on every layout);
 6. MXFP8 (``mxfp8.targets``): swap the target layers, same parameters and names;
 7. EP dispatch: one transport per EP group, shared by all MoE layers, one
    dispatcher per layer (seeded by the layer, for fair overflow drops).

@@ -16,8 +16,8 @@ drawn once per layer and token count and reused: every microbatch sees the same
 pattern, nothing is drawn in the steady state, and an activation-recompute
 forward routes exactly as the original one did.
 
-Combine weights are the router's scores at the forced experts, so the router
-still learns. A hook, not a wrapper module: parameter names stay the model's.
+Combine weights are the router's per-token probabilities (its scores
+normalised per token) at the forced experts, so the router still learns. A hook, not a wrapper module: parameter names stay the model's.
 Not a config key on purpose: this changes what the model computes and exists
 only to measure it.
 
