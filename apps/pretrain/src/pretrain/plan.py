@@ -59,34 +59,30 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _print_sweep(args: argparse.Namespace) -> None:
-    results = sweep(gpu_gib=args.gpu_gib, headroom=args.headroom)
-    rows = []
-    for result in results:
+    rows: dict[str, list[dict]] = {}
+    for result in sweep(gpu_gib=args.gpu_gib, headroom=args.headroom):
         plan = result.chosen or result.smallest
-        rows.append({"model": result.member.name, "report": result.member.report,
-                     "total_params": plan.total_params, "active_params": plan.active_params,
-                     "layouts_tried": result.tried, **summary_row(plan)})
+        rows.setdefault(result.member.name, []).append(
+            {"model": result.member.name, "report": result.member.report,
+             "total_params": plan.total_params, "active_params": plan.active_params,
+             "layouts_tried": result.tried, **summary_row(plan)})
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps([row for member_rows in rows.values() for row in member_rows], indent=1))
         return
     print(f"Layouts on {args.gpu_gib:g} GiB GPUs ({args.headroom:.0%} headroom): seq 4096, "
           "global batch 4 Mi tokens, micro batch 1, 1F1B, BF16, capacity factor 1.25.")
     print("First layout that fits, preferring fewer pipeline stages, then less recompute, then "
           "smaller EP; 'NO FIT' rows show the layout needing the least memory.")
     for member in FAMILY:
-        print(f"\n{member.name}: {_rows_for(rows, member.name)[0]['active_params'] / 1e9:.1f}B active "
-              f"@ {_rows_for(rows, member.name)[0]['total_params'] / 1e9:.0f}B total "
-              f"(report: {member.report}); d {member.model.d_model}, {member.model.n_layers} layers, "
-              f"{member.model.n_experts} experts top-{member.model.top_k}, "
-              f"hidden {member.model.expert_hidden}")
+        first = rows[member.name][0]
+        m = member.model
+        print(f"\n{member.name}: {first['active_params'] / 1e9:.1f}B active @ "
+              f"{first['total_params'] / 1e9:.0f}B total (report: {member.report}); d {m.d_model}, "
+              f"{m.n_layers} layers, {m.n_experts} experts top-{m.top_k}, hidden {m.expert_hidden}")
         print("  " + "  ".join(f"{c:>9}" for c in (*_SWEEP_COLUMNS, "fits")))
-        for row in _rows_for(rows, member.name):
+        for row in rows[member.name]:
             cells = [f"{row[c]!s:>9}" for c in _SWEEP_COLUMNS]
             print("  " + "  ".join(cells) + f"  {'yes' if row['fits'] else 'NO FIT':>9}")
-
-
-def __rows_for(rows: list[dict], name: str) -> list[dict]:
-    return [r for r in rows if r["model"] == name]
 
 
 def plan_command(argv: list[str]) -> int:

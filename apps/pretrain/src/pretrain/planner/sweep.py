@@ -13,15 +13,15 @@ NVLink node on the rowwise NVSHMEM transport; 16 and 32 across nodes on NCCL
 all-to-all), pipeline depths and recompute policies, at a fixed recipe (sequence
 4096, a global batch of 1,024 sequences = 4 Mi tokens, micro batch 1, 1F1B,
 capacity factor 1.25, BF16), and keeps the layout a user would want first among
-those that fit: the shallowest pipeline (bubbles), then the least recompute
-(throughput), then the smallest EP (token traffic). The report ran Ultra in MXFP8
+those that fit: EP inside a node before EP across nodes (token traffic off
+NVLink), then the shallowest pipeline (bubbles), then the least recompute
+(throughput), then the smallest EP. The report ran Ultra in MXFP8
 on B300s; on Hopper MXFP8 GEMMs are emulated and the weight caches add memory, so
 these plans stay in BF16 (``pretrain plan`` with ``mxfp8.targets=...`` plans it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from moe_model import MoEConfig
@@ -61,21 +61,22 @@ FAMILY: tuple[FamilyMember, ...] = (
 
 
 def candidates(member: FamilyMember, world: int, gpu_gib: float,
-               headroom: float) -> Iterator[PlanRequest]:
+               headroom: float) -> list[PlanRequest]:
     """Every layout of ``member`` on ``world`` GPUs, in order of preference."""
+    layouts = []
     for pp in PP_CHOICES:
-        if world % pp or member.model.n_layers < pp:
-            continue
-        for recompute in RECOMPUTE_ORDER:
-            for ep in EP_CHOICES:
-                dp = world // pp
-                if dp % ep or member.model.n_experts % ep or GLOBAL_BATCH % dp:
-                    continue
-                yield PlanRequest(
+        for ep in EP_CHOICES:
+            dp = world // pp
+            if world % pp or member.model.n_layers < pp or dp % ep or member.model.n_experts % ep \
+                    or GLOBAL_BATCH % dp:
+                continue
+            for rank, recompute in enumerate(RECOMPUTE_ORDER):
+                layouts.append(((ep > NODE_GPUS, pp, rank, ep), PlanRequest(
                     model=replace(member.model, recompute=recompute), world=world, pp=pp, ep=ep,
                     micro_batch=1, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH,
                     ep_backend="local" if ep == 1 else "rowwise" if ep <= NODE_GPUS else "all_to_all",
-                    gpu_gib=gpu_gib, headroom=headroom)
+                    gpu_gib=gpu_gib, headroom=headroom)))
+    return [req for _, req in sorted(layouts, key=lambda item: item[0])]
 
 
 @dataclass(frozen=True)
