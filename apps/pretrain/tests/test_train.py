@@ -166,8 +166,10 @@ def test_sigterm_through_the_command_saves_a_checkpoint_and_exits_0(tmp_path):
 
 
 def test_muon_and_mxfp8_experts_train(tmp_path):
-    history = train(load_config("tiny", [f"run_dir={tmp_path}", "optim.name=muon",
-                                         "mxfp8.targets=experts", "train.steps=6"]))
+    """Muon, MXFP8 expert GEMMs, and MXFP8 dispatch payloads on an EP transport of one rank."""
+    history = train(load_config("tiny", [
+        f"run_dir={tmp_path}", "optim.name=muon", "mxfp8.targets=experts", "train.steps=6",
+        "parallel.ep_backend=all_to_all", "parallel.ep_payload=mxfp8"]))
     assert all(not r["skipped"] for r in history)
     assert history[-1]["loss"] < history[0]["loss"]
 

@@ -103,8 +103,9 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # save every N optimizer steps (0: never)
-    resume: str = "auto"  # auto (latest complete checkpoint in run_dir, if any) | none | a checkpoint path
+    every: int = 0  # save every N optimizer steps and at the last one (0: only when stopped early)
+    # auto: the latest complete checkpoint under run_dir/checkpoints, if any | none | a step directory
+    resume: str = "auto"
     keep_last: int = 2  # complete checkpoints kept (0: all)
     async_save: bool = True  # write in the background while training continues
 

@@ -62,6 +62,9 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
                         print(f"resumed after step {done} (checkpoint.resume="
                               f"{cfg.checkpoint.resume}; saved on world {saved['world_size']} = "
                               f"pp {saved['pp']} x dp {saved['dp']}, ep {saved['ep']})", flush=True)
+                    if done >= cfg.train.steps:
+                        print(f"nothing to train: the checkpoint is at step {done}, "
+                              f"train.steps={cfg.train.steps}", flush=True)
                 trackers = open_trackers(run_dir, cfg.metrics.tensorboard, keep_through=done) \
                     if logging else []
                 log = MetricsLog(trackers, cfg.train.steps, echo=logging)
