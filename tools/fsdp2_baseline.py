@@ -169,7 +169,8 @@ class FSDP2Trainer:
             "tokens_per_s": self.tokens_per_step / elapsed, "step_time_s": elapsed,
         }
         if self.device.type == "cuda":
-            record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (self.world * PEAK_FLOPS)
+            flops = self.flops_per_token * record["tokens_per_s"]
+            record["mfu"] = flops / (self.world * PEAK_FLOPS)
             record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return record
 
@@ -222,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
         timed = records[args.warmup:] or records
         summary = {
             "method": "fsdp2", "config": args.config, "overrides": args.overrides,
-            "world": rt.world_size, "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+            "world": rt.world_size,
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
             "step_time_s": statistics.median(r["step_time_s"] for r in timed),
             "peak_mem_gib": max((r.get("peak_mem_gib", 0.0) for r in records), default=0.0),
         }

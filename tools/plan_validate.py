@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
                  f"train.device={args.device}"]
     with distributed(args.device) as rt:
         if args.case == "ep":
-            overrides.append(f"parallel.ep_backend={'rowwise' if rt.device.type == 'cuda' else 'all_to_all'}")
+            backend = "rowwise" if rt.device.type == "cuda" else "all_to_all"
+            overrides.append(f"parallel.ep_backend={backend}")
         cfg = load_config(args.config, overrides)
         measured = _measure(cfg, rt.world_size, rt.device, args.steps)
         gathered: list[dict[str, Any]] = [{}] * rt.world_size
@@ -113,12 +114,14 @@ def main(argv: list[str] | None = None) -> None:
             if rt.device.type == "cpu":
                 predicted -= KERNEL_WORKSPACES  # CUDA-only
             row = {"case": args.case, "rank": m["rank"], "pp_rank": m["pp_rank"],
-                   "predicted_peak_allocated": predicted, "measured_peak_allocated": m["peak_allocated"],
+                   "predicted_peak_allocated": predicted,
+                   "measured_peak_allocated": m["peak_allocated"],
                    "error": predicted / m["peak_allocated"] - 1}
             if rt.device.type == "cuda":
                 row.update(predicted_reserved=predicted + rank_plan.fragmentation,
                            measured_reserved=m["peak_reserved"],
-                           predicted_device=rank_plan.device_total, measured_device=m["device_used"])
+                           predicted_device=rank_plan.device_total,
+                           measured_device=m["device_used"])
             rows.append(row)
         if args.out is not None:
             args.out.write_text(json.dumps({"config": args.config, "overrides": overrides,
@@ -130,11 +133,13 @@ def main(argv: list[str] | None = None) -> None:
             line = (f"{r['case']:>10} {r['rank']:>4} {_size(r['predicted_peak_allocated']):>12} "
                     f"{_size(r['measured_peak_allocated']):>12} {r['error']:+7.1%}")
             if rt.device.type == "cuda":
-                line += (f"    {_size(r['predicted_reserved']):>10} / {_size(r['measured_reserved']):<10}"
-                         f"    {_size(r['predicted_device']):>10} / {_size(r['measured_device']):<10}")
+                for key in ("reserved", "device"):
+                    line += (f"    {_size(r['predicted_' + key]):>10} / "
+                             f"{_size(r['measured_' + key]):<10}")
             print(line)
         worst = max(abs(r["error"]) for r in rows)
-        print(f"worst |error| {worst:.1%} (target {TARGET:.0%}): {'ok' if worst <= TARGET else 'MISSED'}")
+        verdict = "ok" if worst <= TARGET else "MISSED"
+        print(f"worst |error| {worst:.1%} (target {TARGET:.0%}): {verdict}")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ def _measure_microbatch(cfg) -> tuple[int, int, int]:
         part = build_model_part(cfg, mesh, torch.device("cpu"), torch.bfloat16)
         MultiGroupDDP(part.module, lambda name, p: None)  # frees each parameter gradient at once
         torch.manual_seed(0)
-        tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.train.seq_len + 1))
+        shape = (cfg.train.micro_batch, cfg.train.seq_len + 1)
+        tokens = torch.randint(0, cfg.model.vocab_size, shape)
         with LiveBytes() as live:
             batch = tokens.clone()
             loss = lm_loss_sum(part.module(batch[:, :-1]), batch[:, 1:])
@@ -144,7 +145,8 @@ def _measure_trainer(overrides: list[str], world: int) -> dict[str, float]:
 def _check_against_plan(measured: dict[str, float], overrides: list[str], world: int,
                         peak_rel: float) -> None:
     cfg = _config(*overrides)
-    rank = plan_memory(PlanRequest.from_config(cfg, world), kernels="cpu").ranks[measured["pp_rank"]]
+    plan = plan_memory(PlanRequest.from_config(cfg, world), kernels="cpu")
+    rank = plan.ranks[measured["pp_rank"]]
     assert rank.weights == measured["weights"]
     assert rank.grads == measured["grads"]
     assert rank.optimizer == measured["optimizer"]
@@ -197,7 +199,8 @@ def _per_param_bytes(world: int, ep: int, kind: str) -> float:
     model = _config("model.d_model=1024", "model.n_heads=8", "model.n_kv_heads=8",
                     "model.head_dim=128", "model.expert_hidden=1024", "model.n_experts=16",
                     "model.vocab_size=8192", "model.n_layers=1").model
-    req = PlanRequest(model=model, world=world, ep=ep, micro_batch=1, seq_len=64, global_batch=world,
+    req = PlanRequest(model=model, world=world, ep=ep, micro_batch=1, seq_len=64,
+                      global_batch=world,
                       ep_backend="local" if ep == 1 else "rowwise")
     expert_only = replace(model, n_experts=32)  # doubling the experts isolates their bytes
     base, more = (plan_memory(replace(req, model=m)).ranks[0] for m in (model, expert_only))
@@ -262,3 +265,27 @@ def test_sweep_picks_the_first_layout_that_fits():
     assert (chosen.pp, chosen.ep, chosen.model.recompute) == (1, 1, "none")
     (result,) = sweep((ultra,), (16,))
     assert result.chosen is None and not result.smallest.fits
+
+
+# A mid-size model on one GPU (~2 GiB of parameters, activations of the same order) whose
+# widths take torch._grouped_mm and flash attention, as the bench presets do.
+GPU_CASE = ["train.device=cuda", "data.path=synthetic", "model.vocab_size=32768",
+            "model.d_model=1024", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=2",
+            "model.head_dim=128", "model.n_experts=32", "model.top_k=4", "model.expert_hidden=512",
+            "train.seq_len=2048", "train.micro_batch=2", "train.global_batch=4", "train.steps=2"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_plan_within_ten_percent_of_max_memory_allocated(recompute):
+    cfg = load_config("tiny", [*GPU_CASE, f"model.recompute={recompute}"])
+    device = torch.device("cuda", torch.cuda.current_device())
+    with distributed("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+        trainer = Trainer(cfg, build_mesh(validate_layout(cfg, 1), "cuda"), device)
+        trainer.step(1)
+        trainer.step(2)
+        measured = torch.cuda.max_memory_allocated(device)
+        trainer.close()
+    planned = plan_memory(PlanRequest.from_config(cfg, 1)).ranks[0].peak_allocated
+    assert planned == pytest.approx(measured, rel=0.10)

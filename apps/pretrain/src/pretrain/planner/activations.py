@@ -81,7 +81,8 @@ class Inventory:
     def add(self, name: str, nbytes: int, *roles: str) -> None:
         """Register ``name`` (``nbytes``) in each role set named (``saved``, ``ctx``, ...)."""
         if name in self.sizes and self.sizes[name] != nbytes:
-            raise ValueError(f"tensor {name!r} registered with {self.sizes[name]} and {nbytes} bytes")
+            raise ValueError(f"tensor {name!r} registered with {self.sizes[name]} and "
+                             f"{nbytes} bytes")
         self.sizes[name] = nbytes
         for role in roles:
             getattr(self, role).add(name)
@@ -241,13 +242,13 @@ def _ep_dispatch(inv: Inventory, cfg: MoEConfig, ex: Execution, C: int) -> None:
     inv.add("plan.row_src", INDEX * C, "ctx")
     inv.add("plan.recv_base", INDEX * L * M, "ctx")
     inv.add("dispatch.offsets", OFFSET * L, "saved", "fwd_live")
-    combine_temps = {"combine.y32"}
-    if ex.ep_backend == "all_to_all":
+    backward = {"grad_out", "combine.dy32", "combine.d_rows", "combine.d_rows_in"}
+    if ex.ep_backend == "all_to_all":  # staging buffers of all_to_all_single, both ways
         inv.add("route.send_order", INDEX * N, "ctx")
         inv.add("route.recv_pos", INDEX * C, "ctx")
         inv.add("combine.payload", b * C * D, "fwd_live")
         inv.add("combine.inbox", b * N * D, "fwd_live")
-        combine_temps |= {"combine.payload", "combine.inbox"}
+        backward |= {"combine.payload", "combine.inbox"}
     else:
         inv.add("route.origin", INDEX * C, "ctx")
     inv.add("dispatch.rows", b * C * D, "saved", "fwd_live")
@@ -257,8 +258,7 @@ def _ep_dispatch(inv: Inventory, cfg: MoEConfig, ex: Execution, C: int) -> None:
     inv.add("combine.dy32", FP32 * T * D)
     inv.add("combine.d_rows", b * N * D)  # grad_y * w, sent back to the experts' ranks
     inv.add("combine.d_rows_in", b * C * D)  # what arrives: the experts' output gradient
-    inv.moment((), {"grad_out", "combine.dy32", "combine.d_rows", "combine.d_rows_in"}
-               | (combine_temps - {"combine.y32"}))
+    inv.moment((), backward)
 
 
 def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool) -> None:
@@ -340,7 +340,7 @@ def block_inventory(cfg: MoEConfig, layer: int, ex: Execution) -> Inventory:
         _experts(inv, cfg, ex, R, layer in ex.mxfp8_expert_layers)
     else:
         _swiglu(inv, "mlp", T, D, cfg.dense_hidden_width, b, peaks=True)
-    _attention(inv, cfg, ex)
+    _attention(inv, cfg, ex)  # last: its backward moment frees every MLP tensor registered
     return inv
 
 

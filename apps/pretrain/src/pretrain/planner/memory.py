@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from moe_model import MoEConfig, active_params, total_params
 from moe_mxfp8 import name_matches
+
 from pretrain.config import PretrainConfig, validate_layout
 from pretrain.planner.activations import EPBackend, Execution, ep_capacity
 from pretrain.planner.persistent import (
@@ -52,7 +53,7 @@ class PlanRequest:
     world: int
     pp: int = 1
     ep: int = 1
-    schedule: str = "1f1b"  # moe_pp schedule: gpipe | 1f1b (interleaved when virtual > 1) | zero_bubble
+    schedule: str = "1f1b"  # moe_pp: gpipe | 1f1b (interleaved if virtual > 1) | zero_bubble
     virtual: int = 1
     pp_split: str = "params"  # moe_pp split policy: params | flops
     micro_batch: int = 1
@@ -81,7 +82,8 @@ class PlanRequest:
             raise ValueError(f"global_batch={self.global_batch} is not divisible by dp={self.dp} "
                              f"x micro_batch={self.micro_batch}")
         if self.model.n_layers < self.pp * self.virtual:
-            raise ValueError(f"{self.model.n_layers} layers cannot fill {self.pp * self.virtual} stages")
+            raise ValueError(f"{self.model.n_layers} layers cannot fill "
+                             f"{self.pp * self.virtual} stages")
         if (self.ep > 1) == (self.ep_backend == "local"):
             raise ValueError(f"ep_backend={self.ep_backend!r} does not go with ep={self.ep}")
         if self.optimizer not in ("adamw", "muon"):

@@ -31,6 +31,7 @@ from moe_ddp import is_sharded
 from moe_ddp.layout import ParamEntry, plan_buckets
 from moe_model import MoEConfig, MoETransformer, param_kind
 from moe_optim.config import resolve_rule
+
 from pretrain.config import OptimConfig as AppOptimConfig
 from pretrain.optimizer import MIN_SHARD_NUMEL, optim_config, param_rules
 
@@ -96,7 +97,8 @@ class ModelShapes:
                        self.model.named_parameters(remove_duplicate=False) if p.requires_grad]
         self._splits: dict[tuple[int, int, str, int], list[tuple[int, ...]]] = {}
 
-    def stage_layers(self, pp: int, virtual: int, policy: str, seq_len: int) -> list[tuple[int, ...]]:
+    def stage_layers(self, pp: int, virtual: int, policy: str,
+                     seq_len: int) -> list[tuple[int, ...]]:
         """Blocks of every pipeline stage, as moe_pp splits them."""
         if pp * virtual == 1:
             return [tuple(range(self.cfg.n_layers))]
@@ -178,7 +180,8 @@ def persistent_memory(cfg: MoEConfig, params: list[HeldParam],
         entries.append(ParamEntry(p.numel, p.kind, group, collective))
         owned = p.numel // group if sharded else p.numel
         meta = torch.empty(p.shape, device="meta")
-        muon = resolve_rule(p.name, meta, rules, optim).algorithm == "muon"  # type: ignore[arg-type]
+        rule = resolve_rule(p.name, meta, rules, optim)  # type: ignore[arg-type]
+        muon = rule.algorithm == "muon"
         optimizer += FP32 * owned * (2 if muon else 3)  # main + momentum | main + two moments
         if muon:  # owners run whole matrices, spread evenly over the group
             muon_owned += owned

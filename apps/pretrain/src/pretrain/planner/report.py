@@ -40,7 +40,8 @@ def format_plan(plan: MemoryPlan, title: str) -> str:
     r, m = plan.request, plan.request.model
     usable = (1 - r.headroom) * r.gpu_gib
     lines = [
-        f"{title}: {plan.total_params / 1e9:.2f}B parameters, {plan.active_params / 1e9:.2f}B active "
+        f"{title}: {plan.total_params / 1e9:.2f}B parameters, "
+        f"{plan.active_params / 1e9:.2f}B active "
         f"({m.n_layers} layers, d {m.d_model}, {m.n_experts} experts top-{m.top_k}, "
         f"expert hidden {m.expert_hidden})",
         _layout(plan),

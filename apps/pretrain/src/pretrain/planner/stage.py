@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moe_model import MoEConfig
+
 from pretrain.planner.activations import (
     Execution,
     block_inventory,

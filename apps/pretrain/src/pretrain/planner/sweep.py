@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from moe_model import MoEConfig
+
+from pretrain.planner.activations import EPBackend
 from pretrain.planner.memory import MemoryPlan, PlanRequest, plan_memory
 from pretrain.planner.persistent import ModelShapes
 
@@ -60,6 +62,11 @@ FAMILY: tuple[FamilyMember, ...] = (
 )
 
 
+def _ep_backend(ep: int) -> EPBackend:
+    """NVSHMEM rowwise inside an NVLink node, NCCL all-to-all across nodes."""
+    return "local" if ep == 1 else "rowwise" if ep <= NODE_GPUS else "all_to_all"
+
+
 def candidates(member: FamilyMember, world: int, gpu_gib: float,
                headroom: float) -> list[PlanRequest]:
     """Every layout of ``member`` on ``world`` GPUs, in order of preference."""
@@ -74,7 +81,7 @@ def candidates(member: FamilyMember, world: int, gpu_gib: float,
                 layouts.append(((ep > NODE_GPUS, pp, rank, ep), PlanRequest(
                     model=replace(member.model, recompute=recompute), world=world, pp=pp, ep=ep,
                     micro_batch=1, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH,
-                    ep_backend="local" if ep == 1 else "rowwise" if ep <= NODE_GPUS else "all_to_all",
+                    ep_backend=_ep_backend(ep),
                     gpu_gib=gpu_gib, headroom=headroom)))
     return [req for _, req in sorted(layouts, key=lambda item: item[0])]
 
