@@ -116,3 +116,15 @@ def test_resume_on_another_layout(tmp_path, dp2_stopped, references, n_procs, ov
         out = _pretrain(n_procs, args).stdout
     assert "resumed after step 2" in out and "saved on world 2 = pp 1 x dp 2, ep 1" in out
     _assert_losses(tmp_path, references["micro"], [3, 4])
+
+
+def test_resume_refuses_a_different_data_stream_or_a_used_run_dir(tmp_path, dp2_stopped, capsys):
+    checkpoint = dp2_stopped / "checkpoints" / "step_0000000002"
+    assert main(["--config", "tiny", *COMMON, "train.global_batch=16", f"run_dir={tmp_path}",
+                 f"checkpoint.resume={checkpoint}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("pretrain: error: checkpoint.resume: the checkpoint of step 2 was trained with "
+                   "train.global_batch=8, this run has 16; the data position would not carry over")
+    assert main(["--config", "tiny", *COMMON, f"run_dir={dp2_stopped}", "checkpoint.resume=none"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "checkpoint.resume=none, but" in err and "already holds checkpoints (steps [2])" in err

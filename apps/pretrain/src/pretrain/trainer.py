@@ -31,6 +31,8 @@ is ``_read``: one copy of the reduced values, the gradient norm and the skip fla
 to the host at the end of the step, which the logging, the skip counter and the
 stop decision need. (``parallel.ep_backend=all_to_all`` adds the host-visible
 split sizes of its all-to-all; ``rowwise`` does not.)
+
+Shape legend: L MoE layers of the model, E experts.
 """
 
 from __future__ import annotations
