@@ -106,6 +106,13 @@ def _overflow_error_and_telemetry() -> list:
         assert torch.equal(stats["rows_per_rank"], counts.sum(0).view(M, E // M).sum(1))
         assert torch.equal(stats["dropped_rows"], handle.plan.dropped_M)
         assert int(offsets[-1]) <= dispatcher.capacity
+        # Each rank reports the drops of the slots it routed: summed over the ranks,
+        # every dropped slot counts once.
+        mine = dispatcher.dropped_per_expert(handle)
+        assert mine.shape == (E,) and bool((mine >= 0).all())
+        total = mine.clone()
+        dist.all_reduce(total)
+        assert int(total.sum()) == int(stats["dropped_rows"].sum())
         report.append((int(stats["dropped_rows"].sum()), float(stats["load_imbalance"]),
                        float(stats["drop_rate"])))
     return report

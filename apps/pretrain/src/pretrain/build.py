@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from moe_ep_transport import EPConfig, EPDispatcher, EPHandle, Transport, make_transport
+from moe_ep_transport import EPConfig, EPDispatcher, Transport, make_transport
 from moe_model import MoELayer, MoETransformer, init_weights, lm_loss_sum, total_params
 from moe_mxfp8 import MXFP8RowCodec, apply_mxfp8
 from moe_pp import Pipeline, PipelineConfig, build_pipeline
@@ -35,20 +35,6 @@ from pretrain.mesh import ParallelMesh
 
 _ROOT_CHILDREN = ("embed", "norm", "head")
 META_BUILD_BYTES = 1 << 30  # build on meta when the whole model's FP32 weights exceed this
-
-
-class ReportingEPDispatcher(EPDispatcher):
-    """``EPDispatcher`` that also reports drops per expert, as moe_model's ``ReportsDrops``.
-
-    ``counts - kept`` of this rank's row of the route plan: the slots *this rank*
-    routed that a destination dropped, so summing over the data-parallel ranks
-    counts every dropped slot once (the transport's telemetry is the same on every
-    rank of the EP group and would count each drop once per rank).
-    """
-
-    def dropped_per_expert(self, handle: EPHandle) -> torch.Tensor:
-        plan = handle.plan
-        return plan.counts_ME[plan.rank] - plan.kept_ME[plan.rank]
 
 
 @dataclass
@@ -123,6 +109,6 @@ def build_model_part(cfg: PretrainConfig, mesh: ParallelMesh, device: torch.devi
         transport = make_transport(backend, ep_cfg, mesh.ep_mp_group, device=device, dtype=dtype,
                                    codec=codec)
         for index, layer in layers.items():
-            layer.dispatcher = ReportingEPDispatcher(ep_cfg, transport, codec=codec, seed=index)
+            layer.dispatcher = EPDispatcher(ep_cfg, transport, codec=codec, seed=index)
     return ModelPart(module, pipeline, layers, transport, mxfp8_layers,
                      nvshmem=backend == "rowwise" and device.type == "cuda")

@@ -14,9 +14,6 @@ EP-DP for routed experts). ``norm_group`` is the world, so the gradient norm
 counts every logical parameter once across pipeline stages and expert shards.
 Expert parameters carry their place in the logical tensor (a dim-0 slice under
 EP), which is what checkpoints store them by.
-
-``PhasedOptimizer`` marks the start of the weight rebuild for a phase timer
-(``pretrain.phases``); without a timer it is the plain optimizer.
 """
 
 from __future__ import annotations
@@ -76,21 +73,10 @@ def placements(n_experts: int, expert_start: int) -> Callable[[str, nn.Parameter
     return placement_of
 
 
-class PhasedOptimizer(DistributedOptimizer):
-    """``DistributedOptimizer`` that reports when its weight rebuild starts."""
-
-    on_rebuild: Callable[[], None] | None = None
-
-    def rebuild_weights(self) -> None:
-        if self.on_rebuild is not None:
-            self.on_rebuild()
-        super().rebuild_weights()
-
-
 def build_optimizer(grads: GradSource, cfg: AppOptimConfig, n_experts: int, expert_start: int,
-                    device: torch.device) -> PhasedOptimizer:
+                    device: torch.device) -> DistributedOptimizer:
     """The distributed optimizer over ``grads`` (the DDP wrapper); collective-free to build."""
-    return PhasedOptimizer(
+    return DistributedOptimizer(
         grads, optim_config(cfg), norm_group=dist.group.WORLD, rules=param_rules(cfg),
         placement_of=placements(n_experts, expert_start), device=device,
     )

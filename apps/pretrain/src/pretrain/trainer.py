@@ -141,8 +141,6 @@ class Trainer:
         if self.part.mxfp8_layers:
             self.optimizer.register_weights_updated_hook(lambda: refresh_weight_caches(self.model))
             refresh_weight_caches(self.model)
-        if phase_timer is not None:
-            self.optimizer.on_rebuild = lambda: phase_timer.mark("weight_rebuild")
         if mesh.layout.dp > 1:  # global-batch load balancing counts over every DP rank's tokens
             set_count_reducer(self.model, self._sum_over_dp)
         self.tokens_per_step = t.global_batch * t.seq_len  # = target tokens of the global batch
@@ -203,7 +201,9 @@ class Trainer:
         lr_factor = self.schedule(step)
         loss = self._forward_backward(step)
         self._mark("optimizer")
-        stats = self.optimizer.step(lr_factor)
+        stats = self.optimizer.update(lr_factor)
+        self._mark("weight_rebuild")
+        self.optimizer.rebuild_weights()
         self._mark("stats")
         reduced = self.packer.pack(loss, stop_requested)
         dist.all_reduce(reduced)

@@ -169,6 +169,16 @@ class EPDispatcher:
         rows_CD = _Dispatch.apply(x_TD, self, route)
         return rows_CD, plan.group_offsets_L, EPHandle(plan, route)
 
+    def dropped_per_expert(self, handle: EPHandle) -> torch.Tensor:
+        """[E] int64: the slots *this rank* routed that their destination dropped.
+
+        This rank's row of the route plan, so summing over the ranks of the EP group
+        counts every dropped slot once (the telemetry, in contrast, is the same on
+        every rank of the group). Satisfies ``moe_model.ReportsDrops`` structurally.
+        """
+        plan = handle.plan
+        return plan.counts_ME[plan.rank] - plan.kept_ME[plan.rank]
+
     def combine(self, rows_out_CD: torch.Tensor, weights_TK: torch.Tensor, handle: EPHandle) -> torch.Tensor:
         plan = handle.plan
         if rows_out_CD.shape[0] != self.capacity:

@@ -187,9 +187,18 @@ class DistributedOptimizer:
             raise ValueError(f"the gradient source yielded {len(grads)} items, expected {len(self._layouts)}")
         return grads
 
-    @torch.no_grad()
     def step(self, lr_factor: float = 1.0) -> StepStats:
-        """One update of every parameter; ``lr_factor`` scales each group's peak LR (a schedule)."""
+        """One update of every parameter, then the rebuild of the compute weights;
+        ``lr_factor`` scales each group's peak LR (a schedule)."""
+        stats = self.update(lr_factor)
+        self.rebuild_weights()
+        return stats
+
+    @torch.no_grad()
+    def update(self, lr_factor: float = 1.0) -> StepStats:
+        """The local part of ``step``: norm, clip and the sharded update of the FP32 main
+        weights, without rebuilding the compute weights (a caller that times the two
+        phases separately calls ``rebuild_weights()`` next)."""
         grads = self._read_grads()
         norm = global_grad_norm(grads, self._norm_weights, self._norm_group, self.device)
         found_inf = (~torch.isfinite(norm)).to(torch.float32)
@@ -199,7 +208,6 @@ class DistributedOptimizer:
         self._adamw_step(grads, lr_factor, found_inf)
         self._step.sub_(found_inf)
         self._muon_step(grads, lr_factor, found_inf.bool())
-        self.rebuild_weights()
         return StepStats(grad_norm=norm, skipped=found_inf.bool())
 
     def _adamw_step(self, grads: list[torch.Tensor], lr_factor: float, found_inf: torch.Tensor) -> None:
