@@ -27,19 +27,21 @@ def _run(dispatcher: EPDispatcher, data, W_local: torch.Tensor, rank: int):
     w = data.w[rank].clone().requires_grad_(True)
     W_local = W_local.clone().requires_grad_(True)
     rows, offsets, handle = dispatcher.dispatch(x, data.ids[rank])
+    assert offsets.stride() == (1,)  # what grouped GEMMs require, also for one local expert
     y = dispatcher.combine(experts(rows, offsets, W_local), w, handle)
     (y * data.g[rank]).sum().backward()
     return dict(rows=rows.detach(), offsets=offsets, y=y.detach(), dx=x.grad, dw=w.grad,
                 dW=W_local.grad, keep=handle.plan.valid_N.view(-1, K), plan=handle.plan)
 
 
-def _check_against_oracle_and_each_other(tokens: list[int], capacity_factor, banned) -> dict:
+def _check_against_oracle_and_each_other(tokens: list[int], capacity_factor, banned,
+                                         n_experts: int = E) -> dict:
     rank, M = dist.get_rank(), dist.get_world_size()
-    L = E // M
-    cfg = EPConfig(E, K, max(tokens), D, capacity_factor=capacity_factor)
+    L = n_experts // M
+    cfg = EPConfig(n_experts, K, max(tokens), D, capacity_factor=capacity_factor)
     results = {}
     # FP64: each backend against the oracle, tightly.
-    data = make_data(tokens, E, K, D, torch.float64, seed=11, banned=banned, skew=1.0)
+    data = make_data(tokens, n_experts, K, D, torch.float64, seed=11, banned=banned, skew=1.0)
     W_local = data.W[rank * L : (rank + 1) * L]
     for backend in ("all_to_all", "rowwise"):
         transport = make_transport(backend, cfg, dtype=torch.float64)
@@ -54,7 +56,7 @@ def _check_against_oracle_and_each_other(tokens: list[int], capacity_factor, ban
     a, b = results["all_to_all"], results["rowwise"]
     assert torch.equal(a["keep"], b["keep"])
     # BF16 with a codec: the two backends agree bit for bit, and the codec changes nothing.
-    data16 = make_data(tokens, E, K, D, torch.bfloat16, seed=12, banned=banned, skew=1.0)
+    data16 = make_data(tokens, n_experts, K, D, torch.bfloat16, seed=12, banned=banned, skew=1.0)
     W16 = data16.W[rank * L : (rank + 1) * L]
     runs = []
     for backend, codec in (("all_to_all", None), ("rowwise", None), ("rowwise", BytesCodec())):
@@ -77,6 +79,13 @@ def test_two_ranks_dropless_match_oracle() -> None:
     out = run_distributed(_check_against_oracle_and_each_other, 2, [12, 9], None, (4, 5, 6, 7), timeout=120)
     assert out[1]["received"] == 0 and out[0]["received"] == (12 + 9) * K
     assert all(o["dropped"] == 0 and o["padding_zero"] for o in out)
+
+
+def test_one_expert_per_rank_matches_oracle() -> None:
+    # EP degree = number of experts: each rank holds a single expert.
+    out = run_distributed(_check_against_oracle_and_each_other, 2, [6, 5], None, (), 2, timeout=120)
+    assert [o["received"] for o in out] == [o["offsets"][-1] for o in out]
+    assert sum(o["received"] for o in out) == (6 + 5) * K
 
 
 def test_four_ranks_with_drops_match_oracle() -> None:

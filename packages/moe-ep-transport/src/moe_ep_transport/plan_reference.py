@@ -94,7 +94,10 @@ def plan_cells_reference(counts_ME: torch.Tensor, capacity: int, salt: int, rank
     mine = counts_ME[rank]
     table = torch.stack([mine, mine - kept_ME[rank], drop_start_ME[rank], base_ME[rank]])
     recv = torch.stack([base_rj[rank], base_rj[rank] + kept_rj[rank]])
-    offsets = recv[1].view(L, M)[:, -1].to(torch.int32)
+    # A fresh contiguous tensor: with one local expert the [1]-shaped column view keeps
+    # stride M, which grouped GEMMs (torch._grouped_mm) reject.
+    offsets = torch.empty(L, dtype=torch.int32, device=recv.device)
+    offsets.copy_(recv[1].view(L, M)[:, -1])
     return CellPlan(torch.stack([counts_ME, kept_ME]), table, recv, offsets)
 
 
