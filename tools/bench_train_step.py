@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ep-backend", choices=["all_to_all", "rowwise"], default=None,
                    help="EP transport of the ep method (default: rowwise on CUDA, else all_to_all)")
     p.add_argument("--out", type=Path, default=None, help="JSON file (written by rank 0)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="also profile one extra step per (method, routing) with torch.profiler and "
+                        "write its kernel table (top kernels by device time) to this text file")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides for every run, e.g. model.recompute=selective")
     return p.parse_args(argv)
@@ -115,7 +118,7 @@ def build_fsdp2_trainer(cfg: Any, device: torch.device, timer: PhaseTimer) -> An
 def run_method(a: argparse.Namespace, method: str, device: torch.device, world: int,
                run_dir: Path) -> list[dict[str, Any]]:
     """Build one trainer for ``method`` and time every routing on it."""
-    per_routing = a.warmup + a.steps
+    per_routing = a.warmup + a.steps + (a.profile is not None)
     overrides = [*a.overrides, f"train.steps={per_routing * len(a.routing)}",
                  "optim.schedule=constant", "checkpoint.every=0", "metrics.expert_load_every=0",
                  f"train.device={device.type}", f"run_dir={run_dir / method}"]
@@ -145,12 +148,39 @@ def run_method(a: argparse.Namespace, method: str, device: torch.device, world: 
                 step += 1
                 records.append(trainer.step(step))
                 phases.append(timer.collect())
+            row = summarize(method, routing, cfg, world, records, phases, device)
+            if a.profile is not None:
+                step += 1
+                row["profile"] = profile_step(trainer, step, a.profile, f"{method}/{routing}")
+                timer.collect()
             for hook in hooks:
                 hook.remove()
-            rows.append(summarize(method, routing, cfg, world, records, phases, device))
+            rows.append(row)
     finally:
         trainer.close()
     return rows
+
+
+def profile_step(trainer: Trainer, step: int, path: Path, title: str,
+                 rows: int = 40) -> str:
+    """Run one more step under ``torch.profiler`` and append its kernel table to ``path``.
+
+    Untimed (the profiler slows the host); it says where the device time goes, which the
+    phase breakdown cannot. Only rank 0 writes.
+    """
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    sort_by = "self_cpu_time_total"
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        sort_by = "self_cuda_time_total"
+    with torch.profiler.profile(activities=activities) as prof:
+        trainer.step(step)
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=70)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(f"=== {title}\n{table}\n")
+    return str(path)
 
 
 def summarize(method: str, routing: str, cfg: Any, world: int, records: list[dict],
