@@ -235,26 +235,25 @@ def print_table(report: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     with distributed(a.device) as rt, tempfile.TemporaryDirectory() as tmp:
-        ceiling = matmul_ceiling_tflops(rt.device)
-        started = time.time()
-        runs = []
-        for method in a.methods:
-            runs += run_method(a, method, rt.device, rt.world_size, Path(tmp))
-            gc.collect()
-            if rt.device.type == "cuda":
-                torch.cuda.empty_cache()
         report = {
             "config": a.config, "overrides": a.overrides, "world": rt.world_size,
             "device": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu",
             "torch": torch.__version__, "warmup": a.warmup, "steps": a.steps,
-            "matmul_ceiling_tflops": ceiling, "peak_tflops": PEAK_FLOPS / 1e12,
-            "wall_s": time.time() - started, "runs": runs,
+            "matmul_ceiling_tflops": matmul_ceiling_tflops(rt.device),
+            "peak_tflops": PEAK_FLOPS / 1e12, "runs": [],
         }
-        if rt.rank == 0:
-            if a.out is not None:
-                a.out.parent.mkdir(parents=True, exist_ok=True)
-                a.out.write_text(json.dumps(report, indent=2))
-            print_table(report)
+        started = time.time()
+        for method in a.methods:
+            report["runs"] += run_method(a, method, rt.device, rt.world_size, Path(tmp))
+            report["wall_s"] = time.time() - started
+            gc.collect()
+            if rt.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if rt.rank == 0:  # after every method, so a later failure keeps what was measured
+                if a.out is not None:
+                    a.out.parent.mkdir(parents=True, exist_ok=True)
+                    a.out.write_text(json.dumps(report, indent=2))
+                print_table(report)
     return report
 
 

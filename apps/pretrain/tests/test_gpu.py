@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,8 +74,10 @@ def _steady_state_step_syncs(overrides: list[str]) -> list[str]:
             torch.cuda.set_sync_debug_mode("error")
             try:
                 result = trainer._run(4, stop_requested=False)
-            except RuntimeError as e:
-                failures.append(str(e).splitlines()[0])
+            except RuntimeError as e:  # name the operation: the innermost frames of ours
+                ours = [f for f in traceback.extract_tb(e.__traceback__) if "/site-packages/" not in f.filename]
+                where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.line}" for f in ours[::-1][:3])
+                failures.append(f"{str(e).splitlines()[0]} at {where}")
             finally:
                 torch.cuda.set_sync_debug_mode(0)
             if not failures:

@@ -272,7 +272,8 @@ def test_sweep_picks_the_first_layout_that_fits():
 GPU_CASE = ["train.device=cuda", "data.path=synthetic", "model.vocab_size=32768",
             "model.d_model=1024", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=2",
             "model.head_dim=128", "model.n_experts=32", "model.top_k=4", "model.expert_hidden=512",
-            "train.seq_len=2048", "train.micro_batch=2", "train.global_batch=4", "train.steps=2"]
+            "train.seq_len=2048", "train.micro_batch=2", "train.global_batch=4", "train.steps=2",
+            "optim.schedule=constant"]
 
 
 @pytest.mark.gpu

@@ -309,6 +309,31 @@ def test_bf16_grads_accumulate_in_fp32_and_are_freed():
     assert 4 * n_params <= bucket_bytes <= 1.05 * 4 * n_params
 
 
+def test_dropping_or_closing_the_ddp_frees_its_buckets_and_detaches_the_hooks():
+    """The hooks sit on C++ gradient accumulators that Python's cycle collector cannot
+    see; they must not keep the FP32 buckets alive once the object is gone."""
+    import gc
+    import weakref
+
+    model = ToyMoE(range(N_EXPERTS))
+    x, ids, target = microbatch(0, 1, 0, False)
+    ddp = MultiGroupDDP(model, lambda n, p: None)
+    buckets = [weakref.ref(buf) for _, buf in ddp.grad_buffers()]
+    gone = weakref.ref(ddp)
+    del ddp
+    gc.collect()
+    assert gone() is None and all(b() is None for b in buckets)
+    loss_sum(model, x, ids, target).backward()  # a plain module again: grads in .grad
+    assert all(p.grad is not None for p in model.parameters())
+
+    model.zero_grad(set_to_none=True)
+    ddp = MultiGroupDDP(model, lambda n, p: None)
+    ddp.close()
+    loss_sum(model, x, ids, target).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert all(float(buf.abs().sum()) == 0.0 for _, buf in ddp.grad_buffers())
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="DDPConfig.mode"):
         MultiGroupDDP(ToyMoE(range(1)), lambda n, p: None, DDPConfig(mode="allreduce"))

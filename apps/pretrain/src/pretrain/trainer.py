@@ -151,8 +151,9 @@ class Trainer:
         self.flops_per_token = flops_per_token(m, t.seq_len)
 
     def close(self) -> None:
-        """Release the EP transport (collective)."""
+        """Release the EP transport (collective) and detach the gradient hooks."""
         self.part.close()
+        self.ddp.close()
 
     # -- the loop ------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ rank ``r``'s shard.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -158,6 +159,18 @@ class _Slot:
     seen: bool = False  # got a gradient while synchronisation was enabled
 
 
+def _weak_on_grad(ref: weakref.ReferenceType[MultiGroupDDP]) -> Callable[[nn.Parameter], None]:
+    """The hook: forwards to the live object; once it is gone the module is plain again
+    (the gradient stays in ``param.grad``)."""
+
+    def on_grad(param: nn.Parameter) -> None:
+        ddp = ref()
+        if ddp is not None:
+            ddp._on_grad(param)
+
+    return on_grad
+
+
 def _group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
@@ -226,7 +239,11 @@ class MultiGroupDDP:
                     main_grad = bucket.buffer[offset : offset + piece].view(param.shape)
                 self._slots[param] = _Slot(name, param, groups[index], bucket, main_grad)
         self._order = [self._slots[p] for _, p in named]
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
+        # The hooks live on the parameters' C++ gradient accumulators, which Python's cycle
+        # collector cannot see: a hook holding ``self`` would keep every FP32 bucket alive
+        # after the last reference to this object is gone. They hold a weak reference.
+        on_grad = _weak_on_grad(weakref.ref(self))
+        self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for _, p in named]
 
         self._sync_enabled = True
         self._next_launch = 0
@@ -234,6 +251,16 @@ class MultiGroupDDP:
         self.last_sync_bytes: dict[tuple[int, ...], int] = {}
         """Bytes this rank sent per replica group (keyed by its global ranks) in the
         last ``finish_grad_sync()``."""
+
+    def close(self) -> None:
+        """Remove the gradient hooks: the parameters stop feeding this object's buckets.
+
+        Dropping the last reference has the same effect (the hooks hold a weak one);
+        ``close()`` makes it explicit, e.g. before wrapping the module again.
+        """
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     # -- accumulation ----------------------------------------------------------
 
