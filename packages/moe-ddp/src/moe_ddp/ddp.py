@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_ddp.accumulate import accumulate_
 from moe_ddp.layout import BucketSpec, ParamEntry, is_sharded, plan_buckets
 
 ReplicaGroupOf = Callable[[str, nn.Parameter], "dist.ProcessGroup | None"]
@@ -272,8 +273,8 @@ class MultiGroupDDP:
                 "run all but the last backward under no_sync() and call zero_grad() after "
                 "the optimizer step"
             )
-        grad = param.grad
-        slot.main_grad.add_(grad.reshape(slot.main_grad.shape))
+        main = slot.main_grad
+        accumulate_(main.view(-1) if main.is_contiguous() else main, param.grad)
         param.grad = None
         if self._sync_enabled and not slot.seen:
             slot.seen = True
