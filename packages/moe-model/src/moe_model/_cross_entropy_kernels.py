@@ -94,7 +94,7 @@ def backward_kernel(
         for start in range(0, V, BLOCK_V):
             idx = start + cols
             mask = idx < V
-            x = tl.load(row_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32)
             p = tl.exp((x - m) - logsum)
             d = tl.where(idx == tgt, p - 1.0, p) * g
             tl.store(grad_row_ptr + idx, d.to(grad_ptr.dtype.element_ty), mask=mask)
