@@ -6,6 +6,9 @@ Dh head dim, F hidden width.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,12 +17,37 @@ from moe_model.config import MoEConfig
 
 
 class RMSNorm(nn.Module):
+    """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dimension.
+
+    CUDA inputs go through the fused Triton kernels of ``moe_model._rms_norm_kernels``
+    (same rounding, imported at first use); anything else, or where Triton does not
+    import, through ``forward_reference``.
+    """
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    @staticmethod
+    @functools.cache
+    def _fused_kernels() -> Any:
+        """The ``moe_model._rms_norm_kernels`` module, or None without Triton."""
+        try:
+            from moe_model import _rms_norm_kernels
+        except ImportError:
+            return None
+        return _rms_norm_kernels
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and (k := RMSNorm._fused_kernels()) is not None:
+            w = self.weight
+            if (x.dtype in k.FLOAT_DTYPES and w.dtype in k.FLOAT_DTYPES and w.device == x.device
+                    and 0 < x.shape[-1] <= k.MAX_D):
+                return k.rms_norm(x, w, self.eps)
+        return self.forward_reference(x)
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in FP32 whatever the compute dtype, as the HF reference does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
