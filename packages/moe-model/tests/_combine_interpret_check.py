@@ -1,0 +1,97 @@
+"""Run by test_fused_combine.py in a subprocess with TRITON_INTERPRET=1 (set before Triton
+is imported, and never in the test process itself): the fused combine kernels on CPU
+against the torch reference path of the local dispatcher, forward and all gradients."""
+
+import torch
+
+from moe_model import LocalDispatcher, dispatch
+
+_reference_gate = dispatch._fused
+
+
+def _fused_on_cpu(t):
+    return t.dtype in dispatch._FUSED_DTYPES
+
+
+def _ids(T, E, k, g, skew):
+    """Distinct experts per token; expert E-1 never chosen (an expert with zero tokens);
+    with ``skew`` low expert ids are strongly preferred (capacity drops, and padding rows
+    from the underfilled experts)."""
+    p = torch.ones(E - 1) if not skew else torch.linspace(4.0, 0.2, E - 1)
+    return torch.stack([torch.multinomial(p, k, replacement=False, generator=g) for _ in range(T)])
+
+
+def _run(disp, x, ids, w, dy, fused):
+    dispatch._fused = _fused_on_cpu if fused else _reference_gate
+    try:
+        rows, offsets, h = disp.dispatch(x, ids)
+        R, D = rows.shape
+        g = torch.Generator().manual_seed(1)
+        scale = torch.rand(R, 1, generator=g, dtype=x.dtype) + 0.5
+        bias = torch.randn(R, D, generator=g, dtype=x.dtype).requires_grad_()
+        y = disp.combine(rows * scale + bias, w, h)
+        dx, dw, d_rows = torch.autograd.grad(y, (x, w, bias), dy)
+    finally:
+        dispatch._fused = _reference_gate
+    return (y, dx, dw, d_rows), h
+
+
+def check(T, D, E, k, capacity_factor, dtype, seed=0, expanded_dy=False):
+    tag = f"T={T} D={D} E={E} k={k} cf={capacity_factor} {dtype} expanded_dy={expanded_dy}"
+    g = torch.Generator().manual_seed(seed)
+    ids = _ids(T, E, k, g, skew=capacity_factor is not None)
+    x = torch.randn(T, D, generator=g).to(dtype).requires_grad_()
+    w = torch.rand(T, k, generator=g).requires_grad_()  # routing weights stay FP32
+    dy = torch.randn(T, D, generator=g).to(dtype)
+    if expanded_dy:  # row stride 0, as from y.sum(0) in the loss
+        dy = dy[0].expand(T, D)
+    disp = LocalDispatcher(E, capacity_factor)
+    got, h = _run(disp, x, ids, w, dy, fused=True)
+    want, _ = _run(disp, x, ids, w, dy, fused=False)
+    if capacity_factor is not None:
+        assert (h.kept_of_slot == 0).any(), f"{tag}: no dropped slot"
+        assert not h.valid_rows.all(), f"{tag}: no padding row"
+        assert (got[3][~h.valid_rows] == 0).all(), f"{tag}: padding rows got a gradient"
+    if dtype == torch.float32:
+        tols = [(1e-6, 1e-6), (1e-6, 1e-6), (1e-6, 1e-5), (0, 0)]
+    else:  # the interpreter rounds FP32 -> BF16 toward zero (a GPU rounds to nearest): 1 ulp
+        tols = [(3e-2, 3e-2), (3e-2, 3e-2), (1e-5, 1e-4), (1e-2, 1e-6)]
+    for name, a, b, (rtol, atol) in zip(("y", "dx", "dw", "d_rows"), got, want, tols, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{tag} {name}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{tag} {n}: {m}")
+
+
+def check_direct():
+    """The kernel entry points on their own: default weights / kept, zero-filled rows."""
+    g = torch.Generator().manual_seed(2)
+    T, k, R, D = 5, 3, 17, 21
+    rows = torch.randn(R, D, generator=g)
+    row_of_slot = torch.randperm(R, generator=g)[: T * k]
+    kept = (torch.rand(T * k, generator=g) > 0.3).float()
+    ref = rows.index_select(0, row_of_slot).view(T, k, D)
+    torch.testing.assert_close(dispatch.weighted_gather_sum(rows, row_of_slot, T), ref.sum(1))
+    y = dispatch.weighted_gather_sum(rows, row_of_slot, T, kept_S=kept, out_dtype=torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, (ref * kept.view(T, k, 1)).sum(1).bfloat16())
+    w = torch.rand(T * k, generator=g) * kept
+    dy = torch.randn(T, D, generator=g)
+    d_rows, d_w = dispatch.combine_backward(dy, rows, row_of_slot, w, kept, R)
+    want = torch.zeros(R, D)
+    want[row_of_slot] = torch.where(kept[:, None] > 0, w[:, None] * dy.repeat_interleave(k, 0), 0.0)
+    torch.testing.assert_close(d_rows, want, rtol=0, atol=0)
+    torch.testing.assert_close(d_w, (ref * dy[:, None]).sum(-1) * kept.view(T, k))
+
+
+def main():
+    check_direct()
+    for dtype in (torch.float32, torch.bfloat16):
+        check(13, 40, 6, 1, None, dtype)  # dropless, k=1
+        check(13, 40, 10, 8, None, dtype)  # dropless, k=8
+        check(3, 5, 4, 2, None, dtype, expanded_dy=True)  # D below the block, dy row stride 0
+        check(13, 37, 4, 2, 0.75, dtype)  # capacity: drops and padding rows
+        check(11, 24, 10, 8, 1.0, dtype)  # capacity, k=8
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
