@@ -50,7 +50,7 @@ def _measure_microbatch(cfg) -> tuple[int, int, int]:
     with distributed("cpu"):
         mesh = build_mesh(validate_layout(cfg, 1), "cpu")
         part = build_model_part(cfg, mesh, torch.device("cpu"), torch.bfloat16)
-        MultiGroupDDP(part.module, lambda name, p: None)  # frees each parameter gradient at once
+        ddp = MultiGroupDDP(part.module, lambda name, p: None)  # noqa: F841 (alive: its hooks free each gradient at once)
         torch.manual_seed(0)
         shape = (cfg.train.micro_batch, cfg.train.seq_len + 1)
         tokens = torch.randint(0, cfg.model.vocab_size, shape)

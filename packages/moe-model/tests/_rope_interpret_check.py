@@ -4,7 +4,7 @@ gradient, contiguous and strided inputs, FP32 and BF16."""
 
 import torch
 from moe_model._rope_kernels import FusedRope
-from moe_model.layers import apply_rope, rope_tables
+from moe_model.layers import apply_rope_reference, rope_tables
 
 
 def main():
@@ -16,7 +16,7 @@ def main():
             x = base.transpose(1, 2) if strided else base.transpose(1, 2).contiguous()
             x = x.detach().requires_grad_(True)
             dy = torch.randn(B, H, S, Dh, generator=g).to(dtype)
-            ref = apply_rope(x, cos, sin)
+            ref = apply_rope_reference(x, cos, sin)
             (ref_dx,) = torch.autograd.grad(ref, x, dy)
             out = FusedRope.apply(x, cos, sin)
             (dx,) = torch.autograd.grad(out, x, dy)

@@ -7,6 +7,7 @@ Dh head dim, F hidden width.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Any
 
 import torch
@@ -65,7 +66,25 @@ def rope_tables(
     return emb.cos(), emb.sin()
 
 
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def apply_rope(x_BHSDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in FP32, rounded once to x's dtype.
+
+    CUDA inputs take the one-kernel path of ``moe_model._rope_kernels`` (same
+    arithmetic); anything else, or without Triton, ``apply_rope_reference``.
+    """
+    if x_BHSDh.is_cuda and x_BHSDh.shape[-1] % 2 == 0 and _triton_importable():
+        from moe_model._rope_kernels import FusedRope
+
+        return FusedRope.apply(x_BHSDh, cos, sin)
+    return apply_rope_reference(x_BHSDh, cos, sin)
+
+
+def apply_rope_reference(x_BHSDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x_BHSDh.shape[-1] // 2
     x1, x2 = x_BHSDh[..., :half], x_BHSDh[..., half:]
     rotated = torch.cat([-x2, x1], dim=-1)

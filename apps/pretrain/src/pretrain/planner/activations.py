@@ -22,12 +22,14 @@ checked against measurements (``pretrain.planner.measure.LiveBytes``, CPU tests)
   temporaries (gradients, the FP32 combine's, one weight gradient) are alive.
 
 Sets make overlaps explicit (a tensor both saved and alive is counted once).
-The RMSNorm of moe_model upcasts to FP32, so each norm keeps an FP32 copy of its
-input; the router runs in FP32 and keeps an FP32 copy of its input as well.
+The router runs in FP32 and keeps an FP32 copy of its input.
 
-``kernels`` selects the few device-specific allocations: CUDA flash attention's
-backward allocates an FP32 accumulator for dQ and, with GQA, expanded dK/dV; the
-CPU kernel allocates neither (as tensors PyTorch can see).
+``kernels`` selects the device-specific paths. CUDA: moe_model's fused Triton
+RMSNorm (keeps its input and rstd), combine (no FP32 temporaries) and cross-entropy
+(no FP32 logits), and flash attention's backward, which allocates an FP32
+accumulator for dQ and, with GQA, expanded dK/dV. CPU: the eager forms (RMSNorm
+keeps an FP32 copy of its input, FP32 combine and cross-entropy temporaries) and
+an attention kernel that allocates neither (as tensors PyTorch can see).
 """
 
 from __future__ import annotations
@@ -120,12 +122,18 @@ class Inventory:
         return peak
 
 
-def _norm(inv: Inventory, prefix: str, rows: int, width: int, b: int, out_saved: bool) -> None:
-    """moe_model's RMSNorm: FP32 copy of x, rstd, the BF16 normalised x (for the gain's
-    gradient) and the output (kept only when a GEMM consumes it)."""
-    inv.add(f"{prefix}.x32", FP32 * rows * width, "saved")
+def _norm(inv: Inventory, prefix: str, rows: int, width: int, ex: Execution, out_saved: bool,
+          input_name: str) -> None:
+    """moe_model's RMSNorm. Eager (CPU): an FP32 copy of x, rstd, the BF16 normalised x
+    (for the gain's gradient). Fused (CUDA): the input itself (``input_name``, the
+    tensor it aliases) and rstd. The output is kept only when a GEMM consumes it."""
+    b = ex.compute_bytes
     inv.add(f"{prefix}.rstd", FP32 * rows, "saved")
-    inv.add(f"{prefix}.xn", b * rows * width, "saved")
+    if ex.kernels == "cuda":
+        inv.saved.add(input_name)
+    else:
+        inv.add(f"{prefix}.x32", FP32 * rows * width, "saved")
+        inv.add(f"{prefix}.xn", b * rows * width, "saved")
     inv.add(f"{prefix}.out", b * rows * width, *(("saved",) if out_saved else ()))
 
 
@@ -134,15 +142,14 @@ def _attention(inv: Inventory, cfg: MoEConfig, ex: Execution) -> None:
     T, S, b, D = ex.tokens, ex.seq_len, ex.compute_bytes, cfg.d_model
     H, Dh = cfg.n_heads, cfg.head_dim
     Q, KV = H * Dh, cfg.n_kv_heads * Dh
-    _norm(inv, "attn_norm", T, D, b, out_saved=True)
+    _norm(inv, "attn_norm", T, D, ex, out_saved=True, input_name="input")
     inv.add("attn.q_proj", b * T * Q, "selective")
     inv.add("attn.k_proj", b * T * KV, "selective")
     inv.add("attn.v", b * T * KV, "saved", "selective")
     if cfg.qk_norm:
-        for name, heads, width in (("q", H, Q), ("k", cfg.n_kv_heads, KV)):
-            inv.add(f"attn.{name}_norm.x32", FP32 * T * width, "saved")
-            inv.add(f"attn.{name}_norm.rstd", FP32 * T * heads, "saved")
-            inv.add(f"attn.{name}_norm.xn", b * T * width, "saved")
+        for name, heads in (("q", H), ("k", cfg.n_kv_heads)):
+            _norm(inv, f"attn.{name}_norm", T * heads, Dh, ex, out_saved=False,
+                  input_name=f"attn.{name}_proj")
     inv.add("attn.rope_cos", FP32 * S * Dh, "saved")  # rebuilt by every layer
     inv.add("attn.rope_sin", FP32 * S * Dh, "saved")
     inv.add("attn.q_rope", b * T * Q, "saved")
@@ -150,7 +157,6 @@ def _attention(inv: Inventory, cfg: MoEConfig, ex: Execution) -> None:
     inv.add("attn.out", b * T * Q, "saved", "selective")
     inv.add("attn.lse", FP32 * T * H, "saved", "selective")
     inv.add("attn.wo_out", b * T * D, "selective")
-    inv.add("h_mid", b * T * D, "fwd_live")  # x + attention, alive until the block's last add
     inv.add("attn.d_out", b * T * Q)
     inv.add("attn.dq", b * T * Q)
     inv.add("attn.dkv", 2 * b * T * KV)
@@ -205,8 +211,10 @@ def ep_capacity(cfg: MoEConfig, tokens: int, ep: int) -> int:
 
 
 def _local_dispatch(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int) -> None:
-    """moe_model.LocalDispatcher: index vectors on the handle (ctx); the combine
-    ``y = bmm(w, rows_out[row_of_slot].float())`` keeps rows_out and w."""
+    """moe_model.LocalDispatcher: index vectors on the handle (ctx); the combine keeps
+    rows_out and w. Eager (CPU): ``bmm(w, rows_out[row_of_slot].float())`` with its
+    FP32 temporaries both ways. Fused (CUDA): the FP32 sum stays in registers; the
+    backward writes d_rows and the weights' gradient directly."""
     T, D, E, b = ex.tokens, cfg.d_model, cfg.n_experts, ex.compute_bytes
     N = T * cfg.top_k
     if cfg.capacity_factor is None:
@@ -222,12 +230,17 @@ def _local_dispatch(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int) -> No
     inv.add("dispatch.dropped", INDEX * E, "ctx")
     inv.add("dispatch.offsets", OFFSET * E, "saved", "fwd_live")
     inv.add("dispatch.rows", b * R * D, "saved", "fwd_live")
+    inv.add("combine.d_weights", FP32 * N)
+    if ex.kernels == "cuda":
+        inv.add("combine.y", b * T * D, "fwd_live", "selective")
+        inv.add("combine.d_rows", b * R * D)
+        inv.moment((), {"grad_out", "combine.d_rows", "combine.d_weights"})
+        return
     inv.add("combine.gathered", b * N * D, "fwd_live")
     inv.add("combine.gathered32", FP32 * N * D, "fwd_live")
     inv.add("combine.y32", FP32 * T * D, "fwd_live", "selective")
     inv.add("combine.dy32", FP32 * T * D)
     inv.add("combine.d_rows32", FP32 * N * D)
-    inv.add("combine.d_weights", FP32 * N)
     inv.moment((), {"grad_out", "combine.dy32", "combine.d_rows32", "combine.gathered",
                     "combine.gathered32", "combine.d_weights"})
 
@@ -325,7 +338,9 @@ def block_inventory(cfg: MoEConfig, layer: int, ex: Execution) -> Inventory:
     inv.add("input", b * T * D)
     inv.add("grad_out", b * T * D)
     moe = cfg.is_moe_layer(layer)
-    _norm(inv, "mlp_norm", T, D, b, out_saved=not moe or cfg.n_shared_experts > 0)
+    inv.add("h_mid", b * T * D, "fwd_live")  # x + attention, alive until the block's last add
+    _norm(inv, "mlp_norm", T, D, ex, out_saved=not moe or cfg.n_shared_experts > 0,
+          input_name="h_mid")
     inv.fwd_live.add("mlp_norm.out")
     if moe:
         if cfg.n_shared_experts:
@@ -354,21 +369,31 @@ class EdgeMemory:
 
 
 def head_memory(cfg: MoEConfig, ex: Execution) -> EdgeMemory:
-    """Final norm, head and FP32 cross-entropy (``lm_loss_sum``).
+    """Final norm, head and cross-entropy (``lm_loss_sum``); the trainer and the pipeline
+    pass the logits straight to the loss, so they die with it.
 
-    Forward: logits [T,V] in BF16, an FP32 copy, log-softmax's FP32 output (kept; the
-    trainer and the pipeline pass the logits straight to the loss, so they die with it).
-    Backward: the loss gradient [T,V] FP32, log-softmax's input gradient FP32, then the
+    Eager (CPU): logits [T,V] in BF16, an FP32 copy, log-softmax's FP32 output (kept);
+    backward: the loss gradient [T,V] FP32, log-softmax's input gradient FP32, then the
     BF16 logits gradient and the head's BF16 weight gradient (freed by the DDP hook).
+    Fused (CUDA): the BF16 logits (kept) and 12 bytes per row; backward: the BF16
+    logits gradient while the logits are alive, then the head's gradients.
     """
     T, D, V, b = ex.tokens, cfg.d_model, cfg.vocab_size, ex.compute_bytes
     inv = Inventory()
-    _norm(inv, "final_norm", T, D, b, out_saved=True)
+    inv.add("final_norm.input", b * T * D)
+    _norm(inv, "final_norm", T, D, ex, out_saved=True, input_name="final_norm.input")
+    norm = inv.bytes(inv.saved)
+    head_grads = b * V * D + b * T * D
+    if ex.kernels == "cuda":
+        logits = b * T * V
+        held = norm + logits + 3 * FP32 * T
+        return EdgeMemory(held=held, fwd_peak=held, bwd_peak=max(held + logits,
+                                                                  held - logits + logits + head_grads))
     log_probs = FP32 * T * V
-    held = inv.bytes(inv.saved) + log_probs
-    fwd = inv.bytes(inv.saved) + b * T * V + 2 * FP32 * T * V
+    held = norm + log_probs
+    fwd = norm + b * T * V + 2 * FP32 * T * V
     ce_backward = held + 2 * FP32 * T * V
-    head_backward = held - log_probs + b * T * V + b * V * D + b * T * D
+    head_backward = held - log_probs + b * T * V + head_grads
     return EdgeMemory(held=held, fwd_peak=fwd, bwd_peak=max(ce_backward, head_backward))
 
 
