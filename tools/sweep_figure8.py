@@ -146,22 +146,21 @@ def main(argv: list[str] | None = None) -> None:
     if a.plot_from is not None:
         report = json.loads(a.plot_from.read_text())
     else:
-        points: list[dict[str, Any]] = []
-        for gb in [int(v) for v in a.global_batches.split(",") if v]:
-            points += run_point(a, "global_batch", gb, ["ddp", "fsdp2"],
-                                [f"train.global_batch={gb}"])
-        for e in [int(v) for v in a.experts.split(",") if v]:
-            points += run_point(a, "experts", e, ["ddp", "ep", "fsdp2"],
-                                [f"model.n_experts={e}",
-                                 f"train.global_batch={a.expert_sweep_global_batch}"])
         from pretrain.config import load_config
 
-        seq_len = load_config(a.config, list(a.overrides)).train.seq_len
         report = {"config": a.config, "overrides": a.overrides, "nproc": a.nproc,
-                  "seq_len": seq_len, "points": points}
-        if a.out is not None:
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            a.out.write_text(json.dumps(report, indent=2))
+                  "seq_len": load_config(a.config, list(a.overrides)).train.seq_len,
+                  "points": []}
+        todo = [("global_batch", int(v), ["ddp", "fsdp2"], [f"train.global_batch={v}"])
+                for v in a.global_batches.split(",") if v]
+        todo += [("experts", int(v), ["ddp", "ep", "fsdp2"],
+                  [f"model.n_experts={v}", f"train.global_batch={a.expert_sweep_global_batch}"])
+                 for v in a.experts.split(",") if v]
+        for sweep, value, methods, overrides in todo:
+            report["points"] += run_point(a, sweep, value, methods, overrides)
+            if a.out is not None:  # after every point: a cut-short sweep keeps what it measured
+                a.out.parent.mkdir(parents=True, exist_ok=True)
+                a.out.write_text(json.dumps(report, indent=2))
     print_table(report["points"], report["seq_len"])
     if a.png is not None:
         plot(report["points"], report["seq_len"], a.png)

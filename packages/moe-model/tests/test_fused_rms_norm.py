@@ -47,7 +47,9 @@ def _fused_and_reference(norm, x, dy):
 
 
 def _assert_close_bf16(a, b, what, elementwise=True):
-    """Within one BF16 rounding of the reference. Elementwise outputs (y, dx) also equal it
+    """Within two BF16 roundings of the reference (a tie that rounds the other way in the
+    normalised value moves the product with the BF16 weight by up to two steps; seen on
+    an H200 for 5 of 33M elements). Elementwise outputs (y, dx) also equal it
     but for rare elements whose FP32 value sits at a rounding tie (the two compute rstd
     with different summation orders and rsqrt approximations). A dweight sums many rows'
     terms, any of which may have been such an element, so it gets an absolute margin
@@ -56,7 +58,7 @@ def _assert_close_bf16(a, b, what, elementwise=True):
     a, b = a.float(), b.float()
     scale = b.abs().max().item()
     atol = (1e-5 if elementwise else 1e-3) * scale
-    torch.testing.assert_close(a, b, rtol=2**-7, atol=atol, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(a, b, rtol=2**-6, atol=atol, msg=lambda m: f"{what}: {m}")
     if elementwise:
         same = torch.isclose(a, b, rtol=1e-6, atol=1e-6 * scale).float().mean().item()
         assert same > 0.99, f"{what}: only {same:.4f} of the elements match"

@@ -40,5 +40,7 @@ def test_fused_rope_on_gpu_matches_eager_without_host_sync():
         (dx,) = torch.autograd.grad(out, x, dy)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    # The eager backward rounds each product to BF16 before adding them; the kernel rounds
+    # once: a few elements differ by one BF16 step (2^-6 at magnitudes 2..4).
     torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(dx, ref_dx, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(dx, ref_dx, rtol=1e-2, atol=2**-6)

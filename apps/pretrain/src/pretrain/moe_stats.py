@@ -97,7 +97,7 @@ class StepPacker:
                            device=self.device)
         if loss is not None:
             flat[0] = loss
-        flat[1] = float(stop)
+        flat[1:2].fill_(float(stop))  # a kernel argument: item assignment would copy from the host
         slots = flat[_HEAD:].view(self.n_slots, self.width)
         E = self.n_experts
         for slot, layer in self.layers.items():
