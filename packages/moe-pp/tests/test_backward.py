@@ -24,6 +24,47 @@ class Reused(nn.Module):
         return torch.tanh(self.inner(torch.tanh(x @ self.w))) @ self.w
 
 
+class _Square(torch.autograd.Function):
+    """A custom Function, as moe_model's fused CUDA kernels are: its backward node is a
+    Python ``BackwardCFunction`` (no ``_input_metadata``) that can sit on a boundary."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class _Scale(torch.autograd.Function):
+    """``x * gain`` as a custom Function taking a parameter, like a fused RMSNorm: its
+    node has an input-path child and a weight-only child, so it is a boundary."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, gain)
+        return x * gain
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, gain = ctx.saved_tensors
+        return grad * gain, (grad * x).sum(0)
+
+
+class WithCustomFunctions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.gain = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _Square.apply(self.a(_Square.apply(x)))
+        return self.b(_Square.apply(_Scale.apply(h, self.gain)))
+
+
 def _moe(part: str) -> nn.Module:
     cfg = MoEConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                     n_experts=4, top_k=2, expert_hidden=16, lb_loss_coef=0.1)
@@ -40,6 +81,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], Call
     "mlp": (lambda: nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.LayerNorm(8)),
             lambda: torch.randn(4, 8), lambda m, x: m(x)),
     "reused_weight": (Reused, lambda: torch.randn(4, 8), lambda m, x: m(x)),
+    "custom_functions": (WithCustomFunctions, lambda: torch.randn(4, 8), lambda m, x: m(x)),
     "first_stage_tokens": (lambda: nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8)),
                            lambda: torch.randint(0, 10, (4,)), lambda m, x: m(x)),
     "moe_middle_stage_with_aux_loss": (lambda: _moe("middle"), lambda: torch.randn(2, 8, 32),
