@@ -21,7 +21,6 @@ import json
 import statistics
 
 import torch
-
 from moe_mxfp8 import (
     MXFP8GroupedExperts,
     MXFP8RowCodec,
@@ -75,6 +74,46 @@ def bench_kernels(rows: int, d: int) -> dict:
     copy = results["device copy (ceiling)"]["tb_per_s"]
     for r in results.values():
         r["fraction_of_copy"] = r["tb_per_s"] / copy
+    return results
+
+
+# (tile, warps) candidates per kernel kind of moe_mxfp8._triton (its _TILES table)
+TILE_CANDIDATES = {
+    "rows": [(64, 4), (128, 4), (128, 8), (256, 8)],
+    "cols": [(128, 1), (128, 2), (256, 2), (256, 4), (512, 4), (512, 8), (1024, 8)],
+    "both": [(128, 2), (128, 4), (256, 4), (256, 8), (512, 8)],
+}
+
+
+def sweep_tiles(rows: int, d: int) -> dict:
+    """Bandwidth of each kernel kind under each (tile, warps) candidate, in the same run,
+    so the table in moe_mxfp8._triton can be set from measurements."""
+    from moe_mxfp8 import _triton
+
+    x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
+    n = x.numel()
+    mx_bytes = n + n // 32
+    work = {
+        "rows": (lambda: quantize(x), 2 * n + mx_bytes),
+        "cols": (lambda: quantize(x, axis=0), 2 * n + mx_bytes),
+        "both": (lambda: quantize_rows_and_cols(x), 2 * n + 2 * mx_bytes),
+    }
+    out = torch.empty_like(x)
+    copy = 4 * n / cuda_time(lambda: out.copy_(x))
+    default = dict(_triton._TILES)
+    results = {"copy_tb_per_s": copy / 1e12}
+    try:
+        for kind, candidates in TILE_CANDIDATES.items():
+            fn, nbytes = work[kind]
+            for tile, warps in candidates:
+                _triton._TILES[kind] = (tile, warps)
+                rate = nbytes / cuda_time(fn)
+                results[f"{kind} tile={tile} warps={warps}"] = {
+                    "tb_per_s": rate / 1e12, "fraction_of_copy": rate / copy,
+                    "default": (tile, warps) == default[kind]}
+            _triton._TILES[kind] = default[kind]
+    finally:
+        _triton._TILES.update(default)
     return results
 
 
@@ -143,10 +182,13 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--tile-sweep", action="store_true",
+                    help="also measure every (tile, warps) candidate of the quantize kernels")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_mxfp8 needs a CUDA GPU")
     kernels = bench_kernels(args.tokens * args.top_k, args.d_model)
+    tiles = sweep_tiles(args.tokens * args.top_k, args.d_model) if args.tile_sweep else None
     layer = bench_experts(args.tokens, args.d_model, args.experts, args.top_k, args.hidden)
     codec = MXFP8RowCodec()
     report = {
@@ -154,6 +196,7 @@ def main() -> None:
         "torch": torch.__version__,
         "shape": vars(args),
         "kernels": kernels,
+        "tile_sweep": tiles,
         "experts": layer,
         "codec": {"bytes_per_row": codec.packed_width(args.d_model),
                   "bf16_bytes_per_row": 2 * args.d_model,
@@ -168,6 +211,12 @@ def main() -> None:
     for name, r in kernels.items():
         print(f"{name:42s} {r['ms']:8.3f} {r['tb_per_s']:7.2f} {r['fraction_of_copy']:8.0%}")
     print(f"(copy ceiling of the design brief: {COPY_CEILING / 1e12:.1f} TB/s)")
+    if tiles is not None:
+        print(f"\n{'tile sweep':42s} {'TB/s':>7s} {'of copy':>8s}")
+        for name, r in tiles.items():
+            if isinstance(r, dict):
+                mark = "  (current)" if r["default"] else ""
+                print(f"{name:42s} {r['tb_per_s']:7.2f} {r['fraction_of_copy']:8.0%}{mark}")
     print(f"\nexperts: d_model {args.d_model}, {args.experts} experts, top-{args.top_k}, "
           f"hidden {args.hidden}, {args.tokens} tokens")
     print(f"{'layer':42s} {'fwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} {'vs bf16':>8s} {'saved GiB':>10s}")
