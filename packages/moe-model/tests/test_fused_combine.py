@@ -2,13 +2,12 @@
 kernels run on CPU under the Triton interpreter; on a GPU at a realistic size, without
 host synchronisation and without an FP32 [T*k, D] temporary."""
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from moe_testing import assert_no_host_sync, run_under_triton_interpreter
 
 from moe_model import LocalDispatcher, dispatch
 
@@ -16,12 +15,7 @@ _fused_gate = dispatch._fused
 
 
 def test_fused_kernels_under_interpreter():
-    script = Path(__file__).with_name("_combine_interpret_check.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                          timeout=240)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.strip().endswith("ok")
+    run_under_triton_interpreter(Path(__file__).with_name("_combine_interpret_check.py"))
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
@@ -96,12 +90,4 @@ def test_fused_combine_matches_torch_on_gpu(monkeypatch, capacity_factor):
 def test_fused_dispatch_combine_has_no_host_sync(capacity_factor):
     x, ids, weights, dy = _gpu_inputs(8192, 8, 2048, 64, capacity_factor)
     disp = LocalDispatcher(64, capacity_factor)
-    for _ in range(2):  # warm-up: kernel compilation, lazy imports, allocator
-        _step(disp, x, ids, weights, dy)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        _step(disp, x, ids, weights, dy)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
+    assert_no_host_sync(lambda: _step(disp, x, ids, weights, dy))

@@ -2,13 +2,13 @@
 under the Triton interpreter on CPU, the CUDA path at the real vocabulary on a GPU; and
 the CPU path of ``lm_loss_sum`` staying the plain ``F.cross_entropy`` call."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from moe_testing import assert_no_host_sync, run_under_triton_interpreter
 import torch.nn.functional as F
 from moe_model import IGNORE_INDEX, lm_loss_sum
 
@@ -38,12 +38,7 @@ def test_importing_moe_model_does_not_need_triton():
 
 
 def test_cross_entropy_kernels_under_interpreter():
-    script = Path(__file__).with_name("_cross_entropy_interpret_check.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", str(script)], env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.strip().endswith("ok")
+    run_under_triton_interpreter(Path(__file__).with_name("_cross_entropy_interpret_check.py"))
 
 
 @pytest.mark.gpu
@@ -78,13 +73,5 @@ def test_cuda_path_at_real_vocabulary():
     def step():
         (lm_loss_sum(logits, targets) * scale).backward()
 
-    for _ in range(2):  # warm-up: compilation, allocator
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
+    assert_no_host_sync(step)
     assert logits.grad.isfinite().all()

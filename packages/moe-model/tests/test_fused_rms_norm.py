@@ -2,13 +2,11 @@
 Triton interpreter on CPU (a subprocess, see ``_rms_norm_interpret_check.py``), and on a
 GPU at the training shapes."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from moe_testing import assert_no_host_sync, run_under_triton_interpreter
 from moe_model.layers import RMSNorm
 
 
@@ -26,12 +24,7 @@ def test_cpu_forward_is_the_reference():
 
 
 def test_rms_norm_kernels_under_interpreter():
-    script = Path(__file__).with_name("_rms_norm_interpret_check.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                          timeout=240)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.strip().endswith("ok")
+    run_under_triton_interpreter(Path(__file__).with_name("_rms_norm_interpret_check.py"))
 
 
 def _fused_and_reference(norm, x, dy):
@@ -109,12 +102,4 @@ def test_fused_has_no_host_sync():
     def step():
         norm(x).float().square().sum().backward()
 
-    for _ in range(2):  # warm-up: compilation, lazy imports
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
+    assert_no_host_sync(step)

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from moe_testing import run_under_triton_interpreter
 from moe_model.layers import apply_rope_reference, rope_tables
 
 
 def test_fused_rope_under_interpreter_matches_eager():
-    script = Path(__file__).with_name("_rope_interpret_check.py")
-    done = subprocess.run([sys.executable, str(script)], env={**os.environ, "TRITON_INTERPRET": "1"},
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.strip().endswith("ok")
+    run_under_triton_interpreter(Path(__file__).with_name("_rope_interpret_check.py"))
 
 
 @pytest.mark.gpu

@@ -5,23 +5,12 @@ import torch
 
 from moe_model import MoEConfig, MoELayer, MoETransformer, grouped_mm, init_weights, lm_loss_sum
 from moe_model.experts import grouped_mm_loop
+from moe_testing import assert_no_host_sync
 
 pytestmark = pytest.mark.gpu
 
 LAYER = dict(vocab_size=512, d_model=512, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=128,
              n_experts=16, top_k=4, expert_hidden=256, z_loss_coef=1e-3)
-
-
-def _no_sync_step(fn):
-    for _ in range(2):  # warm-up: kernel compilation, lazy imports, allocator
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fn()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
@@ -40,7 +29,7 @@ def test_moe_layer_step_has_no_host_sync(backend, capacity_factor):
         stats = layer.pop_step_stats()
         layer.update_bias(stats["tokens_per_expert"])
 
-    _no_sync_step(step)
+    assert_no_host_sync(step)
 
 
 def test_model_train_step_has_no_host_sync():
@@ -56,7 +45,7 @@ def test_model_train_step_has_no_host_sync():
         for _, layer in model.moe_layers():
             layer.pop_step_stats()
 
-    _no_sync_step(step)
+    assert_no_host_sync(step)
 
 
 @pytest.mark.parametrize("k_contiguous", [True, False])

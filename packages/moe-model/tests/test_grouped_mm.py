@@ -1,13 +1,11 @@
 """Grouped GEMM backends against the per-expert loop: forward and gradients, empty experts,
 odd group sizes, padding rows; the Triton kernels run under the Triton interpreter."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from moe_testing import run_under_triton_interpreter
 
 from moe_model import grouped_mm, resolve_backend
 
@@ -41,12 +39,7 @@ def test_auto_backend_on_cpu():
 
 
 def test_triton_kernels_under_interpreter():
-    script = Path(__file__).with_name("_triton_interpret_check.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                          timeout=240)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.strip().endswith("ok")
+    run_under_triton_interpreter(Path(__file__).with_name("_triton_interpret_check.py"))
 
 
 def test_gpu_tile_configs_fit_shared_memory_for_fp32():

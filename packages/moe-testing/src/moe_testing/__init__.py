@@ -8,5 +8,7 @@ runtime requirement).
 """
 
 from moe_testing.distributed import DistributedTestError, run_distributed
+from moe_testing.kernels import assert_no_host_sync, run_under_triton_interpreter
 
-__all__ = ["DistributedTestError", "run_distributed"]
+__all__ = ["DistributedTestError", "assert_no_host_sync", "run_distributed",
+           "run_under_triton_interpreter"]

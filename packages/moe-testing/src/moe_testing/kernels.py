@@ -1,0 +1,40 @@
+"""Helpers for kernel tests: the Triton interpreter in a subprocess, host-sync checks.
+
+``TRITON_INTERPRET=1`` must be set before Triton is first imported, and never in
+the test process itself (it would turn every later kernel into interpreted code), so
+interpreter checks live in a small script that runs in a child process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+def run_under_triton_interpreter(script: str | Path, timeout: float = 240.0) -> str:
+    """Run ``script`` with ``TRITON_INTERPRET=1``; its stdout. Fails unless it exits 0 and
+    its output ends with ``ok`` (so a script that silently checks nothing fails)."""
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.stdout.strip().endswith("ok"), done.stdout[-2000:]
+    return done.stdout
+
+
+def assert_no_host_sync(step: Callable[[], object], warmup: int = 2) -> None:
+    """Run ``step`` ``warmup`` times (compilation, allocator), then once under
+    ``torch.cuda.set_sync_debug_mode("error")``: any synchronising call raises."""
+    import torch
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
