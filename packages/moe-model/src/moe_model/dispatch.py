@@ -40,14 +40,13 @@ the layout-equivalence tests compare bit for bit. Triton is imported lazily.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from moe_model._triton_support import triton_available
 from moe_model.router import count_per_expert
 
 _HASH_MULTIPLIER = 2654435761  # odd, so t -> t * m mod 2^32 is a bijection (Knuth)
@@ -120,14 +119,9 @@ _GPU_NUM_WARPS = 4
 _CPU_BLOCK_T, _CPU_BLOCK_D = 4, 16
 
 
-@functools.cache
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def _fused(t: torch.Tensor) -> bool:
     """Whether the combine of rows like ``t`` runs the fused Triton kernels."""
-    return t.device.type == "cuda" and t.dtype in _FUSED_DTYPES and _triton_available()
+    return t.device.type == "cuda" and t.dtype in _FUSED_DTYPES and triton_available()
 
 
 def _kernels():  # noqa: ANN202 - the Triton module and its jitted kernels

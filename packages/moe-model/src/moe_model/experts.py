@@ -20,11 +20,11 @@ Grouped GEMM backends (``grouped_mm(..., backend=)``), all reading device-side o
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from moe_model._triton_support import triton_available
 
 BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 
@@ -48,10 +48,6 @@ def _fits_grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor) -> bool:
     return aligned
 
 
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def resolve_backend(backend: str, x_RK: torch.Tensor, w_EKN: torch.Tensor) -> str:
     """The concrete backend ``auto`` stands for on these tensors.
 
@@ -68,7 +64,7 @@ def resolve_backend(backend: str, x_RK: torch.Tensor, w_EKN: torch.Tensor) -> st
         return backend
     if _fits_grouped_mm(x_RK, w_EKN):
         return "grouped_mm"
-    if x_RK.device.type == "cuda" and _triton_available():
+    if x_RK.device.type == "cuda" and triton_available():
         return "triton"
     return "loop"
 

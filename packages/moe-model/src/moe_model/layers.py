@@ -7,13 +7,13 @@ Dh head dim, F hidden width.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_model._triton_support import triton_available
 from moe_model.config import MoEConfig
 
 
@@ -34,10 +34,10 @@ class RMSNorm(nn.Module):
     @functools.cache
     def _fused_kernels() -> Any:
         """The ``moe_model._rms_norm_kernels`` module, or None without Triton."""
-        try:
-            from moe_model import _rms_norm_kernels
-        except ImportError:
+        if not triton_available():
             return None
+        from moe_model import _rms_norm_kernels
+
         return _rms_norm_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,18 +66,13 @@ def rope_tables(
     return emb.cos(), emb.sin()
 
 
-@functools.cache
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def apply_rope(x_BHSDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE in FP32, rounded once to x's dtype.
 
     CUDA inputs take the one-kernel path of ``moe_model._rope_kernels`` (same
     arithmetic); anything else, or without Triton, ``apply_rope_reference``.
     """
-    if x_BHSDh.is_cuda and x_BHSDh.shape[-1] % 2 == 0 and _triton_importable():
+    if x_BHSDh.is_cuda and x_BHSDh.shape[-1] % 2 == 0 and triton_available():
         from moe_model._rope_kernels import FusedRope
 
         return FusedRope.apply(x_BHSDh, cos, sin)

@@ -24,12 +24,13 @@ NaN, so the step is skipped as non-finite rather than silently wrong.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from moe_model._triton_support import triton_available
 
 IGNORE_INDEX = -100
 
@@ -41,7 +42,7 @@ def lm_loss_sum(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Ten
     module docstring)."""
     logits_NV = logits_BSV.reshape(-1, logits_BSV.shape[-1])
     targets_N = targets_BS.reshape(-1)
-    if logits_NV.is_cuda and _triton_available():
+    if logits_NV.is_cuda and triton_available():
         return fused_cross_entropy_sum(logits_NV, targets_N, IGNORE_INDEX)
     return F.cross_entropy(
         logits_NV.float(),
@@ -87,13 +88,6 @@ def set_cross_entropy_config(kind: str, config: CrossEntropyConfig) -> None:
     _GPU[kind] = config
 
 
-@functools.cache
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _kernels():  # noqa: ANN202 - the jitted kernels
