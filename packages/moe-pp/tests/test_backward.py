@@ -66,6 +66,20 @@ class WithCustomFunctions(nn.Module):
         return self.b(_Square.apply(_Scale.apply(h, self.gain)))
 
 
+class CustomFunctionOnTop(nn.Module):
+    """The stage's last op is a custom Function on a weight boundary (a final fused
+    RMSNorm, say): no built-in root above it keeps its node alive once the stage
+    outputs are dropped (torch 2.11)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.gain = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Scale.apply(self.a(x), self.gain)
+
+
 def _moe(part: str) -> nn.Module:
     cfg = MoEConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                     n_experts=4, top_k=2, expert_hidden=16, lb_loss_coef=0.1)
@@ -83,6 +97,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], Call
             lambda: torch.randn(4, 8), lambda m, x: m(x)),
     "reused_weight": (Reused, lambda: torch.randn(4, 8), lambda m, x: m(x)),
     "custom_functions": (WithCustomFunctions, lambda: torch.randn(4, 8), lambda m, x: m(x)),
+    "custom_function_on_top": (CustomFunctionOnTop, lambda: torch.randn(4, 8), lambda m, x: m(x)),
     "first_stage_tokens": (lambda: nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8)),
                            lambda: torch.randint(0, 10, (4,)), lambda m, x: m(x)),
     "moe_middle_stage_with_aux_loss": (lambda: _moe("middle"), lambda: torch.randn(2, 8, 32),

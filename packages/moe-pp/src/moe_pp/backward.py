@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
@@ -54,6 +55,33 @@ class WeightGradWork:
     """What the input pass leaves for the weight pass of one (stage, microbatch)."""
 
     groups: list[_Group]
+    # Stage outputs held until the weight pass when a root would otherwise die with them
+    # (see ``_roots_need_outputs``); empty in the common case.
+    keepalive: tuple[torch.Tensor, ...] = ()
+
+
+def _roots_need_outputs(groups: list[_Group], children: dict[Node, list[Node]]) -> bool:
+    """Whether some root node is kept alive only by the stage outputs.
+
+    A built-in node's Python object owns the node, and the node owns its children, so
+    roots below a built-in root survive the outputs. A custom autograd Function's
+    Python object (``BackwardCFunction``) does not own its node in torch 2.11: a custom
+    root with no built-in root above it dies with the outputs, and the weight pass then
+    fails ("Attribute '_input_metadata' is invalid for this instance of
+    _C._FunctionBase"). Only then are the outputs kept (which keeps the whole graph).
+    """
+    nodes = [edge.node for g in groups for edge in g.roots]
+    custom = [n for n in nodes if isinstance(n, BackwardCFunction)]
+    if not custom:
+        return False
+    covered: set[Node] = set()
+    stack = [n for n in nodes if not isinstance(n, BackwardCFunction)]
+    while stack:
+        for kid in children.get(stack.pop(), ()):
+            if kid not in covered:
+                covered.add(kid)
+                stack.append(kid)
+    return any(n not in covered for n in custom)
 
 
 def _graph(roots: list[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
@@ -146,7 +174,9 @@ def backward_input(
         for h in handles:
             h.remove()
 
-    return input_grad, WeightGradWork(_group(boundary_params, captured, direct, param_of))
+    groups = _group(boundary_params, captured, direct, param_of)
+    keepalive = tuple(outputs) if _roots_need_outputs(groups, children) else ()
+    return input_grad, WeightGradWork(groups, keepalive)
 
 
 def _group(
@@ -211,3 +241,4 @@ def backward_weight(work: WeightGradWork) -> None:
             for h in handles:
                 h.remove()
     work.groups.clear()
+    work.keepalive = ()
