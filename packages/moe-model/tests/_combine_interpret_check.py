@@ -4,7 +4,7 @@ against the torch reference path of the local dispatcher, forward and all gradie
 
 import torch
 
-from moe_model import LocalDispatcher, dispatch
+from moe_model import LocalDispatcher, _combine_kernels, dispatch
 
 _reference_gate = dispatch._fused
 
@@ -69,13 +69,13 @@ def check_direct():
     row_of_slot = torch.randperm(R, generator=g)[: T * k]
     kept = (torch.rand(T * k, generator=g) > 0.3).float()
     ref = rows.index_select(0, row_of_slot).view(T, k, D)
-    torch.testing.assert_close(dispatch.weighted_gather_sum(rows, row_of_slot, T), ref.sum(1))
-    y = dispatch.weighted_gather_sum(rows, row_of_slot, T, kept_S=kept, out_dtype=torch.bfloat16)
+    torch.testing.assert_close(_combine_kernels.weighted_gather_sum(rows, row_of_slot, T), ref.sum(1))
+    y = _combine_kernels.weighted_gather_sum(rows, row_of_slot, T, kept_S=kept, out_dtype=torch.bfloat16)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, (ref * kept.view(T, k, 1)).sum(1).bfloat16())
     w = torch.rand(T * k, generator=g) * kept
     dy = torch.randn(T, D, generator=g)
-    d_rows, d_w = dispatch.combine_backward(dy, rows, row_of_slot, w, kept, R)
+    d_rows, d_w = _combine_kernels.combine_backward(dy, rows, row_of_slot, w, kept, R)
     want = torch.zeros(R, D)
     want[row_of_slot] = torch.where(kept[:, None] > 0, w[:, None] * dy.repeat_interleave(k, 0), 0.0)
     torch.testing.assert_close(d_rows, want, rtol=0, atol=0)

@@ -80,6 +80,20 @@ class CustomFunctionOnTop(nn.Module):
         return _Scale.apply(self.a(x), self.gain)
 
 
+def test_outputs_are_kept_only_when_a_root_would_die_with_them():
+    """The weight pass holds the stage outputs (the whole graph) only when a custom
+    Function root has no built-in root above it; otherwise memory is freed as before.
+    Checked on the decision itself, since torch 2.15 would not fail without it."""
+    for model, kept in ((CustomFunctionOnTop(), True), (WithCustomFunctions(), False),
+                        (nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), False)):
+        x = torch.randn(4, 8, requires_grad=True)
+        y = model(x)
+        _, work = backward_input([y], [torch.randn_like(y)], x, list(model.parameters()))
+        assert bool(work.keepalive) == kept, type(model).__name__
+        backward_weight(work)
+        assert work.keepalive == ()
+
+
 def _moe(part: str) -> nn.Module:
     cfg = MoEConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                     n_experts=4, top_k=2, expert_hidden=16, lb_loss_coef=0.1)

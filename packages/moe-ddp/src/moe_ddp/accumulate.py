@@ -15,6 +15,7 @@ reduce-scatter bucket's owner-major layout); the source is any tensor of
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Any
 
@@ -44,10 +45,16 @@ def _kernel() -> Any:
     return _KERNEL
 
 
+@functools.cache
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def _fused_applies(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Runs once per parameter per microbatch: cheap checks only (the spec lookup is cached)."""
     return (dst.is_cuda and dst.dtype == torch.float32 and src.dtype != dst.dtype
             and src.is_contiguous() and dst.dim() in (1, 2) and dst.stride(-1) == 1
-            and importlib.util.find_spec("triton") is not None)
+            and _triton_available())
 
 
 def accumulate_(dst: torch.Tensor, src: torch.Tensor, *, fused: bool | None = None) -> None:

@@ -1,11 +1,13 @@
-"""Triton kernels of the local dispatcher's fused combine (imported lazily by
-``moe_model.dispatch``, whose ``weighted_gather_sum`` and ``combine_backward``
-describe them). Importing this module requires Triton.
+"""The local dispatcher's fused combine: Triton kernels and their launchers
+``weighted_gather_sum`` and ``combine_backward`` (imported lazily by
+``moe_model.dispatch``, whose docstring describes the design). Importing this module
+requires Triton.
 
 Offsets into the row buffers are int64 (``R * D`` can exceed 2^31); ``K`` (top-k) is
 a compile-time constant. Slots whose ``kept`` is 0 are neither read nor written.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -89,3 +91,104 @@ def combine_backward_kernel(
     if HAS_KEPT:
         dw = dw * kept
     tl.store(d_w_ptr + s, dw, mask=s_ok)
+
+
+# --- launchers ---------------------------------------------------------------------
+
+# GPU tiles: elements per program tile (tokens x D, times the padded k in the
+# backward) and the widest D block; CPU runs are the Triton interpreter (tests),
+# where small blocks exercise the tails.
+_GPU_BLOCK_D = 256
+_GPU_GATHER_TILE = 2048
+_GPU_BACKWARD_TILE = 4096
+_GPU_NUM_WARPS = 4
+_CPU_BLOCK_T, _CPU_BLOCK_D = 4, 16
+
+
+def _blocks(device: torch.device, T: int, D: int, tile: int) -> tuple[int, int]:
+    """(tokens, D columns) per program: ``tokens * columns`` about ``tile`` on a GPU."""
+    if device.type != "cuda":
+        return _CPU_BLOCK_T, _CPU_BLOCK_D
+    block_d = min(_GPU_BLOCK_D, triton.next_power_of_2(max(D, 1)))
+    block_t = max(1, min(tile // block_d, triton.next_power_of_2(max(T, 1))))
+    return block_t, block_d
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with unit stride along its last dimension (row strides are passed to the kernels)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def weighted_gather_sum(
+    rows_RD: torch.Tensor, row_of_slot_S: torch.Tensor, n_tokens: int,
+    weights: torch.Tensor | None = None, kept_S: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``y[t] = sum_j w[t,j] * kept[t,j] * rows[row_of_slot[t*k+j]]`` (Triton; FP32 accumulation).
+
+    ``weights`` (``[T,k]`` or ``[T*k]``, FP32) and ``kept_S`` (``[T*k]`` FP32, 1 kept /
+    0 dropped; dropped slots' rows are not read) default to ones. Returns ``[T, D]``
+    in ``out_dtype`` (default: ``rows_RD``'s dtype). One program per (token block,
+    D block): it reads its tokens' ``k`` rows once and writes ``y`` once.
+    """
+    T, D = n_tokens, rows_RD.shape[1]
+    k = row_of_slot_S.shape[0] // max(T, 1)
+    y_TD = torch.empty(T, D, dtype=out_dtype or rows_RD.dtype, device=rows_RD.device)
+    if T == 0 or D == 0:
+        return y_TD
+    if k == 0:
+        return y_TD.zero_()
+    rows_RD = _row_major(rows_RD)
+    block_t, block_d = _blocks(rows_RD.device, T, D, _GPU_GATHER_TILE)
+    row_of_slot_S = row_of_slot_S.contiguous()
+    w_S = weights.reshape(-1).contiguous() if weights is not None else None
+    kept_S = kept_S.contiguous() if kept_S is not None else None
+    grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
+    weighted_gather_sum_kernel[grid](
+        rows_RD, row_of_slot_S, w_S if w_S is not None else row_of_slot_S,
+        kept_S if kept_S is not None else row_of_slot_S, y_TD,
+        T, D, rows_RD.stride(0), y_TD.stride(0),
+        K=k, HAS_W=w_S is not None, HAS_KEPT=kept_S is not None,
+        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_GPU_NUM_WARPS,
+    )
+    return y_TD
+
+
+def combine_backward(
+    dy_TD: torch.Tensor, rows_out_RD: torch.Tensor, row_of_slot_S: torch.Tensor,
+    w_S: torch.Tensor, kept_S: torch.Tensor | None, n_rows: int, zero_fill: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``y[t] = sum_j w_S[t*k+j] * rows_out[row_of_slot[t*k+j]]`` (Triton).
+
+    ``w_S`` are the FP32 slot weights already multiplied by ``kept_S``. Returns
+    ``d_rows[n_rows, D]`` in ``rows_out``'s dtype, ``d_rows[row_of_slot[s]] = w_S[s] *
+    dy[t(s)]`` for kept slots (each row is written by at most one kept slot) and zero
+    for rows no kept slot writes when ``zero_fill`` (default: ``kept_S is not None``;
+    in dropless mode every row is written), and ``d_w[T, k]`` FP32, ``d_w[t,j] =
+    kept * dot(rows_out[row_of_slot[t*k+j]], dy[t])``. One program per token block
+    walks all of D: it reads ``rows_out`` and ``dy`` once and writes ``d_rows`` once.
+    """
+    T, D = dy_TD.shape
+    k = w_S.shape[0] // max(T, 1)
+    if zero_fill is None:
+        zero_fill = kept_S is not None
+    alloc = torch.zeros if zero_fill else torch.empty
+    d_rows_RD = alloc(n_rows, D, dtype=rows_out_RD.dtype, device=rows_out_RD.device)
+    d_w_Tk = torch.empty(T, k, dtype=torch.float32, device=rows_out_RD.device)
+    if T == 0 or k == 0:
+        return d_rows_RD, d_w_Tk
+    if D == 0:
+        return d_rows_RD, d_w_Tk.zero_()
+    dy_TD, rows_out_RD = _row_major(dy_TD), _row_major(rows_out_RD)
+    row_of_slot_S, w_S = row_of_slot_S.contiguous(), w_S.contiguous()
+    kept_S = kept_S.contiguous() if kept_S is not None else None
+    k_block = triton.next_power_of_2(k)
+    block_t, block_d = _blocks(rows_out_RD.device, T, D, _GPU_BACKWARD_TILE // k_block)
+    combine_backward_kernel[(triton.cdiv(T, block_t),)](
+        dy_TD, rows_out_RD, row_of_slot_S, w_S, kept_S if kept_S is not None else w_S,
+        d_rows_RD, d_w_Tk,
+        T, D, dy_TD.stride(0), rows_out_RD.stride(0), d_rows_RD.stride(0),
+        K=k, K_BLOCK=k_block, HAS_KEPT=kept_S is not None,
+        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_GPU_NUM_WARPS,
+    )
+    return d_rows_RD, d_w_Tk

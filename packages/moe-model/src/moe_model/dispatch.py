@@ -96,6 +96,8 @@ class _Gather(torch.autograd.Function):
     def backward(ctx: Any, d_rows_RD: torch.Tensor) -> tuple[torch.Tensor, None]:
         h: LocalDispatchHandle = ctx.handle
         if _fused(d_rows_RD):
+            from moe_model._combine_kernels import weighted_gather_sum
+
             return weighted_gather_sum(d_rows_RD, h.row_of_slot, h.n_tokens, None, h.kept_of_slot), None
         d_slots = d_rows_RD.index_select(0, h.row_of_slot).view(h.n_tokens, -1, d_rows_RD.shape[1])
         if h.kept_of_slot is not None:
@@ -109,118 +111,9 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # ------------------------------------------------------------ fused (Triton) combine
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# GPU tiles: elements per program tile (tokens x D, times the padded k in the
-# backward) and the widest D block; CPU runs are the Triton interpreter (tests),
-# where small blocks exercise the tails.
-_GPU_BLOCK_D = 256
-_GPU_GATHER_TILE = 2048
-_GPU_BACKWARD_TILE = 4096
-_GPU_NUM_WARPS = 4
-_CPU_BLOCK_T, _CPU_BLOCK_D = 4, 16
-
-
 def _fused(t: torch.Tensor) -> bool:
     """Whether the combine of rows like ``t`` runs the fused Triton kernels."""
     return t.device.type == "cuda" and t.dtype in _FUSED_DTYPES and triton_available()
-
-
-def _kernels():  # noqa: ANN202 - the Triton module and its jitted kernels
-    import triton
-
-    from moe_model import _combine_kernels as k
-
-    return triton, k.weighted_gather_sum_kernel, k.combine_backward_kernel
-
-
-def _blocks(device: torch.device, T: int, D: int, tile: int, triton: Any) -> tuple[int, int]:
-    """(tokens, D columns) per program: ``tokens * columns`` about ``tile`` on a GPU."""
-    if device.type != "cuda":
-        return _CPU_BLOCK_T, _CPU_BLOCK_D
-    block_d = min(_GPU_BLOCK_D, triton.next_power_of_2(max(D, 1)))
-    block_t = max(1, min(tile // block_d, triton.next_power_of_2(max(T, 1))))
-    return block_t, block_d
-
-
-def _row_major(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with unit stride along its last dimension (row strides are passed to the kernels)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def weighted_gather_sum(
-    rows_RD: torch.Tensor, row_of_slot_S: torch.Tensor, n_tokens: int,
-    weights: torch.Tensor | None = None, kept_S: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """``y[t] = sum_j w[t,j] * kept[t,j] * rows[row_of_slot[t*k+j]]`` (Triton; FP32 accumulation).
-
-    ``weights`` (``[T,k]`` or ``[T*k]``, FP32) and ``kept_S`` (``[T*k]`` FP32, 1 kept /
-    0 dropped; dropped slots' rows are not read) default to ones. Returns ``[T, D]``
-    in ``out_dtype`` (default: ``rows_RD``'s dtype). One program per (token block,
-    D block): it reads its tokens' ``k`` rows once and writes ``y`` once.
-    """
-    T, D = n_tokens, rows_RD.shape[1]
-    k = row_of_slot_S.shape[0] // max(T, 1)
-    y_TD = torch.empty(T, D, dtype=out_dtype or rows_RD.dtype, device=rows_RD.device)
-    if T == 0 or D == 0:
-        return y_TD
-    if k == 0:
-        return y_TD.zero_()
-    rows_RD = _row_major(rows_RD)
-    triton, gather_kernel, _ = _kernels()
-    block_t, block_d = _blocks(rows_RD.device, T, D, _GPU_GATHER_TILE, triton)
-    row_of_slot_S = row_of_slot_S.contiguous()
-    w_S = weights.reshape(-1).contiguous() if weights is not None else None
-    kept_S = kept_S.contiguous() if kept_S is not None else None
-    grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
-    gather_kernel[grid](
-        rows_RD, row_of_slot_S, w_S if w_S is not None else row_of_slot_S,
-        kept_S if kept_S is not None else row_of_slot_S, y_TD,
-        T, D, rows_RD.stride(0), y_TD.stride(0),
-        K=k, HAS_W=w_S is not None, HAS_KEPT=kept_S is not None,
-        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_GPU_NUM_WARPS,
-    )
-    return y_TD
-
-
-def combine_backward(
-    dy_TD: torch.Tensor, rows_out_RD: torch.Tensor, row_of_slot_S: torch.Tensor,
-    w_S: torch.Tensor, kept_S: torch.Tensor | None, n_rows: int, zero_fill: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of ``y[t] = sum_j w_S[t*k+j] * rows_out[row_of_slot[t*k+j]]`` (Triton).
-
-    ``w_S`` are the FP32 slot weights already multiplied by ``kept_S``. Returns
-    ``d_rows[n_rows, D]`` in ``rows_out``'s dtype, ``d_rows[row_of_slot[s]] = w_S[s] *
-    dy[t(s)]`` for kept slots (each row is written by at most one kept slot) and zero
-    for rows no kept slot writes when ``zero_fill`` (default: ``kept_S is not None``;
-    in dropless mode every row is written), and ``d_w[T, k]`` FP32, ``d_w[t,j] =
-    kept * dot(rows_out[row_of_slot[t*k+j]], dy[t])``. One program per token block
-    walks all of D: it reads ``rows_out`` and ``dy`` once and writes ``d_rows`` once.
-    """
-    T, D = dy_TD.shape
-    k = w_S.shape[0] // max(T, 1)
-    if zero_fill is None:
-        zero_fill = kept_S is not None
-    alloc = torch.zeros if zero_fill else torch.empty
-    d_rows_RD = alloc(n_rows, D, dtype=rows_out_RD.dtype, device=rows_out_RD.device)
-    d_w_Tk = torch.empty(T, k, dtype=torch.float32, device=rows_out_RD.device)
-    if T == 0 or k == 0:
-        return d_rows_RD, d_w_Tk
-    if D == 0:
-        return d_rows_RD, d_w_Tk.zero_()
-    dy_TD, rows_out_RD = _row_major(dy_TD), _row_major(rows_out_RD)
-    row_of_slot_S, w_S = row_of_slot_S.contiguous(), w_S.contiguous()
-    kept_S = kept_S.contiguous() if kept_S is not None else None
-    triton, _, backward_kernel = _kernels()
-    k_block = triton.next_power_of_2(k)
-    block_t, block_d = _blocks(rows_out_RD.device, T, D, _GPU_BACKWARD_TILE // k_block, triton)
-    backward_kernel[(triton.cdiv(T, block_t),)](
-        dy_TD, rows_out_RD, row_of_slot_S, w_S, kept_S if kept_S is not None else w_S,
-        d_rows_RD, d_w_Tk,
-        T, D, dy_TD.stride(0), rows_out_RD.stride(0), d_rows_RD.stride(0),
-        K=k, K_BLOCK=k_block, HAS_KEPT=kept_S is not None,
-        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_GPU_NUM_WARPS,
-    )
-    return d_rows_RD, d_w_Tk
 
 
 class _Combine(torch.autograd.Function):
@@ -238,6 +131,8 @@ class _Combine(torch.autograd.Function):
         ctx.save_for_backward(rows_out_RD, w_S)
         ctx.handle, ctx.weights_dtype = h, weights_Tk.dtype
         if _fused(rows_out_RD):
+            from moe_model._combine_kernels import weighted_gather_sum
+
             return weighted_gather_sum(rows_out_RD, h.row_of_slot, T, w_S, h.kept_of_slot)
         g_TkD = rows_out_RD.index_select(0, h.row_of_slot).view(T, k, -1)
         y_TD = torch.bmm(w_S.view(T, 1, k), g_TkD.to(acc)).view(T, -1)
@@ -250,6 +145,8 @@ class _Combine(torch.autograd.Function):
         T, D = dy_TD.shape
         k = w_S.shape[0] // T
         if _fused(rows_out_RD):
+            from moe_model._combine_kernels import combine_backward
+
             d_rows, d_w_Tk = combine_backward(
                 dy_TD, rows_out_RD, h.row_of_slot, w_S, h.kept_of_slot, rows_out_RD.shape[0],
                 zero_fill=h.kept_of_slot is not None or h.valid_rows is not None)

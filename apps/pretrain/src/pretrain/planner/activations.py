@@ -387,8 +387,10 @@ def head_memory(cfg: MoEConfig, ex: Execution) -> EdgeMemory:
     if ex.kernels == "cuda":
         logits = b * T * V
         held = norm + logits + 3 * FP32 * T
-        return EdgeMemory(held=held, fwd_peak=held, bwd_peak=max(held + logits,
-                                                                  held - logits + logits + head_grads))
+        # The loss's backward: its BF16 gradient beside the logits; then the head's, with
+        # the logits freed and their gradient (same size) in their place.
+        return EdgeMemory(held=held, fwd_peak=held,
+                          bwd_peak=max(held + logits, held + head_grads))
     log_probs = FP32 * T * V
     held = norm + log_probs
     fwd = norm + b * T * V + 2 * FP32 * T * V
