@@ -159,6 +159,12 @@ class _Slot:
     main_grad: torch.Tensor  # a view into bucket.buffer
     seen: bool = False  # got a gradient while synchronisation was enabled
 
+    def __post_init__(self) -> None:
+        # What the hook accumulates into: flat when contiguous, else the [G, piece] rows
+        # view of an owner-major bucket (``accumulate_`` takes 1-D or row-strided 2-D).
+        main = self.main_grad
+        self.accumulation_view = main.view(-1) if main.is_contiguous() else main
+
 
 def _weak_on_grad(ref: weakref.ReferenceType[MultiGroupDDP]) -> Callable[[nn.Parameter], None]:
     """The hook: forwards to the live object; once it is gone the module is plain again
@@ -273,8 +279,7 @@ class MultiGroupDDP:
                 "run all but the last backward under no_sync() and call zero_grad() after "
                 "the optimizer step"
             )
-        main = slot.main_grad
-        accumulate_(main.view(-1) if main.is_contiguous() else main, param.grad)
+        accumulate_(slot.accumulation_view, param.grad)
         param.grad = None
         if self._sync_enabled and not slot.seen:
             slot.seen = True
