@@ -77,26 +77,69 @@ def bench_kernels(rows: int, d: int) -> dict:
     return results
 
 
-# (tile, warps) candidates per kernel kind of moe_mxfp8._triton (its _TILES table)
+# Tile(size, warps, steps, stages) candidates per kernel kind of moe_mxfp8._triton (its
+# _TILES table; see Tile): the current default first, the pre-rewrite shapes ((128, 4)
+# rows, (128, 1) columns, (128, 2) both), and neighbours in each knob.
 TILE_CANDIDATES = {
-    "rows": [(64, 4), (128, 4), (128, 8), (256, 8)],
-    "cols": [(128, 1), (128, 2), (256, 2), (256, 4), (512, 4), (512, 8), (1024, 8)],
-    "both": [(128, 2), (128, 4), (256, 4), (256, 8), (512, 8)],
+    "rows": [(32, 1, 8, 2), (128, 4, 1, 1), (128, 4, 4, 1), (128, 4, 4, 2), (256, 4, 4, 1),
+             (64, 2, 8, 2), (32, 1, 4, 1), (64, 1, 8, 2)],
+    "cols": [(64, 1, 8, 3), (64, 1, 1, 1), (64, 1, 4, 1), (64, 1, 8, 1), (64, 1, 4, 2),
+             (128, 1, 1, 1), (32, 1, 8, 1), (128, 2, 4, 1)],
+    "both": [(64, 1, 1, 1), (64, 1, 4, 1), (64, 1, 8, 2), (32, 1, 4, 1), (128, 2, 1, 1),
+             (128, 2, 4, 1), (64, 2, 4, 1), (64, 1, 2, 2)],
+    "qdq": [(32, 1, 4, 1), (128, 4, 1, 1), (128, 4, 4, 1), (64, 1, 8, 2), (64, 2, 4, 1)],
+    "dequant_rows": [(32, 1, 4, 1), (128, 4, 1, 1), (64, 1, 8, 2), (128, 4, 4, 1)],
+    "dequant_cols": [(128, 1, 1, 1), (64, 1, 4, 1), (128, 1, 4, 1), (256, 2, 1, 1)],
 }
 
 
+def _mismatches(got, ref) -> int:
+    """Differing elements of two (data, scales) results; NaN data equal to NaN."""
+    total = 0
+    for g, r in zip(got, ref, strict=True):
+        as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[g.element_size()]
+        both_nan = g.float().isnan() & r.float().isnan()
+        total += int(((g.view(as_int) != r.view(as_int)) & ~both_nan).sum())
+    return total
+
+
 def sweep_tiles(rows: int, d: int) -> dict:
-    """Bandwidth of each kernel kind under each (tile, warps) candidate, in the same run,
-    so the table in moe_mxfp8._triton can be set from measurements."""
+    """Bandwidth of each kernel kind under each Tile candidate, in the same run, so the
+    table in moe_mxfp8._triton can be set from measurements. Each candidate is first
+    checked bit-exact against the torch reference on the first 4096 rows; one that
+    fails to compile or to match is reported with the reason, not timed."""
     from moe_mxfp8 import _triton
 
     x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
     n = x.numel()
     mx_bytes = n + n // 32
+    head = x[:4096]
+
+    def flat(pair_or_pairs):
+        if isinstance(pair_or_pairs[0], torch.Tensor):
+            return list(pair_or_pairs)
+        return [t for m in pair_or_pairs for t in (m.data, m.scales)]
+
+    row_q, col_q = quantize(x), quantize(x, axis=0)  # dequantize inputs (default tiles)
+
+    def dequant(pair, axis):
+        # The first 4096 rows of the quantized pair are those of the first 4096 of x.
+        def fn(t, backend="auto"):
+            rows_ = t.shape[0]
+            data = pair[0][:rows_]
+            scales = pair[1][:rows_] if axis == 1 else pair[1][: -(-rows_ // 32)]
+            return (dequantize(data, scales, axis, backend=backend),)
+        return fn
+
     work = {
-        "rows": (lambda: quantize(x), 2 * n + mx_bytes),
-        "cols": (lambda: quantize(x, axis=0), 2 * n + mx_bytes),
-        "both": (lambda: quantize_rows_and_cols(x), 2 * n + 2 * mx_bytes),
+        "rows": (lambda t, backend="auto": quantize(t, backend=backend), 2 * n + mx_bytes),
+        "cols": (lambda t, backend="auto": quantize(t, axis=0, backend=backend), 2 * n + mx_bytes),
+        "both": (lambda t, backend="auto": quantize_rows_and_cols(t, backend=backend),
+                 2 * n + 2 * mx_bytes),
+        "qdq": (lambda t, backend="auto": quantize_dequantize(t, torch.bfloat16,
+                                                              backend=backend)[:1], 4 * n),
+        "dequant_rows": (dequant(row_q, 1), mx_bytes + 2 * n),
+        "dequant_cols": (dequant(col_q, 0), mx_bytes + 2 * n),
     }
     out = torch.empty_like(x)
     copy = 4 * n / cuda_time(lambda: out.copy_(x))
@@ -105,12 +148,23 @@ def sweep_tiles(rows: int, d: int) -> dict:
     try:
         for kind, candidates in TILE_CANDIDATES.items():
             fn, nbytes = work[kind]
-            for tile, warps in candidates:
-                _triton._TILES[kind] = (tile, warps)
-                rate = nbytes / cuda_time(fn)
-                results[f"{kind} tile={tile} warps={warps}"] = {
-                    "tb_per_s": rate / 1e12, "fraction_of_copy": rate / copy,
-                    "default": (tile, warps) == default[kind]}
+            ref = flat(fn(head, "torch"))
+            for cand in candidates:
+                tile = _triton.Tile(*cand)
+                name = (f"{kind} tile={tile.size} warps={tile.warps} steps={tile.steps} "
+                        f"stages={tile.stages}")
+                entry = {"tile": list(cand), "default": tile == default[kind]}
+                _triton._TILES[kind] = tile  # what the launchers read at every call
+                try:
+                    bad = _mismatches(flat(fn(head)), ref)
+                    if bad:
+                        entry["error"] = f"{bad} elements differ from the torch reference"
+                    else:
+                        rate = nbytes / cuda_time(lambda fn=fn: fn(x))
+                        entry.update(tb_per_s=rate / 1e12, fraction_of_copy=rate / copy)
+                except Exception as e:  # noqa: BLE001 - a candidate that fails is reported
+                    entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                results[name] = entry
             _triton._TILES[kind] = default[kind]
     finally:
         _triton._TILES.update(default)
@@ -183,7 +237,7 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--tile-sweep", action="store_true",
-                    help="also measure every (tile, warps) candidate of the quantize kernels")
+                    help="also measure every Tile candidate of the quantize kernels")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_mxfp8 needs a CUDA GPU")
@@ -216,7 +270,18 @@ def main() -> None:
         for name, r in tiles.items():
             if isinstance(r, dict):
                 mark = "  (current)" if r["default"] else ""
-                print(f"{name:42s} {r['tb_per_s']:7.2f} {r['fraction_of_copy']:8.0%}{mark}")
+                if "error" in r:
+                    print(f"{name:42s} FAILED: {r['error']}{mark}")
+                else:
+                    print(f"{name:42s} {r['tb_per_s']:7.2f} {r['fraction_of_copy']:8.0%}{mark}")
+        best = {}
+        for name, r in tiles.items():
+            if isinstance(r, dict) and "error" not in r:
+                kind = name.split()[0]
+                if kind not in best or r["tb_per_s"] > best[kind][1]["tb_per_s"]:
+                    best[kind] = (name, r)
+        for kind, (_, r) in best.items():
+            print(f"best {kind}: Tile{tuple(r['tile'])} ({r['fraction_of_copy']:.0%} of copy)")
     print(f"\nexperts: d_model {args.d_model}, {args.experts} experts, top-{args.top_k}, "
           f"hidden {args.hidden}, {args.tokens} tokens")
     print(f"{'layer':42s} {'fwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} {'vs bf16':>8s} {'saved GiB':>10s}")

@@ -35,7 +35,9 @@ def _case_names() -> list[str]:
                 names += [f"quantize/{sname}/{dname}/axis{axis}",
                           f"dequantize/{sname}/{dname}/axis{axis}"]
             names += [f"both/{sname}/{dname}", f"quantize_dequantize/{sname}/{dname}"]
-    return names + ["block_size_16", "codec", "empty"]
+    # Non-default launch shapes (triton_cases.TILE_CASES): steps, stages, warps, cut tiles.
+    tiles = [f"tiles/{kind}/{i}" for i, kind in enumerate(["rows", "rows", "cols", "cols", "both", "both"])]
+    return names + ["block_size_16", "codec", "empty"] + tiles
 
 
 @pytest.mark.parametrize("case", _case_names())

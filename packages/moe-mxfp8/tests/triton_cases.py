@@ -124,6 +124,59 @@ def cases():
     yield "block_size_16", block16
     yield "codec", codec
     yield "empty", empty
+    yield from tile_cases()
+
+
+# Launch shapes other than the defaults (small, so several programs, loop steps, partial
+# chunks and cut tiles occur): (kind, Tile args) as in moe_mxfp8._triton._TILES; the
+# rows/cols shapes also drive that orientation's dequantize kernel (and rows the qdq one).
+TILE_CASES = [
+    ("rows", (64, 1, 3, 2)), ("rows", (32, 2, 2, 1)),
+    ("cols", (32, 1, 3, 2)), ("cols", (64, 2, 2, 1)),
+    ("both", (32, 1, 3, 2)), ("both", (64, 2, 2, 1)),
+]
+# [M, N] with 3 block-rows and N cut by every tile; batched with whole tiles (no masks)
+# and block-rows not a multiple of the steps; batched with odd M.
+TILE_SHAPES = [((70, 200), torch.bfloat16), ((2, 96, 128), torch.bfloat16),
+               ((5, 33, 64), torch.float32), ((3, 40, 96), torch.float16)]
+
+
+def tile_cases():
+    from moe_mxfp8 import _triton
+
+    for i, (kind, args) in enumerate(TILE_CASES):
+        def run(kind=kind, args=args):
+            saved = dict(_triton._TILES)
+            extra = {"rows": ("qdq", "dequant_rows"), "cols": ("dequant_cols",), "both": ()}[kind]
+            for key in (kind, *extra):
+                _triton._TILES[key] = _triton.Tile(*args)
+            try:
+                total = 0
+                for j, (shape, dtype) in enumerate(TILE_SHAPES):
+                    x = sample(shape, dtype, seed=j)
+                    if kind == "both":
+                        got = quantize_rows_and_cols(x, backend="triton")
+                        ref = quantize_rows_and_cols(x, backend="torch")
+                        total += sum(mismatches(getattr(g, f), getattr(r, f))
+                                     for g, r in zip(got, ref, strict=True)
+                                     for f in ("data", "scales"))
+                        continue
+                    axis = -1 if kind == "rows" else -2
+                    (d, s), (rd, rs) = (quantize(x, axis, backend=b) for b in ("triton", "torch"))
+                    total += mismatches(d, rd) + mismatches(s, rs)
+                    for o in (torch.bfloat16, torch.float32):
+                        total += mismatches(dequantize(rd, rs, axis, dtype=o, backend="triton"),
+                                            dequantize(rd, rs, axis, dtype=o, backend="torch"))
+                    if kind == "rows":
+                        (dg, mg), (dr, mr) = (quantize_dequantize(x, torch.bfloat16, keep_mxfp8=True,
+                                                                  backend=b) for b in ("triton", "torch"))
+                        total += mismatches(dg, dr) + mismatches(mg.data, mr.data)
+                return total
+            finally:
+                _triton._TILES.clear()
+                _triton._TILES.update(saved)
+
+        yield f"tiles/{kind}/{i}", run
 
 
 def main() -> None:
