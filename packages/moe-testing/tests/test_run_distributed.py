@@ -78,3 +78,23 @@ def test_ranks_can_return_tensors():
         assert value["rank"] == r
         assert torch.equal(value["t"], torch.full((3,), float(r)))
         assert value["bf16"].dtype == torch.bfloat16
+
+
+def test_a_port_taken_before_rank_zero_binds_it_is_replaced(monkeypatch):
+    """free_port's answer can be taken by another process before rank 0 listens on it
+    (seen on a busy GPU machine): the run starts again on a fresh port."""
+    import socket
+
+    from moe_testing import distributed
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    fresh = distributed.free_port
+    monkeypatch.setattr(distributed, "free_port", lambda: next(ports, None) or fresh())
+    try:
+        results = run_distributed(_all_reduce_rank_values, 2, 3, timeout=60)
+    finally:
+        taken.close()
+    assert results == [[1.0, 4.0, 7.0]] * 2

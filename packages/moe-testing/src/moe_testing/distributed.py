@@ -49,6 +49,12 @@ def _context() -> mp.context.BaseContext:
     return _CONTEXT
 
 
+# The store's error when its port was taken between ``free_port`` and rank 0's bind;
+# a rank that hits it reports exactly this string and the run is retried on a new port.
+_PORT_TAKEN = "EADDRINUSE"
+_PORT_ATTEMPTS = 3
+
+
 def free_port() -> int:
     """A TCP port on the loopback interface that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -121,13 +127,19 @@ def _child(
         )
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-            device_id=torch.device("cuda", rank) if backend == "nccl" else None,
-        )
+        try:
+            dist.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+                device_id=torch.device("cuda", rank) if backend == "nccl" else None,
+            )
+        except Exception as e:
+            if _PORT_TAKEN in str(e):  # the free port was taken before rank 0 bound it
+                results.put((rank, "error", _PORT_TAKEN))
+                return
+            raise
         fn = _load_function(path, qualname)
         value = fn(*args, **kwargs)
         results.put((rank, "ok", _serialize(value)))
@@ -144,42 +156,17 @@ def _child(
             pass
 
 
-def run_distributed(
-    fn: Callable[..., Any],
-    world_size: int,
-    *args: Any,
-    backend: str | None = None,
-    timeout: float = 120.0,
-    threads_per_rank: int = 1,
-    **kwargs: Any,
-) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result.
-
-    ``fn`` must be a module-level function (or a class attribute) of an importable
-    file; arguments must pickle; return values may hold tensors (they travel as
-    ``torch.save`` bytes). The default process group is
-    initialised before ``fn`` runs (``gloo`` on CPU, ``nccl`` when ``backend`` says
-    so; ``torch.distributed.get_rank()`` gives the rank). Raises
-    :class:`DistributedTestError` naming the failing rank with its traceback, or
-    naming the ranks that had not finished after ``timeout`` seconds.
-    """
-    if backend is None:
-        backend = "gloo"
-    if backend == "nccl":
-        import torch
-
-        if torch.cuda.device_count() < world_size:
-            raise DistributedTestError(
-                f"world_size={world_size} needs {world_size} GPUs, found {torch.cuda.device_count()}"
-            )
-    path = os.path.abspath(fn.__code__.co_filename)
+def _run_ranks(
+    world_size: int, port: int, backend: str, timeout: float, path: str, qualname: str,
+    args: tuple, kwargs: dict, threads_per_rank: int,
+) -> tuple[dict[int, Any], dict[int, str]]:
+    """Start the ranks on ``port`` and collect each one's result payload or error."""
     ctx = _context()
     results = ctx.Queue()
-    port = free_port()
     procs = [
         ctx.Process(
             target=_child,
-            args=(r, world_size, port, backend, timeout, path, fn.__qualname__, args, kwargs,
+            args=(r, world_size, port, backend, timeout, path, qualname, args, kwargs,
                   results, threads_per_rank),
             daemon=True,
         )
@@ -230,6 +217,44 @@ def run_distributed(
         for p in procs:
             p.join(timeout=5)
         results.close()
+
+    return values, errors
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str | None = None,
+    timeout: float = 120.0,
+    threads_per_rank: int = 1,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result.
+
+    ``fn`` must be a module-level function (or a class attribute) of an importable
+    file; arguments must pickle; return values may hold tensors (they travel as
+    ``torch.save`` bytes). The default process group is
+    initialised before ``fn`` runs (``gloo`` on CPU, ``nccl`` when ``backend`` says
+    so; ``torch.distributed.get_rank()`` gives the rank). Raises
+    :class:`DistributedTestError` naming the failing rank with its traceback, or
+    naming the ranks that had not finished after ``timeout`` seconds.
+    """
+    if backend is None:
+        backend = "gloo"
+    if backend == "nccl":
+        import torch
+
+        if torch.cuda.device_count() < world_size:
+            raise DistributedTestError(
+                f"world_size={world_size} needs {world_size} GPUs, found {torch.cuda.device_count()}"
+            )
+    path = os.path.abspath(fn.__code__.co_filename)
+    for _ in range(_PORT_ATTEMPTS):  # a fresh port if another process took ours first
+        values, errors = _run_ranks(world_size, free_port(), backend, timeout, path,
+                                    fn.__qualname__, args, kwargs, threads_per_rank)
+        if _PORT_TAKEN not in errors.values():
+            break
 
     if errors:
         rank = next(iter(errors))
