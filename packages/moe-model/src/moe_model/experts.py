@@ -21,10 +21,10 @@ Grouped GEMM backends (``grouped_mm(..., backend=)``), all reading device-side o
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_model._triton_support import triton_available
+from moe_model.layers import swiglu
 
 BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 
@@ -120,7 +120,6 @@ class GroupedExperts(nn.Module):
         """SwiGLU of each row with its expert's weights; computed in ``rows_RD.dtype``."""
         dtype = rows_RD.dtype
         w1, w3, w2 = (w.to(dtype).transpose(-2, -1) for w in (self.w1, self.w3, self.w2))
-        h_RF = F.silu(grouped_mm(rows_RD, w1, group_offsets, self.backend)) * grouped_mm(
-            rows_RD, w3, group_offsets, self.backend
-        )
+        h_RF = swiglu(grouped_mm(rows_RD, w1, group_offsets, self.backend),
+                      grouped_mm(rows_RD, w3, group_offsets, self.backend))
         return grouped_mm(h_RF, w2, group_offsets, self.backend)

@@ -116,6 +116,26 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
 
+def swiglu_reference(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u`` in eager PyTorch (two roundings to the inputs' dtype)."""
+    return F.silu(g) * u
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gating ``silu(g) * u``.
+
+    CUDA inputs of one shape and dtype take the one-kernel-each-way path of
+    ``moe_model._swiglu_kernels`` (FP32 inside, one rounding, g and u kept for the
+    backward instead of three tensors); anything else, or without Triton,
+    ``swiglu_reference``.
+    """
+    if g.is_cuda and g.shape == u.shape and g.dtype == u.dtype and triton_available():
+        from moe_model._swiglu_kernels import FusedSwiGLU
+
+        return FusedSwiGLU.apply(g, u)
+    return swiglu_reference(g, u)
+
+
 class SwiGLU(nn.Module):
     """A dense SwiGLU MLP (used for dense layers and shared experts)."""
 
@@ -126,4 +146,4 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(hidden, d_model, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x)))

@@ -292,7 +292,8 @@ def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool)
     if not mxfp8:
         for name in ("h1", "h3"):
             inv.add(f"experts.{name}", b * R * F, "saved", "selective")
-        inv.add("experts.act", b * R * F, "saved")
+        if ex.kernels != "cuda":  # eager silu(h1) * h3 also keeps silu(h1); fused keeps h1, h3
+            inv.add("experts.act", b * R * F, "saved")
         inv.add("experts.h", b * R * F, "saved")
         inv.add("experts.d_h", b * R * F)
         inv.add("experts.d_gates", 2 * b * R * F)
@@ -312,16 +313,19 @@ def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool)
     inv.moment(freed, {"grad_out", "experts.d_h", "experts.swiglu_grad32", "experts.dw"})
 
 
-def _swiglu(inv: Inventory, prefix: str, T: int, D: int, F: int, b: int, peaks: bool) -> None:
+def _swiglu(inv: Inventory, prefix: str, T: int, D: int, F: int, b: int, peaks: bool,
+            fused: bool) -> None:
     """A dense SwiGLU (dense layers, shared experts); its backward runs before the
     routed branch's (created later in the forward, so first in the backward). The
     down projection's weight gradient goes to DDP at once (``nn.Linear`` transposes its
     weight inside the call), before the SwiGLU's own gradient. ``peaks``: the block's
-    forward peaks here (a dense block: at the gate product, act, h3 and h are alive)."""
+    forward peaks here (a dense block: at the gate product, act, h3 and h are alive).
+    ``fused``: the CUDA gating kernel keeps h1 and h3 only (eager also keeps act)."""
     forward = ("fwd_live",) if peaks else ()
     inv.add(f"{prefix}.h1", b * T * F, "saved", "selective")
     inv.add(f"{prefix}.h3", b * T * F, "saved", "selective", *forward)
-    inv.add(f"{prefix}.act", b * T * F, "saved", *forward)
+    if not fused:
+        inv.add(f"{prefix}.act", b * T * F, "saved", *forward)
     inv.add(f"{prefix}.h", b * T * F, "saved", *forward)
     inv.add(f"{prefix}.out", b * T * D, "selective")
     inv.add(f"{prefix}.d_h", b * T * F)
@@ -344,7 +348,8 @@ def block_inventory(cfg: MoEConfig, layer: int, ex: Execution) -> Inventory:
     inv.fwd_live.add("mlp_norm.out")
     if moe:
         if cfg.n_shared_experts:
-            _swiglu(inv, "shared", T, D, cfg.shared_hidden_width, b, peaks=False)
+            _swiglu(inv, "shared", T, D, cfg.shared_hidden_width, b, peaks=False,
+                    fused=ex.kernels == "cuda")
         _router(inv, cfg, ex)
         if ex.ep > 1:
             R = ep_capacity(cfg, T, ex.ep)
@@ -354,7 +359,7 @@ def block_inventory(cfg: MoEConfig, layer: int, ex: Execution) -> Inventory:
             _local_dispatch(inv, cfg, ex, R)
         _experts(inv, cfg, ex, R, layer in ex.mxfp8_expert_layers)
     else:
-        _swiglu(inv, "mlp", T, D, cfg.dense_hidden_width, b, peaks=True)
+        _swiglu(inv, "mlp", T, D, cfg.dense_hidden_width, b, peaks=True, fused=ex.kernels == "cuda")
     _attention(inv, cfg, ex)  # last: its backward moment frees every MLP tensor registered
     return inv
 

@@ -1,0 +1,84 @@
+"""SwiGLU's elementwise part, ``h = silu(g) * u``, in one Triton kernel each way, for
+CUDA tensors.
+
+The eager form (``F.silu(g) * u``) runs two kernels forward and three backward and
+keeps three tensors for the backward (g, silu(g), u). Here the forward reads g and u
+and writes h; the backward reads dh, g and u and writes dg and du; only g and u are
+kept. With s = sigmoid(g), in FP32 and rounded once to the inputs' dtype:
+
+    h  = g * s * u
+    du = dh * g * s
+    dg = dh * u * s * (1 + g * (1 - s))
+
+At the bench-1gpu expert shapes (65k rows x 1024 per layer and microbatch, BF16)
+that is 0.4 GB instead of 0.67 GB moved forward, 0.67 instead of 1.2 GB backward,
+and one [rows, hidden] tensor less kept per layer. Triton is imported lazily.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_BLOCK = 2048
+
+
+def _kernels() -> tuple[Any, Any]:
+    global _KERNELS
+    if _KERNELS is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def swiglu_forward_kernel(g_ptr, u_ptr, h_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            h = g * tl.sigmoid(g) * u
+            tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+        @triton.jit
+        def swiglu_backward_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            s = tl.sigmoid(g)
+            tl.store(du_ptr + offs, (dh * g * s).to(du_ptr.dtype.element_ty), mask=mask)
+            dg = dh * u * s * (1.0 + g * (1.0 - s))
+            tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=mask)
+
+        _KERNELS = (swiglu_forward_kernel, swiglu_backward_kernel)
+    return _KERNELS
+
+
+_KERNELS: tuple[Any, Any] | None = None
+
+
+def _grid(n: int) -> tuple[int]:
+    return ((n + _BLOCK - 1) // _BLOCK,)
+
+
+class FusedSwiGLU(torch.autograd.Function):
+    """``silu(g) * u`` with one kernel each way (``g`` and ``u`` of one shape and dtype)."""
+
+    @staticmethod
+    def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        g, u = g.contiguous(), u.contiguous()
+        h = torch.empty_like(g)
+        if g.numel():
+            _kernels()[0][_grid(g.numel())](g, u, h, g.numel(), BLOCK=_BLOCK, num_warps=8)
+        ctx.save_for_backward(g, u)
+        return h
+
+    @staticmethod
+    def backward(ctx: Any, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g, u = ctx.saved_tensors
+        dh = dh.contiguous()
+        dg, du = torch.empty_like(g), torch.empty_like(u)
+        if g.numel():
+            _kernels()[1][_grid(g.numel())](dh, g, u, dg, du, g.numel(), BLOCK=_BLOCK, num_warps=8)
+        return dg, du
