@@ -122,8 +122,8 @@ class CrossEntropyConfig:
 # warps is 32 elements, four 16-byte BF16 loads, per thread (with V and the row stride
 # multiples of 16, which Triton's argument specialisation sees; 100352 is); sm_90 ptxas
 # gives the forward 53 registers (4 programs per SM) and the backward 32 (8 per SM), no
-# spills. Not tuned on a GPU yet (the fused step ran with these). CPU runs are the Triton interpreter (tests), where
-# small chunks keep the multi-chunk paths exercised.
+# spills. Not tuned on a GPU yet (the fused step ran with these). CPU runs are the
+# Triton interpreter (tests), where small chunks keep the multi-chunk paths exercised.
 _GPU = {
     "forward": CrossEntropyConfig(block_v=8192, num_warps=8),
     "backward": CrossEntropyConfig(block_v=8192, num_warps=8),

@@ -34,6 +34,8 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from moe_model._triton_support import num_sms
+
 MAX_D = 8192  # the widest row kept in registers; wider rows take the reference path
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -150,12 +152,6 @@ def _launch_config(D: int, device: torch.device) -> tuple[int, int, int]:
     return block_r, block_d, num_warps
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _on_device(device: torch.device):  # noqa: ANN202 - a context manager
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
@@ -204,7 +200,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     dyv, dyl = _rows_layout(dy)
     block_r, block_d, num_warps = _launch_config(D, x.device)
     row_blocks = triton.cdiv(R, block_r)
-    n_prog = min(row_blocks, _num_sms(x.device) * _BWD_PROGRAMS_PER_SM)
+    n_prog = min(row_blocks, num_sms(x.device) * _BWD_PROGRAMS_PER_SM)
     rows_per_prog = triton.cdiv(row_blocks, n_prog) * block_r
     n_prog = triton.cdiv(R, rows_per_prog)
     partial = torch.empty(n_prog, D, dtype=torch.float32, device=x.device)

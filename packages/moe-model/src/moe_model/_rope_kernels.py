@@ -15,7 +15,8 @@ in FP32, rounded once to x's dtype. The backward is the same rotation with ``-si
 (a rotation's transpose), so one kernel serves both with a sign parameter. Inputs
 may be any strided view whose last dimension is contiguous (q and k arrive as
 ``[B, S, H, Dh]`` memory seen as ``[B, H, S, Dh]``); the output keeps the input's
-layout, as the eager elementwise ops do. Triton is imported lazily.
+layout, as the eager elementwise ops do. Importing this module requires Triton
+(``moe_model.layers.apply_rope`` imports it only for CUDA inputs).
 """
 
 from __future__ import annotations
@@ -23,47 +24,35 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
 _BLOCK_S = 16
 
 
-def _kernel() -> Any:
-    global _ROPE_KERNEL
-    if _ROPE_KERNEL is None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, S, sxb, sxh, sxs, sob, soh, sos,
-                        scs, SIGN: tl.constexpr, HALF: tl.constexpr, BLOCK_S: tl.constexpr,
-                        BLOCK_HALF: tl.constexpr):
-            pid_s, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-            s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-            d = tl.arange(0, BLOCK_HALF)
-            mask = (s[:, None] < S) & (d[None, :] < HALF)
-            s64 = s.to(tl.int64)[:, None]
-            x_row = x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + s64 * sxs + d[None, :]
-            o_row = out_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh + s64 * sos + d[None, :]
-            x1 = tl.load(x_row, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(x_row + HALF, mask=mask, other=0.0).to(tl.float32)
-            table = s64 * scs + d[None, :]
-            c = tl.load(cos_ptr + table, mask=mask, other=0.0)
-            sn = tl.load(sin_ptr + table, mask=mask, other=0.0) * SIGN
-            tl.store(o_row, (x1 * c - x2 * sn).to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(o_row + HALF, (x2 * c + x1 * sn).to(out_ptr.dtype.element_ty), mask=mask)
-
-        _ROPE_KERNEL = rope_kernel
-    return _ROPE_KERNEL
-
-
-_ROPE_KERNEL = None
+@triton.jit
+def rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, S, sxb, sxh, sxs, sob, soh, sos,
+                scs, SIGN: tl.constexpr, HALF: tl.constexpr, BLOCK_S: tl.constexpr,
+                BLOCK_HALF: tl.constexpr):
+    pid_s, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_HALF)
+    mask = (s[:, None] < S) & (d[None, :] < HALF)
+    s64 = s.to(tl.int64)[:, None]
+    x_row = x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + s64 * sxs + d[None, :]
+    o_row = out_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh + s64 * sos + d[None, :]
+    x1 = tl.load(x_row, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + HALF, mask=mask, other=0.0).to(tl.float32)
+    table = s64 * scs + d[None, :]
+    c = tl.load(cos_ptr + table, mask=mask, other=0.0)
+    sn = tl.load(sin_ptr + table, mask=mask, other=0.0) * SIGN
+    tl.store(o_row, (x1 * c - x2 * sn).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_row + HALF, (x2 * c + x1 * sn).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rope_rotate(x_BHSDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor,
                 sign: float) -> torch.Tensor:
     """Rotate ``x`` by the tables (``sign=-1``: the inverse rotation, the backward)."""
-    import triton
-
     B, H, S, Dh = x_BHSDh.shape
     if x_BHSDh.stride(-1) != 1:
         x_BHSDh = x_BHSDh.contiguous()
@@ -73,7 +62,7 @@ def rope_rotate(x_BHSDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Ten
     cos_SDh, sin_SDh = cos_SDh.contiguous(), sin_SDh.contiguous()
     half = Dh // 2
     grid = (triton.cdiv(S, _BLOCK_S), H, B)
-    _kernel()[grid](
+    rope_kernel[grid](
         x_BHSDh, out, cos_SDh, sin_SDh, S, *x_BHSDh.stride()[:3], *out.stride()[:3],
         cos_SDh.stride(0), SIGN=sign, HALF=half, BLOCK_S=_BLOCK_S,
         BLOCK_HALF=triton.next_power_of_2(half),

@@ -1,7 +1,7 @@
 """One answer to "can the Triton kernels run here?" for every CUDA fast path of the package.
 
-Each fused path (grouped GEMM, RMSNorm, RoPE, combine, cross-entropy) takes its Triton
-kernels for CUDA tensors when Triton is installed, and its eager reference path
+Each fused path (grouped GEMM, RMSNorm, RoPE, SwiGLU, combine, cross-entropy) takes its
+Triton kernels for CUDA tensors when Triton is installed, and its eager reference path
 otherwise. The check looks for the package without importing it, so importing
 moe_model never loads Triton.
 """
@@ -11,6 +11,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 
+import torch
+
+# Streaming multiprocessors assumed for a CPU tensor: the kernels then run in the
+# Triton interpreter (tests), where a few programs exercise the multi-program paths.
+_INTERPRETER_SMS = 4
+
 
 @functools.cache
 def triton_available() -> bool:
@@ -18,3 +24,10 @@ def triton_available() -> bool:
         return importlib.util.find_spec("triton") is not None
     except ValueError:  # a module entry without a spec (e.g. import blocked in sys.modules)
         return False
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (persistent and per-SM grids)."""
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count

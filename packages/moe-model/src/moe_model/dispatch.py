@@ -111,6 +111,8 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # ------------------------------------------------------------ fused (Triton) combine
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _fused(t: torch.Tensor) -> bool:
     """Whether the combine of rows like ``t`` runs the fused Triton kernels."""
     return t.device.type == "cuda" and t.dtype in _FUSED_DTYPES and triton_available()

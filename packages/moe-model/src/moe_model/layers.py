@@ -6,9 +6,6 @@ Dh head dim, F hidden width.
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,18 +27,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    @staticmethod
-    @functools.cache
-    def _fused_kernels() -> Any:
-        """The ``moe_model._rms_norm_kernels`` module, or None without Triton."""
-        if not triton_available():
-            return None
-        from moe_model import _rms_norm_kernels
-
-        return _rms_norm_kernels
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and (k := RMSNorm._fused_kernels()) is not None:
+        if x.is_cuda and triton_available():
+            from moe_model import _rms_norm_kernels as k
+
             w = self.weight
             if (x.dtype in k.FLOAT_DTYPES and w.dtype in k.FLOAT_DTYPES and w.device == x.device
                     and 0 < x.shape[-1] <= k.MAX_D):

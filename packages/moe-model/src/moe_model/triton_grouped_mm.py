@@ -36,6 +36,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from moe_model._triton_support import num_sms
+
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -109,12 +111,6 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _tma_ok(x_RK: torch.Tensor, w_EKN: torch.Tensor, cfg: TileConfig) -> bool:
     """TMA needs 16-byte aligned bases and row strides, and whole K blocks (a K block
     must not run into the next expert's weights)."""
@@ -158,7 +154,7 @@ def rows_mm(
     cfg = config or default_config("rows", x_RK.device, x_RK.dtype)
     triton, rows_kernel, _ = _kernels()
     max_tiles = (triton.cdiv(R, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n)
-    grid = min(max_tiles, _num_sms(x_RK.device)) if cfg.persistent else max_tiles
+    grid = min(max_tiles, num_sms(x_RK.device)) if cfg.persistent else max_tiles
     use_tma = cfg.use_tma and _tma_ok(x_RK, w_EKN, cfg)
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
