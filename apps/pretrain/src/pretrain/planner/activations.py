@@ -25,8 +25,9 @@ Sets make overlaps explicit (a tensor both saved and alive is counted once).
 The router runs in FP32 and keeps an FP32 copy of its input.
 
 ``kernels`` selects the device-specific paths. CUDA: moe_model's fused Triton
-RMSNorm (keeps its input and rstd), combine (no FP32 temporaries) and cross-entropy
-(no FP32 logits), and flash attention's backward, which allocates an FP32
+RMSNorm (keeps its input and rstd), SwiGLU gating (keeps its two inputs, not
+silu(gate)), combine (no FP32 temporaries) and cross-entropy (no FP32 logits), and
+flash attention's backward, which allocates an FP32
 accumulator for dQ and, with GQA, expanded dK/dV. CPU: the eager forms (RMSNorm
 keeps an FP32 copy of its input, FP32 combine and cross-entropy temporaries) and
 an attention kernel that allocates neither (as tensors PyTorch can see).
@@ -313,18 +314,19 @@ def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool)
     inv.moment(freed, {"grad_out", "experts.d_h", "experts.swiglu_grad32", "experts.dw"})
 
 
-def _swiglu(inv: Inventory, prefix: str, T: int, D: int, F: int, b: int, peaks: bool,
-            fused: bool) -> None:
+def _swiglu(inv: Inventory, prefix: str, T: int, D: int, F: int, ex: Execution,
+            peaks: bool) -> None:
     """A dense SwiGLU (dense layers, shared experts); its backward runs before the
     routed branch's (created later in the forward, so first in the backward). The
     down projection's weight gradient goes to DDP at once (``nn.Linear`` transposes its
     weight inside the call), before the SwiGLU's own gradient. ``peaks``: the block's
     forward peaks here (a dense block: at the gate product, act, h3 and h are alive).
-    ``fused``: the CUDA gating kernel keeps h1 and h3 only (eager also keeps act)."""
+    The CUDA gating kernel keeps h1 and h3 only; the eager form also keeps act."""
+    b = ex.compute_bytes
     forward = ("fwd_live",) if peaks else ()
     inv.add(f"{prefix}.h1", b * T * F, "saved", "selective")
     inv.add(f"{prefix}.h3", b * T * F, "saved", "selective", *forward)
-    if not fused:
+    if ex.kernels != "cuda":
         inv.add(f"{prefix}.act", b * T * F, "saved", *forward)
     inv.add(f"{prefix}.h", b * T * F, "saved", *forward)
     inv.add(f"{prefix}.out", b * T * D, "selective")
@@ -348,8 +350,7 @@ def block_inventory(cfg: MoEConfig, layer: int, ex: Execution) -> Inventory:
     inv.fwd_live.add("mlp_norm.out")
     if moe:
         if cfg.n_shared_experts:
-            _swiglu(inv, "shared", T, D, cfg.shared_hidden_width, b, peaks=False,
-                    fused=ex.kernels == "cuda")
+            _swiglu(inv, "shared", T, D, cfg.shared_hidden_width, ex, peaks=False)
         _router(inv, cfg, ex)
         if ex.ep > 1:
             R = ep_capacity(cfg, T, ex.ep)
@@ -359,7 +360,7 @@ def block_inventory(cfg: MoEConfig, layer: int, ex: Execution) -> Inventory:
             _local_dispatch(inv, cfg, ex, R)
         _experts(inv, cfg, ex, R, layer in ex.mxfp8_expert_layers)
     else:
-        _swiglu(inv, "mlp", T, D, cfg.dense_hidden_width, b, peaks=True, fused=ex.kernels == "cuda")
+        _swiglu(inv, "mlp", T, D, cfg.dense_hidden_width, ex, peaks=True)
     _attention(inv, cfg, ex)  # last: its backward moment frees every MLP tensor registered
     return inv
 
