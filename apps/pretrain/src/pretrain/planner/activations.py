@@ -27,10 +27,10 @@ The router runs in FP32 and keeps an FP32 copy of its input.
 ``kernels`` selects the device-specific paths. CUDA: moe_model's fused Triton
 RMSNorm (keeps its input and rstd), SwiGLU gating (keeps its two inputs, not
 silu(gate)), combine (no FP32 temporaries) and cross-entropy (no FP32 logits), and
-flash attention's backward, which allocates an FP32
-accumulator for dQ and, with GQA, expanded dK/dV. CPU: the eager forms (RMSNorm
-keeps an FP32 copy of its input, FP32 combine and cross-entropy temporaries) and
-an attention kernel that allocates neither (as tensors PyTorch can see).
+flash attention's backward, which allocates an FP32 accumulator for dQ and, with
+GQA, expanded dK/dV. CPU: the eager forms (RMSNorm keeps an FP32 copy of its input,
+FP32 combine and cross-entropy temporaries) and an attention kernel that allocates
+neither (as tensors PyTorch can see).
 """
 
 from __future__ import annotations
