@@ -20,8 +20,10 @@ once, our put kernel) and the NVSHMEM barrier alone.
 Payload = kept rows x bytes per row that one rank dispatches; GB/s counts the
 payload twice (dispatch and combine) for every backend, NCCL included, so the
 columns compare like for like; ``x nccl`` is NCCL's time over the backend's;
-``% put`` is the rate of bytes that cross NVLink (rows to the other rank, twice)
-over the put ceiling. ``ms`` is device time per iteration (events around a loop:
+``% put`` is the payload-equivalent rate over the put ceiling (rows to the other
+rank, twice, as an all-to-all moves them); ``moved`` (MiB) is what actually crosses
+NVLink per dispatch + combine (the rowwise dispatch sends a token once per rank, not
+once per slot) and ``% link`` its rate over the put ceiling. ``ms`` is device time per iteration (events around a loop:
 when the host cannot issue work as fast as the GPU runs it, this is host time);
 ``host ms`` is the CPU time to issue one iteration. Times are the slowest rank's
 mean per iteration.
@@ -49,6 +51,7 @@ class Row:
     backend: str
     payload_mib: float  # kept rows x row bytes, one rank, one direction
     remote_mib: float  # part of the payload that crosses to the other rank
+    moved_mib: float  # bytes that cross NVLink per dispatch + combine (rowwise sends tokens once per rank)
     drop_rate: float
     load_imbalance: float
     ms: float  # dispatch + combine, device time, slowest rank
@@ -56,7 +59,8 @@ class Row:
     dispatch_ms: float
     gbps: float  # 2 x payload / time
     x_nccl: float  # nccl time / this time
-    pct_put_ceiling: float  # 2 x remote / time over the one-way put ceiling
+    pct_put_ceiling: float  # 2 x remote / time over the one-way put ceiling (payload-equivalent rate)
+    pct_link: float  # moved / time over the one-way put ceiling (how busy the link is)
 
 
 def _routing(kind: str, T: int, E: int, k: int, rank: int, device: torch.device) -> torch.Tensor:
@@ -123,7 +127,7 @@ def _put_ceiling(transport, row_words: int, put_bytes: int, iters: int) -> float
     peer = torch.full((n,), (memory.rank + 1) % memory.world_size, device="cuda")
 
     def put():
-        memory.put_rows(0, 0, src, rows, peer, rows)
+        memory.put_rows(0, 0, src, peer, rows)
         memory.barrier()
 
     ms, _ = _time(put, iters, 3)
@@ -146,6 +150,9 @@ def _bench_case(cfg: EPConfig, transports: dict, x: torch.Tensor, ids: torch.Ten
     route = handle.route
     kept = sum(route.send_splits)
     remote = kept - route.send_splits[rank]
+    # Distinct (token, other rank) pairs: what a dispatch that sends tokens once per rank moves.
+    ranks_TK = handle.plan.dst_rank_N.view(x.shape[0], -1)
+    pairs = sum(int((ranks_TK == r).any(1).sum()) for r in range(dist.get_world_size()) if r != rank)
     payload = torch.randn(kept, x.shape[1], device=x.device).to(x.dtype)
     back = torch.empty(sum(route.recv_splits), x.shape[1], device=x.device, dtype=x.dtype)
 
@@ -172,15 +179,19 @@ def _bench_case(cfg: EPConfig, transports: dict, x: torch.Tensor, ids: torch.Ten
             times["nccl:graph"] = (*_graph_time(nccl, iters), nan)
             times["rowwise:graph"] = (*_graph_time(both, iters), nan)
     rows = []
+    dedup = transports["rowwise"].sends_tokens_once(row_bytes)
     for name, (ms, host_ms, dms) in times.items():
         baseline = times["nccl:graph" if name.endswith(":graph") else "nccl"][0]
+        moved = remote + (pairs if dedup and name.startswith("rowwise") else remote)
         rows.append(Row(
             tokens=x.shape[0], routing=kind, backend=name,
             payload_mib=kept * row_bytes / 2**20, remote_mib=remote * row_bytes / 2**20,
+            moved_mib=moved * row_bytes / 2**20,
             drop_rate=float(stats["drop_rate"]), load_imbalance=float(stats["load_imbalance"]),
             ms=ms, host_ms=host_ms, dispatch_ms=dms, gbps=2 * kept * row_bytes / (ms * 1e-3) / 1e9,
             x_nccl=baseline / ms,
             pct_put_ceiling=100 * 2 * remote * row_bytes / (ms * 1e-3) / 1e9 / ceiling,
+            pct_link=100 * moved * row_bytes / (ms * 1e-3) / 1e9 / ceiling,
         ))
     return rows
 
@@ -249,11 +260,13 @@ def main() -> None:
         print(f"one-way NVLink put ceiling (both ranks putting at once): {ceiling:.0f} GB/s")
         print(f"NVSHMEM barrier alone: {1e3 * barrier_ms:.1f} us device, {1e3 * barrier_host_ms:.1f} us host")
         print(f"{'tokens':>6} {'routing':>8} {'backend':>13} {'MiB':>7} {'drop%':>6} {'imbal':>5} "
-              f"{'ms':>7} {'host ms':>7} {'disp ms':>7} {'GB/s':>6} {'x nccl':>6} {'% put':>6}")
+              f"{'ms':>7} {'host ms':>7} {'disp ms':>7} {'GB/s':>6} {'x nccl':>6} {'% put':>6} "
+              f"{'moved':>7} {'% link':>6}")
         for r in rows:
             print(f"{r.tokens:>6} {r.routing:>8} {r.backend:>13} {r.payload_mib:>7.1f} "
                   f"{100 * r.drop_rate:>6.2f} {r.load_imbalance:>5.2f} {r.ms:>7.3f} {r.host_ms:>7.3f} "
-                  f"{r.dispatch_ms:>7.3f} {r.gbps:>6.0f} {r.x_nccl:>6.2f} {r.pct_put_ceiling:>6.1f}")
+                  f"{r.dispatch_ms:>7.3f} {r.gbps:>6.0f} {r.x_nccl:>6.2f} {r.pct_put_ceiling:>6.1f} "
+                  f"{r.moved_mib:>7.1f} {r.pct_link:>6.1f}")
     dist.destroy_process_group()
 
 

@@ -18,37 +18,52 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from _oracle import check_plan_kernels  # noqa: E402
 from moe_ep_transport import kernels, ops  # noqa: E402
+from moe_ep_transport.peer_memory import inbox_targets  # noqa: E402
 
 
 def check_put_rows() -> None:
     gen = torch.Generator().manual_seed(0)
-    offset = 64  # bytes of metadata (one int64 per row) before the rows
+    offset, n, slab_rows = 128, 12, 12  # 16 int64 of metadata (one per receive row) before the rows
+    dst_rank = torch.tensor([2, 0, 2, 1, 1, -1, 0, 2, 1, 2, 2, 2])
+    dst_row = torch.randperm(n, generator=gen)
+    meta = torch.arange(n) + 100
     for dtype, width in ((torch.int32, 24), (torch.bfloat16, 1030), (torch.uint8, 7)):
-        src = torch.randint(0, 100, (6, width), generator=gen).to(dtype)
-        src_index = torch.tensor([0, 5, 2, 2, 3, 1, 4])
-        dst_rank = torch.tensor([2, 0, -1, 1, 2, 0, 1])
-        dst_row = torch.tensor([4, 0, 3, 1, 0, 2, 3])
-        meta = torch.arange(7) + 100
-        row_bytes = width * src.element_size()
-        for me, local, skip in ((1, False, False), (1, True, False), (2, False, True)):
-            slabs = [torch.zeros(offset + 5 * row_bytes, dtype=torch.uint8) for _ in range(3)]
-            local_dst = torch.zeros(5, width, dtype=dtype) if local else None
-            table = torch.tensor([s.data_ptr() for s in slabs])
-            kernels.put_rows(src, src_index, dst_rank, dst_row, table, byte_offset=offset, me=me,
-                             local_dst=local_dst, skip_local=skip, meta_N=meta)
-            want = [torch.zeros(offset + 5 * row_bytes, dtype=torch.uint8) for _ in range(3)]
-            want_local = torch.zeros(5, width, dtype=dtype)
-            for i in range(7):
-                r = int(dst_rank[i])
-                if r < 0 or (skip and r == me):
-                    continue
-                rows = want[r][offset:].view(dtype).view(5, width)
-                (want_local if (local and r == me) else rows)[dst_row[i]] = src[src_index[i]]
-                want[r][:offset].view(torch.int64)[dst_row[i]] = meta[i]
-            for r in range(3):
-                assert torch.equal(slabs[r], want[r]), (dtype, me, local, skip, r)
-            if local:
-                assert torch.equal(local_dst, want_local), (dtype, me)
+        row_bytes = width * torch.tensor([], dtype=dtype).element_size()
+        for per_src, stride in ((1, 0), (3, 0), (3, 4)):
+            src = torch.randint(0, 100, (n // per_src, width), generator=gen).to(dtype)
+            for me, local, skip in ((1, False, False), (1, True, False), (2, False, True)):
+                slabs = [torch.zeros(offset + slab_rows * row_bytes, dtype=torch.uint8) for _ in range(3)]
+                local_dst = torch.zeros(slab_rows, width, dtype=dtype) if local else None
+                table = torch.tensor([s.data_ptr() for s in slabs])
+                kernels.put_rows(src, dst_rank, dst_row, table, per_src=per_src, byte_offset=offset, me=me,
+                                 local_dst=local_dst, skip_local=skip, meta_N=meta, inbox_stride=stride)
+                want = [torch.zeros(offset + slab_rows * row_bytes, dtype=torch.uint8) for _ in range(3)]
+                want_local = torch.zeros(slab_rows, width, dtype=dtype)
+                want_rank, want_at = dst_rank.clone(), dst_row.clone()
+                for i in range(n):
+                    r, t = int(dst_rank[i]), i // per_src
+                    if r < 0 or (skip and r == me):
+                        continue
+                    rows = want[r][offset:].view(dtype).view(slab_rows, width)
+                    if local and r == me:
+                        want_local[dst_row[i]] = src[t]
+                    elif stride and r != me:  # once per (token, rank), into the token inbox
+                        want_at[i] = me * stride + t
+                        if r in dst_rank[t * per_src : i].tolist():
+                            want_rank[i] = -1
+                        else:
+                            rows[me * stride + t] = src[t]
+                    else:
+                        rows[dst_row[i]] = src[t]
+                    want[r][:offset].view(torch.int64)[dst_row[i]] = meta[i]
+                for r in range(3):
+                    assert torch.equal(slabs[r], want[r]), (dtype, per_src, stride, me, local, skip, r)
+                if local:
+                    assert torch.equal(local_dst, want_local), (dtype, me)
+                if stride:  # the emulated peer memory's addressing is the kernel's
+                    rank_N, at_N = inbox_targets(dst_rank, dst_row, per_src, me, stride)
+                    live = (dst_rank >= 0) & ~((dst_rank == me) & skip)
+                    assert torch.equal(rank_N[live], want_rank[live]) and torch.equal(at_N[live], want_at[live])
 
 
 def check_finish_receive() -> None:
@@ -58,11 +73,19 @@ def check_finish_receive() -> None:
     row_src = torch.tensor([0, 1, 1, 2, 0, 2, -1, -1, -1])
     origin_in = torch.randint(0, 1000, (9,), generator=gen)
     want, want_origin = out.clone(), torch.zeros(9, dtype=torch.int64)
-    ops.finish_receive_reference(want, inbox, row_src, 1, want_origin, origin_in)
+    ops.finish_receive_reference(want, inbox, row_src, 1, origin_in, want_origin)
     origin = torch.zeros(9, dtype=torch.int64)
-    kernels.finish_receive(out, inbox, row_src, 1, origin, origin_in)
+    kernels.finish_receive(out, inbox, row_src, 1, origin_in, origin)
     assert torch.equal(out, want) and torch.equal(origin, want_origin)
     kernels.finish_receive(out, inbox, row_src, 1)
+    assert torch.equal(out, want)
+    # A token inbox of 3 ranks x 3 tokens, slot origins of top-2: row = src * 3 + origin // 2.
+    origin_in = torch.randint(0, 6, (9,), generator=gen)
+    ops.finish_receive_reference(want, inbox, row_src, 1, origin_in, None, 2, 3)
+    kernels.finish_receive(out, inbox, row_src, 1, origin_in, None, 2, 3)
+    assert torch.equal(out, want)
+    remote = (row_src >= 0) & (row_src != 1)
+    assert torch.equal(want[remote], inbox[row_src[remote] * 3 + origin_in[remote] // 2])
 
 
 def check_topk_gather_sum() -> None:
@@ -89,9 +112,46 @@ def check_topk_gather_sum() -> None:
         assert none is None and torch.equal(y2, y_ref)
 
 
+def check_combine_grads() -> None:
+    gen = torch.Generator().manual_seed(3)
+    T, k, D = 5, 4, 70
+    for rows_dtype, wdtype in ((torch.float32, torch.float32), (torch.float64, torch.float64),
+                               (torch.bfloat16, torch.float32)):
+        g = torch.randn(T, D, generator=gen).to(wdtype)
+        w = torch.rand(T * k, generator=gen).to(wdtype)
+        rows = torch.randn(T * k, D, generator=gen).to(rows_dtype)
+        want_scaled, want_w = ops.combine_grads_reference(g, w, rows, rows_dtype, True)
+        scaled, grad_w = kernels.combine_grads(g, w, rows, rows_dtype, True)
+        # The interpreter rounds FP32 -> BF16 towards zero (the GPU to nearest even): one BF16 step.
+        step = 2.0**-7 if rows_dtype == torch.bfloat16 else 0.0
+        assert torch.allclose(scaled.to(wdtype), want_scaled.to(wdtype), rtol=step, atol=0), rows_dtype
+        tol = 1e-5 if wdtype == torch.float32 else 1e-12  # sums of D products in another order
+        assert torch.allclose(grad_w, want_w, rtol=tol, atol=tol * D), (rows_dtype, (grad_w - want_w).abs().max())
+        only_scaled, none = kernels.combine_grads(g, w, None, rows_dtype, True)
+        assert none is None and torch.equal(only_scaled, scaled)
+        none, only_w = kernels.combine_grads(g, w, rows, rows_dtype, False)
+        assert none is None and torch.equal(only_w, grad_w)
+
+
+def check_signal_barrier() -> None:
+    # Rank 1 of 3, the other ranks already announced barrier 1 (and rank 2 barrier 2 too):
+    # rank 1 announces 1 to everyone and returns; a second barrier would wait for rank 0.
+    flags = [torch.zeros(3, dtype=torch.int64) for _ in range(3)]
+    flags[1][0], flags[1][2] = 1, 2
+    table = torch.tensor([f.data_ptr() for f in flags])
+    epoch = torch.zeros(1, dtype=torch.int64)
+    kernels.signal_barrier(epoch, table, 1)
+    assert int(epoch) == 1 and [int(f[1]) for f in flags] == [1, 1, 1]
+    flags[1][0] = 2
+    kernels.signal_barrier(epoch, table, 1)
+    assert int(epoch) == 2 and [int(f[1]) for f in flags] == [2, 2, 2]
+
+
 if __name__ == "__main__":
     check_put_rows()
     check_finish_receive()
     check_topk_gather_sum()
+    check_combine_grads()
+    check_signal_barrier()
     check_plan_kernels("cpu")
     print("kernels ok")

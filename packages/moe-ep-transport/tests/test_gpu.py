@@ -197,10 +197,23 @@ def test_triton_kernels_equal_torch_reference_on_cuda() -> None:
     row_src = torch.randint(-1, 3, (4000,), generator=gen).cuda()
     origin_in = torch.randint(0, 1 << 40, (4000,), generator=gen).cuda()
     want, want_origin = out.clone(), torch.zeros_like(origin_in)
-    ops.finish_receive_reference(want, inbox, row_src, 1, want_origin, origin_in)
+    ops.finish_receive_reference(want, inbox, row_src, 1, origin_in, want_origin)
     origin = torch.zeros_like(origin_in)
-    ops.finish_receive(out, inbox, row_src, 1, origin, origin_in)
+    ops.finish_receive(out, inbox, row_src, 1, origin_in, origin)
     assert torch.equal(out, want) and torch.equal(origin, want_origin)
+    # The token inbox of a deduplicating put: 3 ranks x 500 tokens, origins are slot indices.
+    origin_in = torch.randint(0, 500 * k, (4000,), generator=gen).cuda()
+    want = out.clone()
+    ops.finish_receive_reference(want, inbox, row_src, 1, origin_in, None, k, 500)
+    ops.finish_receive(out, inbox, row_src, 1, origin_in, None, k, 500)
+    assert torch.equal(out, want)
+    # Combine's backward: scaled rows bit for bit, weight gradients within FP32 rounding.
+    g = torch.randn(n_tok, width, generator=gen).cuda()
+    rows = torch.randn(n_tok * k, width, generator=gen).to(torch.bfloat16).cuda()
+    scaled, grad_w = ops.combine_grads(g, w, rows, torch.bfloat16, True)
+    want_scaled, want_w = ops.combine_grads_reference(g, w, rows, torch.bfloat16, True)
+    assert torch.equal(scaled, want_scaled)
+    torch.testing.assert_close(grad_w, want_w, rtol=1e-5, atol=1e-3)
 
 
 @pytest.mark.gpu

@@ -35,16 +35,20 @@ def _count(ptx: str, op: str) -> int:
 
 
 _PUT_SIGNATURE = {
-    "src_ptr": "*i32", "src_index_ptr": "*i64", "dst_rank_ptr": "*i64", "dst_row_ptr": "*i64",
+    "src_ptr": "*i32", "dst_rank_ptr": "*i64", "dst_row_ptr": "*i64",
     "table_ptr": "*i64", "byte_offset": "i32", "local_addr": "i64", "me": "i32", "meta_src_ptr": "*i64",
-    "n_rows": "i32", "width": "i32", "HAS_LOCAL": "constexpr", "SKIP_LOCAL": "constexpr",
-    "HAS_META": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr",
+    "n_rows": "i32", "width": "i32", "inbox_stride": "i32", "PER_SRC": "constexpr", "DEDUP": "constexpr",
+    "HAS_LOCAL": "constexpr", "SKIP_LOCAL": "constexpr", "HAS_META": "constexpr", "BLOCK_R": "constexpr",
+    "BLOCK_W": "constexpr",
 }
 
 
-@pytest.mark.parametrize("local,skip,meta", [(True, False, True), (False, True, False)])
-def test_put_rows_stores_128_bit_vectors_through_peer_pointers(local: bool, skip: bool, meta: bool) -> None:
-    consts = {"HAS_LOCAL": local, "SKIP_LOCAL": skip, "HAS_META": meta, "BLOCK_R": 4, "BLOCK_W": 1024}
+@pytest.mark.parametrize("local,skip,meta,dedup", [(True, False, True, True), (False, True, False, False)])
+def test_put_rows_stores_128_bit_vectors_through_peer_pointers(
+    local: bool, skip: bool, meta: bool, dedup: bool
+) -> None:
+    consts = {"HAS_LOCAL": local, "SKIP_LOCAL": skip, "HAS_META": meta, "BLOCK_R": 4, "BLOCK_W": 1024,
+              "PER_SRC": 8 if dedup else 1, "DEDUP": dedup}
     ptx = _ptx(kernels._put_rows_kernel, _PUT_SIGNATURE, consts, aligned=("width", "byte_offset", "local_addr"),
                num_warps=8)
     assert _count(ptx, "st.global.v4.b32") > 0 and _count(ptx, "st.global.b32") == 0
@@ -81,3 +85,13 @@ def test_plan_kernels_compile_for_hopper() -> None:
           "n_slots": "i32", "n_rows": "i32", "n_ranks": "i32", "n_experts": "i32",
           "BLOCK": "constexpr", "E_P": "constexpr"},
          {"BLOCK": 128, "E_P": 64}, aligned=(), num_warps=4)
+
+
+def test_signal_barrier_orders_at_system_scope() -> None:
+    """The flag store releases and the spin acquires at system scope (peers read over NVLink)."""
+    ptx = _ptx(kernels._signal_barrier_kernel,
+               {"epoch_ptr": "*i64", "flag_table_ptr": "*i64", "me": "i32", "n_ranks": "i32", "M_P": "constexpr"},
+               {"M_P": 2}, aligned=(), num_warps=1)
+    atoms = re.findall(r"atom\.[\w.]+", ptx)
+    assert any("release" in a and "sys" in a and "exch" in a for a in atoms), atoms
+    assert any("acquire" in a and "sys" in a and "add" in a for a in atoms), atoms

@@ -85,7 +85,7 @@ class _Combine(torch.autograd.Function):
         need_rows = ctx.needs_input_grad[1]
         y_TD, rows_ND = dispatcher.transport.gather_sum(route, rows_CD, w_N, store_rows=need_rows)
         ctx.dispatcher, ctx.route = dispatcher, route
-        ctx.w_dtype, ctx.rows_dtype, ctx.width = weights_TK.dtype, rows_CD.dtype, rows_CD.shape[1]
+        ctx.w_dtype, ctx.rows_dtype = weights_TK.dtype, rows_CD.dtype
         ctx.save_for_backward(w_N, rows_ND if need_rows else None)
         return y_TD
 
@@ -93,18 +93,18 @@ class _Combine(torch.autograd.Function):
     def backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         w_N, rows_ND = ctx.saved_tensors
         plan = ctx.route.plan
-        T, k, D = plan.n_tokens, plan.top_k, ctx.width
+        T, k = plan.n_tokens, plan.top_k
+        need_rows, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_rows = grad_w = None
-        g32_TD = grad_TD.to(w_N.dtype)
-        if ctx.needs_input_grad[0]:
-            # Dropped slots are not sent, so their (unmasked) weights do not matter here.
-            scaled_ND = (g32_TD.unsqueeze(1) * w_N.view(T, k, 1)).to(ctx.rows_dtype).view(T * k, D)
-            slots = ops.index_range(T * k, scaled_ND.device)
-            words = ctx.dispatcher.transport.send(ctx.route, ops.as_words(scaled_ND), slots)
+        # Dropped slots are not sent, so their (unmasked) weights do not matter in scaled_ND.
+        scaled_ND, grad_w_N = ops.combine_grads(
+            grad_TD, w_N, rows_ND if need_w else None, ctx.rows_dtype, scaled=need_rows
+        )
+        if need_rows:
+            words = ctx.dispatcher.transport.send(ctx.route, ops.as_words(scaled_ND), 1)
             grad_rows = ops.from_words(words, ctx.rows_dtype)
-        if ctx.needs_input_grad[1]:
-            rows_TKD = rows_ND.view(T, k, D).to(w_N.dtype)
-            grad_w = torch.einsum("tkd,td->tk", rows_TKD, g32_TD).to(ctx.w_dtype)
+        if need_w:
+            grad_w = grad_w_N.view(T, k).to(ctx.w_dtype)
         return grad_rows, grad_w, None, None
 
 
@@ -128,7 +128,6 @@ class EPDispatcher:
         self.expert_start = self.rank * self.n_local
         self.capacity = cfg.rank_capacity(self.ep_size)
         self.telemetry = EPTelemetry()
-        self._token_cache: torch.Tensor | None = None
 
     def bytes_per_row(self, dtype: torch.dtype) -> int:
         """Bytes one dispatched row moves (the codec's packed width when one is set)."""
@@ -192,21 +191,13 @@ class EPDispatcher:
     def _send_tokens(self, x_TD: torch.Tensor, route: Any) -> torch.Tensor:
         """Forward row movement: encode each token once, send a copy per kept slot, decode."""
         plan = route.plan
-        token_N = self._token_of_slot(plan.n_tokens * plan.top_k, x_TD.device)
         if self.codec is None:
-            words = self.transport.send(route, ops.as_words(x_TD), token_N)
+            words = self.transport.send(route, ops.as_words(x_TD), plan.top_k)
             return ops.from_words(words, x_TD.dtype)
         packed = ops.as_words(self.codec.encode(x_TD))
-        received = ops.from_words(self.transport.send(route, packed, token_N), torch.uint8)
+        received = ops.from_words(self.transport.send(route, packed, plan.top_k), torch.uint8)
         rows_CD = self.codec.decode(received, x_TD.dtype)
         return torch.where((plan.row_src_C >= 0).unsqueeze(1), rows_CD, 0)
-
-    def _token_of_slot(self, n: int, device: torch.device) -> torch.Tensor:
-        """``arange(n) // k``, built once per device for the largest call."""
-        cached = self._token_cache
-        if cached is None or cached.device != device:
-            cached = self._token_cache = torch.arange(self.cfg.max_slots, device=device) // self.cfg.top_k
-        return cached[:n]
 
     def _raise_on_overflow(self, plan: RoutePlan) -> None:
         dropped = plan.dropped_M.tolist()  # the documented host sync of overflow="error"

@@ -23,27 +23,38 @@ _MAX_BLOCK_W = 1024  # elements of one row chunk (4 KiB of 32-bit words)
 
 @triton.jit
 def _put_rows_kernel(
-    src_ptr, src_index_ptr, dst_rank_ptr, dst_row_ptr, table_ptr, byte_offset, local_addr, me,
-    meta_src_ptr, n_rows, width,
-    HAS_LOCAL: tl.constexpr, SKIP_LOCAL: tl.constexpr, HAS_META: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    src_ptr, dst_rank_ptr, dst_row_ptr, table_ptr, byte_offset, local_addr, me,
+    meta_src_ptr, n_rows, width, inbox_stride,
+    PER_SRC: tl.constexpr, DEDUP: tl.constexpr, HAS_LOCAL: tl.constexpr, SKIP_LOCAL: tl.constexpr,
+    HAS_META: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rank = tl.load(dst_rank_ptr + rows, mask=rows < n_rows, other=-1)
     ok = rank >= 0
     if SKIP_LOCAL:
         ok = ok & (rank != me)
-    src_row = tl.load(src_index_ptr + rows, mask=ok, other=0)
+    src_row = rows // PER_SRC
     dst_row = tl.load(dst_row_ptr + rows, mask=ok, other=0)
     slab = tl.load(table_ptr + rank, mask=ok, other=0)
+    at = dst_row
+    store = ok
+    if DEDUP:
+        # A row for another rank travels once per (source row, rank): only the source
+        # row's first slot bound there stores it, into the rank's token inbox.
+        remote = rank != me
+        first = rows - rows % PER_SRC
+        for jj in tl.static_range(PER_SRC):
+            earlier = tl.load(dst_rank_ptr + first + jj, mask=ok & (first + jj < rows), other=-1)
+            store = store & ~(remote & (earlier == rank))
+        at = tl.where(remote, me * inbox_stride + src_row, dst_row)
     addr = slab + byte_offset
     if HAS_LOCAL:
         addr = tl.where(rank == me, local_addr, addr)
-    dst = tl.multiple_of(addr.to(tl.pointer_type(src_ptr.dtype.element_ty)), 16) + dst_row * width
+    dst = tl.multiple_of(addr.to(tl.pointer_type(src_ptr.dtype.element_ty)), 16) + at * width
     src = src_ptr + src_row * width
     for c0 in range(0, width, BLOCK_W):
         cols = c0 + tl.arange(0, BLOCK_W)
-        m = ok[:, None] & (cols < width)[None, :]
+        m = store[:, None] & (cols < width)[None, :]
         v = tl.load(src[:, None] + cols[None, :], mask=m)
         tl.store(dst[:, None] + cols[None, :], v, mask=m)
     if HAS_META:
@@ -53,22 +64,28 @@ def _put_rows_kernel(
 
 @triton.jit
 def _finish_receive_kernel(
-    out_ptr, inbox_ptr, row_src_ptr, origin_out_ptr, origin_in_ptr, me, n_rows, width,
-    HAS_ORIGIN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    out_ptr, inbox_ptr, row_src_ptr, origin_in_ptr, origin_out_ptr, me, n_rows, width, inbox_stride,
+    PER_SRC: tl.constexpr, DEDUP: tl.constexpr, COPY_ORIGIN: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    src = tl.load(row_src_ptr + rows, mask=rows < n_rows, other=me)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < n_rows
+    src = tl.load(row_src_ptr + rows, mask=live, other=me)
     remote = (src != me) & (src >= 0)
     write = remote | (src < 0)  # padding rows are written as zeros
+    if DEDUP or COPY_ORIGIN:
+        origin = tl.load(origin_in_ptr + rows, mask=live, other=0)
+    if DEDUP:
+        at = tl.where(remote, src * inbox_stride + origin // PER_SRC, 0)  # the token inbox row
+    else:
+        at = rows
     for c0 in range(0, width, BLOCK_W):
         cols = c0 + tl.arange(0, BLOCK_W)
         cm = (cols < width)[None, :]
-        offs = rows.to(tl.int64)[:, None] * width + cols[None, :]
-        v = tl.load(inbox_ptr + offs, mask=remote[:, None] & cm, other=0)
-        tl.store(out_ptr + offs, v, mask=write[:, None] & cm)
-    if HAS_ORIGIN:
-        origin = tl.load(origin_in_ptr + rows, mask=rows < n_rows)
-        tl.store(origin_out_ptr + rows, origin, mask=rows < n_rows)
+        v = tl.load(inbox_ptr + at[:, None] * width + cols[None, :], mask=remote[:, None] & cm, other=0)
+        tl.store(out_ptr + rows[:, None] * width + cols[None, :], v, mask=write[:, None] & cm)
+    if COPY_ORIGIN:
+        tl.store(origin_out_ptr + rows, origin, mask=live)
 
 
 @triton.jit
@@ -95,30 +112,79 @@ def _topk_gather_sum_kernel(
     tl.store(y_ptr + t.to(tl.int64) * width + cols, acc.to(y_ptr.dtype.element_ty), mask=cm)
 
 
+@triton.jit
+def _combine_grads_kernel(
+    g_ptr, w_ptr, rows_ptr, scaled_ptr, grad_w_ptr, width,
+    K: tl.constexpr, SCALED: tl.constexpr, GRAD_W: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    # Program t: the token's k scaled gradient rows and the k weight gradients, reading
+    # the token's gradient once (eager PyTorch materialises two [T, k, D] FP32 tensors).
+    t = tl.program_id(0).to(tl.int64)
+    acc_dtype = w_ptr.dtype.element_ty
+    slots = tl.arange(0, K)
+    w = tl.load(w_ptr + t * K + slots)
+    dots = tl.zeros([K], dtype=acc_dtype)
+    for c0 in range(0, width, BLOCK_W):
+        cols = c0 + tl.arange(0, BLOCK_W)
+        cm = cols < width
+        g = tl.load(g_ptr + t * width + cols, mask=cm, other=0.0).to(acc_dtype)
+        at = (t * K + slots)[:, None] * width + cols[None, :]
+        m = cm[None, :] & (slots < K)[:, None]
+        if SCALED:
+            tl.store(scaled_ptr + at, (g[None, :] * w[:, None]).to(scaled_ptr.dtype.element_ty), mask=m)
+        if GRAD_W:
+            x = tl.load(rows_ptr + at, mask=m, other=0.0).to(acc_dtype)
+            dots += tl.sum(x * g[None, :], axis=1)
+    if GRAD_W:
+        tl.store(grad_w_ptr + t * K + slots, dots)
+
+
+@triton.jit
+def _signal_barrier_kernel(epoch_ptr, flag_table_ptr, me, n_ranks, M_P: tl.constexpr):
+    # One program: bump this rank's epoch, store it into slot `me` of every rank's flags
+    # (release at system scope: the puts of earlier kernels are visible before the flag),
+    # then spin until every rank's flag here reached the epoch (acquire).
+    epoch = tl.load(epoch_ptr) + 1
+    tl.store(epoch_ptr, epoch)
+    r = tl.arange(0, M_P)
+    live = r < n_ranks
+    peer_flags = tl.load(flag_table_ptr + r, mask=live, other=0).to(tl.pointer_type(tl.int64))
+    tl.atomic_xchg(peer_flags + me, tl.zeros([M_P], dtype=tl.int64) + epoch, mask=live, sem="release",
+                   scope="sys")
+    my_flags = tl.load(flag_table_ptr + me).to(tl.pointer_type(tl.int64))
+    waiting = 1
+    while waiting > 0:
+        seen = tl.atomic_add(my_flags + r, tl.zeros([M_P], dtype=tl.int64), mask=live, sem="acquire",
+                             scope="sys")
+        waiting = tl.sum((live & (seen < epoch)).to(tl.int32), axis=0)
+
+
 def _block_w(width: int) -> int:
     return min(_MAX_BLOCK_W, triton.next_power_of_2(max(width, 1)))
 
 
 def put_rows(
     src_SW: torch.Tensor,
-    src_index_N: torch.Tensor,
     dst_rank_N: torch.Tensor,
     dst_row_N: torch.Tensor,
     table_M: torch.Tensor,
     *,
+    per_src: int = 1,
     byte_offset: int = 0,
     me: int = -1,
     local_dst: torch.Tensor | None = None,
     skip_local: bool = False,
     meta_N: torch.Tensor | None = None,
+    inbox_stride: int = 0,
 ) -> None:
-    """Row ``dst_row[i]`` at ``table[dst_rank[i]] + byte_offset`` becomes ``src[src_index[i]]``.
+    """Row ``dst_row[i]`` at ``table[dst_rank[i]] + byte_offset`` becomes ``src[i // per_src]``.
 
     ``table_M[r]`` is the byte address of rank ``r``'s slab; the rows there have
     ``src``'s dtype and width. Slots with ``dst_rank < 0`` are skipped; slots for
     rank ``me`` go to ``local_dst`` instead when given, and are skipped with
     ``skip_local``. With ``meta_N``, also ``int64 slab[dst_row[i]] = meta[i]`` at the
-    slab's start.
+    slab's start. With ``inbox_stride=S > 0`` a row for another rank goes there once
+    per source row, to row ``me * S + i // per_src`` (its token inbox), not ``dst_row``.
     """
     if local_dst is not None and skip_local:
         raise ValueError("put_rows: local_dst and skip_local exclude each other")
@@ -128,11 +194,11 @@ def put_rows(
     width = src_SW.shape[1]
     block_r = 4
     _put_rows_kernel[(triton.cdiv(n, block_r),)](
-        src_SW, src_index_N, dst_rank_N, dst_row_N, table_M, byte_offset,
+        src_SW, dst_rank_N, dst_row_N, table_M, byte_offset,
         local_dst.data_ptr() if local_dst is not None else 0, me,
-        meta_N if meta_N is not None else dst_row_N, n, width,
-        HAS_LOCAL=local_dst is not None, SKIP_LOCAL=skip_local, HAS_META=meta_N is not None,
-        BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
+        meta_N if meta_N is not None else dst_row_N, n, width, inbox_stride,
+        PER_SRC=per_src, DEDUP=inbox_stride > 0, HAS_LOCAL=local_dst is not None, SKIP_LOCAL=skip_local,
+        HAS_META=meta_N is not None, BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
     )
 
 
@@ -141,25 +207,69 @@ def finish_receive(
     inbox_CW: torch.Tensor,
     row_src_C: torch.Tensor,
     me: int,
-    origin_out_C: torch.Tensor | None = None,
     origin_in_C: torch.Tensor | None = None,
+    origin_out_C: torch.Tensor | None = None,
+    per_src: int = 1,
+    inbox_stride: int = 0,
 ) -> None:
     """Copy rows that came from other ranks from the inbox into ``out``; zero padding rows.
 
     Rows this rank sent to itself were written into ``out`` directly by the put.
-    With ``origin_out_C``, ``origin_in_C`` is copied into it in the same launch.
+    Row ``c`` is inbox row ``c``, or with ``inbox_stride=S > 0`` inbox row
+    ``row_src[c] * S + origin_in[c] // per_src`` (the token inbox). With
+    ``origin_out_C``, ``origin_in_C`` is copied into it in the same launch.
     """
     n = out_CW.shape[0]
     if n == 0:
         return
     width = out_CW.shape[1]
     block_r = 4
-    has_origin = origin_out_C is not None
     _finish_receive_kernel[(triton.cdiv(n, block_r),)](
         out_CW, inbox_CW, row_src_C,
-        origin_out_C if has_origin else row_src_C, origin_in_C if has_origin else row_src_C,
-        me, n, width, HAS_ORIGIN=has_origin, BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
+        origin_in_C if origin_in_C is not None else row_src_C,
+        origin_out_C if origin_out_C is not None else row_src_C,
+        me, n, width, inbox_stride, PER_SRC=per_src, DEDUP=inbox_stride > 0,
+        COPY_ORIGIN=origin_out_C is not None, BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
     )
+
+
+def combine_grads(
+    g_TD: torch.Tensor,
+    w_N: torch.Tensor,
+    rows_ND: torch.Tensor | None,
+    rows_dtype: torch.dtype,
+    scaled: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(w * g).to(rows_dtype)`` per slot and ``<rows, g>`` per slot, in ``w``'s dtype.
+
+    ``K`` (slots per token) must be a power of two for the kernel's slot vector.
+    """
+    N, (T, width) = w_N.numel(), g_TD.shape
+    K = N // T
+    scaled_ND = torch.empty(N, width, dtype=rows_dtype, device=g_TD.device) if scaled else None
+    grad_w_N = torch.empty(N, dtype=w_N.dtype, device=g_TD.device) if rows_ND is not None else None
+    if T == 0 or (scaled_ND is None and grad_w_N is None):
+        return scaled_ND, grad_w_N
+    placeholder = scaled_ND if scaled_ND is not None else rows_ND
+    _combine_grads_kernel[(T,)](
+        g_TD.contiguous(), w_N, rows_ND if rows_ND is not None else placeholder,
+        placeholder, grad_w_N if grad_w_N is not None else w_N, width,
+        K=K, SCALED=scaled, GRAD_W=rows_ND is not None,
+        BLOCK_W=min(triton.next_power_of_2(max(width, 1)), max(64, 4096 // K)), num_warps=4,
+    )
+    return scaled_ND, grad_w_N
+
+
+def signal_barrier(epoch_1: torch.Tensor, flag_table_M: torch.Tensor, me: int) -> None:
+    """Stream-ordered barrier over peer flags: one small kernel, no NVSHMEM call.
+
+    ``flag_table_M[r]`` is the address of rank ``r``'s flags (``M`` int64, zero at the
+    start, in memory every rank can store into); ``epoch_1`` (int64, this rank's own)
+    counts the barriers passed. Every rank must run the same sequence of barriers.
+    """
+    M = flag_table_M.numel()
+    _signal_barrier_kernel[(1,)](epoch_1, flag_table_M, me, M, M_P=max(2, triton.next_power_of_2(M)),
+                                 num_warps=1)
 
 
 def topk_gather_sum(

@@ -104,19 +104,33 @@ class NvshmemPeerMemory:
         self._nvshmem = bootstrap(group, device, N_SLABS * slab_bytes)
         interop = self._nvshmem.interop.torch
         self._slabs = [interop.tensor((slab_bytes,), dtype=torch.uint8) for _ in range(N_SLABS)]
-        self._tables = []
-        for slab in self._slabs:
-            addresses = []
-            for pe in range(self.world_size):
-                peer = slab if pe == self.rank else interop.get_peer_tensor(slab, pe)
-                if peer is None or peer.data_ptr() == 0:
-                    raise RuntimeError(
-                        f"rank {pe} of the EP group is not load/store reachable from rank "
-                        f"{self.rank}: the rowwise transport needs peers on one NVLink domain"
-                    )
-                addresses.append(peer.data_ptr())
-            self._tables.append(torch.tensor(addresses, dtype=torch.int64, device=device))
-        self._stream_refs: dict[int, _StreamRef] = {}
+        self._tables = [self._peer_table(slab, device) for slab in self._slabs]
+        # The barrier's flags: slot s of rank r's flags holds the last barrier s announced to r.
+        self._flags = interop.tensor((self.world_size,), dtype=torch.int64)
+        self._flags.zero_()
+        self._flag_table = self._peer_table(self._flags, device)
+        self._epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        self._host_barrier()  # no rank signals before every rank's flags are zero
+
+    def _peer_table(self, buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """int64 addresses of every rank's copy of a symmetric ``buffer``."""
+        interop = self._nvshmem.interop.torch
+        addresses = []
+        for pe in range(self.world_size):
+            peer = buffer if pe == self.rank else interop.get_peer_tensor(buffer, pe)
+            if peer is None or peer.data_ptr() == 0:
+                raise RuntimeError(
+                    f"rank {pe} of the EP group is not load/store reachable from rank "
+                    f"{self.rank}: the rowwise transport needs peers on one NVLink domain"
+                )
+            addresses.append(peer.data_ptr())
+        return torch.tensor(addresses, dtype=torch.int64, device=device)
+
+    def _host_barrier(self) -> None:
+        """NVSHMEM's barrier, waited for on the host (set-up and tear-down only)."""
+        stream = torch.cuda.current_stream()
+        self._nvshmem.barrier_all(stream=_StreamRef(stream))
+        stream.synchronize()
 
     def slab(self, index: int) -> torch.Tensor:
         return self._slabs[index]
@@ -126,34 +140,36 @@ class NvshmemPeerMemory:
         slab: int,
         byte_offset: int,
         src_RW: torch.Tensor,
-        src_index_N: torch.Tensor,
         dst_rank_N: torch.Tensor,
         dst_row_N: torch.Tensor,
         *,
+        per_src: int = 1,
         local_dst: torch.Tensor | None = None,
         skip_local: bool = False,
         meta_N: torch.Tensor | None = None,
+        inbox_stride: int = 0,
     ) -> None:
         from moe_ep_transport import kernels
 
         if byte_offset % 16:
             raise ValueError(f"slab offset {byte_offset} is not 16-byte aligned")
         kernels.put_rows(
-            src_RW.contiguous(), src_index_N, dst_rank_N, dst_row_N, self._tables[slab],
+            src_RW.contiguous(), dst_rank_N, dst_row_N, self._tables[slab], per_src=per_src,
             byte_offset=byte_offset, me=self.rank, local_dst=local_dst, skip_local=skip_local,
-            meta_N=meta_N,
+            meta_N=meta_N, inbox_stride=inbox_stride,
         )
 
     def barrier(self) -> None:
-        stream = torch.cuda.current_stream()
-        ref = self._stream_refs.get(stream.cuda_stream)
-        if ref is None:
-            ref = self._stream_refs.setdefault(stream.cuda_stream, _StreamRef(stream))
-        self._nvshmem.barrier_all(stream=ref)
+        """A flag barrier through peer pointers (one small kernel; a dispatch + combine
+        passes three barriers, so their latency counts at small sizes)."""
+        from moe_ep_transport import kernels
+
+        kernels.signal_barrier(self._epoch, self._flag_table, self.rank)
 
     def close(self) -> None:
         """Free the slabs (collective). The memory is unusable afterwards."""
         torch.cuda.current_stream().synchronize()
-        for slab in self._slabs:
-            self._nvshmem.interop.torch.free_tensor(slab)
+        self._host_barrier()  # no peer still signals into the flags
+        for buffer in (*self._slabs, self._flags):
+            self._nvshmem.interop.torch.free_tensor(buffer)
         self._slabs, self._tables = [], []

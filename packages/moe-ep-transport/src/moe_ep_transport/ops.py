@@ -105,22 +105,30 @@ def finish_receive(
     inbox_CW: torch.Tensor,
     row_src_C: torch.Tensor,
     me: int,
-    origin_out_C: torch.Tensor | None = None,
     origin_in_C: torch.Tensor | None = None,
+    origin_out_C: torch.Tensor | None = None,
+    per_src: int = 1,
+    inbox_stride: int = 0,
 ) -> None:
     """Move rows from other ranks out of the symmetric inbox into ``out``; zero the padding.
 
-    With ``origin_out_C``, also copy the rows' origins (``origin_in_C``, int64) out of
-    the inbox.
+    Receive row ``c`` is inbox row ``c``, or with ``inbox_stride=S > 0`` the token
+    inbox's row ``row_src[c] * S + origin_in[c] // per_src`` (a deduplicating put,
+    :func:`moe_ep_transport.peer_memory.inbox_targets`). With ``origin_out_C``, also
+    copy the rows' origins (``origin_in_C``, int64 slot indices at their sources).
     """
-    if (origin_out_C is None) != (origin_in_C is None):
-        raise ValueError("finish_receive: give both origin_out_C and origin_in_C, or neither")
+    if (origin_out_C is not None or inbox_stride > 0) and origin_in_C is None:
+        raise ValueError("finish_receive: origin_out_C and inbox_stride need origin_in_C")
     if _on_triton(out_CW):
         from moe_ep_transport import kernels
 
-        kernels.finish_receive(out_CW, inbox_CW, row_src_C, me, origin_out_C, origin_in_C)
+        kernels.finish_receive(
+            out_CW, inbox_CW, row_src_C, me, origin_in_C, origin_out_C, per_src, inbox_stride
+        )
     else:
-        finish_receive_reference(out_CW, inbox_CW, row_src_C, me, origin_out_C, origin_in_C)
+        finish_receive_reference(
+            out_CW, inbox_CW, row_src_C, me, origin_in_C, origin_out_C, per_src, inbox_stride
+        )
 
 
 def finish_receive_reference(
@@ -128,12 +136,18 @@ def finish_receive_reference(
     inbox_CW: torch.Tensor,
     row_src_C: torch.Tensor,
     me: int,
-    origin_out_C: torch.Tensor | None = None,
     origin_in_C: torch.Tensor | None = None,
+    origin_out_C: torch.Tensor | None = None,
+    per_src: int = 1,
+    inbox_stride: int = 0,
 ) -> None:
     """PyTorch version of :func:`finish_receive` (boolean indexing: synchronises on CUDA)."""
     remote = (row_src_C != me) & (row_src_C >= 0)
-    out_CW[remote] = inbox_CW[remote]
+    if inbox_stride > 0:
+        at = row_src_C[remote] * inbox_stride + origin_in_C[remote] // per_src
+        out_CW[remote] = inbox_CW[at]
+    else:
+        out_CW[remote] = inbox_CW[remote]
     out_CW[row_src_C < 0] = 0
     if origin_out_C is not None:
         origin_out_C.copy_(origin_in_C)
@@ -195,3 +209,44 @@ def topk_gather_sum_reference(
     for j in range(top_k):
         acc = acc + x_TKD[:, j].to(w_N.dtype) * w_TK[:, j, None]
     return acc.to(out_dtype), (x_ND if store_rows else None)
+
+
+def combine_grads(
+    g_TD: torch.Tensor,
+    w_N: torch.Tensor,
+    rows_ND: torch.Tensor | None,
+    rows_dtype: torch.dtype,
+    scaled: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Combine's backward on this rank: the gradient rows to send back and the weights' gradient.
+
+    Slot ``i = t*k + j``: ``scaled[i] = (w[i] * g[t]).to(rows_dtype)`` (``scaled``) and
+    ``grad_w[i] = sum_d rows[i, d] * g[t, d]`` (when ``rows_ND`` is given), both in
+    ``w``'s dtype, ``g`` converted to it first. One launch on CUDA (the sum's order
+    differs from the reference's, within rounding).
+    """
+    T, k = g_TD.shape[0], w_N.numel() // max(1, g_TD.shape[0])
+    if _on_triton(g_TD) and k & (k - 1) == 0:
+        from moe_ep_transport import kernels
+
+        return kernels.combine_grads(g_TD, w_N, rows_ND, rows_dtype, scaled)
+    return combine_grads_reference(g_TD, w_N, rows_ND, rows_dtype, scaled)
+
+
+def combine_grads_reference(
+    g_TD: torch.Tensor,
+    w_N: torch.Tensor,
+    rows_ND: torch.Tensor | None,
+    rows_dtype: torch.dtype,
+    scaled: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """PyTorch version of :func:`combine_grads`."""
+    T, D = g_TD.shape
+    k = w_N.numel() // max(1, T)
+    g_TD = g_TD.to(w_N.dtype)
+    scaled_ND = grad_w_N = None
+    if scaled:
+        scaled_ND = (g_TD.unsqueeze(1) * w_N.view(T, k, 1)).to(rows_dtype).view(T * k, D)
+    if rows_ND is not None:
+        grad_w_N = torch.einsum("tkd,td->tk", rows_ND.view(T, k, D).to(w_N.dtype), g_TD).reshape(-1)
+    return scaled_ND, grad_w_N

@@ -36,27 +36,54 @@ class PeerMemory(Protocol):
         slab: int,
         byte_offset: int,
         src_RW: torch.Tensor,
-        src_index_N: torch.Tensor,
         dst_rank_N: torch.Tensor,
         dst_row_N: torch.Tensor,
         *,
+        per_src: int = 1,
         local_dst: torch.Tensor | None = None,
         skip_local: bool = False,
         meta_N: torch.Tensor | None = None,
+        inbox_stride: int = 0,
     ) -> None:
-        """Write ``src[src_index[i]]`` into row ``dst_row[i]`` of rank ``dst_rank[i]``'s slab.
+        """Write ``src[i // per_src]`` into row ``dst_row[i]`` of rank ``dst_rank[i]``'s slab.
 
         Rows start at ``byte_offset`` and have ``src``'s dtype and width. Slots with
         ``dst_rank < 0`` are skipped. Rows for this rank go to ``local_dst`` instead
         when given, or are skipped with ``skip_local``. ``meta_N`` (int64) is written
-        at the slab's start, one per row. Collective: every rank calls it; completion
-        is only guaranteed after :meth:`barrier`. One kernel launch on the GPU.
+        at the slab's start, at row ``dst_row[i]``. With ``inbox_stride=S > 0`` rows
+        for other ranks travel once per source row instead (see :func:`inbox_targets`).
+        Collective: every rank calls it; completion is only guaranteed after
+        :meth:`barrier`. One kernel launch on the GPU.
         """
         ...
 
     def barrier(self) -> None:
         """Stream-ordered barrier: every rank's earlier puts are visible after it."""
         ...
+
+
+def inbox_targets(
+    dst_rank_N: torch.Tensor, dst_row_N: torch.Tensor, per_src: int, me: int, inbox_stride: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the rows of a deduplicating put go: ``(rank_N, row_N)``, rank -1 = not stored.
+
+    Slots ``i`` come in groups of ``per_src`` that carry the same source row ``i //
+    per_src`` (a token's top-k copies). A row bound for another rank ``r`` is stored
+    once, by the group's first slot bound to ``r``, at row ``me * inbox_stride + i //
+    per_src`` of ``r``'s slab (rank ``me``'s part of ``r``'s token inbox); ``r`` then
+    finds it from the slot index in the metadata. Rows for this rank keep
+    ``dst_row``. On two ranks with top-8 this moves about a quarter of the bytes of one
+    row per slot.
+    """
+    n = dst_rank_N.numel()
+    ranks_GK = dst_rank_N.view(n // per_src, per_src)
+    earlier_KK = torch.ones(per_src, per_src, dtype=torch.bool, device=dst_rank_N.device).tril(-1)
+    repeat_N = ((ranks_GK[:, :, None] == ranks_GK[:, None, :]) & earlier_KK).any(2).view(n)
+    remote_N = (dst_rank_N >= 0) & (dst_rank_N != me)
+    slot_N = torch.arange(n, device=dst_rank_N.device)
+    rank_N = torch.where(remote_N & repeat_N, -1, dst_rank_N)
+    row_N = torch.where(remote_N, me * inbox_stride + slot_N // per_src, dst_row_N)
+    return rank_N, row_N
 
 
 def slab_view(slab: torch.Tensor, byte_offset: int, dtype: torch.dtype, width: int) -> torch.Tensor:
@@ -96,13 +123,14 @@ class EmulatedPeerMemory:
         slab: int,
         byte_offset: int,
         src_RW: torch.Tensor,
-        src_index_N: torch.Tensor,
         dst_rank_N: torch.Tensor,
         dst_row_N: torch.Tensor,
         *,
+        per_src: int = 1,
         local_dst: torch.Tensor | None = None,
         skip_local: bool = False,
         meta_N: torch.Tensor | None = None,
+        inbox_stride: int = 0,
     ) -> None:
         if local_dst is not None and skip_local:
             raise ValueError("put_rows: local_dst and skip_local exclude each other")
@@ -111,23 +139,35 @@ class EmulatedPeerMemory:
         dist.all_gather(sizes, n, group=self.group)
         sizes = [int(s) for s in sizes]
         n_max = max(sizes)
-        # Padding slots carry rank -1 and are skipped like dropped slots.
-        ranks = self._all_gather(dst_rank_N, n_max)
-        for s, size in enumerate(sizes):
-            ranks[s][size:] = -1
-        rows = self._all_gather(dst_row_N, n_max)
-        payload = self._all_gather(src_RW.index_select(0, src_index_N), n_max)
-        metas = self._all_gather(meta_N, n_max) if meta_N is not None else None
+
+        def gather_ranks(rank_N: torch.Tensor) -> list[torch.Tensor]:
+            ranks = self._all_gather(rank_N, n_max)
+            for s, size in enumerate(sizes):  # padding slots are skipped like dropped slots
+                ranks[s][size:] = -1
+            return ranks
+
+        row_rank_N, row_at_N = dst_rank_N, dst_row_N
+        if inbox_stride > 0:
+            row_rank_N, row_at_N = inbox_targets(dst_rank_N, dst_row_N, per_src, self.rank, inbox_stride)
+        ranks, rows = gather_ranks(row_rank_N), self._all_gather(row_at_N, n_max)
+        src_N = torch.arange(dst_rank_N.numel(), device=src_RW.device) // per_src
+        payload = self._all_gather(src_RW.index_select(0, src_N), n_max)
         inbox = slab_view(self._slabs[slab], byte_offset, src_RW.dtype, src_RW.shape[1])
-        meta_inbox = self._slabs[slab][: self.slab_bytes // 8 * 8].view(torch.int64)
         for s in range(self.world_size):
             if skip_local and s == self.rank:
                 continue
             mine = ranks[s] == self.rank
             target = local_dst if (s == self.rank and local_dst is not None) else inbox
             target[rows[s][mine]] = payload[s][mine]
-            if metas is not None:
-                meta_inbox[rows[s][mine]] = metas[s][mine]
+        if meta_N is not None:
+            meta_ranks, meta_rows = gather_ranks(dst_rank_N), self._all_gather(dst_row_N, n_max)
+            metas = self._all_gather(meta_N, n_max)
+            meta_inbox = self._slabs[slab][: self.slab_bytes // 8 * 8].view(torch.int64)
+            for s in range(self.world_size):
+                if skip_local and s == self.rank:
+                    continue
+                mine = meta_ranks[s] == self.rank
+                meta_inbox[meta_rows[s][mine]] = metas[s][mine]
 
     def barrier(self) -> None:
         """Nothing to order: every emulated put already completed collectively."""

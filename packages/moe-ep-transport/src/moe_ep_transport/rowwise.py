@@ -3,11 +3,16 @@
 Per dispatch: (1) every rank puts its per-expert counts into every peer's slab and
 a barrier completes the exchange; (2) every rank plans, on the device, the
 destination (rank, row) of each of its routed rows (:mod:`moe_ep_transport.plan`);
-(3) one kernel stores each row straight into the destination's slab (rows a rank
-sends to itself go straight into the output tensor), with the row's source slot
-index beside it; a barrier completes it; the destination copies the rows of other
-ranks out of its slab into a fresh tensor (the slab is reused by the next phase,
-while the rows must live until the expert backward).
+(3) one kernel stores each token once into every other rank that holds one of its
+experts (that rank's *token inbox*: row ``source * T_max + token``), and the
+token's slot index at each of its receive rows there; rows a rank sends to itself
+go straight into the output tensor; a barrier completes it; the destination
+expands the tokens of other ranks into their receive rows, a fresh tensor (the
+slab is reused by the next phase, while the rows must live until the expert
+backward). Sending tokens instead of rows cuts the NVLink bytes of a dispatch by
+the number of a token's experts that share a rank (top-8 over two ranks: about
+4x); the token inbox takes M * T_max rows, which fit the slab's C = cf * T_max * k
+rows while M <= cf * k; larger EP groups send one row per slot.
 
 Per combine the destination puts each expert output row back into its source's
 slab at the source's slot index (the origin recorded in step 3; rows of its own
@@ -40,7 +45,7 @@ def _align(n: int) -> int:
 
 
 def slab_bytes_for(cfg: EPConfig, ep_size: int, row_bytes: int) -> int:
-    """Bytes each slab needs for rows of at most ``row_bytes`` (any phase)."""
+    """Bytes each slab needs for rows of at most ``row_bytes`` (any phase; never more for the token inbox)."""
     capacity = cfg.rank_capacity(ep_size)
     counts = ep_size * cfg.n_experts * 4
     send = _align(capacity * 8) + capacity * _align_row(row_bytes)
@@ -65,11 +70,11 @@ class RowwiseTransport:
         self.world_size = memory.world_size
         self.capacity = cfg.rank_capacity(self.world_size)
         self.max_slots = cfg.max_slots
+        self.max_tokens = cfg.max_tokens
         self._meta_bytes = _align(self.capacity * 8)
         self._phase = 0  # advances identically on every rank (all ranks run the same calls)
-        # The count exchange's fixed addressing: row 0 of the counts to row `rank` of every peer.
+        # The count exchange's fixed addressing: the counts to row `rank` of every peer.
         M, device = self.world_size, memory.slab(0).device
-        self._count_src_M = torch.zeros(M, dtype=torch.int64, device=device)
         self._count_rank_M = torch.arange(M, device=device)
         self._count_row_M = torch.full((M,), self.rank, dtype=torch.int64, device=device)
 
@@ -98,37 +103,46 @@ class RowwiseTransport:
         self._check_fits(M * E * 4, "the count exchange")
         slab = self._next_slab()
         self.memory.put_rows(
-            slab, 0, counts_E.to(torch.int32).view(1, E),
-            self._count_src_M, self._count_rank_M, self._count_row_M,
+            slab, 0, counts_E.to(torch.int32).view(1, E), self._count_rank_M, self._count_row_M, per_src=M,
         )
         self.memory.barrier()
         return slab_view(self.memory.slab(slab), 0, torch.int32, E)[:M]
+
+    def sends_tokens_once(self, row_bytes: int) -> bool:
+        """Whether a token dispatch moves each token once per destination rank (its inbox fits)."""
+        return self._meta_bytes + self.world_size * self.max_tokens * row_bytes <= self.memory.slab_bytes
 
     def open_route(self, plan: RoutePlan) -> RowwiseRoute:
         if plan.capacity != self.capacity:
             raise ValueError(f"plan capacity {plan.capacity} != transport capacity {self.capacity}")
         return RowwiseRoute(plan)
 
-    def send(self, route: RowwiseRoute, src_RW: torch.Tensor, src_index_N: torch.Tensor) -> torch.Tensor:
+    def send(self, route: RowwiseRoute, src_RW: torch.Tensor, per_src: int) -> torch.Tensor:
         plan, C, W = route.plan, self.capacity, src_RW.shape[1]
-        self._check_fits(self._meta_bytes + C * W * src_RW.element_size(), "a row send")
+        row_bytes = W * src_RW.element_size()
+        self._check_fits(self._meta_bytes + C * row_bytes, "a row send")
+        inbox_rows = self.world_size * self.max_tokens
+        dedup = per_src > 1 and self.sends_tokens_once(row_bytes)
+        stride = self.max_tokens if dedup else 0
         slab = self._next_slab()
         first = route.origin_C is None
         device = src_RW.device
         out = src_RW.new_empty(C, W)
         self.memory.put_rows(
-            slab, self._meta_bytes, src_RW, src_index_N, plan.dst_rank_N, plan.dst_row_N,
-            local_dst=out, meta_N=ops.index_range(src_index_N.numel(), device) if first else None,
+            slab, self._meta_bytes, src_RW, plan.dst_rank_N, plan.dst_row_N, per_src=per_src,
+            local_dst=out, meta_N=ops.index_range(plan.dst_rank_N.numel(), device) if first else None,
+            inbox_stride=stride,
         )
         self.memory.barrier()
         buf = self.memory.slab(slab)
-        inbox = slab_view(buf, self._meta_bytes, src_RW.dtype, W)[:C]
+        inbox = slab_view(buf, self._meta_bytes, src_RW.dtype, W)[: inbox_rows if dedup else C]
+        origin_in_C, origin_out_C = route.origin_C, None
         if first:
-            route.origin_C = torch.empty(C, dtype=torch.int64, device=device)
             origin_in_C = buf[: C * 8].view(torch.int64)
-            ops.finish_receive(out, inbox, plan.row_src_C, self.rank, route.origin_C, origin_in_C)
-        else:
-            ops.finish_receive(out, inbox, plan.row_src_C, self.rank)
+            origin_out_C = route.origin_C = torch.empty(C, dtype=torch.int64, device=device)
+        ops.finish_receive(
+            out, inbox, plan.row_src_C, self.rank, origin_in_C, origin_out_C, per_src, stride
+        )
         return out
 
     def gather_sum(
@@ -142,10 +156,7 @@ class RowwiseTransport:
         n, C = plan.dst_rank_N.numel(), rows_CD.shape[0]
         self._check_fits(self.max_slots * words.shape[1] * words.element_size(), "a row return")
         slab = self._next_slab()
-        self.memory.put_rows(
-            slab, 0, words, ops.index_range(C, rows_CD.device), plan.row_src_C, route.origin_C,
-            skip_local=True,
-        )
+        self.memory.put_rows(slab, 0, words, plan.row_src_C, route.origin_C, skip_local=True)
         self.memory.barrier()
         inbox_ND = slab_view(self.memory.slab(slab), 0, rows_CD.dtype, rows_CD.shape[1])[:n]
         return ops.topk_gather_sum(

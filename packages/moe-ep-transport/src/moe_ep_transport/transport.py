@@ -6,9 +6,10 @@ backend computes identically; it decides nothing about the layout. Four steps:
 - ``exchange_counts(counts_E) -> counts_ME``: every rank learns every rank's counts
   (int32 in, int32 or int64 out; valid until the transport's next call).
 - ``open_route(plan) -> route``: per-call state (splits, permutations, origins).
-- ``send(route, src_RW, src_index_N) -> out_CW``: row ``src[src_index[i]]`` of slot
+- ``send(route, src_RW, per_src) -> out_CW``: row ``src[i // per_src]`` of slot
   ``i`` lands at ``out[dst_row[i]]`` on ``dst_rank[i]``; padding rows are zero; a
-  fresh tensor.
+  fresh tensor. (``per_src = k`` sends tokens: a transport may move a token once
+  per destination rank instead of once per slot.)
 - ``gather_sum(route, rows_CD, w_N, store_rows) -> (y_TD, rows_ND | None)``: the
   reverse trip, reduced: ``y[t] = sum_j w[t*k+j] * rows[dst_row]@dst_rank`` in
   ``w_N``'s dtype; dropped slots count zero whatever their weight.
@@ -37,7 +38,7 @@ class Transport(Protocol):
 
     def open_route(self, plan: RoutePlan) -> Any: ...
 
-    def send(self, route: Any, src_RW: torch.Tensor, src_index_N: torch.Tensor) -> torch.Tensor: ...
+    def send(self, route: Any, src_RW: torch.Tensor, per_src: int) -> torch.Tensor: ...
 
     def gather_sum(
         self, route: Any, rows_CD: torch.Tensor, w_N: torch.Tensor, store_rows: bool
@@ -92,8 +93,8 @@ class AllToAllTransport:
         recv_pos = base_sl.index_select(0, cell) + j - (ends - sizes).index_select(0, cell)
         return AllToAllRoute(plan, send_order, recv_pos, send_splits, recv_splits)
 
-    def send(self, route: AllToAllRoute, src_RW: torch.Tensor, src_index_N: torch.Tensor) -> torch.Tensor:
-        payload = src_RW.index_select(0, src_index_N.index_select(0, route.send_order))
+    def send(self, route: AllToAllRoute, src_RW: torch.Tensor, per_src: int) -> torch.Tensor:
+        payload = src_RW.index_select(0, route.send_order // per_src)
         inbox = src_RW.new_empty(sum(route.recv_splits), src_RW.shape[1])
         dist.all_to_all_single(
             inbox, payload, route.recv_splits, route.send_splits, group=self.group
