@@ -15,7 +15,7 @@ With ``--graphs`` it also replays ``nccl`` and ``rowwise`` from CUDA graphs
 (``:graph`` rows: device time alone, no launch overhead; ``x nccl`` of a graph row
 compares with NCCL's graph row). It measures the one-way NVLink put ceiling with a
 plain large put (every row of a large buffer stored into the peer, both ranks at
-once, our put kernel) and the NVSHMEM barrier alone.
+once, our put kernel) and the transport's barrier alone (back to back, eager).
 
 Payload = kept rows x bytes per row that one rank dispatches; GB/s counts the
 payload twice (dispatch and combine) for every backend, NCCL included, so the
@@ -135,7 +135,7 @@ def _put_ceiling(transport, row_words: int, put_bytes: int, iters: int) -> float
 
 
 def _barrier_time(transport, iters: int) -> tuple[float, float]:
-    """(device ms, host ms) of one NVSHMEM barrier, back to back."""
+    """(device ms, host ms) of one transport barrier, back to back."""
     return _time(transport.memory.barrier, 10 * iters, 10)
 
 
@@ -258,7 +258,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         print(f"one-way NVLink put ceiling (both ranks putting at once): {ceiling:.0f} GB/s")
-        print(f"NVSHMEM barrier alone: {1e3 * barrier_ms:.1f} us device, {1e3 * barrier_host_ms:.1f} us host")
+        print(f"barrier alone (eager, back to back): {1e3 * barrier_ms:.1f} us device, {1e3 * barrier_host_ms:.1f} us host")
         print(f"{'tokens':>6} {'routing':>8} {'backend':>13} {'MiB':>7} {'drop%':>6} {'imbal':>5} "
               f"{'ms':>7} {'host ms':>7} {'disp ms':>7} {'GB/s':>6} {'x nccl':>6} {'% put':>6} "
               f"{'moved':>7} {'% link':>6}")

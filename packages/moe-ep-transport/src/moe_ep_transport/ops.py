@@ -225,7 +225,7 @@ def combine_grads(
     ``w``'s dtype, ``g`` converted to it first. One launch on CUDA (the sum's order
     differs from the reference's, within rounding).
     """
-    T, k = g_TD.shape[0], w_N.numel() // max(1, g_TD.shape[0])
+    k = w_N.numel() // max(1, g_TD.shape[0])
     if _on_triton(g_TD) and k & (k - 1) == 0:
         from moe_ep_transport import kernels
 

@@ -153,7 +153,7 @@ class RowwiseTransport:
             raise RuntimeError("gather_sum before send: the route has no row origins")
         rows_CD = rows_CD.contiguous()
         words = ops.as_words(rows_CD)
-        n, C = plan.dst_rank_N.numel(), rows_CD.shape[0]
+        n = plan.dst_rank_N.numel()
         self._check_fits(self.max_slots * words.shape[1] * words.element_size(), "a row return")
         slab = self._next_slab()
         self.memory.put_rows(slab, 0, words, plan.row_src_C, route.origin_C, skip_local=True)
