@@ -156,6 +156,13 @@ def _bad_inputs() -> None:
     ):
         with pytest.raises(ValueError, match=match):
             dispatcher.dispatch(bad_x, bad_ids)
+    # A transport's send never reads past its source rows, on either backend.
+    for backend in ("all_to_all", "rowwise"):
+        d = EPDispatcher(cfg, make_transport(backend, cfg, dtype=torch.float32))
+        _, _, handle = d.dispatch(x, torch.zeros(4, K, dtype=torch.int64))
+        for bad_src, per_src in ((torch.zeros(3, D), K), (x, 0), (torch.zeros(4 * K - 1, D), 1)):
+            with pytest.raises(ValueError, match="per_src"):
+                d.transport.send(handle.route, bad_src, per_src)
 
 
 def test_bad_inputs_name_the_field() -> None:

@@ -36,6 +36,7 @@ from moe_ep_transport import ops
 from moe_ep_transport.config import EPConfig
 from moe_ep_transport.peer_memory import N_SLABS, PeerMemory, slab_view
 from moe_ep_transport.plan import RoutePlan
+from moe_ep_transport.transport import check_send
 
 _ALIGN = 256
 
@@ -118,11 +119,13 @@ class RowwiseTransport:
         return RowwiseRoute(plan)
 
     def send(self, route: RowwiseRoute, src_RW: torch.Tensor, per_src: int) -> torch.Tensor:
+        check_send(route.plan, src_RW, per_src)
         plan, C, W = route.plan, self.capacity, src_RW.shape[1]
         row_bytes = W * src_RW.element_size()
         self._check_fits(self._meta_bytes + C * row_bytes, "a row send")
         inbox_rows = self.world_size * self.max_tokens
-        dedup = per_src > 1 and self.sends_tokens_once(row_bytes)
+        # The token inbox holds T_max rows per source: more source rows would overlap the next.
+        dedup = per_src > 1 and src_RW.shape[0] <= self.max_tokens and self.sends_tokens_once(row_bytes)
         stride = self.max_tokens if dedup else 0
         slab = self._next_slab()
         first = route.origin_C is None

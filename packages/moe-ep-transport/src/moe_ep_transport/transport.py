@@ -30,6 +30,17 @@ from moe_ep_transport import ops
 from moe_ep_transport.plan import RoutePlan
 
 
+def check_send(plan: RoutePlan, src_RW: torch.Tensor, per_src: int) -> None:
+    """A send must not read past its source rows (on the GPU that would be a silent bad read)."""
+    n = plan.dst_rank_N.numel()
+    rows = src_RW.shape[0] if src_RW.dim() == 2 else 0
+    if per_src < 1 or rows * per_src < n:
+        raise ValueError(
+            f"send: src_RW {tuple(src_RW.shape)} with per_src={per_src} has {rows} source rows "
+            f"for {n} slots (slot i reads row i // per_src)"
+        )
+
+
 class Transport(Protocol):
     rank: int
     world_size: int
@@ -94,6 +105,7 @@ class AllToAllTransport:
         return AllToAllRoute(plan, send_order, recv_pos, send_splits, recv_splits)
 
     def send(self, route: AllToAllRoute, src_RW: torch.Tensor, per_src: int) -> torch.Tensor:
+        check_send(route.plan, src_RW, per_src)
         payload = src_RW.index_select(0, route.send_order // per_src)
         inbox = src_RW.new_empty(sum(route.recv_splits), src_RW.shape[1])
         dist.all_to_all_single(
