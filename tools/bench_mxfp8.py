@@ -29,6 +29,7 @@ from moe_mxfp8 import (
     quantize_dequantize,
     quantize_rows_and_cols,
 )
+from moe_testing import saved_tensor_bytes
 
 COPY_CEILING = 4.2e12  # H200 device copy, bytes/s (read + write)
 BF16_PEAK = 989e12  # H200 dense BF16, FLOP/s
@@ -179,19 +180,6 @@ def routed_offsets(tokens: int, experts: int, top_k: int) -> torch.Tensor:
     return counts.cumsum(0).to(torch.int32)
 
 
-def saved_bytes(fn) -> int:
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return total
-
-
 def bench_experts(tokens: int, d: int, experts: int, top_k: int, hidden: int) -> dict:
     from moe_model import GroupedExperts  # the model's own BF16 layer
 
@@ -217,7 +205,7 @@ def bench_experts(tokens: int, d: int, experts: int, top_k: int, hidden: int) ->
             "forward_ms": fwd * 1e3,
             "fwd_bwd_ms": step * 1e3,
             "fwd_bwd_tflops": 3 * flops_fwd / step / 1e12,
-            "saved_activation_gib": saved_bytes(lambda layer=layer: layer(rows, offsets)) / 2**30,
+            "saved_activation_gib": saved_tensor_bytes(lambda layer=layer: layer(rows, offsets)) / 2**30,
         }
     base = results["bf16 (moe_model.GroupedExperts)"]
     for r in results.values():

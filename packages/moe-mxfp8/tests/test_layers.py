@@ -3,8 +3,6 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from moe_mxfp8 import (
     MXFP8Config,
     MXFP8GroupedExperts,
@@ -15,6 +13,8 @@ from moe_mxfp8 import (
     quantize,
     refresh_weight_caches,
 )
+from moe_testing import saved_tensor_bytes
+from torch import nn
 
 TIGHT = dict(rtol=2e-5, atol=2e-6)  # FP32 accumulation-order differences only
 
@@ -122,25 +122,12 @@ def test_bf16_autocast_runs_a_bf16_gemm_on_exact_operands():
     torch.testing.assert_close(y, ref.bfloat16(), rtol=8e-3, atol=1e-5)  # one BF16 rounding
 
 
-def saved_bytes(fn) -> int:
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return total
-
-
 def test_mxfp8_saved_activations_halve_saved_bytes():
     experts = ToyExperts(4, 64, 64)
     rows = torch.randn(96, 64, dtype=torch.bfloat16, requires_grad=True)
     offsets = torch.tensor([20, 40, 70, 96], dtype=torch.int32)
-    plain = saved_bytes(lambda: MXFP8GroupedExperts.from_module(experts)(rows, offsets))
-    small = saved_bytes(lambda: MXFP8GroupedExperts.from_module(experts, True)(rows, offsets))
+    plain = saved_tensor_bytes(lambda: MXFP8GroupedExperts.from_module(experts)(rows, offsets))
+    small = saved_tensor_bytes(lambda: MXFP8GroupedExperts.from_module(experts, True)(rows, offsets))
     # plain: rows [R,D] + h13 [R,2F] in BF16; MXFP8: rows, h13 and h at ~1.03 bytes each.
     assert plain == 96 * (64 + 128) * 2 + 4 * 4
     assert small < 0.7 * plain

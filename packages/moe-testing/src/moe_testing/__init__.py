@@ -8,7 +8,11 @@ runtime requirement).
 """
 
 from moe_testing.distributed import DistributedTestError, run_distributed
-from moe_testing.kernels import assert_no_host_sync, run_under_triton_interpreter
+from moe_testing.kernels import (
+           assert_no_host_sync,
+           run_under_triton_interpreter,
+           saved_tensor_bytes,
+)
 
 __all__ = ["DistributedTestError", "assert_no_host_sync", "run_distributed",
-           "run_under_triton_interpreter"]
+           "run_under_triton_interpreter", "saved_tensor_bytes"]

@@ -1,4 +1,5 @@
-"""Helpers for kernel tests: the Triton interpreter in a subprocess, host-sync checks.
+"""Helpers for kernel tests: the Triton interpreter in a subprocess, host-sync checks,
+the bytes autograd saves.
 
 ``TRITON_INTERPRET=1`` must be set before Triton is first imported, and never in
 the test process itself (it would turn every later kernel into interpreted code), so
@@ -38,3 +39,20 @@ def assert_no_host_sync(step: Callable[[], object], warmup: int = 2) -> None:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+
+
+def saved_tensor_bytes(fn: Callable[[], object]) -> int:
+    """Bytes of the tensors autograd saves for backward while ``fn`` runs (views counted
+    at their own size): what a layer's activation memory is made of."""
+    import torch
+
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
