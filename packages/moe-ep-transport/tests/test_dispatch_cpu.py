@@ -163,6 +163,13 @@ def _bad_inputs() -> None:
         for bad_src, per_src in ((torch.zeros(3, D), K), (x, 0), (torch.zeros(4 * K - 1, D), 1)):
             with pytest.raises(ValueError, match="per_src"):
                 d.transport.send(handle.route, bad_src, per_src)
+    # The rowwise token inbox holds max_tokens rows per source: more would overlap the next.
+    dropless = EPConfig(E, K, 4, D, capacity_factor=None)
+    d = EPDispatcher(dropless, make_transport("rowwise", dropless, dtype=torch.float32))
+    _, _, handle = d.dispatch(x, torch.zeros(4, K, dtype=torch.int64))
+    assert d.transport.sends_tokens_once(D * 4)
+    with pytest.raises(ValueError, match="max_tokens"):
+        d.transport.send(handle.route, torch.zeros(5, D), K)
 
 
 def test_bad_inputs_name_the_field() -> None:

@@ -124,8 +124,11 @@ class RowwiseTransport:
         row_bytes = W * src_RW.element_size()
         self._check_fits(self._meta_bytes + C * row_bytes, "a row send")
         inbox_rows = self.world_size * self.max_tokens
-        # The token inbox holds T_max rows per source: more source rows would overlap the next.
-        dedup = per_src > 1 and src_RW.shape[0] <= self.max_tokens and self.sends_tokens_once(row_bytes)
+        dedup = per_src > 1 and self.sends_tokens_once(row_bytes)
+        if dedup and src_RW.shape[0] > self.max_tokens:  # it would overlap the next source's inbox
+            raise ValueError(
+                f"send: {src_RW.shape[0]} source rows, more than EPConfig.max_tokens={self.max_tokens}"
+            )
         stride = self.max_tokens if dedup else 0
         slab = self._next_slab()
         first = route.origin_C is None
