@@ -131,6 +131,19 @@ def check_combine_grads() -> None:
         assert none is None and torch.equal(only_scaled, scaled)
         none, only_w = kernels.combine_grads(g, w, rows, rows_dtype, False)
         assert none is None and torch.equal(only_w, grad_w)
+    # A rank without tokens: empty results, no launch.
+    scaled, grad_w = kernels.combine_grads(torch.zeros(0, D), torch.zeros(0), torch.zeros(0, D), torch.float32, True)
+    assert scaled.shape == (0, D) and grad_w.shape == (0,)
+
+
+def check_scan_blocks() -> None:
+    # More blocks than one chunk: the carry between chunks (at 256 Ki slots there are 2048
+    # blocks of 128, two chunks of 1024; the plan cases below stay within one chunk).
+    from moe_ep_transport import plan_kernels
+
+    hist = torch.randint(0, 9, (37, 5), generator=torch.Generator().manual_seed(4), dtype=torch.int32)
+    for chunk in (8, 64):
+        assert torch.equal(plan_kernels.scan_blocks(hist, chunk), hist.cumsum(0, dtype=torch.int32)), chunk
 
 
 def check_signal_barrier() -> None:
@@ -152,6 +165,7 @@ if __name__ == "__main__":
     check_finish_receive()
     check_topk_gather_sum()
     check_combine_grads()
+    check_scan_blocks()
     check_signal_barrier()
     check_plan_kernels("cpu")
     print("kernels ok")

@@ -245,11 +245,11 @@ def combine_grads(
     ``K`` (slots per token) must be a power of two for the kernel's slot vector.
     """
     N, (T, width) = w_N.numel(), g_TD.shape
-    K = N // T
     scaled_ND = torch.empty(N, width, dtype=rows_dtype, device=g_TD.device) if scaled else None
     grad_w_N = torch.empty(N, dtype=w_N.dtype, device=g_TD.device) if rows_ND is not None else None
-    if T == 0 or (scaled_ND is None and grad_w_N is None):
+    if T == 0 or (scaled_ND is None and grad_w_N is None):  # a rank without tokens
         return scaled_ND, grad_w_N
+    K = N // T
     placeholder = scaled_ND if scaled_ND is not None else rows_ND
     _combine_grads_kernel[(T,)](
         g_TD.contiguous(), w_N, rows_ND if rows_ND is not None else placeholder,

@@ -226,7 +226,7 @@ def combine_grads(
     differs from the reference's, within rounding).
     """
     k = w_N.numel() // max(1, g_TD.shape[0])
-    if _on_triton(g_TD) and k & (k - 1) == 0:
+    if _on_triton(g_TD) and k > 0 and k & (k - 1) == 0:
         from moe_ep_transport import kernels
 
         return kernels.combine_grads(g_TD, w_N, rows_ND, rows_dtype, scaled)
