@@ -146,28 +146,26 @@ class EmulatedPeerMemory:
                 ranks[s][size:] = -1
             return ranks
 
-        row_rank_N, row_at_N = dst_rank_N, dst_row_N
-        if inbox_stride > 0:
-            row_rank_N, row_at_N = inbox_targets(dst_rank_N, dst_row_N, per_src, self.rank, inbox_stride)
-        ranks, rows = gather_ranks(row_rank_N), self._all_gather(row_at_N, n_max)
-        src_N = torch.arange(dst_rank_N.numel(), device=src_RW.device) // per_src
-        payload = self._all_gather(src_RW.index_select(0, src_N), n_max)
-        inbox = slab_view(self._slabs[slab], byte_offset, src_RW.dtype, src_RW.shape[1])
-        for s in range(self.world_size):
-            if skip_local and s == self.rank:
-                continue
-            mine = ranks[s] == self.rank
-            target = local_dst if (s == self.rank and local_dst is not None) else inbox
-            target[rows[s][mine]] = payload[s][mine]
-        if meta_N is not None:
-            meta_ranks, meta_rows = gather_ranks(dst_rank_N), self._all_gather(dst_row_N, n_max)
-            metas = self._all_gather(meta_N, n_max)
-            meta_inbox = self._slabs[slab][: self.slab_bytes // 8 * 8].view(torch.int64)
+        def deliver(rank_N: torch.Tensor, row_N: torch.Tensor, value_N: torch.Tensor, target) -> None:
+            """Every rank's ``value[i]`` with ``rank[i] == me`` lands at ``target(source)[row[i]]``."""
+            ranks, rows = gather_ranks(rank_N), self._all_gather(row_N, n_max)
+            values = self._all_gather(value_N, n_max)
             for s in range(self.world_size):
                 if skip_local and s == self.rank:
                     continue
-                mine = meta_ranks[s] == self.rank
-                meta_inbox[meta_rows[s][mine]] = metas[s][mine]
+                mine = ranks[s] == self.rank
+                target(s)[rows[s][mine]] = values[s][mine]
+
+        row_rank_N, row_at_N = dst_rank_N, dst_row_N
+        if inbox_stride > 0:
+            row_rank_N, row_at_N = inbox_targets(dst_rank_N, dst_row_N, per_src, self.rank, inbox_stride)
+        src_N = torch.arange(dst_rank_N.numel(), device=src_RW.device) // per_src
+        inbox = slab_view(self._slabs[slab], byte_offset, src_RW.dtype, src_RW.shape[1])
+        deliver(row_rank_N, row_at_N, src_RW.index_select(0, src_N),
+                lambda s: local_dst if (s == self.rank and local_dst is not None) else inbox)
+        if meta_N is not None:
+            meta_inbox = self._slabs[slab][: self.slab_bytes // 8 * 8].view(torch.int64)
+            deliver(dst_rank_N, dst_row_N, meta_N, lambda s: meta_inbox)
 
     def barrier(self) -> None:
         """Nothing to order: every emulated put already completed collectively."""
