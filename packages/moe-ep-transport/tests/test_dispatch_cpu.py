@@ -43,8 +43,11 @@ def _check_against_oracle_and_each_other(tokens: list[int], capacity_factor, ban
     # FP64: each backend against the oracle, tightly.
     data = make_data(tokens, n_experts, K, D, torch.float64, seed=11, banned=banned, skew=1.0)
     W_local = data.W[rank * L : (rank + 1) * L]
+    token_inbox = None
     for backend in ("all_to_all", "rowwise"):
         transport = make_transport(backend, cfg, dtype=torch.float64)
+        if backend == "rowwise":
+            token_inbox = transport.sends_tokens_once(D * 8)
         got = _run(EPDispatcher(cfg, transport), data, W_local, rank)
         keep = all_gather_objects(got["keep"])
         ys, dxs, dws, dW = oracle(data, keep)
@@ -70,6 +73,7 @@ def _check_against_oracle_and_each_other(tokens: list[int], capacity_factor, ban
         dropped=int(plan.dropped_M.sum()),
         received=int(a["offsets"][-1]),
         offsets=a["offsets"].tolist(),
+        token_inbox=token_inbox,
         padding_zero=all(bool((r["rows"][int(r["offsets"][-1]) :] == 0).all()) for r in (a, b, *runs)),
     )
 
@@ -79,6 +83,7 @@ def test_two_ranks_dropless_match_oracle() -> None:
     out = run_distributed(_check_against_oracle_and_each_other, 2, [12, 9], None, (4, 5, 6, 7), timeout=120)
     assert out[1]["received"] == 0 and out[0]["received"] == (12 + 9) * K
     assert all(o["dropped"] == 0 and o["padding_zero"] for o in out)
+    assert all(o["token_inbox"] for o in out)  # the rowwise dispatch sent tokens once per rank
 
 
 def test_one_expert_per_rank_matches_oracle() -> None:
@@ -99,6 +104,7 @@ def test_four_ranks_match_oracle(capacity_factor: float | None) -> None:
     )
     assert out[1]["received"] == 0
     assert all(o["padding_zero"] for o in out)
+    assert all(o["token_inbox"] == (capacity_factor is None) for o in out)
     if capacity_factor is not None:
         assert out[0]["dropped"] > 0  # the test exercises the fair drop
     else:
