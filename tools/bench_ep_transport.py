@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 from moe_ep_transport import EPConfig, EPDispatcher, make_transport, nvshmem_memory
+from moe_ep_transport.peer_memory import inbox_targets
 from moe_ep_transport.rowwise import slab_bytes_for
 
 
@@ -150,9 +151,10 @@ def _bench_case(cfg: EPConfig, transports: dict, x: torch.Tensor, ids: torch.Ten
     route = handle.route
     kept = sum(route.send_splits)
     remote = kept - route.send_splits[rank]
-    # Distinct (token, other rank) pairs: what a dispatch that sends tokens once per rank moves.
-    ranks_TK = handle.plan.dst_rank_N.view(x.shape[0], -1)
-    pairs = sum(int((ranks_TK == r).any(1).sum()) for r in range(dist.get_world_size()) if r != rank)
+    # Rows a token-inbox dispatch stores into other ranks (one per token and other rank).
+    plan = handle.plan
+    stored_N, _ = inbox_targets(plan.dst_rank_N, plan.dst_row_N, plan.top_k, rank, cfg.max_tokens)
+    pairs = int(((stored_N >= 0) & (stored_N != rank)).sum())
     payload = torch.randn(kept, x.shape[1], device=x.device).to(x.dtype)
     back = torch.empty(sum(route.recv_splits), x.shape[1], device=x.device, dtype=x.dtype)
 
