@@ -23,8 +23,9 @@ columns compare like for like; ``x nccl`` is NCCL's time over the backend's;
 ``% put`` is the payload-equivalent rate over the put ceiling (rows to the other
 rank, twice, as an all-to-all moves them); ``moved`` (MiB) is what actually crosses
 NVLink per dispatch + combine (the rowwise dispatch sends a token once per rank, not
-once per slot) and ``% link`` its rate over the put ceiling. ``ms`` is device time per iteration (events around a loop:
-when the host cannot issue work as fast as the GPU runs it, this is host time);
+once per slot) and ``% link`` its rate over the put ceiling. ``ms`` is device time
+per iteration (events around a loop: when the host cannot issue work as fast as the
+GPU runs it, this is host time);
 ``host ms`` is the CPU time to issue one iteration. Times are the slowest rank's
 mean per iteration.
 """
