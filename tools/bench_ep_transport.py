@@ -10,8 +10,11 @@ times, in the same run and on the same routing:
 - ``nccl``: two bare ``all_to_all_single`` of the kept rows (there and back), the
   split sizes known in advance (the floor of what an all-to-all transport pays);
 - ``all_to_all``: this package's reference backend (count exchange, host splits);
-- ``rowwise``: this package's NVSHMEM backend (no host sync).
-With ``--graphs`` it also replays ``nccl`` and ``rowwise`` from CUDA graphs
+- ``rowwise``: this package's NVSHMEM backend (no host sync), combine as
+  ``EPConfig.combine="auto"`` picks (top-8 on two ranks: summed at the destinations,
+  one FP32 partial per token and rank returns), and ``rowwise:src`` summing at the
+  source (one row per slot returns), A/B in the same run.
+With ``--graphs`` it also replays ``nccl`` and the rowwise variants from CUDA graphs
 (``:graph`` rows: device time alone, no launch overhead; ``x nccl`` of a graph row
 compares with NCCL's graph row). It measures the one-way NVLink put ceiling with a
 plain large put (every row of a large buffer stored into the peer, both ranks at
@@ -23,7 +26,9 @@ columns compare like for like; ``x nccl`` is NCCL's time over the backend's;
 ``% put`` is the payload-equivalent rate over the put ceiling (rows to the other
 rank, twice, as an all-to-all moves them); ``moved`` (MiB) is what actually crosses
 NVLink per dispatch + combine (the rowwise dispatch sends a token once per rank, not
-once per slot) and ``% link`` its rate over the put ceiling. ``ms`` is device time
+once per slot; summing at the destination returns one FP32 partial per token and
+rank after sending the weights; metadata not counted) and ``% link`` its rate over
+the put ceiling. ``ms`` is device time
 per iteration (events around a loop: when the host cannot issue work as fast as the
 GPU runs it, this is host time);
 ``host ms`` is the CPU time to issue one iteration. Times are the slowest rank's
@@ -100,8 +105,8 @@ def _time(fn: Callable[[], object], iters: int, warmup: int) -> tuple[float, flo
 def _graph_time(fn: Callable[[], object], iters: int) -> tuple[float, float]:
     """(device ms, host ms) per call of ``fn`` replayed from a CUDA graph.
 
-    The graph holds two calls: a rowwise dispatch+combine is three slab phases, so
-    two of them leave the slab parity where the capture found it, and consecutive
+    The graph holds two calls: a rowwise dispatch+combine is three slab phases (four
+    summing at the destination), so two of them leave the slab parity where the capture found it, and consecutive
     replays alternate slabs as eager calls do.
     """
     side = torch.cuda.Stream()
@@ -141,10 +146,25 @@ def _barrier_time(transport, iters: int) -> tuple[float, float]:
     return _time(transport.memory.barrier, 10 * iters, 10)
 
 
-def _bench_case(cfg: EPConfig, transports: dict, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+def _moved_bytes(dispatcher: EPDispatcher, remote: int, pairs: int, row_bytes: int, rows_out: int) -> int:
+    """Bytes one rank sends to the other rank in a dispatch + combine of this backend."""
+    cfg, transport = dispatcher.cfg, dispatcher.transport
+    dedup = getattr(transport, "sends_tokens_once", lambda _: False)(row_bytes)
+    there = (pairs if dedup else remote) * row_bytes
+    if not dispatcher.sums_at_destination(torch.bfloat16, torch.float32):
+        return there + rows_out * row_bytes
+    weights = remote * 4
+    if dedup:  # one partial per (token, other rank) holding any of its rows
+        return there + weights + pairs * cfg.d_model * 4
+    # The all-to-all reference returns a full block of max_tokens partials per rank.
+    return there + weights + cfg.max_tokens * cfg.d_model * 4
+
+
+def _bench_case(cfgs: dict, transports: dict, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                 kind: str, iters: int, ceiling: float, graphs: bool) -> list[Row]:
     """Bare NCCL, then each backend, on one routing."""
     rank, row_bytes = dist.get_rank(), x.shape[1] * x.element_size()
+    cfg = cfgs["all_to_all"]
     probe = EPDispatcher(cfg, transports["all_to_all"])
     with torch.no_grad():
         _, _, handle = probe.dispatch(x, ids)
@@ -165,8 +185,10 @@ def _bench_case(cfg: EPConfig, transports: dict, x: torch.Tensor, ids: torch.Ten
 
     nan = float("nan")
     times = {"nccl": (*_time(nccl, iters, 3), nan)}
+    moved = {"nccl": 2 * remote * row_bytes}
     for name, transport in transports.items():
-        dispatcher = EPDispatcher(cfg, transport)
+        dispatcher = EPDispatcher(cfgs[name], transport)
+        moved[name] = _moved_bytes(dispatcher, remote, pairs, row_bytes, remote)
 
         def both(d: EPDispatcher = dispatcher) -> None:
             with torch.no_grad():
@@ -178,23 +200,24 @@ def _bench_case(cfg: EPConfig, transports: dict, x: torch.Tensor, ids: torch.Ten
                 d.dispatch(x, ids)
 
         times[name] = (*_time(both, iters, 3), _time(dispatch_only, iters, 3)[0])
-        if graphs and name == "rowwise":
-            times["nccl:graph"] = (*_graph_time(nccl, iters), nan)
-            times["rowwise:graph"] = (*_graph_time(both, iters), nan)
+        if graphs and name.startswith("rowwise"):
+            if "nccl:graph" not in times:
+                times["nccl:graph"] = (*_graph_time(nccl, iters), nan)
+                moved["nccl:graph"] = moved["nccl"]
+            times[f"{name}:graph"] = (*_graph_time(both, iters), nan)
+            moved[f"{name}:graph"] = moved[name]
     rows = []
-    dedup = transports["rowwise"].sends_tokens_once(row_bytes)
     for name, (ms, host_ms, dms) in times.items():
         baseline = times["nccl:graph" if name.endswith(":graph") else "nccl"][0]
-        moved = remote + (pairs if dedup and name.startswith("rowwise") else remote)
         rows.append(Row(
             tokens=x.shape[0], routing=kind, backend=name,
             payload_mib=kept * row_bytes / 2**20, remote_mib=remote * row_bytes / 2**20,
-            moved_mib=moved * row_bytes / 2**20,
+            moved_mib=moved[name] / 2**20,
             drop_rate=float(stats["drop_rate"]), load_imbalance=float(stats["load_imbalance"]),
             ms=ms, host_ms=host_ms, dispatch_ms=dms, gbps=2 * kept * row_bytes / (ms * 1e-3) / 1e9,
             x_nccl=baseline / ms,
             pct_put_ceiling=100 * 2 * remote * row_bytes / (ms * 1e-3) / 1e9 / ceiling,
-            pct_link=100 * moved * row_bytes / (ms * 1e-3) / 1e9 / ceiling,
+            pct_link=100 * moved[name] / (ms * 1e-3) / 1e9 / ceiling,
         ))
     return rows
 
@@ -223,12 +246,13 @@ def main() -> None:
     tokens = sorted(int(t) for t in args.tokens.split(","))
     row_bytes = D * dtype.itemsize
 
-    def config(T: int) -> EPConfig:
-        return EPConfig(E, k, T, D, capacity_factor=args.capacity_factor)
+    def config(T: int, combine: str = "auto") -> EPConfig:
+        return EPConfig(E, k, T, D, capacity_factor=args.capacity_factor, combine=combine)
 
-    # The symmetric heap holds the largest size's slabs (sizes are benchmarked one at a time).
+    # The symmetric heap holds the largest size's slabs for both rowwise variants (sizes are
+    # benchmarked one at a time).
     largest = slab_bytes_for(config(tokens[-1]), M, row_bytes)
-    nvshmem_memory.bootstrap(None, device, heap_bytes=2 * largest)
+    nvshmem_memory.bootstrap(None, device, heap_bytes=4 * largest)
     probe = make_transport("rowwise", config(tokens[-1]), device=device)
     ceiling = _put_ceiling(probe, row_bytes // 4, args.put_mib << 20, args.iters)
     barrier_ms, barrier_host_ms = _barrier_time(probe, args.iters)
@@ -236,15 +260,17 @@ def main() -> None:
 
     rows: list[Row] = []
     for T in tokens:
-        cfg = config(T)
-        transports = {"all_to_all": make_transport("all_to_all", cfg),
-                      "rowwise": make_transport("rowwise", cfg, device=device)}
+        cfgs = {"all_to_all": config(T), "rowwise": config(T), "rowwise:src": config(T, "source")}
+        transports = {"all_to_all": make_transport("all_to_all", cfgs["all_to_all"]),
+                      "rowwise": make_transport("rowwise", cfgs["rowwise"], device=device),
+                      "rowwise:src": make_transport("rowwise", cfgs["rowwise:src"], device=device)}
         x = torch.randn(T, D, device=device).to(dtype)
         for kind in args.routing.split(","):
             ids = _routing(kind, T, E, k, rank, device)
             w = torch.softmax(torch.randn(T, k, device=device), dim=1)
-            rows += _bench_case(cfg, transports, x, ids, w, kind, args.iters, ceiling, args.graphs)
+            rows += _bench_case(cfgs, transports, x, ids, w, kind, args.iters, ceiling, args.graphs)
         transports["rowwise"].close()
+        transports["rowwise:src"].close()
 
     nvshmem_memory.finalize()
     if rank == 0:
@@ -262,11 +288,11 @@ def main() -> None:
             json.dump(result, f, indent=1)
         print(f"one-way NVLink put ceiling (both ranks putting at once): {ceiling:.0f} GB/s")
         print(f"barrier alone (eager, back to back): {1e3 * barrier_ms:.1f} us device, {1e3 * barrier_host_ms:.1f} us host")
-        print(f"{'tokens':>6} {'routing':>8} {'backend':>13} {'MiB':>7} {'drop%':>6} {'imbal':>5} "
+        print(f"{'tokens':>6} {'routing':>8} {'backend':>18} {'MiB':>7} {'drop%':>6} {'imbal':>5} "
               f"{'ms':>7} {'host ms':>7} {'disp ms':>7} {'GB/s':>6} {'x nccl':>6} {'% put':>6} "
               f"{'moved':>7} {'% link':>6}")
         for r in rows:
-            print(f"{r.tokens:>6} {r.routing:>8} {r.backend:>13} {r.payload_mib:>7.1f} "
+            print(f"{r.tokens:>6} {r.routing:>8} {r.backend:>18} {r.payload_mib:>7.1f} "
                   f"{100 * r.drop_rate:>6.2f} {r.load_imbalance:>5.2f} {r.ms:>7.3f} {r.host_ms:>7.3f} "
                   f"{r.dispatch_ms:>7.3f} {r.gbps:>6.0f} {r.x_nccl:>6.2f} {r.pct_put_ceiling:>6.1f} "
                   f"{r.moved_mib:>7.1f} {r.pct_link:>6.1f}")

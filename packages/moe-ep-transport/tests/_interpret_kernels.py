@@ -16,7 +16,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _oracle import check_plan_kernels  # noqa: E402
+from _oracle import check_partial_kernels, check_plan_kernels  # noqa: E402
 from moe_ep_transport import kernels, ops  # noqa: E402
 from moe_ep_transport.peer_memory import inbox_targets  # noqa: E402
 
@@ -168,4 +168,5 @@ if __name__ == "__main__":
     check_scan_blocks()
     check_signal_barrier()
     check_plan_kernels("cpu")
+    check_partial_kernels("cpu", torch.float32)
     print("kernels ok")

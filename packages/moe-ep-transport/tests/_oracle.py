@@ -145,3 +145,52 @@ def check_plan_kernels(device: str) -> None:
     assert int(slots.counts_E.sum()) == 2
     cells = plan_kernels.plan_cells(slots.counts_E.view(1, 8), 8, 0, 0)
     assert plan_kernels.plan_rows(bad, slots, cells, 1, 8)[0].tolist() == [0, -1, -1, 0]
+
+
+def check_partial_kernels(device: str, out_dtype: torch.dtype) -> None:
+    """The destination-sum kernels (slot table, partial sums put, partials' sum) equal the
+    PyTorch references bit for bit. ``out_dtype`` of the final sum: BF16 on CUDA; FP32 under
+    the interpreter (it rounds FP32 -> BF16 towards zero, the GPU to nearest even)."""
+    from moe_ep_transport import kernels, ops
+
+    gen = torch.Generator().manual_seed(7)
+    M, T_max, k, D, me, C = 3, 5, 4, 70, 1, 24
+    row_src = torch.randint(-1, M, (C,), generator=gen)
+    origin = torch.zeros(C, dtype=torch.int64)
+    for s in range(M):  # distinct slot indices per source
+        mine = (row_src == s).nonzero().view(-1)
+        origin[mine] = torch.randperm(T_max * k, generator=gen)[: mine.numel()]
+    origin[row_src < 0] = 10**6  # garbage behind padding rows is never read
+    rows = (torch.randn(C, D, generator=gen) * 3).to(torch.bfloat16)
+    w = torch.rand(C, generator=gen)
+    rows[row_src < 0], w[row_src < 0] = float("nan"), float("nan")
+    row_src, origin, rows, w = (t.to(device) for t in (row_src, origin, rows, w))
+
+    table = ops.slot_rows_reference(row_src, origin, M, T_max * k)
+    assert torch.equal(kernels.slot_rows(row_src, origin, M, T_max * k), table)
+    present_Q = (table.view(-1, k) >= 0).any(1)
+    for weights in (w, None):
+        want = ops.partial_sums_reference(rows, weights, table, k, torch.float32)
+        slabs = [torch.full((M * T_max, D), -7.0, device=device) for _ in range(M)]
+        addresses = torch.tensor([s.data_ptr() for s in slabs], device=device)
+        kernels.put_partial_sums(rows, weights, table, addresses, top_k=k, max_tokens=T_max, byte_offset=0, me=me)
+        for s in range(M):
+            got = slabs[s][me * T_max : (me + 1) * T_max]
+            sent = present_Q[s * T_max : (s + 1) * T_max]
+            assert torch.equal(got[sent], want[s * T_max : (s + 1) * T_max][sent]), (s, weights is None)
+            assert bool((got[~sent] == -7.0).all()), s  # nothing stored for tokens without a row here
+            others = torch.cat([slabs[s][: me * T_max], slabs[s][(me + 1) * T_max :]])
+            assert bool((others == -7.0).all()), s
+        assert not want.isnan().any()
+
+    T = 4
+    partials = torch.randn(M * T_max, D, generator=gen).to(device)
+    dst_rank = torch.randint(-1, M, (T * k,), generator=gen).to(device)
+    dst_rank[:k] = -1  # a token with every slot dropped
+    for r in range(M):  # rows of ranks a token did not reach hold garbage
+        reached = (dst_rank.view(T, k) == r).any(1)
+        partials[r * T_max : r * T_max + T][~reached] = float("nan")
+    want = ops.sum_partials_reference(partials, dst_rank, M, T_max, k, out_dtype)
+    got = kernels.sum_partials(partials, dst_rank, M, T_max, k, out_dtype)
+    assert torch.equal(got, want) and not got.isnan().any()
+    assert bool((got[0] == 0).all())

@@ -36,9 +36,18 @@ def _run(dispatcher: EPDispatcher, data, W_local: torch.Tensor, rank: int):
 
 def _check_against_oracle_and_each_other(tokens: list[int], capacity_factor, banned,
                                          n_experts: int = E) -> dict:
+    # Both combine sites: the sum at the source and the partial sums at the destinations.
+    out = {}
+    for combine in ("source", "destination"):
+        out[combine] = _check_combine_site(tokens, capacity_factor, banned, n_experts, combine)
+    assert out["source"]["dropped"] == out["destination"]["dropped"]
+    return out["destination"]
+
+
+def _check_combine_site(tokens: list[int], capacity_factor, banned, n_experts: int, combine: str) -> dict:
     rank, M = dist.get_rank(), dist.get_world_size()
     L = n_experts // M
-    cfg = EPConfig(n_experts, K, max(tokens), D, capacity_factor=capacity_factor)
+    cfg = EPConfig(n_experts, K, max(tokens), D, capacity_factor=capacity_factor, combine=combine)
     results = {}
     # FP64: each backend against the oracle, tightly.
     data = make_data(tokens, n_experts, K, D, torch.float64, seed=11, banned=banned, skew=1.0)
@@ -51,10 +60,11 @@ def _check_against_oracle_and_each_other(tokens: list[int], capacity_factor, ban
         got = _run(EPDispatcher(cfg, transport), data, W_local, rank)
         keep = all_gather_objects(got["keep"])
         ys, dxs, dws, dW = oracle(data, keep)
-        assert_close(got["y"], ys[rank], 1e-12, f"{backend} y")
-        assert_close(got["dx"], dxs[rank], 1e-12, f"{backend} grad x")
-        assert_close(got["dw"], dws[rank], 1e-12, f"{backend} grad weights")
-        assert_close(got["dW"], dW[rank * L : (rank + 1) * L], 1e-12, f"{backend} grad experts")
+        where = f"{backend}, combine at the {combine}"
+        assert_close(got["y"], ys[rank], 1e-12, f"{where}: y")
+        assert_close(got["dx"], dxs[rank], 1e-12, f"{where}: grad x")
+        assert_close(got["dw"], dws[rank], 1e-12, f"{where}: grad weights")
+        assert_close(got["dW"], dW[rank * L : (rank + 1) * L], 1e-12, f"{where}: grad experts")
         results[backend] = got
     a, b = results["all_to_all"], results["rowwise"]
     assert torch.equal(a["keep"], b["keep"])
@@ -67,7 +77,7 @@ def _check_against_oracle_and_each_other(tokens: list[int], capacity_factor, ban
         runs.append(_run(EPDispatcher(cfg, transport, codec=codec), data16, W16, rank))
     for other in runs[1:]:
         for key in ("rows", "offsets", "y", "dx", "dw", "dW"):
-            assert torch.equal(runs[0][key], other[key]), key
+            assert torch.equal(runs[0][key], other[key]), (combine, key)
     plan = a["plan"]
     return dict(
         dropped=int(plan.dropped_M.sum()),

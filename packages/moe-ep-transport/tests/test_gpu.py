@@ -17,7 +17,7 @@ import torch.distributed as dist
 from moe_testing import run_distributed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _oracle import BytesCodec, check_plan_kernels  # noqa: E402
+from _oracle import BytesCodec, check_partial_kernels, check_plan_kernels  # noqa: E402
 from moe_ep_transport import EPConfig, EPDispatcher, EPOverflowError, make_transport, ops  # noqa: E402
 
 E, K, D, T = 64, 8, 1024, 2048
@@ -57,8 +57,11 @@ def _rowwise_equals_all_to_all() -> list:
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device())
     report = []
-    for capacity_factor, skew, codec in ((None, 0.0, None), (1.0, 2.0, None), (1.25, 1.0, BytesCodec())):
-        cfg = EPConfig(E, K, T, D, capacity_factor=capacity_factor)
+    for capacity_factor, skew, codec, combine in (
+        (None, 0.0, None, "auto"), (1.0, 2.0, None, "auto"), (1.25, 1.0, BytesCodec(), "auto"),
+        (1.0, 2.0, None, "source"), (1.25, 1.0, BytesCodec(), "source"),
+    ):  # "auto" sums at the destination here (top-8 over two ranks)
+        cfg = EPConfig(E, K, T, D, capacity_factor=capacity_factor, combine=combine)
         inputs = _inputs(rank, skew, device)
         a2a = make_transport("all_to_all", cfg)
         rowwise = make_transport("rowwise", cfg, device=device, codec=codec)
@@ -66,7 +69,7 @@ def _rowwise_equals_all_to_all() -> list:
         for _ in range(2):  # twice: the second call reuses the other slab parity
             got = _step(EPDispatcher(cfg, rowwise, codec=codec), *inputs)
             for key, value in want.items():
-                assert torch.equal(got[key], value), (capacity_factor, key)
+                assert torch.equal(got[key], value), (capacity_factor, combine, key)
         rowwise.close()
         report.append(int(want["dropped"].sum()))
     nvshmem_memory.finalize()
@@ -76,7 +79,7 @@ def _rowwise_equals_all_to_all() -> list:
 @pytest.mark.multigpu(2)
 def test_rowwise_equals_all_to_all_bit_for_bit() -> None:
     out = run_distributed(_rowwise_equals_all_to_all, 2, backend="nccl", timeout=300)
-    assert out[0][0] == 0 and out[0][1] > 0  # dropless, then a skew that overflows
+    assert out[0][0] == 0 and out[0][1] > 0 and out[0][3] > 0  # dropless, then a skew that overflows
 
 
 def _no_host_sync() -> bool:
@@ -84,23 +87,26 @@ def _no_host_sync() -> bool:
 
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device())
-    cfg = EPConfig(E, K, T, D, capacity_factor=1.25)
-    transport = make_transport("rowwise", cfg, device=device)
-    dispatcher = EPDispatcher(cfg, transport)
-    inputs = _inputs(rank, 1.0, device)
-    _step(dispatcher, *inputs)  # warm-up: Triton compiles, caches fill
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            _step(dispatcher, *inputs)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
-    stats = dispatcher.telemetry.pop()
-    transport.close()
+    ok = True
+    for combine in ("destination", "source"):
+        cfg = EPConfig(E, K, T, D, capacity_factor=1.25, combine=combine)
+        transport = make_transport("rowwise", cfg, device=device)
+        dispatcher = EPDispatcher(cfg, transport)
+        inputs = _inputs(rank, 1.0, device)
+        _step(dispatcher, *inputs)  # warm-up: Triton compiles, caches fill
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                _step(dispatcher, *inputs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        stats = dispatcher.telemetry.pop()
+        transport.close()
+        ok &= int(stats["tokens_per_expert"].sum()) == 4 * 2 * T * K
     nvshmem_memory.finalize()
-    return int(stats["tokens_per_expert"].sum()) == 4 * 2 * T * K
+    return ok
 
 
 @pytest.mark.multigpu(2)
@@ -219,3 +225,8 @@ def test_triton_kernels_equal_torch_reference_on_cuda() -> None:
 @pytest.mark.gpu
 def test_plan_kernels_equal_torch_reference_on_cuda() -> None:
     check_plan_kernels("cuda")
+
+
+@pytest.mark.gpu
+def test_destination_sum_kernels_equal_torch_reference_on_cuda() -> None:
+    check_partial_kernels("cuda", torch.bfloat16)

@@ -95,3 +95,21 @@ def test_signal_barrier_orders_at_system_scope() -> None:
     atoms = re.findall(r"atom\.[\w.]+", ptx)
     assert any("release" in a and "sys" in a and "exch" in a for a in atoms), atoms
     assert any("acquire" in a and "sys" in a and "add" in a for a in atoms), atoms
+
+
+def test_destination_sum_kernels_lower_for_hopper() -> None:
+    """The partial sums are unfused (bit-equal to PyTorch) and stored as 128-bit vectors."""
+    sig = {"rows_ptr": "*bf16", "w_ptr": "*fp32", "slot_rows_ptr": "*i64", "table_ptr": "*i64",
+           "byte_offset": "i32", "me": "i32", "max_tokens": "i32", "width": "i32",
+           "K": "constexpr", "HAS_W": "constexpr", "BLOCK_W": "constexpr"}
+    ptx = _ptx(kernels._put_partial_sums_kernel, sig, {"K": 8, "HAS_W": True, "BLOCK_W": 1024},
+               aligned=("width", "byte_offset"), num_warps=4, enable_fp_fusion=False)
+    assert _count(ptx, "fma.rn.f32") == 0 and _count(ptx, "mul.rn.f32") > 0
+    assert _count(ptx, "st.global.v4.b32") > 0 and _count(ptx, "st.global.b32") == 0
+    _ptx(kernels._sum_partials_kernel,
+         {"partials_ptr": "*fp32", "dst_rank_ptr": "*i64", "y_ptr": "*bf16", "n_ranks": "i32",
+          "max_tokens": "i32", "width": "i32", "K": "constexpr", "BLOCK_W": "constexpr"},
+         {"K": 8, "BLOCK_W": 1024}, num_warps=4, enable_fp_fusion=False)
+    _ptx(kernels._slot_rows_kernel,
+         {"row_src_ptr": "*i64", "origin_ptr": "*i64", "table_ptr": "*i64", "n_rows": "i32",
+          "max_slots": "i32", "BLOCK": "constexpr"}, {"BLOCK": 256}, aligned=(), num_warps=4)

@@ -16,6 +16,7 @@ import collections
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from moe_testing import run_distributed
@@ -27,7 +28,11 @@ from moe_ep_transport import EPConfig, EPDispatcher, make_transport, ops  # noqa
 
 # GPU launches per call of each device function (ops: Triton; memory: put kernel, NVSHMEM barrier).
 _GPU_LAUNCHES = {"rank_slots": 2, "plan_cells": 1, "plan_rows": 1, "finish_receive": 1,
-                 "topk_gather_sum": 1, "combine_grads": 1, "put_rows": 1, "barrier": 1}
+                 "topk_gather_sum": 1, "combine_grads": 1, "slot_rows": 2, "sum_partials": 1,
+                 "put_rows": 1, "put_partial_sums": 1, "barrier": 1}
+_OPS = ("rank_slots", "plan_cells", "plan_rows", "finish_receive", "topk_gather_sum", "combine_grads",
+        "slot_rows", "sum_partials")
+_MEMORY = ("put_rows", "put_partial_sums", "barrier")
 # Aten ops that launch nothing: views, metadata, allocations without a fill.
 _NO_LAUNCH = {
     "view", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "slice", "select", "unsqueeze",
@@ -35,9 +40,10 @@ _NO_LAUNCH = {
     "split_with_sizes", "narrow", "empty", "empty_like", "new_empty", "empty_strided",
     "new_empty_strided", "lift_fresh", "promote_types", "result_type",
 }
-# Bounds: one no-grad dispatch+combine; one training step (dispatch, combine, both backwards).
-_MAX_FORWARD = 13
-_MAX_TRAINING = 24
+# Bounds: one no-grad dispatch+combine; one training step (dispatch, combine, both backwards),
+# summing at the source / at the destinations (EPConfig.combine).
+_MAX_FORWARD = {"source": 13, "destination": 18}
+_MAX_TRAINING = {"source": 24, "destination": 29}
 
 
 class _LaunchCounter(TorchDispatchMode):
@@ -72,10 +78,10 @@ class _LaunchCounter(TorchDispatchMode):
         return sum(self.aten.values()) + sum(_GPU_LAUNCHES[n] * c for n, c in self.device.items())
 
 
-def _count_launches() -> dict:
+def _count_launches(combine: str) -> dict:
     rank = dist.get_rank()
     E, K, D = 8, 2, 16
-    cfg = EPConfig(E, K, 12, D, capacity_factor=1.0)
+    cfg = EPConfig(E, K, 12, D, capacity_factor=1.0, combine=combine)
     transport = make_transport("rowwise", cfg, dtype=torch.bfloat16)
     dispatcher = EPDispatcher(cfg, transport)
     data = make_data([12, 12], E, K, D, torch.bfloat16, seed=3, skew=1.0)
@@ -96,31 +102,37 @@ def _count_launches() -> dict:
         step()  # warm-up: cached index tensors and telemetry sums are built once
         counter = _LaunchCounter()
         patched = {}
-        for fn_name in ("rank_slots", "plan_cells", "plan_rows", "finish_receive", "topk_gather_sum",
-                        "combine_grads"):
+        for fn_name in _OPS:
             patched[fn_name] = getattr(ops, fn_name)
             setattr(ops, fn_name, counter.device_call(fn_name, patched[fn_name]))
         memory = transport.memory
-        memory.put_rows = counter.device_call("put_rows", type(memory).put_rows.__get__(memory))
-        memory.barrier = counter.device_call("barrier", type(memory).barrier.__get__(memory))
+        for fn_name in _MEMORY:
+            setattr(memory, fn_name, counter.device_call(fn_name, getattr(type(memory), fn_name).__get__(memory)))
         try:
             with counter:
                 step()
         finally:
             for fn_name, fn in patched.items():
                 setattr(ops, fn_name, fn)
-            del memory.put_rows, memory.barrier
+            for fn_name in _MEMORY:
+                delattr(memory, fn_name)
         counts[name] = dict(launches=counter.launches, aten=dict(counter.aten), device=dict(counter.device))
     return counts
 
 
-def test_dispatch_and_combine_launch_few_device_operations() -> None:
-    out = run_distributed(_count_launches, 2, timeout=120)
+@pytest.mark.parametrize("combine", ["source", "destination"])
+def test_dispatch_and_combine_launch_few_device_operations(combine: str) -> None:
+    out = run_distributed(_count_launches, 2, combine, timeout=120)
+    at_source = {"topk_gather_sum"}
+    at_destination = {"slot_rows", "sum_partials", "put_partial_sums"}
+    used = set(_GPU_LAUNCHES) - (at_destination if combine == "source" else at_source)
     for counts in out:
         fwd, train = counts["forward"], counts["training"]
         # Every device function is reached (a renamed one would silently count nothing).
-        assert set(train["device"]) == set(_GPU_LAUNCHES), train
-        assert set(fwd["device"]) == set(_GPU_LAUNCHES) - {"combine_grads"}, fwd
-        assert fwd["device"]["put_rows"] == 3 and fwd["device"]["barrier"] == 3, fwd
-        assert fwd["launches"] <= _MAX_FORWARD, fwd
-        assert train["launches"] <= _MAX_TRAINING, train
+        assert set(train["device"]) == used, train
+        assert set(fwd["device"]) == used - {"combine_grads"}, fwd
+        puts = 3 if combine == "source" else 4  # counts, tokens, (weights,) rows or partials back
+        assert fwd["device"]["put_rows"] + fwd["device"].get("put_partial_sums", 0) == puts, fwd
+        assert fwd["device"]["barrier"] == puts, fwd
+        assert fwd["launches"] <= _MAX_FORWARD[combine], fwd
+        assert train["launches"] <= _MAX_TRAINING[combine], train

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 OverflowPolicy = Literal["drop", "error"]
+CombineSite = Literal["auto", "source", "destination"]
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,10 @@ class EPConfig:
     d_model: int  # D: hidden width; sizes the rowwise transport's symmetric buffers
     capacity_factor: float | None = 1.25  # rank capacity = ceil(cf * T_max * k); None = dropless
     overflow: OverflowPolicy = "drop"  # what happens past capacity: fair drop, or raise
+    # Where a token's top-k contributions are summed: at the source after every row came back,
+    # or partly at each destination (one FP32 partial per token and rank travels back);
+    # "auto" picks the site that moves fewer bytes under uniform routing (sums_at_destination).
+    combine: CombineSite = "auto"
 
     def __post_init__(self) -> None:
         for name in ("n_experts", "top_k", "max_tokens", "d_model"):
@@ -34,6 +39,10 @@ class EPConfig:
             raise ValueError(f"EPConfig.capacity_factor must be positive or None, got {self.capacity_factor}")
         if self.overflow not in ("drop", "error"):
             raise ValueError(f"EPConfig.overflow must be 'drop' or 'error', got {self.overflow!r}")
+        if self.combine not in ("auto", "source", "destination"):
+            raise ValueError(
+                f"EPConfig.combine must be 'auto', 'source' or 'destination', got {self.combine!r}"
+            )
 
     @property
     def max_slots(self) -> int:
@@ -58,3 +67,22 @@ class EPConfig:
         if self.capacity_factor is None:
             return worst
         return min(worst, max(1, math.ceil(self.capacity_factor * self.max_slots)))
+
+    def sums_at_destination(self, ep_size: int, row_bytes: int, partial_bytes: int) -> bool:
+        """Whether combine (and dispatch's backward) sum top-k contributions at the destinations.
+
+        Summing at the source returns one row (``row_bytes``) per routed slot; summing
+        at the destination returns one partial (``partial_bytes``, FP32) per token and
+        rank holding any of its experts, but needs the weights there first (one more
+        small send) and two more launches. Under uniform routing a token has
+        ``u = k / (M * (1 - (1 - 1/M)^k))`` experts on each rank it reaches (top-8 on
+        two ranks: 4; on eight: 1.5), so ``"auto"`` sums at the destination when its
+        partials are less than 3/4 of the bytes of the rows they replace.
+        """
+        if self.combine != "auto":
+            return self.combine == "destination"
+        if ep_size < 2:
+            return False
+        k, M = self.top_k, ep_size
+        rows_per_rank = k / (M * (1.0 - (1.0 - 1.0 / M) ** k))
+        return partial_bytes < 0.75 * rows_per_rank * row_bytes

@@ -66,12 +66,13 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_CD: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        plan = ctx.route.plan
-        n = plan.dst_rank_N.numel()
-        ones_N = ops.ones(n, _accumulation_dtype(grad_CD.dtype), grad_CD.device)  # dropped: zero anyway
-        grad_TD, _ = ctx.dispatcher.transport.gather_sum(
-            ctx.route, grad_CD.contiguous(), ones_N, store_rows=False
-        )
+        plan, transport = ctx.route.plan, ctx.dispatcher.transport
+        acc = _accumulation_dtype(grad_CD.dtype)
+        if ctx.dispatcher.sums_at_destination(grad_CD.dtype, acc):
+            grad_TD = transport.reduce_back(ctx.route, grad_CD.contiguous(), None, acc)
+        else:
+            ones_N = ops.ones(plan.dst_rank_N.numel(), acc, grad_CD.device)  # dropped: zero anyway
+            grad_TD, _ = transport.gather_sum(ctx.route, grad_CD.contiguous(), ones_N, store_rows=False)
         return grad_TD.to(ctx.x_dtype), None, None
 
 
@@ -83,14 +84,24 @@ class _Combine(torch.autograd.Function):
         acc = _accumulation_dtype(rows_CD.dtype, weights_TK.dtype)
         w_N = weights_TK.reshape(-1).to(acc)  # dropped slots weigh zero inside the sum
         need_rows = ctx.needs_input_grad[1]
-        y_TD, rows_ND = dispatcher.transport.gather_sum(route, rows_CD, w_N, store_rows=need_rows)
+        transport = dispatcher.transport
         ctx.dispatcher, ctx.route = dispatcher, route
-        ctx.w_dtype, ctx.rows_dtype = weights_TK.dtype, rows_CD.dtype
+        ctx.w_dtype, ctx.rows_dtype, ctx.acc = weights_TK.dtype, rows_CD.dtype, acc
+        ctx.at_destination = dispatcher.sums_at_destination(rows_CD.dtype, acc)
+        if ctx.at_destination:
+            # The weights travel to the rows; each rank sums what it holds of a token.
+            w_C = ops.from_words(transport.send(route, ops.as_words(w_N.view(-1, 1)), 1), acc).view(-1)
+            y_TD = transport.reduce_back(route, rows_CD, w_C, acc)
+            ctx.save_for_backward(w_C, rows_CD if need_rows else None)
+            return y_TD
+        y_TD, rows_ND = transport.gather_sum(route, rows_CD, w_N, store_rows=need_rows)
         ctx.save_for_backward(w_N, rows_ND if need_rows else None)
         return y_TD
 
     @staticmethod
     def backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.at_destination:
+            return _Combine._backward_at_destination(ctx, grad_TD)
         w_N, rows_ND = ctx.saved_tensors
         plan = ctx.route.plan
         T, k = plan.n_tokens, plan.top_k
@@ -105,6 +116,25 @@ class _Combine(torch.autograd.Function):
             grad_rows = ops.from_words(words, ctx.rows_dtype)
         if need_w:
             grad_w = grad_w_N.view(T, k).to(ctx.w_dtype)
+        return grad_rows, grad_w, None, None
+
+    @staticmethod
+    def _backward_at_destination(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """The token's gradient travels once per rank (like a dispatch); each row's gradient
+        and its weight's gradient are computed where the row is, and only the latter returns."""
+        w_C, rows_CD = ctx.saved_tensors
+        plan, transport = ctx.route.plan, ctx.dispatcher.transport
+        need_rows, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_TD = grad_TD.to(ctx.rows_dtype)
+        g_CD = ops.from_words(transport.send(ctx.route, ops.as_words(grad_TD), plan.top_k), ctx.rows_dtype)
+        # One receive row per "token" (k = 1): padding rows have zero gradient and weight.
+        grad_rows, grad_w_C = ops.combine_grads(
+            g_CD, w_C, rows_CD if need_w else None, ctx.rows_dtype, scaled=need_rows
+        )
+        grad_w = None
+        if need_w:
+            back = transport.send_back(ctx.route, ops.as_words(grad_w_C.view(-1, 1)))
+            grad_w = ops.from_words(back, ctx.acc).view(plan.n_tokens, plan.top_k).to(ctx.w_dtype)
         return grad_rows, grad_w, None, None
 
 
@@ -128,6 +158,11 @@ class EPDispatcher:
         self.expert_start = self.rank * self.n_local
         self.capacity = cfg.rank_capacity(self.ep_size)
         self.telemetry = EPTelemetry()
+
+    def sums_at_destination(self, rows_dtype: torch.dtype, acc_dtype: torch.dtype) -> bool:
+        """Where combine sums a token's contributions for rows of ``rows_dtype`` (EPConfig.combine)."""
+        D = self.cfg.d_model
+        return self.cfg.sums_at_destination(self.ep_size, D * rows_dtype.itemsize, D * acc_dtype.itemsize)
 
     def bytes_per_row(self, dtype: torch.dtype) -> int:
         """Bytes one dispatched row moves (the codec's packed width when one is set)."""
@@ -232,7 +267,7 @@ def make_transport(
     from moe_ep_transport.transport import AllToAllTransport
 
     if backend == "all_to_all":
-        return AllToAllTransport(group)
+        return AllToAllTransport(group, cfg.max_tokens)
     if backend != "rowwise":
         raise ValueError(f"unknown EP transport backend {backend!r}: 'all_to_all' or 'rowwise'")
     from moe_ep_transport.rowwise import RowwiseTransport, slab_bytes_for
@@ -241,7 +276,8 @@ def make_transport(
     row_bytes = cfg.d_model * dtype.itemsize
     if codec is not None:
         row_bytes = max(row_bytes, codec.packed_width(cfg.d_model))
-    nbytes = slab_bytes_for(cfg, ep_size, row_bytes)
+    partial_bytes = cfg.d_model * max(4, dtype.itemsize)  # FP32 accumulation, or wider
+    nbytes = slab_bytes_for(cfg, ep_size, row_bytes, partial_bytes)
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cuda":
         from moe_ep_transport.nvshmem_memory import NvshmemPeerMemory

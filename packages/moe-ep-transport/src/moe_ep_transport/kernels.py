@@ -159,6 +159,65 @@ def _signal_barrier_kernel(epoch_ptr, flag_table_ptr, me, n_ranks, M_P: tl.const
         waiting = tl.sum((live & (seen < epoch)).to(tl.int32), axis=0)
 
 
+@triton.jit
+def _slot_rows_kernel(row_src_ptr, origin_ptr, table_ptr, n_rows, max_slots, BLOCK: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = rows < n_rows
+    src = tl.load(row_src_ptr + rows, mask=live, other=-1)
+    origin = tl.load(origin_ptr + rows, mask=live, other=0)
+    ok = live & (src >= 0)
+    tl.store(table_ptr + src * max_slots + origin, rows, mask=ok)
+
+
+@triton.jit
+def _put_partial_sums_kernel(
+    rows_ptr, w_ptr, slot_rows_ptr, table_ptr, byte_offset, me, max_tokens, width,
+    K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    # Program (q, column block), q = s * T_max + t: source s's token t. Sum its rows here
+    # in slot order, FP32, no FMA; store the partial into row me * T_max + t of s's slab
+    # (s == me included: the table holds this rank's own slab too). Nothing if no row here.
+    q = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    cm = cols < width
+    acc = tl.zeros([BLOCK_W], dtype=tl.float32)
+    present = cols < 0  # vector masks throughout (the interpreter takes no scalar masks)
+    for j in tl.static_range(K):
+        c = tl.load(slot_rows_ptr + q * K + j)
+        ok = c >= 0
+        row_ok = (tl.zeros([BLOCK_W], dtype=tl.int64) + c) >= 0
+        x = tl.load(rows_ptr + c * width + cols, mask=cm & row_ok, other=0.0).to(tl.float32)
+        if HAS_W:
+            w = tl.where(ok, tl.load(w_ptr + tl.maximum(c, 0)), 0.0)  # row 0 exists when c >= 0 does
+        else:
+            w = tl.where(ok, 1.0, 0.0)
+        acc = acc + x * w
+        present = present | row_ok
+    s = q // max_tokens
+    t = q - s * max_tokens
+    slab = tl.load(table_ptr + s)
+    dst = tl.multiple_of((slab + byte_offset).to(tl.pointer_type(tl.float32)), 16)
+    tl.store(dst + (me * max_tokens + t) * width + cols, acc, mask=cm & present)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    partials_ptr, dst_rank_ptr, y_ptr, n_ranks, max_tokens, width, K: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    cm = cols < width
+    acc = tl.zeros([BLOCK_W], dtype=tl.float32)
+    ranks = tl.zeros([BLOCK_W], dtype=tl.int64)  # vector masks (the interpreter takes no scalar masks)
+    for r in range(0, n_ranks):
+        present = cols < 0
+        for j in tl.static_range(K):
+            present = present | ((ranks + tl.load(dst_rank_ptr + t * K + j)) == r)
+        x = tl.load(partials_ptr + (r * max_tokens + t) * width + cols, mask=cm & present, other=0.0)
+        acc = acc + x
+    tl.store(y_ptr + t * width + cols, acc.to(y_ptr.dtype.element_ty), mask=cm)
+
+
 def _block_w(width: int) -> int:
     return min(_MAX_BLOCK_W, triton.next_power_of_2(max(width, 1)))
 
@@ -304,3 +363,66 @@ def topk_gather_sum(
         K=top_k, STORE_ROWS=store_rows, BLOCK_W=block_w, num_warps=4, enable_fp_fusion=False,
     )
     return y, rows_out
+
+
+def slot_rows(row_src_C: torch.Tensor, origin_C: torch.Tensor, n_ranks: int, max_slots: int) -> torch.Tensor:
+    """int64 ``[M * N_max]``: receive row of source ``s``'s slot ``i`` at ``s * N_max + i``, or -1."""
+    table = torch.full((n_ranks * max_slots,), -1, dtype=torch.int64, device=row_src_C.device)
+    n = row_src_C.numel()
+    if n:
+        block = 256
+        _slot_rows_kernel[(triton.cdiv(n, block),)](row_src_C, origin_C, table, n, max_slots, BLOCK=block)
+    return table
+
+
+def put_partial_sums(
+    rows_CD: torch.Tensor,
+    w_C: torch.Tensor | None,
+    slot_rows_S: torch.Tensor,
+    table_M: torch.Tensor,
+    *,
+    top_k: int,
+    max_tokens: int,
+    byte_offset: int,
+    me: int,
+) -> None:
+    """Sum each (source, token)'s rows here and store the FP32 partial into the source.
+
+    Row ``q = s * T_max + t`` of :func:`moe_ep_transport.ops.partial_sums_reference`,
+    bit for bit (FMA contraction off), lands at row ``me * T_max + t`` of the FP32 rows
+    at ``table[s] + byte_offset``; tokens without a row here store nothing.
+    """
+    if w_C is not None and w_C.dtype != torch.float32:
+        raise ValueError(f"put_partial_sums: weights must be float32, got {w_C.dtype}")
+    Q = slot_rows_S.numel() // top_k
+    width = rows_CD.shape[1]
+    if Q == 0:
+        return
+    block_w = _block_w(width)
+    _put_partial_sums_kernel[(Q, triton.cdiv(width, block_w))](
+        rows_CD, w_C if w_C is not None else rows_CD, slot_rows_S, table_M, byte_offset, me, max_tokens,
+        width, K=top_k, HAS_W=w_C is not None, BLOCK_W=block_w, num_warps=4, enable_fp_fusion=False,
+    )
+
+
+def sum_partials(
+    partials_QD: torch.Tensor,
+    dst_rank_N: torch.Tensor,
+    n_ranks: int,
+    max_tokens: int,
+    top_k: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """:func:`moe_ep_transport.ops.sum_partials` in one launch (FP32 partials)."""
+    if partials_QD.dtype != torch.float32:
+        raise ValueError(f"sum_partials: partials must be float32, got {partials_QD.dtype}")
+    T, width = dst_rank_N.numel() // top_k, partials_QD.shape[1]
+    y = torch.empty(T, width, dtype=out_dtype, device=partials_QD.device)
+    if T == 0:
+        return y
+    block_w = _block_w(width)
+    _sum_partials_kernel[(T, triton.cdiv(width, block_w))](
+        partials_QD, dst_rank_N, y, n_ranks, max_tokens, width, K=top_k, BLOCK_W=block_w, num_warps=4,
+        enable_fp_fusion=False,
+    )
+    return y

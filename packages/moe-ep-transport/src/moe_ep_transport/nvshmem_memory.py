@@ -159,6 +159,29 @@ class NvshmemPeerMemory:
             meta_N=meta_N, inbox_stride=inbox_stride,
         )
 
+    def put_partial_sums(
+        self,
+        slab: int,
+        byte_offset: int,
+        rows_CD: torch.Tensor,
+        w_C: torch.Tensor | None,
+        slot_rows_S: torch.Tensor,
+        *,
+        top_k: int,
+        max_tokens: int,
+        acc_dtype: torch.dtype,
+    ) -> None:
+        from moe_ep_transport import kernels
+
+        if acc_dtype != torch.float32:
+            raise ValueError(f"NVSHMEM partial sums are float32, got accumulation dtype {acc_dtype}")
+        if byte_offset % 16:
+            raise ValueError(f"slab offset {byte_offset} is not 16-byte aligned")
+        kernels.put_partial_sums(
+            rows_CD.contiguous(), w_C, slot_rows_S, self._tables[slab], top_k=top_k, max_tokens=max_tokens,
+            byte_offset=byte_offset, me=self.rank,
+        )
+
     def barrier(self) -> None:
         """A flag barrier through peer pointers (one small kernel; a dispatch + combine
         passes three barriers, so their latency counts at small sizes)."""

@@ -250,3 +250,96 @@ def combine_grads_reference(
     if rows_ND is not None:
         grad_w_N = torch.einsum("tkd,td->tk", rows_ND.view(T, k, D).to(w_N.dtype), g_TD).reshape(-1)
     return scaled_ND, grad_w_N
+
+
+# --- summing at the destination (EPConfig.combine) ---------------------------------
+
+
+def slot_rows(row_src_C: torch.Tensor, origin_C: torch.Tensor, n_ranks: int, max_slots: int) -> torch.Tensor:
+    """The inverse of the receive layout: int64 ``[M * N_max]``, -1 where no row.
+
+    Entry ``s * N_max + i`` is the receive row here of slot ``i`` of source ``s``
+    (``origin_C`` holds each receive row's slot index at its source), so a token's
+    rows here are the ``k`` consecutive entries ``s * N_max + t * k + j``.
+    """
+    if _on_triton(row_src_C):
+        from moe_ep_transport import kernels
+
+        return kernels.slot_rows(row_src_C, origin_C, n_ranks, max_slots)
+    return slot_rows_reference(row_src_C, origin_C, n_ranks, max_slots)
+
+
+def slot_rows_reference(
+    row_src_C: torch.Tensor, origin_C: torch.Tensor, n_ranks: int, max_slots: int
+) -> torch.Tensor:
+    """PyTorch version of :func:`slot_rows`."""
+    dump = n_ranks * max_slots  # padding rows write one past the end
+    table = torch.full((dump + 1,), -1, dtype=torch.int64, device=row_src_C.device)
+    at = torch.where(row_src_C >= 0, row_src_C * max_slots + origin_C, dump)
+    table.index_copy_(0, at, index_range(row_src_C.numel(), row_src_C.device))
+    return table[:dump]
+
+
+def partial_sums_reference(
+    rows_CD: torch.Tensor,
+    w_C: torch.Tensor | None,
+    slot_rows_S: torch.Tensor,
+    top_k: int,
+    acc_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Each (source, token)'s contributions here: ``[M * T_max, D]`` in ``acc_dtype``.
+
+    Row ``q = s * T_max + t`` is ``((0 + x_0 w_0) + x_1 w_1) + ...`` over the token's
+    slots ``j`` with a row here (``slot_rows[q * k + j] >= 0``), in slot order,
+    products and sums rounded separately; ``w_C=None`` means unit weights. Zero
+    where the token has no row here. The rowwise transport's put kernel computes the
+    same rows and stores them straight into the sources (``PeerMemory.put_partial_sums``).
+    """
+    rows_QK = slot_rows_S.view(-1, top_k)
+    valid_QK = rows_QK >= 0
+    at_QK = rows_QK.clamp(min=0)
+    acc = torch.zeros(rows_QK.shape[0], rows_CD.shape[1], dtype=acc_dtype, device=rows_CD.device)
+    for j in range(top_k):
+        x = torch.where(valid_QK[:, j, None], rows_CD[at_QK[:, j]].to(acc_dtype), 0)
+        w = w_C[at_QK[:, j]] if w_C is not None else torch.ones((), dtype=acc_dtype, device=acc.device)
+        acc = acc + x * torch.where(valid_QK[:, j], w, 0)[:, None]
+    return acc
+
+
+def sum_partials(
+    partials_QD: torch.Tensor,
+    dst_rank_N: torch.Tensor,
+    n_ranks: int,
+    max_tokens: int,
+    top_k: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``y[t] = ((0 + P_0[t]) + P_1[t]) + ...`` over the ranks holding any of token ``t``'s rows.
+
+    ``partials_QD`` row ``r * T_max + t`` is rank ``r``'s partial for this rank's token
+    ``t``; a rank none of the token's kept slots went to contributes nothing (its row
+    is not read). Rank order, products none: the same on every backend.
+    """
+    if _on_triton(partials_QD):
+        from moe_ep_transport import kernels
+
+        return kernels.sum_partials(partials_QD, dst_rank_N, n_ranks, max_tokens, top_k, out_dtype)
+    return sum_partials_reference(partials_QD, dst_rank_N, n_ranks, max_tokens, top_k, out_dtype)
+
+
+def sum_partials_reference(
+    partials_QD: torch.Tensor,
+    dst_rank_N: torch.Tensor,
+    n_ranks: int,
+    max_tokens: int,
+    top_k: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """PyTorch version of :func:`sum_partials`."""
+    T = dst_rank_N.numel() // top_k
+    ranks_TK = dst_rank_N.view(T, top_k)
+    acc = torch.zeros(T, partials_QD.shape[1], dtype=partials_QD.dtype, device=partials_QD.device)
+    for r in range(n_ranks):
+        present = (ranks_TK == r).any(1, keepdim=True)
+        acc = acc + torch.where(present, partials_QD[r * max_tokens : r * max_tokens + T], 0)
+    return acc.to(out_dtype)

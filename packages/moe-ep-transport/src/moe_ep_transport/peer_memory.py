@@ -57,6 +57,27 @@ class PeerMemory(Protocol):
         """
         ...
 
+    def put_partial_sums(
+        self,
+        slab: int,
+        byte_offset: int,
+        rows_CD: torch.Tensor,
+        w_C: torch.Tensor | None,
+        slot_rows_S: torch.Tensor,
+        *,
+        top_k: int,
+        max_tokens: int,
+        acc_dtype: torch.dtype,
+    ) -> None:
+        """Sum each (source ``s``, token ``t``)'s rows here and write the partial into ``s``.
+
+        The partial (:func:`moe_ep_transport.ops.partial_sums_reference`, rows of
+        ``acc_dtype``) lands at row ``rank * max_tokens + t`` of ``s``'s slab from
+        ``byte_offset``; tokens without a row here write nothing. Collective like
+        :meth:`put_rows`; one kernel launch on the GPU (FP32 only there).
+        """
+        ...
+
     def barrier(self) -> None:
         """Stream-ordered barrier: every rank's earlier puts are visible after it."""
         ...
@@ -166,6 +187,27 @@ class EmulatedPeerMemory:
         if meta_N is not None:
             meta_inbox = self._slabs[slab][: self.slab_bytes // 8 * 8].view(torch.int64)
             deliver(dst_rank_N, dst_row_N, meta_N, lambda s: meta_inbox)
+
+    def put_partial_sums(
+        self,
+        slab: int,
+        byte_offset: int,
+        rows_CD: torch.Tensor,
+        w_C: torch.Tensor | None,
+        slot_rows_S: torch.Tensor,
+        *,
+        top_k: int,
+        max_tokens: int,
+        acc_dtype: torch.dtype,
+    ) -> None:
+        from moe_ep_transport import ops
+
+        partials_QD = ops.partial_sums_reference(rows_CD, w_C, slot_rows_S, top_k, acc_dtype)
+        q = torch.arange(partials_QD.shape[0], device=rows_CD.device)
+        present = (slot_rows_S.view(-1, top_k) >= 0).any(1)
+        dst_rank_Q = torch.where(present, q // max_tokens, -1)
+        dst_row_Q = self.rank * max_tokens + q % max_tokens
+        self.put_rows(slab, byte_offset, ops.as_words(partials_QD), dst_rank_Q, dst_row_Q)
 
     def barrier(self) -> None:
         """Nothing to order: every emulated put already completed collectively."""

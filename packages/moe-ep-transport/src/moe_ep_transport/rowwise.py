@@ -45,13 +45,20 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def slab_bytes_for(cfg: EPConfig, ep_size: int, row_bytes: int) -> int:
-    """Bytes each slab needs for rows of at most ``row_bytes`` (any phase; never more for the token inbox)."""
+def slab_bytes_for(cfg: EPConfig, ep_size: int, row_bytes: int, partial_bytes: int | None = None) -> int:
+    """Bytes each slab needs for rows of at most ``row_bytes`` (any phase; never more for the token inbox).
+
+    ``partial_bytes`` (default: FP32 rows of ``d_model``) sizes the partials of
+    :meth:`RowwiseTransport.reduce_back` when ``cfg`` sums at the destination.
+    """
     capacity = cfg.rank_capacity(ep_size)
     counts = ep_size * cfg.n_experts * 4
     send = _align(capacity * 8) + capacity * _align_row(row_bytes)
     back = cfg.max_slots * _align_row(row_bytes)
-    return _align(max(counts, send, back))
+    partial_bytes = cfg.d_model * 4 if partial_bytes is None else partial_bytes
+    partials = ep_size * cfg.max_tokens * partial_bytes if cfg.sums_at_destination(
+        ep_size, row_bytes, partial_bytes) else 0
+    return _align(max(counts, send, back, partials))
 
 
 def _align_row(row_bytes: int) -> int:
@@ -62,6 +69,7 @@ def _align_row(row_bytes: int) -> int:
 class RowwiseRoute:
     plan: RoutePlan
     origin_C: torch.Tensor | None = None  # source slot index of each receive row (after the first send)
+    slot_rows_S: torch.Tensor | None = None  # ops.slot_rows of this route, built on first use
 
 
 class RowwiseTransport:
@@ -169,3 +177,41 @@ class RowwiseTransport:
             inbox_ND, rows_CD, plan.dst_rank_N, plan.dst_row_N, self.rank, w_N,
             plan.top_k, rows_CD.dtype, store_rows,
         )
+
+    def _slot_rows(self, route: RowwiseRoute) -> torch.Tensor:
+        if route.origin_C is None:
+            raise RuntimeError("reduce_back before send: the route has no row origins")
+        if route.slot_rows_S is None:
+            route.slot_rows_S = ops.slot_rows(
+                route.plan.row_src_C, route.origin_C, self.world_size, self.max_slots
+            )
+        return route.slot_rows_S
+
+    def reduce_back(
+        self, route: RowwiseRoute, rows_CD: torch.Tensor, w_C: torch.Tensor | None, acc_dtype: torch.dtype
+    ) -> torch.Tensor:
+        plan, M, T_max = route.plan, self.world_size, self.max_tokens
+        D = rows_CD.shape[1]
+        self._check_fits(M * T_max * D * acc_dtype.itemsize, "the partial sums")
+        slot_rows_S = self._slot_rows(route)
+        slab = self._next_slab()
+        self.memory.put_partial_sums(
+            slab, 0, rows_CD.contiguous(), w_C, slot_rows_S, top_k=plan.top_k, max_tokens=T_max,
+            acc_dtype=acc_dtype,
+        )
+        self.memory.barrier()
+        partials_QD = slab_view(self.memory.slab(slab), 0, acc_dtype, D)[: M * T_max]
+        return ops.sum_partials(partials_QD, plan.dst_rank_N, M, T_max, plan.top_k, rows_CD.dtype)
+
+    def send_back(self, route: RowwiseRoute, rows_CW: torch.Tensor) -> torch.Tensor:
+        plan = route.plan
+        if route.origin_C is None:
+            raise RuntimeError("send_back before send: the route has no row origins")
+        n, W = plan.dst_rank_N.numel(), rows_CW.shape[1]
+        self._check_fits(self.max_slots * W * rows_CW.element_size(), "a row return")
+        slab = self._next_slab()
+        # Every row, this rank's own included, lands at its slot index in its source's slab.
+        self.memory.put_rows(slab, 0, rows_CW.contiguous(), plan.row_src_C, route.origin_C)
+        self.memory.barrier()
+        back = slab_view(self.memory.slab(slab), 0, rows_CW.dtype, W)[:n]
+        return back.masked_fill(plan.dst_rank_N.unsqueeze(1) < 0, 0)  # dropped slots: nobody wrote them

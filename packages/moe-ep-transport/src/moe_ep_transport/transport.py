@@ -13,6 +13,13 @@ backend computes identically; it decides nothing about the layout. Four steps:
 - ``gather_sum(route, rows_CD, w_N, store_rows) -> (y_TD, rows_ND | None)``: the
   reverse trip, reduced: ``y[t] = sum_j w[t*k+j] * rows[dst_row]@dst_rank`` in
   ``w_N``'s dtype; dropped slots count zero whatever their weight.
+- ``reduce_back(route, rows_CD, w_C, acc_dtype) -> y_TD``: the reverse trip reduced
+  at the destinations first (``EPConfig.combine``): each rank sums the rows it holds
+  of each token (``ops.partial_sums_reference``, weights ``w_C`` per receive row or
+  unit), one partial per token travels back, the source sums them in rank order
+  (``ops.sum_partials``); ``y`` has the rows' dtype.
+- ``send_back(route, rows_CW) -> back_NW``: receive row ``c`` returns to slot
+  ``origin`` of its source, unreduced (e.g. one value per row); dropped slots zero.
 
 Shape legend: T tokens, k top-k, N = T*k slots, M ranks, E experts, C capacity,
 W 32-bit words per row, D row width.
@@ -55,6 +62,12 @@ class Transport(Protocol):
         self, route: Any, rows_CD: torch.Tensor, w_N: torch.Tensor, store_rows: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
+    def reduce_back(
+        self, route: Any, rows_CD: torch.Tensor, w_C: torch.Tensor | None, acc_dtype: torch.dtype
+    ) -> torch.Tensor: ...
+
+    def send_back(self, route: Any, rows_CW: torch.Tensor) -> torch.Tensor: ...
+
 
 @dataclass
 class AllToAllRoute:
@@ -63,6 +76,8 @@ class AllToAllRoute:
     recv_pos: torch.Tensor  # receive row of each row as all_to_all delivers them (source-major)
     send_splits: list[int]  # rows to each rank
     recv_splits: list[int]  # rows from each rank
+    max_tokens: int = 0  # T_max of every rank (the partials' row blocks)
+    slot_rows_S: torch.Tensor | None = None  # ops.slot_rows of this route, built on first use
 
 
 class AllToAllTransport:
@@ -72,8 +87,9 @@ class AllToAllTransport:
     the host once per call (``open_route`` reads the split sizes).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, max_tokens: int = 0) -> None:
         self.group = group
+        self.max_tokens = max_tokens  # T_max: sizes the partials of reduce_back
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
 
@@ -102,7 +118,7 @@ class AllToAllTransport:
         cell = torch.searchsorted(ends, j, right=True)
         base_sl = plan.recv_base_LM.t().reshape(-1)
         recv_pos = base_sl.index_select(0, cell) + j - (ends - sizes).index_select(0, cell)
-        return AllToAllRoute(plan, send_order, recv_pos, send_splits, recv_splits)
+        return AllToAllRoute(plan, send_order, recv_pos, send_splits, recv_splits, self.max_tokens)
 
     def send(self, route: AllToAllRoute, src_RW: torch.Tensor, per_src: int) -> torch.Tensor:
         check_send(route.plan, src_RW, per_src)
@@ -131,4 +147,40 @@ class AllToAllTransport:
         return ops.topk_gather_sum(
             ops.from_words(back, rows_CD.dtype), rows_CD, plan.dst_rank_N, plan.dst_row_N,
             self.rank, w_N, plan.top_k, rows_CD.dtype, store_rows,
+        )
+
+    def send_back(self, route: AllToAllRoute, rows_CW: torch.Tensor) -> torch.Tensor:
+        payload = rows_CW.contiguous().index_select(0, route.recv_pos)
+        inbox = payload.new_empty(sum(route.send_splits), rows_CW.shape[1])
+        dist.all_to_all_single(
+            inbox, payload, route.send_splits, route.recv_splits, group=self.group
+        )
+        back = inbox.new_zeros(route.plan.dst_rank_N.numel(), rows_CW.shape[1])
+        return back.index_copy_(0, route.send_order, inbox)
+
+    def _slot_rows(self, route: AllToAllRoute) -> torch.Tensor:
+        """Built once per route: the receive rows learn their slot index by one more exchange."""
+        if route.slot_rows_S is None:
+            plan = route.plan
+            n = plan.dst_rank_N.numel()
+            index = ops.as_words(ops.index_range(n, plan.dst_rank_N.device).view(n, 1))
+            origin_C = ops.from_words(self.send(route, index, 1), torch.int64).view(-1)
+            route.slot_rows_S = ops.slot_rows(
+                plan.row_src_C, origin_C, self.world_size, route.max_tokens * plan.top_k
+            )
+        return route.slot_rows_S
+
+    def reduce_back(
+        self, route: AllToAllRoute, rows_CD: torch.Tensor, w_C: torch.Tensor | None, acc_dtype: torch.dtype
+    ) -> torch.Tensor:
+        plan, T_max = route.plan, route.max_tokens
+        if plan.n_tokens > T_max:
+            raise ValueError(f"reduce_back: {plan.n_tokens} tokens, more than the transport's max_tokens={T_max}")
+        partials_QD = ops.partial_sums_reference(
+            rows_CD.contiguous(), w_C, self._slot_rows(route), plan.top_k, acc_dtype
+        )
+        inbox_QD = torch.empty_like(partials_QD)  # block r: rank r's partials of this rank's tokens
+        dist.all_to_all_single(inbox_QD, partials_QD, group=self.group)
+        return ops.sum_partials(
+            inbox_QD, plan.dst_rank_N, self.world_size, T_max, plan.top_k, rows_CD.dtype
         )

@@ -246,32 +246,59 @@ def _local_dispatch(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int) -> No
                     "combine.gathered32", "combine.d_weights"})
 
 
+def _sums_at_destination(cfg: MoEConfig, ex: Execution) -> bool:
+    """Where the EP combine sums a token's contributions (moe_ep_transport's "auto" rule)."""
+    from moe_ep_transport import EPConfig
+
+    ep_cfg = EPConfig(n_experts=cfg.n_experts, top_k=cfg.top_k, max_tokens=ex.tokens, d_model=cfg.d_model,
+                      capacity_factor=cfg.capacity_factor)
+    D = cfg.d_model
+    return ep_cfg.sums_at_destination(ex.ep, ex.compute_bytes * D, FP32 * D)
+
+
 def _ep_dispatch(inv: Inventory, cfg: MoEConfig, ex: Execution, C: int) -> None:
-    """moe_ep_transport.EPDispatcher: the route plan lives on the autograd context; the
-    combine keeps the gathered rows [N, D] (for the weights' gradient) and w [N]."""
+    """moe_ep_transport.EPDispatcher: the route plan lives on the autograd context.
+
+    Summing at the source, the combine keeps the gathered rows [N, D] (for the weights'
+    gradient) and w [N]; summing at the destination it keeps the expert output (already
+    counted by the experts) and the weights of the receive rows [C], and its backward
+    receives the output gradient per receive row instead of sending one per slot."""
     T, D, E, b, M = ex.tokens, cfg.d_model, cfg.n_experts, ex.compute_bytes, ex.ep
     N, L = T * cfg.top_k, cfg.n_experts // ex.ep
+    at_destination = _sums_at_destination(cfg, ex)
     inv.add("plan.counts", 2 * INDEX * M * E, "ctx")  # counts_ME, kept_ME
     inv.add("plan.dst", 2 * INDEX * N, "ctx")  # dst_rank_N, dst_row_N
     inv.add("plan.row_src", INDEX * C, "ctx")
     inv.add("plan.recv_base", INDEX * L * M, "ctx")
     inv.add("dispatch.offsets", OFFSET * L, "saved", "fwd_live")
-    backward = {"grad_out", "combine.dy32", "combine.d_rows", "combine.d_rows_in"}
+    if at_destination:
+        backward = {"grad_out", "combine.dy_rows", "combine.d_rows_in"}
+    else:
+        backward = {"grad_out", "combine.dy32", "combine.d_rows", "combine.d_rows_in"}
     if ex.ep_backend == "all_to_all":  # staging buffers of all_to_all_single, both ways
         inv.add("route.send_order", INDEX * N, "ctx")
         inv.add("route.recv_pos", INDEX * C, "ctx")
         inv.add("combine.payload", b * C * D, "fwd_live")
         inv.add("combine.inbox", b * N * D, "fwd_live")
         backward |= {"combine.payload", "combine.inbox"}
+        if at_destination:  # every rank's partials of every token, and what comes back
+            inv.add("combine.partials", 2 * FP32 * M * T * D, "fwd_live")
     else:
         inv.add("route.origin", INDEX * C, "ctx")
     inv.add("dispatch.rows", b * C * D, "saved", "fwd_live")
-    inv.add("combine.weights", FP32 * N, "saved")
-    inv.add("combine.rows", b * N * D, "saved", "fwd_live")
-    inv.add("combine.y32", FP32 * T * D, "fwd_live", "selective")
-    inv.add("combine.dy32", FP32 * T * D)
-    inv.add("combine.d_rows", b * N * D)  # grad_y * w, sent back to the experts' ranks
-    inv.add("combine.d_rows_in", b * C * D)  # what arrives: the experts' output gradient
+    if at_destination:
+        inv.add("route.slot_rows", INDEX * M * N, "ctx")
+        inv.add("combine.weights", FP32 * C, "saved")
+        inv.add("combine.y", b * T * D, "fwd_live", "selective")
+        inv.add("combine.dy_rows", b * C * D)  # the output gradient of each receive row's token
+        inv.add("combine.d_rows_in", b * C * D)  # times the weight: the experts' output gradient
+    else:
+        inv.add("combine.weights", FP32 * N, "saved")
+        inv.add("combine.rows", b * N * D, "saved", "fwd_live")
+        inv.add("combine.y32", FP32 * T * D, "fwd_live", "selective")
+        inv.add("combine.dy32", FP32 * T * D)
+        inv.add("combine.d_rows", b * N * D)  # grad_y * w, sent back to the experts' ranks
+        inv.add("combine.d_rows_in", b * C * D)  # what arrives: the experts' output gradient
     inv.moment((), backward)
 
 
