@@ -94,7 +94,7 @@ def test_dp2_resumes_its_own_checkpoint(dp2_stopped, references):
      "world 2 = pp 2 x dp 1 (dp = ep 1 x ep_dp 1); microbatches per rank: 4"),
     (4, ["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.ddp_mode=all_reduce"], "micro",
      "world 4 = pp 2 x dp 2 (dp = ep 1 x ep_dp 2); microbatches per rank: 2"),
-    (4, ["parallel.ep=2", "parallel.ep_backend=rowwise"], "micro",
+    (4, ["parallel.ep=2", "parallel.ep_backend=rowwise", "parallel.ep_combine=destination"], "micro",
      "world 4 = pp 1 x dp 4 (dp = ep 2 x ep_dp 2); microbatches per rank: 1"),
 ], ids=["ep2", "pp2", "dp2xpp2", "ep2xdp2"])
 def test_layouts_match_one_process(tmp_path, references, n_procs, overrides, reference, layout):

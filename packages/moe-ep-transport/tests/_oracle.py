@@ -148,8 +148,8 @@ def check_plan_kernels(device: str) -> None:
 
 
 def check_partial_kernels(device: str, out_dtype: torch.dtype) -> None:
-    """The destination-sum kernels (slot table, partial sums put, partials' sum) equal the
-    PyTorch references bit for bit. ``out_dtype`` of the final sum: BF16 on CUDA; FP32 under
+    """The destination-sum kernels (slot table from the receive kernel, partial sums put,
+    partials' sum) equal the PyTorch references bit for bit. ``out_dtype`` of the final sum: BF16 on CUDA; FP32 under
     the interpreter (it rounds FP32 -> BF16 towards zero, the GPU to nearest even)."""
     from moe_ep_transport import kernels, ops
 
@@ -166,14 +166,21 @@ def check_partial_kernels(device: str, out_dtype: torch.dtype) -> None:
     rows[row_src < 0], w[row_src < 0] = float("nan"), float("nan")
     row_src, origin, rows, w = (t.to(device) for t in (row_src, origin, rows, w))
 
-    table = ops.slot_rows_reference(row_src, origin, M, T_max * k)
-    assert torch.equal(kernels.slot_rows(row_src, origin, M, T_max * k), table)
-    present_Q = (table.view(-1, k) >= 0).any(1)
+    clean = ops.slot_table(row_src, origin, M, T_max * k)
+    # The receive kernel writes the table into whatever memory it gets; readers validate.
+    stale = torch.randint(-5, 2 * C, (M * T_max * k,), generator=gen).to(device)
+    out, inbox = (torch.zeros(C, 3, dtype=torch.int32, device=device) for _ in range(2))
+    kernels.finish_receive(out, inbox, row_src, me, origin, None, 1, 0, stale, T_max * k)
+    slots = ops.SlotTable(stale, row_src, origin, T_max * k)
+    assert torch.equal(ops.slot_rows_valid(slots, k)[1], ops.slot_rows_valid(clean, k)[1])
+    assert torch.equal(ops.slot_rows_valid(clean, k)[1], clean.rows_S.view(-1, k) >= 0)
+    present_Q = (clean.rows_S.view(-1, k) >= 0).any(1)
     for weights in (w, None):
-        want = ops.partial_sums_reference(rows, weights, table, k, torch.float32)
+        want = ops.partial_sums_reference(rows, weights, clean, k, torch.float32)
+        assert torch.equal(ops.partial_sums_reference(rows, weights, slots, k, torch.float32), want)
         slabs = [torch.full((M * T_max, D), -7.0, device=device) for _ in range(M)]
         addresses = torch.tensor([s.data_ptr() for s in slabs], device=device)
-        kernels.put_partial_sums(rows, weights, table, addresses, top_k=k, max_tokens=T_max, byte_offset=0, me=me)
+        kernels.put_partial_sums(rows, weights, slots, addresses, top_k=k, max_tokens=T_max, byte_offset=0, me=me)
         for s in range(M):
             got = slabs[s][me * T_max : (me + 1) * T_max]
             sent = present_Q[s * T_max : (s + 1) * T_max]

@@ -99,7 +99,8 @@ def test_signal_barrier_orders_at_system_scope() -> None:
 
 def test_destination_sum_kernels_lower_for_hopper() -> None:
     """The partial sums are unfused (bit-equal to PyTorch) and stored as 128-bit vectors."""
-    sig = {"rows_ptr": "*bf16", "w_ptr": "*fp32", "slot_rows_ptr": "*i64", "table_ptr": "*i64",
+    sig = {"rows_ptr": "*bf16", "w_ptr": "*fp32", "slot_rows_ptr": "*i64", "row_src_ptr": "*i64",
+           "origin_ptr": "*i64", "n_rows": "i32", "table_ptr": "*i64",
            "byte_offset": "i32", "me": "i32", "max_tokens": "i32", "width": "i32",
            "K": "constexpr", "HAS_W": "constexpr", "BLOCK_W": "constexpr"}
     ptx = _ptx(kernels._put_partial_sums_kernel, sig, {"K": 8, "HAS_W": True, "BLOCK_W": 1024},
@@ -110,6 +111,10 @@ def test_destination_sum_kernels_lower_for_hopper() -> None:
          {"partials_ptr": "*fp32", "dst_rank_ptr": "*i64", "y_ptr": "*bf16", "n_ranks": "i32",
           "max_tokens": "i32", "width": "i32", "K": "constexpr", "BLOCK_W": "constexpr"},
          {"K": 8, "BLOCK_W": 1024}, num_warps=4, enable_fp_fusion=False)
-    _ptx(kernels._slot_rows_kernel,
-         {"row_src_ptr": "*i64", "origin_ptr": "*i64", "table_ptr": "*i64", "n_rows": "i32",
-          "max_slots": "i32", "BLOCK": "constexpr"}, {"BLOCK": 256}, aligned=(), num_warps=4)
+    _ptx(kernels._finish_receive_kernel,
+         {"out_ptr": "*i32", "inbox_ptr": "*i32", "row_src_ptr": "*i64", "origin_in_ptr": "*i64",
+          "origin_out_ptr": "*i64", "slot_rows_ptr": "*i64", "max_slots": "i32", "me": "i32", "n_rows": "i32",
+          "width": "i32", "inbox_stride": "i32", "PER_SRC": "constexpr", "DEDUP": "constexpr",
+          "COPY_ORIGIN": "constexpr", "SLOT_ROWS": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
+         {"PER_SRC": 8, "DEDUP": True, "COPY_ORIGIN": True, "SLOT_ROWS": True, "BLOCK_R": 4, "BLOCK_W": 1024},
+         num_warps=8)

@@ -104,7 +104,7 @@ def build_model_part(cfg: PretrainConfig, mesh: ParallelMesh, device: torch.devi
     if backend != "local":
         ep_cfg = EPConfig(n_experts=m.n_experts, top_k=m.top_k,
                           max_tokens=t.micro_batch * t.seq_len, d_model=m.d_model,
-                          capacity_factor=m.capacity_factor)
+                          capacity_factor=m.capacity_factor, combine=p.ep_combine)
         codec = MXFP8RowCodec() if p.ep_payload == "mxfp8" else None
         transport = make_transport(backend, ep_cfg, mesh.ep_mp_group, device=device, dtype=dtype,
                                    codec=codec)

@@ -56,6 +56,9 @@ class ParallelConfig:
     # emulated peer memory on CPU); auto: local when ep == 1, else all_to_all
     ep_backend: Literal["auto", "local", "all_to_all", "rowwise"] = "auto"
     ep_payload: Literal["compute", "mxfp8"] = "compute"  # dispatched rows: compute dtype or MXFP8
+    # where the EP combine sums a token's top-k contributions (moe_ep_transport.EPConfig.combine):
+    # auto | source | destination
+    ep_combine: Literal["auto", "source", "destination"] = "auto"
     ddp_mode: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"  # gradient sync collective
     bucket_cap_mb: float = 64.0  # gradient bucket size (MiB of FP32)
 

@@ -89,8 +89,11 @@ class _Combine(torch.autograd.Function):
         ctx.w_dtype, ctx.rows_dtype, ctx.acc = weights_TK.dtype, rows_CD.dtype, acc
         ctx.at_destination = dispatcher.sums_at_destination(rows_CD.dtype, acc)
         if ctx.at_destination:
-            # The weights travel to the rows; each rank sums what it holds of a token.
-            w_C = ops.from_words(transport.send(route, ops.as_words(w_N.view(-1, 1)), 1), acc).view(-1)
+            # The weights travel to the rows; each rank sums what it holds of a token. Without
+            # a backward they are read where they land (a transient send: no copy).
+            keep = any(ctx.needs_input_grad[:2])
+            w_words = transport.send(route, ops.as_words(w_N.view(-1, 1)), 1, transient=not keep)
+            w_C = ops.from_words(w_words, acc).view(-1)
             y_TD = transport.reduce_back(route, rows_CD, w_C, acc)
             ctx.save_for_backward(w_C, rows_CD if need_rows else None)
             return y_TD

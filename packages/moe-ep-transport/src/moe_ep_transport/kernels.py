@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_ep_transport.ops import SlotTable
+
 _MAX_BLOCK_W = 1024  # elements of one row chunk (4 KiB of 32-bit words)
 
 
@@ -64,8 +66,9 @@ def _put_rows_kernel(
 
 @triton.jit
 def _finish_receive_kernel(
-    out_ptr, inbox_ptr, row_src_ptr, origin_in_ptr, origin_out_ptr, me, n_rows, width, inbox_stride,
-    PER_SRC: tl.constexpr, DEDUP: tl.constexpr, COPY_ORIGIN: tl.constexpr,
+    out_ptr, inbox_ptr, row_src_ptr, origin_in_ptr, origin_out_ptr, slot_rows_ptr, max_slots, me, n_rows,
+    width, inbox_stride,
+    PER_SRC: tl.constexpr, DEDUP: tl.constexpr, COPY_ORIGIN: tl.constexpr, SLOT_ROWS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -73,7 +76,7 @@ def _finish_receive_kernel(
     src = tl.load(row_src_ptr + rows, mask=live, other=me)
     remote = (src != me) & (src >= 0)
     write = remote | (src < 0)  # padding rows are written as zeros
-    if DEDUP or COPY_ORIGIN:
+    if DEDUP or COPY_ORIGIN or SLOT_ROWS:
         origin = tl.load(origin_in_ptr + rows, mask=live, other=0)
     if DEDUP:
         at = tl.where(remote, src * inbox_stride + origin // PER_SRC, 0)  # the token inbox row
@@ -86,6 +89,8 @@ def _finish_receive_kernel(
         tl.store(out_ptr + rows[:, None] * width + cols[None, :], v, mask=write[:, None] & cm)
     if COPY_ORIGIN:
         tl.store(origin_out_ptr + rows, origin, mask=live)
+    if SLOT_ROWS:  # the inverse layout (ops.SlotTable): readers validate entries, so no fill
+        tl.store(slot_rows_ptr + src * max_slots + origin, rows, mask=live & (src >= 0))
 
 
 @triton.jit
@@ -160,19 +165,9 @@ def _signal_barrier_kernel(epoch_ptr, flag_table_ptr, me, n_ranks, M_P: tl.const
 
 
 @triton.jit
-def _slot_rows_kernel(row_src_ptr, origin_ptr, table_ptr, n_rows, max_slots, BLOCK: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = rows < n_rows
-    src = tl.load(row_src_ptr + rows, mask=live, other=-1)
-    origin = tl.load(origin_ptr + rows, mask=live, other=0)
-    ok = live & (src >= 0)
-    tl.store(table_ptr + src * max_slots + origin, rows, mask=ok)
-
-
-@triton.jit
 def _put_partial_sums_kernel(
-    rows_ptr, w_ptr, slot_rows_ptr, table_ptr, byte_offset, me, max_tokens, width,
-    K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_W: tl.constexpr,
+    rows_ptr, w_ptr, slot_rows_ptr, row_src_ptr, origin_ptr, n_rows, table_ptr, byte_offset, me,
+    max_tokens, width, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     # Program (q, column block), q = s * T_max + t: source s's token t. Sum its rows here
     # in slot order, FP32, no FMA; store the partial into row me * T_max + t of s's slab
@@ -182,19 +177,23 @@ def _put_partial_sums_kernel(
     cm = cols < width
     acc = tl.zeros([BLOCK_W], dtype=tl.float32)
     present = cols < 0  # vector masks throughout (the interpreter takes no scalar masks)
+    s = q // max_tokens
+    t = q - s * max_tokens
     for j in tl.static_range(K):
-        c = tl.load(slot_rows_ptr + q * K + j)
-        ok = c >= 0
+        entry = tl.load(slot_rows_ptr + q * K + j)
+        at = tl.minimum(tl.maximum(entry, 0), n_rows - 1)
+        # A table entry counts only if that row came from this (source, slot) (ops.SlotTable).
+        ok = (entry >= 0) & (entry < n_rows) & (tl.load(row_src_ptr + at) == s)
+        ok = ok & (tl.load(origin_ptr + at) == t * K + j)
+        c = tl.where(ok, at, -1)
         row_ok = (tl.zeros([BLOCK_W], dtype=tl.int64) + c) >= 0
         x = tl.load(rows_ptr + c * width + cols, mask=cm & row_ok, other=0.0).to(tl.float32)
         if HAS_W:
-            w = tl.where(ok, tl.load(w_ptr + tl.maximum(c, 0)), 0.0)  # row 0 exists when c >= 0 does
+            w = tl.where(ok, tl.load(w_ptr + at), 0.0)
         else:
             w = tl.where(ok, 1.0, 0.0)
         acc = acc + x * w
         present = present | row_ok
-    s = q // max_tokens
-    t = q - s * max_tokens
     slab = tl.load(table_ptr + s)
     dst = tl.multiple_of((slab + byte_offset).to(tl.pointer_type(tl.float32)), 16)
     tl.store(dst + (me * max_tokens + t) * width + cols, acc, mask=cm & present)
@@ -270,13 +269,16 @@ def finish_receive(
     origin_out_C: torch.Tensor | None = None,
     per_src: int = 1,
     inbox_stride: int = 0,
+    slot_rows_out: torch.Tensor | None = None,
+    max_slots: int = 0,
 ) -> None:
     """Copy rows that came from other ranks from the inbox into ``out``; zero padding rows.
 
     Rows this rank sent to itself were written into ``out`` directly by the put.
     Row ``c`` is inbox row ``c``, or with ``inbox_stride=S > 0`` inbox row
     ``row_src[c] * S + origin_in[c] // per_src`` (the token inbox). With
-    ``origin_out_C``, ``origin_in_C`` is copied into it in the same launch.
+    ``origin_out_C``, ``origin_in_C`` is copied into it in the same launch; with
+    ``slot_rows_out``, ``slot_rows_out[row_src[c] * max_slots + origin_in[c]] = c`` too.
     """
     n = out_CW.shape[0]
     if n == 0:
@@ -287,8 +289,10 @@ def finish_receive(
         out_CW, inbox_CW, row_src_C,
         origin_in_C if origin_in_C is not None else row_src_C,
         origin_out_C if origin_out_C is not None else row_src_C,
+        slot_rows_out if slot_rows_out is not None else row_src_C, max_slots,
         me, n, width, inbox_stride, PER_SRC=per_src, DEDUP=inbox_stride > 0,
-        COPY_ORIGIN=origin_out_C is not None, BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
+        COPY_ORIGIN=origin_out_C is not None, SLOT_ROWS=slot_rows_out is not None,
+        BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
     )
 
 
@@ -365,20 +369,10 @@ def topk_gather_sum(
     return y, rows_out
 
 
-def slot_rows(row_src_C: torch.Tensor, origin_C: torch.Tensor, n_ranks: int, max_slots: int) -> torch.Tensor:
-    """int64 ``[M * N_max]``: receive row of source ``s``'s slot ``i`` at ``s * N_max + i``, or -1."""
-    table = torch.full((n_ranks * max_slots,), -1, dtype=torch.int64, device=row_src_C.device)
-    n = row_src_C.numel()
-    if n:
-        block = 256
-        _slot_rows_kernel[(triton.cdiv(n, block),)](row_src_C, origin_C, table, n, max_slots, BLOCK=block)
-    return table
-
-
 def put_partial_sums(
     rows_CD: torch.Tensor,
     w_C: torch.Tensor | None,
-    slot_rows_S: torch.Tensor,
+    slots: SlotTable,
     table_M: torch.Tensor,
     *,
     top_k: int,
@@ -394,14 +388,14 @@ def put_partial_sums(
     """
     if w_C is not None and w_C.dtype != torch.float32:
         raise ValueError(f"put_partial_sums: weights must be float32, got {w_C.dtype}")
-    Q = slot_rows_S.numel() // top_k
-    width = rows_CD.shape[1]
-    if Q == 0:
+    Q = slots.rows_S.numel() // top_k
+    C, width = rows_CD.shape
+    if Q == 0 or C == 0:
         return
     block_w = _block_w(width)
     _put_partial_sums_kernel[(Q, triton.cdiv(width, block_w))](
-        rows_CD, w_C if w_C is not None else rows_CD, slot_rows_S, table_M, byte_offset, me, max_tokens,
-        width, K=top_k, HAS_W=w_C is not None, BLOCK_W=block_w, num_warps=4, enable_fp_fusion=False,
+        rows_CD, w_C if w_C is not None else rows_CD, slots.rows_S, slots.row_src_C, slots.origin_C, C,
+        table_M, byte_offset, me, max_tokens, width, K=top_k, HAS_W=w_C is not None, BLOCK_W=block_w, num_warps=4, enable_fp_fusion=False,
     )
 
 

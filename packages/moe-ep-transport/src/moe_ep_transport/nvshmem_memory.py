@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moe_ep_transport.ops import SlotTable
 from moe_ep_transport.peer_memory import N_SLABS
 
 _HEAP_MARGIN = 256 << 20  # NVSHMEM's own symmetric state (barriers, teams) lives on the heap too
@@ -165,7 +166,7 @@ class NvshmemPeerMemory:
         byte_offset: int,
         rows_CD: torch.Tensor,
         w_C: torch.Tensor | None,
-        slot_rows_S: torch.Tensor,
+        slots: SlotTable,
         *,
         top_k: int,
         max_tokens: int,
@@ -178,7 +179,7 @@ class NvshmemPeerMemory:
         if byte_offset % 16:
             raise ValueError(f"slab offset {byte_offset} is not 16-byte aligned")
         kernels.put_partial_sums(
-            rows_CD.contiguous(), w_C, slot_rows_S, self._tables[slab], top_k=top_k, max_tokens=max_tokens,
+            rows_CD.contiguous(), w_C, slots, self._tables[slab], top_k=top_k, max_tokens=max_tokens,
             byte_offset=byte_offset, me=self.rank,
         )
 

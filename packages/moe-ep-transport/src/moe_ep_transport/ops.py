@@ -11,6 +11,8 @@ Shape legend: N slots (T tokens x k), E experts, C receive rows, W words, D widt
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from moe_ep_transport import plan_reference
@@ -109,25 +111,30 @@ def finish_receive(
     origin_out_C: torch.Tensor | None = None,
     per_src: int = 1,
     inbox_stride: int = 0,
+    slot_rows_out: torch.Tensor | None = None,
+    max_slots: int = 0,
 ) -> None:
     """Move rows from other ranks out of the symmetric inbox into ``out``; zero the padding.
 
     Receive row ``c`` is inbox row ``c``, or with ``inbox_stride=S > 0`` the token
     inbox's row ``row_src[c] * S + origin_in[c] // per_src`` (a deduplicating put,
     :func:`moe_ep_transport.peer_memory.inbox_targets`). With ``origin_out_C``, also
-    copy the rows' origins (``origin_in_C``, int64 slot indices at their sources).
+    copy the rows' origins (``origin_in_C``, int64 slot indices at their sources). With
+    ``slot_rows_out``, also write the rows of a :class:`SlotTable` (``N_max = max_slots``).
     """
-    if (origin_out_C is not None or inbox_stride > 0) and origin_in_C is None:
-        raise ValueError("finish_receive: origin_out_C and inbox_stride need origin_in_C")
+    if (origin_out_C is not None or inbox_stride > 0 or slot_rows_out is not None) and origin_in_C is None:
+        raise ValueError("finish_receive: origin_out_C, inbox_stride and slot_rows_out need origin_in_C")
     if _on_triton(out_CW):
         from moe_ep_transport import kernels
 
         kernels.finish_receive(
-            out_CW, inbox_CW, row_src_C, me, origin_in_C, origin_out_C, per_src, inbox_stride
+            out_CW, inbox_CW, row_src_C, me, origin_in_C, origin_out_C, per_src, inbox_stride,
+            slot_rows_out, max_slots,
         )
     else:
         finish_receive_reference(
-            out_CW, inbox_CW, row_src_C, me, origin_in_C, origin_out_C, per_src, inbox_stride
+            out_CW, inbox_CW, row_src_C, me, origin_in_C, origin_out_C, per_src, inbox_stride,
+            slot_rows_out, max_slots,
         )
 
 
@@ -140,6 +147,8 @@ def finish_receive_reference(
     origin_out_C: torch.Tensor | None = None,
     per_src: int = 1,
     inbox_stride: int = 0,
+    slot_rows_out: torch.Tensor | None = None,
+    max_slots: int = 0,
 ) -> None:
     """PyTorch version of :func:`finish_receive` (boolean indexing: synchronises on CUDA)."""
     remote = (row_src_C != me) & (row_src_C >= 0)
@@ -151,6 +160,10 @@ def finish_receive_reference(
     out_CW[row_src_C < 0] = 0
     if origin_out_C is not None:
         origin_out_C.copy_(origin_in_C)
+    if slot_rows_out is not None:
+        sent = row_src_C >= 0
+        rows = index_range(row_src_C.numel(), row_src_C.device)
+        slot_rows_out[row_src_C[sent] * max_slots + origin_in_C[sent]] = rows[sent]
 
 
 def topk_gather_sum(
@@ -255,50 +268,66 @@ def combine_grads_reference(
 # --- summing at the destination (EPConfig.combine) ---------------------------------
 
 
-def slot_rows(row_src_C: torch.Tensor, origin_C: torch.Tensor, n_ranks: int, max_slots: int) -> torch.Tensor:
-    """The inverse of the receive layout: int64 ``[M * N_max]``, -1 where no row.
+class SlotTable(NamedTuple):
+    """The inverse of the receive layout: which receive row here holds source ``s``'s slot ``i``.
 
-    Entry ``s * N_max + i`` is the receive row here of slot ``i`` of source ``s``
-    (``origin_C`` holds each receive row's slot index at its source), so a token's
-    rows here are the ``k`` consecutive entries ``s * N_max + t * k + j``.
+    ``rows_S[s * N_max + i]`` names a receive row ``c``; the entry is valid only if
+    ``row_src_C[c] == s`` and ``origin_C[c] == i`` (readers check), so the table needs
+    no fill: the receive kernel writes every valid entry and whatever else is there
+    is ignored. A token's rows here are the entries ``s * N_max + t * k + j``.
     """
-    if _on_triton(row_src_C):
-        from moe_ep_transport import kernels
 
-        return kernels.slot_rows(row_src_C, origin_C, n_ranks, max_slots)
-    return slot_rows_reference(row_src_C, origin_C, n_ranks, max_slots)
+    rows_S: torch.Tensor  # int64 [M * N_max]
+    row_src_C: torch.Tensor  # int64 [C]: source rank of each receive row, -1 for padding
+    origin_C: torch.Tensor  # int64 [C]: slot index of each receive row at its source
+    max_slots: int  # N_max = T_max * k: entries per source
 
 
-def slot_rows_reference(
-    row_src_C: torch.Tensor, origin_C: torch.Tensor, n_ranks: int, max_slots: int
-) -> torch.Tensor:
-    """PyTorch version of :func:`slot_rows`."""
+def slot_table(row_src_C: torch.Tensor, origin_C: torch.Tensor, n_ranks: int, max_slots: int) -> SlotTable:
+    """Build a :class:`SlotTable` with PyTorch ops (entries without a row hold -1).
+
+    The rowwise transport gets its table from the receive kernel instead
+    (:func:`finish_receive` with ``slot_rows_out``), without a launch of its own.
+    """
     dump = n_ranks * max_slots  # padding rows write one past the end
     table = torch.full((dump + 1,), -1, dtype=torch.int64, device=row_src_C.device)
     at = torch.where(row_src_C >= 0, row_src_C * max_slots + origin_C, dump)
     table.index_copy_(0, at, index_range(row_src_C.numel(), row_src_C.device))
-    return table[:dump]
+    return SlotTable(table[:dump], row_src_C, origin_C, max_slots)
+
+
+def slot_rows_valid(slots: SlotTable, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row_QK, valid_QK)``: each (source, token)'s receive row per slot, and which exist."""
+    C = slots.row_src_C.numel()
+    rows_QK = slots.rows_S.view(-1, top_k)
+    Q, T_max = rows_QK.shape[0], slots.max_slots // top_k
+    at_QK = rows_QK.clamp(0, max(C - 1, 0))
+    if C == 0:
+        return at_QK, torch.zeros_like(rows_QK, dtype=torch.bool)
+    q = index_range(Q, rows_QK.device).view(Q, 1)
+    slot_QK = (q % T_max) * top_k + index_range(top_k, rows_QK.device)
+    valid = (rows_QK >= 0) & (rows_QK < C)
+    valid &= (slots.row_src_C[at_QK] == q // T_max) & (slots.origin_C[at_QK] == slot_QK)
+    return at_QK, valid
 
 
 def partial_sums_reference(
     rows_CD: torch.Tensor,
     w_C: torch.Tensor | None,
-    slot_rows_S: torch.Tensor,
+    slots: SlotTable,
     top_k: int,
     acc_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Each (source, token)'s contributions here: ``[M * T_max, D]`` in ``acc_dtype``.
 
     Row ``q = s * T_max + t`` is ``((0 + x_0 w_0) + x_1 w_1) + ...`` over the token's
-    slots ``j`` with a row here (``slot_rows[q * k + j] >= 0``), in slot order,
-    products and sums rounded separately; ``w_C=None`` means unit weights. Zero
-    where the token has no row here. The rowwise transport's put kernel computes the
-    same rows and stores them straight into the sources (``PeerMemory.put_partial_sums``).
+    slots ``j`` with a row here, in slot order, products and sums rounded separately;
+    ``w_C=None`` means unit weights. Zero where the token has no row here. The
+    rowwise transport's put kernel computes the same rows and stores them straight
+    into the sources (``PeerMemory.put_partial_sums``).
     """
-    rows_QK = slot_rows_S.view(-1, top_k)
-    valid_QK = rows_QK >= 0
-    at_QK = rows_QK.clamp(min=0)
-    acc = torch.zeros(rows_QK.shape[0], rows_CD.shape[1], dtype=acc_dtype, device=rows_CD.device)
+    at_QK, valid_QK = slot_rows_valid(slots, top_k)
+    acc = torch.zeros(at_QK.shape[0], rows_CD.shape[1], dtype=acc_dtype, device=rows_CD.device)
     for j in range(top_k):
         x = torch.where(valid_QK[:, j, None], rows_CD[at_QK[:, j]].to(acc_dtype), 0)
         w = w_C[at_QK[:, j]] if w_C is not None else torch.ones((), dtype=acc_dtype, device=acc.device)

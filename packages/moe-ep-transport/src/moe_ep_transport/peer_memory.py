@@ -19,6 +19,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from moe_ep_transport.ops import SlotTable
+
 N_SLABS = 2
 
 
@@ -63,7 +65,7 @@ class PeerMemory(Protocol):
         byte_offset: int,
         rows_CD: torch.Tensor,
         w_C: torch.Tensor | None,
-        slot_rows_S: torch.Tensor,
+        slots: SlotTable,
         *,
         top_k: int,
         max_tokens: int,
@@ -194,7 +196,7 @@ class EmulatedPeerMemory:
         byte_offset: int,
         rows_CD: torch.Tensor,
         w_C: torch.Tensor | None,
-        slot_rows_S: torch.Tensor,
+        slots: SlotTable,
         *,
         top_k: int,
         max_tokens: int,
@@ -202,9 +204,9 @@ class EmulatedPeerMemory:
     ) -> None:
         from moe_ep_transport import ops
 
-        partials_QD = ops.partial_sums_reference(rows_CD, w_C, slot_rows_S, top_k, acc_dtype)
+        partials_QD = ops.partial_sums_reference(rows_CD, w_C, slots, top_k, acc_dtype)
         q = torch.arange(partials_QD.shape[0], device=rows_CD.device)
-        present = (slot_rows_S.view(-1, top_k) >= 0).any(1)
+        present = ops.slot_rows_valid(slots, top_k)[1].any(1)
         dst_rank_Q = torch.where(present, q // max_tokens, -1)
         dst_row_Q = self.rank * max_tokens + q % max_tokens
         self.put_rows(slab, byte_offset, ops.as_words(partials_QD), dst_rank_Q, dst_row_Q)

@@ -69,7 +69,7 @@ def _align_row(row_bytes: int) -> int:
 class RowwiseRoute:
     plan: RoutePlan
     origin_C: torch.Tensor | None = None  # source slot index of each receive row (after the first send)
-    slot_rows_S: torch.Tensor | None = None  # ops.slot_rows of this route, built on first use
+    slot_rows_S: torch.Tensor | None = None  # rows of the route's ops.SlotTable (receive kernel)
 
 
 class RowwiseTransport:
@@ -81,6 +81,11 @@ class RowwiseTransport:
         self.max_slots = cfg.max_slots
         self.max_tokens = cfg.max_tokens
         self._meta_bytes = _align(self.capacity * 8)
+        # The receive kernel writes the inverse layout when combine may sum at the destination
+        # (a store per receive row; ops.slot_table would cost launches of its own).
+        D = cfg.d_model
+        self._writes_slot_table = cfg.combine == "destination" or (
+            cfg.combine == "auto" and cfg.sums_at_destination(self.world_size, 8 * D, 4 * D))
         self._phase = 0  # advances identically on every rank (all ranks run the same calls)
         # The count exchange's fixed addressing: the counts to row `rank` of every peer.
         M, device = self.world_size, memory.slab(0).device
@@ -126,9 +131,13 @@ class RowwiseTransport:
             raise ValueError(f"plan capacity {plan.capacity} != transport capacity {self.capacity}")
         return RowwiseRoute(plan)
 
-    def send(self, route: RowwiseRoute, src_RW: torch.Tensor, per_src: int) -> torch.Tensor:
+    def send(
+        self, route: RowwiseRoute, src_RW: torch.Tensor, per_src: int, transient: bool = False
+    ) -> torch.Tensor:
         check_send(route.plan, src_RW, per_src)
         plan, C, W = route.plan, self.capacity, src_RW.shape[1]
+        if transient and per_src == 1 and route.origin_C is not None:
+            return self._send_in_place(route, src_RW)
         row_bytes = W * src_RW.element_size()
         self._check_fits(self._meta_bytes + C * row_bytes, "a row send")
         inbox_rows = self.world_size * self.max_tokens
@@ -150,14 +159,27 @@ class RowwiseTransport:
         self.memory.barrier()
         buf = self.memory.slab(slab)
         inbox = slab_view(buf, self._meta_bytes, src_RW.dtype, W)[: inbox_rows if dedup else C]
-        origin_in_C, origin_out_C = route.origin_C, None
+        origin_in_C, origin_out_C, slot_rows = route.origin_C, None, None
         if first:
             origin_in_C = buf[: C * 8].view(torch.int64)
             origin_out_C = route.origin_C = torch.empty(C, dtype=torch.int64, device=device)
+            if self._writes_slot_table:
+                slot_rows = route.slot_rows_S = torch.empty(
+                    self.world_size * self.max_slots, dtype=torch.int64, device=device)
         ops.finish_receive(
-            out, inbox, plan.row_src_C, self.rank, origin_in_C, origin_out_C, per_src, stride
+            out, inbox, plan.row_src_C, self.rank, origin_in_C, origin_out_C, per_src, stride,
+            slot_rows, self.max_slots,
         )
         return out
+
+    def _send_in_place(self, route: RowwiseRoute, src_RW: torch.Tensor) -> torch.Tensor:
+        """A send whose receive rows stay in the slab (every row, this rank's own too)."""
+        plan, C, W = route.plan, self.capacity, src_RW.shape[1]
+        self._check_fits(self._meta_bytes + C * W * src_RW.element_size(), "a row send")
+        slab = self._next_slab()
+        self.memory.put_rows(slab, self._meta_bytes, src_RW, plan.dst_rank_N, plan.dst_row_N)
+        self.memory.barrier()
+        return slab_view(self.memory.slab(slab), self._meta_bytes, src_RW.dtype, W)[:C]
 
     def gather_sum(
         self, route: RowwiseRoute, rows_CD: torch.Tensor, w_N: torch.Tensor, store_rows: bool
@@ -178,14 +200,13 @@ class RowwiseTransport:
             plan.top_k, rows_CD.dtype, store_rows,
         )
 
-    def _slot_rows(self, route: RowwiseRoute) -> torch.Tensor:
+    def _slots(self, route: RowwiseRoute) -> ops.SlotTable:
+        plan = route.plan
         if route.origin_C is None:
             raise RuntimeError("reduce_back before send: the route has no row origins")
-        if route.slot_rows_S is None:
-            route.slot_rows_S = ops.slot_rows(
-                route.plan.row_src_C, route.origin_C, self.world_size, self.max_slots
-            )
-        return route.slot_rows_S
+        if route.slot_rows_S is None:  # the receive kernel did not write it (EPConfig.combine)
+            return ops.slot_table(plan.row_src_C, route.origin_C, self.world_size, self.max_slots)
+        return ops.SlotTable(route.slot_rows_S, plan.row_src_C, route.origin_C, self.max_slots)
 
     def reduce_back(
         self, route: RowwiseRoute, rows_CD: torch.Tensor, w_C: torch.Tensor | None, acc_dtype: torch.dtype
@@ -193,10 +214,10 @@ class RowwiseTransport:
         plan, M, T_max = route.plan, self.world_size, self.max_tokens
         D = rows_CD.shape[1]
         self._check_fits(M * T_max * D * acc_dtype.itemsize, "the partial sums")
-        slot_rows_S = self._slot_rows(route)
+        slots = self._slots(route)
         slab = self._next_slab()
         self.memory.put_partial_sums(
-            slab, 0, rows_CD.contiguous(), w_C, slot_rows_S, top_k=plan.top_k, max_tokens=T_max,
+            slab, 0, rows_CD.contiguous(), w_C, slots, top_k=plan.top_k, max_tokens=T_max,
             acc_dtype=acc_dtype,
         )
         self.memory.barrier()

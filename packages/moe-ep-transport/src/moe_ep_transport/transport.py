@@ -9,7 +9,9 @@ backend computes identically; it decides nothing about the layout. Four steps:
 - ``send(route, src_RW, per_src) -> out_CW``: row ``src[i // per_src]`` of slot
   ``i`` lands at ``out[dst_row[i]]`` on ``dst_rank[i]``; padding rows are zero; a
   fresh tensor. (``per_src = k`` sends tokens: a transport may move a token once
-  per destination rank instead of once per slot.)
+  per destination rank instead of once per slot.) With ``transient`` the result may
+  instead be a view of the transport's own buffer, valid through its next call only
+  (padding rows undefined).
 - ``gather_sum(route, rows_CD, w_N, store_rows) -> (y_TD, rows_ND | None)``: the
   reverse trip, reduced: ``y[t] = sum_j w[t*k+j] * rows[dst_row]@dst_rank`` in
   ``w_N``'s dtype; dropped slots count zero whatever their weight.
@@ -56,7 +58,7 @@ class Transport(Protocol):
 
     def open_route(self, plan: RoutePlan) -> Any: ...
 
-    def send(self, route: Any, src_RW: torch.Tensor, per_src: int) -> torch.Tensor: ...
+    def send(self, route: Any, src_RW: torch.Tensor, per_src: int, transient: bool = False) -> torch.Tensor: ...
 
     def gather_sum(
         self, route: Any, rows_CD: torch.Tensor, w_N: torch.Tensor, store_rows: bool
@@ -77,7 +79,7 @@ class AllToAllRoute:
     send_splits: list[int]  # rows to each rank
     recv_splits: list[int]  # rows from each rank
     max_tokens: int = 0  # T_max of every rank (the partials' row blocks)
-    slot_rows_S: torch.Tensor | None = None  # ops.slot_rows of this route, built on first use
+    slots: ops.SlotTable | None = None  # the inverse receive layout, built on first use
 
 
 class AllToAllTransport:
@@ -120,7 +122,9 @@ class AllToAllTransport:
         recv_pos = base_sl.index_select(0, cell) + j - (ends - sizes).index_select(0, cell)
         return AllToAllRoute(plan, send_order, recv_pos, send_splits, recv_splits, self.max_tokens)
 
-    def send(self, route: AllToAllRoute, src_RW: torch.Tensor, per_src: int) -> torch.Tensor:
+    def send(
+        self, route: AllToAllRoute, src_RW: torch.Tensor, per_src: int, transient: bool = False
+    ) -> torch.Tensor:
         check_send(route.plan, src_RW, per_src)
         payload = src_RW.index_select(0, route.send_order // per_src)
         inbox = src_RW.new_empty(sum(route.recv_splits), src_RW.shape[1])
@@ -158,17 +162,15 @@ class AllToAllTransport:
         back = inbox.new_zeros(route.plan.dst_rank_N.numel(), rows_CW.shape[1])
         return back.index_copy_(0, route.send_order, inbox)
 
-    def _slot_rows(self, route: AllToAllRoute) -> torch.Tensor:
+    def _slots(self, route: AllToAllRoute) -> ops.SlotTable:
         """Built once per route: the receive rows learn their slot index by one more exchange."""
-        if route.slot_rows_S is None:
+        if route.slots is None:
             plan = route.plan
             n = plan.dst_rank_N.numel()
             index = ops.as_words(ops.index_range(n, plan.dst_rank_N.device).view(n, 1))
             origin_C = ops.from_words(self.send(route, index, 1), torch.int64).view(-1)
-            route.slot_rows_S = ops.slot_rows(
-                plan.row_src_C, origin_C, self.world_size, route.max_tokens * plan.top_k
-            )
-        return route.slot_rows_S
+            route.slots = ops.slot_table(plan.row_src_C, origin_C, self.world_size, route.max_tokens * plan.top_k)
+        return route.slots
 
     def reduce_back(
         self, route: AllToAllRoute, rows_CD: torch.Tensor, w_C: torch.Tensor | None, acc_dtype: torch.dtype
@@ -177,7 +179,7 @@ class AllToAllTransport:
         if plan.n_tokens > T_max:
             raise ValueError(f"reduce_back: {plan.n_tokens} tokens, more than the transport's max_tokens={T_max}")
         partials_QD = ops.partial_sums_reference(
-            rows_CD.contiguous(), w_C, self._slot_rows(route), plan.top_k, acc_dtype
+            rows_CD.contiguous(), w_C, self._slots(route), plan.top_k, acc_dtype
         )
         inbox_QD = torch.empty_like(partials_QD)  # block r: rank r's partials of this rank's tokens
         dist.all_to_all_single(inbox_QD, partials_QD, group=self.group)

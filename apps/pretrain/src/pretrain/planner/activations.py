@@ -60,6 +60,7 @@ class Execution:
     param_bytes: int = 2  # parameters are held in the compute dtype (the DDP path)
     ep: int = 1  # EP-MP ranks splitting each MoE layer's experts
     ep_backend: EPBackend = "local"  # local dispatch, all-to-all, or rowwise (NVSHMEM puts)
+    ep_combine: str = "auto"  # where the EP combine sums (moe_ep_transport.EPConfig.combine)
     mxfp8_expert_layers: frozenset[int] = frozenset()  # layers whose experts run moe_mxfp8's GEMMs
     mxfp8_save_activations: bool = False  # MXFP8 layers keep their saved tensors in MXFP8
     kernels: Kernels = "cuda"
@@ -251,7 +252,7 @@ def _sums_at_destination(cfg: MoEConfig, ex: Execution) -> bool:
     from moe_ep_transport import EPConfig
 
     ep_cfg = EPConfig(n_experts=cfg.n_experts, top_k=cfg.top_k, max_tokens=ex.tokens, d_model=cfg.d_model,
-                      capacity_factor=cfg.capacity_factor)
+                      capacity_factor=cfg.capacity_factor, combine=ex.ep_combine)
     D = cfg.d_model
     return ep_cfg.sums_at_destination(ex.ep, ex.compute_bytes * D, FP32 * D)
 

@@ -63,6 +63,7 @@ class PlanRequest:
     bucket_cap_mb: float = 64.0
     optimizer: str = "adamw"
     ep_backend: EPBackend = "local"
+    ep_combine: str = "auto"  # moe_ep_transport.EPConfig.combine
     mxfp8_targets: tuple[str, ...] = ()
     mxfp8_save_activations: bool = False
     gpu_gib: float = H200_GIB
@@ -112,7 +113,7 @@ class PlanRequest:
                    micro_batch=cfg.train.micro_batch, seq_len=cfg.train.seq_len,
                    global_batch=cfg.train.global_batch, ddp_mode=p.ddp_mode,
                    bucket_cap_mb=p.bucket_cap_mb, optimizer=cfg.optim.name,
-                   ep_backend=_ep_backend(p.resolved_ep_backend()),
+                   ep_backend=_ep_backend(p.resolved_ep_backend()), ep_combine=p.ep_combine,
                    mxfp8_targets=tuple(cfg.mxfp8.targets),
                    mxfp8_save_activations=cfg.mxfp8.save_mxfp8_activations,
                    **planner)  # type: ignore[arg-type]
@@ -215,7 +216,7 @@ def _nvshmem_heap(req: PlanRequest) -> int:
 
     m = req.model
     cfg = EPConfig(n_experts=m.n_experts, top_k=m.top_k, max_tokens=req.micro_batch * req.seq_len,
-                   d_model=m.d_model, capacity_factor=m.capacity_factor)
+                   d_model=m.d_model, capacity_factor=m.capacity_factor, combine=req.ep_combine)
     return N_SLABS * slab_bytes_for(cfg, req.ep, 2 * m.d_model) + NVSHMEM_HEAP_MARGIN
 
 
@@ -229,6 +230,7 @@ def plan_memory(req: PlanRequest, shapes: ModelShapes | None = None,
         raise ValueError("plan_memory: shapes were built for another model configuration")
     ex = Execution(
         micro_batch=req.micro_batch, seq_len=req.seq_len, ep=req.ep, ep_backend=req.ep_backend,
+        ep_combine=req.ep_combine,
         mxfp8_expert_layers=frozenset(
             layer for layer in range(m.n_layers)
             if any(name_matches(f"blocks.{layer}.mlp.experts", t) for t in req.mxfp8_targets)),
