@@ -134,7 +134,8 @@ def _put_ceiling(transport, row_words: int, put_bytes: int, iters: int) -> float
     peer = torch.full((n,), (memory.rank + 1) % memory.world_size, device="cuda")
 
     def put():
-        memory.put_rows(0, 0, src, peer, rows)  # ends in a barrier
+        memory.put_rows(0, 0, src, peer, rows)
+        memory.barrier()
 
     ms, _ = _time(put, iters, 3)
     return n * row_words * 4 / (ms * 1e-3) / 1e9

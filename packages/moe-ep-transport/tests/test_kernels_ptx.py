@@ -37,10 +37,9 @@ def _count(ptx: str, op: str) -> int:
 _PUT_SIGNATURE = {
     "src_ptr": "*i32", "dst_rank_ptr": "*i64", "dst_row_ptr": "*i64",
     "table_ptr": "*i64", "byte_offset": "i32", "local_addr": "i64", "me": "i32", "meta_src_ptr": "*i64",
-    "n_rows": "i32", "width": "i32", "inbox_stride": "i32", "done_ptr": "*i64", "epoch_ptr": "*i64",
-    "flag_table_ptr": "*i64", "n_ranks": "i32", "PER_SRC": "constexpr", "DEDUP": "constexpr",
-    "HAS_LOCAL": "constexpr", "SKIP_LOCAL": "constexpr", "HAS_META": "constexpr", "COMPLETE": "constexpr",
-    "M_P": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr",
+    "n_rows": "i32", "width": "i32", "inbox_stride": "i32", "PER_SRC": "constexpr", "DEDUP": "constexpr",
+    "HAS_LOCAL": "constexpr", "SKIP_LOCAL": "constexpr", "HAS_META": "constexpr", "BLOCK_R": "constexpr",
+    "BLOCK_W": "constexpr",
 }
 
 
@@ -49,16 +48,10 @@ def test_put_rows_stores_128_bit_vectors_through_peer_pointers(
     local: bool, skip: bool, meta: bool, dedup: bool
 ) -> None:
     consts = {"HAS_LOCAL": local, "SKIP_LOCAL": skip, "HAS_META": meta, "BLOCK_R": 4, "BLOCK_W": 1024,
-              "PER_SRC": 8 if dedup else 1, "DEDUP": dedup, "COMPLETE": dedup, "M_P": 2}
+              "PER_SRC": 8 if dedup else 1, "DEDUP": dedup}
     ptx = _ptx(kernels._put_rows_kernel, _PUT_SIGNATURE, consts, aligned=("width", "byte_offset", "local_addr"),
                num_warps=8)
     assert _count(ptx, "st.global.v4.b32") > 0 and _count(ptx, "st.global.b32") == 0
-    if consts["COMPLETE"]:  # the folded barrier: programs release their stores, the last one
-        atoms = re.findall(r"atom\.[\w.]+", ptx)  # announces at system scope and acquires
-        assert any("acq_rel" in a and "sys" in a and "add" in a for a in atoms), atoms
-        assert any("release" in a and "sys" in a and "exch" in a for a in atoms), atoms
-        assert any("acquire" in a and "sys" in a and "add" in a for a in atoms), atoms
-        assert "bar.sync" in ptx
 
 
 def test_topk_sum_has_no_fused_multiply_add() -> None:
@@ -108,12 +101,9 @@ def test_destination_sum_kernels_lower_for_hopper() -> None:
     """The partial sums are unfused (bit-equal to PyTorch) and stored as 128-bit vectors."""
     sig = {"rows_ptr": "*bf16", "w_ptr": "*fp32", "slot_rows_ptr": "*i64", "row_src_ptr": "*i64",
            "origin_ptr": "*i64", "n_rows": "i32", "table_ptr": "*i64",
-           "byte_offset": "i32", "me": "i32", "max_tokens": "i32", "width": "i32", "done_ptr": "*i64",
-           "epoch_ptr": "*i64", "flag_table_ptr": "*i64", "n_ranks": "i32",
-           "K": "constexpr", "HAS_W": "constexpr", "COMPLETE": "constexpr", "M_P": "constexpr",
-           "BLOCK_W": "constexpr"}
-    ptx = _ptx(kernels._put_partial_sums_kernel, sig,
-               {"K": 8, "HAS_W": True, "COMPLETE": True, "M_P": 2, "BLOCK_W": 1024},
+           "byte_offset": "i32", "me": "i32", "max_tokens": "i32", "width": "i32",
+           "K": "constexpr", "HAS_W": "constexpr", "BLOCK_W": "constexpr"}
+    ptx = _ptx(kernels._put_partial_sums_kernel, sig, {"K": 8, "HAS_W": True, "BLOCK_W": 1024},
                aligned=("width", "byte_offset"), num_warps=4, enable_fp_fusion=False)
     assert _count(ptx, "fma.rn.f32") == 0 and _count(ptx, "mul.rn.f32") > 0
     assert _count(ptx, "st.global.v4.b32") > 0 and _count(ptx, "st.global.b32") == 0

@@ -3,7 +3,7 @@
 Their cost at per-layer sizes was host time: a hundred and more small launches per
 dispatch, not bytes. On CUDA every ``moe_ep_transport.ops`` device function is one
 Triton launch (``rank_slots`` two, with its block scan), every ``PeerMemory.put_rows``
-one kernel (ending in its barrier) and a barrier alone one; any other aten op that computes
+one kernel and every barrier one NVSHMEM launch; any other aten op that computes
 (not a view, not an allocation) is one more CUDA launch. On CPU the same code runs
 with the PyTorch references and the emulated peer memory, so counting aten ops
 *outside* those calls, plus the calls at their GPU cost, gives the launches of the
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _oracle import make_data  # noqa: E402
 from moe_ep_transport import EPConfig, EPDispatcher, make_transport, ops  # noqa: E402
 
-# GPU launches per call of each device function (ops: Triton; memory: put kernel, flag barrier).
+# GPU launches per call of each device function (ops: Triton; memory: put kernel, NVSHMEM barrier).
 _GPU_LAUNCHES = {"rank_slots": 2, "plan_cells": 1, "plan_rows": 1, "finish_receive": 1,
                  "topk_gather_sum": 1, "combine_grads": 1, "sum_partials": 1,
                  "put_rows": 1, "put_partial_sums": 1, "barrier": 1}
@@ -42,8 +42,8 @@ _NO_LAUNCH = {
 }
 # Bounds: one no-grad dispatch+combine; one training step (dispatch, combine, both backwards),
 # summing at the source / at the destinations (EPConfig.combine).
-_MAX_FORWARD = {"source": 10, "destination": 11}
-_MAX_TRAINING = {"source": 19, "destination": 21}
+_MAX_FORWARD = {"source": 13, "destination": 15}
+_MAX_TRAINING = {"source": 24, "destination": 27}
 
 
 class _LaunchCounter(TorchDispatchMode):
@@ -125,8 +125,7 @@ def test_dispatch_and_combine_launch_few_device_operations(combine: str) -> None
     out = run_distributed(_count_launches, 2, combine, timeout=120)
     at_source = {"topk_gather_sum"}
     at_destination = {"sum_partials", "put_partial_sums"}
-    # Puts end in their own barrier: the barrier kernel alone is never needed.
-    used = set(_GPU_LAUNCHES) - (at_destination if combine == "source" else at_source) - {"barrier"}
+    used = set(_GPU_LAUNCHES) - (at_destination if combine == "source" else at_source)
     for counts in out:
         fwd, train = counts["forward"], counts["training"]
         # Every device function is reached (a renamed one would silently count nothing).
@@ -134,5 +133,6 @@ def test_dispatch_and_combine_launch_few_device_operations(combine: str) -> None
         assert set(fwd["device"]) == used - {"combine_grads"}, fwd
         puts = 3 if combine == "source" else 4  # counts, tokens, (weights,) rows or partials back
         assert fwd["device"]["put_rows"] + fwd["device"].get("put_partial_sums", 0) == puts, fwd
+        assert fwd["device"]["barrier"] == puts, fwd
         assert fwd["launches"] <= _MAX_FORWARD[combine], fwd
         assert train["launches"] <= _MAX_TRAINING[combine], train

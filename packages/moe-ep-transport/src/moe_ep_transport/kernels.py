@@ -26,10 +26,9 @@ _MAX_BLOCK_W = 1024  # elements of one row chunk (4 KiB of 32-bit words)
 @triton.jit
 def _put_rows_kernel(
     src_ptr, dst_rank_ptr, dst_row_ptr, table_ptr, byte_offset, local_addr, me,
-    meta_src_ptr, n_rows, width, inbox_stride, done_ptr, epoch_ptr, flag_table_ptr, n_ranks,
+    meta_src_ptr, n_rows, width, inbox_stride,
     PER_SRC: tl.constexpr, DEDUP: tl.constexpr, HAS_LOCAL: tl.constexpr, SKIP_LOCAL: tl.constexpr,
-    HAS_META: tl.constexpr, COMPLETE: tl.constexpr, M_P: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    HAS_META: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rank = tl.load(dst_rank_ptr + rows, mask=rows < n_rows, other=-1)
@@ -63,8 +62,6 @@ def _put_rows_kernel(
     if HAS_META:
         meta = tl.load(meta_src_ptr + rows, mask=ok, other=0)
         tl.store(slab.to(tl.pointer_type(tl.int64)) + dst_row, meta, mask=ok)
-    if COMPLETE:
-        _last_program_completes(done_ptr, epoch_ptr, flag_table_ptr, me, n_ranks, M_P)
 
 
 @triton.jit
@@ -148,10 +145,10 @@ def _combine_grads_kernel(
 
 
 @triton.jit
-def _signal_and_wait(epoch_ptr, flag_table_ptr, me, n_ranks, M_P: tl.constexpr):
-    # Bump this rank's epoch, store it into slot `me` of every rank's flags (release at
-    # system scope: the puts before it are visible before the flag), then spin until
-    # every rank's flag here reached the epoch (acquire).
+def _signal_barrier_kernel(epoch_ptr, flag_table_ptr, me, n_ranks, M_P: tl.constexpr):
+    # One program: bump this rank's epoch, store it into slot `me` of every rank's flags
+    # (release at system scope: the puts of earlier kernels are visible before the flag),
+    # then spin until every rank's flag here reached the epoch (acquire).
     epoch = tl.load(epoch_ptr) + 1
     tl.store(epoch_ptr, epoch)
     r = tl.arange(0, M_P)
@@ -168,27 +165,9 @@ def _signal_and_wait(epoch_ptr, flag_table_ptr, me, n_ranks, M_P: tl.constexpr):
 
 
 @triton.jit
-def _last_program_completes(done_ptr, epoch_ptr, flag_table_ptr, me, n_ranks, M_P: tl.constexpr):
-    # The barrier folded into a put kernel: each program's stores are issued (CTA barrier)
-    # and released before it counts itself done; the last program to count (it acquires
-    # the others' releases) announces the exchange to the peers and waits for theirs.
-    tl.debug_barrier()
-    done = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="sys")
-    if done == tl.num_programs(0) * tl.num_programs(1) - 1:
-        tl.store(done_ptr, 0)  # the next put kernel starts after this one ends (stream order)
-        _signal_and_wait(epoch_ptr, flag_table_ptr, me, n_ranks, M_P)
-
-
-@triton.jit
-def _signal_barrier_kernel(epoch_ptr, flag_table_ptr, me, n_ranks, M_P: tl.constexpr):
-    _signal_and_wait(epoch_ptr, flag_table_ptr, me, n_ranks, M_P)
-
-
-@triton.jit
 def _put_partial_sums_kernel(
     rows_ptr, w_ptr, slot_rows_ptr, row_src_ptr, origin_ptr, n_rows, table_ptr, byte_offset, me,
-    max_tokens, width, done_ptr, epoch_ptr, flag_table_ptr, n_ranks,
-    K: tl.constexpr, HAS_W: tl.constexpr, COMPLETE: tl.constexpr, M_P: tl.constexpr, BLOCK_W: tl.constexpr,
+    max_tokens, width, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     # Program (q, column block), q = s * T_max + t: source s's token t. Sum its rows here
     # in slot order, FP32, no FMA; store the partial into row me * T_max + t of s's slab
@@ -218,8 +197,6 @@ def _put_partial_sums_kernel(
     slab = tl.load(table_ptr + s)
     dst = tl.multiple_of((slab + byte_offset).to(tl.pointer_type(tl.float32)), 16)
     tl.store(dst + (me * max_tokens + t) * width + cols, acc, mask=cm & present)
-    if COMPLETE:
-        _last_program_completes(done_ptr, epoch_ptr, flag_table_ptr, me, n_ranks, M_P)
 
 
 @triton.jit
@@ -240,35 +217,6 @@ def _sum_partials_kernel(
     tl.store(y_ptr + t * width + cols, acc.to(y_ptr.dtype.element_ty), mask=cm)
 
 
-class Completion:
-    """What a put kernel needs to end in a barrier over the peers (flags in peer memory).
-
-    ``done_1`` (int64, zero between kernels) counts the kernel's finished programs; the
-    last one bumps ``epoch_1`` (int64, this rank's barrier count), stores it into every
-    rank's flags (``flag_table_M[r]`` = address of rank ``r``'s ``M`` int64 flags) and
-    waits for every rank's: :func:`signal_barrier` at the end of the put, one launch less.
-    """
-
-    def __init__(self, done_1: torch.Tensor | None, epoch_1: torch.Tensor | None,
-                 flag_table_M: torch.Tensor | None) -> None:
-        self.done_1, self.epoch_1, self.flag_table_M = done_1, epoch_1, flag_table_M
-        n = flag_table_M.numel() if flag_table_M is not None else 1
-        self.n_ranks, self.m_p = n, max(2, triton.next_power_of_2(n))
-
-    def args(self, placeholder: torch.Tensor) -> tuple:
-        """``done_ptr, epoch_ptr, flag_table_ptr, n_ranks`` (placeholders when absent)."""
-        if self.done_1 is None:
-            return placeholder, placeholder, placeholder, 1
-        return self.done_1, self.epoch_1, self.flag_table_M, self.n_ranks
-
-    def barrier(self, me: int) -> None:
-        """The barrier alone, for a put with nothing to store."""
-        signal_barrier(self.epoch_1, self.flag_table_M, me)
-
-
-_NO_COMPLETION = Completion(None, None, None)
-
-
 def _block_w(width: int) -> int:
     return min(_MAX_BLOCK_W, triton.next_power_of_2(max(width, 1)))
 
@@ -286,7 +234,6 @@ def put_rows(
     skip_local: bool = False,
     meta_N: torch.Tensor | None = None,
     inbox_stride: int = 0,
-    completion: Completion | None = None,
 ) -> None:
     """Row ``dst_row[i]`` at ``table[dst_rank[i]] + byte_offset`` becomes ``src[i // per_src]``.
 
@@ -296,25 +243,20 @@ def put_rows(
     ``skip_local``. With ``meta_N``, also ``int64 slab[dst_row[i]] = meta[i]`` at the
     slab's start. With ``inbox_stride=S > 0`` a row for another rank goes there once
     per source row, to row ``me * S + i // per_src`` (its token inbox), not ``dst_row``.
-    With ``completion``, the kernel ends in a barrier over the peers (:class:`Completion`).
     """
     if local_dst is not None and skip_local:
         raise ValueError("put_rows: local_dst and skip_local exclude each other")
     n = dst_rank_N.numel()
     if n == 0:
-        if completion is not None:
-            completion.barrier(me)
         return
     width = src_SW.shape[1]
     block_r = 4
-    c = completion or _NO_COMPLETION
     _put_rows_kernel[(triton.cdiv(n, block_r),)](
         src_SW, dst_rank_N, dst_row_N, table_M, byte_offset,
         local_dst.data_ptr() if local_dst is not None else 0, me,
         meta_N if meta_N is not None else dst_row_N, n, width, inbox_stride,
-        *c.args(dst_rank_N), PER_SRC=per_src, DEDUP=inbox_stride > 0, HAS_LOCAL=local_dst is not None,
-        SKIP_LOCAL=skip_local, HAS_META=meta_N is not None, COMPLETE=completion is not None, M_P=c.m_p,
-        BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
+        PER_SRC=per_src, DEDUP=inbox_stride > 0, HAS_LOCAL=local_dst is not None, SKIP_LOCAL=skip_local,
+        HAS_META=meta_N is not None, BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
     )
 
 
@@ -437,29 +379,23 @@ def put_partial_sums(
     max_tokens: int,
     byte_offset: int,
     me: int,
-    completion: Completion | None = None,
 ) -> None:
     """Sum each (source, token)'s rows here and store the FP32 partial into the source.
 
     Row ``q = s * T_max + t`` of :func:`moe_ep_transport.ops.partial_sums_reference`,
     bit for bit (FMA contraction off), lands at row ``me * T_max + t`` of the FP32 rows
-    at ``table[s] + byte_offset``; tokens without a row here store nothing. With
-    ``completion``, the kernel ends in a barrier over the peers (:class:`Completion`).
+    at ``table[s] + byte_offset``; tokens without a row here store nothing.
     """
     if w_C is not None and w_C.dtype != torch.float32:
         raise ValueError(f"put_partial_sums: weights must be float32, got {w_C.dtype}")
     Q = slots.rows_S.numel() // top_k
     C, width = rows_CD.shape
     if Q == 0 or C == 0:
-        if completion is not None:
-            completion.barrier(me)
         return
     block_w = _block_w(width)
-    c = completion or _NO_COMPLETION
     _put_partial_sums_kernel[(Q, triton.cdiv(width, block_w))](
         rows_CD, w_C if w_C is not None else rows_CD, slots.rows_S, slots.row_src_C, slots.origin_C, C,
-        table_M, byte_offset, me, max_tokens, width, *c.args(slots.rows_S), K=top_k, HAS_W=w_C is not None,
-        COMPLETE=completion is not None, M_P=c.m_p, BLOCK_W=block_w, num_warps=4, enable_fp_fusion=False,
+        table_M, byte_offset, me, max_tokens, width, K=top_k, HAS_W=w_C is not None, BLOCK_W=block_w, num_warps=4, enable_fp_fusion=False,
     )
 
 

@@ -111,8 +111,6 @@ class NvshmemPeerMemory:
         self._flags.zero_()
         self._flag_table = self._peer_table(self._flags, device)
         self._epoch = torch.zeros(1, dtype=torch.int64, device=device)
-        # A put kernel's finished programs; its last one runs the barrier (kernels.Completion).
-        self._done = torch.zeros(1, dtype=torch.int64, device=device)
         self._host_barrier()  # no rank signals before every rank's flags are zero
 
     def _peer_table(self, buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -159,7 +157,7 @@ class NvshmemPeerMemory:
         kernels.put_rows(
             src_RW.contiguous(), dst_rank_N, dst_row_N, self._tables[slab], per_src=per_src,
             byte_offset=byte_offset, me=self.rank, local_dst=local_dst, skip_local=skip_local,
-            meta_N=meta_N, inbox_stride=inbox_stride, completion=self._completion(),
+            meta_N=meta_N, inbox_stride=inbox_stride,
         )
 
     def put_partial_sums(
@@ -182,17 +180,12 @@ class NvshmemPeerMemory:
             raise ValueError(f"slab offset {byte_offset} is not 16-byte aligned")
         kernels.put_partial_sums(
             rows_CD.contiguous(), w_C, slots, self._tables[slab], top_k=top_k, max_tokens=max_tokens,
-            byte_offset=byte_offset, me=self.rank, completion=self._completion(),
+            byte_offset=byte_offset, me=self.rank,
         )
 
-    def _completion(self) -> Any:
-        from moe_ep_transport import kernels
-
-        return kernels.Completion(self._done, self._epoch, self._flag_table)
-
     def barrier(self) -> None:
-        """A flag barrier through peer pointers (one small kernel; the puts end in the same
-        barrier inside their own kernel, which saves a launch per exchange)."""
+        """A flag barrier through peer pointers (one small kernel; a dispatch + combine
+        passes three barriers, so their latency counts at small sizes)."""
         from moe_ep_transport import kernels
 
         kernels.signal_barrier(self._epoch, self._flag_table, self.rank)

@@ -9,7 +9,7 @@ does them with a Triton kernel that stores straight into peers' NVSHMEM buffers.
 Each rank holds two *slabs* (byte buffers of the same size on every rank). A
 transport uses one slab per communication phase, alternating, so that a phase
 never writes into a buffer that a peer may still be reading from the previous
-phase (the barrier that ends each put orders it).
+phase (the barrier between the two phases orders it).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ class PeerMemory(Protocol):
         when given, or are skipped with ``skip_local``. ``meta_N`` (int64) is written
         at the slab's start, at row ``dst_row[i]``. With ``inbox_stride=S > 0`` rows
         for other ranks travel once per source row instead (see :func:`inbox_targets`).
-        Collective, and complete when it returns (stream order): every rank's rows of this
-        call have landed (the put ends in a barrier). One kernel launch on the GPU.
+        Collective: every rank calls it; completion is only guaranteed after
+        :meth:`barrier`. One kernel launch on the GPU.
         """
         ...
 
@@ -75,13 +75,13 @@ class PeerMemory(Protocol):
 
         The partial (:func:`moe_ep_transport.ops.partial_sums_reference`, rows of
         ``acc_dtype``) lands at row ``rank * max_tokens + t`` of ``s``'s slab from
-        ``byte_offset``; tokens without a row here write nothing. Collective and complete
-        like :meth:`put_rows`; one kernel launch on the GPU (FP32 only there).
+        ``byte_offset``; tokens without a row here write nothing. Collective like
+        :meth:`put_rows`; one kernel launch on the GPU (FP32 only there).
         """
         ...
 
     def barrier(self) -> None:
-        """Stream-ordered barrier over the ranks (the puts end in one already)."""
+        """Stream-ordered barrier: every rank's earlier puts are visible after it."""
         ...
 
 

@@ -21,8 +21,7 @@ reading its own rows straight from the expert output. Putting (not fetching)
 saves copying the expert output into a symmetric buffer first, and stores travel
 faster than loads over NVLink.
 
-Every step is one launch (a put, which ends in the barrier that completes it, or a
-kernel of :mod:`moe_ep_transport.ops`);
+Every step is one launch (a put, a barrier, a kernel of :mod:`moe_ep_transport.ops`);
 index tensors that do not change between calls are built once. Sizes are static:
 capacity C rows to receive, T_max*k slots to return.
 """
@@ -120,6 +119,7 @@ class RowwiseTransport:
         self.memory.put_rows(
             slab, 0, counts_E.to(torch.int32).view(1, E), self._count_rank_M, self._count_row_M, per_src=M,
         )
+        self.memory.barrier()
         return slab_view(self.memory.slab(slab), 0, torch.int32, E)[:M]
 
     def sends_tokens_once(self, row_bytes: int) -> bool:
@@ -156,6 +156,7 @@ class RowwiseTransport:
             local_dst=out, meta_N=ops.index_range(plan.dst_rank_N.numel(), device) if first else None,
             inbox_stride=stride,
         )
+        self.memory.barrier()
         buf = self.memory.slab(slab)
         inbox = slab_view(buf, self._meta_bytes, src_RW.dtype, W)[: inbox_rows if dedup else C]
         origin_in_C, origin_out_C, slot_rows = route.origin_C, None, None
@@ -177,6 +178,7 @@ class RowwiseTransport:
         self._check_fits(self._meta_bytes + C * W * src_RW.element_size(), "a row send")
         slab = self._next_slab()
         self.memory.put_rows(slab, self._meta_bytes, src_RW, plan.dst_rank_N, plan.dst_row_N)
+        self.memory.barrier()
         return slab_view(self.memory.slab(slab), self._meta_bytes, src_RW.dtype, W)[:C]
 
     def gather_sum(
@@ -191,6 +193,7 @@ class RowwiseTransport:
         self._check_fits(self.max_slots * words.shape[1] * words.element_size(), "a row return")
         slab = self._next_slab()
         self.memory.put_rows(slab, 0, words, plan.row_src_C, route.origin_C, skip_local=True)
+        self.memory.barrier()
         inbox_ND = slab_view(self.memory.slab(slab), 0, rows_CD.dtype, rows_CD.shape[1])[:n]
         return ops.topk_gather_sum(
             inbox_ND, rows_CD, plan.dst_rank_N, plan.dst_row_N, self.rank, w_N,
@@ -217,6 +220,7 @@ class RowwiseTransport:
             slab, 0, rows_CD.contiguous(), w_C, slots, top_k=plan.top_k, max_tokens=T_max,
             acc_dtype=acc_dtype,
         )
+        self.memory.barrier()
         partials_QD = slab_view(self.memory.slab(slab), 0, acc_dtype, D)[: M * T_max]
         return ops.sum_partials(partials_QD, plan.dst_rank_N, M, T_max, plan.top_k, rows_CD.dtype)
 
@@ -229,5 +233,6 @@ class RowwiseTransport:
         slab = self._next_slab()
         # Every row, this rank's own included, lands at its slot index in its source's slab.
         self.memory.put_rows(slab, 0, rows_CW.contiguous(), plan.row_src_C, route.origin_C)
+        self.memory.barrier()
         back = slab_view(self.memory.slab(slab), 0, rows_CW.dtype, W)[:n]
         return back.masked_fill(plan.dst_rank_N.unsqueeze(1) < 0, 0)  # dropped slots: nobody wrote them
