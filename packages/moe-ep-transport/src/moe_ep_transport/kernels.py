@@ -395,7 +395,8 @@ def put_partial_sums(
     block_w = _block_w(width)
     _put_partial_sums_kernel[(Q, triton.cdiv(width, block_w))](
         rows_CD, w_C if w_C is not None else rows_CD, slots.rows_S, slots.row_src_C, slots.origin_C, C,
-        table_M, byte_offset, me, max_tokens, width, K=top_k, HAS_W=w_C is not None, BLOCK_W=block_w, num_warps=4, enable_fp_fusion=False,
+        table_M, byte_offset, me, max_tokens, width, K=top_k, HAS_W=w_C is not None, BLOCK_W=block_w,
+        num_warps=4, enable_fp_fusion=False,
     )
 
 

@@ -185,7 +185,7 @@ class NvshmemPeerMemory:
 
     def barrier(self) -> None:
         """A flag barrier through peer pointers (one small kernel; a dispatch + combine
-        passes three barriers, so their latency counts at small sizes)."""
+        passes three or four barriers, so their latency counts at small sizes)."""
         from moe_ep_transport import kernels
 
         kernels.signal_barrier(self._epoch, self._flag_table, self.rank)
