@@ -194,3 +194,19 @@ def test_bytes_per_row_reports_the_codec_width() -> None:
     assert plain.bytes_per_row(torch.float32) == 48 * 4 == bytes_per_row(48, torch.float32)
     assert coded.bytes_per_row(torch.float32) == 96 == bytes_per_row(48, torch.float32, BytesCodec())
     assert (plain.expert_start, plain.n_local, plain.capacity) == (4, 4, 40)
+
+
+def test_combine_site_auto_rule() -> None:
+    D = 2048
+    cfg = EPConfig(64, 8, 1024, D)
+    # Top-8 over two ranks: ~4 experts per rank reached, FP32 partials are half of 4 BF16 rows.
+    assert cfg.sums_at_destination(2, 2 * D, 4 * D)
+    assert not cfg.sums_at_destination(4, 2 * D, 4 * D)  # ~2.2 rows per rank: 0.9 of the bytes
+    assert not cfg.sums_at_destination(8, 2 * D, 4 * D)  # ~1.5: more bytes than the rows
+    assert not cfg.sums_at_destination(1, 2 * D, 4 * D)  # nothing travels
+    assert not cfg.sums_at_destination(2, 8 * D, 8 * D)  # FP64 partials: the GPU kernels sum in FP32
+    assert not EPConfig(64, 2, 1024, D).sums_at_destination(2, 2 * D, 4 * D)  # top-2: ~1.3 per rank
+    assert EPConfig(64, 2, 1024, D, combine="destination").sums_at_destination(8, 2 * D, 8 * D)
+    assert not EPConfig(64, 8, 1024, D, combine="source").sums_at_destination(2, 2 * D, 4 * D)
+    with pytest.raises(ValueError, match="EPConfig.combine"):
+        EPConfig(64, 8, 1024, D, combine="sideways")

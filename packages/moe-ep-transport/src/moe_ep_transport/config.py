@@ -77,11 +77,13 @@ class EPConfig:
         small send) and two more launches. Under uniform routing a token has
         ``u = k / (M * (1 - (1 - 1/M)^k))`` experts on each rank it reaches (top-8 on
         two ranks: 4; on eight: 1.5), so ``"auto"`` sums at the destination when its
-        partials are less than 3/4 of the bytes of the rows they replace.
+        partials are less than 3/4 of the bytes of the rows they replace, and only with
+        FP32 partials (``partial_bytes == 4 * d_model``: what the GPU kernels accumulate in;
+        ``"destination"`` with wider partials runs on CPU and raises on the GPU transport).
         """
         if self.combine != "auto":
             return self.combine == "destination"
-        if ep_size < 2:
+        if ep_size < 2 or partial_bytes != 4 * self.d_model:
             return False
         k, M = self.top_k, ep_size
         rows_per_rank = k / (M * (1.0 - (1.0 - 1.0 / M) ** k))
