@@ -27,7 +27,7 @@ columns compare like for like; ``x nccl`` is NCCL's time over the backend's;
 rank, twice, as an all-to-all moves them); ``moved`` (MiB) is what actually crosses
 NVLink per dispatch + combine (the rowwise dispatch sends a token once per rank, not
 once per slot; summing at the destination returns one FP32 partial per token and
-rank after sending the weights; metadata not counted) and ``% link`` its rate over
+rank, the weights riding in the dispatch's metadata; metadata not counted) and ``% link`` its rate over
 the put ceiling. ``ms`` is device time
 per iteration (events around a loop: when the host cannot issue work as fast as the
 GPU runs it, this is host time);
@@ -153,11 +153,10 @@ def _moved_bytes(dispatcher: EPDispatcher, remote: int, pairs: int, row_bytes: i
     there = (pairs if dedup else remote) * row_bytes
     if not dispatcher.sums_at_destination(torch.bfloat16, torch.float32):
         return there + rows_out * row_bytes
-    weights = remote * 4
-    if dedup:  # one partial per (token, other rank) holding any of its rows
-        return there + weights + pairs * cfg.d_model * 4
-    # The all-to-all reference returns a full block of max_tokens partials per rank.
-    return there + weights + cfg.max_tokens * cfg.d_model * 4
+    if dedup:  # one partial per (token, other rank) holding any of its rows; weights in the metadata
+        return there + pairs * cfg.d_model * 4
+    # The all-to-all reference sends the weights, then a full block of max_tokens partials per rank.
+    return there + remote * 4 + cfg.max_tokens * cfg.d_model * 4
 
 
 def _bench_case(cfgs: dict, transports: dict, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
@@ -191,8 +190,8 @@ def _bench_case(cfgs: dict, transports: dict, x: torch.Tensor, ids: torch.Tensor
         moved[name] = _moved_bytes(dispatcher, remote, pairs, row_bytes, remote)
 
         def both(d: EPDispatcher = dispatcher) -> None:
-            with torch.no_grad():
-                out, _, h = d.dispatch(x, ids)
+            with torch.no_grad():  # the weights go to dispatch too, as the MoE layer does it
+                out, _, h = d.dispatch(x, ids, w)
                 d.combine(out, w, h)
 
         def dispatch_only(d: EPDispatcher = dispatcher) -> None:

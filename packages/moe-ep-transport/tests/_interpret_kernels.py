@@ -160,8 +160,40 @@ def check_signal_barrier() -> None:
     assert int(epoch) == 2 and [int(f[1]) for f in flags] == [2, 2, 2]
 
 
+def check_weights_in_metadata() -> None:
+    # A slot's weight rides in the high half of its metadata; the receive kernel unpacks
+    # the slot index and the weight (zero for padding rows).
+    gen = torch.Generator().manual_seed(5)
+    n, C = 10, 12
+    dst_rank = torch.tensor([0, 1, 1, 0, -1, 1, 0, 1, 0, 1])
+    dst_row = torch.randperm(C, generator=gen)[:n]
+    w = torch.randn(n, generator=gen)  # negative weights too: the sign bit is the top bit
+    slabs = [torch.zeros(C * 8 + 16 * C, dtype=torch.uint8) for _ in range(2)]
+    table = torch.tensor([s.data_ptr() for s in slabs])
+    src = torch.zeros(n, 4, dtype=torch.int32)
+    kernels.put_rows(src, dst_rank, dst_row, table, byte_offset=C * 8, me=1, meta_N=torch.arange(n), meta_w_N=w)
+    packed = ops.pack_meta(torch.arange(n), w)
+    for r in range(2):
+        meta = slabs[r][: C * 8].view(torch.int64)
+        mine = dst_rank == r
+        assert torch.equal(meta[dst_row[mine]], packed[mine]), r
+    index, weight = ops.unpack_meta(packed)
+    assert torch.equal(index, torch.arange(n)) and torch.equal(weight, w)
+    meta1 = slabs[1][: C * 8].view(torch.int64).clone()
+    row_src = torch.full((C,), -1)
+    row_src[dst_row[dst_rank == 1]] = 0
+    out, inbox = torch.zeros(C, 4, dtype=torch.int32), torch.zeros(C, 4, dtype=torch.int32)
+    got_w, got_origin = torch.full((C,), 9.0), torch.zeros(C, dtype=torch.int64)
+    kernels.finish_receive(out, inbox, row_src, 1, meta1, got_origin, w_out_C=got_w)
+    want_w, want_origin = torch.full((C,), 9.0), torch.zeros(C, dtype=torch.int64)
+    ops.finish_receive_reference(out.clone(), inbox, row_src, 1, meta1, want_origin, w_out_C=want_w)
+    assert torch.equal(got_w, want_w) and torch.equal(got_origin[row_src >= 0], want_origin[row_src >= 0])
+    assert torch.equal(got_w[dst_row[dst_rank == 1]], w[dst_rank == 1]) and bool((got_w[row_src < 0] == 0).all())
+
+
 if __name__ == "__main__":
     check_put_rows()
+    check_weights_in_metadata()
     check_finish_receive()
     check_topk_gather_sum()
     check_combine_grads()

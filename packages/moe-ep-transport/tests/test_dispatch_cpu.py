@@ -22,11 +22,12 @@ from moe_ep_transport import EPConfig, EPDispatcher, EPOverflowError, make_trans
 E, K, D = 8, 2, 16
 
 
-def _run(dispatcher: EPDispatcher, data, W_local: torch.Tensor, rank: int):
+def _run(dispatcher: EPDispatcher, data, W_local: torch.Tensor, rank: int, stage: bool = False):
     x = data.x[rank].clone().requires_grad_(True)
     w = data.w[rank].clone().requires_grad_(True)
     W_local = W_local.clone().requires_grad_(True)
-    rows, offsets, handle = dispatcher.dispatch(x, data.ids[rank])
+    # With ``stage`` the weights travel with the tokens (combine then gets the same tensor).
+    rows, offsets, handle = dispatcher.dispatch(x, data.ids[rank], w if stage else None)
     assert offsets.stride() == (1,)  # what grouped GEMMs require, also for one local expert
     y = dispatcher.combine(experts(rows, offsets, W_local), w, handle)
     (y * data.g[rank]).sum().backward()
@@ -68,13 +69,16 @@ def _check_combine_site(tokens: list[int], capacity_factor, banned, n_experts: i
         results[backend] = got
     a, b = results["all_to_all"], results["rowwise"]
     assert torch.equal(a["keep"], b["keep"])
-    # BF16 with a codec: the two backends agree bit for bit, and the codec changes nothing.
+    # BF16 with a codec: the two backends agree bit for bit, and neither the codec nor
+    # sending the weights along with the tokens changes anything.
     data16 = make_data(tokens, n_experts, K, D, torch.bfloat16, seed=12, banned=banned, skew=1.0)
     W16 = data16.W[rank * L : (rank + 1) * L]
     runs = []
-    for backend, codec in (("all_to_all", None), ("rowwise", None), ("rowwise", BytesCodec())):
+    for backend, codec, stage in (("all_to_all", None, False), ("rowwise", None, False),
+                                  ("rowwise", BytesCodec(), False), ("all_to_all", None, True),
+                                  ("rowwise", None, True), ("rowwise", BytesCodec(), True)):
         transport = make_transport(backend, cfg, dtype=torch.bfloat16, codec=codec)
-        runs.append(_run(EPDispatcher(cfg, transport, codec=codec), data16, W16, rank))
+        runs.append(_run(EPDispatcher(cfg, transport, codec=codec), data16, W16, rank, stage))
     for other in runs[1:]:
         for key in ("rows", "offsets", "y", "dx", "dw", "dW"):
             assert torch.equal(runs[0][key], other[key]), (combine, key)

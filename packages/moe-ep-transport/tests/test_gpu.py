@@ -30,10 +30,10 @@ def _experts(rows_CD: torch.Tensor, scale_L: torch.Tensor, offsets_L: torch.Tens
     return torch.tanh(rows_CD * scale_L.index_select(0, expert).unsqueeze(1))
 
 
-def _step(dispatcher: EPDispatcher, x, ids, w, g, scale):
+def _step(dispatcher: EPDispatcher, x, ids, w, g, scale, stage: bool = True):
     x = x.clone().requires_grad_(True)
     w = w.clone().requires_grad_(True)
-    rows, offsets, handle = dispatcher.dispatch(x, ids)
+    rows, offsets, handle = dispatcher.dispatch(x, ids, w if stage else None)  # as the MoE layer does
     y = dispatcher.combine(_experts(rows, scale, offsets), w, handle)
     (y.float() * g).sum().backward()
     return dict(rows=rows.detach(), offsets=offsets, y=y.detach(), dx=x.grad, dw=w.grad,
@@ -65,9 +65,9 @@ def _rowwise_equals_all_to_all() -> list:
         inputs = _inputs(rank, skew, device)
         a2a = make_transport("all_to_all", cfg)
         rowwise = make_transport("rowwise", cfg, device=device, codec=codec)
-        want = _step(EPDispatcher(cfg, a2a, codec=codec), *inputs)
-        for _ in range(2):  # twice: the second call reuses the other slab parity
-            got = _step(EPDispatcher(cfg, rowwise, codec=codec), *inputs)
+        want = _step(EPDispatcher(cfg, a2a, codec=codec), *inputs, stage=False)
+        for stage in (True, False):  # twice: the second call reuses the other slab parity
+            got = _step(EPDispatcher(cfg, rowwise, codec=codec), *inputs, stage=stage)
             for key, value in want.items():
                 assert torch.equal(got[key], value), (capacity_factor, combine, key)
         rowwise.close()
@@ -127,7 +127,7 @@ def _graph_replay() -> bool:
 
     def step() -> torch.Tensor:
         with torch.no_grad():
-            rows, _, handle = dispatcher.dispatch(x, ids)
+            rows, _, handle = dispatcher.dispatch(x, ids, w)
             return dispatcher.combine(rows, w, handle)
 
     want = step()

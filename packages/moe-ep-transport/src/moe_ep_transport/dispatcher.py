@@ -47,6 +47,8 @@ class EPOverflowError(RuntimeError):
 class EPHandle:
     plan: RoutePlan  # the routing of this call (drops, layout); device tensors
     route: Any  # the transport's per-call state
+    weights: torch.Tensor | None = None  # the weights dispatch sent along (see EPDispatcher.dispatch)
+    weights_version: int = -1  # their version counter then (an in-place change voids them)
 
 
 def _accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -59,13 +61,15 @@ def _accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x_TD: torch.Tensor, dispatcher: EPDispatcher, route: Any) -> torch.Tensor:
+    def forward(
+        ctx: Any, x_TD: torch.Tensor, dispatcher: EPDispatcher, route: Any, w_N: torch.Tensor | None
+    ) -> torch.Tensor:
         ctx.dispatcher, ctx.route = dispatcher, route
         ctx.x_dtype = x_TD.dtype
-        return dispatcher._send_tokens(x_TD, route)
+        return dispatcher._send_tokens(x_TD, route, w_N)
 
     @staticmethod
-    def backward(ctx: Any, grad_CD: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad_CD: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         plan, transport = ctx.route.plan, ctx.dispatcher.transport
         acc = _accumulation_dtype(grad_CD.dtype)
         if ctx.dispatcher.sums_at_destination(grad_CD.dtype, acc):
@@ -73,13 +77,14 @@ class _Dispatch(torch.autograd.Function):
         else:
             ones_N = ops.ones(plan.dst_rank_N.numel(), acc, grad_CD.device)  # dropped: zero anyway
             grad_TD, _ = transport.gather_sum(ctx.route, grad_CD.contiguous(), ones_N, store_rows=False)
-        return grad_TD.to(ctx.x_dtype), None, None
+        return grad_TD.to(ctx.x_dtype), None, None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, rows_CD: torch.Tensor, weights_TK: torch.Tensor, dispatcher: EPDispatcher, route: Any
+        ctx: Any, rows_CD: torch.Tensor, weights_TK: torch.Tensor, dispatcher: EPDispatcher, route: Any,
+        staged: bool,
     ) -> torch.Tensor:
         acc = _accumulation_dtype(rows_CD.dtype, weights_TK.dtype)
         w_N = weights_TK.reshape(-1).to(acc)  # dropped slots weigh zero inside the sum
@@ -89,11 +94,15 @@ class _Combine(torch.autograd.Function):
         ctx.w_dtype, ctx.rows_dtype, ctx.acc = weights_TK.dtype, rows_CD.dtype, acc
         ctx.at_destination = dispatcher.sums_at_destination(rows_CD.dtype, acc)
         if ctx.at_destination:
-            # The weights travel to the rows; each rank sums what it holds of a token. Without
-            # a backward they are read where they land (a transient send: no copy).
-            keep = any(ctx.needs_input_grad[:2])
-            w_words = transport.send(route, ops.as_words(w_N.view(-1, 1)), 1, transient=not keep)
-            w_C = ops.from_words(w_words, acc).view(-1)
+            # The weights travel to the rows (unless dispatch carried them); each rank sums what
+            # it holds of a token. Without a backward they are read where they land (a
+            # transient send: no copy).
+            if staged and acc == torch.float32 and getattr(route, "weights_C", None) is not None:
+                w_C = route.weights_C
+            else:
+                keep = any(ctx.needs_input_grad[:2])
+                w_words = transport.send(route, ops.as_words(w_N.view(-1, 1)), 1, transient=not keep)
+                w_C = ops.from_words(w_words, acc).view(-1)
             y_TD = transport.reduce_back(route, rows_CD, w_C, acc)
             ctx.save_for_backward(w_C, rows_CD if need_rows else None)
             return y_TD
@@ -119,7 +128,7 @@ class _Combine(torch.autograd.Function):
             grad_rows = ops.from_words(words, ctx.rows_dtype)
         if need_w:
             grad_w = grad_w_N.view(T, k).to(ctx.w_dtype)
-        return grad_rows, grad_w, None, None
+        return grad_rows, grad_w, None, None, None
 
     @staticmethod
     def _backward_at_destination(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -138,7 +147,7 @@ class _Combine(torch.autograd.Function):
         if need_w:
             back = transport.send_back(ctx.route, ops.as_words(grad_w_C.view(-1, 1)))
             grad_w = ops.from_words(back, ctx.acc).view(plan.n_tokens, plan.top_k).to(ctx.w_dtype)
-        return grad_rows, grad_w, None, None
+        return grad_rows, grad_w, None, None, None
 
 
 class EPDispatcher:
@@ -189,8 +198,15 @@ class EPDispatcher:
             raise ValueError(f"expert_ids is on {expert_ids_TK.device}, x on {x_TD.device}")
 
     def dispatch(
-        self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor
+        self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, weights: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, EPHandle]:
+        """Send each routed row to its expert's rank.
+
+        ``weights`` [T, k]: the weights ``combine`` will get, when known. Where combine
+        sums at the destination they travel with the tokens (in the rowwise send's
+        metadata: no extra exchange), and ``combine`` uses them if it receives the same
+        tensor, unchanged (otherwise it sends the weights it gets).
+        """
         self._check_inputs(x_TD, expert_ids_TK)
         expert_N = expert_ids_TK.reshape(-1)  # any integer dtype: the plan kernels read it as is
         slots = ops.rank_slots(expert_N, self.cfg.n_experts)
@@ -203,8 +219,15 @@ class EPDispatcher:
             self._raise_on_overflow(plan)
         self.telemetry.record(plan)
         route = self.transport.open_route(plan)
-        rows_CD = _Dispatch.apply(x_TD, self, route)
-        return rows_CD, plan.group_offsets_L, EPHandle(plan, route)
+        stage = weights is not None and self.sums_at_destination(x_TD.dtype, torch.float32)
+        if stage and weights.shape != expert_ids_TK.shape:
+            raise ValueError(f"weights must be [T, k] = {tuple(expert_ids_TK.shape)}, got {tuple(weights.shape)}")
+        w_N = weights.detach().reshape(-1).to(torch.float32) if stage else None
+        rows_CD = _Dispatch.apply(x_TD, self, route, w_N)
+        handle = EPHandle(plan, route)
+        if stage:
+            handle.weights, handle.weights_version = weights, weights._version
+        return rows_CD, plan.group_offsets_L, handle
 
     def dropped_per_expert(self, handle: EPHandle) -> torch.Tensor:
         """[E] int64: the slots *this rank* routed that their destination dropped.
@@ -224,16 +247,19 @@ class EPDispatcher:
             raise ValueError(
                 f"weights must be [{plan.n_tokens}, {plan.top_k}], got {tuple(weights_TK.shape)}"
             )
-        return _Combine.apply(rows_out_CD, weights_TK, self, handle.route)
+        staged = handle.weights is weights_TK and weights_TK._version == handle.weights_version
+        return _Combine.apply(rows_out_CD, weights_TK, self, handle.route, staged)
 
-    def _send_tokens(self, x_TD: torch.Tensor, route: Any) -> torch.Tensor:
-        """Forward row movement: encode each token once, send a copy per kept slot, decode."""
+    def _send_tokens(self, x_TD: torch.Tensor, route: Any, w_N: torch.Tensor | None) -> torch.Tensor:
+        """Forward row movement: encode each token once, send a copy per kept slot, decode
+        (with ``w_N``, each slot's weight travels along)."""
         plan = route.plan
         if self.codec is None:
-            words = self.transport.send(route, ops.as_words(x_TD), plan.top_k)
+            words = self.transport.send(route, ops.as_words(x_TD), plan.top_k, slot_weights_N=w_N)
             return ops.from_words(words, x_TD.dtype)
         packed = ops.as_words(self.codec.encode(x_TD))
-        received = ops.from_words(self.transport.send(route, packed, plan.top_k), torch.uint8)
+        received = ops.from_words(
+            self.transport.send(route, packed, plan.top_k, slot_weights_N=w_N), torch.uint8)
         rows_CD = self.codec.decode(received, x_TD.dtype)
         return torch.where((plan.row_src_C >= 0).unsqueeze(1), rows_CD, 0)
 

@@ -26,9 +26,9 @@ _MAX_BLOCK_W = 1024  # elements of one row chunk (4 KiB of 32-bit words)
 @triton.jit
 def _put_rows_kernel(
     src_ptr, dst_rank_ptr, dst_row_ptr, table_ptr, byte_offset, local_addr, me,
-    meta_src_ptr, n_rows, width, inbox_stride,
+    meta_src_ptr, meta_w_ptr, n_rows, width, inbox_stride,
     PER_SRC: tl.constexpr, DEDUP: tl.constexpr, HAS_LOCAL: tl.constexpr, SKIP_LOCAL: tl.constexpr,
-    HAS_META: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    HAS_META: tl.constexpr, HAS_META_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rank = tl.load(dst_rank_ptr + rows, mask=rows < n_rows, other=-1)
@@ -61,23 +61,27 @@ def _put_rows_kernel(
         tl.store(dst[:, None] + cols[None, :], v, mask=m)
     if HAS_META:
         meta = tl.load(meta_src_ptr + rows, mask=ok, other=0)
+        if HAS_META_W:  # the slot's weight in the high 32 bits (ops.pack_meta)
+            w_bits = tl.load(meta_w_ptr + rows, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+            meta = (meta & 0xFFFFFFFF) | (w_bits.to(tl.int64) << 32)
         tl.store(slab.to(tl.pointer_type(tl.int64)) + dst_row, meta, mask=ok)
 
 
 @triton.jit
 def _finish_receive_kernel(
-    out_ptr, inbox_ptr, row_src_ptr, origin_in_ptr, origin_out_ptr, slot_rows_ptr, max_slots, me, n_rows,
-    width, inbox_stride,
+    out_ptr, inbox_ptr, row_src_ptr, origin_in_ptr, origin_out_ptr, slot_rows_ptr, w_out_ptr, max_slots, me,
+    n_rows, width, inbox_stride,
     PER_SRC: tl.constexpr, DEDUP: tl.constexpr, COPY_ORIGIN: tl.constexpr, SLOT_ROWS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    W_OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = rows < n_rows
     src = tl.load(row_src_ptr + rows, mask=live, other=me)
     remote = (src != me) & (src >= 0)
     write = remote | (src < 0)  # padding rows are written as zeros
-    if DEDUP or COPY_ORIGIN or SLOT_ROWS:
-        origin = tl.load(origin_in_ptr + rows, mask=live, other=0)
+    if DEDUP or COPY_ORIGIN or SLOT_ROWS or W_OUT:
+        meta = tl.load(origin_in_ptr + rows, mask=live, other=0)
+        origin = meta & 0xFFFFFFFF  # the slot index (ops.pack_meta)
     if DEDUP:
         at = tl.where(remote, src * inbox_stride + origin // PER_SRC, 0)  # the token inbox row
     else:
@@ -91,6 +95,9 @@ def _finish_receive_kernel(
         tl.store(origin_out_ptr + rows, origin, mask=live)
     if SLOT_ROWS:  # the inverse layout (ops.SlotTable): readers validate entries, so no fill
         tl.store(slot_rows_ptr + src * max_slots + origin, rows, mask=live & (src >= 0))
+    if W_OUT:  # the slot's weight, zero for padding rows
+        w = (meta >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        tl.store(w_out_ptr + rows, tl.where(src >= 0, w, 0.0), mask=live)
 
 
 @triton.jit
@@ -234,6 +241,7 @@ def put_rows(
     skip_local: bool = False,
     meta_N: torch.Tensor | None = None,
     inbox_stride: int = 0,
+    meta_w_N: torch.Tensor | None = None,
 ) -> None:
     """Row ``dst_row[i]`` at ``table[dst_rank[i]] + byte_offset`` becomes ``src[i // per_src]``.
 
@@ -243,6 +251,7 @@ def put_rows(
     ``skip_local``. With ``meta_N``, also ``int64 slab[dst_row[i]] = meta[i]`` at the
     slab's start. With ``inbox_stride=S > 0`` a row for another rank goes there once
     per source row, to row ``me * S + i // per_src`` (its token inbox), not ``dst_row``.
+    With ``meta_w_N`` (float32), the metadata is ``ops.pack_meta(meta, meta_w)``.
     """
     if local_dst is not None and skip_local:
         raise ValueError("put_rows: local_dst and skip_local exclude each other")
@@ -254,9 +263,11 @@ def put_rows(
     _put_rows_kernel[(triton.cdiv(n, block_r),)](
         src_SW, dst_rank_N, dst_row_N, table_M, byte_offset,
         local_dst.data_ptr() if local_dst is not None else 0, me,
-        meta_N if meta_N is not None else dst_row_N, n, width, inbox_stride,
+        meta_N if meta_N is not None else dst_row_N, meta_w_N if meta_w_N is not None else dst_row_N,
+        n, width, inbox_stride,
         PER_SRC=per_src, DEDUP=inbox_stride > 0, HAS_LOCAL=local_dst is not None, SKIP_LOCAL=skip_local,
-        HAS_META=meta_N is not None, BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
+        HAS_META=meta_N is not None, HAS_META_W=meta_w_N is not None, BLOCK_R=block_r,
+        BLOCK_W=_block_w(width), num_warps=8,
     )
 
 
@@ -271,6 +282,7 @@ def finish_receive(
     inbox_stride: int = 0,
     slot_rows_out: torch.Tensor | None = None,
     max_slots: int = 0,
+    w_out_C: torch.Tensor | None = None,
 ) -> None:
     """Copy rows that came from other ranks from the inbox into ``out``; zero padding rows.
 
@@ -278,7 +290,9 @@ def finish_receive(
     Row ``c`` is inbox row ``c``, or with ``inbox_stride=S > 0`` inbox row
     ``row_src[c] * S + origin_in[c] // per_src`` (the token inbox). With
     ``origin_out_C``, ``origin_in_C`` is copied into it in the same launch; with
-    ``slot_rows_out``, ``slot_rows_out[row_src[c] * max_slots + origin_in[c]] = c`` too.
+    ``slot_rows_out``, ``slot_rows_out[row_src[c] * max_slots + origin_in[c]] = c`` too;
+    with ``w_out_C`` (float32), each row's weight from its metadata (``ops.pack_meta``).
+    ``origin_in`` is read as packed metadata: its low 32 bits are the slot index.
     """
     n = out_CW.shape[0]
     if n == 0:
@@ -289,9 +303,10 @@ def finish_receive(
         out_CW, inbox_CW, row_src_C,
         origin_in_C if origin_in_C is not None else row_src_C,
         origin_out_C if origin_out_C is not None else row_src_C,
-        slot_rows_out if slot_rows_out is not None else row_src_C, max_slots,
+        slot_rows_out if slot_rows_out is not None else row_src_C,
+        w_out_C if w_out_C is not None else row_src_C, max_slots,
         me, n, width, inbox_stride, PER_SRC=per_src, DEDUP=inbox_stride > 0,
-        COPY_ORIGIN=origin_out_C is not None, SLOT_ROWS=slot_rows_out is not None,
+        COPY_ORIGIN=origin_out_C is not None, SLOT_ROWS=slot_rows_out is not None, W_OUT=w_out_C is not None,
         BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
     )
 

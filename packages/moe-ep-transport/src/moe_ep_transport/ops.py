@@ -113,28 +113,32 @@ def finish_receive(
     inbox_stride: int = 0,
     slot_rows_out: torch.Tensor | None = None,
     max_slots: int = 0,
+    w_out_C: torch.Tensor | None = None,
 ) -> None:
     """Move rows from other ranks out of the symmetric inbox into ``out``; zero the padding.
 
     Receive row ``c`` is inbox row ``c``, or with ``inbox_stride=S > 0`` the token
     inbox's row ``row_src[c] * S + origin_in[c] // per_src`` (a deduplicating put,
     :func:`moe_ep_transport.peer_memory.inbox_targets`). With ``origin_out_C``, also
-    copy the rows' origins (``origin_in_C``, int64 slot indices at their sources). With
-    ``slot_rows_out``, also write the rows of a :class:`SlotTable` (``N_max = max_slots``).
+    copy the rows' origins (``origin_in_C``: packed metadata, :func:`pack_meta`; the slot
+    index at the source in its low 32 bits). With ``slot_rows_out``, also write the rows
+    of a :class:`SlotTable` (``N_max = max_slots``); with ``w_out_C`` (float32), each
+    row's weight from the metadata's high 32 bits (zero for padding rows).
     """
-    if (origin_out_C is not None or inbox_stride > 0 or slot_rows_out is not None) and origin_in_C is None:
-        raise ValueError("finish_receive: origin_out_C, inbox_stride and slot_rows_out need origin_in_C")
+    needs_meta = origin_out_C is not None or inbox_stride > 0 or slot_rows_out is not None or w_out_C is not None
+    if needs_meta and origin_in_C is None:
+        raise ValueError("finish_receive: origin_out_C, inbox_stride, slot_rows_out and w_out_C need origin_in_C")
     if _on_triton(out_CW):
         from moe_ep_transport import kernels
 
         kernels.finish_receive(
             out_CW, inbox_CW, row_src_C, me, origin_in_C, origin_out_C, per_src, inbox_stride,
-            slot_rows_out, max_slots,
+            slot_rows_out, max_slots, w_out_C,
         )
     else:
         finish_receive_reference(
             out_CW, inbox_CW, row_src_C, me, origin_in_C, origin_out_C, per_src, inbox_stride,
-            slot_rows_out, max_slots,
+            slot_rows_out, max_slots, w_out_C,
         )
 
 
@@ -149,8 +153,11 @@ def finish_receive_reference(
     inbox_stride: int = 0,
     slot_rows_out: torch.Tensor | None = None,
     max_slots: int = 0,
+    w_out_C: torch.Tensor | None = None,
 ) -> None:
     """PyTorch version of :func:`finish_receive` (boolean indexing: synchronises on CUDA)."""
+    if origin_in_C is not None:
+        meta_C, origin_in_C = origin_in_C, unpack_meta(origin_in_C)[0]
     remote = (row_src_C != me) & (row_src_C >= 0)
     if inbox_stride > 0:
         at = row_src_C[remote] * inbox_stride + origin_in_C[remote] // per_src
@@ -164,6 +171,23 @@ def finish_receive_reference(
         sent = row_src_C >= 0
         rows = index_range(row_src_C.numel(), row_src_C.device)
         slot_rows_out[row_src_C[sent] * max_slots + origin_in_C[sent]] = rows[sent]
+    if w_out_C is not None:
+        w_out_C.copy_(torch.where(row_src_C >= 0, unpack_meta(meta_C)[1], 0))
+
+
+def pack_meta(index_N: torch.Tensor, w_N: torch.Tensor) -> torch.Tensor:
+    """A slot's metadata with its weight: ``index | (float32 bits of w) << 32`` (int64).
+
+    Slot indices are below 2^31, so the low half holds the index and the high half the
+    weight's bits; the put kernel packs the same way (``put_rows(meta_w_N=...)``).
+    """
+    w_bits = w_N.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    return (index_N & 0xFFFFFFFF) | (w_bits << 32)
+
+
+def unpack_meta(meta_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index_N, w_N)`` of :func:`pack_meta` (the weight is whatever the high bits hold)."""
+    return meta_N & 0xFFFFFFFF, (meta_N >> 32).to(torch.int32).view(torch.float32)
 
 
 def topk_gather_sum(

@@ -46,14 +46,17 @@ class PeerMemory(Protocol):
         skip_local: bool = False,
         meta_N: torch.Tensor | None = None,
         inbox_stride: int = 0,
+        meta_w_N: torch.Tensor | None = None,
     ) -> None:
         """Write ``src[i // per_src]`` into row ``dst_row[i]`` of rank ``dst_rank[i]``'s slab.
 
         Rows start at ``byte_offset`` and have ``src``'s dtype and width. Slots with
         ``dst_rank < 0`` are skipped. Rows for this rank go to ``local_dst`` instead
         when given, or are skipped with ``skip_local``. ``meta_N`` (int64) is written
-        at the slab's start, at row ``dst_row[i]``. With ``inbox_stride=S > 0`` rows
-        for other ranks travel once per source row instead (see :func:`inbox_targets`).
+        at the slab's start, at row ``dst_row[i]``; with ``meta_w_N`` (float32) it is
+        ``ops.pack_meta(meta_N, meta_w_N)`` (the slot's weight travels with its index).
+        With ``inbox_stride=S > 0`` rows for other ranks travel once per source row
+        instead (see :func:`inbox_targets`).
         Collective: every rank calls it; completion is only guaranteed after
         :meth:`barrier`. One kernel launch on the GPU.
         """
@@ -154,6 +157,7 @@ class EmulatedPeerMemory:
         skip_local: bool = False,
         meta_N: torch.Tensor | None = None,
         inbox_stride: int = 0,
+        meta_w_N: torch.Tensor | None = None,
     ) -> None:
         if local_dst is not None and skip_local:
             raise ValueError("put_rows: local_dst and skip_local exclude each other")
@@ -187,6 +191,10 @@ class EmulatedPeerMemory:
         deliver(row_rank_N, row_at_N, src_RW.index_select(0, src_N),
                 lambda s: local_dst if (s == self.rank and local_dst is not None) else inbox)
         if meta_N is not None:
+            if meta_w_N is not None:
+                from moe_ep_transport import ops
+
+                meta_N = ops.pack_meta(meta_N, meta_w_N)
             meta_inbox = self._slabs[slab][: self.slab_bytes // 8 * 8].view(torch.int64)
             deliver(dst_rank_N, dst_row_N, meta_N, lambda s: meta_inbox)
 

@@ -70,6 +70,7 @@ class RowwiseRoute:
     plan: RoutePlan
     origin_C: torch.Tensor | None = None  # source slot index of each receive row (after the first send)
     slot_rows_S: torch.Tensor | None = None  # rows of the route's ops.SlotTable (receive kernel)
+    weights_C: torch.Tensor | None = None  # each receive row's weight, when the first send carried them
 
 
 class RowwiseTransport:
@@ -132,7 +133,8 @@ class RowwiseTransport:
         return RowwiseRoute(plan)
 
     def send(
-        self, route: RowwiseRoute, src_RW: torch.Tensor, per_src: int, transient: bool = False
+        self, route: RowwiseRoute, src_RW: torch.Tensor, per_src: int, transient: bool = False,
+        slot_weights_N: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_send(route.plan, src_RW, per_src)
         plan, C, W = route.plan, self.capacity, src_RW.shape[1]
@@ -149,12 +151,14 @@ class RowwiseTransport:
         stride = self.max_tokens if dedup else 0
         slab = self._next_slab()
         first = route.origin_C is None
+        if slot_weights_N is not None and not first:
+            raise ValueError("send: slot weights travel with a route's first send only")
         device = src_RW.device
         out = src_RW.new_empty(C, W)
         self.memory.put_rows(
             slab, self._meta_bytes, src_RW, plan.dst_rank_N, plan.dst_row_N, per_src=per_src,
             local_dst=out, meta_N=ops.index_range(plan.dst_rank_N.numel(), device) if first else None,
-            inbox_stride=stride,
+            inbox_stride=stride, meta_w_N=slot_weights_N,
         )
         self.memory.barrier()
         buf = self.memory.slab(slab)
@@ -166,9 +170,11 @@ class RowwiseTransport:
             if self._writes_slot_table:
                 slot_rows = route.slot_rows_S = torch.empty(
                     self.world_size * self.max_slots, dtype=torch.int64, device=device)
+        if slot_weights_N is not None:
+            route.weights_C = torch.empty(C, dtype=torch.float32, device=device)
         ops.finish_receive(
             out, inbox, plan.row_src_C, self.rank, origin_in_C, origin_out_C, per_src, stride,
-            slot_rows, self.max_slots,
+            slot_rows, self.max_slots, route.weights_C if slot_weights_N is not None else None,
         )
         return out
 

@@ -11,7 +11,9 @@ backend computes identically; it decides nothing about the layout. Four steps:
   fresh tensor. (``per_src = k`` sends tokens: a transport may move a token once
   per destination rank instead of once per slot.) With ``transient`` the result may
   instead be a view of the transport's own buffer, valid through its next call only
-  (padding rows undefined).
+  (padding rows undefined). With ``slot_weights_N`` (float32, one per slot) on a
+  route's first send, ``route.weights_C`` becomes each receive row's weight (zero for
+  padding): the rowwise transport carries them in the send's metadata, for free.
 - ``gather_sum(route, rows_CD, w_N, store_rows) -> (y_TD, rows_ND | None)``: the
   reverse trip, reduced: ``y[t] = sum_j w[t*k+j] * rows[dst_row]@dst_rank`` in
   ``w_N``'s dtype; dropped slots count zero whatever their weight.
@@ -58,7 +60,10 @@ class Transport(Protocol):
 
     def open_route(self, plan: RoutePlan) -> Any: ...
 
-    def send(self, route: Any, src_RW: torch.Tensor, per_src: int, transient: bool = False) -> torch.Tensor: ...
+    def send(
+        self, route: Any, src_RW: torch.Tensor, per_src: int, transient: bool = False,
+        slot_weights_N: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
 
     def gather_sum(
         self, route: Any, rows_CD: torch.Tensor, w_N: torch.Tensor, store_rows: bool
@@ -79,6 +84,7 @@ class AllToAllRoute:
     send_splits: list[int]  # rows to each rank
     recv_splits: list[int]  # rows from each rank
     max_tokens: int = 0  # T_max of every rank (the partials' row blocks)
+    weights_C: torch.Tensor | None = None  # each receive row's weight, when a send carried them
     slots: ops.SlotTable | None = None  # the inverse receive layout, built on first use
 
 
@@ -123,9 +129,13 @@ class AllToAllTransport:
         return AllToAllRoute(plan, send_order, recv_pos, send_splits, recv_splits, self.max_tokens)
 
     def send(
-        self, route: AllToAllRoute, src_RW: torch.Tensor, per_src: int, transient: bool = False
+        self, route: AllToAllRoute, src_RW: torch.Tensor, per_src: int, transient: bool = False,
+        slot_weights_N: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_send(route.plan, src_RW, per_src)
+        if slot_weights_N is not None:  # one more exchange here (the reference is not tuned)
+            words = self.send(route, ops.as_words(slot_weights_N.to(torch.float32).view(-1, 1)), 1)
+            route.weights_C = ops.from_words(words, torch.float32).view(-1)
         payload = src_RW.index_select(0, route.send_order // per_src)
         inbox = src_RW.new_empty(sum(route.recv_splits), src_RW.shape[1])
         dist.all_to_all_single(

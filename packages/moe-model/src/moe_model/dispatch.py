@@ -55,8 +55,11 @@ _HASH_MULTIPLIER = 2654435761  # odd, so t -> t * m mod 2^32 is a bijection (Knu
 @runtime_checkable
 class TokenDispatcher(Protocol):
     def dispatch(
-        self, x: torch.Tensor, expert_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
+        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """``weights``: what ``combine`` will get, when known (a dispatcher that moves
+        tokens between ranks may send them along; a local one ignores them)."""
+        ...
 
     def combine(self, rows_out: torch.Tensor, weights: torch.Tensor, handle: Any) -> torch.Tensor: ...
 
@@ -184,7 +187,7 @@ class LocalDispatcher:
         return max(1, math.ceil(self.capacity_factor * n_slots / self.n_experts))
 
     def dispatch(
-        self, x_TD: torch.Tensor, expert_ids_Tk: torch.Tensor
+        self, x_TD: torch.Tensor, expert_ids_Tk: torch.Tensor, weights: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchHandle]:
         T, k = expert_ids_Tk.shape
         S, E, dev = T * k, self.n_experts, x_TD.device

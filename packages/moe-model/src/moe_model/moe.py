@@ -96,7 +96,7 @@ class MoELayer(nn.Module):
         x_TD = x_BSD.reshape(B * S, D)
         routing = self.router(x_TD)
         rows, offsets, handle = self.dispatcher.dispatch(
-            x_TD.to(_compute_dtype(x_TD)), routing.expert_ids)
+            x_TD.to(_compute_dtype(x_TD)), routing.expert_ids, routing.weights)
         rows_out = self.experts(rows, offsets)
         y_TD = self.dispatcher.combine(rows_out, routing.weights, handle)
         if self.shared is not None:
