@@ -192,5 +192,33 @@ def _bad_inputs() -> None:
         d.transport.send(handle.route, torch.zeros(5, D), K)
 
 
+def _weights_given_to_dispatch_then_changed() -> list[bool]:
+    rank = dist.get_rank()
+    cfg = EPConfig(E, K, 8, D, capacity_factor=None, combine="destination")
+    data = make_data([8, 8], E, K, D, torch.bfloat16, seed=9, skew=1.0)
+    x, ids, W16 = data.x[rank], data.ids[rank], data.W[rank * (E // 2) : (rank + 1) * (E // 2)]
+    ok = []
+    with torch.no_grad():
+        d = EPDispatcher(cfg, make_transport("rowwise", cfg, dtype=torch.bfloat16))
+        rows, offsets, handle = d.dispatch(x, ids)
+        want = d.combine(experts(rows, offsets, W16), data.w[rank] * 0.5, handle)
+        for change in ("in place", "another tensor"):
+            w = data.w[rank].clone()
+            rows, offsets, handle = d.dispatch(x, ids, w)
+            if change == "in place":
+                w.mul_(0.5)  # after dispatch: the weights it carried are stale
+                got = d.combine(experts(rows, offsets, W16), w, handle)
+            else:
+                got = d.combine(experts(rows, offsets, W16), w * 0.5, handle)
+            ok.append(torch.equal(got, want))
+        with pytest.raises(ValueError, match="weights must be"):
+            d.dispatch(x, ids, data.w[rank][:, :1])
+    return ok
+
+
+def test_weights_given_to_dispatch_are_not_used_once_stale() -> None:
+    assert run_distributed(_weights_given_to_dispatch_then_changed, 2, timeout=60) == [[True, True]] * 2
+
+
 def test_bad_inputs_name_the_field() -> None:
     run_distributed(_bad_inputs, 2, timeout=60)

@@ -48,7 +48,12 @@ class EPHandle:
     plan: RoutePlan  # the routing of this call (drops, layout); device tensors
     route: Any  # the transport's per-call state
     weights: torch.Tensor | None = None  # the weights dispatch sent along (see EPDispatcher.dispatch)
-    weights_version: int = -1  # their version counter then (an in-place change voids them)
+    weights_version: int | None = None  # their version counter then (an in-place change voids them)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """A tensor's version counter (inference tensors have none: identity alone decides)."""
+    return None if t.is_inference() else t._version
 
 
 def _accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -218,15 +223,15 @@ class EPDispatcher:
         if self.cfg.overflow == "error":
             self._raise_on_overflow(plan)
         self.telemetry.record(plan)
+        if weights is not None and weights.shape != expert_ids_TK.shape:
+            raise ValueError(f"weights must be [T, k] = {tuple(expert_ids_TK.shape)}, got {tuple(weights.shape)}")
         route = self.transport.open_route(plan)
         stage = weights is not None and self.sums_at_destination(x_TD.dtype, torch.float32)
-        if stage and weights.shape != expert_ids_TK.shape:
-            raise ValueError(f"weights must be [T, k] = {tuple(expert_ids_TK.shape)}, got {tuple(weights.shape)}")
         w_N = weights.detach().reshape(-1).to(torch.float32) if stage else None
         rows_CD = _Dispatch.apply(x_TD, self, route, w_N)
         handle = EPHandle(plan, route)
         if stage:
-            handle.weights, handle.weights_version = weights, weights._version
+            handle.weights, handle.weights_version = weights, _version(weights)
         return rows_CD, plan.group_offsets_L, handle
 
     def dropped_per_expert(self, handle: EPHandle) -> torch.Tensor:
@@ -247,7 +252,7 @@ class EPDispatcher:
             raise ValueError(
                 f"weights must be [{plan.n_tokens}, {plan.top_k}], got {tuple(weights_TK.shape)}"
             )
-        staged = handle.weights is weights_TK and weights_TK._version == handle.weights_version
+        staged = handle.weights is weights_TK and _version(weights_TK) == handle.weights_version
         return _Combine.apply(rows_out_CD, weights_TK, self, handle.route, staged)
 
     def _send_tokens(self, x_TD: torch.Tensor, route: Any, w_N: torch.Tensor | None) -> torch.Tensor:
