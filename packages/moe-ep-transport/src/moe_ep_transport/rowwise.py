@@ -83,10 +83,9 @@ class RowwiseTransport:
         self.max_tokens = cfg.max_tokens
         self._meta_bytes = _align(self.capacity * 8)
         # The receive kernel writes the inverse layout when combine may sum at the destination
-        # (a store per receive row; ops.slot_table would cost launches of its own).
+        # for rows up to FP32 (a store per receive row; ops.slot_table would cost launches).
         D = cfg.d_model
-        self._writes_slot_table = cfg.combine == "destination" or (
-            cfg.combine == "auto" and cfg.sums_at_destination(self.world_size, 8 * D, 4 * D))
+        self._writes_slot_table = cfg.sums_at_destination(self.world_size, 4 * D, 4 * D)
         self._phase = 0  # advances identically on every rank (all ranks run the same calls)
         # The count exchange's fixed addressing: the counts to row `rank` of every peer.
         M, device = self.world_size, memory.slab(0).device
@@ -210,8 +209,8 @@ class RowwiseTransport:
         plan = route.plan
         if route.origin_C is None:
             raise RuntimeError("reduce_back before send: the route has no row origins")
-        if route.slot_rows_S is None:  # the receive kernel did not write it (EPConfig.combine)
-            return ops.slot_table(plan.row_src_C, route.origin_C, self.world_size, self.max_slots)
+        if route.slot_rows_S is None:  # the receive kernel did not write it: built once per route
+            route.slot_rows_S = ops.slot_table(plan.row_src_C, route.origin_C, self.world_size, self.max_slots).rows_S
         return ops.SlotTable(route.slot_rows_S, plan.row_src_C, route.origin_C, self.max_slots)
 
     def reduce_back(

@@ -149,15 +149,8 @@ class AllToAllTransport:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         plan = route.plan
         rows_CD = rows_CD.contiguous()
-        words = ops.as_words(rows_CD)
-        payload = words.index_select(0, route.recv_pos)
-        inbox = words.new_empty(sum(route.send_splits), words.shape[1])
-        dist.all_to_all_single(
-            inbox, payload, route.send_splits, route.recv_splits, group=self.group
-        )
         # Slot i's row lands at i; the sum reads only the slots that went to other ranks.
-        back = words.new_empty(plan.dst_rank_N.numel(), words.shape[1])
-        back.index_copy_(0, route.send_order, inbox)
+        back = self.send_back(route, ops.as_words(rows_CD))
         return ops.topk_gather_sum(
             ops.from_words(back, rows_CD.dtype), rows_CD, plan.dst_rank_N, plan.dst_row_N,
             self.rank, w_N, plan.top_k, rows_CD.dtype, store_rows,
