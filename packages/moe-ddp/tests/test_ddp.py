@@ -24,9 +24,28 @@ MIN_SHARD = 32
 TINY_CAP_MB = 600 / 2**20  # ~150 FP32 elements: many buckets, so ordering matters
 
 
+class _IntoSink(torch.autograd.Function):
+    """``x @ w^T`` whose weight gradient is delivered through ``sink.add_gradient`` (the
+    route moe_model's grouped experts take into the main grads), not autograd."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: nn.Parameter, sink: MultiGroupDDP) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.w, ctx.sink = w, sink
+        return x @ w.detach().t()
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        dw = dy.t() @ x  # in the weight's storage order; the target may be [G, piece] rows
+        ctx.sink.add_gradient(ctx.w, lambda target: target.add_(dw.reshape(target.shape)))
+        return dy @ ctx.w.detach(), None, None
+
+
 class ToyMoE(nn.Module):
     def __init__(self, experts: range) -> None:
         super().__init__()
+        self.sink: MultiGroupDDP | None = None  # set: expert weight gradients go through it
         g = torch.Generator().manual_seed(0)
         self.inp = nn.Linear(D_IN, HIDDEN)
         self.scale = nn.Parameter(torch.ones(HIDDEN))  # small: never sharded
@@ -46,7 +65,9 @@ class ToyMoE(nn.Module):
         y = torch.zeros_like(h)
         for e in expert_ids.unique().tolist():
             idx = (expert_ids == e).nonzero().squeeze(1)
-            y = y.index_add(0, idx, self.experts[str(e)](h[idx]))
+            expert = self.experts[str(e)]
+            out = _IntoSink.apply(h[idx], expert.weight, self.sink) if self.sink else expert(h[idx])
+            y = y.index_add(0, idx, out)
         return self.out(h + y)
 
 
@@ -104,7 +125,7 @@ def reference_grads(world: int, ep: bool) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _train_window(mode: str, ep: bool, pipeline: bool) -> dict:
+def _train_window(mode: str, ep: bool, pipeline: bool, sink: bool = False) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     expert_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])] if ep else []
     model = ToyMoE(experts_of(rank, world, ep))
@@ -117,6 +138,8 @@ def _train_window(mode: str, ep: bool, pipeline: bool) -> dict:
     ddp = MultiGroupDDP(
         model, group_of, DDPConfig(mode=mode, bucket_cap_mb=TINY_CAP_MB, min_shard_numel=MIN_SHARD)
     )
+    if sink:
+        model.sink = ddp
     n_global = global_tokens(world)
     launched_during_backward = 0
     for mb in range(MICRO):
@@ -172,6 +195,18 @@ def test_dense_matches_single_process(world, mode):
 def test_expert_groups_and_late_experts_match_single_process(mode):
     results = unpack(run_distributed(_train_window, 4, mode, True, False, timeout=90))
     _check_against_reference(results, 4, ep=True)
+
+
+@pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("ep", [False, True])
+def test_gradients_added_through_the_sink_match_single_process(mode, ep):
+    """Expert weight gradients delivered by ``add_gradient`` (into flat or owner-major
+    main grads) instead of the hook: same reductions, same buckets launched in backward."""
+    assert MultiGroupDDP.accepts.__doc__ and MultiGroupDDP.add_gradient.__doc__
+    results = unpack(run_distributed(_train_window, 4, mode, ep, False, True, timeout=90))
+    _check_against_reference(results, 4, ep=ep)
+    if not ep:
+        assert all(r["launched_during_backward"] == r["n_buckets"] > 1 for r in results)
 
 
 def test_after_a_pipeline_schedule_finish_launches_everything():
@@ -270,6 +305,14 @@ def _gradient_after_sync_is_refused() -> None:
         assert "after its bucket was reduced" in str(e)
     else:
         raise AssertionError("a gradient after finish_grad_sync() was accepted")
+    written = []  # the sink route refuses too, before anything is written into the bucket
+    try:
+        ddp.add_gradient(model.out.weight, written.append)
+    except RuntimeError as e:
+        assert "after its bucket was reduced" in str(e) and not written
+    else:
+        raise AssertionError("add_gradient after finish_grad_sync() was accepted")
+    assert ddp.accepts(model.out.weight) and not ddp.accepts(nn.Parameter(torch.zeros(1)))
     ddp.zero_grad()  # a new window works again
     loss_sum(model, x, ids, target).backward()
     ddp.finish_grad_sync()

@@ -89,3 +89,63 @@ def test_recompute_on_gpu_matches_no_recompute(policy):
         grads.append({n: p.grad.float() for n, p in model.named_parameters()})
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=2e-2, atol=1e-5, msg=name)
+
+
+class _Targets:
+    """A gradient sink over FP32 buffers: flat, or [2, piece] rows of a wider owner-major bucket."""
+
+    def __init__(self, params, owner_major: bool):
+        self.targets, self.added = {}, {}
+        for p in params:
+            if owner_major:
+                self.targets[p] = torch.zeros(2, p.numel() // 2 + 64, device=p.device)[:, : p.numel() // 2]
+            else:
+                self.targets[p] = torch.zeros(p.numel(), device=p.device)
+
+    def accepts(self, param):
+        return param in self.targets
+
+    def add_gradient(self, param, add):
+        add(self.targets[param])
+        self.added[param] = self.added.get(param, 0) + 1
+
+
+@pytest.mark.parametrize("owner_major", [False, True])
+def test_expert_weight_gradients_into_a_sink_at_model_width(owner_major):
+    """The grouped experts' weight gradients added to FP32 targets in the wgrad kernel's
+    epilogue equal the FP32 sum of what autograd computes (BF16 operands, FP32 products),
+    over two microbatches, with an empty expert, and without a host synchronisation."""
+    from moe_model import GroupedExperts
+
+    E, D, F, R = 8, 2048, 1024, 6144
+    g = torch.Generator(device="cuda").manual_seed(0)
+    offsets = torch.tensor([700, 700, 1500, 2600, 3300, 4100, 5000, 6000], dtype=torch.int32, device="cuda")
+    mod = GroupedExperts(E, D, F, backend="grouped_mm").cuda()
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.normal_(0, 0.02, generator=g)
+    mod.to(torch.bfloat16)
+    rows = [torch.randn(R, D, device="cuda", generator=g).bfloat16() for _ in range(2)]
+    douts = [torch.randn(R, D, device="cuda", generator=g).bfloat16() for _ in range(2)]
+    reference = {n: torch.zeros(p.shape, device="cuda") for n, p in mod.named_parameters()}
+    for x, dout in zip(rows, douts, strict=True):
+        mod(x, offsets).backward(dout)
+        for n, p in mod.named_parameters():
+            reference[n] += p.grad.float()  # rounded to BF16 once: the tolerance covers it
+            p.grad = None
+    sink = _Targets(list(mod.parameters()), owner_major)
+    mod.grad_sink = sink
+
+    def two_microbatches():
+        for t in sink.targets.values():
+            t.zero_()
+        for x, dout in zip(rows, douts, strict=True):
+            mod(x, offsets).backward(dout)
+
+    assert_no_host_sync(two_microbatches, warmup=1)
+    for n, p in mod.named_parameters():
+        assert p.grad is None and sink.added[p] == 4  # warm-up + checked run, two each
+        got = sink.targets[p].reshape(p.shape)
+        scale = reference[n].abs().max().item()
+        torch.testing.assert_close(got, reference[n], rtol=1e-2, atol=1e-2 * scale, msg=n)
+        assert got[1].abs().max() == 0  # expert 1 holds no rows

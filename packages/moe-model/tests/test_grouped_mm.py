@@ -53,3 +53,26 @@ def test_gpu_tile_configs_fit_shared_memory_for_fp32():
         for cfg, size in ((bf16, 2), (fp32, 4)):
             assert cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * size <= _SHARED_MEMORY_BUDGET
         assert fp32.num_stages >= 2
+
+
+def test_weight_gradients_into_a_sink_under_interpreter():
+    run_under_triton_interpreter(Path(__file__).with_name("_wgrad_sink_interpret_check.py"))
+
+
+def test_sink_is_left_alone_where_no_kernel_runs():
+    """On a CPU (no Triton epilogue) the experts' gradients go through autograd as before."""
+    from moe_model import GroupedExperts
+
+    class Refusing:
+        def accepts(self, param):
+            raise AssertionError("the sink must not be consulted on a CPU")
+
+        def add_gradient(self, param, add):
+            raise AssertionError("the sink must not be consulted on a CPU")
+
+    mod = GroupedExperts(3, 8, 12, backend="loop")
+    for p in mod.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    mod.grad_sink = Refusing()
+    mod(torch.randn(6, 8), torch.tensor([2, 2, 6], dtype=torch.int32)).sum().backward()
+    assert all(p.grad is not None for p in mod.parameters())

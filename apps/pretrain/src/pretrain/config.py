@@ -60,6 +60,9 @@ class ParallelConfig:
     # auto | source | destination
     ep_combine: Literal["auto", "source", "destination"] = "auto"
     ddp_mode: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"  # gradient sync collective
+    # routed experts' weight gradients added to the FP32 main grads inside the grouped GEMM's
+    # epilogue (CUDA with Triton); false: BF16 gradients through autograd and the DDP hook
+    fuse_expert_grad_accumulation: bool = True
     bucket_cap_mb: float = 64.0  # gradient bucket size (MiB of FP32)
 
     def resolved_ep_backend(self) -> str:

@@ -52,6 +52,7 @@ from moe_model import (
     param_kind,
     set_aux_loss_scale,
     set_count_reducer,
+    set_gradient_sink,
 )
 from moe_mxfp8 import refresh_weight_caches
 from torch import nn
@@ -136,6 +137,8 @@ class Trainer:
             DDPConfig(mode=cfg.parallel.ddp_mode, reduce_op="sum",
                       bucket_cap_mb=cfg.parallel.bucket_cap_mb, min_shard_numel=MIN_SHARD_NUMEL),
         )
+        if cfg.parallel.fuse_expert_grad_accumulation:
+            set_gradient_sink(self.model, self.ddp)
         self.optimizer = build_optimizer(self.ddp, cfg.optim, m.n_experts,
                                          mesh.expert_range(m.n_experts).start, device)
         if self.part.mxfp8_layers:
@@ -153,6 +156,7 @@ class Trainer:
     def close(self) -> None:
         """Release the EP transport (collective) and detach the gradient hooks."""
         self.part.close()
+        set_gradient_sink(self.model, None)
         self.ddp.close()
 
     # -- the loop ------------------------------------------------------------------

@@ -272,6 +272,31 @@ class MultiGroupDDP:
     # -- accumulation ----------------------------------------------------------
 
     def _on_grad(self, param: nn.Parameter) -> None:
+        if param.grad is None:  # autograd's node ran without a gradient: it came via add_gradient
+            return
+        slot = self._open_slot(param)
+        accumulate_(slot.accumulation_view, param.grad)
+        param.grad = None
+        self._arrived(slot)
+
+    def accepts(self, param: nn.Parameter) -> bool:
+        """Whether ``param``'s gradient may be delivered through ``add_gradient``."""
+        return param in self._slots
+
+    def add_gradient(self, param: nn.Parameter, add: Callable[[torch.Tensor], None]) -> None:
+        """A gradient delivered straight into the main grad: ``add(target)`` adds it to the
+        FP32 accumulator (1-D, or ``[G, piece]`` rows of an owner-major bucket, elements in
+        the parameter's storage order), then it counts as arrived, as from the hook.
+
+        The ``moe_model.GradientSink`` protocol: the expert GEMMs' weight-gradient kernel
+        adds in its epilogue, so no BF16 gradient is written and no accumulation pass
+        re-reads it. ``param.grad`` stays ``None``.
+        """
+        slot = self._open_slot(param)
+        add(slot.accumulation_view)
+        self._arrived(slot)
+
+    def _open_slot(self, param: nn.Parameter) -> _Slot:
         slot = self._slots[param]
         if slot.bucket.launched:
             raise RuntimeError(
@@ -279,8 +304,9 @@ class MultiGroupDDP:
                 "run all but the last backward under no_sync() and call zero_grad() after "
                 "the optimizer step"
             )
-        accumulate_(slot.accumulation_view, param.grad)
-        param.grad = None
+        return slot
+
+    def _arrived(self, slot: _Slot) -> None:
         if self._sync_enabled and not slot.seen:
             slot.seen = True
             slot.bucket.pending -= 1

@@ -9,11 +9,17 @@ interop lives in ``moe_model.hf`` (needs the ``hf`` extra).
 
 from moe_model.config import MoEConfig
 from moe_model.dispatch import LocalDispatcher, ReportsDrops, TokenDispatcher
-from moe_model.experts import GroupedExperts, grouped_mm, resolve_backend
+from moe_model.experts import GradientSink, GroupedExperts, grouped_mm, resolve_backend
 from moe_model.flops import active_params, flops_per_token, total_params
 from moe_model.init import init_weights
 from moe_model.loss import IGNORE_INDEX, lm_loss_sum
-from moe_model.model import Block, MoETransformer, set_aux_loss_scale, set_count_reducer
+from moe_model.model import (
+    Block,
+    MoETransformer,
+    set_aux_loss_scale,
+    set_count_reducer,
+    set_gradient_sink,
+)
 from moe_model.moe import CountReducer, MoELayer, attach_aux_loss
 from moe_model.params import (
     EXPERT_DIM,
@@ -30,6 +36,7 @@ __all__ = [
     "IGNORE_INDEX",
     "Block",
     "CountReducer",
+    "GradientSink",
     "GroupedExperts",
     "LocalDispatcher",
     "MoEConfig",
@@ -57,5 +64,6 @@ __all__ = [
     "router_z_loss",
     "set_aux_loss_scale",
     "set_count_reducer",
+    "set_gradient_sink",
     "total_params",
 ]

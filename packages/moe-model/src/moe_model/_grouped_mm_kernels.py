@@ -105,10 +105,17 @@ def rows_kernel(
 def wgrad_kernel(
     a_ptr, b_ptr, c_ptr, offs_ptr,
     M, N, E,
-    stride_ar, stride_br, stride_ce, stride_cm, stride_cn,
+    stride_ar, stride_br, stride_ce, stride_cm, stride_cn, piece, stride_piece,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, WHOLE_ROWS: tl.constexpr,
 ):
+    """``c[g] = a_g^T @ b_g``. With ``ACCUMULATE``, ``c`` is an FP32 accumulator that
+    receives ``+=`` instead: element ``i`` of the row-major ``[E, M, N]`` result lives
+    at ``(i // piece) * stride_piece + i % piece`` (a flat buffer, or the rows of an
+    owner-major gradient bucket), and the strides are unused. ``WHOLE_ROWS`` (``piece``
+    a multiple of ``N``) divides once per output row instead of once per element. The
+    accumulator tile is loaded before the reduction loop and the products are summed
+    onto it: no second register tile, and the load overlaps the first operand loads."""
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     pid = tl.program_id(0)
@@ -119,11 +126,25 @@ def wgrad_kernel(
     rm = tl.arange(0, BM)
     rn = tl.arange(0, BN)
     rk = tl.arange(0, BK)
+    out_m = pid_m * BM + rm
+    out_n = pid_n * BN + rn
+    mask = (out_m[:, None] < M) & (out_n[None, :] < N)
+    if ACCUMULATE:
+        row = (g.to(tl.int64) * M + out_m) * N  # flat index of each output row's first element
+        if WHOLE_ROWS:
+            c_rows = c_ptr + (row // piece) * stride_piece + row % piece
+            c_ptrs = c_rows[:, None] + out_n[None, :]
+        else:
+            flat = row[:, None] + out_n[None, :]
+            c_ptrs = c_ptr + (flat // piece) * stride_piece + flat % piece
+        acc = tl.load(c_ptrs, mask=mask, other=0.0)
+    else:
+        c_ptrs = c_ptr + g.to(tl.int64) * stride_ce + out_m[:, None] * stride_cm + out_n[None, :] * stride_cn
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     cols_m = (pid_m * BM + rm) % M
     cols_n = (pid_n * BN + rn) % N
     a_ptrs = a_ptr + g_start.to(tl.int64) * stride_ar + rk[:, None] * stride_ar + cols_m[None, :]
     b_ptrs = b_ptr + g_start.to(tl.int64) * stride_br + rk[:, None] * stride_br + cols_n[None, :]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
     for r0 in range(g_start, g_end, BK):
         r_ok = rk < g_end - r0
         a = tl.load(a_ptrs, mask=r_ok[:, None], other=0.0)
@@ -131,8 +152,4 @@ def wgrad_kernel(
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
         a_ptrs += BK * stride_ar
         b_ptrs += BK * stride_br
-    out_m = pid_m * BM + rm
-    out_n = pid_n * BN + rn
-    c_ptrs = c_ptr + g.to(tl.int64) * stride_ce + out_m[:, None] * stride_cm + out_n[None, :] * stride_cn
-    mask = (out_m[:, None] < M) & (out_n[None, :] < N)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)

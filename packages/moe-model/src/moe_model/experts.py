@@ -16,12 +16,27 @@ Grouped GEMM backends (``grouped_mm(..., backend=)``), all reading device-side o
 - ``loop``: one matmul per expert; the reference. It reads the offsets on the host
   (a synchronisation), so on a GPU ``auto`` falls back to it only without Triton.
 - ``auto``: the fastest safe one for the device and dtype (see ``resolve_backend``).
+
+Weight gradients into a sink: a data-parallel wrapper that keeps FP32 main grads may
+be installed as the module's ``grad_sink`` (a ``GradientSink``, e.g. through
+``moe_model.set_gradient_sink``). On CUDA with Triton the weight-gradient GEMMs then
+add their result to the main grad in the kernel's epilogue (FP32, no rounding to the
+compute dtype) instead of returning a BF16 gradient for the wrapper's hook to add:
+that accumulation pass re-read and re-wrote every expert weight's gradient once per
+microbatch at copy speed. The sink is told when the gradient is in; ``param.grad``
+stays ``None``. A weight gradient is only computed in a backward pass that runs the
+weight's ``AccumulateGrad`` node (a pipeline's input-gradient pass does not; its
+weight pass does), so it lands exactly once whatever way the backward is split.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from moe_model._triton_support import triton_available
 from moe_model.layers import swiglu
@@ -87,6 +102,64 @@ def grouped_mm(
     return grouped_mm_loop(x_RK, w_EKN, offsets)
 
 
+@runtime_checkable
+class GradientSink(Protocol):
+    """Where a parameter's gradient can be added directly (a data-parallel wrapper's main grads)."""
+
+    def accepts(self, param: nn.Parameter) -> bool:
+        """Whether ``add_gradient`` takes this parameter's gradient."""
+        ...
+
+    def add_gradient(self, param: nn.Parameter, add: Callable[[torch.Tensor], None]) -> None:
+        """Call ``add(target)`` once, ``target`` the FP32 accumulator of ``param``'s gradient
+        (its elements in storage order: 1-D, or ``[rows, cols]`` with contiguous rows), then
+        count the gradient as arrived (what a post-accumulate-grad hook would do)."""
+        ...
+
+
+def sink_adds_in_kernel(rows: torch.Tensor) -> bool:
+    """Whether the weight gradient of rows on this device can go into a sink (Triton epilogue)."""
+    return rows.is_cuda and triton_available()
+
+
+class _GroupedMMIntoSink(torch.autograd.Function):
+    """``y = x @ w[g]^T`` per group (``w`` the ``[E, N, K]`` parameter); the weight gradient
+    is added to the sink's FP32 target by the Triton weight-gradient kernel."""
+
+    @staticmethod
+    def forward(ctx: Any, x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets: torch.Tensor, backend: str,
+                sink: GradientSink, accumulator: Any) -> torch.Tensor:
+        w_c = w_ENK.to(x_RK.dtype)
+        ctx.save_for_backward(x_RK, w_c, offsets)
+        ctx.backend, ctx.sink, ctx.param, ctx.accumulator = backend, sink, w_ENK, accumulator
+        return grouped_mm(x_RK, w_c.transpose(1, 2), offsets, backend)
+
+    @staticmethod
+    def backward(ctx: Any, dy_RN: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
+        x_RK, w_c, offsets = ctx.saved_tensors
+        dy_RN = dy_RN.contiguous()
+        dx = grouped_mm(dy_RN, w_c, offsets, ctx.backend) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1] and torch._C._will_engine_execute_node(ctx.accumulator):
+            from moe_model.triton_grouped_mm import wgrad_accumulate_
+
+            like = w_c.transpose(1, 2)
+            ctx.sink.add_gradient(
+                ctx.param, lambda target: wgrad_accumulate_(target, x_RK, dy_RN, offsets, like))
+        return dx, None, None, None, None, None
+
+
+def grouped_mm_into_sink(
+    x_RK: torch.Tensor, w_ENK: nn.Parameter, offsets: torch.Tensor, backend: str, sink: GradientSink | None
+) -> torch.Tensor:
+    """``x @ w[g]^T`` per group for the ``[E, N, K]`` weight ``w``; its gradient goes into
+    ``sink`` when the sink accepts it and a backward will run, else through autograd."""
+    if (sink is None or not w_ENK.requires_grad or not torch.is_grad_enabled()
+            or not sink.accepts(w_ENK)):
+        return grouped_mm(x_RK, w_ENK.to(x_RK.dtype).transpose(-2, -1), offsets, backend)
+    accumulator = get_gradient_edge(w_ENK).node  # the weight's AccumulateGrad node
+    return _GroupedMMIntoSink.apply(x_RK, w_ENK, offsets, backend, sink, accumulator)
+
+
 class GroupedExperts(nn.Module):
     def __init__(self, n_experts: int, d_model: int, hidden: int, backend: str = "auto") -> None:
         super().__init__()
@@ -99,6 +172,7 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, d_model))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, d_model))
         self.w2 = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+        self.grad_sink: GradientSink | None = None  # see the module docstring
 
     @property
     def expert_range(self) -> range:
@@ -118,8 +192,9 @@ class GroupedExperts(nn.Module):
 
     def forward(self, rows_RD: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
         """SwiGLU of each row with its expert's weights; computed in ``rows_RD.dtype``."""
-        dtype = rows_RD.dtype
-        w1, w3, w2 = (w.to(dtype).transpose(-2, -1) for w in (self.w1, self.w3, self.w2))
-        h_RF = swiglu(grouped_mm(rows_RD, w1, group_offsets, self.backend),
-                      grouped_mm(rows_RD, w3, group_offsets, self.backend))
-        return grouped_mm(h_RF, w2, group_offsets, self.backend)
+        sink = self.grad_sink if sink_adds_in_kernel(rows_RD) else None
+
+        def mm(x: torch.Tensor, w: nn.Parameter) -> torch.Tensor:
+            return grouped_mm_into_sink(x, w, group_offsets, self.backend, sink)
+
+        return mm(swiglu(mm(rows_RD, self.w1), mm(rows_RD, self.w3)), self.w2)

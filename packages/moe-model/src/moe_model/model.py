@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from moe_model.config import MoEConfig
+from moe_model.experts import GradientSink, GroupedExperts
 from moe_model.layers import Attention, RMSNorm, SwiGLU
 from moe_model.moe import CountReducer, MoELayer
 from moe_model.recompute import recompute_block
@@ -101,3 +102,10 @@ def set_count_reducer(model: nn.Module, reducer: CountReducer | None) -> None:
     for module in model.modules():
         if isinstance(module, MoELayer):
             module.count_reducer = reducer
+
+
+def set_gradient_sink(model: nn.Module, sink: GradientSink | None) -> None:
+    """Route the routed experts' weight gradients into ``sink`` (see ``moe_model.experts``)."""
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.grad_sink = sink

@@ -22,6 +22,8 @@ Two kernels (``_grouped_mm_kernels``) cover the forward and both backward GEMMs 
 - wgrad kernel, segmented K: ``c[g] = a_g^T @ b_g`` with the reduction over group
   ``g``'s rows; gives ``dw[g] = x_g^T @ dy_g`` (or its transpose, whichever matches
   the weight's memory layout). One program per output tile; empty groups store zeros.
+  ``wgrad_accumulate_`` runs it with a read-modify-write FP32 epilogue instead: the
+  gradient lands in a data-parallel wrapper's FP32 main grad directly.
 
 Both accumulate in FP32 and read/write 2-byte or 4-byte floats; FP32 inputs use
 IEEE products (no TF32) so they can serve as an exact reference. The entry point
@@ -179,34 +181,92 @@ def rows_mm(
     return y_RN
 
 
+def _wgrad_operands(
+    x_RK: torch.Tensor, dy_RN: torch.Tensor, like_EKN: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(a, b, transposed)``: the kernel computes ``a_g^T @ b_g`` row-major, so for a
+    weight stored ``[E, N, K]`` (K contiguous) it takes ``dy_g^T @ x_g``, the transpose."""
+    _check("x", x_RK, 2)
+    _check("dy", dy_RN, 2)
+    _check("like", like_EKN, 3)
+    E, K, N = like_EKN.shape
+    if x_RK.shape[1] != K or dy_RN.shape != (x_RK.shape[0], N):
+        raise ValueError(
+            f"grouped weight gradient: x {tuple(x_RK.shape)}, dy {tuple(dy_RN.shape)} and weight "
+            f"{tuple(like_EKN.shape)} do not match"
+        )
+    x_RK, dy_RN = x_RK.contiguous(), dy_RN.contiguous()
+    transposed = like_EKN.stride(1) == 1 and like_EKN.stride(2) != 1
+    return (dy_RN, x_RK, True) if transposed else (x_RK, dy_RN, False)
+
+
+def _launch_wgrad(
+    a: torch.Tensor, b: torch.Tensor, offsets_E: torch.Tensor, c: torch.Tensor, E: int,
+    config: TileConfig | None, accumulate: tuple[int, int] | None,
+) -> None:
+    """``c[g] = a_g^T @ b_g`` (``c`` [E, M, N]) or, with ``accumulate=(piece, stride)``,
+    ``+=`` into the FP32 accumulator ``c`` laid out as ``_grouped_mm_kernels.wgrad_kernel`` says."""
+    M, Nc = a.shape[1], b.shape[1]
+    cfg = config or default_config("wgrad", a.device, a.dtype)
+    triton, _, wgrad_kernel = _kernels()
+    grid = E * triton.cdiv(M, cfg.block_m) * triton.cdiv(Nc, cfg.block_n)
+    if not grid:
+        return
+    strides = (0, 0, 0) if accumulate else (c.stride(0), c.stride(1), c.stride(2))
+    piece, stride_piece = accumulate or (Nc, 0)
+    wgrad_kernel[(grid,)](
+        a, b, c, offsets_E,
+        M, Nc, E,
+        a.stride(0), b.stride(0), *strides, piece, stride_piece,
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        PRECISION=_precision(a.dtype), ACCUMULATE=accumulate is not None, WHOLE_ROWS=piece % Nc == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
 def wgrad_mm(
     x_RK: torch.Tensor, dy_RN: torch.Tensor, offsets_E: torch.Tensor, like_EKN: torch.Tensor,
     config: TileConfig | None = None,
 ) -> torch.Tensor:
-    """``dw[g] = x_g^T @ dy_g`` as an ``[E, K, N]`` tensor laid out like ``like_EKN``.
+    """``dw[g] = x_g^T @ dy_g`` as an ``[E, K, N]`` tensor laid out like ``like_EKN``."""
+    E = like_EKN.shape[0]
+    a, b, transposed = _wgrad_operands(x_RK, dy_RN, like_EKN)
+    c_EMN = torch.empty(E, a.shape[1], b.shape[1], dtype=like_EKN.dtype, device=a.device)
+    _launch_wgrad(a, b, offsets_E, c_EMN, E, config, None)
+    return c_EMN.transpose(1, 2) if transposed else c_EMN
 
-    The kernel writes row-major tiles, so for a weight stored ``[E, N, K]`` (K
-    contiguous) it computes ``dy_g^T @ x_g`` instead and returns the transposed view.
+
+def wgrad_accumulate_(
+    target: torch.Tensor, x_RK: torch.Tensor, dy_RN: torch.Tensor, offsets_E: torch.Tensor,
+    like_EKN: torch.Tensor, config: TileConfig | None = None,
+) -> None:
+    """``target += dw`` for the weight ``like_EKN`` is a view of, in the kernel's epilogue.
+
+    ``target`` is FP32 and holds the weight's elements in its *storage* order (the
+    ``[E, N, K]`` order for a K-contiguous view): flat, or as ``[rows, cols]`` with
+    contiguous rows read row by row (an owner-major gradient bucket). No ``dw``
+    tensor exists, and no separate accumulation pass reads one: this is how
+    gradient accumulation in FP32 main grads costs no extra memory traffic.
     """
-    E, K, N = like_EKN.shape
-    x_RK, dy_RN = x_RK.contiguous(), dy_RN.contiguous()
-    k_contiguous = like_EKN.stride(1) == 1 and like_EKN.stride(2) != 1
-    a, b = (dy_RN, x_RK) if k_contiguous else (x_RK, dy_RN)
-    M, Nc = a.shape[1], b.shape[1]
-    c_EMN = torch.empty(E, M, Nc, dtype=like_EKN.dtype, device=x_RK.device)
-    cfg = config or default_config("wgrad", x_RK.device, x_RK.dtype)
-    triton, _, wgrad_kernel = _kernels()
-    grid = E * triton.cdiv(M, cfg.block_m) * triton.cdiv(Nc, cfg.block_n)
-    if grid:
-        wgrad_kernel[(grid,)](
-            a, b, c_EMN, offsets_E,
-            M, Nc, E,
-            a.stride(0), b.stride(0), c_EMN.stride(0), c_EMN.stride(1), c_EMN.stride(2),
-            BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-            PRECISION=_precision(x_RK.dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    if target.dtype != torch.float32:
+        raise ValueError(f"wgrad_accumulate_: target must be float32, got {target.dtype}")
+    if target.numel() != like_EKN.numel():
+        raise ValueError(
+            f"wgrad_accumulate_: target has {target.numel()} elements, the weight {like_EKN.numel()}"
         )
-    return c_EMN.transpose(1, 2) if k_contiguous else c_EMN
+    in_storage_order = like_EKN.is_contiguous() or like_EKN.transpose(1, 2).is_contiguous()
+    if target.dim() not in (1, 2) or target.stride(-1) != 1 or not in_storage_order:
+        raise ValueError(
+            "wgrad_accumulate_: target must be 1-D contiguous or 2-D with contiguous rows, and "
+            f"the weight contiguous in its storage order (target {tuple(target.shape)} strides "
+            f"{target.stride()}, weight strides {like_EKN.stride()})"
+        )
+    if target.device != x_RK.device:
+        raise ValueError(f"wgrad_accumulate_: target is on {target.device}, x on {x_RK.device}")
+    a, b, _ = _wgrad_operands(x_RK, dy_RN, like_EKN)
+    piece = target.numel() if target.dim() == 1 else target.shape[1]
+    stride = 0 if target.dim() == 1 else target.stride(0)
+    _launch_wgrad(a, b, offsets_E, target, like_EKN.shape[0], config, (piece, stride))
 
 
 # ----------------------------------------------------------------- custom ops

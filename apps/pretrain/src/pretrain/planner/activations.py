@@ -306,15 +306,16 @@ def _ep_dispatch(inv: Inventory, cfg: MoEConfig, ex: Execution, C: int) -> None:
 def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool) -> None:
     """SwiGLU over R rows: BF16 grouped GEMMs, or moe_mxfp8's (keeps rows and h13, or
     their MXFP8 forms with ``save_mxfp8_activations``). The backward's high-water mark
-    is at the SwiGLU's gradient, with the down projection's weight gradient not yet
-    handed to DDP (the stacked weights are transposed before the GEMMs, so their
-    gradients reach the accumulator only after the SwiGLU's backward)."""
+    is at the SwiGLU's gradient. The BF16 path has no weight gradient alive then: each
+    GEMM's weight gradient reaches the DDP hook (or the main grad, in-kernel) right after
+    that GEMM's backward. moe_mxfp8's single function still holds the down projection's."""
     from moe_mxfp8.format import mxfp8_nbytes
 
     D, F, b = cfg.d_model, cfg.expert_hidden, ex.compute_bytes
     E_local = cfg.n_experts // ex.ep
     inv.add("experts.out", b * R * D, "saved", "selective", "fwd_live")
-    inv.add("experts.dw", b * E_local * F * D)
+    if mxfp8:
+        inv.add("experts.dw", b * E_local * F * D)
     # By the SwiGLU's gradient, the down projection's backward has freed its input h
     # and the output gradient; the combine's backward has freed what it kept.
     freed = {"experts.out", "experts.h", "combine.weights", "combine.rows"}
@@ -326,7 +327,7 @@ def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool)
         inv.add("experts.h", b * R * F, "saved")
         inv.add("experts.d_h", b * R * F)
         inv.add("experts.d_gates", 2 * b * R * F)
-        inv.moment(freed, {"grad_out", "experts.d_h", "experts.d_gates", "experts.dw"})
+        inv.moment(freed, {"grad_out", "experts.d_h", "experts.d_gates"})
         return
     inv.selective.discard("experts.out")  # one custom function: nothing inside is cached
     if ex.mxfp8_save_activations:

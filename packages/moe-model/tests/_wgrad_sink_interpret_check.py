@@ -1,0 +1,135 @@
+"""Run by test_grouped_mm.py with TRITON_INTERPRET=1: the weight-gradient kernel's
+accumulating epilogue, and expert weight gradients delivered into a gradient sink
+(full backward, a split input/weight backward, the GroupedExperts module), on CPU."""
+
+import torch
+
+from moe_model import experts
+from moe_model.experts import GroupedExperts, grouped_mm_into_sink, grouped_mm_loop
+from moe_model.triton_grouped_mm import TileConfig, wgrad_accumulate_
+
+
+def close(a, b, what):
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m: f"{what}: {m}")
+
+
+class DictSink:
+    """A sink over FP32 targets keyed by parameter; counts the deliveries."""
+
+    def __init__(self, targets):
+        self.targets, self.added = targets, {}
+
+    def accepts(self, param):
+        return any(param is p for p in self.targets)
+
+    def add_gradient(self, param, add):
+        add(self.targets[param])
+        self.added[param] = self.added.get(param, 0) + 1
+
+
+def reference(x, store, offsets, valid, dy, k_contiguous):
+    w = store.transpose(1, 2) if k_contiguous else store
+    out = grouped_mm_loop(x, w, offsets)
+    return torch.autograd.grad(out[:valid], (x, store), dy[:valid])
+
+
+def check_kernel(g):
+    E, N = 5, 40
+    offsets = torch.tensor([7, 7, 20, 41, 41], dtype=torch.int32)  # experts 1 and 4 empty
+    valid, R = 41, 45  # rows 41..44 are padding: never part of a gradient
+    for K, k_contiguous in ((32, True), (24, False)):
+        x = torch.randn(R, K, generator=g, requires_grad=True)
+        store = torch.randn(*((E, N, K) if k_contiguous else (E, K, N)), generator=g, requires_grad=True)
+        dy = torch.randn(R, N, generator=g)
+        _, ref_dw = reference(x, store, offsets, valid, dy, k_contiguous)
+        like = store.transpose(1, 2) if k_contiguous else store
+        with torch.no_grad():
+            flat = torch.randn(store.numel(), generator=g)
+            expect = flat + ref_dw.reshape(-1)
+            for cfg in (None, TileConfig(32, 16, 16, 1, 1, 1, False, False)):
+                got = flat.clone()
+                wgrad_accumulate_(got, x, dy, offsets, like, cfg)
+                close(got, expect, f"flat K={K} k_contiguous={k_contiguous} {cfg}")
+            # an owner-major bucket: [4 owners, piece] rows inside a wider buffer
+            piece = store.numel() // 4
+            bucket = torch.randn(4, piece + 7, generator=g)
+            before = bucket.clone()
+            rows = bucket[:, :piece]
+            expect_rows = rows.reshape(-1) + ref_dw.reshape(-1)
+            wgrad_accumulate_(rows, x, dy, offsets, like)
+            close(rows.reshape(-1), expect_rows, f"bucket rows K={K}")
+            assert torch.equal(bucket[:, piece:], before[:, piece:]), "wrote outside the rows"
+            # owner rows that split the weight's rows (400 elements for rows of 32, 150 for 40)
+            owners = 16 if k_contiguous else 32
+            odd = torch.randn(owners, store.numel() // owners, generator=g)
+            assert odd.shape[1] % (K if k_contiguous else N)
+            expect_odd = odd.reshape(-1) + ref_dw.reshape(-1)
+            wgrad_accumulate_(odd, x, dy, offsets, like)
+            close(odd.reshape(-1), expect_odd, f"rows splitting weight rows K={K}")
+    try:
+        wgrad_accumulate_(torch.zeros(3), x, dy, offsets, like)
+    except ValueError as e:
+        assert "elements" in str(e)
+    else:
+        raise AssertionError("a target of the wrong size must be refused")
+
+
+def check_sink(g):
+    E, N, K = 4, 24, 16
+    offsets = torch.tensor([5, 5, 12, 17], dtype=torch.int32)
+    valid, R = 17, 20
+    x = torch.randn(R, K, generator=g, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(E, N, K, generator=g))
+    dy = torch.randn(R, N, generator=g)
+    dy[valid:] = 0  # padding rows carry no gradient
+    ref_dx, ref_dw = reference(x, w, offsets, valid, dy, True)
+
+    # a full backward: the gradient lands in the target once, param.grad stays None
+    sink = DictSink({w: torch.zeros(w.numel())})
+    y = grouped_mm_into_sink(x, w, offsets, "loop", sink)
+    (dx,) = torch.autograd.grad(y, x, dy, retain_graph=True)  # input pass: no weight gradient
+    assert sink.added == {}, "an input-gradient pass must not deliver the weight gradient"
+    close(dx[:valid], ref_dx[:valid], "dx")
+    torch.autograd.backward(y, dy, inputs=[w])  # the weight pass
+    assert sink.added[w] == 1 and w.grad is None
+    close(sink.targets[w], ref_dw.reshape(-1), "dw into the sink")
+    y = grouped_mm_into_sink(x, w, offsets, "loop", sink)
+    y.backward(dy)  # an ordinary backward accumulates on top
+    assert sink.added[w] == 2
+    close(sink.targets[w], 2 * ref_dw.reshape(-1), "dw accumulated twice")
+
+    # a sink that does not take the parameter: autograd delivers it
+    other = DictSink({})
+    x.grad = None
+    grouped_mm_into_sink(x, w, offsets, "loop", other).backward(dy)
+    close(w.grad, ref_dw, "dw through autograd")
+    w.grad = None
+
+    # the experts module, sink on (as on CUDA) vs off
+    experts.sink_adds_in_kernel = lambda rows: True
+    D, F = 16, 24
+    mod = GroupedExperts(E, D, F, backend="loop")
+    for p in mod.parameters():
+        torch.nn.init.normal_(p, std=0.2, generator=g)
+    rows = torch.randn(R, D, generator=g)
+    dout = torch.randn(R, D, generator=g)
+    dout[valid:] = 0
+    mod(rows, offsets).backward(dout)
+    plain = {n: p.grad.clone() for n, p in mod.named_parameters()}
+    mod.zero_grad(set_to_none=True)
+    mod.grad_sink = DictSink({p: torch.zeros(p.numel()) for p in mod.parameters()})
+    mod(rows, offsets).backward(dout)
+    for name, p in mod.named_parameters():
+        assert p.grad is None and mod.grad_sink.added[p] == 1, name
+        close(mod.grad_sink.targets[p].view(p.shape), plain[name], f"experts {name}")
+
+
+def main():
+    g = torch.Generator().manual_seed(0)
+    check_kernel(g)
+    check_sink(g)
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()

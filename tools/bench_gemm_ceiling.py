@@ -1,0 +1,160 @@
+"""How fast can the MoE layer's expert GEMMs be? Grouped kernels against cuBLAS on the same work.
+
+    tools/from_source.sh python3 tools/bench_gemm_ceiling.py --out $OUT/gemm_ceiling.json
+
+The expert-GEMM target (700 TFLOP/s, balanced routing) is only meaningful next to
+what the vendor library reaches on the same arithmetic without the grouping. For
+the bench-1gpu MoE layer (d_model 2048, 64 experts, top-8, expert hidden 1024, 16k
+tokens: R = 131072 dispatched rows, 2048 per expert when balanced) each of the
+layer's six GEMM shapes is timed as:
+
+- ``mm``: one cuBLAS matmul over all R rows (no groups at all: an upper bound for
+  the row GEMMs; the weight-gradient GEMMs have no such form, their K is per group);
+- ``bmm``: cuBLAS batched matmul over 64 equal groups (perfect balance, one launch);
+- ``grouped_mm``: ``torch._grouped_mm`` with the balanced offsets;
+- ``triton``: this project's grouped kernels (``moe_model.triton_grouped_mm``).
+
+The layer runs each shape's FLOPs once or twice (gate and up share shapes), so its
+expert-GEMM rate is the FLOP-weighted harmonic mean over the nine GEMMs; the table
+prints it per implementation, next to a large square matmul measured in the same
+run (the matmul ceiling).
+
+A second table times a weight gradient's way into an FP32 main grad (what every
+microbatch of data-parallel training does): a BF16 gradient GEMM followed by
+moe_ddp's accumulation pass, against the Triton kernel adding in its epilogue
+(``wgrad_accumulate_``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_moe_layer import time_ms  # noqa: E402
+from moe_ddp.accumulate import accumulate_  # noqa: E402
+from moe_model.triton_grouped_mm import rows_mm, wgrad_accumulate_, wgrad_mm  # noqa: E402
+
+IMPLS = ("mm", "bmm", "grouped_mm", "triton")
+
+
+def shape_cases(R: int, D: int, F: int, E: int, device: torch.device) -> dict[str, tuple[int, dict[str, Callable]]]:
+    """GEMM name -> (how many of the layer's nine GEMMs have this shape, impl -> call)."""
+    bf = torch.bfloat16
+    Re = R // E
+    x, h = torch.randn(R, D, device=device, dtype=bf), torch.randn(R, F, device=device, dtype=bf)
+    w_in = torch.randn(E, F, D, device=device, dtype=bf)  # gate / up: [E, out=F, in=D]
+    w_out = torch.randn(E, D, F, device=device, dtype=bf)  # down: [E, out=D, in=F]
+    offs = torch.arange(1, E + 1, device=device, dtype=torch.int32) * Re
+
+    def rows(a: torch.Tensor, w_EKN: torch.Tensor) -> dict[str, Callable]:
+        K, N = w_EKN.shape[1:]
+        return {
+            "mm": lambda: a @ w_EKN[0],
+            "bmm": lambda: torch.bmm(a.view(E, Re, K), w_EKN),
+            "grouped_mm": lambda: torch._grouped_mm(a, w_EKN, offs=offs),
+            "triton": lambda: rows_mm(a, w_EKN, offs),
+        }
+
+    def wgrad(a: torch.Tensor, b: torch.Tensor, like_ENK: torch.Tensor) -> dict[str, Callable]:
+        """dW[e] = a_e^T @ b_e (a [R, N], b [R, K]): the reduction runs over each group's rows."""
+        N, K = a.shape[1], b.shape[1]
+        return {
+            "bmm": lambda: torch.bmm(a.view(E, Re, N).transpose(1, 2), b.view(E, Re, K)),
+            "grouped_mm": lambda: torch._grouped_mm(a.t(), b, offs=offs),
+            "triton": lambda: wgrad_mm(b, a, offs, like_ENK),
+        }
+
+    return {
+        "fwd gate/up x@w1^T (2048 -> 1024)": (2, rows(x, w_in.transpose(1, 2))),
+        "fwd down h@w2^T (1024 -> 2048)": (1, rows(h, w_out.transpose(1, 2))),
+        "dx gate/up dh@w1 (1024 -> 2048)": (2, rows(h, w_in)),
+        "dx down dy@w2 (2048 -> 1024)": (1, rows(x, w_out)),
+        "dw gate/up dh^T x": (2, wgrad(h, x, w_in.transpose(1, 2))),
+        "dw down dy^T h": (1, wgrad(x, h, w_out.transpose(1, 2))),
+    }
+
+
+def into_main_grad(R: int, D: int, F: int, E: int, device: torch.device) -> dict[str, float]:
+    """ms to add dW1 = dh^T x (per group) to an FP32 main grad, each way."""
+    bf = torch.bfloat16
+    x, h = torch.randn(R, D, device=device, dtype=bf), torch.randn(R, F, device=device, dtype=bf)
+    like = torch.empty(E, F, D, device=device, dtype=bf).transpose(1, 2)
+    offs = torch.arange(1, E + 1, device=device, dtype=torch.int32) * (R // E)
+    main = torch.zeros(E * F * D, device=device)
+    return {
+        "torch._grouped_mm BF16 dW, then accumulate_": time_ms(
+            lambda: accumulate_(main, torch._grouped_mm(h.t(), x, offs=offs)), iters=20),
+        "Triton BF16 dW, then accumulate_": time_ms(
+            lambda: accumulate_(main, wgrad_mm(x, h, offs, like).transpose(1, 2)), iters=20),
+        "accumulate_ alone": time_ms(lambda: accumulate_(main, like.transpose(1, 2)), iters=20),
+        "Triton dW added in the epilogue": time_ms(
+            lambda: wgrad_accumulate_(main, x, h, offs, like), iters=20),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="JSON output path")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=1024)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    R, D, F, E = args.tokens * args.top_k, args.d_model, args.hidden, args.experts
+    if R % E:
+        raise SystemExit(f"--tokens * --top-k ({R}) must split evenly over --experts ({E})")
+    flops = 2 * R * D * F  # every one of the nine GEMMs
+
+    square = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    ceiling = 2 * 8192**3 / time_ms(lambda: square @ square) / 1e9
+    results: list[dict] = []
+    for name, (count, calls) in shape_cases(R, D, F, E, device).items():
+        for impl, call in calls.items():
+            ms = time_ms(call, iters=20)
+            results.append({"gemm": name, "count": count, "impl": impl, "ms": ms, "tflops": flops / ms / 1e9})
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+
+    main_grad = into_main_grad(R, D, F, E, device)
+    layer: dict[str, float] = {}
+    for impl in IMPLS:
+        mine = {r["gemm"]: r for r in results if r["impl"] == impl}
+        # mm has no weight-gradient form: its layer figure borrows bmm's for those GEMMs.
+        picked = [mine.get(r["gemm"]) or next(b for b in results if b["gemm"] == r["gemm"] and b["impl"] == "bmm")
+                  for r in results if r["impl"] == "bmm"]
+        total_ms = sum(p["count"] * p["ms"] for p in picked)
+        layer[impl] = 9 * flops / total_ms / 1e9
+    grouped = [r for r in results if r["impl"] in ("grouped_mm", "triton")]
+    best_ms = sum(r["count"] * min(g["ms"] for g in grouped if g["gemm"] == r["gemm"])
+                  for r in grouped if r["impl"] == "grouped_mm")
+    layer["best grouped per GEMM"] = 9 * flops / best_ms / 1e9
+
+    Path(args.out).write_text(json.dumps({
+        "device": torch.cuda.get_device_name(), "rows": R, "experts": E, "d_model": D, "hidden": F,
+        "matmul_8192_tflops": ceiling, "gemms": results, "layer_tflops": layer,
+        "into_main_grad_ms": main_grad,
+    }, indent=1))
+    print(f"\nTFLOP/s, {R} rows over {E} balanced groups; 8192^3 matmul in this run: {ceiling:.0f}")
+    print(f"| GEMM (x in layer) | {' | '.join(IMPLS)} |")
+    print(f"|---|{'---|' * len(IMPLS)}")
+    for name in dict.fromkeys(r["gemm"] for r in results):
+        cells = {r["impl"]: f"{r['tflops']:.0f}" for r in results if r["gemm"] == name}
+        count = next(r["count"] for r in results if r["gemm"] == name)
+        print(f"| {name} (x{count}) | {' | '.join(cells.get(i, '-') for i in IMPLS)} |")
+    print("| nine GEMMs of the layer | " + " | ".join(f"{layer[i]:.0f}" for i in IMPLS) + " |")
+    print(f"fastest grouped kernel per GEMM: {layer['best grouped per GEMM']:.0f}")
+    print("\nms for one [E, F, D] weight gradient into an FP32 main grad")
+    print("| path | ms |\n|---|---|")
+    for name, ms in main_grad.items():
+        print(f"| {name} | {ms:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
