@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ep_transport import _routing  # noqa: E402
+from bench_ep_transport import _routing, _time  # noqa: E402
 from moe_ep_transport import EPConfig, EPDispatcher, make_transport, nvshmem_memory  # noqa: E402
 from moe_ep_transport.rowwise import slab_bytes_for  # noqa: E402
 from moe_model.experts import GroupedExperts  # noqa: E402
@@ -40,21 +40,9 @@ from moe_model.experts import GroupedExperts  # noqa: E402
 E, K, D, F = 64, 8, 2048, 1024
 
 
-def device_ms(fn: Callable[[], object], device: torch.device, iters: int = 10) -> float:
+def device_ms(fn: Callable[[], object], iters: int = 10) -> float:
     """Mean device time per call, the slower rank's."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    t = torch.tensor([start.elapsed_time(end) / iters], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return _time(fn, iters, warmup=3)[0]
 
 
 def host_ms(fn: Callable[[], object], iters: int = 4) -> float:
@@ -118,9 +106,9 @@ def measure(n: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts
                 ep.combine(out, wc, handle)
         main_stream.wait_stream(side)
 
-    row = {"chunks": n, "comm_ms": device_ms(comm, device), "comm_host_ms": host_ms(comm),
-           "comp_ms": device_ms(comp, device), "sequential_ms": device_ms(sequential, device),
-           "pipelined_ms": device_ms(pipelined, device)}
+    row = {"chunks": n, "comm_ms": device_ms(comm), "comm_host_ms": host_ms(comm),
+           "comp_ms": device_ms(comp), "sequential_ms": device_ms(sequential),
+           "pipelined_ms": device_ms(pipelined)}
     transport.close()
     return row
 
