@@ -149,3 +149,31 @@ def test_expert_weight_gradients_into_a_sink_at_model_width(owner_major):
         scale = reference[n].abs().max().item()
         torch.testing.assert_close(got, reference[n], rtol=1e-2, atol=1e-2 * scale, msg=n)
         assert got[1].abs().max() == 0  # expert 1 holds no rows
+
+
+@pytest.mark.parametrize("recompute", ["none", "block", "selective"])
+def test_sink_under_activation_recompute_matches_autograd(recompute):
+    """With recomputed blocks the experts' weight gradients still land once, with the
+    values autograd gives (FP32 parameters under BF16 autocast, as the FSDP2-free path)."""
+    from moe_model import set_gradient_sink
+
+    tokens = torch.randint(0, LAYER["vocab_size"], (2, 129), device="cuda",
+                           generator=torch.Generator(device="cuda").manual_seed(0))
+    cfg = MoEConfig(**LAYER, recompute=recompute)
+    results = []
+    for use_sink in (False, True):
+        model = MoETransformer(cfg).cuda()
+        init_weights(model, cfg, seed=0)
+        experts = [p for n, p in model.named_parameters() if ".experts." in n]
+        sink = _Targets(experts, owner_major=False)
+        set_gradient_sink(model, sink if use_sink else None)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1])
+        (lm_loss_sum(logits, tokens[:, 1:]) / tokens[:, 1:].numel()).backward()
+        if use_sink:
+            assert all(p.grad is None and sink.added[p] == 1 for p in experts)
+            results.append([sink.targets[p].view(p.shape) for p in experts])
+        else:
+            results.append([p.grad.float() for p in experts])
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-5)
