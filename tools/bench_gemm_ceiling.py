@@ -123,18 +123,18 @@ def main() -> None:
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
 
     main_grad = into_main_grad(R, D, F, E, device)
-    layer: dict[str, float] = {}
-    for impl in IMPLS:
-        mine = {r["gemm"]: r for r in results if r["impl"] == impl}
-        # mm has no weight-gradient form: its layer figure borrows bmm's for those GEMMs.
-        picked = [mine.get(r["gemm"]) or next(b for b in results if b["gemm"] == r["gemm"] and b["impl"] == "bmm")
-                  for r in results if r["impl"] == "bmm"]
-        total_ms = sum(p["count"] * p["ms"] for p in picked)
-        layer[impl] = 9 * flops / total_ms / 1e9
-    grouped = [r for r in results if r["impl"] in ("grouped_mm", "triton")]
-    best_ms = sum(r["count"] * min(g["ms"] for g in grouped if g["gemm"] == r["gemm"])
-                  for r in grouped if r["impl"] == "grouped_mm")
-    layer["best grouped per GEMM"] = 9 * flops / best_ms / 1e9
+    by = {(r["gemm"], r["impl"]): r for r in results}
+    gemms = dict.fromkeys(r["gemm"] for r in results)
+
+    def layer_rate(ms_of: Callable[[str], float]) -> float:
+        """The nine GEMMs' TFLOP/s when GEMM ``g`` takes ``ms_of(g)`` each time it runs."""
+        return 9 * flops / sum(by[g, "bmm"]["count"] * ms_of(g) for g in gemms) / 1e9
+
+    # mm has no weight-gradient form: its layer figure borrows bmm's for those GEMMs.
+    layer = {impl: layer_rate(lambda g, impl=impl: (by.get((g, impl)) or by[g, "bmm"])["ms"])
+             for impl in IMPLS}
+    layer["best grouped per GEMM"] = layer_rate(
+        lambda g: min(by[g, "grouped_mm"]["ms"], by[g, "triton"]["ms"]))
 
     Path(args.out).write_text(json.dumps({
         "device": torch.cuda.get_device_name(), "rows": R, "experts": E, "d_model": D, "hidden": F,
