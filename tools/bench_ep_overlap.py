@@ -6,9 +6,10 @@ One MoE layer's forward at the bench-2gpu shape (8k tokens per rank, d_model 204
 64 experts over two ranks, top-8, expert hidden 1024, the rowwise NVSHMEM transport),
 no autograd, eager mode as training runs it:
 
-- host vs device time of dispatch + combine: the host time is measured with the GPU
-  held busy by a sleep kernel, so no launch waits; if the host needs longer than the
-  device, the transport is launch-bound and splitting it into more calls costs more;
+- host vs device time of dispatch + combine. Both are measured with the GPU held busy
+  by a sleep kernel ahead, so the host is ahead of the device as in a training step
+  (where it stays 18-90 ms ahead, `perf_notes.md`): the device times are what a step
+  pays, the host time is the launch cost alone;
 - the layer split into 1, 2 or 4 token chunks, run sequentially on one stream and
   pipelined (chunk ``c + 1``'s dispatch and chunk ``c - 1``'s combine on a second,
   high-priority stream while chunk ``c``'s experts run): the schedule a
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ep_transport import _routing, _time  # noqa: E402
+from bench_ep_transport import _routing  # noqa: E402
 from moe_ep_transport import EPConfig, EPDispatcher, make_transport, nvshmem_memory  # noqa: E402
 from moe_ep_transport.rowwise import slab_bytes_for  # noqa: E402
 from moe_model.experts import GroupedExperts  # noqa: E402
@@ -40,16 +41,35 @@ from moe_model.experts import GroupedExperts  # noqa: E402
 E, K, D, F = 64, 8, 2048, 1024
 
 
+# GPU cycles of the sleep kernel ahead of a timed loop: longer than its launches take.
+_HEAD_START_CYCLES = int(1e9)
+
+
+def _head_start() -> None:
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda._sleep(_HEAD_START_CYCLES)
+
+
 def device_ms(fn: Callable[[], object], iters: int = 10) -> float:
-    """Mean device time per call, the slower rank's."""
-    return _time(fn, iters, warmup=3)[0]
+    """Mean device time per call with the host ahead of the device, the slower rank's."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    _head_start()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    ms = torch.tensor([start.elapsed_time(end) / iters], device="cuda")
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return float(ms[0])
 
 
 def host_ms(fn: Callable[[], object], iters: int = 4) -> float:
     """Host time per call with the GPU busy (a sleep kernel ahead): launches never wait."""
-    torch.cuda.synchronize()
-    dist.barrier()
-    torch.cuda._sleep(int(3e9))
+    _head_start()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()

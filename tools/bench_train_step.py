@@ -33,7 +33,9 @@ weight rebuild, statistics, the one end-of-step host read). Reported: tokens/s
 measured in the same run, peak memory (max over ranks), and the step-time
 breakdown from CUDA events at the trainer's phase boundaries (``PhaseTimer``;
 max over ranks; "other" is data, statistics, the bias step and host time between
-marks). The JSON holds every step; a short table is printed last.
+marks), and "lead": the host's smallest lead over the device at a phase mark (ms,
+min over steps and ranks), about zero where the device waited for the host's
+launches. The JSON holds every step; a short table is printed last.
 """
 
 from __future__ import annotations
@@ -143,12 +145,14 @@ def run_method(a: argparse.Namespace, method: str, device: torch.device, world: 
                 timer.collect()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            records, phases = [], []
+            records, phases, leads = [], [], []
             for _ in range(a.steps):
                 step += 1
                 records.append(trainer.step(step))
                 phases.append(timer.collect())
+                leads.append(timer.min_host_lead_s)
             row = summarize(method, routing, cfg, world, records, phases, device)
+            row["min_host_lead_ms"] = _min_host_lead_ms(leads, device)
             if a.profile is not None:
                 step += 1
                 row["profile"] = profile_step(trainer, step, a.profile, f"{method}/{routing}")
@@ -206,6 +210,14 @@ def summarize(method: str, routing: str, cfg: Any, world: int, records: list[dic
     }
 
 
+def _min_host_lead_ms(leads: list[float | None], device: torch.device) -> float | None:
+    """The host's smallest lead over the device at a phase mark, over steps and ranks
+    (``PhaseTimer.min_host_lead_s``): about zero where the device waited for launches."""
+    if device.type != "cuda" or None in leads:
+        return None
+    return -_max_over_ranks([-min(leads)], device)[0] * 1e3
+
+
 def _mean(records: list[dict], key: str) -> float | None:
     """Mean of a record field; ``None`` where the trainer does not report it (FSDP2)."""
     values = [r[key] for r in records if r.get(key) is not None]
@@ -218,7 +230,7 @@ def print_table(report: dict[str, Any]) -> None:
           + (f"; BF16 matmul ceiling {ceiling:.0f} TFLOP/s, MFU vs {PEAK_FLOPS / 1e12:.0f}" if ceiling
              else ""))
     head = ["method", "routing", "tok/s", "tok/s/GPU", "MFU", "of ceil", "peak GiB", "step ms",
-            "fwd", "bwd", "pipe", "sync", "optim", "rebuild", "stats", "other"]
+            "fwd", "bwd", "pipe", "sync", "optim", "rebuild", "stats", "other", "lead"]
     print(" ".join(f"{h:>9s}" for h in head))
     for r in report["runs"]:
         ph = r["phase_ms"]
@@ -228,7 +240,8 @@ def print_table(report: dict[str, Any]) -> None:
                  f"{r['model_tflops_per_gpu'] / ceiling:.1%}" if ceiling else "-",
                  f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-",
                  f"{r['step_ms']:.1f}", *(f"{ph[name]:.1f}" for name in PHASES),
-                 f"{r['other_ms']:.1f}"]
+                 f"{r['other_ms']:.1f}",
+                 f"{r['min_host_lead_ms']:.1f}" if r.get("min_host_lead_ms") is not None else "-"]
         print(" ".join(f"{c:>9s}" for c in cells))
 
 

@@ -101,3 +101,31 @@ def _ep2_rowwise_syncs() -> list[str]:
 @pytest.mark.multigpu(2)
 def test_a_warmed_up_ep2_step_on_nvshmem_does_not_sync_the_host():
     assert run_distributed(_ep2_rowwise_syncs, 2, backend="nccl", timeout=300) == [[], []]
+
+
+@pytest.mark.gpu
+def test_phase_timer_host_lead_tells_host_bound_from_device_bound():
+    """A device busy with a sleep kernel keeps the host far ahead; tiny kernels launched
+    slower than they run leave the host no lead."""
+    import time
+
+    from pretrain.phases import PhaseTimer
+
+    timer = PhaseTimer(torch.device("cuda"))
+    x = torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    timer.mark("busy")
+    torch.cuda._sleep(int(2e8))  # ~0.1 s of device time, enqueued at once
+    timer.mark(None)
+    torch.cuda.synchronize()
+    timer.collect()
+    assert timer.min_host_lead_s > 0.05
+    timer.mark("starved")
+    for _ in range(5):
+        x += 1
+        time.sleep(0.01)  # the host is the slow side
+        timer.mark("starved")
+    timer.mark(None)
+    torch.cuda.synchronize()
+    timer.collect()
+    assert abs(timer.min_host_lead_s) < 0.005

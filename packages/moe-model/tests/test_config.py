@@ -10,7 +10,7 @@ BAD = [
     ("dense_hidden", 0), ("router_score", "relu"), ("lb_loss_coef", -0.1),
     ("lb_loss_granularity", "sequence"), ("z_loss_coef", -1.0), ("bias_update_rate", -1e-3),
     ("capacity_factor", 0.0), ("rope_theta", 0.0), ("recompute", "full"),
-    ("grouped_mm_backend", "cutlass"), ("n_experts", 2.5), ("qk_norm", 1), ("norm_topk_weights", "yes"),
+    ("grouped_mm_backend", "cutlass"), ("attention_backend", "xformers"), ("n_experts", 2.5), ("qk_norm", 1), ("norm_topk_weights", "yes"),
 ]
 
 

@@ -177,3 +177,57 @@ def test_sink_under_activation_recompute_matches_autograd(recompute):
             results.append([p.grad.float() for p in experts])
     for got, want in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-5)
+
+
+def _autograd_node_names(out: torch.Tensor) -> set[str]:
+    names, todo, seen = set(), [out.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(node.name())
+        todo.extend(fn for fn, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.gpu
+def test_attention_backends_run_the_kernel_asked_for_at_bf16_error():
+    """cuDNN and flash SDPA: the kernel named runs, and the BF16 module's output and gradients
+    are as close to an FP32 math-kernel reference with one as with the other."""
+    import copy
+
+    from moe_model.layers import Attention
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN attention is asked for first on sm90+ only")
+    kernel = {"cudnn": "ScaledDotProductCudnnAttentionBackward0",
+              "flash": "ScaledDotProductFlashAttentionBackward0"}
+    cfg = MoEConfig(d_model=1024, n_heads=8, n_kv_heads=2, head_dim=128)
+    torch.manual_seed(0)
+    ref = Attention(MoEConfig(**{**cfg.__dict__, "attention_backend": "pytorch"})).cuda()
+    for p in ref.parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(2, 1024, 1024, device="cuda")
+    g = torch.randn_like(x)
+
+    def run(module, x):
+        x = x.clone().requires_grad_()
+        y = module(x)
+        y.backward(g.to(y.dtype))
+        return y, [y.float(), x.grad.float(), *(p.grad.float() for p in module.parameters())]
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        _, gold = run(ref, x)
+    errors = {}
+    for backend in ("cudnn", "flash", "auto"):
+        module = copy.deepcopy(ref).to(torch.bfloat16)
+        module.backend = backend
+        y, got = run(module, x.bfloat16())
+        assert kernel["cudnn" if backend == "auto" else backend] in _autograd_node_names(y)
+        errors[backend] = max(float((a - b).norm() / b.norm()) for a, b in zip(got, gold, strict=True))
+    assert errors["cudnn"] < 2e-2 and errors["cudnn"] <= 1.25 * errors["flash"], errors
+    assert errors["auto"] == errors["cudnn"]

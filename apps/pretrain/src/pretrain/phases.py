@@ -11,6 +11,12 @@ reads the wall clock. Phases that repeat (one forward per microbatch) add up.
 Collectives run on their own streams: ``grad_sync`` is the time the compute
 stream waits in ``finish_grad_sync`` for reductions not hidden behind the last
 backward, which is the part a step actually pays.
+
+On CUDA a mark also reads the host clock, so ``collect`` can say how far ahead of
+the device the host was at each mark (``min_host_lead_s``): the device time from
+the first mark minus the host time from it. The first mark follows the previous
+step's synchronisation, when the device has nothing queued. A lead that falls to
+about zero means the device waited for launches: the step is host-bound there.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ class PhaseTimer:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self._marks: list[tuple[str | None, object]] = []
+        self._host: list[float] = []  # the host clock at each CUDA mark
+        self.min_host_lead_s: float | None = None  # of the marks last collected; CUDA only
 
     def mark(self, phase: str | None) -> None:
         """``phase`` starts now (``None``: the step's device work ends)."""
@@ -32,12 +40,21 @@ class PhaseTimer:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self._marks.append((phase, event))
+            self._host.append(time.perf_counter())
         else:
             self._marks.append((phase, time.perf_counter()))
 
     def collect(self) -> dict[str, float]:
-        """Seconds per phase since the last ``collect``; call after the step synchronised."""
+        """Seconds per phase since the last ``collect``; call after the step synchronised.
+
+        Also sets ``min_host_lead_s`` for these marks (module docstring)."""
         marks, self._marks = self._marks, []
+        host, self._host = self._host, []
+        if self.cuda and len(marks) > 1:
+            first = marks[0][1]
+            self.min_host_lead_s = min(
+                first.elapsed_time(event) / 1e3 - (h - host[0])
+                for (_, event), h in zip(marks[1:], host[1:], strict=True))
         out: dict[str, float] = {}
         for (phase, start), (_, end) in pairwise(marks):
             if phase is None:

@@ -30,4 +30,21 @@ def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (persistent and per-SM grids)."""
     if device.type != "cuda":
         return _INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_properties(_index(device))[0]
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of the CUDA ``device``."""
+    return _cuda_properties(_index(device))[1]
+
+
+def _index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+@functools.cache
+def _cuda_properties(index: int) -> tuple[int, tuple[int, int]]:
+    """(SMs, capability), asked once per device: kernel launchers need them on every call,
+    and the query costs tens of microseconds of host time each time."""
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, (props.major, props.minor)

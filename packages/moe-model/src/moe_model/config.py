@@ -15,6 +15,7 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 LB_GRANULARITIES = ("microbatch", "global_batch")
 RECOMPUTE_POLICIES = ("none", "block", "selective")
 GROUPED_MM_BACKENDS = ("auto", "grouped_mm", "triton", "loop")
+ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "pytorch")
 
 
 @dataclass
@@ -49,6 +50,7 @@ class MoEConfig:
     # --- execution
     recompute: str = "none"  # none | block (whole blocks) | selective (keep GEMM/attention outputs only)
     grouped_mm_backend: str = "auto"  # expert GEMMs: auto | grouped_mm | triton | loop
+    attention_backend: str = "auto"  # SDPA kernel tried first on CUDA: auto (cudnn on sm90+) | cudnn | flash | pytorch (its own order)
     init_std: float = 0.02  # std of the normal init; output projections are scaled by 1/sqrt(2*n_layers)
 
     def __post_init__(self) -> None:
@@ -77,7 +79,8 @@ class MoEConfig:
         for name, options in (("router_score", ROUTER_SCORES),
                               ("lb_loss_granularity", LB_GRANULARITIES),
                               ("recompute", RECOMPUTE_POLICIES),
-                              ("grouped_mm_backend", GROUPED_MM_BACKENDS)):
+                              ("grouped_mm_backend", GROUPED_MM_BACKENDS),
+                              ("attention_backend", ATTENTION_BACKENDS)):
             self._require(name, getattr(self, name) in options, f"must be one of {', '.join(options)}")
 
     def _check_types(self) -> None:

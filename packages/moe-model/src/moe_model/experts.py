@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from moe_model._triton_support import triton_available
+from moe_model._triton_support import cuda_capability, triton_available
 from moe_model.layers import swiglu
 
 BACKENDS = ("auto", "grouped_mm", "triton", "loop")
@@ -59,7 +59,7 @@ def _fits_grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor) -> bool:
     size = x_RK.element_size()
     aligned = (x_RK.shape[-1] * size) % 16 == 0 and (w_EKN.shape[-1] * size) % 16 == 0
     if x_RK.device.type == "cuda":
-        return aligned and x_RK.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x_RK.device) >= (9, 0)
+        return aligned and x_RK.dtype == torch.bfloat16 and cuda_capability(x_RK.device) >= (9, 0)
     return aligned
 
 

@@ -27,8 +27,11 @@ The router runs in FP32 and keeps an FP32 copy of its input.
 ``kernels`` selects the device-specific paths. CUDA: moe_model's fused Triton
 RMSNorm (keeps its input and rstd), SwiGLU gating (keeps its two inputs, not
 silu(gate)), combine (no FP32 temporaries) and cross-entropy (no FP32 logits), and
-flash attention's backward, which allocates an FP32 accumulator for dQ and, with
-GQA, expanded dK/dV. CPU: the eager forms (RMSNorm keeps an FP32 copy of its input,
+the SDPA backward's temporaries, an FP32 accumulator for dQ and, with GQA, expanded
+dK/dV (flash attention's; cuDNN's measured the same backward peak over its saved
+tensors on an H200), and, for flash attention with GQA, the keys and values expanded
+to every query head that it saves for the backward (cuDNN, the sm90+ default, does
+not). CPU: the eager forms (RMSNorm keeps an FP32 copy of its input,
 FP32 combine and cross-entropy temporaries) and an attention kernel that allocates
 neither (as tensors PyTorch can see).
 """
@@ -140,8 +143,8 @@ def _norm(inv: Inventory, prefix: str, rows: int, width: int, ex: Execution, out
 
 
 def _attention(inv: Inventory, cfg: MoEConfig, ex: Execution) -> None:
-    """Projections, QK-norm, RoPE, SDPA (flash: keeps q, k, v, out and the log-sum-exp)."""
-    T, S, b, D = ex.tokens, ex.seq_len, ex.compute_bytes, cfg.d_model
+    """Projections, QK-norm, RoPE, SDPA (keeps q, k, v, out and the log-sum-exp)."""
+    T, b, D = ex.tokens, ex.compute_bytes, cfg.d_model
     H, Dh = cfg.n_heads, cfg.head_dim
     Q, KV = H * Dh, cfg.n_kv_heads * Dh
     _norm(inv, "attn_norm", T, D, ex, out_saved=True, input_name="input")
@@ -152,19 +155,20 @@ def _attention(inv: Inventory, cfg: MoEConfig, ex: Execution) -> None:
         for name, heads in (("q", H), ("k", cfg.n_kv_heads)):
             _norm(inv, f"attn.{name}_norm", T * heads, Dh, ex, out_saved=False,
                   input_name=f"attn.{name}_proj")
-    inv.add("attn.rope_cos", FP32 * S * Dh, "saved")  # rebuilt by every layer
-    inv.add("attn.rope_sin", FP32 * S * Dh, "saved")
+    # RoPE's cos/sin tables (FP32 [S, Dh]) are built once and shared by all layers: not per layer.
     inv.add("attn.q_rope", b * T * Q, "saved")
     inv.add("attn.k_rope", b * T * KV, "saved")
     inv.add("attn.out", b * T * Q, "saved", "selective")
     inv.add("attn.lse", FP32 * T * H, "saved", "selective")
+    if ex.kernels == "cuda" and cfg.attention_backend == "flash" and cfg.n_kv_heads != H:
+        inv.add("attn.kv_expanded", 2 * b * T * Q, "saved")  # flash's GQA inputs, per query head
     inv.add("attn.wo_out", b * T * D, "selective")
     inv.add("attn.d_out", b * T * Q)
     inv.add("attn.dq", b * T * Q)
     inv.add("attn.dkv", 2 * b * T * KV)
     temps = {"grad_out", "attn.d_out", "attn.dq", "attn.dkv"}
     if ex.kernels == "cuda":
-        inv.add("attn.dq_accum", FP32 * T * Q)  # flash attention's FP32 dQ accumulator
+        inv.add("attn.dq_accum", FP32 * T * Q)  # the SDPA backward's FP32 dQ accumulator
         temps.add("attn.dq_accum")
         if cfg.n_kv_heads != H:
             inv.add("attn.dkv_expanded", 2 * b * T * Q)  # dK/dV per query head, then summed
