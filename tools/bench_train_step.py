@@ -33,9 +33,9 @@ weight rebuild, statistics, the one end-of-step host read). Reported: tokens/s
 measured in the same run, peak memory (max over ranks), and the step-time
 breakdown from CUDA events at the trainer's phase boundaries (``PhaseTimer``;
 max over ranks; "other" is data, statistics, the bias step and host time between
-marks), and "lead": the host's smallest lead over the device at a phase mark (ms,
-min over steps and ranks), about zero where the device waited for the host's
-launches. The JSON holds every step; a short table is printed last.
+marks), and "lead": the host's smallest lead over the device at a phase mark after
+the first microbatch's forward (ms, min over steps and ranks), about zero where the
+device waited for the host's launches in the steady state. The JSON holds every step; a short table is printed last.
 """
 
 from __future__ import annotations

@@ -15,8 +15,10 @@ backward, which is the part a step actually pays.
 On CUDA a mark also reads the host clock, so ``collect`` can say how far ahead of
 the device the host was at each mark (``min_host_lead_s``): the device time from
 the first mark minus the host time from it. The first mark follows the previous
-step's synchronisation, when the device has nothing queued. A lead that falls to
-about zero means the device waited for launches: the step is host-bound there.
+step's synchronisation, when the device has nothing queued, so the first phase
+(the first microbatch's forward) always waits for its launches; the minimum is
+taken over the marks after it. A lead that falls to about zero there means the
+device waited for launches in the steady state: the step is host-bound.
 """
 
 from __future__ import annotations
@@ -50,11 +52,11 @@ class PhaseTimer:
         Also sets ``min_host_lead_s`` for these marks (module docstring)."""
         marks, self._marks = self._marks, []
         host, self._host = self._host, []
-        if self.cuda and len(marks) > 1:
+        if self.cuda and len(marks) > 2:
             first = marks[0][1]
             self.min_host_lead_s = min(
                 first.elapsed_time(event) / 1e3 - (h - host[0])
-                for (_, event), h in zip(marks[1:], host[1:], strict=True))
+                for (_, event), h in zip(marks[2:], host[2:], strict=True))
         out: dict[str, float] = {}
         for (phase, start), (_, end) in pairwise(marks):
             if phase is None:
