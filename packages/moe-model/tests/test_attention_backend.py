@@ -12,31 +12,18 @@ ALL = {SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICI
        SDPBackend.MATH}
 
 
-@pytest.fixture
-def capability(monkeypatch):
-    """Pretend a CUDA device of the given compute capability (no GPU needed to plan)."""
-    def set_to(major: int, minor: int) -> None:
-        sdpa_priority.cache_clear()
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, minor))
-    yield set_to
-    sdpa_priority.cache_clear()
-
-
-@pytest.mark.parametrize(("backend", "major", "first"), [
-    ("auto", 9, SDPBackend.CUDNN_ATTENTION), ("auto", 10, SDPBackend.CUDNN_ATTENTION),
-    ("auto", 8, None), ("cudnn", 8, SDPBackend.CUDNN_ATTENTION),
-    ("flash", 9, SDPBackend.FLASH_ATTENTION), ("pytorch", 9, None),
+@pytest.mark.parametrize(("backend", "first"), [
+    ("auto", None), ("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
 ])
-def test_priority_on_cuda(capability, backend, major, first):
-    capability(major, 0)
-    order = sdpa_priority(backend, torch.device("cuda", 0))
+def test_priority_on_cuda(backend, first):
+    order = sdpa_priority(backend, torch.device("cuda", 0))  # planned only: no GPU needed
     if first is None:
-        assert order is None  # PyTorch's own selection
+        assert order is None  # PyTorch's own selection, no context per call
     else:  # the choice first, and every other backend after it, so nothing fails to run
         assert order[0] == first and set(order) == ALL and len(order) == len(ALL)
 
 
-@pytest.mark.parametrize("backend", ["auto", "cudnn", "flash", "pytorch"])
+@pytest.mark.parametrize("backend", ["auto", "cudnn", "flash"])
 def test_cpu_attention_is_pytorch_sdpa_whatever_the_backend(backend):
     assert sdpa_priority(backend, torch.device("cpu")) is None
     cfg = MoEConfig(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, attention_backend=backend)

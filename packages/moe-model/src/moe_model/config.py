@@ -15,7 +15,7 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 LB_GRANULARITIES = ("microbatch", "global_batch")
 RECOMPUTE_POLICIES = ("none", "block", "selective")
 GROUPED_MM_BACKENDS = ("auto", "grouped_mm", "triton", "loop")
-ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "pytorch")
+ATTENTION_BACKENDS = ("auto", "cudnn", "flash")
 
 
 @dataclass
@@ -50,7 +50,7 @@ class MoEConfig:
     # --- execution
     recompute: str = "none"  # none | block (whole blocks) | selective (keep GEMM/attention outputs only)
     grouped_mm_backend: str = "auto"  # expert GEMMs: auto | grouped_mm | triton | loop
-    attention_backend: str = "auto"  # SDPA kernel tried first on CUDA: auto (cudnn on sm90+) | cudnn | flash | pytorch (its own order)
+    attention_backend: str = "auto"  # SDPA kernel on CUDA: auto (PyTorch's choice) | cudnn | flash (tried first)
     init_std: float = 0.02  # std of the normal init; output projections are scaled by 1/sqrt(2*n_layers)
 
     def __post_init__(self) -> None:

@@ -28,10 +28,8 @@ The router runs in FP32 and keeps an FP32 copy of its input.
 RMSNorm (keeps its input and rstd), SwiGLU gating (keeps its two inputs, not
 silu(gate)), combine (no FP32 temporaries) and cross-entropy (no FP32 logits), and
 the SDPA backward's temporaries, an FP32 accumulator for dQ and, with GQA, expanded
-dK/dV (flash attention's; cuDNN's measured the same backward peak over its saved
-tensors on an H200), and, for flash attention with GQA, the keys and values expanded
-to every query head that it saves for the backward (cuDNN, the sm90+ default, does
-not). CPU: the eager forms (RMSNorm keeps an FP32 copy of its input,
+dK/dV (flash attention's; cuDNN's measured the same saved tensors and backward peak
+on an H200, ``tools/bench_attention.py``). CPU: the eager forms (RMSNorm keeps an FP32 copy of its input,
 FP32 combine and cross-entropy temporaries) and an attention kernel that allocates
 neither (as tensors PyTorch can see).
 """
@@ -160,8 +158,6 @@ def _attention(inv: Inventory, cfg: MoEConfig, ex: Execution) -> None:
     inv.add("attn.k_rope", b * T * KV, "saved")
     inv.add("attn.out", b * T * Q, "saved", "selective")
     inv.add("attn.lse", FP32 * T * H, "saved", "selective")
-    if ex.kernels == "cuda" and cfg.attention_backend == "flash" and cfg.n_kv_heads != H:
-        inv.add("attn.kv_expanded", 2 * b * T * Q, "saved")  # flash's GQA inputs, per query head
     inv.add("attn.wo_out", b * T * D, "selective")
     inv.add("attn.d_out", b * T * Q)
     inv.add("attn.dq", b * T * Q)
