@@ -17,8 +17,9 @@ predicts; the target is within 10%), ``max_memory_reserved`` (peak allocated plu
 fragmentation) and the device's used memory from ``cudaMemGetInfo`` (adds the CUDA
 context, NCCL and the NVSHMEM heap: the plan's "on the device"). On CPU the peak
 comes from ``pretrain.planner.measure.LiveBytes`` over the same build and steps,
-compared with the plan of the CPU kernels. A short table is printed last; the
-JSON holds both sides of every number.
+compared with the plan of the CPU kernels. The plan is made for the run's compute
+dtype (``train.compute_dtype=auto`` is float32 on CPU, bfloat16 on GPU). A short table
+is printed last; the JSON holds both sides of every number.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pretrain.planner import PlanRequest, plan_memory
 from pretrain.planner.measure import LiveBytes
 from pretrain.planner.memory import GIB, KERNEL_WORKSPACES
 from pretrain.runtime import distributed
-from pretrain.trainer import Trainer
+from pretrain.trainer import Trainer, resolve_dtype
 
 CASES: dict[str, list[str]] = {
     "base": [],  # the config as given (DP over all ranks)
@@ -108,7 +109,9 @@ def main(argv: list[str] | None = None) -> None:
         dist.all_gather_object(gathered, measured)
         if rt.rank != 0:
             return
-        plan = plan_memory(PlanRequest.from_config(cfg, rt.world_size), kernels=rt.device.type)
+        dtype = str(resolve_dtype(cfg.train.compute_dtype, rt.device)).removeprefix("torch.")
+        plan = plan_memory(PlanRequest.from_config(cfg, rt.world_size, compute_dtype=dtype),
+                           kernels=rt.device.type)
         rows = []
         for m in gathered:
             rank_plan = plan.ranks[m["pp_rank"]]

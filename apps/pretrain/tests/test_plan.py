@@ -158,6 +158,7 @@ ONE_PROCESS = {
     "adamw": [],
     "muon": ["optim.name=muon"],
     "recompute": ["model.recompute=selective", "model.n_shared_experts=1"],
+    "float32": ["train.compute_dtype=float32"],  # FP32 compute weights and activations
 }
 
 
@@ -249,6 +250,17 @@ def test_plan_command_prints_table_and_json(capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["request"]["gpu_gib"] == 80 and len(plan["ranks"]) == 1
     assert plan["ranks"][0]["persistent"] > 60 * 2**30  # 3.7B parameters x 18 B
+
+
+def test_plan_follows_the_compute_dtype():
+    """``auto`` plans the GPUs' bfloat16; float32 doubles the compute weights; a bad name is
+    an error naming the field."""
+    auto, fp32 = (PlanRequest.from_config(_config(f"train.compute_dtype={d}"), 1)
+                  for d in ("auto", "float32"))
+    assert auto.compute_dtype == "bfloat16" and fp32.compute_dtype == "float32"
+    assert plan_memory(fp32).ranks[0].weights == 2 * plan_memory(auto).ranks[0].weights
+    with pytest.raises(ValueError, match="PlanRequest.compute_dtype"):
+        replace(auto, compute_dtype="float16")
 
 
 def test_plan_command_rejects_bad_input(capsys):

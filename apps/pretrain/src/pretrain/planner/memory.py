@@ -42,6 +42,7 @@ NCCL_PER_GROUP = 256 * 2**20  # buffers of one NCCL communicator of 2-8 NVLink p
 KERNEL_WORKSPACES = 64 * 2**20  # cuBLAS/cuBLASLt workspaces, allocated through PyTorch
 FRAGMENTATION = 0.05  # reserved / allocated - 1 of the caching allocator
 NVSHMEM_HEAP_MARGIN = 256 * 2**20  # moe_ep_transport.nvshmem_memory's margin for NVSHMEM state
+COMPUTE_BYTES = {"bfloat16": 2, "float32": 4}  # PlanRequest.compute_dtype -> bytes per element
 H200_GIB = 140.0  # an H200 "141 GB": 143,771 MiB as nvidia-smi reports it
 
 
@@ -66,6 +67,7 @@ class PlanRequest:
     ep_combine: str = "auto"  # moe_ep_transport.EPConfig.combine
     mxfp8_targets: tuple[str, ...] = ()
     mxfp8_save_activations: bool = False
+    compute_dtype: str = "bfloat16"  # bfloat16 | float32: compute weights and activations
     gpu_gib: float = H200_GIB
     headroom: float = 0.10  # share of the device kept free
 
@@ -82,6 +84,9 @@ class PlanRequest:
         if self.global_batch % (self.dp * self.micro_batch):
             raise ValueError(f"global_batch={self.global_batch} is not divisible by dp={self.dp} "
                              f"x micro_batch={self.micro_batch}")
+        if self.compute_dtype not in COMPUTE_BYTES:
+            raise ValueError(f"PlanRequest.compute_dtype must be one of {', '.join(COMPUTE_BYTES)}, "
+                             f"got {self.compute_dtype!r}")
         if self.model.n_layers < self.pp * self.virtual:
             raise ValueError(f"{self.model.n_layers} layers cannot fill "
                              f"{self.pp * self.virtual} stages")
@@ -105,9 +110,12 @@ class PlanRequest:
     def from_config(cls, cfg: PretrainConfig, world: int, **planner: object) -> PlanRequest:
         """The request for ``cfg`` run on ``world`` ranks (layout checked as the app does).
 
-        ``planner`` sets what the run config does not carry (``gpu_gib``, ``headroom``)."""
+        ``planner`` sets what the run config does not carry (``gpu_gib``, ``headroom``),
+        or overrides the compute dtype, whose ``auto`` plans the GPUs' bfloat16."""
         layout = validate_layout(cfg, world)
         p = cfg.parallel
+        dtype = cfg.train.compute_dtype
+        planner = {"compute_dtype": "bfloat16" if dtype == "auto" else dtype, **planner}
         return cls(model=cfg.model, world=world, pp=layout.pp, ep=layout.ep,
                    schedule=p.pp_schedule, virtual=p.pp_virtual_stages, pp_split=p.pp_split,
                    micro_batch=cfg.train.micro_batch, seq_len=cfg.train.seq_len,
@@ -228,8 +236,10 @@ def plan_memory(req: PlanRequest, shapes: ModelShapes | None = None,
     shapes = shapes or ModelShapes(m)
     if replace(shapes.cfg, recompute=m.recompute) != m:
         raise ValueError("plan_memory: shapes were built for another model configuration")
+    b = COMPUTE_BYTES[req.compute_dtype]
     ex = Execution(
-        micro_batch=req.micro_batch, seq_len=req.seq_len, ep=req.ep, ep_backend=req.ep_backend,
+        micro_batch=req.micro_batch, seq_len=req.seq_len, compute_bytes=b, param_bytes=b,
+        ep=req.ep, ep_backend=req.ep_backend,
         ep_combine=req.ep_combine,
         mxfp8_expert_layers=frozenset(
             layer for layer in range(m.n_layers)
@@ -237,7 +247,7 @@ def plan_memory(req: PlanRequest, shapes: ModelShapes | None = None,
         mxfp8_save_activations=req.mxfp8_save_activations,
         kernels=kernels,  # type: ignore[arg-type]
     )
-    state_layout = StateLayout(dp=req.dp, ep=req.ep, ddp_mode=req.ddp_mode,
+    state_layout = StateLayout(dp=req.dp, ep=req.ep, ddp_mode=req.ddp_mode, param_bytes=b,
                                bucket_cap_mb=req.bucket_cap_mb, optimizer=req.optimizer,
                                mxfp8_targets=req.mxfp8_targets)
     stage_layers = shapes.stage_layers(req.pp, req.virtual, req.pp_split, req.seq_len)
