@@ -230,5 +230,5 @@ def test_attention_backends_run_the_kernel_asked_for_at_bf16_error():
         if backend in kernel:
             assert kernel[backend] in _autograd_node_names(y)
         errors[backend] = max(float((a - b).norm() / b.norm()) for a, b in zip(got, gold, strict=True))
-    assert errors["cudnn"] < 2e-2 and errors["cudnn"] <= 1.25 * errors["flash"], errors
-    assert errors["auto"] in (errors["cudnn"], errors["flash"])  # PyTorch's choice is one of them
+    for backend in ("cudnn", "auto"):  # auto: PyTorch's choice, cuDNN on H200 with torch 2.11
+        assert errors[backend] < 2e-2 and errors[backend] <= 1.25 * errors["flash"], errors
