@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ep_transport import _routing  # noqa: E402
+from bench_ep_transport import _init_nccl, _routing, _time  # noqa: E402
 from moe_ep_transport import EPConfig, EPDispatcher, make_transport, nvshmem_memory  # noqa: E402
 from moe_ep_transport.rowwise import slab_bytes_for  # noqa: E402
 from moe_model.experts import GroupedExperts  # noqa: E402
@@ -41,42 +39,14 @@ from moe_model.experts import GroupedExperts  # noqa: E402
 E, K, D, F = 64, 8, 2048, 1024
 
 
-# GPU cycles of the sleep kernel ahead of a timed loop: longer than its launches take.
-_HEAD_START_CYCLES = int(1e9)
-
-
-def _head_start() -> None:
-    torch.cuda.synchronize()
-    dist.barrier()
-    torch.cuda._sleep(_HEAD_START_CYCLES)
-
-
 def device_ms(fn: Callable[[], object], iters: int = 10) -> float:
-    """Mean device time per call with the host ahead of the device, the slower rank's."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    _head_start()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    ms = torch.tensor([start.elapsed_time(end) / iters], device="cuda")
-    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-    return float(ms[0])
+    """Device time per call with the host ahead of the device, the slower rank's."""
+    return _time(fn, iters, 3, host_ahead=True)[0]
 
 
 def host_ms(fn: Callable[[], object], iters: int = 4) -> float:
-    """Host time per call with the GPU busy (a sleep kernel ahead): launches never wait."""
-    _head_start()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    ms = (time.perf_counter() - t0) * 1e3 / iters
-    torch.cuda.synchronize()
-    dist.barrier()
-    return ms
+    """Host time per call with the device busy: the launch cost alone."""
+    return _time(fn, iters, 3, host_ahead=True)[1]
 
 
 def measure(n: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: GroupedExperts,
@@ -139,10 +109,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     parser.add_argument("--chunks", default="1,2,4")
     args = parser.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=device)
+    device = _init_nccl()
     rank, world = dist.get_rank(), dist.get_world_size()
     T = args.tokens
     nvshmem_memory.bootstrap(None, device, heap_bytes=2 * slab_bytes_for(EPConfig(E, K, T, D), world, 2 * D))

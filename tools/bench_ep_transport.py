@@ -83,12 +83,33 @@ def _routing(kind: str, T: int, E: int, k: int, rank: int, device: torch.device)
     raise ValueError(f"unknown routing {kind!r}")
 
 
-def _time(fn: Callable[[], object], iters: int, warmup: int) -> tuple[float, float]:
-    """(device ms, host ms) per call: the rank's mean, then the maximum over ranks."""
+# GPU cycles of the sleep kernel ahead of a timed loop (``host_ahead``): longer than its launches.
+HEAD_START_CYCLES = int(1e9)
+
+
+def _init_nccl() -> torch.device:
+    """This rank's GPU, with the NCCL process group of the launch joined."""
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    return device
+
+
+def _time(fn: Callable[[], object], iters: int, warmup: int, host_ahead: bool = False
+          ) -> tuple[float, float]:
+    """(device ms, host ms) per call: the rank's mean, then the maximum over ranks.
+
+    ``host_ahead``: a sleep kernel goes first, so the host launches while the device is
+    busy, as in a training step (``perf_notes.md``): the device time holds no launch
+    waits, and the host time is the launch cost alone.
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     dist.barrier()
+    if host_ahead:
+        torch.cuda._sleep(HEAD_START_CYCLES)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     t0 = time.perf_counter()
@@ -236,10 +257,7 @@ def main() -> None:
     ap.add_argument("--out", default="ep_transport.json")
     args = ap.parse_args()
 
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=device)
+    device = _init_nccl()
     rank, M = dist.get_rank(), dist.get_world_size()
     E, k, D, dtype = args.experts, args.top_k, args.d_model, torch.bfloat16
     tokens = sorted(int(t) for t in args.tokens.split(","))
