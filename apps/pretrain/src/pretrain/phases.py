@@ -32,35 +32,31 @@ import torch
 class PhaseTimer:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self._marks: list[tuple[str | None, object]] = []
-        self._host: list[float] = []  # the host clock at each CUDA mark
+        # (phase, CUDA event or None, host clock) per mark
+        self._marks: list[tuple[str | None, torch.cuda.Event | None, float]] = []
         self.min_host_lead_s: float | None = None  # of the marks last collected; CUDA only
 
     def mark(self, phase: str | None) -> None:
         """``phase`` starts now (``None``: the step's device work ends)."""
+        event = None
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            self._marks.append((phase, event))
-            self._host.append(time.perf_counter())
-        else:
-            self._marks.append((phase, time.perf_counter()))
+        self._marks.append((phase, event, time.perf_counter()))
 
     def collect(self) -> dict[str, float]:
         """Seconds per phase since the last ``collect``; call after the step synchronised.
 
         Also sets ``min_host_lead_s`` for these marks (module docstring)."""
         marks, self._marks = self._marks, []
-        host, self._host = self._host, []
         if self.cuda and len(marks) > 2:
-            first = marks[0][1]
-            self.min_host_lead_s = min(
-                first.elapsed_time(event) / 1e3 - (h - host[0])
-                for (_, event), h in zip(marks[2:], host[2:], strict=True))
+            _, first, host0 = marks[0]
+            self.min_host_lead_s = min(first.elapsed_time(event) / 1e3 - (host - host0)
+                                       for _, event, host in marks[2:])
         out: dict[str, float] = {}
-        for (phase, start), (_, end) in pairwise(marks):
+        for (phase, start, start_host), (_, end, end_host) in pairwise(marks):
             if phase is None:
                 continue
-            seconds = start.elapsed_time(end) / 1e3 if self.cuda else end - start
+            seconds = start.elapsed_time(end) / 1e3 if self.cuda else end_host - start_host
             out[phase] = out.get(phase, 0.0) + seconds
         return out
