@@ -45,3 +45,11 @@ def test_bench_train_step_runs_tiny_on_cpu(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-10].split()[:2] == ["method", "routing"]
     assert lines[-1].split()[:2] == ["fsdp2", "zipf"]
+
+
+def test_device_busy_merges_overlapping_kernels_and_counts_launch_gaps():
+    bench = _tool()
+    # Two streams overlap in [10, 40]; a 5 us gap (back to back) and a 100 us gap (a wait).
+    busy = bench.device_busy([(0, 30), (10, 40), (45, 60), (160, 200), (170, 180)])
+    assert busy == {"span_ms": 0.2, "busy_ms": 0.095, "idle_ms": 0.105, "gaps": 1, "gap_ms": 0.1}
+    assert bench.device_busy([])["span_ms"] == 0.0

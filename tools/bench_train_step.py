@@ -166,25 +166,58 @@ def run_method(a: argparse.Namespace, method: str, device: torch.device, world: 
 
 
 def profile_step(trainer: Trainer, step: int, path: Path, title: str,
-                 rows: int = 40) -> str:
+                 rows: int = 40) -> dict[str, Any]:
     """Run one more step under ``torch.profiler`` and append its kernel table to ``path``.
 
-    Untimed (the profiler slows the host); it says where the device time goes, which the
-    phase breakdown cannot. Only rank 0 writes.
+    Untimed; it says where the device time goes, which the phase breakdown cannot, and
+    how long the device sat idle within the step (kernel intervals merged over every
+    stream: what the host's launches or a wait left empty). On CUDA only device activity
+    is recorded, which keeps the profiler's own host cost small. Only rank 0 writes.
     """
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    sort_by = "self_cpu_time_total"
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-        sort_by = "self_cuda_time_total"
+    on_cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CUDA if on_cuda else torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities) as prof:
         trainer.step(step)
+    sort_by = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=70)
+    busy = device_busy([(e.time_range.start, e.time_range.end) for e in prof.events()
+                        if e.device_type == torch.autograd.DeviceType.CUDA]) if on_cuda else None
     if not dist.is_initialized() or dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:
-            f.write(f"=== {title}\n{table}\n")
-    return str(path)
+            f.write(f"=== {title}\n")
+            if busy is not None:
+                f.write("device span {span_ms:.1f} ms, busy {busy_ms:.1f} ms, idle {idle_ms:.1f} ms "
+                        "({gaps} gaps over 20 us: {gap_ms:.1f} ms)\n".format(**busy))
+            f.write(f"{table}\n")
+    return {"file": str(path), "device": busy}
+
+
+def device_busy(intervals_us: list[tuple[float, float]], gap_us: float = 20.0) -> dict[str, float]:
+    """Span, busy time (the union of the intervals) and idle time of kernel intervals, in ms.
+
+    ``gaps``/``gap_ms``: the idle stretches longer than ``gap_us`` (a launch the device
+    waited for, not the few microseconds between back-to-back kernels).
+    """
+    if not intervals_us:
+        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "gap_ms": 0.0}
+    spans = sorted(intervals_us)
+    busy = gap_sum = 0.0
+    gaps = 0
+    start, end = spans[0]
+    for s, e in spans[1:]:
+        if s > end:
+            busy += end - start
+            if s - end > gap_us:
+                gaps += 1
+                gap_sum += s - end
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    span = end - spans[0][0]
+    return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
+            "gaps": gaps, "gap_ms": gap_sum / 1e3}
 
 
 def summarize(method: str, routing: str, cfg: Any, world: int, records: list[dict],

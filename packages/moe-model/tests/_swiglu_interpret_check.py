@@ -1,7 +1,8 @@
 """Run by test_fused_swiglu.py in a subprocess with TRITON_INTERPRET=1 (set before Triton
 is imported): the fused SwiGLU kernels on CPU against FP32 arithmetic and the eager
 ``swiglu_reference``, forward and both gradients, FP32 and BF16, sizes that are not a
-multiple of the kernel's block, and an empty input."""
+multiple of the kernel's block, and an empty input; with a row bound, rows past it are
+neither read nor written."""
 
 import torch
 from moe_model._swiglu_kernels import FusedSwiGLU
@@ -18,7 +19,7 @@ def main():
             g = (torch.randn(shape, generator=gen) * 3).to(dtype).requires_grad_(True)
             u = torch.randn(shape, generator=gen).to(dtype).requires_grad_(True)
             dh = torch.randn(shape, generator=gen).to(dtype)
-            out = FusedSwiGLU.apply(g, u)
+            out = FusedSwiGLU.apply(g, u, None)
             dg, du = torch.autograd.grad(out, (g, u), dh)
             # the kernel's arithmetic in FP32, rounded once
             g32, u32, dh32 = g.detach().float(), u.detach().float(), dh.float()
@@ -35,7 +36,34 @@ def main():
                                        strict=True):
                 torch.testing.assert_close(got, want, rtol=tol, atol=tol,
                                            msg=lambda m, n=name, t=tag: f"{n} {t} vs eager: {m}")
+    check_row_bound(gen)
     print("ok")
+
+
+def check_row_bound(gen):
+    """With a row bound the kernels leave rows at or past it untouched (sentinels survive)
+    and compute the live rows as without one; through autograd too."""
+    from moe_model._swiglu_kernels import _BLOCK, _grid, swiglu_backward_kernel, swiglu_forward_kernel
+
+    shape, live = (37, 53), 20
+    g = (torch.randn(shape, generator=gen) * 3).requires_grad_(True)
+    u = torch.randn(shape, generator=gen).requires_grad_(True)
+    dh = torch.randn(shape, generator=gen)
+    rows = torch.tensor([live], dtype=torch.int32)
+    n, width = g.numel(), shape[1]
+    h, dg, du = (torch.full(shape, 7.0) for _ in range(3))
+    swiglu_forward_kernel[_grid(n)](g.detach(), u.detach(), h, n, rows, width, HAS_BOUND=True, BLOCK=_BLOCK)
+    swiglu_backward_kernel[_grid(n)](dh, g.detach(), u.detach(), dg, du, n, rows, width, HAS_BOUND=True,
+                                     BLOCK=_BLOCK)
+    out = FusedSwiGLU.apply(g, u, None)
+    ref_dg, ref_du = torch.autograd.grad(out, (g, u), dh)
+    for name, got, want in (("h", h, out), ("dg", dg, ref_dg), ("du", du, ref_du)):
+        torch.testing.assert_close(got[:live], want[:live].detach(), msg=lambda m, n=name: f"{n} live rows: {m}")
+        assert (got[live:] == 7.0).all(), f"{name}: a padding row was written"
+    bounded = FusedSwiGLU.apply(g, u, rows)
+    b_dg, b_du = torch.autograd.grad(bounded, (g, u), dh)
+    for name, got, want in (("h", bounded, out), ("dg", b_dg, ref_dg), ("du", b_du, ref_du)):
+        torch.testing.assert_close(got[:live], want[:live].detach(), msg=lambda m, n=name: f"{n} autograd: {m}")
 
 
 if __name__ == "__main__":

@@ -76,3 +76,13 @@ def test_sink_is_left_alone_where_no_kernel_runs():
     mod.grad_sink = Refusing()
     mod(torch.randn(6, 8), torch.tensor([2, 2, 6], dtype=torch.int32)).sum().backward()
     assert all(p.grad is not None for p in mod.parameters())
+
+
+def test_paired_gate_up_gemms_under_interpreter():
+    run_under_triton_interpreter(Path(__file__).with_name("_gate_up_interpret_check.py"))
+
+
+def test_selective_recompute_keeps_the_paired_gemm_outputs():
+    from moe_model.recompute import _saved_ops
+
+    assert torch.ops.moe_model.triton_grouped_mm_split2.default in _saved_ops()

@@ -126,19 +126,27 @@ def _topk_gather_sum_kernel(
 
 @triton.jit
 def _combine_grads_kernel(
-    g_ptr, w_ptr, rows_ptr, scaled_ptr, grad_w_ptr, width,
+    g_ptr, w_ptr, rows_ptr, scaled_ptr, grad_w_ptr, width, bound_ptr,
     K: tl.constexpr, SCALED: tl.constexpr, GRAD_W: tl.constexpr, BLOCK_W: tl.constexpr,
+    HAS_BOUND: tl.constexpr,
 ):
     # Program t: the token's k scaled gradient rows and the k weight gradients, reading
     # the token's gradient once (eager PyTorch materialises two [T, k, D] FP32 tensors).
+    # With a bound, programs at or past it (padding rows) move no memory.
     t = tl.program_id(0).to(tl.int64)
     acc_dtype = w_ptr.dtype.element_ty
     slots = tl.arange(0, K)
-    w = tl.load(w_ptr + t * K + slots)
+    live = slots < K
+    limit = width
+    if HAS_BOUND:
+        end = tl.load(bound_ptr).to(tl.int64)
+        live = (t + slots) < end + slots  # a per-slot vector (a scalar mask trips the interpreter)
+        limit = tl.where(t < end, width, 0)
+    w = tl.load(w_ptr + t * K + slots, mask=live, other=0.0)
     dots = tl.zeros([K], dtype=acc_dtype)
     for c0 in range(0, width, BLOCK_W):
         cols = c0 + tl.arange(0, BLOCK_W)
-        cm = cols < width
+        cm = cols < limit
         g = tl.load(g_ptr + t * width + cols, mask=cm, other=0.0).to(acc_dtype)
         at = (t * K + slots)[:, None] * width + cols[None, :]
         m = cm[None, :] & (slots < K)[:, None]
@@ -148,7 +156,7 @@ def _combine_grads_kernel(
             x = tl.load(rows_ptr + at, mask=m, other=0.0).to(acc_dtype)
             dots += tl.sum(x * g[None, :], axis=1)
     if GRAD_W:
-        tl.store(grad_w_ptr + t * K + slots, dots)
+        tl.store(grad_w_ptr + t * K + slots, dots, mask=live)
 
 
 @triton.jit
@@ -317,10 +325,13 @@ def combine_grads(
     rows_ND: torch.Tensor | None,
     rows_dtype: torch.dtype,
     scaled: bool,
+    bound: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(w * g).to(rows_dtype)`` per slot and ``<rows, g>`` per slot, in ``w``'s dtype.
 
-    ``K`` (slots per token) must be a power of two for the kernel's slot vector.
+    ``K`` (slots per token) must be a power of two for the kernel's slot vector. With
+    ``bound`` (a one-element integer device tensor) tokens at or past it are skipped:
+    their outputs are left unset.
     """
     N, (T, width) = w_N.numel(), g_TD.shape
     scaled_ND = torch.empty(N, width, dtype=rows_dtype, device=g_TD.device) if scaled else None
@@ -332,8 +343,10 @@ def combine_grads(
     _combine_grads_kernel[(T,)](
         g_TD.contiguous(), w_N, rows_ND if rows_ND is not None else placeholder,
         placeholder, grad_w_N if grad_w_N is not None else w_N, width,
+        bound if bound is not None else w_N,
         K=K, SCALED=scaled, GRAD_W=rows_ND is not None,
-        BLOCK_W=min(triton.next_power_of_2(max(width, 1)), max(64, 4096 // K)), num_warps=4,
+        BLOCK_W=min(triton.next_power_of_2(max(width, 1)), max(64, 4096 // K)), HAS_BOUND=bound is not None,
+        num_warps=4,
     )
     return scaled_ND, grad_w_N
 

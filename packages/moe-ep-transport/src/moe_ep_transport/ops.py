@@ -254,19 +254,22 @@ def combine_grads(
     rows_ND: torch.Tensor | None,
     rows_dtype: torch.dtype,
     scaled: bool,
+    bound: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Combine's backward on this rank: the gradient rows to send back and the weights' gradient.
 
     Slot ``i = t*k + j``: ``scaled[i] = (w[i] * g[t]).to(rows_dtype)`` (``scaled``) and
     ``grad_w[i] = sum_d rows[i, d] * g[t, d]`` (when ``rows_ND`` is given), both in
     ``w``'s dtype, ``g`` converted to it first. One launch on CUDA (the sum's order
-    differs from the reference's, within rounding).
+    differs from the reference's, within rounding). ``bound`` (a one-element integer
+    device tensor): tokens at or past it are padding whose outputs are unspecified; the
+    kernel skips them (a receive buffer sized for the worst case costs what it holds).
     """
     k = w_N.numel() // max(1, g_TD.shape[0])
     if _on_triton(g_TD) and k > 0 and k & (k - 1) == 0:
         from moe_ep_transport import kernels
 
-        return kernels.combine_grads(g_TD, w_N, rows_ND, rows_dtype, scaled)
+        return kernels.combine_grads(g_TD, w_N, rows_ND, rows_dtype, scaled, bound)
     return combine_grads_reference(g_TD, w_N, rows_ND, rows_dtype, scaled)
 
 

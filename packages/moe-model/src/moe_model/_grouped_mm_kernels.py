@@ -30,16 +30,23 @@ def swizzle(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def rows_kernel(
-    x, w, y_ptr, offs_ptr,
-    R, N, K, E, num_progs,
+    x, w, y_ptr, offs_ptr, x1, w1, y1_ptr,
+    R, N, K, E, num_progs, flip_x, flip_w,
     stride_xr, stride_we, stride_wk, stride_wn, stride_yr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     E_BLOCK: tl.constexpr, W_K_CONTIGUOUS: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, PRECISION: tl.constexpr, PAIR: tl.constexpr,
 ):
     """``y[r] = x[r] @ w[g(r)]``. With ``USE_TMA``, ``x`` is a tensor descriptor of
     ``[R, K]`` and ``w`` one of the 2-D weight view (``[E*N, K]`` if K is contiguous,
     else ``[E*K, N]``), and ``K % BK == 0``; otherwise both are pointers.
+
+    Two operand pairs in one launch (``x1``, ``w1``, ``y1_ptr`` are read only then):
+    ``PAIR == 1`` sums them over a reduction twice as long, ``y = x @ w[g] + x1 @ w1[g]``
+    (a SwiGLU input gradient: no second GEMM output and no add); ``PAIR == 2`` writes
+    two outputs from one input, ``y = x @ w[g]``, ``y1 = x @ w1[g]`` (gate and up
+    projections: one work list, one launch). With TMA the paired operand is one 3-D
+    descriptor ``[2, ...]`` over both tensors, ``flip_*`` the index of the first.
 
     One flat loop runs over (tile, k-step) pairs of this program's tiles, so the
     software pipeline keeps loading across tile boundaries (the next tile's first
@@ -47,8 +54,10 @@ def rows_kernel(
     """
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BN)
+    tiles_all = tiles_n * 2 if PAIR == 2 else tiles_n  # n-tiles of the work list
     k_tiles = tl.cdiv(K, BK)
-    _, _, _, _, total = group_of_tile(offs_ptr, E, 0, tiles_n, BM, E_BLOCK)
+    k_steps = k_tiles * 2 if PAIR == 1 else k_tiles
+    _, _, _, _, total = group_of_tile(offs_ptr, E, 0, tiles_all, BM, E_BLOCK)
     my_tiles = tl.where(pid < total, tl.cdiv(total - pid, num_progs), 0)
     rm = tl.arange(0, BM)
     rn = tl.arange(0, BN)
@@ -59,43 +68,62 @@ def rows_kernel(
     g_end = 0
     row0 = 0
     pid_n = 0
+    half = 0  # PAIR == 2: which output this tile writes
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for _ in range(0, my_tiles * k_tiles):
-        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
+    for _ in range(0, my_tiles * k_steps):
+        ki = tl.where(ki == k_steps - 1, 0, ki + 1)
         if ki == 0:
             tile += num_progs
-            g, base, g_start, g_end, _ = group_of_tile(offs_ptr, E, tile, tiles_n, BM, E_BLOCK)
-            pid_m, pid_n = swizzle(tile - base, tl.cdiv(g_end - g_start, BM), tiles_n, GROUP_M)
+            g, base, g_start, g_end, _ = group_of_tile(offs_ptr, E, tile, tiles_all, BM, E_BLOCK)
+            pid_m, pid_n = swizzle(tile - base, tl.cdiv(g_end - g_start, BM), tiles_all, GROUP_M)
             row0 = g_start + pid_m * BM
+            if PAIR == 2:
+                half = pid_n // tiles_n
+                pid_n = pid_n - half * tiles_n
+        # which operand pair this k-step reads, and its k-block
+        which = ki // k_tiles if PAIR == 1 else half
+        kb = ki - which * k_tiles if PAIR == 1 else ki
         # Rows past the group end belong to the next group (TMA zero-fills past R;
         # pointers clamp to the last row): computed, never stored. Columns past N
         # are wrapped (pointers) or zero-filled / the next expert's (TMA), never stored.
         if USE_TMA:
-            a = x.load([row0, ki * BK])
-            if W_K_CONTIGUOUS:
-                b = tl.trans(w.load([g * N + pid_n * BN, ki * BK]))
+            if PAIR == 1:
+                a = x.load([which ^ flip_x, row0, kb * BK]).reshape(BM, BK)
             else:
-                b = w.load([g * K + ki * BK, pid_n * BN])
+                a = x.load([row0, kb * BK])
+            if PAIR == 0:
+                if W_K_CONTIGUOUS:
+                    b = tl.trans(w.load([g * N + pid_n * BN, kb * BK]))
+                else:
+                    b = w.load([g * K + kb * BK, pid_n * BN])
+            else:
+                if W_K_CONTIGUOUS:
+                    b = tl.trans(w.load([which ^ flip_w, g * N + pid_n * BN, kb * BK]).reshape(BN, BK))
+                else:
+                    b = w.load([which ^ flip_w, g * K + kb * BK, pid_n * BN]).reshape(BK, BN)
         else:
+            x_src = tl.where(which == 0, x, x1) if PAIR == 1 else x
+            w_src = tl.where(which == 0, w, w1) if PAIR != 0 else w
             a_rows = tl.minimum(rm, R - 1 - row0)
             cols = (pid_n * BN + rn) % N
-            a_ptrs = x + row0.to(tl.int64) * stride_xr + a_rows[:, None] * stride_xr + (ki * BK + rk)[None, :]
-            w_base = w + g.to(tl.int64) * stride_we
+            a_ptrs = x_src + row0.to(tl.int64) * stride_xr + a_rows[:, None] * stride_xr + (kb * BK + rk)[None, :]
+            w_base = w_src + g.to(tl.int64) * stride_we
             if W_K_CONTIGUOUS:
-                b_ptrs = w_base + (ki * BK + rk)[:, None] + cols[None, :] * stride_wn
+                b_ptrs = w_base + (kb * BK + rk)[:, None] + cols[None, :] * stride_wn
             else:
-                b_ptrs = w_base + (ki * BK + rk)[:, None] * stride_wk + cols[None, :]
+                b_ptrs = w_base + (kb * BK + rk)[:, None] * stride_wk + cols[None, :]
             if EVEN_K:
                 a = tl.load(a_ptrs)
                 b = tl.load(b_ptrs)
             else:
-                k_ok = rk < K - ki * BK
+                k_ok = rk < K - kb * BK
                 a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        if ki == k_tiles - 1:
+        if ki == k_steps - 1:
+            y_dst = tl.where(half == 0, y_ptr, y1_ptr) if PAIR == 2 else y_ptr
             out_cols = pid_n * BN + rn
-            y_ptrs = y_ptr + row0.to(tl.int64) * stride_yr + rm[:, None] * stride_yr + out_cols[None, :]
+            y_ptrs = y_dst + row0.to(tl.int64) * stride_yr + rm[:, None] * stride_yr + out_cols[None, :]
             mask = ((row0 + rm)[:, None] < g_end) & (out_cols[None, :] < N)
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
             acc = tl.zeros((BM, BN), dtype=tl.float32)

@@ -17,6 +17,11 @@ Grouped GEMM backends (``grouped_mm(..., backend=)``), all reading device-side o
   (a synchronisation), so on a GPU ``auto`` falls back to it only without Triton.
 - ``auto``: the fastest safe one for the device and dtype (see ``resolve_backend``).
 
+Gate and up projections (``auto``/``triton`` on CUDA): one paired Triton GEMM writes
+both, and their input gradient is one GEMM over the joint reduction
+``dg @ w1 + du @ w3`` instead of two GEMMs with a short reduction and an add of two
+``[R, D]`` results (``_GateUp``); other backends run them as two grouped GEMMs.
+
 Weight gradients into a sink: a data-parallel wrapper that keeps FP32 main grads may
 be installed as the module's ``grad_sink`` (a ``GradientSink``, e.g. through
 ``moe_model.set_gradient_sink``). On CUDA with Triton the weight-gradient GEMMs then
@@ -148,6 +153,69 @@ class _GroupedMMIntoSink(torch.autograd.Function):
         return dx, None, None, None, None, None
 
 
+class _GateUp(torch.autograd.Function):
+    """``(x @ w1[g]^T, x @ w3[g]^T)``, the gate and up projections, in one Triton launch;
+    the input gradient ``dg @ w1[g] + du @ w3[g]`` in one GEMM over the joint reduction
+    (no second ``[R, D]`` output and no add of the two); each weight gradient into its
+    sink (``sinks[i]`` not ``None``) or returned through autograd."""
+
+    @staticmethod
+    def forward(ctx: Any, x_RD: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
+                offsets: torch.Tensor, sinks: tuple, accumulators: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        from moe_model.triton_grouped_mm import triton_grouped_mm_split2
+
+        w1c, w3c = w1_EFD.to(x_RD.dtype), w3_EFD.to(x_RD.dtype)
+        ctx.save_for_backward(x_RD, w1c, w3c, offsets)
+        ctx.sinks, ctx.params, ctx.accumulators = sinks, (w1_EFD, w3_EFD), accumulators
+        return triton_grouped_mm_split2(x_RD, w1c.transpose(1, 2), w3c.transpose(1, 2), offsets)
+
+    @staticmethod
+    def backward(ctx: Any, dg_RF: torch.Tensor, du_RF: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        from moe_model.triton_grouped_mm import rows_mm_sum2, wgrad_accumulate_, wgrad_mm
+
+        x_RD, w1c, w3c, offsets = ctx.saved_tensors
+        dg_RF, du_RF = dg_RF.contiguous(), du_RF.contiguous()
+        dx = rows_mm_sum2(dg_RF, w1c, du_RF, w3c, offsets) if ctx.needs_input_grad[0] else None
+        grads: list[torch.Tensor | None] = []
+        for i, (param, w_c, dy) in enumerate(zip(ctx.params, (w1c, w3c), (dg_RF, du_RF), strict=True)):
+            like = w_c.transpose(1, 2)
+            if not ctx.needs_input_grad[1 + i]:
+                grads.append(None)
+            elif ctx.sinks[i] is None:
+                grads.append(wgrad_mm(x_RD, dy, offsets, like).transpose(1, 2).to(param.dtype))
+            else:
+                if torch._C._will_engine_execute_node(ctx.accumulators[i]):
+                    ctx.sinks[i].add_gradient(
+                        param, lambda target, dy=dy, like=like: wgrad_accumulate_(target, x_RD, dy, offsets, like))
+                grads.append(None)
+        return dx, grads[0], grads[1], None, None, None
+
+
+def gate_up_pairs(rows: torch.Tensor, backend: str) -> bool:
+    """Whether the gate and up projections run as one paired Triton GEMM (``_GateUp``):
+    on CUDA with Triton, for the ``auto`` and ``triton`` backends. Measured on H200 at the
+    bench MoE shapes against two ``torch._grouped_mm`` calls and the add of their input
+    gradients: see ``tools/moe_model_notes.md``."""
+    return backend in ("auto", "triton") and rows.is_cuda and triton_available()
+
+
+def gate_up(
+    x_RD: torch.Tensor, w1_EFD: nn.Parameter, w3_EFD: nn.Parameter, offsets: torch.Tensor,
+    sink: GradientSink | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x @ w1[g]^T, x @ w3[g]^T)`` through ``_GateUp`` (CUDA with Triton); each weight's
+    gradient goes into ``sink`` when the sink accepts it and a backward will run."""
+    weights = (w1_EFD, w3_EFD)
+    if not torch.is_grad_enabled() or not any(w.requires_grad for w in (x_RD, *weights)):
+        from moe_model.triton_grouped_mm import triton_grouped_mm_split2
+
+        w1c, w3c = (w.to(x_RD.dtype).transpose(1, 2) for w in weights)
+        return triton_grouped_mm_split2(x_RD, w1c, w3c, offsets)
+    sinks = tuple(sink if sink is not None and w.requires_grad and sink.accepts(w) else None for w in weights)
+    accumulators = tuple(get_gradient_edge(w).node if s is not None else None for w, s in zip(weights, sinks, strict=True))
+    return _GateUp.apply(x_RD, w1_EFD, w3_EFD, offsets, sinks, accumulators)
+
+
 def grouped_mm_into_sink(
     x_RK: torch.Tensor, w_ENK: nn.Parameter, offsets: torch.Tensor, backend: str, sink: GradientSink | None
 ) -> torch.Tensor:
@@ -197,4 +265,10 @@ class GroupedExperts(nn.Module):
         def mm(x: torch.Tensor, w: nn.Parameter) -> torch.Tensor:
             return grouped_mm_into_sink(x, w, group_offsets, self.backend, sink)
 
-        return mm(swiglu(mm(rows_RD, self.w1), mm(rows_RD, self.w3)), self.w2)
+        if gate_up_pairs(rows_RD, self.backend):
+            g, u = gate_up(rows_RD, self.w1, self.w3, group_offsets, sink)
+        else:
+            g, u = mm(rows_RD, self.w1), mm(rows_RD, self.w3)
+        # rows past the last expert's end are padding (an EP receive buffer sized for the
+        # worst case): the fused SwiGLU skips them
+        return mm(swiglu(g, u, rows=group_offsets[-1:]), self.w2)

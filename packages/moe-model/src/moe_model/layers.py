@@ -153,18 +153,20 @@ def swiglu_reference(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
-def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def swiglu(g: torch.Tensor, u: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU's gating ``silu(g) * u``.
 
     CUDA inputs of one shape and dtype take the one-kernel-each-way path of
     ``moe_model._swiglu_kernels`` (FP32 inside, one rounding, g and u kept for the
     backward instead of three tensors); anything else, or without Triton,
-    ``swiglu_reference``.
+    ``swiglu_reference``. ``rows`` (a one-element integer device tensor, optional):
+    rows of ``g`` at or past it are padding, which the kernel path skips (their output
+    and gradient are unspecified); the reference computes them anyway.
     """
     if g.is_cuda and g.shape == u.shape and g.dtype == u.dtype and triton_available():
         from moe_model._swiglu_kernels import FusedSwiGLU
 
-        return FusedSwiGLU.apply(g, u)
+        return FusedSwiGLU.apply(g, u, rows)
     return swiglu_reference(g, u)
 
 

@@ -55,6 +55,7 @@ def _saved_ops() -> frozenset[Any]:
              "_scaled_dot_product_flash_attention_for_cpu"]
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
     ops.add(torch.ops.moe_model.triton_grouped_mm.default)
+    ops.add(torch.ops.moe_model.triton_grouped_mm_split2.default)
     return frozenset(ops)
 
 

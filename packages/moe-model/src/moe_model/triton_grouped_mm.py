@@ -128,6 +128,99 @@ def _check(name: str, t: torch.Tensor, dim: int) -> None:
         raise ValueError(f"grouped GEMM: {name} must be {dim}-D, got shape {tuple(t.shape)}")
 
 
+def _check_rows_operands(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> None:
+    _check("x", x_RK, 2)
+    _check("w", w_EKN, 3)
+    E, Kw, _ = w_EKN.shape
+    if Kw != x_RK.shape[1] or offsets_E.shape != (E,):
+        raise ValueError(
+            f"grouped GEMM: x {tuple(x_RK.shape)}, w {tuple(w_EKN.shape)} and offsets "
+            f"{tuple(offsets_E.shape)} do not match"
+        )
+
+
+def _weight_2d(w_EKN: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``(w, k_contiguous)``: the weight in a layout the kernel reads in place (a
+    transposed view of an ``[E, N, K]`` weight stays as it is)."""
+    k_contiguous = w_EKN.stride(1) == 1
+    if not k_contiguous and w_EKN.stride(2) != 1:
+        w_EKN = w_EKN.contiguous()
+    return w_EKN, k_contiguous
+
+
+def _weight_rows(w_EKN: torch.Tensor, k_contiguous: bool, cfg: TileConfig) -> tuple[torch.Tensor, list[int]]:
+    """The 2-D view of a weight the TMA descriptor covers, and its block shape."""
+    E, K, N = w_EKN.shape
+    if k_contiguous:  # [E, N, K] in memory
+        return w_EKN.transpose(1, 2).reshape(E * N, K), [cfg.block_n, cfg.block_k]
+    return w_EKN.reshape(E * K, N), [cfg.block_k, cfg.block_n]  # [E, K, N] in memory
+
+
+def _pair_descriptor(t0: torch.Tensor, t1: torch.Tensor, block: list[int]) -> tuple[object, int] | None:
+    """One 3-D TMA descriptor ``[2, rows, cols]`` over two equally shaped 2-D tensors with
+    contiguous rows, based at the lower address, and the index ``t0`` has in it; ``None``
+    where the distance between them is no valid stride (same storage, not 16-byte aligned)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    lo, hi = (t0, t1) if t0.data_ptr() < t1.data_ptr() else (t1, t0)
+    gap = hi.data_ptr() - lo.data_ptr()
+    if gap == 0 or gap % 16 or gap >= 2**40 or lo.stride() != hi.stride():
+        return None
+    desc = TensorDescriptor(lo, [2, *lo.shape], [gap // lo.element_size(), lo.stride(0), 1], [1, *block])
+    return desc, int(hi is t0)
+
+
+def _launch_rows(
+    xs: tuple[torch.Tensor, ...], ws: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...],
+    offsets_E: torch.Tensor, config: TileConfig | None, pair: int,
+) -> None:
+    """Run the rows kernel: ``pair`` 0 (one GEMM), 1 (``ys[0] = sum_i xs[i] @ ws[i]``)
+    or 2 (``ys[i] = xs[0] @ ws[i]``); see ``_grouped_mm_kernels.rows_kernel``."""
+    x_RK, y_RN = xs[0], ys[0]
+    R, K = x_RK.shape
+    E, _, N = ws[0].shape
+    if R == 0 or N == 0:
+        return
+    cfg = config or default_config("rows", x_RK.device, x_RK.dtype)
+    triton, rows_kernel, _ = _kernels()
+    tiles_n = triton.cdiv(N, cfg.block_n) * (2 if pair == 2 else 1)
+    max_tiles = (triton.cdiv(R, cfg.block_m) + E) * tiles_n
+    grid = min(max_tiles, num_sms(x_RK.device)) if cfg.persistent else max_tiles
+    weights = [_weight_2d(w) for w in ws]
+    k_contiguous = weights[0][1]
+    if any(kc != k_contiguous or w.stride() != weights[0][0].stride() for w, kc in weights):
+        weights = [(w.contiguous(), False) for w, _ in weights]  # one layout for both
+        k_contiguous = False
+    w_args = [w for w, _ in weights]
+    x_args = list(xs)
+    flips = [0, 0]
+    use_tma = cfg.use_tma and all(_tma_ok(x, w, cfg) for x in xs for w in w_args)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        w_views = [_weight_rows(w, k_contiguous, cfg) for w in w_args]
+        x_block = [cfg.block_m, cfg.block_k]
+        paired_x = _pair_descriptor(xs[0], xs[1], x_block) if pair == 1 else None
+        paired_w = _pair_descriptor(w_views[0][0], w_views[1][0], w_views[0][1]) if pair else None
+        if pair and (paired_w is None or (pair == 1 and paired_x is None)):
+            use_tma = False  # no common descriptor: the pointer path reads them
+        else:
+            x_args[0] = paired_x[0] if pair == 1 else TensorDescriptor.from_tensor(xs[0], x_block)
+            w_args[0] = paired_w[0] if pair else TensorDescriptor.from_tensor(*w_views[0])
+            flips = [paired_x[1] if pair == 1 else 0, paired_w[1] if pair else 0]
+    w0 = weights[0][0]
+    rows_kernel[(grid,)](
+        x_args[0], w_args[0], y_RN, offsets_E,
+        x_args[-1] if pair == 1 else x_args[0], w_args[-1], ys[-1],
+        R, N, K, E, grid, *flips,
+        x_RK.stride(0), w0.stride(0), w0.stride(1), w0.stride(2), y_RN.stride(0),
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        E_BLOCK=triton.next_power_of_2(E), W_K_CONTIGUOUS=k_contiguous,
+        EVEN_K=K % cfg.block_k == 0, USE_TMA=use_tma, PRECISION=_precision(x_RK.dtype), PAIR=pair,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
 def rows_mm(
     x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor,
     config: TileConfig | None = None,
@@ -137,48 +230,47 @@ def rows_mm(
     ``w_EKN`` may be contiguous in K or in N (a transposed view of a ``[E, N, K]``
     weight is read in place).
     """
-    _check("x", x_RK, 2)
-    _check("w", w_EKN, 3)
-    R, K = x_RK.shape
-    E, Kw, N = w_EKN.shape
-    if Kw != K or offsets_E.shape != (E,):
-        raise ValueError(
-            f"grouped GEMM: x {tuple(x_RK.shape)}, w {tuple(w_EKN.shape)} and offsets "
-            f"{tuple(offsets_E.shape)} do not match"
-        )
+    _check_rows_operands(x_RK, w_EKN, offsets_E)
     x_RK = x_RK.contiguous()
-    k_contiguous = w_EKN.stride(1) == 1
-    if not k_contiguous and w_EKN.stride(2) != 1:
-        w_EKN = w_EKN.contiguous()
-    y_RN = torch.empty(R, N, dtype=x_RK.dtype, device=x_RK.device)
-    if R == 0 or N == 0:
-        return y_RN
-    cfg = config or default_config("rows", x_RK.device, x_RK.dtype)
-    triton, rows_kernel, _ = _kernels()
-    max_tiles = (triton.cdiv(R, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n)
-    grid = min(max_tiles, num_sms(x_RK.device)) if cfg.persistent else max_tiles
-    use_tma = cfg.use_tma and _tma_ok(x_RK, w_EKN, cfg)
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        x_arg = TensorDescriptor.from_tensor(x_RK, [cfg.block_m, cfg.block_k])
-        if k_contiguous:  # [E, N, K] in memory
-            w_2d, block = w_EKN.transpose(1, 2).reshape(E * N, K), [cfg.block_n, cfg.block_k]
-        else:  # [E, K, N] in memory
-            w_2d, block = w_EKN.reshape(E * K, N), [cfg.block_k, cfg.block_n]
-        w_arg = TensorDescriptor.from_tensor(w_2d, block)
-    else:
-        x_arg, w_arg = x_RK, w_EKN
-    rows_kernel[(grid,)](
-        x_arg, w_arg, y_RN, offsets_E,
-        R, N, K, E, grid,
-        x_RK.stride(0), w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2), y_RN.stride(0),
-        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-        E_BLOCK=triton.next_power_of_2(E), W_K_CONTIGUOUS=k_contiguous,
-        EVEN_K=K % cfg.block_k == 0, USE_TMA=use_tma, PRECISION=_precision(x_RK.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    y_RN = torch.empty(x_RK.shape[0], w_EKN.shape[2], dtype=x_RK.dtype, device=x_RK.device)
+    _launch_rows((x_RK,), (w_EKN,), (y_RN,), offsets_E, config, pair=0)
     return y_RN
+
+
+def rows_mm_sum2(
+    x0_RK: torch.Tensor, w0_EKN: torch.Tensor, x1_RK: torch.Tensor, w1_EKN: torch.Tensor,
+    offsets_E: torch.Tensor, config: TileConfig | None = None,
+) -> torch.Tensor:
+    """``y[r] = x0[r] @ w0[g(r)] + x1[r] @ w1[g(r)]`` in one GEMM over the joint reduction
+    (FP32 accumulator, one rounding); rows past ``offsets[-1]`` are left unset."""
+    for x, w in ((x0_RK, w0_EKN), (x1_RK, w1_EKN)):
+        _check_rows_operands(x, w, offsets_E)
+    if x0_RK.shape != x1_RK.shape or w0_EKN.shape != w1_EKN.shape or x0_RK.dtype != x1_RK.dtype:
+        raise ValueError(
+            f"grouped GEMM pair: x {tuple(x0_RK.shape)} / {tuple(x1_RK.shape)} and w "
+            f"{tuple(w0_EKN.shape)} / {tuple(w1_EKN.shape)} must match"
+        )
+    xs = (x0_RK.contiguous(), x1_RK.contiguous())
+    y_RN = torch.empty(x0_RK.shape[0], w0_EKN.shape[2], dtype=x0_RK.dtype, device=x0_RK.device)
+    _launch_rows(xs, (w0_EKN, w1_EKN), (y_RN,), offsets_E, config, pair=1)
+    return y_RN
+
+
+def rows_mm_split2(
+    x_RK: torch.Tensor, w0_EKN: torch.Tensor, w1_EKN: torch.Tensor, offsets_E: torch.Tensor,
+    config: TileConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x @ w0[g], x @ w1[g])`` per row in one launch (one work list over both outputs);
+    rows past ``offsets[-1]`` are left unset."""
+    for w in (w0_EKN, w1_EKN):
+        _check_rows_operands(x_RK, w, offsets_E)
+    if w0_EKN.shape != w1_EKN.shape:
+        raise ValueError(f"grouped GEMM pair: w {tuple(w0_EKN.shape)} / {tuple(w1_EKN.shape)} must match")
+    x_RK = x_RK.contiguous()
+    ys = tuple(torch.empty(x_RK.shape[0], w0_EKN.shape[2], dtype=x_RK.dtype, device=x_RK.device)
+               for _ in range(2))
+    _launch_rows((x_RK,), (w0_EKN, w1_EKN), ys, offsets_E, config, pair=2)
+    return ys
 
 
 def _wgrad_operands(
@@ -289,6 +381,21 @@ def _wgrad_op(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, like: to
 @_wgrad_op.register_fake
 def _(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(like)
+
+
+@torch.library.custom_op("moe_model::triton_grouped_mm_split2", mutates_args=())
+def triton_grouped_mm_split2(
+    x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x @ w0[g], x @ w1[g])`` in one launch (``rows_mm_split2``). Not differentiable
+    itself: ``moe_model.experts`` wraps it with its own backward (one GEMM for the input
+    gradient); a custom op so that selective recompute can keep its outputs."""
+    return rows_mm_split2(x, w0, w1, offsets)
+
+
+@triton_grouped_mm_split2.register_fake
+def _(x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape[0], w0.shape[-1]), x.new_empty(x.shape[0], w1.shape[-1])
 
 
 def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
