@@ -7,26 +7,10 @@ into a sink, a split input/weight backward, the GroupedExperts module), on CPU."
 import itertools
 
 import torch
+from _wgrad_sink_interpret_check import DictSink, close  # the script's folder is on sys.path
 from moe_model import experts
 from moe_model.experts import GroupedExperts, gate_up, grouped_mm_loop
 from moe_model.triton_grouped_mm import TileConfig, rows_mm_split2, rows_mm_sum2
-
-
-def close(a, b, what):
-    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m: f"{what}: {m}")
-
-
-class DictSink:
-    def __init__(self, targets):
-        self.targets, self.added = targets, {}
-
-    def accepts(self, param):
-        return any(param is p for p in self.targets)
-
-    def add_gradient(self, param, add):
-        add(self.targets[param])
-        self.added[param] = self.added.get(param, 0) + 1
-
 
 E, N = 5, 40
 OFFSETS = torch.tensor([7, 7, 20, 41, 41], dtype=torch.int32)  # experts 1 and 4 empty
