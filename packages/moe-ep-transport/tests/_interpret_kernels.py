@@ -132,14 +132,19 @@ def check_combine_grads() -> None:
         none, only_w = kernels.combine_grads(g, w, rows, rows_dtype, False)
         assert none is None and torch.equal(only_w, grad_w)
     # A bound: tokens before it as without one (k = 1, as combine's backward at the
-    # destination runs it over a receive buffer), tokens past it never computed: NaN
-    # inputs there would otherwise reach their outputs.
+    # destination runs it over a receive buffer); tokens past it never touched: their
+    # outputs keep a sentinel (the kernel launched on pre-filled outputs).
     g = torch.randn(6, D, generator=gen)
     w, rows = torch.rand(6, generator=gen), torch.randn(6, D, generator=gen)
-    g[4:], rows[4:], w[4:] = float("nan"), float("nan"), float("nan")
-    scaled, grad_w = kernels.combine_grads(g, w, rows, torch.float32, True, torch.tensor([4], dtype=torch.int32))
+    scaled, grad_w = torch.full((6, D), 7.0), torch.full((6,), 7.0)
+    kernels._combine_grads_kernel[(6,)](
+        g, w, rows, scaled, grad_w, D, torch.tensor([4], dtype=torch.int32),
+        K=1, SCALED=True, GRAD_W=True, BLOCK_W=64, HAS_BOUND=True)
     want_scaled, want_w = ops.combine_grads_reference(g[:4], w[:4], rows[:4], torch.float32, True)
     assert torch.equal(scaled[:4], want_scaled) and torch.allclose(grad_w[:4], want_w, rtol=1e-5, atol=1e-4)
+    assert (scaled[4:] == 7.0).all() and (grad_w[4:] == 7.0).all(), "a token past the bound was written"
+    bounded, bounded_w = kernels.combine_grads(g, w, rows, torch.float32, True, torch.tensor([4], dtype=torch.int32))
+    assert torch.equal(bounded[:4], scaled[:4]) and torch.allclose(bounded_w[:4], grad_w[:4], rtol=1e-5, atol=1e-4)
     # A rank without tokens: empty results, no launch.
     scaled, grad_w = kernels.combine_grads(torch.zeros(0, D), torch.zeros(0), torch.zeros(0, D), torch.float32, True)
     assert scaled.shape == (0, D) and grad_w.shape == (0,)

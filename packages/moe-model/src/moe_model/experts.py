@@ -127,68 +127,83 @@ def sink_adds_in_kernel(rows: torch.Tensor) -> bool:
     return rows.is_cuda and triton_available()
 
 
+SinkRoute = tuple[GradientSink, Any]  # the sink and the weight's AccumulateGrad node
+
+
+def _sink_route(sink: GradientSink | None, w: nn.Parameter) -> SinkRoute | None:
+    """Where ``w``'s gradient goes into ``sink``: the sink accepts it and a backward may run."""
+    if sink is None or not w.requires_grad or not torch.is_grad_enabled() or not sink.accepts(w):
+        return None
+    return sink, get_gradient_edge(w).node
+
+
+def _wgrad_into_sink(route: SinkRoute, param: nn.Parameter, x_RK: torch.Tensor, dy_RN: torch.Tensor,
+                     offsets: torch.Tensor, like: torch.Tensor) -> None:
+    """Add ``param``'s gradient to the sink's target in the wgrad kernel's epilogue, in a
+    backward that runs the weight's ``AccumulateGrad`` node (not a pipeline's input pass)."""
+    sink, accumulator = route
+    if torch._C._will_engine_execute_node(accumulator):
+        from moe_model.triton_grouped_mm import wgrad_accumulate_
+
+        sink.add_gradient(param, lambda target: wgrad_accumulate_(target, x_RK, dy_RN, offsets, like))
+
+
 class _GroupedMMIntoSink(torch.autograd.Function):
     """``y = x @ w[g]^T`` per group (``w`` the ``[E, N, K]`` parameter); the weight gradient
     is added to the sink's FP32 target by the Triton weight-gradient kernel."""
 
     @staticmethod
     def forward(ctx: Any, x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets: torch.Tensor, backend: str,
-                sink: GradientSink, accumulator: Any) -> torch.Tensor:
+                route: SinkRoute) -> torch.Tensor:
         w_c = w_ENK.to(x_RK.dtype)
         ctx.save_for_backward(x_RK, w_c, offsets)
-        ctx.backend, ctx.sink, ctx.param, ctx.accumulator = backend, sink, w_ENK, accumulator
+        ctx.backend, ctx.route, ctx.param = backend, route, w_ENK
         return grouped_mm(x_RK, w_c.transpose(1, 2), offsets, backend)
 
     @staticmethod
-    def backward(ctx: Any, dy_RN: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
+    def backward(ctx: Any, dy_RN: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
         x_RK, w_c, offsets = ctx.saved_tensors
         dy_RN = dy_RN.contiguous()
         dx = grouped_mm(dy_RN, w_c, offsets, ctx.backend) if ctx.needs_input_grad[0] else None
-        if ctx.needs_input_grad[1] and torch._C._will_engine_execute_node(ctx.accumulator):
-            from moe_model.triton_grouped_mm import wgrad_accumulate_
-
-            like = w_c.transpose(1, 2)
-            ctx.sink.add_gradient(
-                ctx.param, lambda target: wgrad_accumulate_(target, x_RK, dy_RN, offsets, like))
-        return dx, None, None, None, None, None
+        if ctx.needs_input_grad[1]:
+            _wgrad_into_sink(ctx.route, ctx.param, x_RK, dy_RN, offsets, w_c.transpose(1, 2))
+        return dx, None, None, None, None
 
 
 class _GateUp(torch.autograd.Function):
     """``(x @ w1[g]^T, x @ w3[g]^T)``, the gate and up projections, in one Triton launch;
     the input gradient ``dg @ w1[g] + du @ w3[g]`` in one GEMM over the joint reduction
     (no second ``[R, D]`` output and no add of the two); each weight gradient into its
-    sink (``sinks[i]`` not ``None``) or returned through autograd."""
+    sink (``routes[i]`` not ``None``) or returned through autograd."""
 
     @staticmethod
     def forward(ctx: Any, x_RD: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
-                offsets: torch.Tensor, sinks: tuple, accumulators: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+                offsets: torch.Tensor, routes: tuple[SinkRoute | None, SinkRoute | None],
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         from moe_model.triton_grouped_mm import triton_grouped_mm_split2
 
         w1c, w3c = w1_EFD.to(x_RD.dtype), w3_EFD.to(x_RD.dtype)
         ctx.save_for_backward(x_RD, w1c, w3c, offsets)
-        ctx.sinks, ctx.params, ctx.accumulators = sinks, (w1_EFD, w3_EFD), accumulators
+        ctx.routes, ctx.params = routes, (w1_EFD, w3_EFD)
         return triton_grouped_mm_split2(x_RD, w1c.transpose(1, 2), w3c.transpose(1, 2), offsets)
 
     @staticmethod
     def backward(ctx: Any, dg_RF: torch.Tensor, du_RF: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        from moe_model.triton_grouped_mm import rows_mm_sum2, wgrad_accumulate_, wgrad_mm
+        from moe_model.triton_grouped_mm import rows_mm_sum2, wgrad_mm
 
         x_RD, w1c, w3c, offsets = ctx.saved_tensors
         dg_RF, du_RF = dg_RF.contiguous(), du_RF.contiguous()
         dx = rows_mm_sum2(dg_RF, w1c, du_RF, w3c, offsets) if ctx.needs_input_grad[0] else None
         grads: list[torch.Tensor | None] = []
         for i, (param, w_c, dy) in enumerate(zip(ctx.params, (w1c, w3c), (dg_RF, du_RF), strict=True)):
-            like = w_c.transpose(1, 2)
-            if not ctx.needs_input_grad[1 + i]:
-                grads.append(None)
-            elif ctx.sinks[i] is None:
+            like, route = w_c.transpose(1, 2), ctx.routes[i]
+            if ctx.needs_input_grad[1 + i] and route is None:
                 grads.append(wgrad_mm(x_RD, dy, offsets, like).transpose(1, 2).to(param.dtype))
-            else:
-                if torch._C._will_engine_execute_node(ctx.accumulators[i]):
-                    ctx.sinks[i].add_gradient(
-                        param, lambda target, dy=dy, like=like: wgrad_accumulate_(target, x_RD, dy, offsets, like))
-                grads.append(None)
-        return dx, grads[0], grads[1], None, None, None
+                continue
+            if ctx.needs_input_grad[1 + i]:
+                _wgrad_into_sink(route, param, x_RD, dy, offsets, like)
+            grads.append(None)
+        return dx, grads[0], grads[1], None, None
 
 
 def gate_up_pairs(rows: torch.Tensor, backend: str) -> bool:
@@ -205,15 +220,8 @@ def gate_up(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x @ w1[g]^T, x @ w3[g]^T)`` through ``_GateUp`` (CUDA with Triton); each weight's
     gradient goes into ``sink`` when the sink accepts it and a backward will run."""
-    weights = (w1_EFD, w3_EFD)
-    if not torch.is_grad_enabled() or not any(w.requires_grad for w in (x_RD, *weights)):
-        from moe_model.triton_grouped_mm import triton_grouped_mm_split2
-
-        w1c, w3c = (w.to(x_RD.dtype).transpose(1, 2) for w in weights)
-        return triton_grouped_mm_split2(x_RD, w1c, w3c, offsets)
-    sinks = tuple(sink if sink is not None and w.requires_grad and sink.accepts(w) else None for w in weights)
-    accumulators = tuple(get_gradient_edge(w).node if s is not None else None for w, s in zip(weights, sinks, strict=True))
-    return _GateUp.apply(x_RD, w1_EFD, w3_EFD, offsets, sinks, accumulators)
+    routes = (_sink_route(sink, w1_EFD), _sink_route(sink, w3_EFD))
+    return _GateUp.apply(x_RD, w1_EFD, w3_EFD, offsets, routes)
 
 
 def grouped_mm_into_sink(
@@ -221,11 +229,10 @@ def grouped_mm_into_sink(
 ) -> torch.Tensor:
     """``x @ w[g]^T`` per group for the ``[E, N, K]`` weight ``w``; its gradient goes into
     ``sink`` when the sink accepts it and a backward will run, else through autograd."""
-    if (sink is None or not w_ENK.requires_grad or not torch.is_grad_enabled()
-            or not sink.accepts(w_ENK)):
+    route = _sink_route(sink, w_ENK)
+    if route is None:
         return grouped_mm(x_RK, w_ENK.to(x_RK.dtype).transpose(-2, -1), offsets, backend)
-    accumulator = get_gradient_edge(w_ENK).node  # the weight's AccumulateGrad node
-    return _GroupedMMIntoSink.apply(x_RK, w_ENK, offsets, backend, sink, accumulator)
+    return _GroupedMMIntoSink.apply(x_RK, w_ENK, offsets, backend, route)
 
 
 class GroupedExperts(nn.Module):
