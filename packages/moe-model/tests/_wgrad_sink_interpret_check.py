@@ -66,6 +66,14 @@ def check_kernel(g):
             expect_odd = odd.reshape(-1) + ref_dw.reshape(-1)
             wgrad_accumulate_(odd, x, dy, offsets, like)
             close(odd.reshape(-1), expect_odd, f"rows splitting weight rows K={K}")
+            # owner rows of two output rows each: pieces shorter than a tile, so a tile
+            # crosses several piece boundaries (the per-row mapping, not the one-cut one)
+            row_len = K if k_contiguous else N  # the kernel's output row: the weight's contiguous dim
+            short = torch.randn(store.numel() // (2 * row_len), 2 * row_len + 4, generator=g)
+            short_rows = short[:, : 2 * row_len]
+            expect_short = short_rows.reshape(-1) + ref_dw.reshape(-1)
+            wgrad_accumulate_(short_rows, x, dy, offsets, like, TileConfig(32, 16, 16, 1, 1, 1, False, False))
+            close(short_rows.reshape(-1), expect_short, f"pieces shorter than a tile K={K}")
     try:
         wgrad_accumulate_(torch.zeros(3), x, dy, offsets, like)
     except ValueError as e:

@@ -136,14 +136,23 @@ def wgrad_kernel(
     stride_ar, stride_br, stride_ce, stride_cm, stride_cn, piece, stride_piece,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, WHOLE_ROWS: tl.constexpr,
+    ALIGNED: tl.constexpr, ONE_CUT: tl.constexpr,
 ):
     """``c[g] = a_g^T @ b_g``. With ``ACCUMULATE``, ``c`` is an FP32 accumulator that
     receives ``+=`` instead: element ``i`` of the row-major ``[E, M, N]`` result lives
     at ``(i // piece) * stride_piece + i % piece`` (a flat buffer, or the rows of an
     owner-major gradient bucket), and the strides are unused. ``WHOLE_ROWS`` (``piece``
-    a multiple of ``N``) divides once per output row instead of once per element. The
-    accumulator tile is loaded before the reduction loop and the products are summed
-    onto it: no second register tile, and the load overlaps the first operand loads."""
+    a multiple of ``N``) maps whole output rows instead of single elements, and
+    ``ONE_CUT`` (pieces of at least ``BM`` rows) with one division per tile; ``ALIGNED``
+    (the host checked that every output row starts on 16 bytes) lets the compiler
+    issue 4-wide atomics, which the index arithmetic would otherwise hide from it.
+
+    The ``+=`` is a relaxed atomic add of the finished tile, carried out in L2: the
+    program never waits for the accumulator's old values (loading them before the
+    loop stalled each tile's tensor cores for the FP32 read, ~10% slower at the bench
+    shapes; ``tools/perf_notes.md``, eighth session). Every element belongs to exactly
+    one tile, so each receives one add per launch: the result is deterministic, and
+    equal to ``c + (a_g^T @ b_g)`` rounded once (empty groups add zeros)."""
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     pid = tl.program_id(0)
@@ -154,21 +163,7 @@ def wgrad_kernel(
     rm = tl.arange(0, BM)
     rn = tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    out_m = pid_m * BM + rm
-    out_n = pid_n * BN + rn
-    mask = (out_m[:, None] < M) & (out_n[None, :] < N)
-    if ACCUMULATE:
-        row = (g.to(tl.int64) * M + out_m) * N  # flat index of each output row's first element
-        if WHOLE_ROWS:
-            c_rows = c_ptr + (row // piece) * stride_piece + row % piece
-            c_ptrs = c_rows[:, None] + out_n[None, :]
-        else:
-            flat = row[:, None] + out_n[None, :]
-            c_ptrs = c_ptr + (flat // piece) * stride_piece + flat % piece
-        acc = tl.load(c_ptrs, mask=mask, other=0.0)
-    else:
-        c_ptrs = c_ptr + g.to(tl.int64) * stride_ce + out_m[:, None] * stride_cm + out_n[None, :] * stride_cn
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
     cols_m = (pid_m * BM + rm) % M
     cols_n = (pid_n * BN + rn) % N
     a_ptrs = a_ptr + g_start.to(tl.int64) * stride_ar + rk[:, None] * stride_ar + cols_m[None, :]
@@ -180,4 +175,35 @@ def wgrad_kernel(
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
         a_ptrs += BK * stride_ar
         b_ptrs += BK * stride_br
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    # the epilogue's addresses: not needed during the loop, so not live through it
+    out_m = pid_m * BM + rm
+    out_n = pid_n * BN + rn
+    mask = (out_m[:, None] < M) & (out_n[None, :] < N)
+    if ACCUMULATE:
+        if WHOLE_ROWS:
+            # Output row r (of all E * M) is row r % P of piece r // P, P = piece // N rows.
+            # A division per row took about half the kernel's time at the bench shapes; with pieces
+            # of at least BM rows (ONE_CUT) a tile meets at most one piece boundary, so
+            # one scalar division per tile does.
+            rows_per_piece = piece // N
+            r0 = g.to(tl.int64) * M + pid_m * BM  # the tile's first output row
+            if ONE_CUT:
+                owner0 = r0 // rows_per_piece
+                within = (r0 - owner0 * rows_per_piece) + rm
+                cut = within >= rows_per_piece
+                owner = owner0 + cut.to(tl.int64)
+                within = tl.where(cut, within - rows_per_piece, within)
+            else:
+                owner = (r0 + rm) // rows_per_piece
+                within = (r0 + rm) - owner * rows_per_piece
+            c_row_offs = owner * stride_piece + within * N
+            if ALIGNED:
+                c_row_offs = tl.multiple_of(c_row_offs, 4)
+            c_ptrs = c_ptr + c_row_offs[:, None] + out_n[None, :]
+        else:
+            flat = ((g.to(tl.int64) * M + out_m) * N)[:, None] + out_n[None, :]
+            c_ptrs = c_ptr + (flat // piece) * stride_piece + flat % piece
+        tl.atomic_add(c_ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        c_ptrs = c_ptr + g.to(tl.int64) * stride_ce + out_m[:, None] * stride_cm + out_n[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)

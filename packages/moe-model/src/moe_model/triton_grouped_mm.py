@@ -22,8 +22,9 @@ Two kernels (``_grouped_mm_kernels``) cover the forward and both backward GEMMs 
 - wgrad kernel, segmented K: ``c[g] = a_g^T @ b_g`` with the reduction over group
   ``g``'s rows; gives ``dw[g] = x_g^T @ dy_g`` (or its transpose, whichever matches
   the weight's memory layout). One program per output tile; empty groups store zeros.
-  ``wgrad_accumulate_`` runs it with a read-modify-write FP32 epilogue instead: the
-  gradient lands in a data-parallel wrapper's FP32 main grad directly.
+  ``wgrad_accumulate_`` runs it with an FP32 atomic-add epilogue instead (done in
+  L2, so no program waits on the old values): the gradient lands in a data-parallel
+  wrapper's FP32 main grad directly.
 
 Both accumulate in FP32 and read/write 2-byte or 4-byte floats; FP32 inputs use
 IEEE products (no TF32) so they can serve as an exact reference. The entry point
@@ -306,12 +307,15 @@ def _launch_wgrad(
         return
     strides = (0, 0, 0) if accumulate else (c.stride(0), c.stride(1), c.stride(2))
     piece, stride_piece = accumulate or (Nc, 0)
+    # every output row of the accumulator starts on 16 bytes (4 FP32 elements)
+    aligned = all(v % 4 == 0 for v in (Nc, piece, stride_piece)) and c.data_ptr() % 16 == 0
     wgrad_kernel[(grid,)](
         a, b, c, offsets_E,
         M, Nc, E,
         a.stride(0), b.stride(0), *strides, piece, stride_piece,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         PRECISION=_precision(a.dtype), ACCUMULATE=accumulate is not None, WHOLE_ROWS=piece % Nc == 0,
+        ALIGNED=aligned, ONE_CUT=piece // Nc >= cfg.block_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
