@@ -22,7 +22,9 @@ run (the matmul ceiling).
 A second table times a weight gradient's way into an FP32 main grad (what every
 microbatch of data-parallel training does): a BF16 gradient GEMM followed by
 moe_ddp's accumulation pass, against the Triton kernel adding in its epilogue
-(``wgrad_accumulate_``).
+(``wgrad_accumulate_``, into a flat buffer and into owner-major bucket rows), next to
+the same GEMM writing a BF16 dW (what the FP32 add costs on top). ``--tokens 8192``
+gives bench-1gpu's microbatch (65536 rows), where the add's share is largest.
 """
 
 from __future__ import annotations
@@ -87,7 +89,11 @@ def into_main_grad(R: int, D: int, F: int, E: int, device: torch.device) -> dict
     like = torch.empty(E, F, D, device=device, dtype=bf).transpose(1, 2)
     offs = torch.arange(1, E + 1, device=device, dtype=torch.int32) * (R // E)
     main = torch.zeros(E * F * D, device=device)
+    # an owner-major bucket of two owners: [2, piece] rows inside a wider buffer
+    bucket = torch.zeros(2, E * F * D // 2 + 64, device=device)[:, : E * F * D // 2]
     return {
+        "Triton BF16 dW alone (the GEMM without any FP32 add)": time_ms(
+            lambda: wgrad_mm(x, h, offs, like), iters=20),
         "torch._grouped_mm BF16 dW, then accumulate_": time_ms(
             lambda: accumulate_(main, torch._grouped_mm(h.t(), x, offs=offs)), iters=20),
         "Triton BF16 dW, then accumulate_": time_ms(
@@ -95,6 +101,8 @@ def into_main_grad(R: int, D: int, F: int, E: int, device: torch.device) -> dict
         "accumulate_ alone": time_ms(lambda: accumulate_(main, like.transpose(1, 2)), iters=20),
         "Triton dW added in the epilogue": time_ms(
             lambda: wgrad_accumulate_(main, x, h, offs, like), iters=20),
+        "the same into owner-major bucket rows": time_ms(
+            lambda: wgrad_accumulate_(bucket, x, h, offs, like), iters=20),
     }
 
 
