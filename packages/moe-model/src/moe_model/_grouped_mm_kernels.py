@@ -181,10 +181,10 @@ def wgrad_kernel(
     mask = (out_m[:, None] < M) & (out_n[None, :] < N)
     if ACCUMULATE:
         if WHOLE_ROWS:
-            # Output row r (of all E * M) is row r % P of piece r // P, P = piece // N rows.
-            # A division per row took about half the kernel's time at the bench shapes; with pieces
-            # of at least BM rows (ONE_CUT) a tile meets at most one piece boundary, so
-            # one scalar division per tile does.
+            # Output row r (of all E * M) is row r % P of piece r // P, P = piece // N
+            # rows. A division per row took about half the kernel's time at the bench
+            # shapes; with pieces of at least BM rows (ONE_CUT) a tile meets at most one
+            # piece boundary, so one scalar division per tile does.
             rows_per_piece = piece // N
             r0 = g.to(tl.int64) * M + pid_m * BM  # the tile's first output row
             if ONE_CUT:

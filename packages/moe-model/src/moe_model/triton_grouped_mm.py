@@ -307,8 +307,9 @@ def _launch_wgrad(
         return
     strides = (0, 0, 0) if accumulate else (c.stride(0), c.stride(1), c.stride(2))
     piece, stride_piece = accumulate or (Nc, 0)
-    # every output row of the accumulator starts on 16 bytes (4 FP32 elements)
-    aligned = all(v % 4 == 0 for v in (Nc, piece, stride_piece)) and c.data_ptr() % 16 == 0
+    # every output row of the accumulator starts on 16 bytes (4 FP32 elements): rows
+    # start at owner * stride_piece + row * Nc elements from an aligned base
+    aligned = accumulate is not None and Nc % 4 == 0 and stride_piece % 4 == 0 and c.data_ptr() % 16 == 0
     wgrad_kernel[(grid,)](
         a, b, c, offsets_E,
         M, Nc, E,
