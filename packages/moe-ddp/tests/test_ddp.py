@@ -24,28 +24,51 @@ MIN_SHARD = 32
 TINY_CAP_MB = 600 / 2**20  # ~150 FP32 elements: many buckets, so ordering matters
 
 
+class _MergeableGradient:
+    """A weight gradient as moe_model's grouped experts deliver it: computed when called
+    (``target += sum dy^T @ x``), mergeable with the same weight's next ones."""
+
+    calls: list[int] = []  # microbatches added per call, this process
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.pairs = pairs
+
+    def merged(self, other: object) -> _MergeableGradient | None:
+        return _MergeableGradient(self.pairs + other.pairs) if isinstance(other, _MergeableGradient) else None
+
+    def __call__(self, target: torch.Tensor) -> None:
+        _MergeableGradient.calls.append(len(self.pairs))
+        dw = sum(dy.t() @ x for x, dy in self.pairs)  # in the weight's storage order
+        target.add_(dw.reshape(target.shape))
+
+
 class _IntoSink(torch.autograd.Function):
     """``x @ w^T`` whose weight gradient is delivered through ``sink.add_gradient`` (the
-    route moe_model's grouped experts take into the main grads), not autograd."""
+    route moe_model's grouped experts take into the main grads), not autograd; with
+    ``mergeable``, as a gradient the sink may hold and merge."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: nn.Parameter, sink: MultiGroupDDP) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: nn.Parameter, sink: MultiGroupDDP, mergeable: bool) -> torch.Tensor:
         ctx.save_for_backward(x)
-        ctx.w, ctx.sink = w, sink
+        ctx.w, ctx.sink, ctx.mergeable = w, sink, mergeable
         return x @ w.detach().t()
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         (x,) = ctx.saved_tensors
-        dw = dy.t() @ x  # in the weight's storage order; the target may be [G, piece] rows
-        ctx.sink.add_gradient(ctx.w, lambda target: target.add_(dw.reshape(target.shape)))
-        return dy @ ctx.w.detach(), None, None
+        if ctx.mergeable:
+            ctx.sink.add_gradient(ctx.w, _MergeableGradient([(x, dy)]))
+        else:
+            dw = dy.t() @ x  # in the weight's storage order; the target may be [G, piece] rows
+            ctx.sink.add_gradient(ctx.w, lambda target: target.add_(dw.reshape(target.shape)))
+        return dy @ ctx.w.detach(), None, None, None
 
 
 class ToyMoE(nn.Module):
     def __init__(self, experts: range) -> None:
         super().__init__()
         self.sink: MultiGroupDDP | None = None  # set: expert weight gradients go through it
+        self.mergeable = False  # the sink gets mergeable gradients
         g = torch.Generator().manual_seed(0)
         self.inp = nn.Linear(D_IN, HIDDEN)
         self.scale = nn.Parameter(torch.ones(HIDDEN))  # small: never sharded
@@ -66,7 +89,8 @@ class ToyMoE(nn.Module):
         for e in expert_ids.unique().tolist():
             idx = (expert_ids == e).nonzero().squeeze(1)
             expert = self.experts[str(e)]
-            out = _IntoSink.apply(h[idx], expert.weight, self.sink) if self.sink else expert(h[idx])
+            out = (_IntoSink.apply(h[idx], expert.weight, self.sink, self.mergeable) if self.sink
+                   else expert(h[idx]))
             y = y.index_add(0, idx, out)
         return self.out(h + y)
 
@@ -125,7 +149,7 @@ def reference_grads(world: int, ep: bool) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _train_window(mode: str, ep: bool, pipeline: bool, sink: bool = False) -> dict:
+def _train_window(mode: str, ep: bool, pipeline: bool, sink: bool = False, merge: int = 1) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     expert_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])] if ep else []
     model = ToyMoE(experts_of(rank, world, ep))
@@ -135,11 +159,11 @@ def _train_window(mode: str, ep: bool, pipeline: bool, sink: bool = False) -> di
             return expert_groups[rank // 2]
         return dist.group.WORLD
 
-    ddp = MultiGroupDDP(
-        model, group_of, DDPConfig(mode=mode, bucket_cap_mb=TINY_CAP_MB, min_shard_numel=MIN_SHARD)
-    )
+    ddp = MultiGroupDDP(model, group_of, DDPConfig(mode=mode, bucket_cap_mb=TINY_CAP_MB,
+                                                   min_shard_numel=MIN_SHARD, merge_microbatch_gradients=merge))
     if sink:
         model.sink = ddp
+        model.mergeable = merge > 1
     n_global = global_tokens(world)
     launched_during_backward = 0
     for mb in range(MICRO):
@@ -167,6 +191,7 @@ def _train_window(mode: str, ep: bool, pipeline: bool, sink: bool = False) -> di
         "launched_during_backward": launched_during_backward,
         "n_buckets": len(ddp.grad_buffers()),
         "bytes": ddp.last_sync_bytes,
+        "merged_calls": sorted(_MergeableGradient.calls),
     })
 
 
@@ -206,6 +231,21 @@ def test_gradients_added_through_the_sink_match_single_process(mode, ep):
     _check_against_reference(results, 4, ep=ep)
     if not ep:
         assert all(r["launched_during_backward"] == r["n_buckets"] > 1 for r in results)
+
+
+@pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize(("merge", "pipeline"), [(2, False), (3, False), (2, True)])
+def test_merged_microbatch_gradients_match_single_process(mode, merge, pipeline):
+    """Mergeable expert gradients held under no_sync and added together (3 microbatches):
+    with 2, microbatches 0+1 in one call and the last on its own (synchronised: at once,
+    or after a pipeline schedule, held until finish_grad_sync); with 3, all in one call
+    in the last backward. Same gradients as without merging; buckets still launch in it."""
+    results = unpack(run_distributed(_train_window, 4, mode, False, pipeline, True, merge, timeout=90))
+    _check_against_reference(results, 4, ep=False)
+    per_expert = [2, 1] if merge == 2 else [3]
+    for r in results:
+        assert r["merged_calls"] == sorted(per_expert * N_EXPERTS), r["merged_calls"]
+        assert r["launched_during_backward"] == (0 if pipeline else r["n_buckets"])
 
 
 def test_after_a_pipeline_schedule_finish_launches_everything():

@@ -1,11 +1,12 @@
 """Run by test_grouped_mm.py with TRITON_INTERPRET=1: the weight-gradient kernel's
-accumulating epilogue, and expert weight gradients delivered into a gradient sink
-(full backward, a split input/weight backward, the GroupedExperts module), on CPU."""
+accumulating epilogue (one batch of rows and several in one launch), and expert weight gradients
+delivered into a gradient sink (full backward, a split input/weight backward, the
+GroupedExperts module, two microbatches merged into one launch), on CPU."""
 
 import torch
 
 from moe_model import experts
-from moe_model.experts import GroupedExperts, grouped_mm_into_sink, grouped_mm_loop
+from moe_model.experts import ExpertWeightGradient, GroupedExperts, grouped_mm_into_sink, grouped_mm_loop
 from moe_model.triton_grouped_mm import TileConfig, wgrad_accumulate_
 
 
@@ -82,6 +83,106 @@ def check_kernel(g):
         raise AssertionError("a target of the wrong size must be refused")
 
 
+def check_several_sources(g):
+    """Two batches of rows (microbatches) reduced in one launch: the sum of their
+    gradients, whatever groups are empty where (in the first batch: the kernel starts on
+    the second; in the second; in both), with padding rows past each batch's end."""
+    E, N = 5, 40
+    batches = [(torch.tensor(o, dtype=torch.int32), valid, rows) for o, valid, rows in (
+        ([7, 7, 20, 41, 41], 41, 45), ([0, 9, 9, 30, 30], 30, 33), ([0, 0, 5, 5, 12], 12, 16))]
+    for K, k_contiguous in ((32, True), (24, False)):
+        data = [(torch.randn(rows, K, generator=g), torch.randn(rows, N, generator=g), o, valid)
+                for o, valid, rows in batches]
+        shape = (E, N, K) if k_contiguous else (E, K, N)
+        store = torch.zeros(shape)
+        like = store.transpose(1, 2) if k_contiguous else store
+        grads = [reference(x.clone().requires_grad_(), store.clone().requires_grad_(), o, valid, dy,
+                           k_contiguous)[1] for x, dy, o, valid in data]
+        for first, second in ((0, 1), (1, 2), (2, 0)):
+            x1, dy1, o1, _ = data[first]
+            x, dy, o, _ = data[second]
+            more = [(x, dy, o)]
+            want = (grads[first] + grads[second]).reshape(-1)
+            for cfg in (None, TileConfig(32, 16, 16, 1, 1, 1, False, False)):
+                flat = torch.randn(store.numel(), generator=g)
+                expect = flat + want
+                wgrad_accumulate_(flat, x1, dy1, o1, like, cfg, more=more)
+                close(flat, expect, f"sources {first}+{second} K={K} k_contiguous={k_contiguous} {cfg}")
+            rows = torch.randn(4, store.numel() // 4, generator=g)  # owner-major bucket rows
+            expect_rows = rows.reshape(-1) + want
+            wgrad_accumulate_(rows, x1, dy1, o1, like, more=more)
+            close(rows.reshape(-1), expect_rows, f"sources {first}+{second} into bucket rows K={K}")
+    for bad, what in (([(x[:, :-1], dy, o)], "match"), ([(x, dy, o), (x, dy, o)], "one launch")):
+        try:
+            wgrad_accumulate_(flat, x1, dy1, o1, like, more=bad)
+        except ValueError as e:
+            assert what in str(e), e
+        else:
+            raise AssertionError(f"refusal expected: {what}")
+
+
+class MergingSink(DictSink):
+    """Holds each parameter's first gradient and adds it merged with the next (as moe_ddp
+    does under no_sync with merge_microbatch_gradients)."""
+
+    def __init__(self, targets):
+        super().__init__(targets)
+        self.held, self.sources = {}, []
+
+    def add_gradient(self, param, add):
+        held = self.held.pop(param, None)
+        if held is None:
+            self.held[param] = add
+            return
+        merged = held.merged(add)
+        self.sources.append(len(merged.sources))
+        super().add_gradient(param, merged)
+
+
+def check_merged_microbatches(g):
+    """The GroupedExperts module over two microbatches with their weight gradients merged:
+    each weight gets one launch with both sources and the sum of plain autograd's."""
+    E, D, F = 4, 16, 24
+    experts.sink_adds_in_kernel = lambda rows: True
+    mod = GroupedExperts(E, D, F, backend="loop")
+    for p in mod.parameters():
+        torch.nn.init.normal_(p, std=0.2, generator=g)
+    batches = [(torch.randn(20, D, generator=g), torch.tensor(o, dtype=torch.int32), torch.randn(20, D, generator=g))
+               for o in ([5, 5, 12, 17], [0, 8, 8, 20])]
+    for rows, offsets, dout in batches:
+        dout[int(offsets[-1]):] = 0
+        mod(rows, offsets).backward(dout)
+    plain = {n: p.grad.clone() for n, p in mod.named_parameters()}
+    mod.zero_grad(set_to_none=True)
+    mod.grad_sink = sink = MergingSink({p: torch.zeros(p.numel()) for p in mod.parameters()})
+    for rows, offsets, dout in batches:
+        mod(rows, offsets).backward(dout)
+    assert sink.held == {} and sink.sources == [2, 2, 2], sink.sources
+    for name, p in mod.named_parameters():
+        assert p.grad is None and sink.added[p] == 1, name
+        close(sink.targets[p].view(p.shape), plain[name], f"merged experts {name}")
+
+    # operands changed in place while held: refused, not silently wrong
+    x, offsets, _ = batches[0]
+    rows = x.clone().requires_grad_()
+    w = mod.w1  # [E, F, D]: rows of width D in, F out
+    dout = torch.randn(rows.shape[0], F, generator=g)
+    held = {}
+    grouped_mm_into_sink(rows, w, offsets, "loop", type("S", (), {
+        "accepts": lambda self, p: True, "add_gradient": lambda self, p, add: held.setdefault("add", add)})()
+    ).backward(dout)
+    add = held["add"]
+    assert isinstance(add, ExpertWeightGradient)
+    with torch.no_grad():
+        rows.mul_(2)
+    try:
+        add(torch.zeros(w.numel()))
+    except RuntimeError as e:
+        assert "modified in place" in str(e), e
+    else:
+        raise AssertionError("a held gradient whose operands changed must not be added")
+
+
 def check_sink(g):
     E, N, K = 4, 24, 16
     offsets = torch.tensor([5, 5, 12, 17], dtype=torch.int32)
@@ -135,7 +236,9 @@ def check_sink(g):
 def main():
     g = torch.Generator().manual_seed(0)
     check_kernel(g)
+    check_several_sources(g)
     check_sink(g)
+    check_merged_microbatches(g)
     print("ok")
 
 

@@ -118,10 +118,12 @@ def test_recompute_on_gpu_matches_no_recompute(policy):
 
 
 class _Targets:
-    """A gradient sink over FP32 buffers: flat, or [2, piece] rows of a wider owner-major bucket."""
+    """A gradient sink over FP32 buffers: flat, or [2, piece] rows of a wider owner-major
+    bucket; with ``merge``, each parameter's first gradient is held and added merged with
+    its second (one launch over both microbatches, as moe_ddp does when asked)."""
 
-    def __init__(self, params, owner_major: bool):
-        self.targets, self.added = {}, {}
+    def __init__(self, params, owner_major: bool, merge: bool = False):
+        self.targets, self.added, self.merge, self.held = {}, {}, merge, {}
         for p in params:
             if owner_major:
                 self.targets[p] = torch.zeros(2, p.numel() // 2 + 64, device=p.device)[:, : p.numel() // 2]
@@ -132,16 +134,24 @@ class _Targets:
         return param in self.targets
 
     def add_gradient(self, param, add):
+        if self.merge:
+            held = self.held.pop(param, None)
+            if held is None:
+                self.held[param] = add
+                return
+            add = held.merged(add)
+            assert len(add.sources) == 2
         add(self.targets[param])
         self.added[param] = self.added.get(param, 0) + 1
 
 
-@pytest.mark.parametrize("owner_major", [False, True])
-def test_expert_weight_gradients_into_a_sink_at_model_width(owner_major):
+@pytest.mark.parametrize(("owner_major", "merge"), [(False, False), (True, False), (True, True)])
+def test_expert_weight_gradients_into_a_sink_at_model_width(owner_major, merge):
     """The grouped experts' weight gradients added to FP32 targets in the wgrad kernel's
     epilogue equal the FP32 sum of what autograd computes (BF16 operands, FP32 products),
-    over two microbatches, with an empty expert, and without a host synchronisation;
-    the atomic adds give each element one add per launch, so a rerun is bitwise equal."""
+    over two microbatches (with ``merge``: in one launch), with an empty expert, and
+    without a host synchronisation; the atomic adds give each element one add per
+    launch, so a rerun is bitwise equal."""
     from moe_model import GroupedExperts
 
     E, D, F, R = 8, 2048, 1024, 6144
@@ -160,7 +170,7 @@ def test_expert_weight_gradients_into_a_sink_at_model_width(owner_major):
         for n, p in mod.named_parameters():
             reference[n] += p.grad.float()  # rounded to BF16 once: the tolerance covers it
             p.grad = None
-    sink = _Targets(list(mod.parameters()), owner_major)
+    sink = _Targets(list(mod.parameters()), owner_major, merge)
     mod.grad_sink = sink
 
     def two_microbatches():
@@ -171,7 +181,8 @@ def test_expert_weight_gradients_into_a_sink_at_model_width(owner_major):
 
     assert_no_host_sync(two_microbatches, warmup=1)
     for n, p in mod.named_parameters():
-        assert p.grad is None and sink.added[p] == 4  # warm-up + checked run, two each
+        # warm-up + checked run: two launches each, or one with both microbatches merged
+        assert p.grad is None and sink.added[p] == (2 if merge else 4)
         got = sink.targets[p].reshape(p.shape)
         scale = reference[n].abs().max().item()
         torch.testing.assert_close(got, reference[n], rtol=1e-2, atol=1e-2 * scale, msg=n)

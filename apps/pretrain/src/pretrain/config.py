@@ -63,6 +63,11 @@ class ParallelConfig:
     # routed experts' weight gradients added to the FP32 main grads inside the grouped GEMM's
     # epilogue (CUDA with Triton); false: BF16 gradients through autograd and the DDP hook
     fuse_expert_grad_accumulation: bool = True
+    # with it, 2: two microbatches' expert weight gradients in one GEMM launch (the first held
+    # until the second's backward): half the FP32 main-grad read-modify-writes, for the memory
+    # of one microbatch's expert GEMM inputs and output gradients (`pretrain plan` counts it);
+    # 1: each microbatch's at once
+    merge_expert_grad_microbatches: int = 1
     bucket_cap_mb: float = 64.0  # gradient bucket size (MiB of FP32)
 
     def resolved_ep_backend(self) -> str:
@@ -148,7 +153,8 @@ class PretrainConfig:
             raise ConfigError(f"invalid mxfp8 config: {e}") from None
         positive = ["train.steps", "train.seq_len", "train.global_batch", "train.micro_batch",
                     "train.max_consecutive_skips", "parallel.pp", "parallel.pp_virtual_stages",
-                    "parallel.ep", "parallel.bucket_cap_mb", "optim.lr", "optim.muon_lr"]
+                    "parallel.ep", "parallel.bucket_cap_mb", "parallel.merge_expert_grad_microbatches",
+                    "optim.lr", "optim.muon_lr"]
         non_negative = ["optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay",
                         "optim.grad_clip", "optim.expert_lr_mult", "optim.eps",
                         "checkpoint.every", "checkpoint.keep_last", "metrics.expert_load_every",
@@ -189,6 +195,17 @@ class PretrainConfig:
             raise ConfigError(
                 "model.tie_embeddings with parallel.pp > 1 is not supported: the embedding and the "
                 "head would live on different pipeline stages"
+            )
+        if p.merge_expert_grad_microbatches > 2:
+            raise ConfigError(
+                f"parallel.merge_expert_grad_microbatches must be 1 or 2, got "
+                f"{p.merge_expert_grad_microbatches}: the expert weight-gradient kernel reduces "
+                "at most two microbatches per launch"
+            )
+        if p.merge_expert_grad_microbatches > 1 and not p.fuse_expert_grad_accumulation:
+            raise ConfigError(
+                "parallel.merge_expert_grad_microbatches > 1 merges the gradients the fused expert "
+                "GEMMs deliver: it needs parallel.fuse_expert_grad_accumulation=true"
             )
         if not self.checkpoint.resume:
             raise ConfigError("checkpoint.resume must be auto, none or a checkpoint path")

@@ -135,7 +135,8 @@ class Trainer:
         self.ddp = MultiGroupDDP(
             self.model, lambda name, _: mesh.replica_group(param_kind(name) == "expert"),
             DDPConfig(mode=cfg.parallel.ddp_mode, reduce_op="sum",
-                      bucket_cap_mb=cfg.parallel.bucket_cap_mb, min_shard_numel=MIN_SHARD_NUMEL),
+                      bucket_cap_mb=cfg.parallel.bucket_cap_mb, min_shard_numel=MIN_SHARD_NUMEL,
+                      merge_microbatch_gradients=cfg.parallel.merge_expert_grad_microbatches),
         )
         if cfg.parallel.fuse_expert_grad_accumulation:
             set_gradient_sink(self.model, self.ddp)

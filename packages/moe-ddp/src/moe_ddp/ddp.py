@@ -26,6 +26,13 @@ Design notes (docs/ARCHITECTURE.md, "Loss normalisation and gradient reduction")
   moe_optim) are reduce-scattered into owner-major buckets, so each rank gets only
   its shard of every tensor, valid after ``finish_grad_sync()``; the other tensors
   are all-reduced. Moves half the gradient bytes of ``all_reduce``.
+- ``merge_microbatch_gradients=n`` (> 1): a gradient delivered through ``add_gradient``
+  as a mergeable callable (it has ``merged(other)``) under ``no_sync()`` is held, not
+  added; the parameter's next gradients are merged into it and up to ``n`` are added in
+  one call (moe_model's expert weight gradients: one GEMM over all their microbatches'
+  rows, one FP32 read-modify-write of the main grad instead of ``n``). Nothing is held
+  past the window: the last microbatch (synchronised) adds at once, and
+  ``finish_grad_sync()`` adds whatever is still held before it launches a bucket.
 
 Main-grad shapes seen through iteration (the GradSource contract of moe_optim):
 the parameter's shape, except for sharded tensors in ``reduce_scatter`` mode,
@@ -60,6 +67,11 @@ class DDPConfig:
     min_shard_numel: int = 4096  # smaller tensors are never sharded (must match the optimizer)
     grad_dtype: str = "float32"  # main-grad storage dtype
     comm_dtype: str | None = None  # reduction dtype; None: grad_dtype
+    # up to this many microbatches' gradients of a parameter added in one call: under
+    # no_sync(), a mergeable gradient given to add_gradient (one with merged(), e.g.
+    # moe_model's expert weight gradients) is held and merged with the parameter's next
+    # ones; 1/depth of the main-grad read-modify-writes, for the memory of what is held
+    merge_microbatch_gradients: int = 1
 
     def validate(self) -> None:
         if self.mode not in ("all_reduce", "reduce_scatter"):
@@ -68,6 +80,10 @@ class DDPConfig:
             raise ValueError(f"DDPConfig.reduce_op must be sum or mean, got {self.reduce_op!r}")
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"DDPConfig.bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
+        if self.merge_microbatch_gradients < 1:
+            raise ValueError(
+                f"DDPConfig.merge_microbatch_gradients must be >= 1, got {self.merge_microbatch_gradients}"
+            )
         if self.min_shard_numel < 1:
             raise ValueError(f"DDPConfig.min_shard_numel must be >= 1, got {self.min_shard_numel}")
         for name in ("grad_dtype", "comm_dtype"):
@@ -158,6 +174,8 @@ class _Slot:
     bucket: _Bucket
     main_grad: torch.Tensor  # a view into bucket.buffer
     seen: bool = False  # got a gradient while synchronisation was enabled
+    held: Callable[[torch.Tensor], None] | None = None  # a mergeable gradient not yet added
+    held_count: int = 0  # microbatches merged into ``held``
 
     def __post_init__(self) -> None:
         # What the hook accumulates into: flat when contiguous, else the [G, piece] rows
@@ -291,10 +309,35 @@ class MultiGroupDDP:
         The ``moe_model.GradientSink`` protocol: the expert GEMMs' weight-gradient kernel
         adds in its epilogue, so no BF16 gradient is written and no accumulation pass
         re-reads it. ``param.grad`` stays ``None``.
+
+        With ``config.merge_microbatch_gradients > 1``, an ``add`` that has
+        ``merged(other)`` (one callable that adds both, or ``None`` where they cannot
+        share a call) may be held under ``no_sync()`` and merged with the parameter's
+        next ones.
         """
         slot = self._open_slot(param)
+        held, slot.held = slot.held, None
+        count = 1
+        if held is not None:
+            merged = held.merged(add)  # type: ignore[attr-defined]
+            if merged is None:
+                held(slot.accumulation_view)
+            else:
+                add, count = merged, slot.held_count + 1
+        if (count < self.config.merge_microbatch_gradients and not self._sync_enabled
+                and callable(getattr(add, "merged", None))):
+            # no_sync: nothing launches before the parameter's next gradient or the finish
+            slot.held, slot.held_count = add, count
+            return
         add(slot.accumulation_view)
         self._arrived(slot)
+
+    def _add_held(self) -> None:
+        """Add every held gradient on its own (the window ends without a partner for it)."""
+        for slot in self._order:
+            held, slot.held = slot.held, None
+            if held is not None:
+                held(slot.accumulation_view)
 
     def _open_slot(self, param: nn.Parameter) -> _Slot:
         slot = self._slots[param]
@@ -334,7 +377,9 @@ class MultiGroupDDP:
             self._sync_enabled = previous
 
     def finish_grad_sync(self) -> None:
-        """Launch the remaining buckets in bucket order and wait for all reductions."""
+        """Add held gradients, launch the remaining buckets in bucket order and wait for
+        all reductions."""
+        self._add_held()
         for bucket in self._buckets[self._next_launch :]:
             self._launch(bucket)
         self._next_launch = len(self._buckets)
@@ -350,6 +395,7 @@ class MultiGroupDDP:
             bucket.reset()
         for slot in self._order:
             slot.seen = False
+            slot.held = None  # a gradient of the discarded window
             slot.param.grad = None
         self._next_launch = 0
         self._bytes = {}

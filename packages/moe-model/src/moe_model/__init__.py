@@ -9,7 +9,13 @@ interop lives in ``moe_model.hf`` (needs the ``hf`` extra).
 
 from moe_model.config import MoEConfig
 from moe_model.dispatch import LocalDispatcher, ReportsDrops, TokenDispatcher
-from moe_model.experts import GradientSink, GroupedExperts, grouped_mm, resolve_backend
+from moe_model.experts import (
+    ExpertWeightGradient,
+    GradientSink,
+    GroupedExperts,
+    grouped_mm,
+    resolve_backend,
+)
 from moe_model.flops import active_params, flops_per_token, total_params
 from moe_model.init import init_weights
 from moe_model.loss import IGNORE_INDEX, lm_loss_sum
@@ -36,6 +42,7 @@ __all__ = [
     "IGNORE_INDEX",
     "Block",
     "CountReducer",
+    "ExpertWeightGradient",
     "GradientSink",
     "GroupedExperts",
     "LocalDispatcher",

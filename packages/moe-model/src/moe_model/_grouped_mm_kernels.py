@@ -131,14 +131,18 @@ def rows_kernel(
 
 @triton.jit
 def wgrad_kernel(
-    a_ptr, b_ptr, c_ptr, offs_ptr,
+    a_ptr, b_ptr, c_ptr, offs_ptr, a2_from_a, b2_from_b, offs2_ptr,
     M, N, E,
     stride_ar, stride_br, stride_ce, stride_cm, stride_cn, piece, stride_piece,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, WHOLE_ROWS: tl.constexpr,
-    ALIGNED: tl.constexpr, ONE_CUT: tl.constexpr,
+    ALIGNED: tl.constexpr, ONE_CUT: tl.constexpr, TWO_SOURCES: tl.constexpr,
 ):
-    """``c[g] = a_g^T @ b_g``. With ``ACCUMULATE``, ``c`` is an FP32 accumulator that
+    """``c[g] = a_g^T @ b_g``; with ``TWO_SOURCES`` the reduction also runs over group
+    ``g`` of a second batch of rows (e.g. the next microbatch's), ``c[g] = a_g^T @ b_g +
+    a2_g^T @ b2_g`` in one K loop: ``offs2`` are its group offsets, ``a2_from_a`` /
+    ``b2_from_b`` where its operands start, in elements from ``a`` / ``b`` (same widths
+    and row strides). With ``ACCUMULATE``, ``c`` is an FP32 accumulator that
     receives ``+=`` instead: element ``i`` of the row-major ``[E, M, N]`` result lives
     at ``(i // piece) * stride_piece + i % piece`` (a flat buffer, or the rows of an
     owner-major gradient bucket), and the strides are unused. ``WHOLE_ROWS`` (``piece``
@@ -152,7 +156,11 @@ def wgrad_kernel(
     loop stalled each tile's tensor cores for the FP32 read, ~10% slower at the bench
     shapes; ``tools/perf_notes.md``, eighth session). Every element belongs to exactly
     one tile, so each receives one add per launch: the result is deterministic, and
-    equal to ``c + (a_g^T @ b_g)`` rounded once (empty groups add zeros)."""
+    equal to ``c + (a_g^T @ b_g [+ a2_g^T @ b2_g])`` rounded once (empty groups add zeros).
+
+    The second batch's operands come as plain scalars, not a tuple of tensors: Triton's
+    launcher took ~110 us of host time per launch with tuple arguments against ~40 us
+    without (H200 host, triton 3.6), and the step issues hundreds of these launches."""
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     pid = tl.program_id(0)
@@ -160,6 +168,7 @@ def wgrad_kernel(
     pid_m, pid_n = swizzle(pid % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
     g_end = tl.load(offs_ptr + g)
     g_start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    steps = tl.cdiv(g_end - g_start, BK)
     rm = tl.arange(0, BM)
     rn = tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -168,13 +177,36 @@ def wgrad_kernel(
     cols_n = (pid_n * BN + rn) % N
     a_ptrs = a_ptr + g_start.to(tl.int64) * stride_ar + rk[:, None] * stride_ar + cols_m[None, :]
     b_ptrs = b_ptr + g_start.to(tl.int64) * stride_br + rk[:, None] * stride_br + cols_n[None, :]
-    for r0 in range(g_start, g_end, BK):
-        r_ok = rk < g_end - r0
+    rows_left = g_end - g_start
+    if TWO_SOURCES:
+        g2_end = tl.load(offs2_ptr + g)
+        g2_start = tl.load(offs2_ptr + g - 1, mask=g > 0, other=0)
+        total = steps + tl.cdiv(g2_end - g2_start, BK)
+        # the pointer jump from just past the first batch's last k-block to the second's
+        # first row; taken before the loop when the first batch has no rows in group g
+        rows_jump = g2_start.to(tl.int64) - g_start - steps * BK
+        a_jump = rows_jump * stride_ar + a2_from_a  # int64 from the left
+        b_jump = rows_jump * stride_br + b2_from_b
+        first_empty = steps == 0
+        a_ptrs += tl.where(first_empty, a_jump, 0)
+        b_ptrs += tl.where(first_empty, b_jump, 0)
+        rows_left = tl.where(first_empty, g2_end - g2_start, rows_left)
+    else:
+        total = steps
+    # one branch-free loop over both batches: the software pipeline runs across the switch
+    for i in range(0, total):
+        r_ok = rk < rows_left
         a = tl.load(a_ptrs, mask=r_ok[:, None], other=0.0)
         b = tl.load(b_ptrs, mask=r_ok[:, None], other=0.0)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
         a_ptrs += BK * stride_ar
         b_ptrs += BK * stride_br
+        rows_left -= BK
+        if TWO_SOURCES:
+            switch = i == steps - 1
+            a_ptrs += tl.where(switch, a_jump, 0)
+            b_ptrs += tl.where(switch, b_jump, 0)
+            rows_left = tl.where(switch, g2_end - g2_start, rows_left)
     # the epilogue's addresses: not needed during the loop, so not live through it
     out_m = pid_m * BM + rm
     out_n = pid_n * BN + rn

@@ -29,7 +29,8 @@ add their result to the main grad in the kernel's epilogue (FP32, no rounding to
 compute dtype) instead of returning a BF16 gradient for the wrapper's hook to add:
 that accumulation pass re-read and re-wrote every expert weight's gradient once per
 microbatch at copy speed. The sink is told when the gradient is in; ``param.grad``
-stays ``None``. A weight gradient is only computed in a backward pass that runs the
+stays ``None``. What the sink gets is an ``ExpertWeightGradient``: it may hold it and
+merge it with the next microbatch's (one launch over both microbatches' rows). A weight gradient is only computed in a backward pass that runs the
 weight's ``AccumulateGrad`` node (a pipeline's input-gradient pass does not; its
 weight pass does), so it lands exactly once whatever way the backward is split.
 """
@@ -118,7 +119,11 @@ class GradientSink(Protocol):
     def add_gradient(self, param: nn.Parameter, add: Callable[[torch.Tensor], None]) -> None:
         """Call ``add(target)`` once, ``target`` the FP32 accumulator of ``param``'s gradient
         (its elements in storage order: 1-D, or ``[rows, cols]`` with contiguous rows), then
-        count the gradient as arrived (what a post-accumulate-grad hook would do)."""
+        count the gradient as arrived (what a post-accumulate-grad hook would do).
+
+        ``add`` is an ``ExpertWeightGradient``: a sink may hold it and call
+        ``add.merged(next_add)`` instead when the parameter's next gradient comes (one
+        launch for both), as long as every gradient is added before it is read."""
         ...
 
 
@@ -128,6 +133,49 @@ def sink_adds_in_kernel(rows: torch.Tensor) -> bool:
 
 
 SinkRoute = tuple[GradientSink, Any]  # the sink and the weight's AccumulateGrad node
+WgradSource = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (x, dy, offsets) of one backward
+
+
+class ExpertWeightGradient:
+    """A grouped weight gradient not computed yet: the operands of ``x_g^T @ dy_g``.
+
+    Calling it adds the gradient to an FP32 target in the weight-gradient kernel's
+    epilogue (``wgrad_accumulate_``). ``merged(other)`` joins the same weight's
+    gradient from another backward (the next microbatch) so that one launch reduces
+    the rows of both: one read-modify-write of the target instead of two, and a
+    longer reduction per expert. A holder keeps the operands alive until then;
+    they must not change meanwhile (checked through their version counters).
+    """
+
+    def __init__(self, sources: tuple[WgradSource, ...], like: torch.Tensor,
+                 versions: tuple[int, ...] | None = None) -> None:
+        self.sources = sources
+        # only the weight's shape and strides are needed: a meta tensor holds no memory
+        self.like = like if like.is_meta else torch.empty_strided(
+            like.shape, like.stride(), dtype=like.dtype, device="meta")
+        self.versions = versions or tuple(t._version for src in sources for t in src[:2])
+
+    def merged(self, other: object) -> ExpertWeightGradient | None:
+        """One gradient adding both, or ``None`` where one launch cannot take them."""
+        from moe_model.triton_grouped_mm import MAX_WGRAD_SOURCES
+
+        if (not isinstance(other, ExpertWeightGradient)
+                or len(self.sources) + len(other.sources) > MAX_WGRAD_SOURCES
+                or other.like.shape != self.like.shape or other.like.stride() != self.like.stride()):
+            return None
+        return ExpertWeightGradient(self.sources + other.sources, self.like, self.versions + other.versions)
+
+    def __call__(self, target: torch.Tensor) -> None:
+        from moe_model.triton_grouped_mm import wgrad_accumulate_
+
+        now = tuple(t._version for src in self.sources for t in src[:2])
+        if now != self.versions:
+            raise RuntimeError(
+                "an expert weight gradient's operands (the GEMM input or output gradient rows) "
+                "were modified in place while it was held for merging"
+            )
+        (x, dy, offsets), *more = self.sources
+        wgrad_accumulate_(target, x, dy, offsets, self.like, more=more)
 
 
 def _sink_route(sink: GradientSink | None, w: nn.Parameter) -> SinkRoute | None:
@@ -143,9 +191,7 @@ def _wgrad_into_sink(route: SinkRoute, param: nn.Parameter, x_RK: torch.Tensor, 
     backward that runs the weight's ``AccumulateGrad`` node (not a pipeline's input pass)."""
     sink, accumulator = route
     if torch._C._will_engine_execute_node(accumulator):
-        from moe_model.triton_grouped_mm import wgrad_accumulate_
-
-        sink.add_gradient(param, lambda target: wgrad_accumulate_(target, x_RK, dy_RN, offsets, like))
+        sink.add_gradient(param, ExpertWeightGradient(((x_RK, dy_RN, offsets),), like))
 
 
 class _GroupedMMIntoSink(torch.autograd.Function):

@@ -24,7 +24,8 @@ Two kernels (``_grouped_mm_kernels``) cover the forward and both backward GEMMs 
   the weight's memory layout). One program per output tile; empty groups store zeros.
   ``wgrad_accumulate_`` runs it with an FP32 atomic-add epilogue instead (done in
   L2, so no program waits on the old values): the gradient lands in a data-parallel
-  wrapper's FP32 main grad directly.
+  wrapper's FP32 main grad directly, and can reduce two batches of rows (two
+  microbatches) in one launch, so the accumulator is read and written once for both.
 
 Both accumulate in FP32 and read/write 2-byte or 4-byte floats; FP32 inputs use
 IEEE products (no TF32) so they can serve as an exact reference. The entry point
@@ -35,6 +36,7 @@ lazily: importing this module never needs it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -293,13 +295,39 @@ def _wgrad_operands(
     return (dy_RN, x_RK, True) if transposed else (x_RK, dy_RN, False)
 
 
+def _element_offset(base: torch.Tensor, other: torch.Tensor) -> int:
+    """Where ``other`` starts, in elements from ``base``'s start (same device and dtype)."""
+    gap = other.data_ptr() - base.data_ptr()
+    if gap % base.element_size():
+        raise ValueError("grouped weight gradient: operands are not element-aligned with each other")
+    return gap // base.element_size()
+
+
+WgradOperands = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (a, b, offsets) of one source
+MAX_WGRAD_SOURCES = 2  # batches of rows one weight-gradient launch reduces over
+
+
 def _launch_wgrad(
-    a: torch.Tensor, b: torch.Tensor, offsets_E: torch.Tensor, c: torch.Tensor, E: int,
+    sources: list[WgradOperands], c: torch.Tensor, E: int,
     config: TileConfig | None, accumulate: tuple[int, int] | None,
 ) -> None:
-    """``c[g] = a_g^T @ b_g`` (``c`` [E, M, N]) or, with ``accumulate=(piece, stride)``,
-    ``+=`` into the FP32 accumulator ``c`` laid out as ``_grouped_mm_kernels.wgrad_kernel`` says."""
+    """``c[g] = sum_s a_(s,g)^T @ b_(s,g)`` (``c`` [E, M, N]) over one or two sources, or,
+    with ``accumulate=(piece, stride)``, ``+=`` into the FP32 accumulator ``c`` laid out
+    as ``_grouped_mm_kernels.wgrad_kernel`` says."""
+    if not 1 <= len(sources) <= MAX_WGRAD_SOURCES:
+        raise ValueError(f"grouped weight gradient: {len(sources)} batches of rows; one launch "
+                         f"takes 1 to {MAX_WGRAD_SOURCES}")
+    a, b, offsets_E = sources[0]
     M, Nc = a.shape[1], b.shape[1]
+    for a_s, b_s, offsets_s in sources[1:]:
+        if (a_s.shape[1], b_s.shape[1]) != (M, Nc) or (a_s.stride(0), b_s.stride(0)) != (a.stride(0), b.stride(0)):
+            raise ValueError(
+                f"grouped weight gradient: operands {tuple(a_s.shape)} / {tuple(b_s.shape)} of a later "
+                f"source do not match the first {tuple(a.shape)} / {tuple(b.shape)} in width and row stride"
+            )
+        if offsets_s.shape != offsets_E.shape:
+            raise ValueError(f"grouped weight gradient: offsets {tuple(offsets_E.shape)} and "
+                             f"{tuple(offsets_s.shape)} of two sources differ")
     cfg = config or default_config("wgrad", a.device, a.dtype)
     triton, _, wgrad_kernel = _kernels()
     grid = E * triton.cdiv(M, cfg.block_m) * triton.cdiv(Nc, cfg.block_n)
@@ -310,13 +338,14 @@ def _launch_wgrad(
     # every output row of the accumulator starts on 16 bytes (4 FP32 elements): rows
     # start at owner * stride_piece + row * Nc elements from an aligned base
     aligned = accumulate is not None and Nc % 4 == 0 and stride_piece % 4 == 0 and c.data_ptr() % 16 == 0
+    a2, b2, offsets2 = sources[-1]
     wgrad_kernel[(grid,)](
-        a, b, c, offsets_E,
+        a, b, c, offsets_E, _element_offset(a, a2), _element_offset(b, b2), offsets2,
         M, Nc, E,
         a.stride(0), b.stride(0), *strides, piece, stride_piece,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         PRECISION=_precision(a.dtype), ACCUMULATE=accumulate is not None, WHOLE_ROWS=piece % Nc == 0,
-        ALIGNED=aligned, ONE_CUT=piece // Nc >= cfg.block_m,
+        ALIGNED=aligned, ONE_CUT=piece // Nc >= cfg.block_m, TWO_SOURCES=len(sources) == 2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -329,15 +358,20 @@ def wgrad_mm(
     E = like_EKN.shape[0]
     a, b, transposed = _wgrad_operands(x_RK, dy_RN, like_EKN)
     c_EMN = torch.empty(E, a.shape[1], b.shape[1], dtype=like_EKN.dtype, device=a.device)
-    _launch_wgrad(a, b, offsets_E, c_EMN, E, config, None)
+    _launch_wgrad([(a, b, offsets_E)], c_EMN, E, config, None)
     return c_EMN.transpose(1, 2) if transposed else c_EMN
 
 
 def wgrad_accumulate_(
     target: torch.Tensor, x_RK: torch.Tensor, dy_RN: torch.Tensor, offsets_E: torch.Tensor,
     like_EKN: torch.Tensor, config: TileConfig | None = None,
+    more: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (),
 ) -> None:
     """``target += dw`` for the weight ``like_EKN`` is a view of, in the kernel's epilogue.
+
+    ``more``: up to ``MAX_WGRAD_SOURCES - 1`` further ``(x, dy, offsets)`` batches of rows
+    (e.g. the next microbatch's) whose gradients join the same reduction, ``target +=
+    dw + dw_1`` rounded once, in one launch: one read-modify-write of ``target`` for both.
 
     ``target`` is FP32 and holds the weight's elements in its *storage* order (the
     ``[E, N, K]`` order for a K-contiguous view): flat, or as ``[rows, cols]`` with
@@ -360,10 +394,18 @@ def wgrad_accumulate_(
         )
     if target.device != x_RK.device:
         raise ValueError(f"wgrad_accumulate_: target is on {target.device}, x on {x_RK.device}")
-    a, b, _ = _wgrad_operands(x_RK, dy_RN, like_EKN)
+    sources = []
+    for x, dy, offsets in ((x_RK, dy_RN, offsets_E), *more):
+        if (x.device, x.dtype, dy.dtype, offsets.device) != (target.device, x_RK.dtype, dy_RN.dtype, target.device):
+            raise ValueError(
+                f"wgrad_accumulate_: x/dy/offsets ({x.dtype}/{dy.dtype}, on {x.device}/{offsets.device}) of a "
+                f"batch of rows differ from the first's ({x_RK.dtype}/{dy_RN.dtype}) or the target's device"
+            )
+        a, b, _ = _wgrad_operands(x, dy, like_EKN)
+        sources.append((a, b, offsets))
     piece = target.numel() if target.dim() == 1 else target.shape[1]
     stride = 0 if target.dim() == 1 else target.stride(0)
-    _launch_wgrad(a, b, offsets_E, target, like_EKN.shape[0], config, (piece, stride))
+    _launch_wgrad(sources, target, like_EKN.shape[0], config, (piece, stride))
 
 
 # ----------------------------------------------------------------- custom ops

@@ -343,6 +343,19 @@ def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool)
     inv.moment(freed, {"grad_out", "experts.d_h", "experts.swiglu_grad32", "experts.dw"})
 
 
+def merged_wgrad_operands(cfg: MoEConfig, layers: Iterable[int], ex: Execution, R: int) -> int:
+    """Bytes of one microbatch's expert weight-gradient operands held for merging with the
+    next microbatch's (moe_ddp's ``merge_microbatch_gradients``, CUDA only): per MoE layer
+    on the BF16 grouped GEMMs, what the three weight gradients read, the rows and the
+    down projection's output gradient ([R, D] each), the gate and up gradients and the
+    SwiGLU output h ([R, F] each). Held from that layer's backward to the next one's."""
+    if ex.kernels != "cuda":
+        return 0
+    D, F, b = cfg.d_model, cfg.expert_hidden, ex.compute_bytes
+    moe = [layer for layer in layers if cfg.is_moe_layer(layer) and layer not in ex.mxfp8_expert_layers]
+    return len(moe) * b * R * (2 * D + 3 * F)
+
+
 def _swiglu(inv: Inventory, prefix: str, T: int, D: int, F: int, ex: Execution,
             peaks: bool) -> None:
     """A dense SwiGLU (dense layers, shared experts); its backward runs before the

@@ -22,7 +22,13 @@ from moe_model import MoEConfig, active_params, total_params
 from moe_mxfp8 import name_matches
 
 from pretrain.config import PretrainConfig, validate_layout
-from pretrain.planner.activations import EPBackend, Execution, ep_capacity
+from pretrain.planner.activations import (
+    EPBackend,
+    Execution,
+    ep_capacity,
+    local_rows,
+    merged_wgrad_operands,
+)
 from pretrain.planner.persistent import (
     ModelShapes,
     PersistentMemory,
@@ -68,11 +74,13 @@ class PlanRequest:
     mxfp8_targets: tuple[str, ...] = ()
     mxfp8_save_activations: bool = False
     compute_dtype: str = "bfloat16"  # bfloat16 | float32: compute weights and activations
+    merge_expert_grads: int = 1  # microbatches' expert weight gradients added in one launch
     gpu_gib: float = H200_GIB
     headroom: float = 0.10  # share of the device kept free
 
     def __post_init__(self) -> None:
-        for name in ("world", "pp", "ep", "virtual", "micro_batch", "seq_len", "global_batch"):
+        for name in ("world", "pp", "ep", "virtual", "micro_batch", "seq_len", "global_batch",
+                     "merge_expert_grads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PlanRequest.{name} must be >= 1, got {getattr(self, name)}")
         if self.world % self.pp:
@@ -124,6 +132,7 @@ class PlanRequest:
                    ep_backend=_ep_backend(p.resolved_ep_backend()), ep_combine=p.ep_combine,
                    mxfp8_targets=tuple(cfg.mxfp8.targets),
                    mxfp8_save_activations=cfg.mxfp8.save_mxfp8_activations,
+                   merge_expert_grads=p.merge_expert_grad_microbatches if p.fuse_expert_grad_accumulation else 1,
                    **planner)  # type: ignore[arg-type]
 
 
@@ -147,6 +156,7 @@ class RankPlan:
     bookkeeping: int
     activations_held_per_microbatch: int  # summed over the rank's stages
     activations_peak: int  # schedule high-water mark (microbatches in flight, transients)
+    merged_grads_held: int  # expert weight-gradient operands held for merging (in the peak)
     in_flight: int
     optimizer_step_transient: int
     kernel_workspaces: int
@@ -262,10 +272,15 @@ def plan_memory(req: PlanRequest, shapes: ModelShapes | None = None,
         }
         acts = rank_activations(stages, req.pp, req.virtual, req.schedule, req.microbatches, rank,
                                 message_bytes=ex.compute_bytes * ex.tokens * m.d_model)
+        # earlier microbatches' expert weight-gradient operands, held until merged: alive
+        # through the next microbatch's forward and the start of its backward
+        rows = local_rows(m, ex.tokens) if req.ep == 1 else capacity
+        merged = (min(req.merge_expert_grads, req.microbatches) - 1) * merged_wgrad_operands(
+            m, layers, ex, rows)
         params = shapes.held(layers, 0 in own, n_stages - 1 in own, req.ep)
         state = persistent_memory(m, params, state_layout)
         step = _optimizer_step_transient(state, req.optimizer)
-        peak = state.total + max(acts.peak, step) + KERNEL_WORKSPACES
+        peak = state.total + max(acts.peak + merged, step) + KERNEL_WORKSPACES
         frag = int(FRAGMENTATION * peak)
         nccl = NCCL_PER_GROUP * _nccl_groups(req)
         heap = _nvshmem_heap(req)
@@ -275,7 +290,7 @@ def plan_memory(req: PlanRequest, shapes: ModelShapes | None = None,
             grads=state.grads, optimizer=state.optimizer, mxfp8_caches=state.mxfp8_caches,
             bookkeeping=state.bookkeeping,
             activations_held_per_microbatch=sum(s.held for s in stages.values()),
-            activations_peak=acts.peak, in_flight=acts.in_flight,
+            activations_peak=acts.peak + merged, merged_grads_held=merged, in_flight=acts.in_flight,
             optimizer_step_transient=step, kernel_workspaces=KERNEL_WORKSPACES,
             peak_allocated=peak, fragmentation=frag, cuda_context=CUDA_CONTEXT, nccl=nccl,
             nvshmem_heap=heap, device_total=device,

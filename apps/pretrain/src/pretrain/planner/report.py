@@ -11,6 +11,7 @@ _ROWS: tuple[tuple[str, str], ...] = (
     ("MXFP8 weight caches", "mxfp8_caches"),
     ("routing statistics", "bookkeeping"),
     ("activations, schedule peak", "activations_peak"),
+    ("  of which merged expert grads", "merged_grads_held"),
     ("optimizer-step transients", "optimizer_step_transient"),
     ("kernel workspaces", "kernel_workspaces"),
     ("= peak allocated", "peak_allocated"),
