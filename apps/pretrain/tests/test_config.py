@@ -174,3 +174,14 @@ def test_mxfp8_targets_round_trip(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text(config_toml(cfg))
     assert load_config(str(path)) == cfg
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["parallel.merge_expert_grad_microbatches=3"], "must be 1 or 2"),
+    (["parallel.merge_expert_grad_microbatches=0"], "must be positive"),
+    (["parallel.merge_expert_grad_microbatches=2", "parallel.fuse_expert_grad_accumulation=false"],
+     "needs parallel.fuse_expert_grad_accumulation"),
+])
+def test_merged_expert_grads_need_the_fused_path_and_at_most_two(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", overrides).validate()

@@ -302,3 +302,20 @@ def test_plan_within_ten_percent_of_max_memory_allocated(recompute):
         trainer.close()
     planned = plan_memory(PlanRequest.from_config(cfg, 1)).ranks[0].peak_allocated
     assert planned == pytest.approx(measured, rel=0.10)
+
+
+def test_plan_counts_merged_expert_grads():
+    """Merging two microbatches' expert weight gradients holds one microbatch's operands
+    per MoE layer (rows and the down projection's output gradient [R, D], the gate/up
+    gradients and h [R, F]) on top of the activation peak; nothing with one microbatch
+    per step, or with the fused accumulation off (then the app refuses the merge)."""
+    base, merged = (plan_memory(PlanRequest.from_config(
+        load_config("bench-1gpu", [f"parallel.merge_expert_grad_microbatches={n}"]), 1)).ranks[0]
+        for n in (1, 2))
+    m = load_config("bench-1gpu").model
+    rows = 2 * 4096 * m.top_k
+    held = m.n_moe_layers * 2 * rows * (2 * m.d_model + 3 * m.expert_hidden)
+    assert base.merged_grads_held == 0 and merged.merged_grads_held == held
+    assert merged.peak_allocated - base.peak_allocated == held
+    one = load_config("bench-1gpu", ["parallel.merge_expert_grad_microbatches=2", "train.global_batch=2"])
+    assert plan_memory(PlanRequest.from_config(one, 1)).ranks[0].merged_grads_held == 0
