@@ -95,6 +95,7 @@ def test_presets_are_valid_and_round_trip_through_toml(tmp_path):
     assert (m.n_experts, m.top_k, m.expert_hidden, m.vocab_size) == (64, 8, 1024, 100352)
     assert (bench.train.seq_len, bench.train.micro_batch, bench.train.global_batch) == (4096, 2, 64)
     assert bench.data.path == "synthetic"
+    assert bench.parallel.merge_expert_grad_microbatches == 2
     assert load_config("bench-2gpu").model.n_layers == 16
 
 

@@ -274,3 +274,32 @@ def test_attention_backends_run_the_kernel_asked_for_at_bf16_error():
         errors[backend] = max(float((a - b).norm() / b.norm()) for a, b in zip(got, gold, strict=True))
     for backend in ("cudnn", "auto"):  # auto: PyTorch's choice, cuDNN on H200 with torch 2.11
         assert errors[backend] < 2e-2 and errors[backend] <= 1.25 * errors["flash"], errors
+
+
+def test_router_logits_on_tensor_cores_match_fp32():
+    """The router's BF16 GPU path (FP32-output GEMM, the gradient split into three BF16
+    parts) against FP32 copies and an FP32 GEMM at model width, without a host sync."""
+    from moe_model.router import router_logits
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(8192, 2048, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (0.02 * torch.randn(64, 2048, device="cuda", generator=g)).bfloat16().requires_grad_()
+    dlogits = 1e-4 * torch.randn(8192, 64, device="cuda", generator=g)
+
+    def step():
+        x.grad = w.grad = None
+        logits = router_logits(x, w)
+        logits.backward(dlogits)
+        return logits
+
+    assert_no_host_sync(step, warmup=1)
+    logits = step()
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    want = x32 @ w32.t()  # FP32 GEMM (TF32 is off by default)
+    want.backward(dlogits)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    for got, ref in ((x.grad, x32.grad), (w.grad, w32.grad)):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), ref, rtol=2**-8, atol=1e-6 * ref.abs().max().item())
+        assert (got != ref.bfloat16()).float().mean() < 0.02

@@ -84,3 +84,31 @@ def test_router_runs_in_fp32(dtype):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = r(X.to(dtype))
     assert out.probs.dtype == torch.float32 and out.weights.dtype == torch.float32
+
+
+def test_16_bit_router_logits_match_fp32(monkeypatch):
+    """The GPU path of the logits (16-bit operands, FP32 accumulation and output, the
+    gradient split into three BF16 parts) against FP32 copies and an FP32 GEMM. On CPU
+    the FP32-output GEMM is emulated (exact: products of 16-bit values are exact in FP32)."""
+    from moe_model import router
+
+    monkeypatch.setattr(router, "_mm_fp32", lambda a, b: a.float() @ b.float())
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 64, generator=g).bfloat16().requires_grad_()
+    w = (0.1 * torch.randn(8, 64, generator=g)).bfloat16().requires_grad_()
+    dlogits = torch.randn(96, 8, generator=g) * 1e-3
+    logits = router._RouterLogits.apply(x, w)
+    logits.backward(dlogits)
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    want = x32 @ w32.t()
+    want.backward(dlogits)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, want, rtol=1e-6, atol=1e-6)
+    # gradients in the operands' dtype: within one BF16 rounding of the FP32 ones
+    assert x.grad.dtype == w.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(x.grad.float(), x32.grad, rtol=2**-8, atol=1e-9)
+    torch.testing.assert_close(w.grad.float(), w32.grad, rtol=2**-8, atol=1e-9)
+    # and rounded like them: the split keeps the gradient's FP32 precision until the
+    # one rounding (without the low parts, a large share of elements would differ)
+    for got, ref in ((x.grad, x32.grad), (w.grad, w32.grad)):
+        assert (got != ref.bfloat16()).float().mean() < 0.02

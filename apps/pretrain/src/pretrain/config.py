@@ -294,6 +294,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train": _BENCH_TRAIN,
         "optim": {"warmup_steps": 5},
         "data": {"path": SYNTHETIC},
+        # two microbatches' expert weight gradients per launch: +3.5% for 7 GiB (81.5 of
+        # 141 GB; tools/perf_notes.md, ninth session); bench-2gpu keeps 1 (not measured there)
+        "parallel": {"merge_expert_grad_microbatches": 2},
     },
     "bench-2gpu": {
         "model": {**_BENCH_MODEL, "n_layers": 16},

@@ -54,6 +54,8 @@ def _saved_ops() -> frozenset[Any]:
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
              "_scaled_dot_product_flash_attention_for_cpu"]
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    # the 16-bit GEMMs with FP32 output (the router's logits on a GPU)
+    ops |= {getattr(aten, n).dtype for n in ("mm", "addmm", "bmm") if "dtype" in getattr(aten, n).overloads()}
     ops.add(torch.ops.moe_model.triton_grouped_mm.default)
     ops.add(torch.ops.moe_model.triton_grouped_mm_split2.default)
     return frozenset(ops)

@@ -174,13 +174,19 @@ def _attention(inv: Inventory, cfg: MoEConfig, ex: Execution) -> None:
 
 
 def _router(inv: Inventory, cfg: MoEConfig, ex: Execution) -> None:
-    """FP32 router: x32 @ w32, scores, top-k. Whenever a loss coefficient is nonzero the
-    auxiliary losses are in the graph, and the z-loss term keeps the logits."""
+    """FP32 router: logits, scores, top-k. The logits GEMM keeps FP32 copies of its
+    operands (x32 @ w32), except on CUDA with 16-bit x and w (``moe_model.router.router_logits``),
+    where it keeps the 16-bit x (the MLP norm's output) and w. Whenever a loss
+    coefficient is nonzero the auxiliary losses are in the graph, and the z-loss term
+    keeps the logits."""
     T, D, E, k = ex.tokens, cfg.d_model, cfg.n_experts, cfg.top_k
     aux = cfg.lb_loss_coef > 0 or cfg.z_loss_coef > 0
-    inv.add("router.x32", FP32 * T * D, "saved")
-    if ex.param_bytes != FP32:
-        inv.add("router.w32", FP32 * E * D, "saved")
+    if ex.kernels == "cuda" and ex.compute_bytes == ex.param_bytes == 2:
+        inv.saved.add("mlp_norm.out")
+    else:
+        inv.add("router.x32", FP32 * T * D, "saved")
+        if ex.param_bytes != FP32:
+            inv.add("router.w32", FP32 * E * D, "saved")
     inv.add("router.logits", FP32 * T * E, "selective", *(("saved",) if aux else ()))
     inv.add("router.scores", FP32 * T * E, "saved", "fwd_live")
     if cfg.router_score == "sigmoid":
