@@ -30,8 +30,8 @@ compute dtype) instead of returning a BF16 gradient for the wrapper's hook to ad
 that accumulation pass re-read and re-wrote every expert weight's gradient once per
 microbatch at copy speed. The sink is told when the gradient is in; ``param.grad``
 stays ``None``. What the sink gets is an ``ExpertWeightGradient``: it may hold it and
-merge it with the next microbatch's (one launch over both microbatches' rows). A weight gradient is only computed in a backward pass that runs the
-weight's ``AccumulateGrad`` node (a pipeline's input-gradient pass does not; its
+merge it with the next microbatch's (one launch over both microbatches' rows). A weight
+gradient is only computed in a backward pass that runs the weight's ``AccumulateGrad`` node (a pipeline's input-gradient pass does not; its
 weight pass does), so it lands exactly once whatever way the backward is split.
 """
 

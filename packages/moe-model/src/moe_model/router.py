@@ -13,10 +13,11 @@ Shape legend: T tokens, D d_model, E experts (all, not local), k top_k.
   batch is split into microbatches or ranks.
 - Counting uses ``scatter_add_`` rather than ``bincount`` (which synchronises with
   the host), so nothing here waits for the device.
-- Logits: FP32 ``x @ w^T``. With BF16/FP16 ``x`` and ``w`` on a GPU (``router_logits``)
-  the products are exact in FP32 already, so a tensor-core GEMM with FP32 output gives
-  the FP32 result without FP32 copies of ``x`` and ``w``; the backward splits the FP32
-  logit gradient into three 16-bit parts (FP32's precision) for its tensor-core GEMMs.
+- Logits: FP32 ``x @ w^T``. With BF16 ``x`` and ``w`` on a GPU (``router_logits``) the
+  products are exact in FP32 already, so a tensor-core GEMM with FP32 output gives the
+  FP32 result without FP32 copies of ``x`` and ``w``; the backward splits the FP32 logit
+  gradient into three BF16 parts (FP32's precision: BF16 has FP32's exponent range, FP16
+  would underflow the small parts) for its tensor-core GEMMs.
   The FP32 (CUDA-core) GEMMs it replaces cost ~55 ms of a bench-1gpu step.
 """
 
@@ -84,25 +85,25 @@ def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of 16-bit operands, accumulated and returned in FP32 (cuBLAS)."""
+    """``a @ b`` of BF16 operands, accumulated and returned in FP32 (cuBLAS)."""
     return torch.mm(a, b, out_dtype=torch.float32)
 
 
-def _split16(t_fp32: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
-    """``t = p0 + p1 + p2`` in 16-bit ``dtype`` up to FP32's own precision (each part
-    takes the next 8 significant bits of the residual): operands whose products with
-    16-bit values are exact in FP32."""
+def _split_bf16(t_fp32: torch.Tensor) -> list[torch.Tensor]:
+    """``t = p0 + p1 + p2`` in BF16 up to FP32's own precision (each part takes the next
+    8 significant bits of the residual): operands whose products with BF16 values are
+    exact in FP32."""
     parts, rest = [], t_fp32
     for _ in range(3):
-        parts.append(rest.to(dtype))
+        parts.append(rest.bfloat16())
         rest = rest - parts[-1].float()
     return parts
 
 
 class _RouterLogits(torch.autograd.Function):
-    """FP32 logits ``x @ w^T`` of 16-bit ``x [T, D]`` and ``w [E, D]`` (see the module
-    docstring). Gradients with the FP32 logit gradient ``g`` split in three 16-bit parts
-    (FP32's precision): ``dx = g @ w`` in x's dtype (one GEMM over ``[g0 | g1 | g2]`` and
+    """FP32 logits ``x @ w^T`` of BF16 ``x [T, D]`` and ``w [E, D]`` (see the module
+    docstring). Gradients with the FP32 logit gradient ``g`` split in three BF16 parts
+    (FP32's precision): ``dx = g @ w`` in BF16 (one GEMM over ``[g0 | g1 | g2]`` and
     ``[w; w; w]``, rounded once), ``dw = sum_i g_i^T @ x`` in FP32, returned in w's dtype."""
 
     @staticmethod
@@ -113,7 +114,7 @@ class _RouterLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g_TE: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x_TD, w_ED = ctx.saved_tensors
-        parts = _split16(g_TE.float(), x_TD.dtype)
+        parts = _split_bf16(g_TE.float())
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = torch.cat(parts, 1) @ torch.cat([w_ED] * len(parts), 0)  # rounded once
@@ -123,9 +124,9 @@ class _RouterLogits(torch.autograd.Function):
 
 
 def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
-    """FP32 ``x @ w^T``: the 16-bit tensor-core path on a GPU where both are BF16/FP16,
-    else FP32 copies and an FP32 GEMM."""
-    if x_TD.is_cuda and x_TD.dtype == w_ED.dtype and x_TD.dtype in (torch.bfloat16, torch.float16):
+    """FP32 ``x @ w^T``: the tensor-core path on a GPU where both are BF16, else FP32
+    copies and an FP32 GEMM."""
+    if x_TD.is_cuda and x_TD.dtype == w_ED.dtype == torch.bfloat16:
         return _RouterLogits.apply(x_TD, w_ED)
     return x_TD.float() @ w_ED.float().t()
 

@@ -175,13 +175,13 @@ def _attention(inv: Inventory, cfg: MoEConfig, ex: Execution) -> None:
 
 def _router(inv: Inventory, cfg: MoEConfig, ex: Execution) -> None:
     """FP32 router: logits, scores, top-k. The logits GEMM keeps FP32 copies of its
-    operands (x32 @ w32), except on CUDA with 16-bit x and w (``moe_model.router.router_logits``),
-    where it keeps the 16-bit x (the MLP norm's output) and w. Whenever a loss
+    operands (x32 @ w32), except on CUDA with BF16 x and w (``moe_model.router.router_logits``),
+    where it keeps the BF16 x (the MLP norm's output) and w. Whenever a loss
     coefficient is nonzero the auxiliary losses are in the graph, and the z-loss term
     keeps the logits."""
     T, D, E, k = ex.tokens, cfg.d_model, cfg.n_experts, cfg.top_k
     aux = cfg.lb_loss_coef > 0 or cfg.z_loss_coef > 0
-    if ex.kernels == "cuda" and ex.compute_bytes == ex.param_bytes == 2:
+    if ex.kernels == "cuda" and ex.compute_bytes == ex.param_bytes == 2:  # BF16 (the planner's 2-byte dtype)
         inv.saved.add("mlp_norm.out")
     else:
         inv.add("router.x32", FP32 * T * D, "saved")
