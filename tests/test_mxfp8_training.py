@@ -8,7 +8,6 @@ optimizer step by the hook a training loop registers. Same seed, same data.
 """
 
 import torch
-
 from moe_model import MoEConfig, MoETransformer, init_weights, lm_loss_sum, set_aux_loss_scale
 from moe_mxfp8 import MXFP8Config, MXFP8GroupedExperts, apply_mxfp8, refresh_weight_caches
 

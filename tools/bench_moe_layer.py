@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
-
 from moe_model import MoEConfig, MoELayer, grouped_mm, init_weights
 from moe_model.router import RoutingResult, count_per_expert
 from moe_model.triton_grouped_mm import (
@@ -279,7 +278,7 @@ def run_sweep(s: Shape, device: torch.device) -> list[dict]:
             if kind == "wgrad" and (cfg.persistent or cfg.use_tma):
                 continue
             try:
-                ms = time_ms(lambda cfg=cfg: triton_call(cfg))
+                ms = time_ms(lambda cfg=cfg, call=triton_call: call(cfg))
                 results.append({"gemm": name, "impl": "triton", "kind": kind, **asdict(cfg),
                                 "ms": ms, "tflops": flops / ms / 1e9})
             except Exception as e:  # a config that does not compile (resources) is reported, not fatal

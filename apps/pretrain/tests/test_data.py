@@ -7,8 +7,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-
 from pretrain.cli import main
 from pretrain.data import (
     BatchReader,
@@ -22,6 +20,7 @@ from pretrain.data import (
     open_token_files,
     prepare_data,
 )
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 
 def _stream(n_tokens: int = 5000, seq_len: int = 8, n_files: int = 3) -> StreamSequences:

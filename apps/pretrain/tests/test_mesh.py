@@ -3,7 +3,6 @@
 import torch
 import torch.distributed as dist
 from moe_testing import run_distributed
-
 from pretrain.config import load_config, validate_layout
 from pretrain.mesh import build_mesh
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_testing import run_under_triton_interpreter
 from moe_ddp.accumulate import accumulate_
+from moe_testing import run_under_triton_interpreter
 
 
 def test_accumulate_kernel_under_interpreter_is_add():

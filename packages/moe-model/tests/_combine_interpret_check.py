@@ -3,7 +3,6 @@ is imported, and never in the test process itself): the fused combine kernels on
 against the torch reference path of the local dispatcher, forward and all gradients."""
 
 import torch
-
 from moe_model import LocalDispatcher, _combine_kernels, dispatch
 
 _reference_gate = dispatch._fused

@@ -43,7 +43,12 @@ def main():
 def check_row_bound(gen):
     """With a row bound the kernels leave rows at or past it untouched (sentinels survive)
     and compute the live rows as without one; through autograd too."""
-    from moe_model._swiglu_kernels import _BLOCK, _grid, swiglu_backward_kernel, swiglu_forward_kernel
+    from moe_model._swiglu_kernels import (
+        _BLOCK,
+        _grid,
+        swiglu_backward_kernel,
+        swiglu_forward_kernel,
+    )
 
     shape, live = (37, 53), 20
     g = (torch.randn(shape, generator=gen) * 3).requires_grad_(True)

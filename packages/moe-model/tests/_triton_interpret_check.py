@@ -5,7 +5,6 @@ CPU against the per-expert loop, forward and both gradients."""
 import itertools
 
 import torch
-
 from moe_model.experts import grouped_mm_loop
 from moe_model.triton_grouped_mm import TileConfig, rows_mm, triton_grouped_mm, wgrad_mm
 

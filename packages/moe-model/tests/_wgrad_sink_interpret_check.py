@@ -4,9 +4,13 @@ delivered into a gradient sink (full backward, a split input/weight backward, th
 GroupedExperts module, two microbatches merged into one launch), on CPU."""
 
 import torch
-
 from moe_model import experts
-from moe_model.experts import ExpertWeightGradient, GroupedExperts, grouped_mm_into_sink, grouped_mm_loop
+from moe_model.experts import (
+    ExpertWeightGradient,
+    GroupedExperts,
+    grouped_mm_into_sink,
+    grouped_mm_loop,
+)
 from moe_model.triton_grouped_mm import TileConfig, wgrad_accumulate_
 
 

@@ -3,10 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend
-
 from moe_model import MoEConfig
 from moe_model.layers import Attention, sdpa_priority
+from torch.nn.attention import SDPBackend
 
 ALL = {SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
        SDPBackend.MATH}

@@ -1,7 +1,6 @@
 """MoEConfig validation: every bad value raises ValueError naming its field."""
 
 import pytest
-
 from moe_model import MoEConfig
 
 BAD = [

@@ -1,7 +1,6 @@
 """Local dispatch: dropless and capacity-limited, gradients, and the fairness of the drop policy."""
 
 import torch
-
 from moe_model import GroupedExperts, LocalDispatcher, ReportsDrops, TokenDispatcher
 
 

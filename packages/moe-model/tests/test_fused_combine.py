@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_testing import assert_no_host_sync, run_under_triton_interpreter
-
 from moe_model import LocalDispatcher, dispatch
+from moe_testing import assert_no_host_sync, run_under_triton_interpreter
 
 _fused_gate = dispatch._fused
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_testing import assert_no_host_sync, run_under_triton_interpreter
 import torch.nn.functional as F
 from moe_model import IGNORE_INDEX, lm_loss_sum
+from moe_testing import assert_no_host_sync, run_under_triton_interpreter
 
 
 def test_cpu_path_is_the_reference_call():

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_testing import assert_no_host_sync, run_under_triton_interpreter
 from moe_model.layers import RMSNorm
+from moe_testing import assert_no_host_sync, run_under_triton_interpreter
 
 
 def test_cpu_forward_is_the_reference():

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_testing import run_under_triton_interpreter
 from moe_model.layers import apply_rope_reference, rope_tables
+from moe_testing import run_under_triton_interpreter
 
 
 def test_fused_rope_under_interpreter_matches_eager():

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_testing import assert_no_host_sync, run_under_triton_interpreter
 from moe_model.layers import swiglu, swiglu_reference
+from moe_testing import assert_no_host_sync, run_under_triton_interpreter
 
 
 def test_fused_swiglu_under_interpreter_matches_fp32_and_eager():

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from moe_model import MoEConfig, MoELayer, MoETransformer, grouped_mm, init_weights, lm_loss_sum
 from moe_model.experts import grouped_mm_loop
 from moe_testing import assert_no_host_sync

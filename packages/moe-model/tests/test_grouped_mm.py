@@ -5,9 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_testing import run_under_triton_interpreter
-
 from moe_model import grouped_mm, resolve_backend
+from moe_testing import run_under_triton_interpreter
 
 
 @pytest.mark.parametrize("k_contiguous", [True, False])

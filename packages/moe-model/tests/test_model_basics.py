@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from moe_model import (
     GroupedExperts,
     LocalDispatcher,

@@ -4,8 +4,6 @@ recompute policies, shared experts and dense layers."""
 import pytest
 import torch
 import torch.distributed as dist
-from moe_testing import run_distributed
-
 from moe_model import (
     MoEConfig,
     MoELayer,
@@ -16,6 +14,7 @@ from moe_model import (
     set_aux_loss_scale,
     set_count_reducer,
 )
+from moe_testing import run_distributed
 
 SMALL = dict(vocab_size=97, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8,
              n_experts=8, top_k=2, expert_hidden=16)

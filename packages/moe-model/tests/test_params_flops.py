@@ -1,7 +1,6 @@
 """Parameter metadata and FLOP accounting."""
 
 import torch
-
 from moe_model import (
     EXPERT_DIM,
     MoEConfig,

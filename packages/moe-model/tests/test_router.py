@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from moe_model import MoEConfig, TopKRouter, load_balancing_loss, router_z_loss
 
 E, K, D = 4, 2, 3
@@ -30,7 +29,7 @@ def test_softmax_router_matches_hand_computation():
     probs = [hand_softmax(row) for row in logits]
     ids = [sorted(range(E), key=lambda e, p=p: -p[e])[:K] for p in probs]
     assert out.expert_ids.tolist() == ids
-    torch.testing.assert_close(out.weights, torch.tensor([[p[e] for e in i] for p, i in zip(probs, ids)]))
+    torch.testing.assert_close(out.weights, torch.tensor([[p[e] for e in i] for p, i in zip(probs, ids, strict=True)]))
     counts = [sum(e in i for i in ids) for e in range(E)]
     assert out.tokens_per_expert.tolist() == counts
     # lb = E * sum_e f_e * sum_t p_te with f_e = counts_e / (T k)

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from moe_mxfp8 import dequantize, quantize, quantize_dequantize, quantize_rows_and_cols
 from moe_mxfp8.format import scale_to_float
 

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from moe_mxfp8 import (
     MXFP8GroupedExperts,
     MXFP8Linear,
@@ -48,7 +47,7 @@ def test_kernels_bit_exact_at_real_sizes(dtype, shape):
             assert mismatches(dequantize(rd, rs, axis, dtype=out),
                               dequantize(rd, rs, axis, dtype=out, backend="torch")) == 0
     got, ref = quantize_rows_and_cols(x), quantize_rows_and_cols(x, backend="torch")
-    for g, r in zip(got, ref):
+    for g, r in zip(got, ref, strict=True):
         assert mismatches(g.data, r.data) == 0 and mismatches(g.scales, r.scales) == 0
     (dq, kq), (dr, kr) = (quantize_dequantize(x, torch.bfloat16, True, backend=b)
                           for b in ("auto", "torch"))
@@ -119,5 +118,5 @@ def test_native_linear_matches_emulated_on_sm100():
         y = layer(x)
         y.backward(dy)
         outs.append((y.float(), x.grad.float()))
-    for got, want in zip(*outs):
+    for got, want in zip(*outs, strict=True):
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)

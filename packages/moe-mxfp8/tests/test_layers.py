@@ -88,7 +88,7 @@ def test_grouped_experts_match_reference(mx_saved, R):
     ref = reference_experts(rows.detach(), offsets, experts.w1, experts.w3, experts.w2, dy, mx_saved)
     torch.testing.assert_close(y[:27], ref[0][:27], **TIGHT)
     torch.testing.assert_close(rows.grad[:27], ref[1][:27], **TIGHT)
-    for got, want in zip((experts.w1.grad, experts.w3.grad, experts.w2.grad), ref[2:]):
+    for got, want in zip((experts.w1.grad, experts.w3.grad, experts.w2.grad), ref[2:], strict=True):
         torch.testing.assert_close(got, want, **TIGHT)
     assert experts.w1.grad[1].abs().sum() == 0  # the empty expert
 
@@ -140,7 +140,7 @@ def test_cache_after_adamw_step_equals_fresh_quantization():
     replaced = apply_mxfp8(model, MXFP8Config(targets=("experts", "proj")))
     assert replaced == ["experts", "proj"]
     assert [n for n, _ in model.named_parameters()] == names_before
-    assert all(a is b for a, b in zip(model.parameters(), params_before))
+    assert all(a is b for a, b in zip(model.parameters(), params_before, strict=True))
     assert model["experts"].expert_start == 0 and model["experts"].n_local == 3
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rows = torch.randn(40, 64)

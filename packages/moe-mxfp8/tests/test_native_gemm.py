@@ -6,13 +6,12 @@ emulator that reads those arguments the way cuBLAS documents. The real GEMM is
 checked by the sm_100-only GPU test in test_gpu.py.
 """
 
+import moe_mxfp8.linear
 import pytest
 import torch
-from torch import nn
-
-import moe_mxfp8.linear
 from moe_mxfp8 import MXFP8Linear, dequantize
 from moe_mxfp8.gemm import swizzle_scales
+from torch import nn
 
 utils = pytest.importorskip("torchao.prototype.mx_formats.utils")
 
@@ -48,7 +47,7 @@ def test_native_linear_hands_cublas_the_documented_layouts(monkeypatch):
         y = layer(x)
         y.backward(dy)
         grads.append((y.detach(), x.grad.clone(), lin.weight.grad.clone()))
-    for got, want in zip(*grads):
+    for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
     with pytest.raises(ValueError, match="divisible by 32"):
         MXFP8Linear(nn.Parameter(torch.randn(40, 64)), gemm="native")

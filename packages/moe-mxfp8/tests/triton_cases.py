@@ -16,7 +16,6 @@ import traceback
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
-
 from moe_mxfp8 import (  # noqa: E402
     MXFP8RowCodec,
     dequantize,
@@ -78,7 +77,7 @@ def cases():
             def both(x=x):
                 got, ref = quantize_rows_and_cols(x, backend="triton"), quantize_rows_and_cols(x, backend="torch")
                 return sum(mismatches(getattr(g, f), getattr(r, f))
-                           for g, r in zip(got, ref) for f in ("data", "scales"))
+                           for g, r in zip(got, ref, strict=True) for f in ("data", "scales"))
 
             def qdq(x=x):
                 total = 0

@@ -5,7 +5,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from moe_testing import DistributedTestError, run_distributed
 
 

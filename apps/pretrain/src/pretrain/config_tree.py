@@ -136,7 +136,7 @@ def _coerce_sequence(key: str, value: Any, origin: type, args: tuple) -> Any:
         item_types = list(args)
     else:
         item_types = [args[0] if args else Any] * len(value)
-    items = [coerce(f"{key}[{i}]", v, t) for i, (v, t) in enumerate(zip(value, item_types))]
+    items = [coerce(f"{key}[{i}]", v, t) for i, (v, t) in enumerate(zip(value, item_types, strict=True))]
     return tuple(items) if origin is tuple else items
 
 

@@ -46,7 +46,7 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.nda
     """Steps and values of the records where ``key`` holds a number."""
     pts = [(r["step"], float(r[key])) for r in records
            if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
-    steps, values = zip(*pts) if pts else ((), ())
+    steps, values = zip(*pts, strict=True) if pts else ((), ())
     return np.array(steps, dtype=int), np.array(values, dtype=float)
 
 

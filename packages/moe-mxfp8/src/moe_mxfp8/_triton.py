@@ -55,7 +55,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-
 import triton
 import triton.language as tl
 

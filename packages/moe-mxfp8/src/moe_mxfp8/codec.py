@@ -17,10 +17,10 @@ import torch
 
 from moe_mxfp8.format import (
     BLOCK_SIZE,
-    uses_triton,
     dequantize,
     n_blocks,
     quantize,
+    uses_triton,
 )
 
 

@@ -116,7 +116,7 @@ def open_token_files(path: str | Path, vocab_size: int) -> TokenArrays:
     if not files:
         raise DataError(f"{directory} holds no *.bin token files")
     arrays, names = [], []
-    for file, n_expected in zip(files, expected):
+    for file, n_expected in zip(files, expected, strict=True):
         if not file.is_file():
             raise DataError(f"{file}: listed in {SIDECAR} but missing")
         size = file.stat().st_size
