@@ -1,5 +1,5 @@
 """Run by test_grouped_mm.py with TRITON_INTERPRET=1: the weight-gradient kernel's
-accumulating epilogue (one batch of rows and several in one launch), and expert weight gradients
+accumulating epilogue (one batch of rows, and two in one launch), and expert weight gradients
 delivered into a gradient sink (full backward, a split input/weight backward, the
 GroupedExperts module, two microbatches merged into one launch), on CPU."""
 
@@ -87,7 +87,7 @@ def check_kernel(g):
         raise AssertionError("a target of the wrong size must be refused")
 
 
-def check_several_sources(g):
+def check_two_sources(g):
     """Two batches of rows (microbatches) reduced in one launch: the sum of their
     gradients, whatever groups are empty where (in the first batch: the kernel starts on
     the second; in the second; in both), with padding rows past each batch's end."""
@@ -240,7 +240,7 @@ def check_sink(g):
 def main():
     g = torch.Generator().manual_seed(0)
     check_kernel(g)
-    check_several_sources(g)
+    check_two_sources(g)
     check_sink(g)
     check_merged_microbatches(g)
     print("ok")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from moe_model import MoEConfig
+from moe_model.triton_grouped_mm import MAX_WGRAD_SOURCES
 from moe_mxfp8 import MXFP8Config
 
 from pretrain.config_tree import ConfigError, apply_tree, dump_toml, set_key, to_tree
@@ -196,11 +197,12 @@ class PretrainConfig:
                 "model.tie_embeddings with parallel.pp > 1 is not supported: the embedding and the "
                 "head would live on different pipeline stages"
             )
-        if p.merge_expert_grad_microbatches > 2:
+        if p.merge_expert_grad_microbatches > MAX_WGRAD_SOURCES:
             raise ConfigError(
-                f"parallel.merge_expert_grad_microbatches must be 1 or 2, got "
+                f"parallel.merge_expert_grad_microbatches must be "
+                f"{' or '.join(str(n) for n in range(1, MAX_WGRAD_SOURCES + 1))}, got "
                 f"{p.merge_expert_grad_microbatches}: the expert weight-gradient kernel reduces "
-                "at most two microbatches per launch"
+                f"at most {MAX_WGRAD_SOURCES} microbatches per launch"
             )
         if p.merge_expert_grad_microbatches > 1 and not p.fuse_expert_grad_accumulation:
             raise ConfigError(

@@ -103,8 +103,9 @@ def _split_bf16(t_fp32: torch.Tensor) -> list[torch.Tensor]:
 class _RouterLogits(torch.autograd.Function):
     """FP32 logits ``x @ w^T`` of BF16 ``x [T, D]`` and ``w [E, D]`` (see the module
     docstring). Gradients with the FP32 logit gradient ``g`` split in three BF16 parts
-    (FP32's precision): ``dx = g @ w`` in BF16 (one GEMM over ``[g0 | g1 | g2]`` and
-    ``[w; w; w]``, rounded once), ``dw = sum_i g_i^T @ x`` in FP32, returned in w's dtype."""
+    (FP32's precision), ``G = [g0 | g1 | g2]``: ``dx = G @ [w; w; w]`` in BF16 (rounded
+    once), ``dw = sum_i (G^T @ x)[i]`` in FP32 (one GEMM: x is read once), returned in
+    w's dtype."""
 
     @staticmethod
     def forward(ctx: Any, x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
@@ -115,11 +116,12 @@ class _RouterLogits(torch.autograd.Function):
     def backward(ctx: Any, g_TE: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x_TD, w_ED = ctx.saved_tensors
         parts = _split_bf16(g_TE.float())
+        g_TP = torch.cat(parts, 1)  # P = 3 * E
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = torch.cat(parts, 1) @ torch.cat([w_ED] * len(parts), 0)  # rounded once
+            dx = g_TP @ torch.cat([w_ED] * len(parts), 0)  # rounded once
         if ctx.needs_input_grad[1]:
-            dw = sum(_mm_fp32(p.t(), x_TD) for p in parts).to(w_ED.dtype)
+            dw = _mm_fp32(g_TP.t(), x_TD).view(len(parts), *w_ED.shape).sum(0).to(w_ED.dtype)
         return dx, dw
 
 

@@ -313,21 +313,10 @@ def _launch_wgrad(
 ) -> None:
     """``c[g] = sum_s a_(s,g)^T @ b_(s,g)`` (``c`` [E, M, N]) over one or two sources, or,
     with ``accumulate=(piece, stride)``, ``+=`` into the FP32 accumulator ``c`` laid out
-    as ``_grouped_mm_kernels.wgrad_kernel`` says."""
-    if not 1 <= len(sources) <= MAX_WGRAD_SOURCES:
-        raise ValueError(f"grouped weight gradient: {len(sources)} batches of rows; one launch "
-                         f"takes 1 to {MAX_WGRAD_SOURCES}")
+    as ``_grouped_mm_kernels.wgrad_kernel`` says. The sources come from ``_wgrad_operands``
+    for one weight: contiguous, of the same widths, hence the same row strides."""
     a, b, offsets_E = sources[0]
     M, Nc = a.shape[1], b.shape[1]
-    for a_s, b_s, offsets_s in sources[1:]:
-        if (a_s.shape[1], b_s.shape[1]) != (M, Nc) or (a_s.stride(0), b_s.stride(0)) != (a.stride(0), b.stride(0)):
-            raise ValueError(
-                f"grouped weight gradient: operands {tuple(a_s.shape)} / {tuple(b_s.shape)} of a later "
-                f"source do not match the first {tuple(a.shape)} / {tuple(b.shape)} in width and row stride"
-            )
-        if offsets_s.shape != offsets_E.shape:
-            raise ValueError(f"grouped weight gradient: offsets {tuple(offsets_E.shape)} and "
-                             f"{tuple(offsets_s.shape)} of two sources differ")
     cfg = config or default_config("wgrad", a.device, a.dtype)
     triton, _, wgrad_kernel = _kernels()
     grid = E * triton.cdiv(M, cfg.block_m) * triton.cdiv(Nc, cfg.block_n)
@@ -394,13 +383,19 @@ def wgrad_accumulate_(
         )
     if target.device != x_RK.device:
         raise ValueError(f"wgrad_accumulate_: target is on {target.device}, x on {x_RK.device}")
+    if len(more) >= MAX_WGRAD_SOURCES:
+        raise ValueError(f"wgrad_accumulate_: {1 + len(more)} batches of rows; one launch takes "
+                         f"1 to {MAX_WGRAD_SOURCES}")
     sources = []
     for x, dy, offsets in ((x_RK, dy_RN, offsets_E), *more):
-        if (x.device, x.dtype, dy.dtype, offsets.device) != (target.device, x_RK.dtype, dy_RN.dtype, target.device):
+        if (x.device, x.dtype, dy.dtype) != (x_RK.device, x_RK.dtype, dy_RN.dtype):
             raise ValueError(
-                f"wgrad_accumulate_: x/dy/offsets ({x.dtype}/{dy.dtype}, on {x.device}/{offsets.device}) of a "
-                f"batch of rows differ from the first's ({x_RK.dtype}/{dy_RN.dtype}) or the target's device"
+                f"wgrad_accumulate_: x/dy of a later batch of rows ({x.dtype}/{dy.dtype} on {x.device}) "
+                f"differ from the first's ({x_RK.dtype}/{dy_RN.dtype} on {x_RK.device})"
             )
+        if offsets.shape != (like_EKN.shape[0],):
+            raise ValueError(f"wgrad_accumulate_: offsets {tuple(offsets.shape)} do not match the "
+                             f"weight's {like_EKN.shape[0]} experts")
         a, b, _ = _wgrad_operands(x, dy, like_EKN)
         sources.append((a, b, offsets))
     piece = target.numel() if target.dim() == 1 else target.shape[1]
