@@ -1,7 +1,11 @@
 """Local dispatch: dropless and capacity-limited, gradients, and the fairness of the drop policy."""
 
+from pathlib import Path
+
+import pytest
 import torch
-from moe_model import GroupedExperts, LocalDispatcher, ReportsDrops, TokenDispatcher
+from moe_model import GroupedExperts, LocalDispatcher, ReportsDrops, TokenDispatcher, dispatch
+from moe_testing import assert_no_host_sync, run_under_triton_interpreter
 
 
 def dense_reference(x, ids, weights, experts, kept=None):
@@ -125,3 +129,21 @@ def test_dispatch_is_deterministic():
     a, b = disp.dispatch(x, ids), disp.dispatch(x, ids)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert torch.equal(a[2].row_of_slot, b[2].row_of_slot)
+
+
+def test_counting_sort_layout_under_interpreter_matches_stable_argsort():
+    run_under_triton_interpreter(Path(__file__).with_name("_dispatch_interpret_check.py"))
+
+
+@pytest.mark.gpu
+def test_counting_sort_layout_on_gpu_matches_stable_argsort_without_host_sync():
+    """bench-1gpu's dispatch (8192 tokens, top-8 of 64 experts) and a skewed one."""
+    from moe_model._dispatch_kernels import dropless_layout
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for ids in (torch.randint(0, 64, (8192, 8), device="cuda", generator=g),
+                torch.randint(0, 5, (8192, 8), device="cuda", generator=g)):
+        got = {}
+        assert_no_host_sync(lambda ids=ids, got=got: got.update(layout=dropless_layout(ids, 64)))
+        for a, b in zip(got["layout"], dispatch.sorted_layout(ids, 64), strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)

@@ -27,6 +27,11 @@ token's first choice beats anyone's second choice, and among equals the order is
 position-independent scramble. Nothing favours low expert ids or early tokens, and
 the outcome is deterministic (activation recompute reproduces it exactly).
 
+Dropless layout on CUDA: the expert-major order of the slots comes from a counting sort
+in two Triton kernels (``_dispatch_kernels``) instead of a stable ``argsort`` and the
+counting, inversion and prefix sums around it (~30 small kernels per call, each costing
+more launch gap than work); the result is the same permutation, bit for bit.
+
 Fused combine on CUDA: the combine forward and backward and the dispatch gather's
 backward run as Triton kernels (``_combine_kernels``) that touch each byte once:
 the forward reads each token's ``k`` rows once (``T*k*D`` elements) and writes
@@ -167,6 +172,35 @@ class _Combine(torch.autograd.Function):
         return d_rows.to(rows_out_RD.dtype), d_w_Tk.to(ctx.weights_dtype), None
 
 
+def _fused_layout(expert_ids: torch.Tensor) -> bool:
+    """Whether the dropless layout of these ids comes from the Triton counting sort."""
+    return expert_ids.is_cuda and triton_available()
+
+
+def _dropless_layout(
+    expert_ids_Tk: torch.Tensor, n_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(slot_of_row, row_of_slot, token_of_row, counts, offsets)``: slots expert-major,
+    in slot order within an expert (a stable sort by expert id); ``offsets`` int32."""
+    if _fused_layout(expert_ids_Tk):
+        from moe_model._dispatch_kernels import dropless_layout
+
+        return dropless_layout(expert_ids_Tk, n_experts)
+    return sorted_layout(expert_ids_Tk, n_experts)
+
+
+def sorted_layout(
+    expert_ids_Tk: torch.Tensor, n_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_dropless_layout`` by a stable ``argsort``: the reference (and the CPU path)."""
+    k = expert_ids_Tk.shape[1]
+    e_S = expert_ids_Tk.reshape(-1)
+    counts_E = count_per_expert(e_S, n_experts)
+    order_R = torch.argsort(e_S, stable=True)  # row r holds slot order_R[r]
+    row_of_slot = torch.empty_like(order_R).scatter_(0, order_R, torch.arange(e_S.numel(), device=e_S.device))
+    return order_R, row_of_slot, order_R // k, counts_E, counts_E.cumsum(0).to(torch.int32)
+
+
 class LocalDispatcher:
     """All experts on this rank: sort slots expert-major; dropless unless a capacity is set.
 
@@ -191,19 +225,18 @@ class LocalDispatcher:
     ) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchHandle]:
         T, k = expert_ids_Tk.shape
         S, E, dev = T * k, self.n_experts, x_TD.device
-        e_S = expert_ids_Tk.reshape(-1)
-        counts_E = count_per_expert(e_S, E)
-        slots_S = torch.arange(S, device=dev)
         if self.capacity_factor is None:
-            order_R = torch.argsort(e_S, stable=True)  # row r holds slot order_R[r]
-            row_of_slot = torch.empty_like(order_R).scatter_(0, order_R, slots_S)
+            slot_of_row, row_of_slot, token_of_row, counts_E, offsets = _dropless_layout(expert_ids_Tk, E)
             handle = LocalDispatchHandle(
-                token_of_row=order_R // k, slot_of_row=order_R, row_of_slot=row_of_slot,
+                token_of_row=token_of_row, slot_of_row=slot_of_row, row_of_slot=row_of_slot,
                 kept_of_slot=None, valid_rows=None, dropped_per_expert=torch.zeros_like(counts_E),
                 n_tokens=T,
             )
-            return _Gather.apply(x_TD, handle), counts_E.cumsum(0).to(torch.int32), handle
+            return _Gather.apply(x_TD, handle), offsets, handle
 
+        e_S = expert_ids_Tk.reshape(-1)
+        counts_E = count_per_expert(e_S, E)
+        slots_S = torch.arange(S, device=dev)
         C = self.capacity(S)
         R = min(S, E * C)
         token_S = slots_S // k

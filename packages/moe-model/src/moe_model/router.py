@@ -13,6 +13,9 @@ Shape legend: T tokens, D d_model, E experts (all, not local), k top_k.
   batch is split into microbatches or ranks.
 - Counting uses ``scatter_add_`` rather than ``bincount`` (which synchronises with
   the host), so nothing here waits for the device.
+- Everything after the logits (scores, top-k, weights, counts, z-loss) runs for CUDA
+  logits as one Triton kernel forward and one backward (``_router_kernels``, three
+  launches and one instead of ~20 and ~15); ``_route_eager`` is the path elsewhere.
 - Logits: FP32 ``x @ w^T``. With BF16 ``x`` and ``w`` on a GPU (``router_logits``) the
   products are exact in FP32 already, so a tensor-core GEMM with FP32 output gives the
   FP32 result without FP32 copies of ``x`` and ``w``; the backward splits the FP32 logit
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moe_model._triton_support import triton_available
 from moe_model.config import MoEConfig
 
 
@@ -89,12 +93,15 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b, out_dtype=torch.float32)
 
 
+_BF16_PARTS = 3  # BF16 parts of an FP32 value that carry all of its 24 significant bits
+
+
 def _split_bf16(t_fp32: torch.Tensor) -> list[torch.Tensor]:
     """``t = p0 + p1 + p2`` in BF16 up to FP32's own precision (each part takes the next
     8 significant bits of the residual): operands whose products with BF16 values are
     exact in FP32."""
     parts, rest = [], t_fp32
-    for _ in range(3):
+    for _ in range(_BF16_PARTS):
         parts.append(rest.bfloat16())
         rest = rest - parts[-1].float()
     return parts
@@ -120,12 +127,21 @@ class _RouterLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g_TE: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x_TD, w_ED = ctx.saved_tensors
-        parts = _split_bf16(g_TE.float())
+        n_parts, E = _BF16_PARTS, w_ED.shape[0]
+        if g_TE.is_cuda and triton_available():
+            from moe_model._router_kernels import split_bf16
+
+            g_TP = split_bf16(g_TE, n_parts)  # P = 3 * E, in one kernel
+        else:
+            g_TP = torch.cat(_split_bf16(g_TE.float()), 1)
         dx = dw = None
         if ctx.needs_input_grad[0]:  # [T, 3E] @ [3E, D], rounded once
-            dx = torch.cat(parts, 1) @ torch.cat([w_ED] * len(parts), 0)
+            dx = g_TP @ torch.cat([w_ED] * n_parts, 0)
         if ctx.needs_input_grad[1]:
-            dw = sum(_mm_fp32(p.t(), x_TD) for p in parts).to(w_ED.dtype)
+            dw = _mm_fp32(g_TP[:, :E].t(), x_TD)
+            for i in range(1, n_parts):
+                dw += _mm_fp32(g_TP[:, i * E:(i + 1) * E].t(), x_TD)
+            dw = dw.to(w_ED.dtype)
         return dx, dw
 
 
@@ -135,6 +151,31 @@ def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     if x_TD.is_cuda and x_TD.dtype == w_ED.dtype == torch.bfloat16:
         return _RouterLogits.apply(x_TD, w_ED)
     return x_TD.float() @ w_ED.float().t()
+
+
+def _route_eager(logits_TE: torch.Tensor, score: str, top_k: int, norm_topk: bool,
+                 expert_bias: torch.Tensor | None) -> RoutingResult:
+    """Scores, selection, weights, counts and z-loss of FP32 logits in eager PyTorch: the
+    path off CUDA (or without Triton), and the reference of ``_router_kernels``."""
+    if score == "softmax":
+        scores_TE = probs_TE = logits_TE.softmax(dim=-1)
+    else:
+        scores_TE = logits_TE.sigmoid()
+        probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+    if expert_bias is None:
+        weights_Tk, ids_Tk = scores_TE.topk(top_k, dim=-1)
+    else:
+        ids_Tk = (scores_TE.detach() + expert_bias).topk(top_k, dim=-1).indices
+        weights_Tk = scores_TE.gather(1, ids_Tk)
+    if norm_topk:
+        weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
+    return RoutingResult(
+        expert_ids=ids_Tk,
+        weights=weights_Tk,
+        tokens_per_expert=count_per_expert(ids_Tk, logits_TE.shape[1]),
+        probs=probs_TE,
+        z_loss=router_z_loss(logits_TE),
+    )
 
 
 class TopKRouter(nn.Module):
@@ -153,25 +194,13 @@ class TopKRouter(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> RoutingResult:
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = router_logits(x_TD, self.weight)
-        if self.score == "softmax":
-            scores_TE = probs_TE = logits_TE.softmax(dim=-1)
-        else:
-            scores_TE = logits_TE.sigmoid()
-            probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-        if self.expert_bias is None:
-            weights_Tk, ids_Tk = scores_TE.topk(self.top_k, dim=-1)
-        else:
-            ids_Tk = (scores_TE.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
-            weights_Tk = scores_TE.gather(1, ids_Tk)
-        if self.norm_topk:
-            weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
-        return RoutingResult(
-            expert_ids=ids_Tk,
-            weights=weights_Tk,
-            tokens_per_expert=count_per_expert(ids_Tk, self.n_experts),
-            probs=probs_TE,
-            z_loss=router_z_loss(logits_TE),
-        )
+        if logits_TE.is_cuda and triton_available():
+            from moe_model._router_kernels import fused_routing
+
+            ids_Tk, weights_Tk, counts_E, probs_TE, z_loss = fused_routing(
+                logits_TE, self.expert_bias, self.top_k, self.score == "sigmoid", self.norm_topk)
+            return RoutingResult(ids_Tk, weights_Tk, counts_E, probs_TE, z_loss)
+        return _route_eager(logits_TE, self.score, self.top_k, self.norm_topk, self.expert_bias)
 
     @torch.no_grad()
     def update_bias(self, counts_E: torch.Tensor) -> None:
