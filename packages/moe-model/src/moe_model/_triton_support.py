@@ -1,8 +1,8 @@
 """One answer to "can the Triton kernels run here?" for every CUDA fast path of the package.
 
-Each fused path (grouped GEMM, RMSNorm, RoPE, SwiGLU, combine, cross-entropy) takes its
-Triton kernels for CUDA tensors when Triton is installed, and its eager reference path
-otherwise. The check looks for the package without importing it, so importing
+Each fused path (grouped GEMM, RMSNorm, RoPE, SwiGLU, router, dispatch order, combine,
+cross-entropy) takes its Triton kernels for CUDA tensors when Triton is installed, and
+its eager reference path otherwise. The check looks for the package without importing it, so importing
 moe_model never loads Triton.
 """
 
