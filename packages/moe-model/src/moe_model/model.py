@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from moe_model.config import MoEConfig
+from moe_model.embedding import embed
 from moe_model.experts import GradientSink, GroupedExperts
 from moe_model.layers import Attention, RMSNorm, SwiGLU
 from moe_model.moe import CountReducer, MoELayer
@@ -58,6 +59,7 @@ class MoETransformer(nn.Module):
         )
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.embed_grad_sink: GradientSink | None = None  # see set_gradient_sink
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -73,7 +75,7 @@ class MoETransformer(nn.Module):
         if self.embed is not None:
             if x.dim() != 2 or x.is_floating_point():
                 raise ValueError(f"tokens must be an integer [B, S] tensor, got {x.dtype} {tuple(x.shape)}")
-            h = self.embed(x)
+            h = embed(self.embed, x, self.embed_grad_sink)
         else:
             h = x
         for block in self.blocks.values():
@@ -105,7 +107,11 @@ def set_count_reducer(model: nn.Module, reducer: CountReducer | None) -> None:
 
 
 def set_gradient_sink(model: nn.Module, sink: GradientSink | None) -> None:
-    """Route the routed experts' weight gradients into ``sink`` (see ``moe_model.experts``)."""
+    """Route the routed experts' weight gradients into ``sink`` (see ``moe_model.experts``),
+    and the untied token embedding's (``moe_model.embedding``; a tied one also receives the
+    head's gradient through autograd, so it keeps autograd's path)."""
     for module in model.modules():
         if isinstance(module, GroupedExperts):
             module.grad_sink = sink
+        elif isinstance(module, MoETransformer):
+            module.embed_grad_sink = None if module.config.tie_embeddings else sink

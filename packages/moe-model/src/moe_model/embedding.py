@@ -1,0 +1,62 @@
+"""Token embedding whose weight gradient may go straight into a gradient sink.
+
+``embed(module, tokens, sink)`` is ``module(tokens)``. With a ``GradientSink`` that accepts
+the embedding's weight (a data-parallel wrapper's FP32 main grads), on CUDA with Triton,
+the backward adds the gradient of the tokens' rows to the sink's FP32 target
+(``_embedding_kernels``) instead of returning a dense ``[vocab, d_model]`` BF16 gradient
+for the wrapper's hook to add: the rows not seen cost nothing. A tied head (the same
+parameter) must not use it: the head's gradient reaches the parameter through autograd,
+so the model passes no sink then.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_model.experts import GradientSink, SinkRoute, _sink_route, sink_adds_in_kernel
+
+
+class EmbeddingGradient:
+    """The embedding's weight gradient not computed yet: the token ids and their output
+    gradient. Calling it adds the gradient to an FP32 target (see the module docstring)."""
+
+    def __init__(self, tokens: torch.Tensor, dy: torch.Tensor) -> None:
+        self.tokens, self.dy = tokens, dy
+
+    def __call__(self, target: torch.Tensor) -> None:
+        from moe_model._embedding_kernels import embedding_grad_accumulate_
+
+        embedding_grad_accumulate_(target, self.tokens, self.dy)
+
+
+class _EmbeddingIntoSink(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tokens: torch.Tensor, weight: nn.Parameter, route: SinkRoute) -> torch.Tensor:
+        ctx.save_for_backward(tokens)
+        ctx.route, ctx.param = route, weight
+        return F.embedding(tokens, weight)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[None, None, None]:
+        (tokens,) = ctx.saved_tensors
+        sink, accumulator = ctx.route
+        # only in a backward that runs the weight's AccumulateGrad node (a pipeline's
+        # input-gradient pass does not), so the gradient lands exactly once
+        if torch._C._will_engine_execute_node(accumulator):
+            sink.add_gradient(ctx.param, EmbeddingGradient(tokens, dy))
+        return None, None, None
+
+
+def embed(module: nn.Embedding, tokens: torch.Tensor, sink: GradientSink | None) -> torch.Tensor:
+    """``module(tokens)``; the weight's gradient goes into ``sink`` when it accepts it, the
+    tokens are on CUDA with Triton available and a backward may run."""
+    plain = (module.padding_idx is None and module.max_norm is None
+             and not module.scale_grad_by_freq and not module.sparse)
+    route = _sink_route(sink, module.weight) if plain and sink_adds_in_kernel(tokens) else None
+    if route is None:
+        return module(tokens)
+    return _EmbeddingIntoSink.apply(tokens, module.weight, route)
