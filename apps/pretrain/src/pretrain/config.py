@@ -62,7 +62,8 @@ class ParallelConfig:
     ep_combine: Literal["auto", "source", "destination"] = "auto"
     ddp_mode: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"  # gradient sync collective
     # routed experts' weight gradients added to the FP32 main grads inside the grouped GEMM's
-    # epilogue (CUDA with Triton); false: BF16 gradients through autograd and the DDP hook
+    # epilogue, and the untied embedding's rows of the tokens seen (CUDA with Triton); false:
+    # BF16 gradients through autograd and the DDP hook
     fuse_expert_grad_accumulation: bool = True
     # with it, 2: two microbatches' expert weight gradients in one GEMM launch (the first held
     # until the second's backward): half the FP32 main-grad read-modify-writes, for the memory
