@@ -55,6 +55,26 @@ def test_step_stats_accumulate_and_reset():
     assert layer.pop_step_stats() == {}
 
 
+def test_unpopped_stats_are_folded_and_still_sum_exactly(monkeypatch):
+    """Forwards never popped (inference) are summed every ``_FOLD_EVERY`` entries: the list
+    stays short and the totals equal those of one forward times the count."""
+    from moe_model import moe
+
+    monkeypatch.setattr(moe, "_FOLD_EVERY", 4)
+    _, layer, x = layer_and_input(capacity_factor=0.5)
+    with torch.no_grad():
+        layer(x)
+        one = layer.pop_step_stats()
+        for _ in range(11):
+            layer(x)
+    assert len(layer._pending) < 4
+    s = layer.pop_step_stats()
+    for key in ("tokens_per_expert", "dropped_per_expert", "n_tokens"):
+        assert torch.equal(s[key], one[key] * 11), key
+    for key in ("lb_loss_sum", "z_loss_sum"):
+        torch.testing.assert_close(s[key], one[key] * 11)
+
+
 def test_global_batch_counts_run_over_the_step():
     """Microbatch m balances against the counts of microbatches 1..m; the step boundary resets."""
     _, layer, x = layer_and_input(lb_loss_granularity="global_batch")

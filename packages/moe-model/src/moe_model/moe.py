@@ -68,6 +68,18 @@ def attach_aux_loss(x: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> to
     return _AttachAuxLoss.apply(x, aux_loss, scale)
 
 
+_Stats = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, int]
+_FOLD_EVERY = 256  # recorded forwards summed into one entry (more than a step's, usually)
+
+
+def _sum_stats(entries: list[_Stats]) -> _Stats:
+    """One entry holding the sums of ``entries`` (``dropped``: None where none reported)."""
+    counts, dropped, lb, z, n_tokens = zip(*entries, strict=True)
+    known_drops = [d for d in dropped if d is not None]
+    return (torch.stack(counts).sum(0), torch.stack(known_drops).sum(0) if known_drops else None,
+            torch.stack(lb).sum(), torch.stack(z).sum(), sum(n_tokens))
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the expert GEMMs run in: autocast's if active, else the input's."""
     if torch.is_autocast_enabled(x.device.type):
@@ -89,7 +101,7 @@ class MoELayer(nn.Module):
         self.aux_loss_scale = 1.0  # set by the trainer: 1 / (tokens in the global batch)
         self.count_reducer: CountReducer | None = None  # set by the trainer for global_batch balancing
         # per forward of this step: (counts, dropped, lb, z, tokens); see _record
-        self._pending: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, int]] = []
+        self._pending: list[_Stats] = []
         self._step_counts: torch.Tensor | None = None  # running global-batch counts of this step
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
@@ -123,8 +135,11 @@ class MoELayer(nn.Module):
     def _record(self, counts: torch.Tensor, dropped: torch.Tensor | None, lb: torch.Tensor,
                 z: torch.Tensor, n_tokens: int) -> None:
         """Keep this forward's statistics; ``pop_step_stats`` sums them. Summing once per step
-        instead of adding per forward saves ~5 tiny kernels per layer and microbatch."""
+        instead of adding per forward saves ~5 tiny kernels per layer and microbatch; forwards
+        that are never popped (inference) are folded every ``_FOLD_EVERY`` to bound memory."""
         self._pending.append((counts, dropped, lb.detach(), z.detach(), n_tokens))
+        if len(self._pending) >= _FOLD_EVERY:
+            self._pending = [_sum_stats(self._pending)]
 
     def pop_step_stats(self) -> dict[str, torch.Tensor]:
         """Statistics accumulated since the last call (device tensors), then reset.
@@ -134,15 +149,13 @@ class MoELayer(nn.Module):
         pending, self._pending, self._step_counts = self._pending, [], None
         if not pending:
             return {}
-        counts, dropped, lb, z, n_tokens = zip(*pending, strict=True)
-        total = torch.stack(counts).sum(0)
-        known_drops = [d for d in dropped if d is not None]
+        counts, dropped, lb, z, n_tokens = _sum_stats(pending)
         return {
-            "tokens_per_expert": total,
-            "dropped_per_expert": torch.stack(known_drops).sum(0) if known_drops else torch.zeros_like(total),
-            "lb_loss_sum": torch.stack(lb).sum(),
-            "z_loss_sum": torch.stack(z).sum(),
-            "n_tokens": torch.full((), sum(n_tokens), dtype=torch.int64, device=total.device),
+            "tokens_per_expert": counts,
+            "dropped_per_expert": torch.zeros_like(counts) if dropped is None else dropped,
+            "lb_loss_sum": lb,
+            "z_loss_sum": z,
+            "n_tokens": torch.full((), n_tokens, dtype=torch.int64, device=counts.device),
         }
 
     def update_bias(self, counts_E: torch.Tensor) -> None:
