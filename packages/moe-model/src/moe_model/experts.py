@@ -123,7 +123,9 @@ class GradientSink(Protocol):
 
         ``add`` is an ``ExpertWeightGradient``: a sink may hold it and call
         ``add.merged(next_add)`` instead when the parameter's next gradient comes (one
-        launch for both), as long as every gradient is added before it is read."""
+        launch for both), as long as every gradient is added before it is read. The
+        untied token embedding's is a ``moe_model.embedding.EmbeddingGradient``, which has
+        no ``merged``: it is added at once."""
         ...
 
 
