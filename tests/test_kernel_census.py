@@ -1,0 +1,73 @@
+"""tools/kernel_census.py's attribution on synthetic profiler events: each kernel goes to the
+outermost op around its launch call and to the autograd node it ran in, and the idle time
+before a kernel is counted once, against the latest end of the kernels before it."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "kernel_census.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("kernel_census", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class _Event:
+    """The parts of a kineto event the census reads."""
+    _name: str
+    start: int
+    duration: int
+    on_device: bool = False
+    correlation: int = 0
+
+    def name(self) -> str:
+        return self._name
+
+    def start_ns(self) -> int:
+        return self.start
+
+    def duration_ns(self) -> int:
+        return self.duration
+
+    def correlation_id(self) -> int:
+        return self.correlation
+
+    def device_type(self):
+        return torch.autograd.DeviceType.CUDA if self.on_device else torch.autograd.DeviceType.CPU
+
+
+def test_kernels_are_attributed_to_the_launching_op_and_node():
+    host = [
+        _Event("ProfilerStep#3", 0, 10_000),
+        _Event("aten::linear", 100, 300),               # forward op with an inner op
+        _Event("aten::mm", 150, 200),
+        _Event("cudaLaunchKernel", 160, 10, correlation=1),
+        _Event("autograd::engine::evaluate_function: MmBackward0", 1_000, 500),
+        _Event("MmBackward0", 1_010, 480),
+        _Event("cudaLaunchKernel", 1_100, 10, correlation=2),
+        _Event("cuLaunchKernel", 1_200, 10, correlation=3),
+        _Event("cudaLaunchKernel", 5_000, 10, correlation=4),  # no op around it
+    ]
+    device = [
+        _Event("gemm", 2_000, 1_000, on_device=True, correlation=1),
+        _Event("gemm_bwd", 3_500, 1_000, on_device=True, correlation=2),   # 500 ns idle before
+        _Event("small", 3_600, 100, on_device=True, correlation=3),        # overlaps: no gap
+        _Event("tail", 6_000, 100, on_device=True, correlation=4),         # 1_500 ns idle
+    ]
+    rows = {(r["node"], r["op"]): r for r in _tool().census(host + device)}
+    fwd = rows[("forward", "aten::linear")]
+    assert (fwd["kernels"], fwd["gap_ms"]) == (1, 0.0) and abs(fwd["device_ms"] - 1e-3) < 1e-12
+    bwd = rows[("MmBackward0", "MmBackward0")]
+    assert bwd["kernels"] == 2 and abs(bwd["gap_ms"] - 500e-6) < 1e-12
+    lost = rows[("forward", "(unattributed)")]
+    assert lost["kernels"] == 1 and abs(lost["gap_ms"] - 1_500e-6) < 1e-12
+    assert sum(r["kernels"] for r in rows.values()) == len(device)
