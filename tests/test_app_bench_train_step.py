@@ -3,20 +3,17 @@ and EP, the FSDP2 baseline) and every routing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import torch
+from moe_testing import load_script
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_train_step.py"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("bench_train_step", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(TOOL)
 
 
 def test_bench_train_step_runs_tiny_on_cpu(tmp_path, capsys):

@@ -9,14 +9,13 @@ schedule, router bias step.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 import torch
 from moe_model import MoETransformer, init_weights, lm_loss_sum, set_aux_loss_scale
-from moe_testing import run_distributed
+from moe_testing import load_script, run_distributed
 from pretrain.config import load_config
 from pretrain.data import BatchReader, open_source
 from pretrain.runtime import distributed
@@ -29,10 +28,7 @@ OVERRIDES = ["data.path=synthetic", "train.global_batch=4", "train.micro_batch=1
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("fsdp2_baseline", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(TOOL)
 
 
 def _fsdp2_steps() -> dict:

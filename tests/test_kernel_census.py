@@ -4,20 +4,17 @@ before a kernel is counted once, against the latest end of the kernels before it
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from moe_testing import load_script
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "kernel_census.py"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("kernel_census", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(TOOL)
 
 
 @dataclass

@@ -25,7 +25,7 @@ def check_kernel(gen):
         dy = torch.randn(*shape, D, generator=gen)
         start = torch.randn(V * D, generator=gen)
         flat = start.clone()
-        embedding_grad_accumulate_(flat, tokens, dy)
+        embedding_grad_accumulate_(flat, tokens, dy, V)
         want = reference(start, tokens, dy, V)
         torch.testing.assert_close(flat.double(), want, rtol=1e-6, atol=1e-5, msg=lambda m, tag=f"V={V} D={D}": f"flat {tag}: {m}")
         # owner-major: two rows of piece elements, 13 apart beyond the piece (pieces cut rows)
@@ -35,7 +35,7 @@ def check_kernel(gen):
         for r in range(2):
             n = min(piece, V * D - r * piece)
             rows[r, :n] = start[r * piece: r * piece + n]
-        embedding_grad_accumulate_(rows, tokens, dy.bfloat16())
+        embedding_grad_accumulate_(rows, tokens, dy.bfloat16(), V)
         got = torch.cat([rows[r, : min(piece, V * D - r * piece)] for r in range(2)])
         want16 = reference(start, tokens, dy.bfloat16().float(), V)
         torch.testing.assert_close(got.double(), want16, rtol=1e-6, atol=1e-5, msg=lambda m, tag=f"V={V} D={D}": f"rows {tag}: {m}")

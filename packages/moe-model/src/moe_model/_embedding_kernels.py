@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_model.triton_grouped_mm import accumulator_layout
+
 _BLOCK_D = 1024
 
 
@@ -46,19 +48,17 @@ def embedding_grad_kernel(
         tl.store(target_ptr + addr, tl.load(target_ptr + addr, mask=live) + acc, mask=live)
 
 
-def embedding_grad_accumulate_(target: torch.Tensor, tokens: torch.Tensor, dy: torch.Tensor) -> None:
-    """``target += dW`` for the embedding whose output gradient is ``dy [..., D]`` at token ids
-    ``tokens [...]`` (in ``[0, vocab)``). ``target`` is FP32 and holds the weight's elements in
-    storage order: 1-D, or ``[rows, cols]`` with contiguous rows read row by row."""
-    if target.dtype != torch.float32:
-        raise ValueError(f"embedding gradient: target must be float32, got {target.dtype}")
-    if target.dim() not in (1, 2) or target.stride(-1) != 1:
-        raise ValueError("embedding gradient: target must be 1-D contiguous or 2-D with contiguous rows, "
-                         f"got shape {tuple(target.shape)} strides {target.stride()}")
-    ids = tokens.reshape(-1)
+def embedding_grad_accumulate_(target: torch.Tensor, tokens: torch.Tensor, dy: torch.Tensor,
+                               vocab: int) -> None:
+    """``target += dW`` for the ``[vocab, D]`` embedding whose output gradient is ``dy [..., D]``
+    at token ids ``tokens [...]`` (in ``[0, vocab)``). ``target`` is FP32 and holds the
+    weight's elements in storage order: 1-D, or ``[rows, cols]`` with contiguous rows read row
+    by row (``triton_grouped_mm.accumulator_layout``)."""
     D = dy.shape[-1]
+    piece, stride = accumulator_layout(target, vocab * D, "embedding gradient")
     if dy.shape[:-1] != tokens.shape:
         raise ValueError(f"embedding gradient: dy {tuple(dy.shape)} does not match tokens {tuple(tokens.shape)}")
+    ids = tokens.reshape(-1)
     if not ids.numel():
         return
     dy_ND = dy.reshape(ids.numel(), D)
@@ -66,9 +66,7 @@ def embedding_grad_accumulate_(target: torch.Tensor, tokens: torch.Tensor, dy: t
         dy_ND = dy_ND.contiguous()
     sorted_ids, order = torch.sort(ids, stable=True)
     run_end = torch.searchsorted(sorted_ids, sorted_ids, right=True)
-    flat = target.dim() == 1
     embedding_grad_kernel[(ids.numel(), triton.cdiv(D, _BLOCK_D))](
-        sorted_ids, order, run_end, dy_ND, target, D, dy_ND.stride(0),
-        target.numel() if flat else target.shape[1], 0 if flat else target.stride(0),
-        FLAT=flat, BLOCK_D=_BLOCK_D,
+        sorted_ids, order, run_end, dy_ND, target, D, dy_ND.stride(0), piece, stride,
+        FLAT=target.dim() == 1, BLOCK_D=_BLOCK_D,
     )

@@ -172,17 +172,13 @@ class _Combine(torch.autograd.Function):
         return d_rows.to(rows_out_RD.dtype), d_w_Tk.to(ctx.weights_dtype), None
 
 
-def _fused_layout(expert_ids: torch.Tensor) -> bool:
-    """Whether the dropless layout of these ids comes from the Triton counting sort."""
-    return expert_ids.is_cuda and triton_available()
-
-
 def _dropless_layout(
     expert_ids_Tk: torch.Tensor, n_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(slot_of_row, row_of_slot, token_of_row, counts, offsets)``: slots expert-major,
-    in slot order within an expert (a stable sort by expert id); ``offsets`` int32."""
-    if _fused_layout(expert_ids_Tk):
+    in slot order within an expert (a stable sort by expert id); ``offsets`` int32. On CUDA
+    with Triton, the counting sort of ``_dispatch_kernels``."""
+    if expert_ids_Tk.is_cuda and triton_available():
         from moe_model._dispatch_kernels import dropless_layout
 
         return dropless_layout(expert_ids_Tk, n_experts)

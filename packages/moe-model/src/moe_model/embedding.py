@@ -24,13 +24,13 @@ class EmbeddingGradient:
     """The embedding's weight gradient not computed yet: the token ids and their output
     gradient. Calling it adds the gradient to an FP32 target (see the module docstring)."""
 
-    def __init__(self, tokens: torch.Tensor, dy: torch.Tensor) -> None:
-        self.tokens, self.dy = tokens, dy
+    def __init__(self, tokens: torch.Tensor, dy: torch.Tensor, vocab: int) -> None:
+        self.tokens, self.dy, self.vocab = tokens, dy, vocab
 
     def __call__(self, target: torch.Tensor) -> None:
         from moe_model._embedding_kernels import embedding_grad_accumulate_
 
-        embedding_grad_accumulate_(target, self.tokens, self.dy)
+        embedding_grad_accumulate_(target, self.tokens, self.dy, self.vocab)
 
 
 class _EmbeddingIntoSink(torch.autograd.Function):
@@ -47,7 +47,7 @@ class _EmbeddingIntoSink(torch.autograd.Function):
         # only in a backward that runs the weight's AccumulateGrad node (a pipeline's
         # input-gradient pass does not), so the gradient lands exactly once
         if torch._C._will_engine_execute_node(accumulator):
-            sink.add_gradient(ctx.param, EmbeddingGradient(tokens, dy))
+            sink.add_gradient(ctx.param, EmbeddingGradient(tokens, dy, ctx.param.shape[0]))
         return None, None, None
 
 

@@ -351,6 +351,21 @@ def wgrad_mm(
     return c_EMN.transpose(1, 2) if transposed else c_EMN
 
 
+def accumulator_layout(target: torch.Tensor, numel: int, what: str) -> tuple[int, int]:
+    """``(piece, stride)`` of an FP32 gradient accumulator (a ``GradientSink``'s target) for a
+    parameter of ``numel`` elements: element ``i`` lives at ``(i // piece) * stride + i %
+    piece`` (flat: one piece; an owner-major bucket: rows of ``piece`` elements). Raises,
+    naming ``what``, on a target of another dtype, size or layout."""
+    if target.dtype != torch.float32:
+        raise ValueError(f"{what}: target must be float32, got {target.dtype}")
+    if target.numel() != numel:
+        raise ValueError(f"{what}: target has {target.numel()} elements, the weight {numel}")
+    if target.dim() not in (1, 2) or target.stride(-1) != 1:
+        raise ValueError(f"{what}: target must be 1-D contiguous or 2-D with contiguous rows, "
+                         f"got shape {tuple(target.shape)} strides {target.stride()}")
+    return (target.numel(), 0) if target.dim() == 1 else (target.shape[1], target.stride(0))
+
+
 def wgrad_accumulate_(
     target: torch.Tensor, x_RK: torch.Tensor, dy_RN: torch.Tensor, offsets_E: torch.Tensor,
     like_EKN: torch.Tensor, config: TileConfig | None = None,
@@ -368,19 +383,10 @@ def wgrad_accumulate_(
     tensor exists, and no separate accumulation pass reads one: this is how
     gradient accumulation in FP32 main grads costs no extra memory traffic.
     """
-    if target.dtype != torch.float32:
-        raise ValueError(f"wgrad_accumulate_: target must be float32, got {target.dtype}")
-    if target.numel() != like_EKN.numel():
-        raise ValueError(
-            f"wgrad_accumulate_: target has {target.numel()} elements, the weight {like_EKN.numel()}"
-        )
-    in_storage_order = like_EKN.is_contiguous() or like_EKN.transpose(1, 2).is_contiguous()
-    if target.dim() not in (1, 2) or target.stride(-1) != 1 or not in_storage_order:
-        raise ValueError(
-            "wgrad_accumulate_: target must be 1-D contiguous or 2-D with contiguous rows, and "
-            f"the weight contiguous in its storage order (target {tuple(target.shape)} strides "
-            f"{target.stride()}, weight strides {like_EKN.stride()})"
-        )
+    piece, stride = accumulator_layout(target, like_EKN.numel(), "wgrad_accumulate_")
+    if not (like_EKN.is_contiguous() or like_EKN.transpose(1, 2).is_contiguous()):
+        raise ValueError("wgrad_accumulate_: the weight must be contiguous in its storage order, "
+                         f"got strides {like_EKN.stride()}")
     if target.device != x_RK.device:
         raise ValueError(f"wgrad_accumulate_: target is on {target.device}, x on {x_RK.device}")
     if len(more) >= MAX_WGRAD_SOURCES:
@@ -398,8 +404,6 @@ def wgrad_accumulate_(
                              f"weight's {like_EKN.shape[0]} experts")
         a, b, _ = _wgrad_operands(x, dy, like_EKN)
         sources.append((a, b, offsets))
-    piece = target.numel() if target.dim() == 1 else target.shape[1]
-    stride = 0 if target.dim() == 1 else target.stride(0)
     _launch_wgrad(sources, target, like_EKN.shape[0], config, (piece, stride))
 
 

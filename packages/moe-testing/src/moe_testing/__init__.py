@@ -13,6 +13,7 @@ from moe_testing.kernels import (
            run_under_triton_interpreter,
            saved_tensor_bytes,
 )
+from moe_testing.scripts import load_script
 
-__all__ = ["DistributedTestError", "assert_no_host_sync", "run_distributed",
+__all__ = ["DistributedTestError", "assert_no_host_sync", "load_script", "run_distributed",
            "run_under_triton_interpreter", "saved_tensor_bytes"]
