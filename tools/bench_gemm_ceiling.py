@@ -23,8 +23,10 @@ A second table times a weight gradient's way into an FP32 main grad (what every
 microbatch of data-parallel training does): a BF16 gradient GEMM followed by
 moe_ddp's accumulation pass, against the Triton kernel adding in its epilogue
 (``wgrad_accumulate_``, into a flat buffer and into owner-major bucket rows), next to
-the same GEMM writing a BF16 dW (what the FP32 add costs on top). ``--tokens 8192``
-gives bench-1gpu's microbatch (65536 rows), where the add's share is largest.
+the same GEMM writing a BF16 dW (what the FP32 add costs on top), and two to four
+batches of rows (microbatches) reduced in one launch, one FP32 add for all (per batch).
+``--tokens 8192`` gives bench-1gpu's microbatch (65536 rows), where the add's share is
+largest.
 """
 
 from __future__ import annotations
@@ -103,7 +105,19 @@ def into_main_grad(R: int, D: int, F: int, E: int, device: torch.device) -> dict
             lambda: wgrad_accumulate_(main, x, h, offs, like), iters=20),
         "the same into owner-major bucket rows": time_ms(
             lambda: wgrad_accumulate_(bucket, x, h, offs, like), iters=20),
+        **{f"the same, {n} batches of rows in one launch (per batch)": merged_ms(n, x, h, offs, like, main)
+           for n in (2, 3, 4)},
     }
+
+
+def merged_ms(n: int, x: torch.Tensor, h: torch.Tensor, offs: torch.Tensor, like: torch.Tensor,
+              main: torch.Tensor) -> float:
+    """ms per batch when ``n`` batches of rows (microbatches, separate tensors) go into the
+    FP32 main grad in one launch (``parallel.merge_expert_grad_microbatches=n``)."""
+    xs = [x] + [torch.randn_like(x) for _ in range(n - 1)]
+    hs = [h] + [torch.randn_like(h) for _ in range(n - 1)]
+    more = [(xi, hi, offs) for xi, hi in zip(xs[1:], hs[1:], strict=True)]
+    return time_ms(lambda: wgrad_accumulate_(main, x, h, offs, like, more=more), iters=20) / n
 
 
 def main() -> None:
@@ -158,10 +172,11 @@ def main() -> None:
         print(f"| {name} (x{count}) | {' | '.join(cells.get(i, '-') for i in IMPLS)} |")
     print("| nine GEMMs of the layer | " + " | ".join(f"{layer[i]:.0f}" for i in IMPLS) + " |")
     print(f"fastest grouped kernel per GEMM: {layer['best grouped per GEMM']:.0f}")
-    print("\nms for one [E, F, D] weight gradient into an FP32 main grad")
-    print("| path | ms |\n|---|---|")
+    print("\nms for one [E, F, D] weight gradient into an FP32 main grad (TFLOP/s of its GEMM)")
+    print("| path | ms | TFLOP/s |\n|---|---|---|")
     for name, ms in main_grad.items():
-        print(f"| {name} | {ms:.3f} |")
+        rate = "-" if name.startswith("accumulate_") else f"{flops / ms / 1e9:.0f}"
+        print(f"| {name} | {ms:.3f} | {rate} |")
 
 
 if __name__ == "__main__":

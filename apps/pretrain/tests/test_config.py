@@ -95,7 +95,7 @@ def test_presets_are_valid_and_round_trip_through_toml(tmp_path):
     assert (m.n_experts, m.top_k, m.expert_hidden, m.vocab_size) == (64, 8, 1024, 100352)
     assert (bench.train.seq_len, bench.train.micro_batch, bench.train.global_batch) == (4096, 2, 64)
     assert bench.data.path == "synthetic"
-    assert bench.parallel.merge_expert_grad_microbatches == 2
+    assert bench.parallel.merge_expert_grad_microbatches == 4
     assert load_config("bench-2gpu").model.n_layers == 16
 
 
@@ -178,11 +178,11 @@ def test_mxfp8_targets_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["parallel.merge_expert_grad_microbatches=3"], "must be 1 or 2"),
+    (["parallel.merge_expert_grad_microbatches=5"], "must be 1 to 4"),
     (["parallel.merge_expert_grad_microbatches=0"], "must be positive"),
     (["parallel.merge_expert_grad_microbatches=2", "parallel.fuse_expert_grad_accumulation=false"],
      "needs parallel.fuse_expert_grad_accumulation"),
 ])
-def test_merged_expert_grads_need_the_fused_path_and_at_most_two(overrides, message):
+def test_merged_expert_grads_need_the_fused_path_and_at_most_four(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("tiny", overrides).validate()

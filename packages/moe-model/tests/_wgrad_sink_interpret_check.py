@@ -1,5 +1,5 @@
 """Run by test_grouped_mm.py with TRITON_INTERPRET=1: the weight-gradient kernel's
-accumulating epilogue (one batch of rows, and two in one launch), and expert weight gradients
+accumulating epilogue (one batch of rows, and up to four in one launch), and expert weight gradients
 delivered into a gradient sink (full backward, a split input/weight backward, the
 GroupedExperts module, two microbatches merged into one launch), on CPU."""
 
@@ -87,13 +87,16 @@ def check_kernel(g):
         raise AssertionError("a target of the wrong size must be refused")
 
 
-def check_two_sources(g):
-    """Two batches of rows (microbatches) reduced in one launch: the sum of their
-    gradients, whatever groups are empty where (in the first batch: the kernel starts on
-    the second; in the second; in both), with padding rows past each batch's end."""
+def check_merged_sources(g):
+    """Up to four batches of rows (microbatches) reduced in one launch: the sum of their
+    gradients, whatever groups are empty where (in the first batches: the kernel starts on
+    a later one; in the middle: two jumps at once; in the last; in all), with padding rows
+    past each batch's end."""
     E, N = 5, 40
     batches = [(torch.tensor(o, dtype=torch.int32), valid, rows) for o, valid, rows in (
-        ([7, 7, 20, 41, 41], 41, 45), ([0, 9, 9, 30, 30], 30, 33), ([0, 0, 5, 5, 12], 12, 16))]
+        ([7, 7, 20, 41, 41], 41, 45), ([0, 9, 9, 30, 30], 30, 33), ([0, 0, 5, 5, 12], 12, 16),
+        ([3, 3, 3, 3, 20], 20, 20), ([0, 0, 0, 0, 0], 0, 4))]
+    orders = ((0, 1), (1, 2), (2, 0), (2, 1, 0), (4, 2, 3), (1, 4, 4, 0), (2, 4, 0, 3), (4, 4, 4, 4), (3, 1, 0, 2))
     for K, k_contiguous in ((32, True), (24, False)):
         data = [(torch.randn(rows, K, generator=g), torch.randn(rows, N, generator=g), o, valid)
                 for o, valid, rows in batches]
@@ -102,21 +105,21 @@ def check_two_sources(g):
         like = store.transpose(1, 2) if k_contiguous else store
         grads = [reference(x.clone().requires_grad_(), store.clone().requires_grad_(), o, valid, dy,
                            k_contiguous)[1] for x, dy, o, valid in data]
-        for first, second in ((0, 1), (1, 2), (2, 0)):
-            x1, dy1, o1, _ = data[first]
-            x, dy, o, _ = data[second]
-            more = [(x, dy, o)]
-            want = (grads[first] + grads[second]).reshape(-1)
+        for order in orders:
+            (x1, dy1, o1, _), *rest = (data[i] for i in order)
+            more = [(x, dy, o) for x, dy, o, _ in rest]
+            want = sum(grads[i] for i in order).reshape(-1)
             for cfg in (None, TileConfig(32, 16, 16, 1, 1, 1, False, False)):
                 flat = torch.randn(store.numel(), generator=g)
                 expect = flat + want
                 wgrad_accumulate_(flat, x1, dy1, o1, like, cfg, more=more)
-                close(flat, expect, f"sources {first}+{second} K={K} k_contiguous={k_contiguous} {cfg}")
+                close(flat, expect, f"sources {order} K={K} k_contiguous={k_contiguous} {cfg}")
             rows = torch.randn(4, store.numel() // 4, generator=g)  # owner-major bucket rows
             expect_rows = rows.reshape(-1) + want
             wgrad_accumulate_(rows, x1, dy1, o1, like, more=more)
-            close(rows.reshape(-1), expect_rows, f"sources {first}+{second} into bucket rows K={K}")
-    for bad, what in (([(x[:, :-1], dy, o)], "match"), ([(x, dy, o), (x, dy, o)], "one launch")):
+            close(rows.reshape(-1), expect_rows, f"sources {order} into bucket rows K={K}")
+    x, dy, o, _ = data[0]
+    for bad, what in (([(x[:, :-1], dy, o)], "match"), ([(x, dy, o)] * 4, "one launch")):
         try:
             wgrad_accumulate_(flat, x1, dy1, o1, like, more=bad)
         except ValueError as e:
@@ -240,7 +243,7 @@ def check_sink(g):
 def main():
     g = torch.Generator().manual_seed(0)
     check_kernel(g)
-    check_two_sources(g)
+    check_merged_sources(g)
     check_sink(g)
     check_merged_microbatches(g)
     print("ok")

@@ -118,10 +118,10 @@ def test_recompute_on_gpu_matches_no_recompute(policy):
 
 class _Targets:
     """A gradient sink over FP32 buffers: flat, or [2, piece] rows of a wider owner-major
-    bucket; with ``merge``, each parameter's first gradient is held and added merged with
-    its second (one launch over both microbatches, as moe_ddp does when asked)."""
+    bucket; with ``merge`` > 1, each parameter's gradients are held and merged until
+    ``merge`` of them go in one launch (as moe_ddp does when asked)."""
 
-    def __init__(self, params, owner_major: bool, merge: bool = False):
+    def __init__(self, params, owner_major: bool, merge: int = 1):
         self.targets, self.added, self.merge, self.held = {}, {}, merge, {}
         for p in params:
             if owner_major:
@@ -133,61 +133,62 @@ class _Targets:
         return param in self.targets
 
     def add_gradient(self, param, add):
-        if self.merge:
+        if self.merge > 1:
             held = self.held.pop(param, None)
-            if held is None:
+            add = add if held is None else held.merged(add)
+            if len(add.sources) < self.merge:
                 self.held[param] = add
                 return
-            add = held.merged(add)
-            assert len(add.sources) == 2
         add(self.targets[param])
         self.added[param] = self.added.get(param, 0) + 1
 
 
-@pytest.mark.parametrize(("owner_major", "merge"), [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize(("owner_major", "merge"), [(False, 1), (True, 1), (True, 2), (False, 4), (True, 4)])
 def test_expert_weight_gradients_into_a_sink_at_model_width(owner_major, merge):
     """The grouped experts' weight gradients added to FP32 targets in the wgrad kernel's
     epilogue equal the FP32 sum of what autograd computes (BF16 operands, FP32 products),
-    over two microbatches (with ``merge``: in one launch), with an empty expert, and
-    without a host synchronisation; the atomic adds give each element one add per
-    launch, so a rerun is bitwise equal."""
+    over four microbatches (``merge`` of them per launch), with an empty expert and
+    experts empty in some microbatches only, and without a host synchronisation; the
+    atomic adds give each element one add per launch, so a rerun is bitwise equal."""
     from moe_model import GroupedExperts
 
     E, D, F, R = 8, 2048, 1024, 6144
     g = torch.Generator(device="cuda").manual_seed(0)
-    offsets = torch.tensor([700, 700, 1500, 2600, 3300, 4100, 5000, 6000], dtype=torch.int32, device="cuda")
+    offsets = [torch.tensor(o, dtype=torch.int32, device="cuda") for o in (
+        [700, 700, 1500, 2600, 3300, 4100, 5000, 6000], [0, 0, 1200, 2600, 2600, 4100, 6144, 6144],
+        [2000, 2000, 2000, 2000, 3000, 4000, 5000, 6100], [700, 700, 700, 700, 700, 700, 700, 700])]
     mod = GroupedExperts(E, D, F, backend="grouped_mm").cuda()
     with torch.no_grad():
         for p in mod.parameters():
             p.normal_(0, 0.02, generator=g)
     mod.to(torch.bfloat16)
-    rows = [torch.randn(R, D, device="cuda", generator=g).bfloat16() for _ in range(2)]
-    douts = [torch.randn(R, D, device="cuda", generator=g).bfloat16() for _ in range(2)]
+    rows = [torch.randn(R, D, device="cuda", generator=g).bfloat16() for _ in offsets]
+    douts = [torch.randn(R, D, device="cuda", generator=g).bfloat16() for _ in offsets]
     reference = {n: torch.zeros(p.shape, device="cuda") for n, p in mod.named_parameters()}
-    for x, dout in zip(rows, douts, strict=True):
-        mod(x, offsets).backward(dout)
+    for x, o, dout in zip(rows, offsets, douts, strict=True):
+        mod(x, o).backward(dout)
         for n, p in mod.named_parameters():
             reference[n] += p.grad.float()  # rounded to BF16 once: the tolerance covers it
             p.grad = None
     sink = _Targets(list(mod.parameters()), owner_major, merge)
     mod.grad_sink = sink
 
-    def two_microbatches():
+    def four_microbatches():
         for t in sink.targets.values():
             t.zero_()
-        for x, dout in zip(rows, douts, strict=True):
-            mod(x, offsets).backward(dout)
+        for x, o, dout in zip(rows, offsets, douts, strict=True):
+            mod(x, o).backward(dout)
 
-    assert_no_host_sync(two_microbatches, warmup=1)
+    assert_no_host_sync(four_microbatches, warmup=1)
     for n, p in mod.named_parameters():
-        # warm-up + checked run: two launches each, or one with both microbatches merged
-        assert p.grad is None and sink.added[p] == (2 if merge else 4)
+        # warm-up + checked run: four launches each, or 4 / merge
+        assert p.grad is None and sink.added[p] == 2 * 4 // merge and not sink.held
         got = sink.targets[p].reshape(p.shape)
         scale = reference[n].abs().max().item()
         torch.testing.assert_close(got, reference[n], rtol=1e-2, atol=1e-2 * scale, msg=n)
         assert got[1].abs().max() == 0  # expert 1 holds no rows
     first = {p: t.clone() for p, t in sink.targets.items()}
-    two_microbatches()
+    four_microbatches()
     for n, p in mod.named_parameters():
         assert torch.equal(sink.targets[p], first[p]), f"{n}: a rerun gave other bits"
 

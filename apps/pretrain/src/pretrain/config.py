@@ -65,10 +65,10 @@ class ParallelConfig:
     # epilogue, and the untied embedding's rows of the tokens seen (CUDA with Triton); false:
     # BF16 gradients through autograd and the DDP hook
     fuse_expert_grad_accumulation: bool = True
-    # with it, 2: two microbatches' expert weight gradients in one GEMM launch (the first held
-    # until the second's backward): half the FP32 main-grad read-modify-writes, for the memory
-    # of one microbatch's expert GEMM inputs and output gradients (`pretrain plan` counts it);
-    # 1: each microbatch's at once
+    # with it, n (2 to 4): n microbatches' expert weight gradients in one GEMM launch (the
+    # earlier ones held until the n-th's backward): 1/n of the FP32 main-grad
+    # read-modify-writes, for the memory of n - 1 microbatches' expert GEMM inputs and output
+    # gradients (`pretrain plan` counts it); 1: each microbatch's at once
     merge_expert_grad_microbatches: int = 1
     bucket_cap_mb: float = 64.0  # gradient bucket size (MiB of FP32)
 
@@ -200,8 +200,7 @@ class PretrainConfig:
             )
         if p.merge_expert_grad_microbatches > MAX_WGRAD_SOURCES:
             raise ConfigError(
-                f"parallel.merge_expert_grad_microbatches must be "
-                f"{' or '.join(str(n) for n in range(1, MAX_WGRAD_SOURCES + 1))}, got "
+                f"parallel.merge_expert_grad_microbatches must be 1 to {MAX_WGRAD_SOURCES}, got "
                 f"{p.merge_expert_grad_microbatches}: the expert weight-gradient kernel reduces "
                 f"at most {MAX_WGRAD_SOURCES} microbatches per launch"
             )
@@ -297,9 +296,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train": _BENCH_TRAIN,
         "optim": {"warmup_steps": 5},
         "data": {"path": SYNTHETIC},
-        # two microbatches' expert weight gradients per launch: +3.5% for 7 GiB (81.5 of
-        # 141 GB; tools/perf_notes.md, ninth session); bench-2gpu keeps 1 (not measured there)
-        "parallel": {"merge_expert_grad_microbatches": 2},
+        # four microbatches' expert weight gradients per launch: +3.5% for 7 GiB at 2 (ninth
+        # session), +1.5% more for 14 GiB more at 4 (95.5 of 141 GB; tools/perf_notes.md,
+        # eleventh session); bench-2gpu keeps 1 (not measured there)
+        "parallel": {"merge_expert_grad_microbatches": 4},
     },
     "bench-2gpu": {
         "model": {**_BENCH_MODEL, "n_layers": 16},

@@ -130,23 +130,54 @@ def rows_kernel(
 
 
 @triton.jit
+def group_rows(offs_ptr, g):
+    """First row and row count of group ``g`` (``offs`` the groups' cumulative ends)."""
+    end = tl.load(offs_ptr + g)
+    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    return start, end - start
+
+
+@triton.jit
+def next_source(offs_ptr, g, a_from_a, b_from_b, prev_start, prev_steps, prev_a_from_a, prev_b_from_b,
+                stride_ar, stride_br, BK: tl.constexpr):
+    """A further batch of rows in a merged reduction: its first row and row count in group
+    ``g``, its k-steps, and the pointer jumps from just past the previous batch's last
+    k-block (``prev_*``) to its first row (int64; ``*_from_*`` are element offsets from
+    the first batch's operands)."""
+    start, rows = group_rows(offs_ptr, g)
+    rows_jump = start.to(tl.int64) - prev_start - prev_steps * BK
+    a_jump = rows_jump * stride_ar + (a_from_a - prev_a_from_a)
+    b_jump = rows_jump * stride_br + (b_from_b - prev_b_from_b)
+    return start, rows, tl.cdiv(rows, BK), a_jump, b_jump
+
+
+@triton.jit
+def switch_source(a_ptrs, b_ptrs, rows_left, switch, a_jump, b_jump, rows):
+    """Where ``switch``: move the operand pointers to the next batch and count its rows."""
+    a_ptrs += tl.where(switch, a_jump, 0)
+    b_ptrs += tl.where(switch, b_jump, 0)
+    return a_ptrs, b_ptrs, tl.where(switch, rows, rows_left)
+
+
+@triton.jit
 def wgrad_kernel(
-    a_ptr, b_ptr, c_ptr, offs_ptr, a2_from_a, b2_from_b, offs2_ptr,
+    a_ptr, b_ptr, c_ptr, offs_ptr,
+    a1_from_a, b1_from_b, offs1_ptr, a2_from_a, b2_from_b, offs2_ptr, a3_from_a, b3_from_b, offs3_ptr,
     M, N, E,
     stride_ar, stride_br, stride_ce, stride_cm, stride_cn, piece, stride_piece,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, WHOLE_ROWS: tl.constexpr,
-    ALIGNED: tl.constexpr, ONE_CUT: tl.constexpr, TWO_SOURCES: tl.constexpr,
+    ALIGNED: tl.constexpr, ONE_CUT: tl.constexpr, SOURCES: tl.constexpr,
 ):
-    """``c[g] = a_g^T @ b_g``; with ``TWO_SOURCES`` the reduction also runs over group
-    ``g`` of a second batch of rows (e.g. the next microbatch's), ``c[g] = a_g^T @ b_g +
-    a2_g^T @ b2_g`` in one K loop: ``offs2`` are its group offsets, ``a2_from_a`` /
-    ``b2_from_b`` where its operands start, in elements from ``a`` / ``b`` (same widths
-    and row strides). With ``ACCUMULATE``, ``c`` is an FP32 accumulator that
-    receives ``+=`` instead: element ``i`` of the row-major ``[E, M, N]`` result lives
-    at ``(i // piece) * stride_piece + i % piece`` (a flat buffer, or the rows of an
-    owner-major gradient bucket), and the strides are unused. ``WHOLE_ROWS`` (``piece``
-    a multiple of ``N``) maps whole output rows instead of single elements, and
+    """``c[g] = a_g^T @ b_g``; with ``SOURCES`` > 1 the reduction also runs over group
+    ``g`` of up to three further batches of rows (e.g. the next microbatches'), ``c[g] =
+    sum_s a_(s,g)^T @ b_(s,g)`` in one K loop: ``offs<s>`` are batch ``s``'s group
+    offsets, ``a<s>_from_a`` / ``b<s>_from_b`` where its operands start, in elements from
+    ``a`` / ``b`` (same widths and row strides). With ``ACCUMULATE``, ``c`` is an FP32
+    accumulator that receives ``+=`` instead: element ``i`` of the row-major ``[E, M, N]``
+    result lives at ``(i // piece) * stride_piece + i % piece`` (a flat buffer, or the
+    rows of an owner-major gradient bucket), and the strides are unused. ``WHOLE_ROWS``
+    (``piece`` a multiple of ``N``) maps whole output rows instead of single elements, and
     ``ONE_CUT`` (pieces of at least ``BM`` rows) with one division per tile; ``ALIGNED``
     (the host checked that every output row starts on 16 bytes) lets the compiler
     issue 4-wide atomics, which the index arithmetic would otherwise hide from it.
@@ -156,9 +187,9 @@ def wgrad_kernel(
     loop stalled each tile's tensor cores for the FP32 read, ~10% slower at the bench
     shapes; ``tools/perf_notes.md``, eighth session). Every element belongs to exactly
     one tile, so each receives one add per launch: the result is deterministic, and
-    equal to ``c + (a_g^T @ b_g [+ a2_g^T @ b2_g])`` rounded once (empty groups add zeros).
+    equal to ``c + sum_s a_(s,g)^T @ b_(s,g)`` rounded once (empty groups add zeros).
 
-    The second batch's operands come as plain scalars, not a tuple of tensors: Triton's
+    The further batches' operands come as plain scalars, not tuples of tensors: Triton's
     launcher took ~110 us of host time per launch with tuple arguments against ~40 us
     without (H200 host, triton 3.6), and the step issues hundreds of these launches."""
     tiles_m = tl.cdiv(M, BM)
@@ -166,9 +197,8 @@ def wgrad_kernel(
     pid = tl.program_id(0)
     g = pid // (tiles_m * tiles_n)
     pid_m, pid_n = swizzle(pid % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
-    g_end = tl.load(offs_ptr + g)
-    g_start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
-    steps = tl.cdiv(g_end - g_start, BK)
+    g_start, rows_left = group_rows(offs_ptr, g)
+    steps = tl.cdiv(rows_left, BK)
     rm = tl.arange(0, BM)
     rn = tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -177,23 +207,30 @@ def wgrad_kernel(
     cols_n = (pid_n * BN + rn) % N
     a_ptrs = a_ptr + g_start.to(tl.int64) * stride_ar + rk[:, None] * stride_ar + cols_m[None, :]
     b_ptrs = b_ptr + g_start.to(tl.int64) * stride_br + rk[:, None] * stride_br + cols_n[None, :]
-    rows_left = g_end - g_start
-    if TWO_SOURCES:
-        g2_end = tl.load(offs2_ptr + g)
-        g2_start = tl.load(offs2_ptr + g - 1, mask=g > 0, other=0)
-        total = steps + tl.cdiv(g2_end - g2_start, BK)
-        # the pointer jump from just past the first batch's last k-block to the second's
-        # first row; taken before the loop when the first batch has no rows in group g
-        rows_jump = g2_start.to(tl.int64) - g_start - steps * BK
-        a_jump = rows_jump * stride_ar + a2_from_a  # int64 from the left
-        b_jump = rows_jump * stride_br + b2_from_b
-        first_empty = steps == 0
-        a_ptrs += tl.where(first_empty, a_jump, 0)
-        b_ptrs += tl.where(first_empty, b_jump, 0)
-        rows_left = tl.where(first_empty, g2_end - g2_start, rows_left)
-    else:
-        total = steps
-    # one branch-free loop over both batches: the software pipeline runs across the switch
+    # One branch-free loop over all batches (the software pipeline runs across the
+    # switches): after its k-steps end (``cum<s>``, the steps before batch ``s``) the
+    # pointers jump to the next batch's first row. An empty batch ends where it starts,
+    # so its jump and the next one's apply together; batches empty from the start are
+    # skipped before the loop.
+    total = steps
+    if SOURCES > 1:
+        start1, rows1, steps1, a_jump1, b_jump1 = next_source(
+            offs1_ptr, g, a1_from_a, b1_from_b, g_start, steps, 0, 0, stride_ar, stride_br, BK)
+        cum1 = total
+        total += steps1
+        a_ptrs, b_ptrs, rows_left = switch_source(a_ptrs, b_ptrs, rows_left, cum1 == 0, a_jump1, b_jump1, rows1)
+    if SOURCES > 2:
+        start2, rows2, steps2, a_jump2, b_jump2 = next_source(
+            offs2_ptr, g, a2_from_a, b2_from_b, start1, steps1, a1_from_a, b1_from_b, stride_ar, stride_br, BK)
+        cum2 = total
+        total += steps2
+        a_ptrs, b_ptrs, rows_left = switch_source(a_ptrs, b_ptrs, rows_left, cum2 == 0, a_jump2, b_jump2, rows2)
+    if SOURCES > 3:
+        _, rows3, steps3, a_jump3, b_jump3 = next_source(
+            offs3_ptr, g, a3_from_a, b3_from_b, start2, steps2, a2_from_a, b2_from_b, stride_ar, stride_br, BK)
+        cum3 = total
+        total += steps3
+        a_ptrs, b_ptrs, rows_left = switch_source(a_ptrs, b_ptrs, rows_left, cum3 == 0, a_jump3, b_jump3, rows3)
     for i in range(0, total):
         r_ok = rk < rows_left
         a = tl.load(a_ptrs, mask=r_ok[:, None], other=0.0)
@@ -202,11 +239,15 @@ def wgrad_kernel(
         a_ptrs += BK * stride_ar
         b_ptrs += BK * stride_br
         rows_left -= BK
-        if TWO_SOURCES:
-            switch = i == steps - 1
-            a_ptrs += tl.where(switch, a_jump, 0)
-            b_ptrs += tl.where(switch, b_jump, 0)
-            rows_left = tl.where(switch, g2_end - g2_start, rows_left)
+        if SOURCES > 1:
+            a_ptrs, b_ptrs, rows_left = switch_source(
+                a_ptrs, b_ptrs, rows_left, i == cum1 - 1, a_jump1, b_jump1, rows1)
+        if SOURCES > 2:
+            a_ptrs, b_ptrs, rows_left = switch_source(
+                a_ptrs, b_ptrs, rows_left, i == cum2 - 1, a_jump2, b_jump2, rows2)
+        if SOURCES > 3:
+            a_ptrs, b_ptrs, rows_left = switch_source(
+                a_ptrs, b_ptrs, rows_left, i == cum3 - 1, a_jump3, b_jump3, rows3)
     # the epilogue's addresses: not needed during the loop, so not live through it
     out_m = pid_m * BM + rm
     out_n = pid_n * BN + rn

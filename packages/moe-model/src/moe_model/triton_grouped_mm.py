@@ -304,17 +304,18 @@ def _element_offset(base: torch.Tensor, other: torch.Tensor) -> int:
 
 
 WgradOperands = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (a, b, offsets) of one source
-MAX_WGRAD_SOURCES = 2  # batches of rows one weight-gradient launch reduces over
+MAX_WGRAD_SOURCES = 4  # batches of rows one weight-gradient launch reduces over
 
 
 def _launch_wgrad(
     sources: list[WgradOperands], c: torch.Tensor, E: int,
     config: TileConfig | None, accumulate: tuple[int, int] | None,
 ) -> None:
-    """``c[g] = sum_s a_(s,g)^T @ b_(s,g)`` (``c`` [E, M, N]) over one or two sources, or,
-    with ``accumulate=(piece, stride)``, ``+=`` into the FP32 accumulator ``c`` laid out
-    as ``_grouped_mm_kernels.wgrad_kernel`` says. The sources come from ``_wgrad_operands``
-    for one weight: contiguous, of the same widths, hence the same row strides."""
+    """``c[g] = sum_s a_(s,g)^T @ b_(s,g)`` (``c`` [E, M, N]) over up to
+    ``MAX_WGRAD_SOURCES`` sources, or, with ``accumulate=(piece, stride)``, ``+=`` into the
+    FP32 accumulator ``c`` laid out as ``_grouped_mm_kernels.wgrad_kernel`` says. The
+    sources come from ``_wgrad_operands`` for one weight: contiguous, of the same widths,
+    hence the same row strides."""
     a, b, offsets_E = sources[0]
     M, Nc = a.shape[1], b.shape[1]
     cfg = config or default_config("wgrad", a.device, a.dtype)
@@ -327,14 +328,17 @@ def _launch_wgrad(
     # every output row of the accumulator starts on 16 bytes (4 FP32 elements): rows
     # start at owner * stride_piece + row * Nc elements from an aligned base
     aligned = accumulate is not None and Nc % 4 == 0 and stride_piece % 4 == 0 and c.data_ptr() % 16 == 0
-    a2, b2, offsets2 = sources[-1]
+    further: list[object] = []  # (a_s from a, b_s from b, offsets_s) of sources 1..3, as scalars
+    for s in range(1, MAX_WGRAD_SOURCES):
+        a_s, b_s, offsets_s = sources[s] if s < len(sources) else (a, b, offsets_E)
+        further += (_element_offset(a, a_s), _element_offset(b, b_s), offsets_s)
     wgrad_kernel[(grid,)](
-        a, b, c, offsets_E, _element_offset(a, a2), _element_offset(b, b2), offsets2,
+        a, b, c, offsets_E, *further,
         M, Nc, E,
         a.stride(0), b.stride(0), *strides, piece, stride_piece,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         PRECISION=_precision(a.dtype), ACCUMULATE=accumulate is not None, WHOLE_ROWS=piece % Nc == 0,
-        ALIGNED=aligned, ONE_CUT=piece // Nc >= cfg.block_m, TWO_SOURCES=len(sources) == 2,
+        ALIGNED=aligned, ONE_CUT=piece // Nc >= cfg.block_m, SOURCES=len(sources),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -374,8 +378,8 @@ def wgrad_accumulate_(
     """``target += dw`` for the weight ``like_EKN`` is a view of, in the kernel's epilogue.
 
     ``more``: up to ``MAX_WGRAD_SOURCES - 1`` further ``(x, dy, offsets)`` batches of rows
-    (e.g. the next microbatch's) whose gradients join the same reduction, ``target +=
-    dw + dw_1`` rounded once, in one launch: one read-modify-write of ``target`` for both.
+    (e.g. the next microbatches') whose gradients join the same reduction, ``target += dw
+    + dw_1 + ...`` rounded once, in one launch: one read-modify-write of ``target`` for all.
 
     ``target`` is FP32 and holds the weight's elements in its *storage* order (the
     ``[E, N, K]`` order for a K-contiguous view): flat, or as ``[rows, cols]`` with
