@@ -27,6 +27,11 @@ the same GEMM writing a BF16 dW (what the FP32 add costs on top), and two to fou
 batches of rows (microbatches) reduced in one launch, one FP32 add for all (per batch).
 ``--tokens 8192`` gives bench-1gpu's microbatch (65536 rows), where the add's share is
 largest.
+
+A third table gives the nine GEMMs as a training step runs them (the issue's figure):
+the gate/up pair in one Triton launch each way, the down projection through
+``torch._grouped_mm``, the weight gradients added to FP32 main grads with ``--merge``
+microbatches per launch, and their FLOP-weighted rate.
 """
 
 from __future__ import annotations
@@ -42,7 +47,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe_layer import time_ms  # noqa: E402
 from moe_ddp.accumulate import accumulate_  # noqa: E402
-from moe_model.triton_grouped_mm import rows_mm, wgrad_accumulate_, wgrad_mm  # noqa: E402
+from moe_model.triton_grouped_mm import (  # noqa: E402
+    rows_mm,
+    rows_mm_split2,
+    rows_mm_sum2,
+    wgrad_accumulate_,
+    wgrad_mm,
+)
 
 IMPLS = ("mm", "bmm", "grouped_mm", "triton")
 
@@ -110,14 +121,41 @@ def into_main_grad(R: int, D: int, F: int, E: int, device: torch.device) -> dict
     }
 
 
-def merged_ms(n: int, x: torch.Tensor, h: torch.Tensor, offs: torch.Tensor, like: torch.Tensor,
+def merged_ms(n: int, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, like: torch.Tensor,
               main: torch.Tensor) -> float:
-    """ms per batch when ``n`` batches of rows (microbatches, separate tensors) go into the
-    FP32 main grad in one launch (``parallel.merge_expert_grad_microbatches=n``)."""
-    xs = [x] + [torch.randn_like(x) for _ in range(n - 1)]
-    hs = [h] + [torch.randn_like(h) for _ in range(n - 1)]
-    more = [(xi, hi, offs) for xi, hi in zip(xs[1:], hs[1:], strict=True)]
-    return time_ms(lambda: wgrad_accumulate_(main, x, h, offs, like, more=more), iters=20) / n
+    """ms per batch when ``n`` batches of rows (microbatches, separate tensors) add ``a_g^T @
+    b_g`` to the FP32 main grad in one launch (``parallel.merge_expert_grad_microbatches=n``)."""
+    more = [(torch.randn_like(a), torch.randn_like(b), offs) for _ in range(n - 1)]
+    return time_ms(lambda: wgrad_accumulate_(main, a, b, offs, like, more=more), iters=20) / n
+
+
+def as_the_step_runs(R: int, D: int, F: int, E: int, merge: int, device: torch.device) -> dict[str, tuple[int, float]]:
+    """GEMM -> (how many of the nine it is, ms) with the kernels a training step on CUDA
+    runs (``GroupedExperts`` with backend ``auto`` and the gradient sink): the gate/up
+    projections as one paired Triton launch each way, the down projection through
+    ``torch._grouped_mm``, and the three weight gradients added to FP32 main grads with
+    ``merge`` microbatches per launch (ms per microbatch)."""
+    bf = torch.bfloat16
+    x, dy = torch.randn(R, D, device=device, dtype=bf), torch.randn(R, D, device=device, dtype=bf)
+    h, dg = torch.randn(R, F, device=device, dtype=bf), torch.randn(R, F, device=device, dtype=bf)
+    w1, w3 = (torch.randn(E, F, D, device=device, dtype=bf) for _ in range(2))  # [E, out=F, in=D]
+    w2 = torch.randn(E, D, F, device=device, dtype=bf)  # [E, out=D, in=F]
+    offs = torch.arange(1, E + 1, device=device, dtype=torch.int32) * (R // E)
+    main_in, main_out = torch.zeros(E * F * D, device=device), torch.zeros(E * D * F, device=device)
+    return {
+        "gate/up forward (paired Triton)": (2, time_ms(
+            lambda: rows_mm_split2(x, w1.transpose(1, 2), w3.transpose(1, 2), offs), iters=20)),
+        "down forward (torch._grouped_mm)": (1, time_ms(
+            lambda: torch._grouped_mm(h, w2.transpose(1, 2), offs=offs), iters=20)),
+        "gate/up input gradient (paired Triton, one reduction)": (2, time_ms(
+            lambda: rows_mm_sum2(dg, w1, h, w3, offs), iters=20)),
+        "down input gradient (torch._grouped_mm)": (1, time_ms(
+            lambda: torch._grouped_mm(dy, w2, offs=offs), iters=20)),
+        f"gate or up weight gradient into FP32, {merge} per launch": (2, merged_ms(
+            merge, x, dg, offs, w1.transpose(1, 2), main_in)),
+        f"down weight gradient into FP32, {merge} per launch": (1, merged_ms(
+            merge, h, dy, offs, w2.transpose(1, 2), main_out)),
+    }
 
 
 def main() -> None:
@@ -128,6 +166,8 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--merge", type=int, default=4,
+                        help="microbatches per weight-gradient launch in the as-the-step-runs table")
     args = parser.parse_args()
     device = torch.device("cuda")
     R, D, F, E = args.tokens * args.top_k, args.d_model, args.hidden, args.experts
@@ -145,6 +185,8 @@ def main() -> None:
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
 
     main_grad = into_main_grad(R, D, F, E, device)
+    step = as_the_step_runs(R, D, F, E, args.merge, device)
+    step_rate = 9 * flops / sum(ms for _, ms in step.values()) / 1e9
     by = {(r["gemm"], r["impl"]): r for r in results}
     gemms = dict.fromkeys(r["gemm"] for r in results)
 
@@ -162,6 +204,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name(), "rows": R, "experts": E, "d_model": D, "hidden": F,
         "matmul_8192_tflops": ceiling, "gemms": results, "layer_tflops": layer,
         "into_main_grad_ms": main_grad,
+        "as_the_step_runs": {"merge": args.merge, "ms": {k: ms for k, (_, ms) in step.items()},
+                             "nine_gemms_tflops": step_rate},
     }, indent=1))
     print(f"\nTFLOP/s, {R} rows over {E} balanced groups; 8192^3 matmul in this run: {ceiling:.0f}")
     print(f"| GEMM (x in layer) | {' | '.join(IMPLS)} |")
@@ -177,6 +221,12 @@ def main() -> None:
     for name, ms in main_grad.items():
         rate = "-" if name.startswith("accumulate_") else f"{flops / ms / 1e9:.0f}"
         print(f"| {name} | {ms:.3f} | {rate} |")
+    print(f"\nThe nine GEMMs with the kernels a training step runs (weight gradients into FP32, "
+          f"{args.merge} microbatches per launch; ms per microbatch)")
+    print("| GEMM | of the nine | ms | TFLOP/s |\n|---|---|---|---|")
+    for name, (count, ms) in step.items():
+        print(f"| {name} | {count} | {ms:.3f} | {count * flops / ms / 1e9:.0f} |")
+    print(f"| nine GEMMs, FLOP-weighted | 9 | {sum(ms for _, ms in step.values()):.3f} | {step_rate:.0f} |")
 
 
 if __name__ == "__main__":
