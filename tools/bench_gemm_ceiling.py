@@ -151,7 +151,8 @@ def as_the_step_runs(R: int, D: int, F: int, E: int, merge: int, device: torch.d
             lambda: rows_mm_sum2(dg, w1, h, w3, offs), iters=20)),
         "down input gradient (torch._grouped_mm)": (1, time_ms(
             lambda: torch._grouped_mm(dy, w2, offs=offs), iters=20)),
-        f"gate or up weight gradient into FP32, {merge} per launch": (2, merged_ms(
+        # two launches of the same shape (gate and up), each into its own main grad
+        f"gate and up weight gradients into FP32, {merge} per launch": (2, 2 * merged_ms(
             merge, x, dg, offs, w1.transpose(1, 2), main_in)),
         f"down weight gradient into FP32, {merge} per launch": (1, merged_ms(
             merge, h, dy, offs, w2.transpose(1, 2), main_out)),

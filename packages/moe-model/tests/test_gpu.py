@@ -193,6 +193,38 @@ def test_expert_weight_gradients_into_a_sink_at_model_width(owner_major, merge):
         assert torch.equal(sink.targets[p], first[p]), f"{n}: a rerun gave other bits"
 
 
+def test_merged_weight_gradient_with_operands_far_apart():
+    """Four batches of rows in one weight-gradient launch whose operands lie more than
+    2^31 elements apart from each other (views into one 6 GiB buffer, on both sides of the
+    first batch's): each offset fits in int32, their differences do not, so the kernel's
+    pointer jumps between batches must be int64. Empty experts, a batch with one expert
+    only and padding rows past a batch's last group included."""
+    from moe_model.triton_grouped_mm import wgrad_accumulate_
+
+    E, D, F, R = 4, 256, 128, 512
+    g = torch.Generator(device="cuda").manual_seed(0)
+    span = 3 * 2**30  # elements between the lowest and the highest batch
+    buf = torch.empty(span + R * D, dtype=torch.bfloat16, device="cuda")
+    xs = [buf[s:s + R * D].view(R, D) for s in (span // 2, 0, span, span // 4)]
+    for x in xs:
+        x.copy_(torch.randn(R, D, device="cuda", generator=g))
+    dys = [torch.randn(R, F, device="cuda", generator=g).bfloat16() for _ in xs]
+    offsets = [torch.tensor(o, dtype=torch.int32, device="cuda")
+               for o in ([100, 100, 300, 512], [0, 200, 200, 400], [512] * 4, [50, 60, 70, 80])]
+    like = torch.empty(E, F, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # [E, D, F]
+    target = torch.zeros(E * F * D, device="cuda")
+    wgrad_accumulate_(target, xs[0], dys[0], offsets[0], like,
+                      more=list(zip(xs[1:], dys[1:], offsets[1:], strict=True)))
+    expect = torch.zeros(E, D, F, device="cuda")
+    for x, dy, ends in zip(xs, dys, offsets, strict=True):
+        start = 0
+        for e, end in enumerate(ends.tolist()):
+            expect[e] += x[start:end].float().T @ dy[start:end].float()
+            start = end
+    got = target.view(E, F, D).transpose(1, 2)
+    torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-4 * expect.abs().max().item())
+
+
 @pytest.mark.parametrize("recompute", ["none", "block", "selective"])
 def test_sink_under_activation_recompute_matches_autograd(recompute):
     """With recomputed blocks the experts' weight gradients still land once, with the

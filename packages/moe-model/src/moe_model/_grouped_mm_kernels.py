@@ -146,8 +146,10 @@ def next_source(offs_ptr, g, a_from_a, b_from_b, prev_start, prev_steps, prev_a_
     the first batch's operands)."""
     start, rows = group_rows(offs_ptr, g)
     rows_jump = start.to(tl.int64) - prev_start - prev_steps * BK
-    a_jump = rows_jump * stride_ar + (a_from_a - prev_a_from_a)
-    b_jump = rows_jump * stride_br + (b_from_b - prev_b_from_b)
+    # int64 from the left: two offsets that each fit in int32 (and arrive as int32) can
+    # differ by more than int32 holds
+    a_jump = rows_jump * stride_ar + a_from_a - prev_a_from_a
+    b_jump = rows_jump * stride_br + b_from_b - prev_b_from_b
     return start, rows, tl.cdiv(rows, BK), a_jump, b_jump
 
 
