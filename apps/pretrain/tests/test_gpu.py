@@ -46,6 +46,21 @@ def test_mxfp8_experts_train_on_a_gpu(tmp_path):
     assert all(not r["skipped"] for r in history) and history[-1]["loss"] < history[0]["loss"]
 
 
+@pytest.mark.gpu
+def test_merged_expert_weight_gradients_train_like_unmerged(tmp_path):
+    """Two and four microbatches' expert weight gradients per launch (five microbatches per
+    step: a merged window, then what is left of it and the synchronised last one) give the
+    losses of one launch per microbatch, in FP32."""
+    common = ["train.device=cuda", "train.compute_dtype=float32", "train.global_batch=10", "train.steps=6"]
+    runs = {n: train(load_config("tiny", [*common, f"parallel.merge_expert_grad_microbatches={n}",
+                                          f"run_dir={tmp_path / str(n)}"]))
+            for n in (1, 2, 4)}
+    for n in (2, 4):
+        for merged, plain in zip(runs[n], runs[1], strict=True):
+            assert merged["loss"] == pytest.approx(plain["loss"], rel=1e-5), n
+    assert runs[1][-1]["loss"] < runs[1][0]["loss"]
+
+
 @pytest.mark.multigpu(2)
 def test_dp2_and_ep2_over_nccl_match_one_gpu(tmp_path):
     common = ["--config", "tiny", "train.device=cuda", "train.compute_dtype=float32"]
