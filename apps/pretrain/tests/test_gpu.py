@@ -47,14 +47,28 @@ def test_mxfp8_experts_train_on_a_gpu(tmp_path):
 
 
 @pytest.mark.gpu
-def test_merged_expert_weight_gradients_train_like_unmerged(tmp_path):
+def test_merged_expert_weight_gradients_train_like_unmerged(tmp_path, monkeypatch):
     """Two and four microbatches' expert weight gradients per launch (five microbatches per
     step: a merged window, then what is left of it and the synchronised last one) give the
-    losses of one launch per microbatch, in FP32."""
+    losses of one launch per microbatch, in FP32; the launches do merge that many."""
+    from moe_model import triton_grouped_mm
+
+    launch = triton_grouped_mm.wgrad_accumulate_
+    batches_per_launch: list[int] = []
+
+    def counted(*args, more=(), **kwargs):
+        batches_per_launch.append(1 + len(more))
+        return launch(*args, more=more, **kwargs)
+
+    monkeypatch.setattr(triton_grouped_mm, "wgrad_accumulate_", counted)
     common = ["train.device=cuda", "train.compute_dtype=float32", "train.global_batch=10", "train.steps=6"]
-    runs = {n: train(load_config("tiny", [*common, f"parallel.merge_expert_grad_microbatches={n}",
-                                          f"run_dir={tmp_path / str(n)}"]))
-            for n in (1, 2, 4)}
+    runs, widest = {}, {}
+    for n in (1, 2, 4):
+        batches_per_launch.clear()
+        runs[n] = train(load_config("tiny", [*common, f"parallel.merge_expert_grad_microbatches={n}",
+                                             f"run_dir={tmp_path / str(n)}"]))
+        widest[n] = max(batches_per_launch)
+    assert widest == {1: 1, 2: 2, 4: 4}
     for n in (2, 4):
         for merged, plain in zip(runs[n], runs[1], strict=True):
             assert merged["loss"] == pytest.approx(plain["loss"], rel=1e-5), n
