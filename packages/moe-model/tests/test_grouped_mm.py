@@ -46,7 +46,7 @@ def test_gpu_tile_configs_fit_shared_memory_for_fp32():
     from moe_model.triton_grouped_mm import _SHARED_MEMORY_BUDGET, default_config
 
     cuda = torch.device("cuda")
-    for kind in ("rows", "wgrad"):
+    for kind in ("rows", "wgrad", "wgrad_long"):
         bf16 = default_config(kind, cuda, torch.bfloat16)
         fp32 = default_config(kind, cuda, torch.float32)
         for cfg, size in ((bf16, 2), (fp32, 4)):

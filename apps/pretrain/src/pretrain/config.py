@@ -62,8 +62,9 @@ class ParallelConfig:
     ep_combine: Literal["auto", "source", "destination"] = "auto"
     ddp_mode: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"  # gradient sync collective
     # routed experts' weight gradients added to the FP32 main grads inside the grouped GEMM's
-    # epilogue, and the untied embedding's rows of the tokens seen (CUDA with Triton); false:
-    # BF16 gradients through autograd and the DDP hook
+    # epilogue, the untied embedding's rows of the tokens seen, and the dense linear layers'
+    # by cuBLAS with FP32 output (CUDA; the name predates the last two); false: BF16
+    # gradients through autograd and the DDP hook
     fuse_expert_grad_accumulation: bool = True
     # with it, n (2 to 4): n microbatches' expert weight gradients in one GEMM launch (the
     # earlier ones held until the n-th's backward): 1/n of the FP32 main-grad

@@ -307,8 +307,9 @@ class MultiGroupDDP:
         the parameter's storage order), then it counts as arrived, as from the hook.
 
         The ``moe_model.GradientSink`` protocol: the expert GEMMs' weight-gradient kernel
-        adds in its epilogue, so no BF16 gradient is written and no accumulation pass
-        re-reads it. ``param.grad`` stays ``None``.
+        adds in its epilogue, a dense layer's weight-gradient GEMM writes FP32 with beta 1,
+        so no BF16 gradient is written and no accumulation pass re-reads it.
+        ``param.grad`` stays ``None``.
 
         With ``config.merge_microbatch_gradients > 1``, an ``add`` that has
         ``merged(other)`` (one callable that adds both, or ``None`` where they cannot

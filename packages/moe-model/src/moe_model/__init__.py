@@ -11,7 +11,6 @@ from moe_model.config import MoEConfig
 from moe_model.dispatch import LocalDispatcher, ReportsDrops, TokenDispatcher
 from moe_model.experts import (
     ExpertWeightGradient,
-    GradientSink,
     GroupedExperts,
     grouped_mm,
     resolve_backend,
@@ -36,6 +35,7 @@ from moe_model.params import (
 )
 from moe_model.partition import expert_range, layer_range, partition_
 from moe_model.router import RoutingResult, TopKRouter, load_balancing_loss, router_z_loss
+from moe_model.sink import GradientSink
 
 __all__ = [
     "EXPERT_DIM",

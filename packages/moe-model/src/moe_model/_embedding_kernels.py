@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_model.triton_grouped_mm import accumulator_layout
+from moe_model.sink import accumulator_layout
 
 _BLOCK_D = 1024
 
@@ -53,7 +53,7 @@ def embedding_grad_accumulate_(target: torch.Tensor, tokens: torch.Tensor, dy: t
     """``target += dW`` for the ``[vocab, D]`` embedding whose output gradient is ``dy [..., D]``
     at token ids ``tokens [...]`` (in ``[0, vocab)``). ``target`` is FP32 and holds the
     weight's elements in storage order: 1-D, or ``[rows, cols]`` with contiguous rows read row
-    by row (``triton_grouped_mm.accumulator_layout``)."""
+    by row (``moe_model.sink.accumulator_layout``)."""
     D = dy.shape[-1]
     piece, stride = accumulator_layout(target, vocab * D, "embedding gradient")
     if dy.shape[:-1] != tokens.shape:

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_model.experts import GradientSink, SinkRoute, _sink_route, sink_adds_in_kernel
+from moe_model.experts import sink_adds_in_kernel
+from moe_model.sink import GradientSink, SinkRoute, sink_route, will_run
 
 
 class EmbeddingGradient:
@@ -43,11 +44,10 @@ class _EmbeddingIntoSink(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[None, None, None]:
         (tokens,) = ctx.saved_tensors
-        sink, accumulator = ctx.route
         # only in a backward that runs the weight's AccumulateGrad node (a pipeline's
         # input-gradient pass does not), so the gradient lands exactly once
-        if torch._C._will_engine_execute_node(accumulator):
-            sink.add_gradient(ctx.param, EmbeddingGradient(tokens, dy, ctx.param.shape[0]))
+        if will_run(ctx.route):
+            ctx.route[0].add_gradient(ctx.param, EmbeddingGradient(tokens, dy, ctx.param.shape[0]))
         return None, None, None
 
 
@@ -56,7 +56,7 @@ def embed(module: nn.Embedding, tokens: torch.Tensor, sink: GradientSink | None)
     tokens are on CUDA with Triton available and a backward may run."""
     plain = (module.padding_idx is None and module.max_norm is None
              and not module.scale_grad_by_freq and not module.sparse)
-    route = _sink_route(sink, module.weight) if plain and sink_adds_in_kernel(tokens) else None
+    route = sink_route(sink, module.weight) if plain and sink_adds_in_kernel(tokens) else None
     if route is None:
         return module(tokens)
     return _EmbeddingIntoSink.apply(tokens, module.weight, route)

@@ -37,15 +37,14 @@ weight pass does), so it lands exactly once whatever way the backward is split.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
 
 from moe_model._triton_support import cuda_capability, triton_available
 from moe_model.layers import swiglu
+from moe_model.sink import GradientSink, SinkRoute, sink_route, will_run
 
 BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 
@@ -108,33 +107,11 @@ def grouped_mm(
     return grouped_mm_loop(x_RK, w_EKN, offsets)
 
 
-@runtime_checkable
-class GradientSink(Protocol):
-    """Where a parameter's gradient can be added directly (a data-parallel wrapper's main grads)."""
-
-    def accepts(self, param: nn.Parameter) -> bool:
-        """Whether ``add_gradient`` takes this parameter's gradient."""
-        ...
-
-    def add_gradient(self, param: nn.Parameter, add: Callable[[torch.Tensor], None]) -> None:
-        """Call ``add(target)`` once, ``target`` the FP32 accumulator of ``param``'s gradient
-        (its elements in storage order: 1-D, or ``[rows, cols]`` with contiguous rows), then
-        count the gradient as arrived (what a post-accumulate-grad hook would do).
-
-        ``add`` is an ``ExpertWeightGradient``: a sink may hold it and call
-        ``add.merged(next_add)`` instead when the parameter's next gradient comes (one
-        launch for both), as long as every gradient is added before it is read. The
-        untied token embedding's is a ``moe_model.embedding.EmbeddingGradient``, which has
-        no ``merged``: it is added at once."""
-        ...
-
-
 def sink_adds_in_kernel(rows: torch.Tensor) -> bool:
     """Whether the weight gradient of rows on this device can go into a sink (Triton epilogue)."""
     return rows.is_cuda and triton_available()
 
 
-SinkRoute = tuple[GradientSink, Any]  # the sink and the weight's AccumulateGrad node
 WgradSource = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (x, dy, offsets) of one backward
 
 
@@ -180,20 +157,12 @@ class ExpertWeightGradient:
         wgrad_accumulate_(target, x, dy, offsets, self.like, more=more)
 
 
-def _sink_route(sink: GradientSink | None, w: nn.Parameter) -> SinkRoute | None:
-    """Where ``w``'s gradient goes into ``sink``: the sink accepts it and a backward may run."""
-    if sink is None or not w.requires_grad or not torch.is_grad_enabled() or not sink.accepts(w):
-        return None
-    return sink, get_gradient_edge(w).node
-
-
 def _wgrad_into_sink(route: SinkRoute, param: nn.Parameter, x_RK: torch.Tensor, dy_RN: torch.Tensor,
                      offsets: torch.Tensor, like: torch.Tensor) -> None:
     """Add ``param``'s gradient to the sink's target in the wgrad kernel's epilogue, in a
     backward that runs the weight's ``AccumulateGrad`` node (not a pipeline's input pass)."""
-    sink, accumulator = route
-    if torch._C._will_engine_execute_node(accumulator):
-        sink.add_gradient(param, ExpertWeightGradient(((x_RK, dy_RN, offsets),), like))
+    if will_run(route):
+        route[0].add_gradient(param, ExpertWeightGradient(((x_RK, dy_RN, offsets),), like))
 
 
 class _GroupedMMIntoSink(torch.autograd.Function):
@@ -268,7 +237,7 @@ def gate_up(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x @ w1[g]^T, x @ w3[g]^T)`` through ``_GateUp`` (CUDA with Triton); each weight's
     gradient goes into ``sink`` when the sink accepts it and a backward will run."""
-    routes = (_sink_route(sink, w1_EFD), _sink_route(sink, w3_EFD))
+    routes = (sink_route(sink, w1_EFD), sink_route(sink, w3_EFD))
     return _GateUp.apply(x_RD, w1_EFD, w3_EFD, offsets, routes)
 
 
@@ -277,7 +246,7 @@ def grouped_mm_into_sink(
 ) -> torch.Tensor:
     """``x @ w[g]^T`` per group for the ``[E, N, K]`` weight ``w``; its gradient goes into
     ``sink`` when the sink accepts it and a backward will run, else through autograd."""
-    route = _sink_route(sink, w_ENK)
+    route = sink_route(sink, w_ENK)
     if route is None:
         return grouped_mm(x_RK, w_ENK.to(x_RK.dtype).transpose(-2, -1), offsets, backend)
     return _GroupedMMIntoSink.apply(x_RK, w_ENK, offsets, backend, route)

@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moe_model._triton_support import triton_available
 from moe_model.config import MoEConfig
+from moe_model.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -123,10 +124,10 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.rope_theta = cfg.rope_theta
         self.backend = cfg.attention_backend
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.wq = Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
@@ -175,9 +176,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, d_model: int, hidden: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(d_model, hidden, bias=False)  # gate
-        self.w3 = nn.Linear(d_model, hidden, bias=False)  # up
-        self.w2 = nn.Linear(hidden, d_model, bias=False)  # down
+        self.w1 = Linear(d_model, hidden, bias=False)  # gate
+        self.w3 = Linear(d_model, hidden, bias=False)  # up
+        self.w2 = Linear(hidden, d_model, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu(self.w1(x), self.w3(x)))

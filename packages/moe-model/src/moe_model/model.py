@@ -22,10 +22,12 @@ from torch import nn
 
 from moe_model.config import MoEConfig
 from moe_model.embedding import embed
-from moe_model.experts import GradientSink, GroupedExperts
+from moe_model.experts import GroupedExperts
 from moe_model.layers import Attention, RMSNorm, SwiGLU
+from moe_model.linear import Linear
 from moe_model.moe import CountReducer, MoELayer
 from moe_model.recompute import recompute_block
+from moe_model.sink import GradientSink
 
 
 class Block(nn.Module):
@@ -58,7 +60,7 @@ class MoETransformer(nn.Module):
             {str(i): Block(cfg, moe=cfg.is_moe_layer(i)) for i in range(cfg.n_layers)}
         )
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head: nn.Linear | None = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.embed_grad_sink: GradientSink | None = None  # see set_gradient_sink
         self.tie_weights()
 
@@ -107,11 +109,16 @@ def set_count_reducer(model: nn.Module, reducer: CountReducer | None) -> None:
 
 
 def set_gradient_sink(model: nn.Module, sink: GradientSink | None) -> None:
-    """Route the routed experts' weight gradients into ``sink`` (see ``moe_model.experts``),
-    and the untied token embedding's (``moe_model.embedding``; a tied one also receives the
-    head's gradient through autograd, so it keeps autograd's path)."""
+    """Route weight gradients into ``sink`` (``moe_model.sink``): the routed experts'
+    (``moe_model.experts``), the dense linear layers' (``moe_model.linear``) and the untied
+    token embedding's (``moe_model.embedding``). Tied embeddings keep autograd's path for
+    the embedding and the head: their one parameter gets both gradients, summed by autograd."""
     for module in model.modules():
-        if isinstance(module, GroupedExperts):
+        if isinstance(module, GroupedExperts | Linear):
             module.grad_sink = sink
-        elif isinstance(module, MoETransformer):
-            module.embed_grad_sink = None if module.config.tie_embeddings else sink
+    for module in model.modules():
+        if isinstance(module, MoETransformer):
+            tied = module.config.tie_embeddings
+            module.embed_grad_sink = None if tied else sink
+            if tied and isinstance(module.head, Linear):
+                module.head.grad_sink = None

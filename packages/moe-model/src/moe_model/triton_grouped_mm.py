@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from moe_model._triton_support import num_sms
+from moe_model.sink import accumulator_layout
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,17 @@ class TileConfig:
 
 # The fastest of tools/bench_moe_layer.py --sweep on H200 (triton 3.6) at the
 # bench-1gpu MoE shapes; CPU runs are the Triton interpreter, where small tiles keep
-# tests fast.
+# tests fast. The weight gradient has two: its reduction runs over a group's rows, ~1024
+# per expert for one bench-1gpu microbatch, where a short K step with a deep pipeline won;
+# a launch merging microbatches (or an EP rank's larger groups) reduces over several times
+# as many, where K steps of 64 win by ~10% (tools/perf_notes.md, twelfth session).
 _GPU_ROWS = TileConfig(128, 256, 64, 8, 8, 3, True, True)
-_GPU_WGRAD = TileConfig(128, 256, 32, 8, 8, 5, False, False)
+_GPU_WGRAD = TileConfig(128, 256, 32, 8, 8, 6, False, False)
+_GPU_WGRAD_LONG = TileConfig(128, 256, 64, 8, 8, 4, False, False)
 _CPU = TileConfig(16, 16, 16, 2, 1, 1, False, False)
-_GPU = {"rows": _GPU_ROWS, "wgrad": _GPU_WGRAD}
+_GPU = {"rows": _GPU_ROWS, "wgrad": _GPU_WGRAD, "wgrad_long": _GPU_WGRAD_LONG}
+# rows per group (all of a launch's rows over its groups) from which "wgrad_long" applies
+LONG_REDUCTION_ROWS = 2048
 
 
 # Hopper's opt-in shared memory per block is 227 KiB; leave room for the epilogue.
@@ -90,8 +97,9 @@ def _fit_shared_memory(cfg: TileConfig, element_size: int) -> TileConfig:
 def default_config(
     kind: str, device: torch.device, dtype: torch.dtype = torch.bfloat16
 ) -> TileConfig:
-    """Tile configuration of kernel ``kind`` (``rows`` or ``wgrad``) on ``device`` for
-    operands of ``dtype``."""
+    """Tile configuration of kernel ``kind`` (``rows``, ``wgrad``, or ``wgrad_long``: a
+    weight gradient reducing over ``LONG_REDUCTION_ROWS`` rows per group or more) on
+    ``device`` for operands of ``dtype``."""
     if device.type != "cuda":
         return _CPU
     return _fit_shared_memory(_GPU[kind], torch.empty((), dtype=dtype).element_size())
@@ -318,7 +326,8 @@ def _launch_wgrad(
     hence the same row strides."""
     a, b, offsets_E = sources[0]
     M, Nc = a.shape[1], b.shape[1]
-    cfg = config or default_config("wgrad", a.device, a.dtype)
+    long = sum(src[0].shape[0] for src in sources) >= LONG_REDUCTION_ROWS * E
+    cfg = config or default_config("wgrad_long" if long else "wgrad", a.device, a.dtype)
     triton, _, wgrad_kernel = _kernels()
     grid = E * triton.cdiv(M, cfg.block_m) * triton.cdiv(Nc, cfg.block_n)
     if not grid:
@@ -353,21 +362,6 @@ def wgrad_mm(
     c_EMN = torch.empty(E, a.shape[1], b.shape[1], dtype=like_EKN.dtype, device=a.device)
     _launch_wgrad([(a, b, offsets_E)], c_EMN, E, config, None)
     return c_EMN.transpose(1, 2) if transposed else c_EMN
-
-
-def accumulator_layout(target: torch.Tensor, numel: int, what: str) -> tuple[int, int]:
-    """``(piece, stride)`` of an FP32 gradient accumulator (a ``GradientSink``'s target) for a
-    parameter of ``numel`` elements: element ``i`` lives at ``(i // piece) * stride + i %
-    piece`` (flat: one piece; an owner-major bucket: rows of ``piece`` elements). Raises,
-    naming ``what``, on a target of another dtype, size or layout."""
-    if target.dtype != torch.float32:
-        raise ValueError(f"{what}: target must be float32, got {target.dtype}")
-    if target.numel() != numel:
-        raise ValueError(f"{what}: target has {target.numel()} elements, the weight {numel}")
-    if target.dim() not in (1, 2) or target.stride(-1) != 1:
-        raise ValueError(f"{what}: target must be 1-D contiguous or 2-D with contiguous rows, "
-                         f"got shape {tuple(target.shape)} strides {target.stride()}")
-    return (target.numel(), 0) if target.dim() == 1 else (target.shape[1], target.stride(0))
 
 
 def wgrad_accumulate_(
