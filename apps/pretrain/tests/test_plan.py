@@ -319,3 +319,26 @@ def test_plan_counts_merged_expert_grads():
     assert merged.peak_allocated - base.peak_allocated == held
     one = load_config("bench-1gpu", ["parallel.merge_expert_grad_microbatches=2", "train.global_batch=2"])
     assert plan_memory(PlanRequest.from_config(one, 1)).ranks[0].merged_grads_held == 0
+
+
+def test_head_weight_gradient_into_the_main_grad_is_not_planned_as_a_bf16_tensor():
+    """On CUDA with the fused accumulation the head's weight gradient goes into the FP32 main
+    grad from its GEMM (moe_model.linear): its BF16 [vocab, d_model] tensor is no longer
+    planned at the loss's backward high-water mark where it set it (few tokens, wide model);
+    a tied head keeps autograd's path, and the tensor."""
+    from pretrain.planner.activations import head_memory
+
+    cfg = load_config("bench-1gpu").model
+    cfg = replace(cfg, d_model=8192, n_heads=64, n_kv_heads=8)
+    m = {}
+    for tied in (False, True):
+        model = replace(cfg, tie_embeddings=tied)
+        for fused in (False, True):
+            ex = Execution(micro_batch=1, seq_len=1024, dense_grads_in_gemm=fused)
+            m[tied, fused] = head_memory(model, ex)
+    b, V, D, T = 2, cfg.vocab_size, cfg.d_model, 1024
+    assert m[False, False].bwd_peak - m[False, True].bwd_peak == b * V * D - max(0, b * T * V - b * T * D)
+    assert m[True, True] == m[True, False]
+    off = ["parallel.fuse_expert_grad_accumulation=false", "parallel.merge_expert_grad_microbatches=1"]
+    request = PlanRequest.from_config(load_config("bench-1gpu", off), 1)
+    assert not request.fused_grad_accumulation and PlanRequest.from_config(load_config("bench-1gpu"), 1).fused_grad_accumulation

@@ -65,6 +65,10 @@ class Execution:
     mxfp8_expert_layers: frozenset[int] = frozenset()  # layers whose experts run moe_mxfp8's GEMMs
     mxfp8_save_activations: bool = False  # MXFP8 layers keep their saved tensors in MXFP8
     kernels: Kernels = "cuda"
+    # dense weight gradients added to the FP32 main grads by the GEMM itself (moe_model's
+    # gradient sink: CUDA with parallel.fuse_expert_grad_accumulation): no BF16 [out, in]
+    # gradient exists between the GEMM and the DDP hook
+    dense_grads_in_gemm: bool = False
 
     @property
     def tokens(self) -> int:
@@ -380,8 +384,10 @@ def _swiglu(inv: Inventory, prefix: str, T: int, D: int, F: int, ex: Execution,
     inv.add(f"{prefix}.out", b * T * D, "selective")
     inv.add(f"{prefix}.d_h", b * T * F)
     inv.add(f"{prefix}.d_gates", 2 * b * T * F)
-    inv.add(f"{prefix}.dw", b * D * F)
-    inv.moment((), {"grad_out", f"{prefix}.d_h", f"{prefix}.dw"})
+    dw = set() if ex.dense_grads_in_gemm else {f"{prefix}.dw"}
+    if dw:
+        inv.add(f"{prefix}.dw", b * D * F)
+    inv.moment((), {"grad_out", f"{prefix}.d_h", *dw})
     inv.moment({f"{prefix}.h"}, {"grad_out", f"{prefix}.d_h", f"{prefix}.d_gates"})
 
 
@@ -437,7 +443,10 @@ def head_memory(cfg: MoEConfig, ex: Execution) -> EdgeMemory:
     inv.add("final_norm.input", b * T * D)
     _norm(inv, "final_norm", T, D, ex, out_saved=True, input_name="final_norm.input")
     norm = inv.bytes(inv.saved)
-    head_grads = b * V * D + b * T * D
+    # the input gradient, and the weight's BF16 gradient unless the GEMM adds it to the main
+    # grad (a tied head keeps autograd's path: the embedding's gradient joins it there)
+    head_dw = 0 if ex.dense_grads_in_gemm and not cfg.tie_embeddings else b * V * D
+    head_grads = head_dw + b * T * D
     if ex.kernels == "cuda":
         logits = b * T * V
         held = norm + logits + 3 * FP32 * T

@@ -75,6 +75,7 @@ class PlanRequest:
     mxfp8_save_activations: bool = False
     compute_dtype: str = "bfloat16"  # bfloat16 | float32: compute weights and activations
     merge_expert_grads: int = 1  # microbatches' expert weight gradients added in one launch
+    fused_grad_accumulation: bool = True  # parallel.fuse_expert_grad_accumulation (CUDA kernels)
     gpu_gib: float = H200_GIB
     headroom: float = 0.10  # share of the device kept free
 
@@ -133,6 +134,7 @@ class PlanRequest:
                    mxfp8_targets=tuple(cfg.mxfp8.targets),
                    mxfp8_save_activations=cfg.mxfp8.save_mxfp8_activations,
                    merge_expert_grads=p.merge_expert_grad_microbatches if p.fuse_expert_grad_accumulation else 1,
+                   fused_grad_accumulation=p.fuse_expert_grad_accumulation,
                    **planner)  # type: ignore[arg-type]
 
 
@@ -256,6 +258,7 @@ def plan_memory(req: PlanRequest, shapes: ModelShapes | None = None,
             if any(name_matches(f"blocks.{layer}.mlp.experts", t) for t in req.mxfp8_targets)),
         mxfp8_save_activations=req.mxfp8_save_activations,
         kernels=kernels,  # type: ignore[arg-type]
+        dense_grads_in_gemm=req.fused_grad_accumulation and kernels == "cuda",
     )
     state_layout = StateLayout(dp=req.dp, ep=req.ep, ddp_mode=req.ddp_mode, param_bytes=b,
                                bucket_cap_mb=req.bucket_cap_mb, optimizer=req.optimizer,
