@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from moe_model._triton_support import num_sms
+from moe_model._triton_support import row_chunks
 
 MAX_D = 8192  # the widest row kept in registers; wider rows take the reference path
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -199,10 +199,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     xv, xl = _rows_layout(x)
     dyv, dyl = _rows_layout(dy)
     block_r, block_d, num_warps = _launch_config(D, x.device)
-    row_blocks = triton.cdiv(R, block_r)
-    n_prog = min(row_blocks, num_sms(x.device) * _BWD_PROGRAMS_PER_SM)
-    rows_per_prog = triton.cdiv(row_blocks, n_prog) * block_r
-    n_prog = triton.cdiv(R, rows_per_prog)
+    n_prog, rows_per_prog = row_chunks(R, block_r, x.device, _BWD_PROGRAMS_PER_SM)
     partial = torch.empty(n_prog, D, dtype=torch.float32, device=x.device)
     with _on_device(x.device):
         rms_norm_bwd_kernel[(n_prog,)](

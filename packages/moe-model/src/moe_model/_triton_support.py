@@ -33,6 +33,16 @@ def num_sms(device: torch.device) -> int:
     return _cuda_properties(_index(device))[0]
 
 
+def row_chunks(rows: int, block_rows: int, device: torch.device, programs_per_sm: int) -> tuple[int, int]:
+    """``(programs, rows_per_program)`` for a kernel whose programs each walk a contiguous
+    chunk of rows in blocks of ``block_rows`` and keep one partial sum (a weight gradient's
+    row of partials): at most ``programs_per_sm`` per SM, every chunk whole blocks."""
+    blocks = -(-rows // block_rows)
+    programs = min(blocks, num_sms(device) * programs_per_sm)
+    rows_per_program = -(-blocks // programs) * block_rows
+    return -(-rows // rows_per_program), rows_per_program
+
+
 def cuda_capability(device: torch.device) -> tuple[int, int]:
     """Compute capability of the CUDA ``device``."""
     return _cuda_properties(_index(device))[1]

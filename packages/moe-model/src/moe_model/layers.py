@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moe_model._triton_support import triton_available
 from moe_model.config import MoEConfig
-from moe_model.linear import Linear
+from moe_model.linear import Linear, shared_input_linears
 
 
 class RMSNorm(nn.Module):
@@ -82,6 +82,26 @@ def apply_rope(x_BHSDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return apply_rope_reference(x_BHSDh, cos, sin)
 
 
+def norm_and_rope(x_BSHDh: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """QK-norm (when ``norm`` is given) and RoPE of query or key heads ``[B, S, H, Dh]``,
+    returned as ``[B, H, S, Dh]`` (a transposed view of ``[B, S, H, Dh]`` memory).
+
+    CUDA inputs with a norm take one kernel each way (``moe_model._qk_norm_rope_kernels``:
+    the two kernels' arithmetic, each head vector read and written once; 215 us of the
+    two apart per attention block and microbatch at bench-1gpu's shapes on an H200);
+    anything else runs ``norm`` then ``apply_rope``.
+    """
+    if norm is not None and x_BSHDh.is_cuda and triton_available():
+        from moe_model import _qk_norm_rope_kernels as k
+
+        if k.applies(x_BSHDh, norm.weight):
+            return k.QKNormRope.apply(x_BSHDh, norm.weight, norm.eps, cos, sin).transpose(1, 2)
+    if norm is not None:
+        x_BSHDh = norm(x_BSHDh)
+    return apply_rope(x_BSHDh.transpose(1, 2), cos, sin)
+
+
 def apply_rope_reference(x_BHSDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x_BHSDh.shape[-1] // 2
     x1, x2 = x_BHSDh[..., :half], x_BHSDh[..., half:]
@@ -133,14 +153,12 @@ class Attention(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSD.shape
-        q = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)
-        k = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
-        v = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H|K, S, Dh]
+        q, k, v = shared_input_linears(x_BSD, (self.wq, self.wk, self.wv))
+        q = q.view(B, S, self.n_heads, self.head_dim)
+        k = k.view(B, S, self.n_kv_heads, self.head_dim)
+        v = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope_tables(S, self.head_dim, self.rope_theta, x_BSD.device)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = norm_and_rope(q, self.q_norm, cos, sin), norm_and_rope(k, self.k_norm, cos, sin)
         priority = sdpa_priority(self.backend, q.device)
         with nullcontext() if priority is None else sdpa_kernel(list(priority), set_priority=True):
             out = F.scaled_dot_product_attention(
@@ -181,4 +199,4 @@ class SwiGLU(nn.Module):
         self.w2 = Linear(hidden, d_model, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x)))
+        return self.w2(swiglu(*shared_input_linears(x, (self.w1, self.w3))))
