@@ -174,6 +174,15 @@ def test_muon_and_mxfp8_experts_train(tmp_path):
     assert history[-1]["loss"] < history[0]["loss"]
 
 
+def test_mxfp8_attention_projections_train(tmp_path):
+    """MXFP8 q/k/v/o projections (``attn.w?``) beside the dense layers that share an input:
+    the replaced modules are called as they are, the rest keep their path."""
+    history = train(load_config("tiny", [f"run_dir={tmp_path}", "mxfp8.targets=experts,attn.w?",
+                                         "train.steps=4"]))
+    assert all(not r["skipped"] for r in history)
+    assert history[-1]["loss"] < history[0]["loss"]
+
+
 @pytest.mark.parametrize("overrides, status, message", [
     (["parallel.pp=3"], 2, "world size 1 is not divisible by parallel.pp=3"),
     (["parallel.ep=2"], 2, "parallel.ep=2 does not divide the data-parallel size 1"),

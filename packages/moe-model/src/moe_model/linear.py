@@ -141,11 +141,12 @@ class Linear(nn.Linear):
         return _LinearsIntoSink.apply(x, (route,), self.weight)[0]
 
 
-def shared_input_linears(x: torch.Tensor, layers: tuple[Linear, ...]) -> tuple[torch.Tensor, ...]:
-    """``tuple(layer(x) for layer in layers)``; when every layer's weight gradient goes into
-    a sink, in one autograd node whose input gradient adds the layers' into one tensor
-    (``_LinearsIntoSink``)."""
-    routes = tuple(layer.sink_route(x) for layer in layers)
+def shared_input_linears(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+    """``tuple(layer(x) for layer in layers)``; when every layer is a ``Linear`` whose weight
+    gradient goes into a sink, in one autograd node whose input gradient adds the layers'
+    into one tensor (``_LinearsIntoSink``). Other modules (e.g. an MXFP8 replacement of a
+    projection) are simply called."""
+    routes = tuple(layer.sink_route(x) if isinstance(layer, Linear) else None for layer in layers)
     if any(route is None for route in routes):
         return tuple(layer(x) for layer in layers)
     return _LinearsIntoSink.apply(x, routes, *(layer.weight for layer in layers))
