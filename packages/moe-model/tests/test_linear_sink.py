@@ -132,8 +132,8 @@ def test_input_gradient_pass_adds_nothing(monkeypatch):
 
 
 def test_layers_without_the_route_stay_nn_linear(monkeypatch):
-    """A bias, another dtype than the weight's, no sink, or a device without the route
-    (the default on CPU): the plain ``nn.Linear`` path; a tied head keeps autograd's."""
+    """A bias, no sink, or a device without the route (the default on CPU): the plain
+    ``nn.Linear`` path; a tied head keeps autograd's."""
     sink_calls = []
 
     class Recorder:
