@@ -130,12 +130,20 @@ def qk_norm_rope_bwd_kernel(
     tl.store(dw_row + HALF + d, tl.sum(dw2, axis=0), mask=d_ok)
 
 
-def _launch_shape(Dh: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_HALF, num_warps) for head vectors of width Dh."""
+# tile elements per warp: the backward holds about twice the forward's tile-sized arrays
+# per thread, and ran fastest with half the forward's warps (H200, bench-1gpu's q and k:
+# 41 -> 37 and 34 -> 23 us per launch against 8 warps; tools/perf_notes.md, thirteenth
+# session)
+_ELEMENTS_PER_WARP = {"forward": 256, "backward": 512}
+
+
+def _launch_shape(Dh: int, device: torch.device, direction: str) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_HALF, num_warps) for head vectors of width Dh, ``direction``
+    ``forward`` or ``backward``."""
     block_half = triton.next_power_of_2(Dh // 2)
     tile = _TILE_ELEMENTS["cuda" if device.type == "cuda" else "cpu"]
     block_r = max(1, tile // (2 * block_half))
-    return block_r, block_half, min(8, max(1, block_r * block_half // 256))
+    return block_r, block_half, min(8, max(1, block_r * block_half // _ELEMENTS_PER_WARP[direction]))
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -156,7 +164,7 @@ def qk_norm_rope_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: tor
     if R == 0:
         return out, rstd
     cos, sin = cos.contiguous(), sin.contiguous()
-    block_r, block_half, num_warps = _launch_shape(Dh, x.device)
+    block_r, block_half, num_warps = _launch_shape(Dh, x.device, "forward")
     qk_norm_rope_fwd_kernel[(triton.cdiv(R, block_r),)](
         x, weight.contiguous(), cos, sin, out, rstd, R, H, S, eps, cos.stride(0),
         HALF=Dh // 2, BLOCK_R=block_r, BLOCK_HALF=block_half, num_warps=num_warps,
@@ -174,7 +182,7 @@ def qk_norm_rope_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rst
         return dx, torch.zeros_like(weight)
     if g.stride(-1) != 1:
         g = g.contiguous()
-    block_r, block_half, num_warps = _launch_shape(Dh, x.device)
+    block_r, block_half, num_warps = _launch_shape(Dh, x.device, "backward")
     n_prog, rows_per_prog = row_chunks(R, block_r, x.device, _BWD_PROGRAMS_PER_SM)
     partial = torch.empty(n_prog, Dh, dtype=torch.float32, device=x.device)
     qk_norm_rope_bwd_kernel[(n_prog,)](
