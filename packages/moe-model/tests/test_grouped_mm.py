@@ -54,6 +54,39 @@ def test_gpu_tile_configs_fit_shared_memory_for_fp32():
         assert fp32.num_stages >= 2
 
 
+@pytest.mark.parametrize(
+    ("rows_per_group", "batches", "kind"),
+    [(1024, 1, "wgrad"), (1024, 2, "wgrad_long"), (512, 4, "wgrad_long"), (2048, 1, "wgrad_long"),
+     (511, 4, "wgrad")],
+)
+def test_weight_gradient_tiles_follow_the_reduction_length(monkeypatch, rows_per_group, batches, kind):
+    """A launch reducing over ``LONG_REDUCTION_ROWS`` rows per group or more (merged
+    microbatches, an EP rank's larger groups) takes the long-reduction tiles, shorter ones
+    the short tiles (the two were tuned apart: tools/perf_notes.md, twelfth session)."""
+    pytest.importorskip("triton")
+    from moe_model import triton_grouped_mm as tgm
+
+    chosen, launched = [], []
+    monkeypatch.setattr(tgm, "default_config", lambda k, device, dtype=None: chosen.append(k) or tgm._CPU)
+
+    class RecordingKernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launched.append(meta)
+
+    import triton
+
+    monkeypatch.setattr(tgm, "_kernels", lambda: (triton, None, RecordingKernel()))
+    assert tgm.LONG_REDUCTION_ROWS == 2048
+    E, D, F = 4, 8, 16
+    offsets = torch.arange(1, E + 1, dtype=torch.int32) * rows_per_group
+    like = torch.empty(E, F, D, dtype=torch.bfloat16).transpose(1, 2)
+    target = torch.zeros(E * F * D)
+    batches_of_rows = [(torch.randn(E * rows_per_group, D).bfloat16(), torch.randn(E * rows_per_group, F).bfloat16(),
+                        offsets) for _ in range(batches)]
+    tgm.wgrad_accumulate_(target, *batches_of_rows[0], like, more=batches_of_rows[1:])
+    assert chosen == [kind] and len(launched) == 1 and launched[0]["SOURCES"] == batches
+
+
 def test_weight_gradients_into_a_sink_under_interpreter():
     run_under_triton_interpreter(Path(__file__).with_name("_wgrad_sink_interpret_check.py"))
 
