@@ -1,7 +1,8 @@
 """Run by test_fused_rms_norm.py in a subprocess with TRITON_INTERPRET=1 (set before Triton
 is imported, and never in the test process itself): the fused RMSNorm kernels on CPU
 against ``RMSNorm.forward_reference`` (the code every non-CUDA input runs), forward,
-dx and dweight, over dtypes, widths, odd row counts, strided views and recompute.
+dx and dweight, over dtypes, widths, odd row counts, strided views and recompute; and the
+residual add fused into it (``add_rms_norm``) against the add and the norm apart.
 
 The interpreter rounds FP32 -> BF16 by truncation where a GPU rounds to nearest even
 (``fptrunc``); ``_round_bf16_to_nearest_even`` patches the interpreter's cast so the
@@ -11,7 +12,7 @@ kernels' rounding can be compared with torch's bit for bit.
 import numpy as np
 import torch
 import triton.language as tl
-from moe_model._rms_norm_kernels import _rows_layout, rms_norm
+from moe_model._rms_norm_kernels import _rows_layout, add_rms_norm, rms_norm
 from moe_model.layers import RMSNorm
 from moe_model.recompute import recompute_block
 from triton.runtime import interpreter
@@ -121,6 +122,28 @@ def main():
     xg = x.detach().requires_grad_()
     rms_norm(xg, w, EPS).backward(dy)
     close(xg.grad, reference(x, w, dy)[1], "dx, frozen weight", exact=False)
+
+    # the residual add fused into the norm: h = x + b and norm(h) with h's two gradients
+    # (its later uses' and the norm's) summed in the norm's backward, against the add and
+    # the fused norm apart (autograd sums the two gradients): equal bit for bit
+    for shape, dtype, w_dtype in (((7, 2048), torch.bfloat16, torch.bfloat16), ((3, 13, 96), torch.float32,
+                                   torch.float32), ((37, 128), torch.bfloat16, torch.float32), ((0, 64),
+                                   torch.bfloat16, torch.bfloat16)):
+        x, w, dy = make(g, shape, dtype, w_dtype)
+        b = (torch.randn(shape, generator=g) * 3).to(dtype)
+        dh = torch.randn(shape, generator=g).to(dtype)
+        results = []
+        for together in (True, False):
+            xg, bg, wg = (t.detach().clone().requires_grad_() for t in (x, b, w))
+            if together:
+                h, y = add_rms_norm(xg, bg, wg, EPS)
+            else:
+                h = xg + bg
+                y = rms_norm(h, wg, EPS)
+            torch.autograd.backward((h, y), (dh, dy))
+            results.append((h.detach(), y.detach(), xg.grad, bg.grad, wg.grad))
+        for what, got, want in zip(("h", "y", "dx", "dbranch", "dw"), *results, strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want), f"add_rms_norm {what} {shape} {dtype}"
 
     # activation recompute: moe_model.recompute's whole-block and selective checkpointing
     x, w, dy = make(g, (2, 9, 128), torch.bfloat16, torch.bfloat16)

@@ -103,3 +103,47 @@ def test_fused_has_no_host_sync():
         norm(x).float().square().sum().backward()
 
     assert_no_host_sync(step)
+
+
+def _add_then_norm(norm, x, branch, dh, dy, together):
+    """(h, y, dx, dbranch, dweight) of ``h = x + branch; y = norm(h)`` with h's gradient
+    ``dh`` from its other uses: ``norm.add_and_norm`` (``together``) or the two apart."""
+    xg, bg = x.detach().requires_grad_(), branch.detach().requires_grad_()
+    norm.weight.grad = None
+    if together:
+        h, y = norm.add_and_norm(xg, bg)
+    else:
+        h = xg + bg
+        y = norm(h)
+    torch.autograd.backward((h, y), (dh, dy))
+    return h.detach(), y.detach(), xg.grad, bg.grad, norm.weight.grad.clone()
+
+
+def test_add_and_norm_on_cpu_is_the_add_then_the_norm():
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(96, 1e-6)
+    x, branch, dh, dy = (torch.randn(3, 5, 96, generator=g).bfloat16() for _ in range(4))
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g))
+    dy = dy.float()  # y has the FP32 weight's dtype
+    for a, b in zip(_add_then_norm(norm, x, branch, dh, dy, True), _add_then_norm(norm, x, branch, dh, dy, False),
+                    strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_fused_add_and_norm_matches_the_two_apart_without_host_sync():
+    """The block's residual add fused into the next norm (``RMSNorm.add_and_norm``) at
+    bench-1gpu's microbatch: equal bit for bit to the add and the fused norm apart,
+    forward and backward, and no host sync."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    norm = RMSNorm(2048, 1e-6).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.5 * torch.randn(2048, device="cuda", generator=g))
+    norm.bfloat16()
+    x, branch, dh, dy = ((torch.randn(2, 4096, 2048, device="cuda", generator=g) * 3).bfloat16() for _ in range(4))
+    together = _add_then_norm(norm, x, branch, dh, dy, True)
+    apart = _add_then_norm(norm, x, branch, dh, dy, False)
+    for name, a, b in zip(("h", "y", "dx", "dbranch", "dweight"), together, apart, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert_no_host_sync(lambda: _add_then_norm(norm, x, branch, dh, dy, True))

@@ -33,14 +33,32 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and triton_available():
+        if self._fused_kernels_take(x):
             from moe_model import _rms_norm_kernels as k
 
-            w = self.weight
-            if (x.dtype in k.FLOAT_DTYPES and w.dtype in k.FLOAT_DTYPES and w.device == x.device
-                    and 0 < x.shape[-1] <= k.MAX_D):
-                return k.rms_norm(x, w, self.eps)
+            return k.rms_norm(x, self.weight, self.eps)
         return self.forward_reference(x)
+
+    def add_and_norm(self, x: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, self(h))`` for ``h = x + branch``: a residual connection and the norm
+        that reads it. On CUDA one kernel each way (the add inside the norm's forward, and
+        h's two gradients summed inside the norm's backward: two passes over ``[T, D]``
+        and two launches fewer per call), with the same roundings as apart."""
+        if branch.shape == x.shape and branch.dtype == x.dtype and self._fused_kernels_take(x):
+            from moe_model import _rms_norm_kernels as k
+
+            return k.add_rms_norm(x, branch, self.weight, self.eps)
+        h = x + branch
+        return h, self(h)
+
+    def _fused_kernels_take(self, x: torch.Tensor) -> bool:
+        if not (x.is_cuda and triton_available()):
+            return False
+        from moe_model import _rms_norm_kernels as k
+
+        w = self.weight
+        return (x.dtype in k.FLOAT_DTYPES and w.dtype in k.FLOAT_DTYPES and w.device == x.device
+                and 0 < x.shape[-1] <= k.MAX_D)
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in FP32 whatever the compute dtype, as the HF reference does.

@@ -47,8 +47,8 @@ class Block(nn.Module):
         return recompute_block(self._forward, x_BSD, selective=self.recompute == "selective")
 
     def _forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
-        return x_BSD + self.mlp(self.mlp_norm(x_BSD))
+        h_BSD, normed_BSD = self.mlp_norm.add_and_norm(x_BSD, self.attn(self.attn_norm(x_BSD)))
+        return h_BSD + self.mlp(normed_BSD)
 
 
 class MoETransformer(nn.Module):
