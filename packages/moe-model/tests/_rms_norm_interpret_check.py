@@ -145,6 +145,22 @@ def main():
         for what, got, want in zip(("h", "y", "dx", "dbranch", "dw"), *results, strict=True):
             assert got.dtype == want.dtype and torch.equal(got, want), f"add_rms_norm {what} {shape} {dtype}"
 
+    # as in the block: x not a leaf, and the branch computed from x, so x's gradient
+    # buffer also receives the branch's backward (the same dx tensor went to both edges)
+    x0, w, dy = make(g, (9, 96), torch.bfloat16, torch.bfloat16)
+    proj, dh = torch.randn(96, 96, generator=g).bfloat16() * 0.1, torch.randn(9, 96, generator=g).bfloat16()
+    results = []
+    for together in (True, False):
+        x0g, wg = x0.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        x = x0g * 1.5
+        branch = x @ proj
+        h, y = add_rms_norm(x, branch, wg, EPS) if together else (x + branch, None)
+        y = rms_norm(h, wg, EPS) if y is None else y
+        torch.autograd.backward((h, y), (dh, dy))
+        results.append((x0g.grad, wg.grad))
+    for what, got, want in zip(("dx", "dw"), *results, strict=True):
+        assert torch.equal(got, want), f"add_rms_norm in a graph: {what}"
+
     # activation recompute: moe_model.recompute's whole-block and selective checkpointing
     x, w, dy = make(g, (2, 9, 128), torch.bfloat16, torch.bfloat16)
     want = fused(x, w, dy)
