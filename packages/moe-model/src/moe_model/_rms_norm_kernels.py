@@ -188,9 +188,9 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
     norm's input). With ``branch`` (x's shape and dtype) the norm's input is ``h = x +
     branch``, returned contiguous; else it is ``x``."""
     _check(x, weight)
-    if branch is not None and (branch.shape != x.shape or branch.dtype != x.dtype):
-        raise ValueError(f"rms_norm: branch {branch.dtype}{tuple(branch.shape)} does not match "
-                         f"x {x.dtype}{tuple(x.shape)}")
+    if branch is not None and (branch.shape, branch.dtype, branch.device) != (x.shape, x.dtype, x.device):
+        raise ValueError(f"rms_norm: branch {branch.dtype}{tuple(branch.shape)} on {branch.device} does "
+                         f"not match x {x.dtype}{tuple(x.shape)} on {x.device}")
     D = x.shape[-1]
     R = x.numel() // D
     out_dtype = torch.promote_types(weight.dtype, x.dtype)

@@ -44,7 +44,7 @@ class RMSNorm(nn.Module):
         that reads it. On CUDA one kernel each way (the add inside the norm's forward, and
         h's two gradients summed inside the norm's backward: two passes over ``[T, D]``
         and two launches fewer per call), with the same roundings as apart."""
-        if branch.shape == x.shape and branch.dtype == x.dtype and self._fused_kernels_take(x):
+        if (branch.shape, branch.dtype, branch.device) == (x.shape, x.dtype, x.device) and self._fused_kernels_take(x):
             from moe_model import _rms_norm_kernels as k
 
             return k.add_rms_norm(x, branch, self.weight, self.eps)
