@@ -35,7 +35,11 @@ breakdown from CUDA events at the trainer's phase boundaries (``PhaseTimer``;
 max over ranks; "other" is data, statistics, the bias step and host time between
 marks), and "lead": the host's smallest lead over the device at a phase mark after
 the first microbatch's forward (ms, min over steps and ranks), about zero where the
-device waited for the host's launches in the steady state. The JSON holds every step; a short table is printed last.
+device waited for the host's launches in the steady state. With ``train.cuda_graphs`` (the
+``bench-1gpu`` preset) the microbatches and the gradient sync are one phase, ``graph``,
+the graphs are captured again for every routing, and the peak memory includes the
+warm-up step, where the capture allocates what the replays then reuse. The JSON holds
+every step; a short table is printed last.
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ from pretrain.trainer import PEAK_FLOPS, Trainer
 
 METHODS = ("ddp", "ep", "fsdp2")
 FSDP2_BASELINE = Path(__file__).resolve().with_name("fsdp2_baseline.py")
-PHASES = ("forward", "backward", "pipeline", "grad_sync", "optimizer", "weight_rebuild", "stats")
+PHASES = ("forward", "backward", "pipeline", "graph", "grad_sync", "optimizer", "weight_rebuild",
+          "stats")
 MATMUL_N = 8192
 
 
@@ -139,11 +144,16 @@ def run_method(a: argparse.Namespace, method: str, device: torch.device, world: 
     try:
         for routing in a.routing:
             hooks = force_routing(trainer.model, routing, seed=cfg.seed)
+            if method != "fsdp2":
+                trainer.reset_graphs()  # graphs captured under another routing would replay it
+            graphs = getattr(trainer, "graphs", None) is not None
+            if device.type == "cuda" and graphs:  # the activations are allocated at the capture
+                torch.cuda.reset_peak_memory_stats(device)
             for _ in range(a.warmup):
                 step += 1
                 trainer.step(step)
                 timer.collect()
-            if device.type == "cuda":
+            if device.type == "cuda" and not graphs:
                 torch.cuda.reset_peak_memory_stats(device)
             records, phases, leads = [], [], []
             for _ in range(a.steps):
@@ -263,7 +273,7 @@ def print_table(report: dict[str, Any]) -> None:
           + (f"; BF16 matmul ceiling {ceiling:.0f} TFLOP/s, MFU vs {PEAK_FLOPS / 1e12:.0f}" if ceiling
              else ""))
     head = ["method", "routing", "tok/s", "tok/s/GPU", "MFU", "of ceil", "peak GiB", "step ms",
-            "fwd", "bwd", "pipe", "sync", "optim", "rebuild", "stats", "other", "lead"]
+            "fwd", "bwd", "pipe", "graph", "sync", "optim", "rebuild", "stats", "other", "lead"]
     print(" ".join(f"{h:>9s}" for h in head))
     for r in report["runs"]:
         ph = r["phase_ms"]

@@ -83,7 +83,8 @@ def main() -> None:
     with distributed("cuda") as rt, tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(a.config, [*a.overrides, f"train.steps={a.warmup + 1}", "optim.schedule=constant",
                                      "checkpoint.every=0", "metrics.expert_load_every=0",
-                                     "train.device=cuda", f"run_dir={tmp}/run"])
+                                     "train.device=cuda", f"run_dir={tmp}/run",
+                                     "train.cuda_graphs=false"])  # a replayed graph has no ops
         mesh = build_mesh(validate_layout(cfg, rt.world_size), "cuda")
         trainer = Trainer(cfg, mesh, rt.device, phase_timer=PhaseTimer(rt.device))
         try:

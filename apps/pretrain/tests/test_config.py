@@ -134,6 +134,15 @@ def test_toml_file_errors_name_the_key(tmp_path):
     (["parallel.ep_payload=mxfp8"], "parallel.ep_payload=mxfp8 needs expert parallelism"),
     (["mxfp8.gemm=fast"], "invalid mxfp8 config: MXFP8Config.gemm must be one of"),
     (["parallel.pp=2", "model.tie_embeddings=true"], "model.tie_embeddings with parallel.pp > 1"),
+    (["train.cuda_graphs=true", "parallel.pp=2"], "train.cuda_graphs is not supported with parallel.pp=2"),
+    (["train.cuda_graphs=true", "parallel.ep=2"],
+     "train.cuda_graphs is not supported with parallel.ep=2 / ep_backend=auto"),
+    (["train.cuda_graphs=true", "parallel.ep_backend=rowwise"],
+     "train.cuda_graphs is not supported with parallel.ep=1 / ep_backend=rowwise"),
+    (["train.cuda_graphs=true", "mxfp8.targets=experts"],
+     "train.cuda_graphs is not supported with mxfp8.targets"),
+    (["train.cuda_graphs=true", "train.device=cpu"],
+     "train.cuda_graphs is not supported with train.device=cpu"),
 ])
 def test_validate_names_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):

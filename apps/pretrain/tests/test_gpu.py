@@ -80,7 +80,9 @@ def test_dp2_and_ep2_over_nccl_match_one_gpu(tmp_path):
     common = ["--config", "tiny", "train.device=cuda", "train.compute_dtype=float32"]
     single = train(load_config(common[1], [*common[2:], f"run_dir={tmp_path / 'one'}"]))
     ep2 = ["parallel.ep=2", "parallel.ep_backend=rowwise"]
-    for name, extra in (("dp2", []), ("ep2", ep2), ("ep2-dst", [*ep2, "parallel.ep_combine=destination"])):
+    runs = (("dp2", []), ("dp2-graphs", ["train.cuda_graphs=true"]), ("ep2", ep2),
+            ("ep2-dst", [*ep2, "parallel.ep_combine=destination"]))
+    for name, extra in runs:
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
              "-m", "pretrain", *common, *extra, f"run_dir={tmp_path / name}"],
@@ -125,6 +127,65 @@ def test_a_warmed_up_step_with_local_experts_does_not_sync_the_host():
 
 def _ep2_rowwise_syncs() -> list[str]:
     return _steady_state_step_syncs([*NO_SYNC, "parallel.ep=2", "parallel.ep_backend=rowwise"])
+
+
+@pytest.mark.gpu
+def test_a_step_replayed_from_cuda_graphs_does_not_sync_the_host():
+    assert _steady_state_step_syncs([*NO_SYNC, "train.cuda_graphs=true",
+                                     "parallel.merge_expert_grad_microbatches=2"]) == []
+
+
+def _train_steps(overrides: list[str], steps: int, between=None) -> tuple[list[dict], Trainer]:
+    """``steps`` steps of a one-GPU trainer; ``between(trainer, step)`` before each."""
+    cfg = load_config("tiny", overrides)
+    with distributed("cuda") as rt:
+        trainer = Trainer(cfg, build_mesh(validate_layout(cfg, rt.world_size), "cuda"), rt.device)
+        try:
+            records = []
+            for step in range(1, steps + 1):
+                if between is not None:
+                    between(trainer, step)
+                records.append(trainer.step(step))
+            params = {n: p.detach().float().cpu() for n, p in trainer.model.named_parameters()}
+        finally:
+            trainer.close()
+    return records, params
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge", [1, 2])
+def test_steps_replayed_from_cuda_graphs_train_exactly_like_eager_steps(merge):
+    """Five microbatches per step (merge 2: two middle units replayed, then a last unit of
+    one), global-batch balancing with the bias step (the running counts and statistics the
+    graphs add into): the same losses, norms, expert loads and weights, bit for bit."""
+    common = [*NO_SYNC, "train.global_batch=10", f"parallel.merge_expert_grad_microbatches={merge}"]
+    eager, eager_params = _train_steps(common, 6)
+    graphed, graphed_params = _train_steps([*common, "train.cuda_graphs=true"], 6)
+    for ours, ref in zip(graphed, eager, strict=True):
+        for key in ("loss", "grad_norm", "lb_loss", "z_loss", "expert_load"):
+            assert ours[key] == ref[key], (ours["step"], key, ours[key], ref[key])
+    for name, ref in eager_params.items():
+        assert torch.equal(graphed_params[name], ref), name
+    assert graphed[-1]["loss"] < graphed[0]["loss"]
+
+
+@pytest.mark.gpu
+def test_reset_graphs_makes_the_replay_follow_a_new_routing_hook():
+    """Graphs replay what they recorded: a routing hook installed after the capture takes
+    effect once the trainer recaptures (``reset_graphs``)."""
+    from pretrain.routing_override import force_routing
+
+    def install_balanced(trainer: Trainer, step: int) -> None:
+        if step == 3:
+            force_routing(trainer.model, "balanced")
+            trainer.reset_graphs()
+
+    records, _ = _train_steps([*NO_SYNC, "train.cuda_graphs=true", "train.global_batch=8"], 5,
+                              install_balanced)
+    per_expert = 8 * 32 * 2 // 4  # 8 sequences of 32 tokens, top-2 over 4 experts
+    balanced = [[per_expert] * 4] * len(records[0]["expert_load"])
+    assert records[1]["expert_load"] != balanced
+    assert [r["expert_load"] for r in records[2:]] == [balanced] * 3
 
 
 @pytest.mark.multigpu(2)

@@ -16,9 +16,14 @@ class _Layer:
     def __init__(self, stats: dict[str, torch.Tensor]) -> None:
         self.stats = stats
 
-    def pop_step_stats(self) -> dict[str, torch.Tensor]:
+        self.steps_ended = 0
+
+    def take_step_stats(self) -> dict[str, torch.Tensor]:
         stats, self.stats = self.stats, {}
         return stats
+
+    def end_step(self) -> None:
+        self.steps_ended += 1
 
 
 def _layer(counts, n_tokens, lb, z, dropped) -> _Layer:
@@ -48,6 +53,24 @@ def test_step_packing_sums_stages_and_ranks_into_model_wide_slots():
     with pytest.raises(RuntimeError, match="MoE layer 0 recorded no routing statistics"):
         first.pack(None, stop=False)  # popped: nothing left this step
     assert StepPacker({}, 0, 4, torch.device("cpu")).unpack(torch.zeros(2)).moe is None
+
+
+def test_statistics_taken_in_groups_pack_like_the_whole_step_and_end_it_once():
+    """What the CUDA-graph units do: take the statistics per group of microbatches (the
+    step goes on), sum them, hand the sum to ``pack`` (which ends the step once)."""
+    cpu = torch.device("cpu")
+    first, second = ([3, 1, 0, 4], 4, 2.0, 1.0, [0, 1, 0, 0]), ([1, 1, 2, 4], 4, 3.0, 0.5, [1, 0, 0, 0])
+    layer = _layer(*first)
+    grouped = StepPacker({0: layer}, 1, 4, cpu)
+    total = grouped.stats()
+    layer.stats = _layer(*second).stats
+    total += grouped.stats()
+    assert layer.steps_ended == 0
+    packed = grouped.pack(torch.tensor(1.5), stop=False, stats=total)
+    assert layer.steps_ended == 1 and layer.stats == {}
+    whole = _layer([4, 2, 2, 8], 8, 5.0, 1.5, [1, 1, 0, 0])
+    assert torch.equal(packed, StepPacker({0: whole}, 1, 4, cpu).pack(torch.tensor(1.5), stop=False))
+    assert whole.steps_ended == 1
 
 
 def test_jsonl_keeps_the_records_up_to_the_resumed_step(tmp_path):

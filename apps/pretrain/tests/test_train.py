@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 from pretrain.cli import main
-from pretrain.config import OptimConfig, load_config, validate_layout
+from pretrain.config import ConfigError, OptimConfig, load_config, validate_layout
+from pretrain.graphs import split_into_units
 from pretrain.mesh import build_mesh
 from pretrain.metrics import MetricsLog
 from pretrain.runtime import distributed
@@ -208,6 +209,25 @@ def test_token_ids_beyond_the_vocab_exit_with_the_file_name(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == (f"pretrain: error: {data / 'shard.bin'}: token id 4321 at position 1234 is >= "
                    "model.vocab_size=256")
+
+
+def test_cuda_graphs_on_a_machine_without_a_gpu_fail_naming_the_field(tmp_path):
+    """``train.device=auto`` passes the config check; the trainer then runs on the CPU."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the run would use it")
+    cfg = load_config("tiny", [f"run_dir={tmp_path}", "train.cuda_graphs=true"])
+    with distributed("cpu") as rt:
+        with pytest.raises(ConfigError, match="train.cuda_graphs needs a CUDA device"):
+            Trainer(cfg, build_mesh(validate_layout(cfg, rt.world_size), "cpu"), rt.device)
+
+
+@pytest.mark.parametrize("n, unit, expected", [
+    (32, 4, (7, 4)), (5, 2, (2, 1)), (5, 1, (4, 1)), (1, 4, (0, 1)), (4, 4, (0, 4)), (6, 4, (1, 2)),
+])
+def test_a_step_splits_into_middle_units_and_a_last_one(n, unit, expected):
+    assert split_into_units(n, unit) == expected
+    middle, last = expected
+    assert middle * unit + last == n and 1 <= last <= unit
 
 
 def test_lr_schedules():

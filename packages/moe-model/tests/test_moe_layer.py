@@ -53,6 +53,14 @@ def test_step_stats_accumulate_and_reset():
     assert s["dropped_per_expert"].sum().item() > 0
     assert s["lb_loss_sum"].item() > 0 and s["z_loss_sum"].item() > 0
     assert layer.pop_step_stats() == {}
+    layer(x)
+    first = layer.take_step_stats()  # a group of microbatches; the step goes on
+    layer(x)
+    second = layer.take_step_stats()
+    assert layer.take_step_stats() == {}
+    assert (first["n_tokens"] + second["n_tokens"]).item() == 48
+    for key in ("tokens_per_expert", "dropped_per_expert", "lb_loss_sum", "z_loss_sum"):
+        assert torch.equal(first[key] + second[key], s[key]), key
 
 
 def test_unpopped_stats_are_folded_and_still_sum_exactly(monkeypatch):
@@ -82,9 +90,14 @@ def test_global_batch_counts_run_over_the_step():
     c1 = layer.router(x1.view(12, -1)).tokens_per_expert
     c2 = layer.router(x2.view(12, -1)).tokens_per_expert
     layer(x1)
+    running = layer._step_counts
     assert torch.equal(layer._balance_counts(c2), c1 + c2)
+    assert layer.take_step_stats()["tokens_per_expert"].sum() > 0  # the step goes on
+    assert torch.equal(layer._balance_counts(c1), c1 + c2 + c1)
     layer.pop_step_stats()
     assert torch.equal(layer._balance_counts(c2), c2)
+    # one buffer, updated in place: a forward captured in a CUDA graph keeps adding to it
+    assert layer._step_counts is running
 
 
 def _global_batch_rank() -> None:

@@ -89,6 +89,9 @@ class TrainConfig:
     max_consecutive_skips: int = 5  # abort after this many steps in a row with a non-finite loss/grad
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when present
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    # replay the microbatches' forward + backward from CUDA graphs captured after the first
+    # step (pretrain.graphs); CUDA only, not with pipeline or expert parallelism or MXFP8
+    cuda_graphs: bool = False
 
 
 @dataclass
@@ -210,6 +213,19 @@ class PretrainConfig:
                 "parallel.merge_expert_grad_microbatches > 1 merges the gradients the fused expert "
                 "GEMMs deliver: it needs parallel.fuse_expert_grad_accumulation=true"
             )
+        if self.train.cuda_graphs:
+            unsupported = [
+                (p.pp > 1, f"parallel.pp={p.pp}: the pipeline schedule interleaves microbatches"),
+                (p.resolved_ep_backend() != "local",
+                 f"parallel.ep={p.ep} / ep_backend={p.ep_backend}: the expert transport is not "
+                 "captured"),
+                (bool(self.mxfp8.targets), "mxfp8.targets: the MXFP8 weight caches are rebuilt as "
+                 "new tensors after every update, which a graph would not see"),
+                (self.train.device == "cpu", "train.device=cpu: CUDA graphs need a GPU"),
+            ]
+            for bad, why in unsupported:
+                if bad:
+                    raise ConfigError(f"train.cuda_graphs is not supported with {why}")
         if not self.checkpoint.resume:
             raise ConfigError("checkpoint.resume must be auto, none or a checkpoint path")
 
@@ -294,7 +310,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Throughput benchmarks on H200s (issue 10): synthetic tokens, bf16 compute.
     "bench-1gpu": {
         "model": _BENCH_MODEL,
-        "train": _BENCH_TRAIN,
+        # the microbatches replayed from CUDA graphs: +0.9 to +2.4% on one H200, the device
+        # idle 26 ms per step instead of ~60 (tools/perf_notes.md, fourteenth session)
+        "train": {**_BENCH_TRAIN, "cuda_graphs": True},
         "optim": {"warmup_steps": 5},
         "data": {"path": SYNTHETIC},
         # four microbatches' expert weight gradients per launch: +3.5% for 7 GiB at 2 (ninth

@@ -1,7 +1,9 @@
 """One optimizer step's loss, stop flag and MoE routing statistics, reduced in one collective.
 
-What the app needs from a MoE layer (declared here, by the consumer): a
-``pop_step_stats()`` returning device tensors accumulated since the last call,
+What the app needs from a MoE layer (declared here, by the consumer):
+``take_step_stats()`` returning device tensors accumulated since the last call (``{}``
+if none) and ``end_step()`` ending the optimizer step for its balancing counts; the
+values are
 
 - ``tokens_per_expert`` ``[E]`` int: routed (token, slot) pairs per expert;
 - ``dropped_per_expert`` ``[E]`` int: slots no expert processed (capacity);
@@ -34,7 +36,9 @@ _SCALARS = ("n_tokens", "lb_loss_sum", "z_loss_sum")
 
 
 class StepStatsSource(Protocol):
-    def pop_step_stats(self) -> Mapping[str, torch.Tensor]: ...
+    def take_step_stats(self) -> Mapping[str, torch.Tensor]: ...
+
+    def end_step(self) -> None: ...
 
 
 @dataclass
@@ -88,26 +92,42 @@ class StepPacker:
         self.width = 2 * n_experts + len(_SCALARS)
         self.device = device
 
-    def pack(self, loss: torch.Tensor | None, stop: bool) -> torch.Tensor:
-        """``[2 + L * (2E + 3)]`` FP64: loss (``None``: this rank holds no loss), stop, stats.
+    def stats(self) -> torch.Tensor:
+        """``[L * (2E + 3)]`` FP64: every held layer's statistics since the last take, taken.
 
-        Pops every held layer's statistics (this ends the step for them).
+        The step goes on (a group of microbatches replayed from a CUDA graph adds this into
+        a running sum that ``pack`` receives as ``stats``).
         """
-        flat = torch.zeros(_HEAD + self.n_slots * self.width, dtype=torch.float64,
-                           device=self.device)
-        if loss is not None:
-            flat[0] = loss
-        flat[1:2].fill_(float(stop))  # a kernel argument: item assignment would copy from the host
-        slots = flat[_HEAD:].view(self.n_slots, self.width)
+        flat = torch.zeros(self.n_slots * self.width, dtype=torch.float64, device=self.device)
+        slots = flat.view(self.n_slots, self.width)
         E = self.n_experts
         for slot, layer in self.layers.items():
-            stats = layer.pop_step_stats()
+            stats = layer.take_step_stats()
             if not stats:
                 raise RuntimeError(f"MoE layer {slot} recorded no routing statistics this step")
             row = slots[slot]
             row[:E] = stats["tokens_per_expert"]
             row[E:2 * E] = stats["dropped_per_expert"]
             row[2 * E:] = torch.stack([stats[k].to(torch.float64) for k in _SCALARS])
+        return flat
+
+    def pack(self, loss: torch.Tensor | None, stop: bool,
+             stats: torch.Tensor | None = None) -> torch.Tensor:
+        """``[2 + L * (2E + 3)]`` FP64: loss (``None``: this rank holds no loss), stop, stats.
+
+        ``stats``: the step's statistics as ``stats()`` lays them out, already taken; by
+        default they are taken now. Ends the step for every held layer.
+        """
+        flat = torch.empty(_HEAD + self.n_slots * self.width, dtype=torch.float64,
+                           device=self.device)
+        flat[_HEAD:] = self.stats() if stats is None else stats
+        if loss is None:
+            flat[0:1].zero_()
+        else:
+            flat[0] = loss
+        flat[1:2].fill_(float(stop))  # a kernel argument: item assignment would copy from the host
+        for layer in self.layers.values():
+            layer.end_step()
         return flat
 
     def counts(self, flat: torch.Tensor) -> torch.Tensor:

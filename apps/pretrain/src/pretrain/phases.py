@@ -6,7 +6,9 @@ the end of the step's device work; a phase lasts until the next mark. On CUDA a
 mark records an event on the current stream, so the timer adds no host
 synchronisation: ``collect()`` reads the events after the step's one
 synchronisation point (the end-of-step read of the logged values). On CPU a mark
-reads the wall clock. Phases that repeat (one forward per microbatch) add up.
+reads the wall clock. Phases that repeat (one forward per microbatch) add up. Marks
+made while a CUDA graph is being captured are dropped: the replayed microbatches
+(``train.cuda_graphs``) are one phase, ``graph``.
 
 Collectives run on their own streams: ``grad_sync`` is the time the compute
 stream waits in ``finish_grad_sync`` for reductions not hidden behind the last
@@ -39,6 +41,8 @@ class PhaseTimer:
     def mark(self, phase: str | None) -> None:
         """``phase`` starts now (``None``: the step's device work ends)."""
         event = None
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            return  # recording a CUDA graph: its replay is timed as one phase (``graph``)
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()

@@ -25,6 +25,11 @@ over it, then the MXFP8 caches' refresh hook.
    step (aux-loss-free balancing) from the step's expert load summed over DP,
    once per step, on the device, and not on a skipped step.
 
+With ``train.cuda_graphs`` the first step runs eagerly (on the graphs' stream) and
+the microbatches' forward and backward, with the final ``finish_grad_sync``, are then
+captured in CUDA graphs (``pretrain.graphs``) and replayed from the second step on, as
+one phase ``graph``; the rest of the step runs as before.
+
 Host synchronisation: none inside the step on GPU (the no-sync transports,
 device-side routing, clipping and skip flag). The one synchronisation per step
 is ``_read``: one copy of the reduced values, the gradient norm and the skip flag
@@ -38,7 +43,7 @@ Shape legend: L MoE layers of the model, E experts.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -58,8 +63,9 @@ from moe_mxfp8 import refresh_weight_caches
 from torch import nn
 
 from pretrain.build import build_model_part
-from pretrain.config import PretrainConfig
+from pretrain.config import ConfigError, PretrainConfig
 from pretrain.data import BatchReader, open_source
+from pretrain.graphs import MicrobatchGraphs
 from pretrain.mesh import ParallelMesh
 from pretrain.metrics import MetricsLog
 from pretrain.moe_stats import StepPacker
@@ -153,12 +159,30 @@ class Trainer:
         self.schedule = build_schedule(cfg.optim, t.steps)
         self.packer = StepPacker(self.part.moe_layers, m.n_moe_layers, m.n_experts, device)
         self.flops_per_token = flops_per_token(m, t.seq_len)
+        self.graphs: MicrobatchGraphs | None = None
+        if t.cuda_graphs:
+            if device.type != "cuda":
+                raise ConfigError(f"train.cuda_graphs needs a CUDA device, this run uses {device}")
+            self.reset_graphs()
+
+    def reset_graphs(self) -> None:
+        """Drop the captured graphs: the next step runs eagerly and captures them again.
+
+        Call after changing what the model's forward launches (hooks, replaced
+        parameters): a graph replays the kernels it recorded. No-op without
+        ``train.cuda_graphs``.
+        """
+        if self.cfg.train.cuda_graphs:
+            self.graphs = MicrobatchGraphs(
+                self.data.n_microbatches, self.cfg.parallel.merge_expert_grad_microbatches,
+                self.packer.n_slots * self.packer.width, self.device)
 
     def close(self) -> None:
         """Release the EP transport (collective) and detach the gradient hooks."""
         self.part.close()
         set_gradient_sink(self.model, None)
         self.ddp.close()
+        self.graphs = None
 
     # -- the loop ------------------------------------------------------------------
 
@@ -205,47 +229,81 @@ class Trainer:
 
     def _run(self, step: int, stop_requested: bool) -> _DeviceStep:
         lr_factor = self.schedule(step)
-        loss = self._forward_backward(step)
+        graphs = self.graphs
+        if graphs is not None and graphs.captured:
+            self._mark("graph")
+            graphs.replay(self._host_batches(step))
+            loss, step_stats = graphs.loss_sum, graphs.stats_sum
+        else:
+            loss, step_stats = self._forward_backward(step), None
         self._mark("optimizer")
         stats = self.optimizer.update(lr_factor)
         self._mark("weight_rebuild")
         self.optimizer.rebuild_weights()
         self._mark("stats")
-        reduced = self.packer.pack(loss, stop_requested)
+        reduced = self.packer.pack(loss, stop_requested, step_stats)
         dist.all_reduce(reduced)
         self._update_router_bias(reduced, stats.skipped)
         self.ddp.zero_grad()
+        if graphs is not None:
+            if graphs.captured:
+                graphs.reset_sums()
+            else:  # the first step ran eagerly on the graphs' stream: capture for the next
+                graphs.capture(self._run_unit, (self.cfg.train.micro_batch, self.cfg.train.seq_len + 1))
         self._mark(None)
         return _DeviceStep(reduced, stats.grad_norm, stats.skipped, self.cfg.optim.lr * lr_factor)
 
-    def _tokens(self, step: int, index: int) -> torch.Tensor:
-        """``[micro_batch, seq_len + 1]`` token ids of this rank's microbatch, on the device."""
-        tokens = self.data.microbatch(step, index)
-        if self.device.type == "cuda":
-            tokens = tokens.pin_memory()
-        return tokens.to(self.device, non_blocking=True)
+    def _host_batches(self, step: int) -> list[torch.Tensor]:
+        """``[micro_batch, seq_len + 1]`` token ids of this rank's microbatches, on the host
+        (pinned on CUDA, so the copies to the device do not wait for it)."""
+        batches = [self.data.microbatch(step, i) for i in range(self.data.n_microbatches)]
+        return [b.pin_memory() for b in batches] if self.device.type == "cuda" else batches
 
     def _forward_backward(self, step: int) -> torch.Tensor | None:
         """This rank's part of the global loss; ``None`` where no last pipeline stage is held."""
-        batches = [self._tokens(step, i) for i in range(self.data.n_microbatches)]
+        batches = [b.to(self.device, non_blocking=True) for b in self._host_batches(step)]
         pipeline = self.part.pipeline
         if pipeline is not None:
             self._mark("pipeline")
             losses = pipeline.step([b[:, :-1] for b in batches], [b[:, 1:] for b in batches],
                                    self.loss_scale, grad_sync=_MarkedGradSync(self.ddp, self._mark))
             return losses.sum() if self.mesh.is_last_stage else None
-        loss_sum = torch.zeros((), device=self.device)
+        if self.graphs is None:
+            return self._microbatches(batches, finish=True)
+        # warm-up for the capture: the same work on the stream the graphs are captured on
+        stream, current = self.graphs.stream, torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            loss_sum = self._microbatches(batches, finish=True)
+        current.wait_stream(stream)
+        return loss_sum
+
+    def _microbatches(self, batches: list[torch.Tensor], finish: bool,
+                      loss_sum: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of ``batches`` (device token ids), all under ``no_sync()``
+        but the last if ``finish``, which then ends with ``finish_grad_sync()``; their loss
+        added to ``loss_sum`` (a new zero if ``None``), which is returned."""
+        if loss_sum is None:
+            loss_sum = torch.zeros((), device=self.device)
         for index, tokens in enumerate(batches):
-            last = index == len(batches) - 1
-            with nullcontext() if last else self.ddp.no_sync():
+            sync = finish and index == len(batches) - 1
+            with nullcontext() if sync else self.ddp.no_sync():
                 self._mark("forward")
                 loss = lm_loss_sum(self.model(tokens[:, :-1]), tokens[:, 1:]) * self.loss_scale
                 self._mark("backward")
                 loss.backward()
             loss_sum += loss.detach()
-        self._mark("grad_sync")
-        self.ddp.finish_grad_sync()
+        if finish:
+            self._mark("grad_sync")
+            self.ddp.finish_grad_sync()
         return loss_sum
+
+    def _run_unit(self, tokens: Sequence[torch.Tensor], last: bool) -> None:
+        """One captured unit: its microbatches, their loss and statistics into the graphs'
+        running sums."""
+        graphs = self.graphs
+        self._microbatches(list(tokens), finish=last, loss_sum=graphs.loss_sum)
+        graphs.stats_sum.add_(self.packer.stats())
 
     def _update_router_bias(self, reduced: torch.Tensor, skipped: torch.Tensor) -> None:
         """The routers' bias step from the step's load summed over DP; none on a skipped step.

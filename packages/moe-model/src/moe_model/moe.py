@@ -19,13 +19,16 @@ Load-balancing granularity (what the expert load ``f_e`` is counted over):
   With gradient accumulation, microbatch ``m`` uses the counts of microbatches
   ``1..m`` (the gradient of microbatch ``m`` exists before later microbatches are
   routed, so the full step's load cannot be used); the last microbatch sees the
-  whole global batch. ``pop_step_stats()`` marks the step boundary and resets the
-  running sum, so the trainer must call it once per optimizer step. The reducer is
+  whole global batch. ``pop_step_stats()`` (or ``end_step()``) marks the step boundary
+  and resets the running sum, so the trainer must call it once per optimizer step. The
+  running sum is one buffer updated in place, so a forward captured in a CUDA graph
+  adds to the same sum on every replay. The reducer is
   called once per MoE layer per forward (never in a recomputed forward), so all
   ranks of the DP group must run the same number of MoE forwards per step.
 
 Per-step statistics (device tensors, detached) are accumulated for logging and
-bias balancing; ``pop_step_stats`` returns and resets them:
+bias balancing; ``pop_step_stats`` returns and resets them (``take_step_stats`` does the
+same without ending the step: the sums of a captured group of microbatches):
 ``tokens_per_expert`` [E] routed slots, ``dropped_per_expert`` [E] slots the
 dispatcher dropped (capacity), ``lb_loss_sum`` / ``z_loss_sum`` the unweighted
 token-sum losses, ``n_tokens`` the tokens routed (so per-token means are
@@ -76,8 +79,11 @@ def _sum_stats(entries: list[_Stats]) -> _Stats:
     """One entry holding the sums of ``entries`` (``dropped``: None where none reported)."""
     counts, dropped, lb, z, n_tokens = zip(*entries, strict=True)
     known_drops = [d for d in dropped if d is not None]
+    # the losses' sums in FP64: exact for FP32 values of similar magnitude (a step's
+    # microbatches), so sums over groups of microbatches (CUDA graphs) add up to the step's
     return (torch.stack(counts).sum(0), torch.stack(known_drops).sum(0) if known_drops else None,
-            torch.stack(lb).sum(), torch.stack(z).sum(), sum(n_tokens))
+            torch.stack(lb).sum(dtype=torch.float64), torch.stack(z).sum(dtype=torch.float64),
+            sum(n_tokens))
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -129,8 +135,9 @@ class MoELayer(nn.Module):
         if self.lb_granularity == "microbatch" or is_recomputing():
             return counts_E  # a recomputed forward's value is unused (see router._BalanceLoss)
         reduced = self.count_reducer(counts_E.clone()) if self.count_reducer else counts_E
-        self._step_counts = reduced if self._step_counts is None else self._step_counts + reduced
-        return self._step_counts
+        if self._step_counts is None:
+            self._step_counts = torch.zeros_like(reduced)
+        return self._step_counts.add_(reduced)  # read at once by the loss (it keeps f_e, not this)
 
     def _record(self, counts: torch.Tensor, dropped: torch.Tensor | None, lb: torch.Tensor,
                 z: torch.Tensor, n_tokens: int) -> None:
@@ -146,7 +153,20 @@ class MoELayer(nn.Module):
 
         Call once per optimizer step: it also ends the step for global-batch balancing.
         """
-        pending, self._pending, self._step_counts = self._pending, [], None
+        stats = self.take_step_stats()
+        self.end_step()
+        return stats
+
+    def end_step(self) -> None:
+        """End the optimizer step for global-batch balancing: the running counts restart
+        from zero (in place: a captured forward keeps adding to the same buffer)."""
+        if self._step_counts is not None:
+            self._step_counts.zero_()
+
+    def take_step_stats(self) -> dict[str, torch.Tensor]:
+        """Statistics of the forwards since the last take or pop (device tensors; ``{}`` if
+        none), then reset; unlike ``pop_step_stats`` the step goes on."""
+        pending, self._pending = self._pending, []
         if not pending:
             return {}
         counts, dropped, lb, z, n_tokens = _sum_stats(pending)

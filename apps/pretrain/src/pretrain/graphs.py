@@ -1,0 +1,115 @@
+"""A step's microbatches replayed from CUDA graphs (``train.cuda_graphs``).
+
+Why: a bench-1gpu step launches ~28k kernels; the host issues them at about the rate the
+device runs them, and wherever it falls behind (Python, Triton's launcher, the
+allocator) the device idles. A replayed graph launches the same kernels with no host
+work between them.
+
+What is captured: a *unit* of microbatches, forward and backward, ending where nothing
+is held across the unit's end: ``parallel.merge_expert_grad_microbatches`` microbatches,
+the window in which the data-parallel wrapper holds expert weight gradients to merge
+them. A step of ``n`` microbatches replays the *middle* unit's graph ``n // unit - 1``
+times (``no_sync``) and then the *last* unit's graph once: the rest of the microbatches,
+the last one synchronised, and ``finish_grad_sync``. Both graphs share one memory pool
+(they never run at once), so the activations cost what they cost eagerly.
+
+Everything a graph reads or writes from outside stays at a fixed address: the token
+inputs (static buffers the host batches are copied into before each replay), the
+parameters and main gradients (updated in place by the optimizer), the loss and the
+routing statistics (the graphs add them into the running sums ``loss_sum`` and
+``stats_sum``, which the trainer reads and zeroes once per step), the MoE layers'
+running balancing counts (one buffer each, zeroed in place at the step's end).
+
+Capture needs a warmed-up model (Triton autotuning, cuDNN plans and library handles
+exist before it, and the graphs' stream has run the work once), so the trainer runs
+its first step eagerly on ``stream`` and captures after it. Anything that changes
+which kernels a forward launches (a forward hook, replaced parameters) needs
+``Trainer.reset_graphs()``: graphs replay what they saw when captured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# runs one unit's microbatches from its token buffers; ``last``: the step's final unit
+RunUnit = Callable[[Sequence[torch.Tensor], bool], None]
+
+
+def split_into_units(n_microbatches: int, unit: int) -> tuple[int, int]:
+    """``(middle units, microbatches of the last unit)`` of a step: the last unit holds 1 to
+    ``unit`` microbatches, the middle ones ``unit`` each, in order."""
+    if n_microbatches < 1 or unit < 1:
+        raise ValueError(f"need at least one microbatch and a unit of at least one, got "
+                         f"{n_microbatches} microbatches and unit {unit}")
+    last = n_microbatches - unit * ((n_microbatches - 1) // unit)
+    return (n_microbatches - last) // unit, last
+
+
+@dataclass
+class _Unit:
+    graph: torch.cuda.CUDAGraph
+    tokens: list[torch.Tensor]  # static inputs: [micro_batch, seq_len + 1] token ids each
+
+    def replay(self, batches: Sequence[torch.Tensor]) -> None:
+        for buffer, batch in zip(self.tokens, batches, strict=True):
+            buffer.copy_(batch, non_blocking=True)
+        self.graph.replay()
+
+
+class MicrobatchGraphs:
+    """The middle and last units of a step, captured once and replayed every step.
+
+    ``n_microbatches`` per step, ``unit`` microbatches per middle unit; ``n_stats``:
+    the length of the routing statistics the units add into ``stats_sum``.
+    """
+
+    def __init__(self, n_microbatches: int, unit: int, n_stats: int, device: torch.device) -> None:
+        self.unit = unit
+        self.n_middle, self.last_size = split_into_units(n_microbatches, unit)
+        self.stream = torch.cuda.Stream(device)
+        self.loss_sum = torch.zeros((), device=device)
+        self.stats_sum = torch.zeros(n_stats, dtype=torch.float64, device=device)
+        self._middle: _Unit | None = None
+        self._last: _Unit | None = None
+
+    @property
+    def captured(self) -> bool:
+        return self._last is not None
+
+    def capture(self, run_unit: RunUnit, token_shape: Sequence[int]) -> None:
+        """Record the units (no kernel runs); ``run_unit`` must leave nothing held."""
+        device = self.loss_sum.device
+        pool = None
+        units = []
+        for last, size in ((False, self.unit), (True, self.last_size)):
+            if not last and self.n_middle == 0:
+                units.append(None)
+                continue
+            tokens = [torch.zeros(token_shape, dtype=torch.int64, device=device)
+                      for _ in range(size)]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                run_unit(tokens, last)
+            pool = graph.pool()
+            units.append(_Unit(graph, tokens))
+        self._middle, self._last = units
+
+    def replay(self, batches: Sequence[torch.Tensor]) -> None:
+        """Run the step's microbatches (``batches``: token ids, host or device) on the
+        current stream; their loss and statistics are added to the running sums."""
+        if self._last is None:
+            raise RuntimeError("MicrobatchGraphs.replay before capture")
+        expected = self.n_middle * self.unit + self.last_size
+        if len(batches) != expected:
+            raise ValueError(f"the graphs run {expected} microbatches per step, got {len(batches)}")
+        for index in range(self.n_middle):
+            self._middle.replay(batches[index * self.unit:(index + 1) * self.unit])
+        self._last.replay(batches[self.n_middle * self.unit:])
+
+    def reset_sums(self) -> None:
+        """Zero the running sums (after the step read them)."""
+        self.loss_sum.zero_()
+        self.stats_sum.zero_()
