@@ -153,12 +153,14 @@ def _train_steps(overrides: list[str], steps: int, between=None) -> tuple[list[d
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("merge", [1, 2])
-def test_steps_replayed_from_cuda_graphs_train_exactly_like_eager_steps(merge):
+@pytest.mark.parametrize("merge, recompute", [(1, "none"), (2, "none"), (2, "block"), (2, "selective")])
+def test_steps_replayed_from_cuda_graphs_train_exactly_like_eager_steps(merge, recompute):
     """Five microbatches per step (merge 2: two middle units replayed, then a last unit of
     one), global-batch balancing with the bias step (the running counts and statistics the
-    graphs add into): the same losses, norms, expert loads and weights, bit for bit."""
-    common = [*NO_SYNC, "train.global_batch=10", f"parallel.merge_expert_grad_microbatches={merge}"]
+    graphs add into), activation recompute in the backward: the same losses, norms, expert
+    loads and weights, bit for bit."""
+    common = [*NO_SYNC, "train.global_batch=10", f"parallel.merge_expert_grad_microbatches={merge}",
+              f"model.recompute={recompute}"]
     eager, eager_params = _train_steps(common, 6)
     graphed, graphed_params = _train_steps([*common, "train.cuda_graphs=true"], 6)
     for ours, ref in zip(graphed, eager, strict=True):
