@@ -158,6 +158,7 @@ def test_validate_names_the_field(overrides, message):
     (2, ["train.global_batch=6", "train.micro_batch=2"],
      "train.global_batch=6 is not divisible by data-parallel size 2 x train.micro_batch=2"),
     (4, ["parallel.pp=4"], "model.n_layers=2 is fewer than the 4 pipeline stages"),
+    (2, ["train.cuda_graphs=true"], "train.cuda_graphs is not supported with 2 data-parallel ranks"),
     (2, ["parallel.pp=2", "parallel.pp_virtual_stages=2", "model.n_layers=4",
          "train.global_batch=6"],
      "parallel.pp_virtual_stages=2 needs the microbatches per rank (3 = train.global_batch"),

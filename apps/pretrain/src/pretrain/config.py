@@ -90,7 +90,7 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when present
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     # replay the microbatches' forward + backward from CUDA graphs captured after the first
-    # step (pretrain.graphs); CUDA only, not with pipeline or expert parallelism or MXFP8
+    # step (pretrain.graphs); one CUDA rank, not with pipeline or expert parallelism or MXFP8
     cuda_graphs: bool = False
 
 
@@ -278,6 +278,12 @@ def validate_layout(cfg: PretrainConfig, world_size: int) -> Layout:
         raise ConfigError(
             f"model.n_layers={m.n_layers} is fewer than the {stages} pipeline stages "
             f"(parallel.pp={p.pp} x parallel.pp_virtual_stages={p.pp_virtual_stages})"
+        )
+    if t.cuda_graphs and dp > 1:
+        raise ConfigError(
+            f"train.cuda_graphs is not supported with {dp} data-parallel ranks yet: NCCL's "
+            "reductions inside the captured graphs have not been compared with eager steps on "
+            "GPUs (one rank per run for now)"
         )
     microbatches = t.global_batch // (dp * t.micro_batch)
     if p.pp > 1 and p.pp_virtual_stages > 1 and microbatches % p.pp:

@@ -3,14 +3,15 @@
 Why: a bench-1gpu step launches ~28k kernels; the host issues them at about the rate the
 device runs them, and wherever it falls behind (Python, Triton's launcher, the
 allocator) the device idles. A replayed graph launches the same kernels with no host
-work between them.
+work between them (bench-1gpu on one H200: the device idle 26 ms per step instead of
+~60, +0.9 to +2.4% tokens/s).
 
 What is captured: a *unit* of microbatches, forward and backward, ending where nothing
 is held across the unit's end: ``parallel.merge_expert_grad_microbatches`` microbatches,
 the window in which the data-parallel wrapper holds expert weight gradients to merge
-them. A step of ``n`` microbatches replays the *middle* unit's graph ``n // unit - 1``
-times (``no_sync``) and then the *last* unit's graph once: the rest of the microbatches,
-the last one synchronised, and ``finish_grad_sync``. Both graphs share one memory pool
+them. A step replays the *middle* unit's graph (``no_sync``) as often as whole units fit
+before its last microbatch, then the *last* unit's graph once: the rest of the
+microbatches (1 to ``unit``), the last one synchronised, and ``finish_grad_sync``. Both graphs share one memory pool
 (they never run at once), so the activations cost what they cost eagerly.
 
 Everything a graph reads or writes from outside stays at a fixed address: the token
