@@ -37,7 +37,8 @@ marks), and "lead": the host's smallest lead over the device at a phase mark aft
 the first microbatch's forward (ms, min over steps and ranks), about zero where the
 device waited for the host's launches in the steady state. With ``train.cuda_graphs`` (the
 ``bench-1gpu`` preset) the microbatches and the gradient sync are one phase, ``graph``,
-the graphs are captured again for every routing, and the peak memory includes the
+the graphs are captured again for every routing (the routing hooks change the model's
+launch fingerprint), and the peak memory includes the
 warm-up step, where the capture allocates what the replays then reuse. The JSON holds
 every step; a short table is printed last.
 """
@@ -144,8 +145,8 @@ def run_method(a: argparse.Namespace, method: str, device: torch.device, world: 
     try:
         for routing in a.routing:
             hooks = force_routing(trainer.model, routing, seed=cfg.seed)
-            if method != "fsdp2":
-                trainer.reset_graphs()  # graphs captured under another routing would replay it
+            # graphs captured under another routing are captured again (the trainer sees the
+            # hooks change); the warm-up step is the eager one before the capture
             graphs = getattr(trainer, "graphs", None) is not None
             if device.type == "cuda" and graphs:  # the activations are allocated at the capture
                 torch.cuda.reset_peak_memory_stats(device)

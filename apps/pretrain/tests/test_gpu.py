@@ -170,15 +170,16 @@ def test_steps_replayed_from_cuda_graphs_train_exactly_like_eager_steps(merge, r
 
 
 @pytest.mark.gpu
-def test_reset_graphs_makes_the_replay_follow_a_new_routing_hook():
-    """Graphs replay what they recorded: a routing hook installed after the capture takes
-    effect once the trainer recaptures (``reset_graphs``)."""
+def test_a_hook_installed_after_the_capture_takes_effect_in_the_next_step():
+    """Graphs replay what they recorded; a routing hook installed after the capture changes
+    the model's launch fingerprint, so that step runs eagerly (with the hook) and the
+    graphs are captured again."""
     from pretrain.routing_override import force_routing
 
     def install_balanced(trainer: Trainer, step: int) -> None:
         if step == 3:
+            assert trainer.graphs.captured
             force_routing(trainer.model, "balanced")
-            trainer.reset_graphs()
 
     records, _ = _train_steps([*NO_SYNC, "train.cuda_graphs=true", "train.global_batch=8"], 5,
                               install_balanced)

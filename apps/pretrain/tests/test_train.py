@@ -230,6 +230,29 @@ def test_a_step_splits_into_middle_units_and_a_last_one(n, unit, expected):
     assert middle * unit + last == n and 1 <= last <= unit
 
 
+def test_the_launch_fingerprint_sees_hooks_replaced_tensors_and_train_eval_not_values():
+    """What decides whether a captured CUDA graph may still be replayed."""
+    from pretrain.graphs import launch_fingerprint
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    before = launch_fingerprint(model)
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # new values in place: the optimizer's updates
+    assert launch_fingerprint(model) == before
+    handle = model[1].register_forward_hook(lambda *args: None)
+    assert launch_fingerprint(model) != before
+    handle.remove()
+    assert launch_fingerprint(model) == before
+    hook = model[0].bias.register_post_accumulate_grad_hook(lambda p: None)
+    assert launch_fingerprint(model) != before
+    hook.remove()
+    model.eval()
+    assert launch_fingerprint(model) != before
+    model.train()
+    model[0].weight.data = model[0].weight.data.clone()  # another tensor: another address
+    assert launch_fingerprint(model) != before
+
+
 def test_lr_schedules():
     def lr(cfg: OptimConfig, step: int, total: int) -> float:
         return cfg.lr * build_schedule(cfg, total)(step)

@@ -23,9 +23,12 @@ running balancing counts (one buffer each, zeroed in place at the step's end).
 
 Capture needs a warmed-up model (Triton autotuning, cuDNN plans and library handles
 exist before it, and the graphs' stream has run the work once), so the trainer runs
-its first step eagerly on ``stream`` and captures after it. Anything that changes
-which kernels a forward launches (a forward hook, replaced parameters) needs
-``Trainer.reset_graphs()``: graphs replay what they saw when captured.
+its first step eagerly on ``stream`` and captures after it. Graphs replay what they
+recorded, so a model that changed since (a hook added or removed, a parameter or buffer
+replaced by another tensor, train/eval switched: ``launch_fingerprint``) must not be
+replayed: the trainer then runs the step eagerly and captures again. What the
+fingerprint cannot see (a Python attribute a forward reads) needs
+``Trainer.reset_graphs()``.
 """
 
 from __future__ import annotations
@@ -34,9 +37,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 # runs one unit's microbatches from its token buffers; ``last``: the step's final unit
 RunUnit = Callable[[Sequence[torch.Tensor], bool], None]
+
+
+def launch_fingerprint(model: nn.Module) -> tuple:
+    """What decides which kernels ``model``'s forward and backward launch on which memory,
+    beyond tensor values: each module's hooks and train/eval flag, and which tensors its
+    parameters (with their gradient hooks) and buffers are. Equal before and after a
+    change means a graph captured before it still replays the same work."""
+    modules = tuple(
+        (name, m.training, *(tuple(d) for d in (m._forward_pre_hooks, m._forward_hooks,
+                                                m._backward_pre_hooks, m._backward_hooks)))
+        for name, m in model.named_modules())
+    tensors = tuple(
+        (name, t.data_ptr(), tuple(getattr(t, "_post_accumulate_grad_hooks", None) or ()),
+         tuple(t._backward_hooks or ()))
+        for name, t in (*model.named_parameters(), *model.named_buffers()))
+    return modules, tensors
 
 
 def split_into_units(n_microbatches: int, unit: int) -> tuple[int, int]:
@@ -63,11 +83,15 @@ class _Unit:
 class MicrobatchGraphs:
     """The middle and last units of a step, captured once and replayed every step.
 
-    ``n_microbatches`` per step, ``unit`` microbatches per middle unit; ``n_stats``:
-    the length of the routing statistics the units add into ``stats_sum``.
+    ``model``: what the units run (its ``launch_fingerprint`` is taken at the capture);
+    ``n_microbatches`` per step, ``unit`` microbatches per middle unit; ``n_stats``: the
+    length of the routing statistics the units add into ``stats_sum``.
     """
 
-    def __init__(self, n_microbatches: int, unit: int, n_stats: int, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, n_microbatches: int, unit: int, n_stats: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self._fingerprint: tuple | None = None
         self.unit = unit
         self.n_middle, self.last_size = split_into_units(n_microbatches, unit)
         self.stream = torch.cuda.Stream(device)
@@ -79,6 +103,10 @@ class MicrobatchGraphs:
     @property
     def captured(self) -> bool:
         return self._last is not None
+
+    def match_model(self) -> bool:
+        """Whether the model launches what it did at the capture (``launch_fingerprint``)."""
+        return self._fingerprint == launch_fingerprint(self.model)
 
     def capture(self, run_unit: RunUnit, token_shape: Sequence[int]) -> None:
         """Record the units (no kernel runs); ``run_unit`` must leave nothing held."""
@@ -97,6 +125,7 @@ class MicrobatchGraphs:
             pool = graph.pool()
             units.append(_Unit(graph, tokens))
         self._middle, self._last = units
+        self._fingerprint = launch_fingerprint(self.model)
 
     def replay(self, batches: Sequence[torch.Tensor]) -> None:
         """Run the step's microbatches (``batches``: token ids, host or device) on the

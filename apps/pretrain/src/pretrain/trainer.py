@@ -168,13 +168,14 @@ class Trainer:
     def reset_graphs(self) -> None:
         """Drop the captured graphs: the next step runs eagerly and captures them again.
 
-        Call after changing what the model's forward launches (hooks, replaced
-        parameters): a graph replays the kernels it recorded. No-op without
-        ``train.cuda_graphs``.
+        A step does this itself when the model's hooks, parameter or buffer tensors or
+        train/eval flag changed since the capture (``pretrain.graphs.launch_fingerprint``);
+        call it after changing anything else a forward reads (a Python attribute). No-op
+        without ``train.cuda_graphs``.
         """
         if self.cfg.train.cuda_graphs:
             self.graphs = MicrobatchGraphs(
-                self.data.n_microbatches, self.cfg.parallel.merge_expert_grad_microbatches,
+                self.model, self.data.n_microbatches, self.cfg.parallel.merge_expert_grad_microbatches,
                 self.packer.n_slots * self.packer.width, self.device)
 
     def close(self) -> None:
@@ -229,6 +230,8 @@ class Trainer:
 
     def _run(self, step: int, stop_requested: bool) -> _DeviceStep:
         lr_factor = self.schedule(step)
+        if self.graphs is not None and self.graphs.captured and not self.graphs.match_model():
+            self.reset_graphs()  # the model changed since the capture: eager now, capture after
         graphs = self.graphs
         if graphs is not None and graphs.captured:
             self._mark("graph")
