@@ -1,4 +1,5 @@
-"""GPU runs of the app: GPU-only metrics, DP2 over NCCL against one GPU, no host sync in a step.
+"""GPU runs of the app: GPU-only metrics, DP2 over NCCL against one GPU, no host sync in a step,
+steps replayed from CUDA graphs against eager ones.
 
     tools/from_source.sh python3 -m pytest -p moe_testing.pytest_plugin apps/pretrain/tests/test_gpu.py -m "gpu or multigpu"
 """
