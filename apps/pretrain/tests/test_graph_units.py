@@ -1,0 +1,102 @@
+"""The trainer's CUDA-graph units, checked on CPU against eager steps.
+
+Replaying a captured unit runs the work its Python launched when it was captured, so
+everything but the capture itself can be checked without a GPU by running that Python
+again in its place: the split into middle and last units, the ``no_sync`` windows, the
+last unit's gradient sync, the loss and routing statistics added into running sums per
+unit, the step's end (``pack(stats=...)``, ``end_step``, ``reset_sums``). One rank and two
+(gloo). The capture and replay on a GPU: ``test_gpu.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+import torch.distributed as dist
+from moe_testing import run_distributed
+from pretrain.config import load_config, validate_layout
+from pretrain.graphs import split_into_units
+from pretrain.mesh import build_mesh
+from pretrain.runtime import distributed
+from pretrain.trainer import Trainer
+
+
+class _RerunUnits:
+    """``MicrobatchGraphs``' interface as the trainer uses it after a capture; a replay runs
+    the trainer's unit function again, unit by unit, as the graphs would."""
+
+    captured = True
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.run_unit = trainer._run_unit
+        self.unit = trainer.cfg.parallel.merge_expert_grad_microbatches
+        self.n_middle, self.last_size = split_into_units(trainer.data.n_microbatches, self.unit)
+        self.loss_sum = torch.zeros(())
+        self.stats_sum = torch.zeros(trainer.packer.n_slots * trainer.packer.width, dtype=torch.float64)
+
+    def match_model(self) -> bool:
+        return True
+
+    def replay(self, batches: Sequence[torch.Tensor]) -> None:
+        u = self.unit
+        for index in range(self.n_middle):
+            self.run_unit(batches[index * u:(index + 1) * u], False)
+        self.run_unit(batches[self.n_middle * u:], True)
+
+    def reset_sums(self) -> None:
+        self.loss_sum.zero_()
+        self.stats_sum.zero_()
+
+
+def _steps(overrides: list[str], units: bool, steps: int = 4) -> tuple[list[tuple], dict]:
+    """Records and final weights of ``steps`` steps; with ``units``, from step 2 on the
+    microbatches run as graph units."""
+    cfg = load_config("tiny", overrides)
+    trainer = Trainer(cfg, build_mesh(validate_layout(cfg, dist.get_world_size()), "cpu"),
+                      torch.device("cpu"))
+    try:
+        records = [trainer.step(1)]
+        if units:
+            trainer.graphs = _RerunUnits(trainer)
+        records += [trainer.step(step) for step in range(2, steps + 1)]
+        weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    finally:
+        trainer.close()
+    keys = ("loss", "grad_norm", "lb_loss", "z_loss", "expert_load", "skipped")
+    return [tuple(r[k] for k in keys) for r in records], weights
+
+
+# five microbatches a step: units of 2 (two middle units, a last one of 1) or of 4 (one
+# middle, a last one of 1); global-batch balancing, whose running counts span the units
+COMMON = ["train.global_batch=10", "model.lb_loss_granularity=global_batch",
+          "model.bias_update_rate=0.01", "model.capacity_factor=1.0"]
+
+
+@pytest.mark.parametrize("unit", [1, 2, 4])
+def test_graph_units_train_exactly_like_eager_steps(unit):
+    overrides = [*COMMON, f"parallel.merge_expert_grad_microbatches={unit}"]
+    with distributed("cpu"):
+        eager, eager_weights = _steps(overrides, units=False)
+        replayed, weights = _steps(overrides, units=True)
+    assert replayed == eager
+    for name, ref in eager_weights.items():
+        assert torch.equal(weights[name], ref), name
+    assert eager[-1][0] < eager[0][0]
+
+
+def _both_ways_on_two_ranks() -> tuple:
+    overrides = ["train.global_batch=12", "model.lb_loss_granularity=global_batch",
+                 "parallel.merge_expert_grad_microbatches=2"]
+    return _steps(overrides, units=False), _steps(overrides, units=True)
+
+
+def test_graph_units_on_two_data_parallel_ranks_train_like_eager_steps():
+    """Three microbatches per rank (a middle unit of 2, a last unit of 1 holding the
+    gradient reductions), the balancing counts reduced over both ranks in every forward."""
+    for (eager, eager_weights), (replayed, weights) in run_distributed(_both_ways_on_two_ranks, 2,
+                                                                       timeout=240):
+        assert replayed == eager
+        for name, ref in eager_weights.items():
+            assert torch.equal(weights[name], ref), name
