@@ -27,8 +27,9 @@ over it, then the MXFP8 caches' refresh hook.
 
 With ``train.cuda_graphs`` the first step runs eagerly (on the graphs' stream) and
 the microbatches' forward and backward, with the final ``finish_grad_sync``, are then
-captured in CUDA graphs (``pretrain.graphs``) and replayed from the second step on, as
-one phase ``graph``; the rest of the step runs as before.
+captured in CUDA graphs (``pretrain.graphs``; not after the run's last step) and
+replayed from the second step on, as one phase ``graph``; the rest of the step runs as
+before.
 
 Host synchronisation: none inside the step on GPU (the no-sync transports,
 device-side routing, clipping and skip flag). The one synchronisation per step
@@ -251,7 +252,7 @@ class Trainer:
         if graphs is not None:
             if graphs.captured:
                 graphs.reset_sums()
-            else:  # the first step ran eagerly on the graphs' stream: capture for the next
+            elif step < self.cfg.train.steps:  # this step ran eagerly on the graphs' stream
                 graphs.capture(self._run_unit, (self.cfg.train.micro_batch, self.cfg.train.seq_len + 1))
         self._mark(None)
         return _DeviceStep(reduced, stats.grad_norm, stats.skipped, self.cfg.optim.lr * lr_factor)
