@@ -11,8 +11,9 @@ is held across the unit's end: ``parallel.merge_expert_grad_microbatches`` micro
 the window in which the data-parallel wrapper holds expert weight gradients to merge
 them. A step replays the *middle* unit's graph (``no_sync``) as often as whole units fit
 before its last microbatch, then the *last* unit's graph once: the rest of the
-microbatches (1 to ``unit``), the last one synchronised, and ``finish_grad_sync``. Both graphs share one memory pool
-(they never run at once), so the activations cost what they cost eagerly.
+microbatches (1 to ``unit``), the last one synchronised, and ``finish_grad_sync``. Both
+graphs share one memory pool (they never run at once), so the activations cost what they
+cost eagerly.
 
 Everything a graph reads or writes from outside stays at a fixed address: the token
 inputs (static buffers the host batches are copied into before each replay), the
@@ -128,8 +129,9 @@ class MicrobatchGraphs:
         self._fingerprint = launch_fingerprint(self.model)
 
     def replay(self, batches: Sequence[torch.Tensor]) -> None:
-        """Run the step's microbatches (``batches``: token ids, host or device) on the
-        current stream; their loss and statistics are added to the running sums."""
+        """Run the step's microbatches (``batches``: token ids on the device, or pinned on
+        the host so the copies do not wait) on the current stream; their loss and
+        statistics are added to the running sums."""
         if self._last is None:
             raise RuntimeError("MicrobatchGraphs.replay before capture")
         expected = self.n_middle * self.unit + self.last_size
