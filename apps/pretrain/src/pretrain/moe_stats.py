@@ -92,14 +92,16 @@ class StepPacker:
         self.width = 2 * n_experts + len(_SCALARS)
         self.device = device
 
-    def stats(self) -> torch.Tensor:
-        """``[L * (2E + 3)]`` FP64: every held layer's statistics since the last take, taken.
+    def stats(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[L * (2E + 3)]`` FP64: every held layer's statistics since the last take, taken
+        (into ``out``, zeros of that size, when given).
 
         The step goes on (a group of microbatches replayed from a CUDA graph adds this into
         a running sum that ``pack`` receives as ``stats``).
         """
-        flat = torch.zeros(self.n_slots * self.width, dtype=torch.float64, device=self.device)
-        slots = flat.view(self.n_slots, self.width)
+        if out is None:
+            out = torch.zeros(self.n_slots * self.width, dtype=torch.float64, device=self.device)
+        slots = out.view(self.n_slots, self.width)
         E = self.n_experts
         for slot, layer in self.layers.items():
             stats = layer.take_step_stats()
@@ -109,21 +111,22 @@ class StepPacker:
             row[:E] = stats["tokens_per_expert"]
             row[E:2 * E] = stats["dropped_per_expert"]
             row[2 * E:] = torch.stack([stats[k].to(torch.float64) for k in _SCALARS])
-        return flat
+        return out
 
     def pack(self, loss: torch.Tensor | None, stop: bool,
              stats: torch.Tensor | None = None) -> torch.Tensor:
         """``[2 + L * (2E + 3)]`` FP64: loss (``None``: this rank holds no loss), stop, stats.
 
         ``stats``: the step's statistics as ``stats()`` lays them out, already taken; by
-        default they are taken now. Ends the step for every held layer.
+        default they are taken now, in place. Ends the step for every held layer.
         """
-        flat = torch.empty(_HEAD + self.n_slots * self.width, dtype=torch.float64,
+        flat = torch.zeros(_HEAD + self.n_slots * self.width, dtype=torch.float64,
                            device=self.device)
-        flat[_HEAD:] = self.stats() if stats is None else stats
-        if loss is None:
-            flat[0:1].zero_()
+        if stats is None:
+            self.stats(out=flat[_HEAD:])
         else:
+            flat[_HEAD:] = stats
+        if loss is not None:
             flat[0] = loss
         flat[1:2].fill_(float(stop))  # a kernel argument: item assignment would copy from the host
         for layer in self.layers.values():

@@ -40,9 +40,9 @@ class PhaseTimer:
 
     def mark(self, phase: str | None) -> None:
         """``phase`` starts now (``None``: the step's device work ends)."""
-        event = None
         if self.cuda and torch.cuda.is_current_stream_capturing():
             return  # recording a CUDA graph: its replay is timed as one phase (``graph``)
+        event = None
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
