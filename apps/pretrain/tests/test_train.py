@@ -230,6 +230,28 @@ def test_a_step_splits_into_middle_units_and_a_last_one(n, unit, expected):
     assert middle * unit + last == n and 1 <= last <= unit
 
 
+def test_a_graph_unit_refuses_batches_unlike_its_captured_inputs():
+    """``copy_`` into the static inputs would broadcast a short batch (repeating its tokens)
+    or cast float data; a unit checks every batch before it replays anything."""
+    from pretrain.graphs import _Unit
+
+    class _Graph:
+        replays = 0
+
+        def replay(self) -> None:
+            self.replays += 1
+
+    unit = _Unit(_Graph(), [torch.zeros(2, 9, dtype=torch.int64) for _ in range(2)])
+    good = torch.arange(18).view(2, 9)
+    unit.replay([good, good.int()])  # int32 ids are copied into the int64 inputs
+    assert unit.graph.replays == 1 and torch.equal(unit.tokens[1], good)
+    for bad, message in ((good[:1], r"microbatch 1 of a graph unit has shape \(1, 9\)"),
+                         (good.float(), "dtype torch.float32")):
+        with pytest.raises(ValueError, match=message):
+            unit.replay([good + 1, bad])
+        assert unit.graph.replays == 1 and torch.equal(unit.tokens[0], good)  # nothing copied
+
+
 def test_the_launch_fingerprint_sees_hooks_replaced_tensors_and_train_eval_not_values():
     """What decides whether a captured CUDA graph may still be replayed."""
     from pretrain.graphs import launch_fingerprint

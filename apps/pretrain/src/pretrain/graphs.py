@@ -76,6 +76,14 @@ class _Unit:
     tokens: list[torch.Tensor]  # static inputs: [micro_batch, seq_len + 1] token ids each
 
     def replay(self, batches: Sequence[torch.Tensor]) -> None:
+        for index, (buffer, batch) in enumerate(zip(self.tokens, batches, strict=True)):
+            # copy_ would broadcast a smaller batch (a [1, S] batch into [2, S] repeats its
+            # tokens) and cast floats: the graph's input must be exactly what it captured
+            if batch.shape != buffer.shape or batch.dtype.is_floating_point or batch.is_complex():
+                raise ValueError(
+                    f"microbatch {index} of a graph unit has shape {tuple(batch.shape)} and dtype "
+                    f"{batch.dtype}; the graph was captured for integer token ids of shape "
+                    f"{tuple(buffer.shape)}")
         for buffer, batch in zip(self.tokens, batches, strict=True):
             buffer.copy_(batch, non_blocking=True)
         self.graph.replay()
