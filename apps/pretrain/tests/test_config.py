@@ -129,6 +129,11 @@ def test_toml_file_errors_name_the_key(tmp_path):
     (["model.n_kv_heads=3"], "invalid model config"),
     (["parallel.ep=2", "parallel.ep_backend=local"], "parallel.ep_backend=local"),
     (["data.seed=-1"], "data.seed must be >= 0"),
+    (["optim.lr=nan"], "optim.lr must be a finite number, got nan"),
+    (["optim.lr=inf"], "optim.lr must be a finite number, got inf"),
+    (["optim.grad_clip=nan"], "optim.grad_clip must be a finite number"),
+    (["parallel.bucket_cap_mb=nan"], "parallel.bucket_cap_mb must be a finite number"),
+    ([f"seed={2**64}"], r"seed must be below 2\*\*64"),
     (["train.stop_after=0"], "train.stop_after must be positive or none, got 0"),
     (["optim.warmup_steps=4"], "train.steps=4 must exceed optim.warmup_steps=4"),
     (["parallel.ep_payload=mxfp8"], "parallel.ep_payload=mxfp8 needs expert parallelism"),
@@ -196,3 +201,16 @@ def test_mxfp8_targets_round_trip(tmp_path):
 def test_merged_expert_grads_need_the_fused_path_and_at_most_four(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("tiny", overrides).validate()
+
+
+@pytest.mark.parametrize("text", ["runs/\U0001F680-launch", 'a "quoted" \\ path', "tab\tnew\nline\x7f\x01 caf\u00e9"])
+def test_strings_round_trip_through_the_written_toml(text):
+    """Characters past U+FFFF (JSON would write surrogate pairs, which TOML refuses), quotes,
+    backslashes and control characters."""
+    @dataclass
+    class Tree:
+        name: str = ""
+
+    back = Tree()
+    apply_tree(back, tomllib.loads(dump_toml(to_tree(Tree(text)))))
+    assert back.name == text

@@ -20,7 +20,7 @@ from pretrain.data import (
     open_token_files,
     prepare_data,
 )
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 
 def _stream(n_tokens: int = 5000, seq_len: int = 8, n_files: int = 3) -> StreamSequences:
@@ -148,6 +148,39 @@ def test_prepare_data_with_a_tokenizer(tmp_path, n_words, dtype):
     assert got.tolist() == expected
 
 
+def test_the_shards_dtype_holds_the_largest_id_of_a_vocabulary_with_gaps(tmp_path):
+    """Three entries, ids up to 70000: uint16 would wrap 70000 to 4464."""
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 70000}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    (tmp_path / "in.txt").write_text("a b a b\n")
+    done = prepare_data([tmp_path / "in.txt"], tmp_path / "out", tokenizer=tmp_path / "tok.json")
+    assert (done.dtype, done.vocab_size) == ("uint32", 70001)
+    got = np.concatenate(open_token_files(tmp_path / "out", vocab_size=70001).arrays)
+    assert got.tolist() == [1, 70000, 1, 70000]
+
+
+@pytest.mark.parametrize("start_marker", [
+    normalizers.Prepend("\u2581"),  # Llama / Mistral style: a text starts with "▁"
+    None,  # no marker: blocks are encoded as they are
+])
+def test_block_boundaries_add_no_token(tmp_path, monkeypatch, start_marker):
+    """A file is tokenized in blocks (8 bytes here, 1 MiB in use); a tokenizer that marks a
+    text's start must not see every block as one: the ids equal the whole file's."""
+    monkeypatch.setattr("pretrain.data.prepare.BLOCK_BYTES", 8)
+    vocab = {c: i for i, c in enumerate(["[UNK]", "\u2581", "\n", *"abcdefgh"])}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="[UNK]"))
+    replace = normalizers.Replace(" ", "\u2581")
+    tok.normalizer = normalizers.Sequence([start_marker, replace] if start_marker else [replace])
+    tok.save(str(tmp_path / "tok.json"))
+    texts = ["ab cd\nef gh\n\nab\nhg fe dc ba\n", "ab\ncd"]
+    for i, text in enumerate(texts):
+        (tmp_path / f"{i}.txt").write_text(text)
+    prepare_data([tmp_path / "0.txt", tmp_path / "1.txt"], tmp_path / "out", tokenizer=tmp_path / "tok.json")
+    got = np.concatenate(open_token_files(tmp_path / "out", vocab_size=len(vocab)).arrays).tolist()
+    assert got == sum((tok.encode(t, add_special_tokens=False).ids for t in texts), [])
+
+
 def test_prepare_data_rejects_non_utf8_with_a_tokenizer(tmp_path, capsys):
     _word_tokenizer(tmp_path / "tok.json", 5)
     bad = tmp_path / "bad.txt"
@@ -176,6 +209,10 @@ def test_token_ids_beyond_the_vocab_name_the_file(tmp_path, monkeypatch):
     ({"dtype": "uint16", "vocab_size": 512}, b"\x01\x00", "the data's vocab_size 512 exceeds model.vocab_size=256"),
     ({"dtype": "uint16", "vocab_size": 256}, b"\x01\x00\x02", "3 bytes is not a whole number of uint16 tokens"),
     ({"dtype": "uint16", "vocab_size": 256, "files": [{"name": "x.bin", "tokens": 1}]}, b"", "x.bin: listed in tokens.json but missing"),
+    (["not", "an", "object"], b"", "must hold a JSON object, got list"),
+    ({"dtype": "uint16", "vocab_size": 256, "files": ["a.bin"]}, b"", r"files\[0\] must be an object"),
+    ({"dtype": "uint16", "vocab_size": 256, "files": [{"file": "a.bin"}]}, b"", r"files\[0\] must be an object"),
+    ({"dtype": "uint16", "vocab_size": 256, "files": {"a.bin": 1}}, b"", "files must be a list"),
 ])
 def test_bad_token_directories(tmp_path, sidecar, data, message):
     (tmp_path / "a.bin").write_bytes(data)
@@ -185,3 +222,25 @@ def test_bad_token_directories(tmp_path, sidecar, data, message):
         open_token_files(tmp_path, vocab_size=256)
     with pytest.raises(DataError, match="does not exist"):
         open_token_files(tmp_path / "nope", vocab_size=256)
+
+
+def test_data_path_naming_one_file_takes_only_token_files(tmp_path, capsys):
+    """Text kept beside the tokens (or the sidecar) would read as token ids that pass the
+    vocabulary check: only a ``.bin`` the sidecar lists is a token file."""
+    src = tmp_path / "in.txt"
+    src.write_bytes(b"hello world\n" * 20)
+    out = tmp_path / "corpus"
+    prepare_data([src], out)
+    (out / "corpus.txt").write_bytes(src.read_bytes())
+    (out / "stray.bin").write_bytes(b"\x01\x00" * 8)
+    for name in ("corpus.txt", "tokens.json", "stray.bin"):
+        with pytest.raises(DataError, match=f"data.path .*{name}' is not a token file of"):
+            open_source(str(out / name), seq_len=8, vocab_size=50304, seed=0)
+    assert open_source(str(out / "part-00000.bin"), seq_len=8, vocab_size=256, seed=0).n_sequences == 29
+
+
+def test_prepare_data_out_must_be_a_directory(tmp_path, capsys):
+    (tmp_path / "in.txt").write_bytes(b"abc\n")
+    (tmp_path / "out").write_text("x")
+    status = main(["prepare-data", str(tmp_path / "in.txt"), "--out", str(tmp_path / "out")])
+    assert status == 1 and capsys.readouterr().err.strip() == f"pretrain: error: --out '{tmp_path / 'out'}' is not a directory"

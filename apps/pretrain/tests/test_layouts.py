@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +129,19 @@ def test_resume_refuses_a_different_data_stream_or_a_used_run_dir(tmp_path, dp2_
     assert main(["--config", "tiny", *COMMON, f"run_dir={dp2_stopped}", "checkpoint.resume=none"]) == 2
     err = capsys.readouterr().err.strip()
     assert "checkpoint.resume=none, but" in err and "already holds checkpoints (steps [2])" in err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.tie_embeddings=true"], "holds a model with model.tie_embeddings=False, this run has True"),
+    # every tensor of the same shape, other rotary frequencies (a shape change fails the load)
+    (["model.rope_theta=500000"], "model.rope_theta=10000.0, this run has 500000.0"),
+    (["model.bias_update_rate=0"], r"no place for 2 tensor\(s\) of the checkpoint of step 2 \(buffer/"
+                                   r"blocks.0.mlp.router.expert_bias, buffer/blocks.1.mlp.router.expert_bias\)"),
+], ids=["tied-head", "same-shapes-other-rope", "router-bias-dropped"])
+def test_resume_refuses_a_model_that_would_read_the_checkpoint_differently(
+        tmp_path, dp2_stopped, capsys, overrides, message):
+    checkpoint = dp2_stopped / "checkpoints" / "step_0000000002"
+    assert main(["--config", "tiny", *COMMON, *overrides, f"run_dir={tmp_path}",
+                 f"checkpoint.resume={checkpoint}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pretrain: error: checkpoint.resume: ") and re.search(message, err), err

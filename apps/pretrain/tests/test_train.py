@@ -16,6 +16,7 @@ import pytest
 import torch
 from pretrain.cli import main
 from pretrain.config import ConfigError, OptimConfig, load_config, validate_layout
+from pretrain.data import prepare_data
 from pretrain.graphs import split_into_units
 from pretrain.mesh import build_mesh
 from pretrain.metrics import MetricsLog
@@ -287,3 +288,25 @@ def test_lr_schedules():
     assert lr(wsd, 90, 100) == pytest.approx(0.5) and lr(wsd, 100, 100) == 0.0
     const = OptimConfig(lr=2.0, warmup_steps=0, schedule="constant")
     assert lr(const, 1, 10) == lr(const, 10, 10) == 2.0
+
+
+def test_resume_refuses_a_data_stream_that_changed_under_its_path(tmp_path, capsys):
+    """The order is a permutation of the stream's sequences: a stream that grew (prepared
+    again into the same folder) would repeat some sequences of the epoch and skip others.
+    The same folder named another way resumes."""
+    data, run = tmp_path / "data", tmp_path / "run"
+    (tmp_path / "a.txt").write_bytes(bytes(range(32, 127)) * 35)  # 3325 bytes: 103 sequences of 32 + 1
+    prepare_data([tmp_path / "a.txt"], data)
+    common = ["--config", "tiny", f"run_dir={run}", "checkpoint.every=2"]
+    assert main([*common, f"data.path={data}", "train.stop_after=2"]) == 0
+    assert main([*common, f"data.path={data}/.", "train.steps=3"]) == 0
+    assert "resumed after step 2" in capsys.readouterr().out
+    for path in data.iterdir():
+        path.unlink()
+    (tmp_path / "b.txt").write_bytes(bytes(range(32, 127)) * 70)
+    prepare_data([tmp_path / "b.txt"], data)
+    assert main([*common, f"data.path={data}"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"pretrain: error: checkpoint.resume: the checkpoint of step 3 was trained on 103 sequences "
+        f"of train.seq_len + 1 tokens from data.path='{data}', which now holds 207: the data changed, "
+        "and the data order (a permutation of the sequences) would not carry over")

@@ -11,8 +11,14 @@ layout resumes on another (DP2 -> EP2, DP2 -> PP2, 2 -> 1 process):
 - ``buffer/<name>``: the model's persistent buffers (the routers' selection bias),
   replicated over data parallelism, written by one rank.
 - metadata: the resolved config, the layout it was saved from, the step and the
-  data position (samples consumed; the data order is a function of the step, so
-  nothing else is needed), and per rank the RNG states.
+  data position (samples consumed; the data order is a function of the step and of
+  the stream's number of sequences, so nothing else is needed), and per rank the RNG
+  states.
+
+Resuming refuses what would silently change the run: a model whose weights would
+compute something else (``MODEL_FUNCTION_FIELDS``), a checkpoint tensor this run's
+state has no place for, and another data stream (path, seed, batch, sequence length,
+number of sequences).
 
 Saves are asynchronous (moe_ckpt snapshots to host memory and writes in a
 background thread) every ``checkpoint.every`` steps, at the last step, and when
@@ -35,6 +41,7 @@ from moe_ckpt import Checkpointer, CheckpointerConfig, Manifest, Shard, load
 
 from pretrain.config import ConfigError, Layout, PretrainConfig
 from pretrain.config_tree import to_tree
+from pretrain.data import STDLIB, SYNTHETIC
 from pretrain.trainer import Trainer
 
 CHECKPOINT_DIR = "checkpoints"
@@ -71,11 +78,30 @@ def _set_rng_state(saved: dict[str, str], device: torch.device) -> None:
         torch.cuda.set_rng_state(decode(saved["cuda"]), device)
 
 
-def _data_position(cfg: PretrainConfig, step: int) -> dict[str, Any]:
+# What the weights of a checkpoint compute: a resumed run must not reinterpret them (the
+# other model fields, balancing coefficients and execution choices, may change)
+MODEL_FUNCTION_FIELDS = (
+    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts", "top_k",
+    "expert_hidden", "n_shared_experts", "shared_expert_hidden", "n_dense_layers", "dense_hidden",
+    "router_score", "norm_topk_weights", "qk_norm", "rope_theta", "norm_eps", "tie_embeddings",
+)
+
+
+def _data_position(cfg: PretrainConfig, step: int, n_sequences: int) -> dict[str, Any]:
+    """Where the data stream stands after ``step``; ``n_sequences`` (the stream's windows)
+    keys its order, so a stream that grew or shrank under the same path is not the same."""
     t = cfg.train
     return {"samples_seen": step * t.global_batch, "global_batch": t.global_batch,
-            "seq_len": t.seq_len, "path": cfg.data.path,
+            "seq_len": t.seq_len, "path": cfg.data.path, "n_sequences": n_sequences,
             "seed": cfg.seed if cfg.data.seed is None else cfg.data.seed}
+
+
+def _same_path(a: str, b: str) -> bool:
+    """``data.path`` values naming the same data (``data/x`` and ``./data/x``; the built-in
+    sources by name only)."""
+    if a == b or STDLIB in (a, b) or SYNTHETIC in (a, b):
+        return a == b
+    return Path(a).resolve() == Path(b).resolve()
 
 
 class RunCheckpoints:
@@ -91,6 +117,7 @@ class RunCheckpoints:
         self.checkpointer = Checkpointer(
             self.root, CheckpointerConfig(keep_last=c.keep_last or None, async_save=c.async_save))
         self.state = training_state(trainer)
+        self.n_sequences = trainer.data.source.n_sequences
         self.last_saved: int | None = None
 
     def __enter__(self) -> RunCheckpoints:
@@ -114,7 +141,7 @@ class RunCheckpoints:
         if self.last_saved == step:
             return
         metadata = {"config": to_tree(self.cfg), "layout": dataclasses.asdict(self.layout),
-                    "step": step, "data": _data_position(self.cfg, step)}
+                    "step": step, "data": _data_position(self.cfg, step, self.n_sequences)}
         self.checkpointer.save(step, self.state, metadata,
                                rank_metadata={"rng": _rng_state(self.trainer.device)})
         self.last_saved = step
@@ -142,6 +169,7 @@ class RunCheckpoints:
             if choice == "none":
                 return None
             manifest = load(choice, self.state)
+        self._check_model(manifest)
         self._check_data(manifest)
         self.trainer.optimizer.load_sharded_state(
             {k: v for k, v in self.state.items() if not k.startswith(BUFFER_PREFIX)})
@@ -149,16 +177,46 @@ class RunCheckpoints:
             _set_rng_state(manifest.rank_metadata[dist.get_rank()]["rng"], self.trainer.device)
         return manifest
 
+    def _check_model(self, manifest: Manifest) -> None:
+        """The checkpoint's weights must mean what this run's model reads them as, and each
+        of its tensors must have a place in this run's state (none silently left behind)."""
+        saved = manifest.metadata["config"]["model"]
+        now = to_tree(self.cfg.model)
+        for key in MODEL_FUNCTION_FIELDS:  # (the tree leaves out fields set to None)
+            if saved.get(key) != now.get(key):
+                raise ConfigError(
+                    f"checkpoint.resume: the checkpoint of step {manifest.step} holds a model with "
+                    f"model.{key}={saved.get(key)!r}, this run has {now.get(key)!r}; its weights "
+                    "would not compute the same model"
+                )
+        unread = sorted(set(manifest.tensors) - set(self.state))
+        if unread:
+            raise ConfigError(
+                f"checkpoint.resume: this run's model and optimizer have no place for "
+                f"{len(unread)} tensor(s) of the checkpoint of step {manifest.step} "
+                f"({', '.join(unread[:4])}{', ...' if len(unread) > 4 else ''}); resuming would drop "
+                "them (a model or optimizer setting changed?)"
+            )
+
     def _check_data(self, manifest: Manifest) -> None:
         """The data position is a step count: the stream it counts must be the same."""
         saved = manifest.metadata["data"]
-        now = _data_position(self.cfg, 0)
+        now = _data_position(self.cfg, 0, self.n_sequences)
         keys = {"global_batch": "train.global_batch", "seq_len": "train.seq_len",
                 "path": "data.path", "seed": "data.seed (or seed)"}
         for key, option in keys.items():
-            if saved[key] != now[key]:
+            same = _same_path(saved[key], now[key]) if key == "path" else saved[key] == now[key]
+            if not same:
                 raise ConfigError(
                     f"checkpoint.resume: the checkpoint of step {manifest.step} was trained with "
                     f"{option}={saved[key]!r}, this run has {now[key]!r}; the data position "
                     "would not carry over"
                 )
+        # checkpoints written before the stream's size was recorded lack it
+        if saved.get("n_sequences", now["n_sequences"]) != now["n_sequences"]:
+            raise ConfigError(
+                f"checkpoint.resume: the checkpoint of step {manifest.step} was trained on "
+                f"{saved['n_sequences']} sequences of train.seq_len + 1 tokens from data.path="
+                f"{self.cfg.data.path!r}, which now holds {now['n_sequences']}: the data changed, "
+                "and the data order (a permutation of the sequences) would not carry over"
+            )

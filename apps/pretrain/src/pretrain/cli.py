@@ -93,7 +93,7 @@ def _prepare_data(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         done = prepare_data(args.files, args.out, args.tokenizer)
-    except DataError as e:
+    except (DataError, OSError) as e:  # OSError: an input unreadable, --out not writable
         return _fail(str(e), 1)
     print(f"wrote {done.n_tokens:,} tokens ({done.dtype}, vocab {done.vocab_size}) in "
           f"{len(done.files)} file(s) to {done.directory}")

@@ -16,6 +16,7 @@ can be checked without knowing the world size is checked by ``validate``;
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,9 +168,13 @@ class PretrainConfig:
                         "seed"]
         for key in positive + non_negative:
             value = self._get(key)
+            if not math.isfinite(value):  # nan passes both comparisons below
+                raise ConfigError(f"{key} must be a finite number, got {value}")
             if value < 0 or (value == 0 and key in positive):
                 bound = "positive" if key in positive else ">= 0"
                 raise ConfigError(f"{key} must be {bound}, got {value}")
+        if self.seed >= 1 << 64:
+            raise ConfigError(f"seed must be below 2**64 (torch's generator seed), got {self.seed}")
         for key in ("data.seed", "train.stop_after"):
             value = self._get(key)
             if value is not None and value < (0 if key == "data.seed" else 1):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
-import json
 import math
 import types
 import typing
@@ -210,6 +209,19 @@ def to_tree(obj: Any) -> dict[str, Any]:
     return tree
 
 
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f",
+                 "\r": "\\r"}
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: any character as itself but the quote, the backslash and the
+    control characters (JSON's ``\\uXXXX`` surrogate pairs for characters past U+FFFF are
+    not valid TOML)."""
+    return '"' + "".join(
+        _TOML_ESCAPES.get(c) or (f"\\u{ord(c):04X}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
+        for c in text) + '"'
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -222,7 +234,7 @@ def _toml_value(value: Any) -> str:
             return "inf" if value > 0 else "-inf"
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value)  # JSON string escapes are valid TOML basic-string escapes
+        return _toml_string(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} ({type(value).__name__}) as TOML")

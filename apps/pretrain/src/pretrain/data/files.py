@@ -73,10 +73,20 @@ def _read_sidecar(directory: Path) -> dict[str, Any]:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{path}: must hold a JSON object, got {type(meta).__name__}")
     if meta.get("dtype") not in DTYPES:
         raise DataError(f"{path}: dtype must be one of {', '.join(DTYPES)}, got {meta.get('dtype')!r}")
     if not isinstance(meta.get("vocab_size"), int) or meta["vocab_size"] <= 0:
         raise DataError(f"{path}: vocab_size must be a positive integer, got {meta.get('vocab_size')!r}")
+    files = meta.get("files", [])
+    if not isinstance(files, list):
+        raise DataError(f"{path}: files must be a list, got {type(files).__name__}")
+    for index, entry in enumerate(files):
+        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("tokens", 0), int) and entry.get("tokens", 0) >= 0):
+            raise DataError(f"{path}: files[{index}] must be an object with a string name and "
+                            f"a non-negative integer tokens, got {entry!r}")
     return meta
 
 
@@ -106,7 +116,14 @@ def open_token_files(path: str | Path, vocab_size: int) -> TokenArrays:
             f"model.vocab_size={vocab_size}"
         )
     if path.is_file():
-        files, expected = [path], [None]
+        # one file of the directory: a token file (not the sidecar or text kept beside it),
+        # and one the sidecar lists if it lists any
+        listed = {f["name"]: f.get("tokens") for f in meta.get("files", [])}
+        if path.suffix != ".bin" or (listed and path.name not in listed):
+            raise DataError(
+                f"data.path {str(path)!r} is not a token file of {directory}: name the directory "
+                f"or one of its .bin files{' listed in ' + SIDECAR if listed else ''}")
+        files, expected = [path], [listed.get(path.name)]
     elif "files" in meta:
         files = [directory / f["name"] for f in meta["files"]]
         expected = [f.get("tokens") for f in meta["files"]]

@@ -8,7 +8,11 @@ concatenated in the order given, with nothing inserted between them.
 
 Files are streamed in blocks cut after a newline, so memory stays bounded for
 large inputs; a tokenizer therefore never sees a merge across a line break,
-which is how the common BPE pre-tokenizers split text anyway.
+which is how the common BPE pre-tokenizers split text anyway. Each file is
+tokenized as one text: a tokenizer that marks the start of a text (a prepended
+``▁`` or space, as Llama- and Mistral-style ones do) gets each later block behind
+the newline that ends the block before it, and those ids are dropped, so no block
+boundary adds a token (checked for every block).
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ class _ShardWriter:
         self._file = None
 
     def write(self, ids: np.ndarray) -> None:
+        if ids.size and int(ids.max()) > np.iinfo(self.dtype).max:  # astype would wrap it
+            raise DataError(f"token id {int(ids.max())} does not fit the shards' {self.dtype.name}")
         ids = ids.astype(self.dtype, copy=False)
         while ids.size:
             if self._file is None or self.files[-1]["tokens"] == self.shard_tokens:
@@ -110,13 +116,33 @@ def _encode_with_tokenizer(tokenizer_path: Path) -> tuple[int, Any]:
     except Exception as e:  # the library raises a bare Exception on a bad file
         raise DataError(f"{tokenizer_path}: not a tokenizers JSON file: {e}") from None
 
+    def ids(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    # A block after the first follows a newline. Where the tokenizer marks a text's start
+    # ("x" alone differs from "x" after a newline), such a block is encoded behind a
+    # newline whose ids are then dropped: the block's ids as they are inside the file.
+    newline, after_newline, alone = ids(["\n", "\nx", "x"])
+    lead = newline if after_newline != newline + alone else []
+
     def encode(path: Path) -> Iterator[np.ndarray]:
         blocks = _text_blocks(path)
+        first = next(blocks, None)
+        if first is None:
+            return
+        yield np.asarray(ids([first])[0], dtype=np.int64)
         while batch := list(itertools.islice(blocks, BATCH_BLOCKS)):
-            for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
-                yield np.asarray(encoding.ids)
+            for block, block_ids in zip(batch, ids(["\n" + b if lead else b for b in batch]), strict=True):
+                if block_ids[:len(lead)] != lead:
+                    raise DataError(
+                        f"{path}: {tokenizer_path} tokenizes a newline differently before "
+                        f"{block[:20]!r}; the file cannot be tokenized in blocks without "
+                        "changing its ids")
+                yield np.asarray(block_ids[len(lead):], dtype=np.int64)
 
-    return tokenizer.get_vocab_size(with_added_tokens=True), encode
+    # the largest id + 1, not the entry count: a vocabulary's ids may have gaps
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    return max(tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1), encode
 
 
 def prepare_data(inputs: Sequence[Path], out: Path, tokenizer: Path | None = None,
@@ -129,6 +155,8 @@ def prepare_data(inputs: Sequence[Path], out: Path, tokenizer: Path | None = Non
             raise DataError(f"input {str(path)!r} is not a file")
     if tokenizer is not None and not tokenizer.is_file():
         raise DataError(f"--tokenizer {str(tokenizer)!r} is not a file")
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {str(out)!r} is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     if (out / SIDECAR).exists() or any(out.glob("*.bin")):
         raise DataError(f"{out} already holds token files; choose an empty --out directory")
