@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,22 +46,26 @@ def test_latest_and_retention_keep_the_newest(tmp_path: Path):
             "step_0000000005",
             "step_0000000099",
         ]
-        (tmp_path / "latest").unlink()  # crash between commit and pointer update
-        assert ckpt.latest_step() == 5
-        (tmp_path / "latest").write_text("step_0000000077\n")  # dangling pointer
-        assert ckpt.latest_step() == 5
+        assert (tmp_path / "latest").read_text() == "step_0000000005\n"  # for other readers
+        # The pointer is never trusted for resumption: stale (a crash between the
+        # commit and its update), missing or dangling, the newest step is resumed.
+        for pointer in ("step_0000000004\n", None, "step_0000000077\n"):
+            (tmp_path / "latest").unlink(missing_ok=True)
+            if pointer is not None:
+                (tmp_path / "latest").write_text(pointer)
+            assert ckpt.latest_step() == 5 and _load_state(ckpt)[0].step == 5
         with pytest.raises(FileExistsError):
             ckpt.save(5, state(5))
 
 
-def test_retention_protects_the_new_and_the_latest_checkpoint(tmp_path: Path):
+def test_retention_keeps_the_highest_steps_and_the_new_checkpoint(tmp_path: Path):
     for step in (10, 20, 30):
         mc.save(tmp_path / directory.step_dir_name(step), state(step), step=step)
-    directory.write_latest(tmp_path, tmp_path / directory.step_dir_name(10))  # rolled back to 10
-    new = tmp_path / directory.step_dir_name(15)
+    directory.write_latest(tmp_path, tmp_path / directory.step_dir_name(10))  # not protected
+    new = tmp_path / directory.step_dir_name(15)  # saved below the highest step
     mc.save(new, state(15), step=15)
     directory.retain(tmp_path, keep_last=1, protect=new)
-    assert sorted(directory.committed_steps(tmp_path)) == [10, 15, 30]
+    assert sorted(directory.committed_steps(tmp_path)) == [15, 30]
 
 
 def test_async_save_snapshots_before_returning(tmp_path: Path):
@@ -75,6 +80,82 @@ def test_async_save_snapshots_before_returning(tmp_path: Path):
     assert manifest.metadata == {"note": "async"}
     assert all(torch.equal(out[k], v) for k, v in state(1).items())
     assert phases[0] == "planned" and phases[-3:] == ["committed", "latest_updated", "retained"]
+
+
+def test_async_save_records_metadata_as_of_the_save_call(tmp_path: Path):
+    """Nested metadata the loop keeps changing (a data position) is recorded as it was."""
+    release = threading.Event()
+
+    def hold(phase: str) -> None:
+        if phase == "written":  # the background write waits until the loop moved on
+            assert release.wait(30)
+
+    position = {"samples_seen": 1000, "shards": [0, 1]}
+    rng = {"seed": 7}
+    with mc.Checkpointer(tmp_path, on_phase=hold) as ckpt:
+        ckpt.save(1, state(1), {"data": position, "steps": (1, 2)}, rank_metadata=rng)
+        position["samples_seen"] = 2000
+        position["shards"].append(2)
+        rng["seed"] = 8
+        release.set()
+        manifest, _ = _load_state(ckpt)
+    assert manifest.metadata == {"data": {"samples_seen": 1000, "shards": [0, 1]}, "steps": [1, 2]}
+    assert manifest.rank_metadata == [{"seed": 7}]
+
+
+@pytest.mark.parametrize(
+    ("metadata", "rank_metadata", "where"),
+    [
+        ({"data": {"position": torch.tensor(3)}}, None, r"metadata\['data'\]\['position'\]"),
+        ({"ok": 1}, [{"rng": {1, 2}}], r"rank_metadata\[0\]\['rng'\]"),
+        ({"data": {(1, 2): "tuple key"}}, None, r"metadata\['data'\] key \(1, 2\)"),
+    ],
+)
+def test_unserialisable_metadata_fails_at_the_save_call_naming_it(
+    tmp_path: Path, metadata: dict, rank_metadata: object, where: str
+):
+    with mc.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(TypeError, match=where + " is not JSON-serialisable"):
+            ckpt.save(1, state(1), metadata, rank_metadata=rank_metadata)
+        assert ckpt.steps() == []
+        ckpt.save(1, state(1), {"ok": 1})  # nothing was left behind
+        ckpt.wait()
+        assert ckpt.steps() == [1]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("phase", ["committed", "latest_updated", "retained"])
+def test_failure_after_the_commit_keeps_the_checkpoint_and_says_so(
+    tmp_path: Path, phase: str, async_save: bool
+):
+    """The save is committed: it raises PostCommitError, resumes, and the next step saves."""
+
+    def fail_at_step_2(reached: str) -> None:
+        if reached == phase and (tmp_path / "arm").exists():
+            (tmp_path / "arm").unlink()
+            raise OSError(f"disk trouble at {reached}")
+
+    root = tmp_path / "ck"
+    config = mc.CheckpointerConfig(keep_last=1, async_save=async_save)
+    with mc.Checkpointer(root, config, on_phase=fail_at_step_2) as ckpt:
+        ckpt.save(1, state(1))
+        ckpt.wait()
+        (tmp_path / "arm").touch()
+        committed = f"step_0000000002 is committed.*disk trouble at {phase}"
+        with pytest.raises(mc.PostCommitError, match=committed):
+            ckpt.save(2, state(2))  # raises here when blocking
+            ckpt.wait()  # and here when asynchronous
+        # Retention had not run yet unless it was what finished: step 1 is still there.
+        assert ckpt.steps() == ([2] if phase == "retained" else [1, 2])
+        pointer = "step_0000000001" if phase == "committed" else "step_0000000002"
+        assert (root / "latest").read_text() == pointer + "\n"
+        assert ckpt.latest_step() == 2
+    with mc.Checkpointer(root, config) as ckpt:  # the resumed run
+        manifest, out = _load_state(ckpt)
+        assert manifest.step == 2 and all(torch.equal(out[k], v) for k, v in state(2).items())
+        ckpt.save(3, state(3))
+        ckpt.wait()
+        assert ckpt.steps() == [3] and (root / "latest").read_text() == "step_0000000003\n"
 
 
 def test_background_error_surfaces_on_the_next_call(tmp_path: Path):
@@ -104,7 +185,7 @@ CRASH_PHASES = [
 ]
 
 
-def test_sigkill_at_any_phase_leaves_the_previous_checkpoint(tmp_path: Path):
+def test_sigkill_at_any_phase_resumes_from_the_newest_committed_step(tmp_path: Path):
     """Kill a saving process at each phase; check what resumption and retention see."""
     base = tmp_path / "base"
     config = mc.CheckpointerConfig(keep_last=1, async_save=False)
@@ -136,17 +217,20 @@ def test_sigkill_at_any_phase_leaves_the_previous_checkpoint(tmp_path: Path):
                 proc.kill()
 
     for phase, (root, _, _) in children.items():
+        # Once renamed into place step 2 is resumed from, whether ``latest`` was updated or not.
         committed = CRASH_PHASES.index(phase) >= CRASH_PHASES.index("committed")
-        resumed = 2 if phase == "latest_updated" else 1
+        resumed = 2 if committed else 1
         with mc.Checkpointer(root, config) as ckpt:
             assert ckpt.steps() == ([1, 2] if committed else [1]), phase
             assert ckpt.latest_step() == resumed, phase
             manifest, out = _load_state(ckpt)
             assert manifest.step == resumed, phase
             assert all(torch.equal(out[k], v) for k, v in state(resumed).items()), phase
-            ckpt.save(3, state(3))  # retention and cleanup after the crash
-            assert ckpt.steps() == [3] and ckpt.latest_step() == 3, phase
-        assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000000003"], phase
+            ckpt.save(resumed + 1, state(resumed + 1))  # the resumed loop's next checkpoint
+            assert ckpt.steps() == [resumed + 1] and ckpt.latest_step() == resumed + 1, phase
+        expected = ["latest", directory.step_dir_name(resumed + 1)]  # retention and cleanup
+        assert sorted(p.name for p in root.iterdir()) == expected, phase
+        assert (root / "latest").read_text() == expected[1] + "\n", phase
 
 
 def rank_async_with_training_collectives(root: str) -> list[float]:
@@ -193,3 +277,26 @@ def rank_async_with_training_collectives(root: str) -> list[float]:
 def test_async_saves_do_not_block_training_collectives(tmp_path: Path):
     sums = run_distributed(rank_async_with_training_collectives, 2, str(tmp_path), timeout=120)
     assert sums[0] == sums[1] == [2.0] * 60
+
+
+def rank_failure_after_the_commit(root: str) -> list[float]:
+    """Rank 0 fails to update ``latest``: every rank hears the checkpoint is committed."""
+    rank = dist.get_rank()
+
+    def fail_pointer(phase: str) -> None:
+        if phase == "latest_updated":
+            raise OSError("pointer write failed")
+
+    with mc.Checkpointer(root, on_phase=fail_pointer) as ckpt:
+        ckpt.save(4, {"w": mc.Shard(torch.full((2,), float(rank)), (4,), (2 * rank,))})
+        committed = r"step_0000000004 is committed.*rank 0: OSError\('pointer write failed'\)"
+        with pytest.raises(mc.PostCommitError, match=committed):
+            ckpt.wait()
+        whole = torch.zeros(4)
+        assert ckpt.load({"w": whole}).step == 4
+    return whole.tolist()
+
+
+def test_failure_after_the_commit_is_reported_on_every_rank(tmp_path: Path):
+    loaded = run_distributed(rank_failure_after_the_commit, 2, str(tmp_path), timeout=120)
+    assert loaded == [[0.0, 0.0, 1.0, 1.0]] * 2

@@ -1,5 +1,6 @@
 """Hugging Face interop: Qwen3-MoE checkpoints load with equal logits, both directions."""
 
+import dataclasses
 import json
 
 import pytest
@@ -15,6 +16,7 @@ from moe_model.hf import (  # noqa: E402
     hf_config,
     save_pretrained,
 )
+from safetensors.torch import load_file  # noqa: E402
 
 TOKENS = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(0))
 
@@ -42,17 +44,22 @@ def test_transformers_checkpoint_loads_with_equal_logits(tmp_path, kw):
     assert diff < 1e-4
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_our_checkpoint_loads_in_transformers_with_equal_logits(tmp_path, tie):
+@pytest.mark.parametrize(("tie", "experts"), [(False, 6), (True, 6), (False, 1)])
+def test_our_checkpoint_loads_in_transformers_with_equal_logits(tmp_path, tie, experts):
     cfg = MoEConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8,
-                    n_experts=6, top_k=3, expert_hidden=16, n_dense_layers=1, dense_hidden=40,
-                    norm_topk_weights=not tie, tie_embeddings=tie, rope_theta=5e5, init_std=0.2)
+                    n_experts=experts, top_k=min(3, experts), expert_hidden=16, n_dense_layers=1,
+                    dense_hidden=40, norm_topk_weights=not tie, tie_embeddings=tie, rope_theta=5e5,
+                    init_std=0.2)
     ours = MoETransformer(cfg)
     init_weights(ours, cfg, seed=1)
     save_pretrained(ours.eval(), tmp_path)
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, output_loading_info=True, attn_implementation="eager")
     assert not info["missing_keys"] and not info["unexpected_keys"]
+    saved = load_file(tmp_path / "model.safetensors")
+    w1 = ours.state_dict()["blocks.2.mlp.experts.w1"]
+    for e in range(experts):  # one [F, D] tensor per expert, also with a single expert
+        assert torch.equal(saved[f"model.layers.2.mlp.experts.{e}.gate_proj.weight"], w1[e])
     with torch.no_grad():
         diff = (hf.eval()(TOKENS).logits - ours(TOKENS)).abs().max().item()
     assert diff < 1e-4
@@ -86,6 +93,10 @@ def test_pure_conversion_functions():
     assert convert_to_hf("head.weight", torch.zeros(64, 32), cfg) == []  # tied
     with pytest.raises(ValueError, match="full logical tensor"):
         convert_to_hf("blocks.1.mlp.experts.w2", torch.zeros(2, 32, 16), cfg)
+    one = dataclasses.replace(cfg, n_experts=1, top_k=1)
+    w3 = torch.randn(1, 16, 32)
+    (name, t), = convert_to_hf("blocks.0.mlp.experts.w3", w3, one)  # [F, D], not [1, F, D]
+    assert name == "model.layers.0.mlp.experts.0.up_proj.weight" and torch.equal(t, w3[0])
     config = hf_config(cfg)
     assert config["model_type"] == "qwen3_moe" and config["num_experts"] == 4
     assert config["tie_word_embeddings"] is True and config["mlp_only_layers"] == []

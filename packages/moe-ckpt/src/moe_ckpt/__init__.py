@@ -14,6 +14,7 @@ from moe_ckpt.errors import (
     ChecksumError,
     IncompleteCheckpointError,
     MissingTensorError,
+    PostCommitError,
     TensorMismatchError,
 )
 from moe_ckpt.hf_export import export_hf
@@ -34,6 +35,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "Manifest",
     "MissingTensorError",
+    "PostCommitError",
     "Shard",
     "ShardLike",
     "StorageOptions",

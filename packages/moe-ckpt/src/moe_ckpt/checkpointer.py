@@ -3,7 +3,9 @@
 What the training loop sees: ``save(step, tensors, metadata)`` returns once this
 rank's data is in host memory; the write and the commit run in one background
 thread; the next ``save``, ``load``, ``wait`` or ``close`` waits for them and
-raises a background failure as ``CheckpointError``.
+raises a background failure as ``CheckpointError`` (``PostCommitError`` when the
+checkpoint was committed and only the ``latest`` pointer update or retention after
+it failed).
 
 Collectives and threads (why this cannot deadlock with training):
 
@@ -37,7 +39,7 @@ import torch.distributed as dist
 
 from moe_ckpt import directory
 from moe_ckpt.comm import Collectives, GroupCollectives, SingleProcess
-from moe_ckpt.errors import CheckpointError, IncompleteCheckpointError
+from moe_ckpt.errors import CheckpointError, IncompleteCheckpointError, PostCommitError
 from moe_ckpt.host import HostBuffers
 from moe_ckpt.load import load
 from moe_ckpt.manifest import Manifest
@@ -122,7 +124,11 @@ class Checkpointer:
             )
 
     def _after_commit(self, final: Path) -> None:
-        """On rank 0, after the commit rename and before any rank's save returns."""
+        """On rank 0, after the commit rename and before any rank's save returns.
+
+        A failure here leaves ``final`` committed (``PostCommitError``); the next
+        successful save redoes the pointer, retention and cleanup.
+        """
         directory.write_latest(self.root, final)
         self._notify("latest_updated")
         if self.config.keep_last is not None:
@@ -135,13 +141,20 @@ class Checkpointer:
             self._on_phase(phase)
 
     def wait(self) -> None:
-        """Wait for the pending asynchronous save; raise its error if it failed."""
+        """Wait for the pending asynchronous save; raise its error if it failed.
+
+        ``PostCommitError`` means the checkpoint is committed and only the pointer
+        update or retention after it failed; anything else, as ``CheckpointError``,
+        means nothing was committed.
+        """
         if self._pending is None:
             return
         step, future = self._pending
         self._pending = None
         try:
             future.result()
+        except PostCommitError:
+            raise  # the checkpoint is committed; the message names it
         except Exception as e:
             raise CheckpointError(
                 f"asynchronous save of step {step} under {self.root} failed: {e}"
@@ -152,13 +165,14 @@ class Checkpointer:
         return sorted(directory.committed_steps(self.root))
 
     def latest_step(self) -> int | None:
+        """The newest committed step (what ``load`` resumes from), or None."""
         path = directory.latest(self.root)
         return None if path is None else int(path.name.split("_")[1])
 
     def load(
         self, targets: Mapping[str, ShardLike | torch.Tensor], step: int | None = None
     ) -> Manifest:
-        """Load ``step`` (default: the latest committed checkpoint) into ``targets``.
+        """Load ``step`` (default: the newest committed checkpoint) into ``targets``.
 
         Rank 0 resolves the directory and tells the others, so all ranks read the
         same checkpoint even while the filesystem view differs between hosts.

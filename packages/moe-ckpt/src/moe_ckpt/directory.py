@@ -5,17 +5,24 @@ Layout of a checkpoint root::
     step_0000001000/               committed: renamed into place, manifest inside
     .step_0000002000.partial-<id>/ being written, or left by a crash: never loaded
     .step_0000000500.deleting-<id>/ being deleted by retention
-    latest                         name of the newest committed checkpoint
+    latest                         name of the last committed checkpoint, for other readers
 
 Why this way: ``rename(2)`` of a directory is atomic on one filesystem, so a
 checkpoint appears under its final name complete or not at all; the step-named
 partial is unique per attempt (``<id>``), so a stale writer from a crashed job
 cannot mix its files into a new attempt. Retention renames a checkpoint out of
 the way before deleting it, so a crash mid-delete never leaves a half-deleted
-directory under a committed name. ``latest`` is replaced atomically (temp file +
-``os.replace``); when it is missing or names something that is not a committed
-checkpoint, the newest committed step is used, so a crash between the commit
-rename and the pointer update loses nothing.
+directory under a committed name.
+
+The checkpoint to resume from is the newest committed step, found by listing:
+the commit rename is the one atomic event, so a crash between it and the
+``latest`` update loses nothing, and the resumed run saves its next step instead
+of colliding with a committed step the pointer missed. ``latest`` (replaced
+atomically: temp file + ``os.replace``, after each commit) is only a convenience
+for readers that do not list the root (a shell, an evaluation job); it may lag
+one checkpoint behind after such a crash, until the next commit. Rolling a run
+back therefore means removing the newer step directories (which the rolled-back
+run could not save again anyway), not pointing ``latest`` at an older one.
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ def committed_steps(root: Path) -> dict[int, Path]:
 
 
 def write_latest(root: Path, final: Path) -> None:
+    """Point ``latest`` at ``final`` for readers that do not list the root."""
     tmp = root / f".{LATEST_NAME}.tmp-{uuid.uuid4().hex}"
     with open(tmp, "w") as f:
         f.write(final.name + "\n")
@@ -83,13 +91,7 @@ def write_latest(root: Path, final: Path) -> None:
 
 
 def latest(root: Path) -> Path | None:
-    """The checkpoint to resume from: ``latest`` if it names a committed one, else the newest."""
-    pointer = root / LATEST_NAME
-    if pointer.is_file():
-        name = pointer.read_text().strip()
-        candidate = root / name
-        if name and "/" not in name and is_committed(candidate):
-            return candidate
+    """The checkpoint to resume from: the newest committed step (the pointer is not read)."""
     steps = committed_steps(root)
     return steps[max(steps)] if steps else None
 
@@ -104,20 +106,17 @@ def _remove(path: Path) -> None:
 def retain(root: Path, keep_last: int, protect: Path) -> list[Path]:
     """Delete committed checkpoints beyond the ``keep_last`` highest steps.
 
-    ``protect`` (the checkpoint just committed) and whatever ``latest`` names are
-    never deleted, whatever their step. Returns the deleted paths.
+    ``protect`` (the checkpoint just committed) is never deleted, whatever its
+    step. Returns the deleted paths.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    keep = {protect.resolve()}
-    current = latest(root)
-    if current is not None:
-        keep.add(current.resolve())
+    keep = protect.resolve()
     steps = committed_steps(root)
     removed = []
     for step in sorted(steps)[:-keep_last]:
         path = steps[step]
-        if path.resolve() not in keep:
+        if path.resolve() != keep:
             _remove(path)
             removed.append(path)
     return removed

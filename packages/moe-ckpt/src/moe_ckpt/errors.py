@@ -24,3 +24,12 @@ class TensorMismatchError(CheckpointError):
 
 class ChecksumError(CheckpointError):
     """Stored bytes do not match the checksum recorded when they were written."""
+
+
+class PostCommitError(CheckpointError):
+    """The checkpoint is committed (complete, loadable, resumed from); what follows failed.
+
+    That is the ``committed`` phase hook, or a ``Checkpointer``'s ``latest`` pointer
+    update, retention or cleanup. A caller may log it and train on: the next
+    successful save redoes them.
+    """

@@ -5,8 +5,9 @@ the key-value layout, and per logical tensor: storage key, global shape, dtype,
 zarr chunk shape, the layout it was saved from (which rank held which box or flat
 run) and one record per *piece* (a written box inside one chunk, see
 ``moe_ckpt.plan``) with its writer rank and the CRC-32 of its bytes in C order.
-User metadata (config, data position, RNG state...) is stored as given, plus a
-per-rank list for values that differ by rank.
+User metadata (config, data position, RNG state...) is stored as it was at the
+``save`` call (``json_snapshot``), plus a per-rank list for values that differ by
+rank.
 
 The manifest is written last into the not-yet-committed directory (temp file,
 fsync, rename), so a directory with a manifest under its final name is complete.
@@ -124,6 +125,34 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{source}: malformed manifest ({e!r})") from e
+
+
+def json_snapshot(value: Any, what: str) -> Any:
+    """``value`` as the manifest will record it (a JSON round trip), taken now.
+
+    An asynchronous save writes its manifest later, in the background: a snapshot
+    at the call keeps the caller's later changes (a live data position) out of it,
+    and a value JSON cannot hold fails at the call, naming where it is.
+    """
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{_unserialisable(value, what)} is not JSON-serialisable ({e})") from None
+
+
+def _unserialisable(value: Any, path: str, ancestors: frozenset[int] = frozenset()) -> str:
+    """The path (from ``path``) of the part of ``value`` that JSON cannot hold."""
+    if isinstance(value, dict | list | tuple) and id(value) not in ancestors:
+        inside = ancestors | {id(value)}
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(value, dict) and not isinstance(key, str | int | float | bool | None):
+                return f"{path} key {key!r}"
+            try:
+                json.dumps(item)
+            except (TypeError, ValueError):
+                return _unserialisable(item, f"{path}[{key!r}]", inside)
+    return path
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:

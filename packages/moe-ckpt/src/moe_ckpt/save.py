@@ -15,7 +15,10 @@ Two halves, so that ``Checkpointer`` can run the second in a background thread:
    is durably written (tensorstore fsyncs files by default).
 
 Every collective carries an error slot: a rank that fails keeps taking part and
-all ranks raise the same ``CheckpointError``; nothing is committed.
+all ranks raise together. A failure before the commit rename commits nothing; one
+after it (the ``committed`` hook, ``after_commit``) leaves the checkpoint committed
+and raises ``PostCommitError`` on every rank, so no caller mistakes it for a lost
+checkpoint.
 
 ``on_phase`` is called with the name of each phase reached on this rank:
 ``planned``, ``created``, ``wrote:<tensor>`` (per tensor), ``written``, and on
@@ -25,7 +28,6 @@ fault-injection tests (a test kills the process at a chosen phase).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Callable, Mapping
@@ -42,9 +44,9 @@ from moe_ckpt.boxes import Box
 from moe_ckpt.comm import Collectives, collectives_for
 from moe_ckpt.directory import commit, partial_path
 from moe_ckpt.dtypes import itemsize
-from moe_ckpt.errors import CheckpointError
+from moe_ckpt.errors import CheckpointError, PostCommitError
 from moe_ckpt.host import HostBuffers, crc32, host_views
-from moe_ckpt.manifest import Manifest, PieceRecord, TensorRecord, write_manifest
+from moe_ckpt.manifest import Manifest, PieceRecord, TensorRecord, json_snapshot, write_manifest
 from moe_ckpt.plan import TensorPlan, Write, pieces, plan_tensor
 from moe_ckpt.shards import Described, ShardLike, describe_all
 from moe_ckpt.storage import StorageOptions, array_key
@@ -137,9 +139,8 @@ def prepare_save(
     payload: dict[str, tuple] = {}
     described: dict[str, Described] = {}
     try:
-        metadata = dict(metadata or {})
-        json.dumps(metadata)
-        json.dumps(rank_metadata)
+        metadata = json_snapshot(dict(metadata or {}), "metadata")
+        rank_metadata = json_snapshot(rank_metadata, "rank_metadata")
         if comm.rank == 0 and final.exists():
             raise FileExistsError(f"checkpoint {final} already exists")
         described = describe_all(tensors, comm.rank)
@@ -291,6 +292,7 @@ def write_and_commit(p: PendingSave, after_commit: Callable[[Path], None] | None
     gathered = comm.gather((_error_text(comm, local_error), records))
 
     status: str | None = None
+    committed = False
     if comm.rank == 0:
         assert gathered is not None
         status = next((g[0] for g in gathered if g[0]), None)
@@ -299,13 +301,19 @@ def write_and_commit(p: PendingSave, after_commit: Callable[[Path], None] | None
                 write_manifest(partial, _manifest(p, [r for g in gathered for r in g[1]]))
                 _notify(p.on_phase, "manifest_written")
                 commit(partial, p.final)
+                committed = True
                 _notify(p.on_phase, "committed")
                 if after_commit is not None:
                     after_commit(p.final)
             except Exception as e:  # noqa: BLE001
                 local_error = e
                 status = _error_text(comm, e)
-    status = comm.broadcast(status)
+    status, committed = comm.broadcast((status, committed))
+    if status and committed:
+        raise PostCommitError(
+            f"checkpoint {p.final} is committed (complete and loadable), but what follows "
+            f"the commit failed on {status}"
+        ) from local_error
     if status:
         _discard(comm, partial)
         _raise_if_any([status], local_error, f"saving {p.final}")

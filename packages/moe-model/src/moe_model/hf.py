@@ -165,6 +165,16 @@ def _split_block(name: str) -> tuple[int, str] | None:
     return int(layer), rest
 
 
+def _stacked_experts(name: str) -> bool:
+    """Whether our logical tensor ``name`` stacks one HF tensor per expert along dim 0.
+
+    Decided by the name, never by the number of HF names: with one expert the
+    stack still has a leading dim of 1 that HF does not have.
+    """
+    split = _split_block(name)
+    return split is not None and split[1] in _EXPERTS
+
+
 def hf_names(name: str, cfg: MoEConfig) -> list[str]:
     """HF tensor names of our logical tensor ``name`` (one per expert for stacked experts)."""
     check_representable(cfg)
@@ -186,9 +196,9 @@ def hf_names(name: str, cfg: MoEConfig) -> list[str]:
 def convert_to_hf(name: str, tensor: torch.Tensor, cfg: MoEConfig) -> list[tuple[str, torch.Tensor]]:
     """HF tensors for our full logical tensor ``name`` (stacked experts -> one per expert)."""
     names = hf_names(name, cfg)
-    if len(names) == 1 or not names:
+    if not _stacked_experts(name):
         return [(n, tensor) for n in names]
-    if tensor.shape[0] != len(names):
+    if tensor.ndim != 3 or tensor.shape[0] != len(names):
         raise ValueError(
             f"{name}: expected the full logical tensor with {len(names)} experts, got shape "
             f"{tuple(tensor.shape)}"
@@ -200,12 +210,13 @@ def convert_from_hf(get: Callable[[str], torch.Tensor], cfg: MoEConfig) -> dict[
     """Our full state dict from HF tensors, fetched by name with ``get`` (KeyError if missing)."""
     state: dict[str, torch.Tensor] = {}
     for name, shape in logical_shapes(cfg).items():
-        names = hf_names(logical_name(name, cfg), cfg)  # a tied head reads the embedding
+        source = logical_name(name, cfg)  # a tied head reads the embedding
+        names = hf_names(source, cfg)
         try:
             parts = [get(n) for n in names]
         except KeyError as e:
             raise ValueError(f"checkpoint is missing {e.args[0]!r} (needed for {name})") from None
-        tensor = parts[0] if len(parts) == 1 else torch.stack(parts)
+        tensor = torch.stack(parts) if _stacked_experts(source) else parts[0]
         if tensor.shape != shape:
             raise ValueError(f"{names[0]}: shape {tuple(tensor.shape)} does not give {name} {tuple(shape)}")
         state[name] = tensor
