@@ -310,3 +310,28 @@ def test_resume_refuses_a_data_stream_that_changed_under_its_path(tmp_path, caps
         f"pretrain: error: checkpoint.resume: the checkpoint of step 3 was trained on 103 sequences "
         f"of train.seq_len + 1 tokens from data.path='{data}', which now holds 207: the data changed, "
         "and the data order (a permutation of the sequences) would not carry over")
+
+
+def test_a_failure_after_a_checkpoint_commit_warns_and_training_goes_on(tmp_path, monkeypatch, capsys):
+    """The ``latest`` pointer update failing (a full disk, a permission) after the commit:
+    the checkpoint is complete and resumable, so the run warns and trains on; the next
+    save writes the pointer again."""
+    import moe_ckpt.directory
+
+    write_latest, calls = moe_ckpt.directory.write_latest, []
+
+    def failing_once(root, final):
+        calls.append(final.name)
+        if len(calls) == 1:
+            raise OSError("no space left on device")
+        write_latest(root, final)
+
+    monkeypatch.setattr(moe_ckpt.directory, "write_latest", failing_once)
+    assert main(["--config", "tiny", f"run_dir={tmp_path}", "checkpoint.every=2"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: checkpoint" in err and "step_0000000002 is committed" in err and "training continues" in err
+    assert [r["step"] for r in _metrics(tmp_path)] == [1, 2, 3, 4]
+    assert calls == ["step_0000000002", "step_0000000004"]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_0000000004"
+    assert main(["--config", "tiny", f"run_dir={tmp_path}", "train.steps=5"]) == 0
+    assert "resumed after step 4" in capsys.readouterr().out

@@ -31,13 +31,16 @@ checkpoint directory (``.../checkpoints/step_N``).
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from moe_ckpt import Checkpointer, CheckpointerConfig, Manifest, Shard, load
+from moe_ckpt import Checkpointer, CheckpointerConfig, Manifest, PostCommitError, Shard, load
 
 from pretrain.config import ConfigError, Layout, PretrainConfig
 from pretrain.config_tree import to_tree
@@ -128,7 +131,19 @@ class RunCheckpoints:
 
     def close(self) -> None:
         """Wait for the last save (raising its error) and release the checkpointer."""
-        self.checkpointer.close()
+        with self._post_commit_warned():
+            self.checkpointer.close()
+
+    @contextlib.contextmanager
+    def _post_commit_warned(self) -> Iterator[None]:
+        """A failure after a commit (the ``latest`` pointer or retention) leaves that
+        checkpoint complete and resumable: say so and train on (the next save redoes both)
+        rather than end a run that lost nothing."""
+        try:
+            yield
+        except PostCommitError as e:
+            if dist.get_rank() == 0:
+                print(f"warning: {e}; training continues", file=sys.stderr, flush=True)
 
     # -- saving --------------------------------------------------------------------
 
@@ -142,8 +157,11 @@ class RunCheckpoints:
             return
         metadata = {"config": to_tree(self.cfg), "layout": dataclasses.asdict(self.layout),
                     "step": step, "data": _data_position(self.cfg, step, self.n_sequences)}
-        self.checkpointer.save(step, self.state, metadata,
-                               rank_metadata={"rng": _rng_state(self.trainer.device)})
+        with self._post_commit_warned():
+            self.checkpointer.wait()  # the previous (asynchronous) save
+        with self._post_commit_warned():
+            self.checkpointer.save(step, self.state, metadata,
+                                   rank_metadata={"rng": _rng_state(self.trainer.device)})
         self.last_saved = step
 
     # -- resuming ------------------------------------------------------------------
