@@ -32,6 +32,23 @@ def test_config_errors_name_the_field():
         MoEConfig(**{**SMALL, "top_k": 9})
 
 
+def test_bad_model_inputs_name_the_rule():
+    from moe_model import partition_
+
+    cfg = MoEConfig(**SMALL)
+    model = MoETransformer(cfg)
+    init_weights(model, cfg, seed=0)
+    for bad in (97, -1):
+        with pytest.raises(ValueError, match=rf"token id {bad} is outside \[0, vocab_size=97\)"):
+            model(torch.tensor([[1, bad]]))
+    with pytest.raises(ValueError, match=r"tokens: an empty batch \(0, 5\)"):
+        model(torch.zeros(0, 5, dtype=torch.long))
+    stage = partition_(model, range(1, 2))  # no embedding: hidden states in
+    with pytest.raises(ValueError, match=r"takes hidden states \[B, S, d_model=32\] .* got torch.int64"):
+        stage(torch.tensor([[1, 2]]))
+    assert stage(torch.randn(1, 3, 32)).shape == (1, 3, 32)
+
+
 def test_grouped_mm_matches_loop_with_empty_and_odd_groups():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(13, 8, generator=g, requires_grad=True)

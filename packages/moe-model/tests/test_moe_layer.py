@@ -64,17 +64,16 @@ def test_step_stats_accumulate_and_reset():
 
 
 def test_unpopped_stats_are_folded_and_still_sum_exactly(monkeypatch):
-    """Forwards never popped (inference) are summed every ``_FOLD_EVERY`` entries: the list
+    """Training forwards never popped are summed every ``_FOLD_EVERY`` entries: the list
     stays short and the totals equal those of one forward times the count."""
     from moe_model import moe
 
     monkeypatch.setattr(moe, "_FOLD_EVERY", 4)
     _, layer, x = layer_and_input(capacity_factor=0.5)
-    with torch.no_grad():
+    layer(x)
+    one = layer.pop_step_stats()
+    for _ in range(11):
         layer(x)
-        one = layer.pop_step_stats()
-        for _ in range(11):
-            layer(x)
     assert len(layer._pending) < 4
     s = layer.pop_step_stats()
     for key in ("tokens_per_expert", "dropped_per_expert", "n_tokens"):
@@ -162,3 +161,29 @@ def test_shared_experts_and_dense_layers():
     init_weights(model, cfg, seed=0)
     logits = model(torch.randint(0, 97, (2, 5)))
     assert logits.shape == (2, 5, 97) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("granularity", ["microbatch", "global_batch"])
+def test_an_evaluation_forward_between_steps_leaves_the_next_step_alone(granularity):
+    """A validation pass (eval mode, no autograd) after a step: the next step's balancing
+    gradient, its popped loads (which drive the bias step) and the reducer (a collective)
+    are what they are without it."""
+    def next_step(evaluate):
+        _, layer, x = layer_and_input(T=24, lb_loss_granularity=granularity, lb_loss_coef=1.0)
+        calls = []
+        layer.count_reducer = lambda c: (calls.append(1), c)[1]
+        layer.aux_loss_scale = 1 / 24
+        if evaluate:
+            layer.eval()
+            with torch.no_grad():
+                layer(torch.randn(1, 64, 32, generator=torch.Generator().manual_seed(9)))
+            layer.train()
+        (grad,) = torch.autograd.grad(layer(x).sum() * 0, layer.router.weight)  # the aux loss's only
+        return grad, layer.pop_step_stats(), len(calls)
+
+    want_grad, want_stats, want_calls = next_step(False)
+    grad, stats, calls = next_step(True)
+    assert torch.equal(grad, want_grad) and calls == want_calls
+    assert stats.keys() == want_stats.keys()
+    for key in want_stats:
+        assert torch.equal(stats[key], want_stats[key]), key

@@ -77,8 +77,18 @@ class MoETransformer(nn.Module):
         if self.embed is not None:
             if x.dim() != 2 or x.is_floating_point():
                 raise ValueError(f"tokens must be an integer [B, S] tensor, got {x.dtype} {tuple(x.shape)}")
+            if x.numel() == 0:
+                raise ValueError(f"tokens: an empty batch {tuple(x.shape)}")
+            if x.device.type == "cpu":  # (a CUDA check would wait for the device: it asserts there)
+                bad = x[(x < 0) | (x >= self.config.vocab_size)]
+                if bad.numel():
+                    raise ValueError(f"token id {int(bad[0])} is outside [0, vocab_size={self.config.vocab_size})")
             h = embed(self.embed, x, self.embed_grad_sink)
         else:
+            if x.dim() != 3 or not x.is_floating_point() or x.shape[-1] != self.config.d_model:
+                raise ValueError(
+                    f"this stage holds no embedding: it takes hidden states [B, S, d_model="
+                    f"{self.config.d_model}] (floating point), got {x.dtype} {tuple(x.shape)}")
             h = x
         for block in self.blocks.values():
             h = block(h)

@@ -26,6 +26,10 @@ Load-balancing granularity (what the expert load ``f_e`` is counted over):
   called once per MoE layer per forward (never in a recomputed forward), so all
   ranks of the DP group must run the same number of MoE forwards per step.
 
+Only training forwards (``self.training`` with autograd enabled) count toward a step:
+an evaluation or ``no_grad`` forward between steps leaves the running counts, the
+reducer (a collective) and the statistics alone, and balances over its own tokens.
+
 Per-step statistics (device tensors, detached) are accumulated for logging and
 bias balancing; ``pop_step_stats`` returns and resets them (``take_step_stats`` does the
 same without ending the step: the sums of a captured group of microbatches):
@@ -120,11 +124,13 @@ class MoELayer(nn.Module):
         y_TD = self.dispatcher.combine(rows_out, routing.weights, handle)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
-        lb = load_balancing_loss(routing.probs, self._balance_counts(routing.tokens_per_expert))
-        if self.training and (self.lb_coef or self.z_coef):
+        training = self.training and torch.is_grad_enabled()  # counts toward the step
+        counts = self._balance_counts(routing.tokens_per_expert) if training else routing.tokens_per_expert
+        lb = load_balancing_loss(routing.probs, counts)
+        if training and (self.lb_coef or self.z_coef):
             aux = self.lb_coef * lb + self.z_coef * routing.z_loss
             y_TD = attach_aux_loss(y_TD, aux, self.aux_loss_scale)
-        if not is_recomputing():
+        if training and not is_recomputing():
             dropped = (self.dispatcher.dropped_per_expert(handle)
                        if isinstance(self.dispatcher, ReportsDrops) else None)
             self._record(routing.tokens_per_expert, dropped, lb, routing.z_loss, B * S)
@@ -141,9 +147,9 @@ class MoELayer(nn.Module):
 
     def _record(self, counts: torch.Tensor, dropped: torch.Tensor | None, lb: torch.Tensor,
                 z: torch.Tensor, n_tokens: int) -> None:
-        """Keep this forward's statistics; ``pop_step_stats`` sums them. Summing once per step
-        instead of adding per forward saves ~5 tiny kernels per layer and microbatch; forwards
-        that are never popped (inference) are folded every ``_FOLD_EVERY`` to bound memory."""
+        """Keep this training forward's statistics; ``pop_step_stats`` sums them. Summing once
+        per step instead of adding per forward saves ~5 tiny kernels per layer and microbatch;
+        forwards that are never popped are folded every ``_FOLD_EVERY`` to bound memory."""
         self._pending.append((counts, dropped, lb.detach(), z.detach(), n_tokens))
         if len(self._pending) >= _FOLD_EVERY:
             self._pending = [_sum_stats(self._pending)]
