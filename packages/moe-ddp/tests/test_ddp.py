@@ -24,11 +24,20 @@ MIN_SHARD = 32
 TINY_CAP_MB = 600 / 2**20  # ~150 FP32 elements: many buckets, so ordering matters
 
 
+def bucket_launched(ddp: MultiGroupDDP, target: torch.Tensor) -> bool:
+    """Whether the bucket ``target`` lies in was launched: buckets launch in the order of
+    ``grad_buffers()``, so the first ``launched_buckets`` of them are."""
+    storages = [buf.untyped_storage().data_ptr() for _, buf in ddp.grad_buffers()]
+    return storages.index(target.untyped_storage().data_ptr()) < ddp.launched_buckets
+
+
 class _MergeableGradient:
     """A weight gradient as moe_model's grouped experts deliver it: computed when called
     (``target += sum dy^T @ x``), mergeable with the same weight's next ones."""
 
     calls: list[int] = []  # microbatches added per call, this process
+    ddp: MultiGroupDDP | None = None  # set: each call records whether its bucket had launched
+    added_after_launch: list[bool] = []
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.pairs = pairs
@@ -38,6 +47,8 @@ class _MergeableGradient:
 
     def __call__(self, target: torch.Tensor) -> None:
         _MergeableGradient.calls.append(len(self.pairs))
+        if _MergeableGradient.ddp is not None:
+            _MergeableGradient.added_after_launch.append(bucket_launched(_MergeableGradient.ddp, target))
         dw = sum(dy.t() @ x for x, dy in self.pairs)  # in the weight's storage order
         target.add_(dw.reshape(target.shape))
 
@@ -149,7 +160,11 @@ def reference_grads(world: int, ep: bool) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _train_window(mode: str, ep: bool, pipeline: bool, sink: bool = False, merge: int = 1) -> dict:
+def _train_window(mode: str, ep: bool, pipeline: bool, sink: bool = False, merge: int = 1,
+                  last_via_autograd: bool = False) -> dict:
+    """One window of ``MICRO`` microbatches; with ``sink``, expert weight gradients go through
+    ``add_gradient`` (mergeable with ``merge > 1``), except in the last microbatch with
+    ``last_via_autograd`` (autograd's ``param.grad`` and the hook)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     expert_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])] if ep else []
     model = ToyMoE(experts_of(rank, world, ep))
@@ -164,10 +179,13 @@ def _train_window(mode: str, ep: bool, pipeline: bool, sink: bool = False, merge
     if sink:
         model.sink = ddp
         model.mergeable = merge > 1
+    _MergeableGradient.ddp = ddp
     n_global = global_tokens(world)
     launched_during_backward = 0
     for mb in range(MICRO):
         x, ids, target = microbatch(rank, world, mb, ep)
+        if last_via_autograd and mb == MICRO - 1:
+            model.sink = None
         loss = loss_sum(model, x, ids, target) / n_global
         if pipeline or mb < MICRO - 1:
             with ddp.no_sync():
@@ -181,10 +199,10 @@ def _train_window(mode: str, ep: bool, pipeline: bool, sink: bool = False, merge
     for name, param, main_grad, group in ddp:
         size = dist.get_world_size(group)
         if mode == "reduce_scatter" and is_sharded(param.numel(), size, MIN_SHARD):
-            assert main_grad.shape == (size, param.numel() // size)
+            assert main_grad.shape == (size, param.numel() // size) and ddp.grad_is_sharded(param)
             grads[name] = ("shard", dist.get_rank(group), size, main_grad[dist.get_rank(group)].clone())
         else:
-            assert main_grad.shape == param.shape
+            assert main_grad.shape == param.shape and not ddp.grad_is_sharded(param)
             grads[name] = ("full", 0, 1, main_grad.clone())
     return portable({
         "grads": grads,
@@ -192,6 +210,7 @@ def _train_window(mode: str, ep: bool, pipeline: bool, sink: bool = False, merge
         "n_buckets": len(ddp.grad_buffers()),
         "bytes": ddp.last_sync_bytes,
         "merged_calls": sorted(_MergeableGradient.calls),
+        "added_after_launch": _MergeableGradient.added_after_launch,
     })
 
 
@@ -246,6 +265,67 @@ def test_merged_microbatch_gradients_match_single_process(mode, merge, pipeline)
     for r in results:
         assert r["merged_calls"] == sorted(per_expert * N_EXPERTS), r["merged_calls"]
         assert r["launched_during_backward"] == (0 if pipeline else r["n_buckets"])
+        assert not any(r["added_after_launch"])
+
+
+@pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
+def test_held_gradients_are_added_before_the_bucket_launches_when_the_last_comes_via_autograd(mode):
+    """Microbatches 0 and 1 deliver mergeable expert gradients through the sink (held: merge 3),
+    the synchronised last one through autograd's hook. The held pair is added before the
+    parameter counts as arrived, so before its bucket launches, which every add checks when
+    it runs (no timing involved): added after the launch, it would race the reduction."""
+    results = unpack(run_distributed(_train_window, 4, mode, False, False, True, 3, True, timeout=90))
+    _check_against_reference(results, 4, ep=False)
+    for r in results:
+        assert r["merged_calls"] == [2] * N_EXPERTS, r["merged_calls"]
+        assert r["added_after_launch"] == [False] * N_EXPERTS
+        assert r["launched_during_backward"] == r["n_buckets"]
+
+
+class _TwoWeights(nn.Module):
+    """Two weights in one bucket: ``a``'s gradient through the sink, ``b``'s through autograd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = nn.Parameter(torch.randn(3, 4, generator=g))
+        self.b = nn.Parameter(torch.randn(3, 4, generator=g))
+
+
+def test_a_mergeable_gradient_after_its_parameter_arrived_is_added_at_once(monkeypatch):
+    """Out of the usual order: ``a`` arrives in a synchronised backward while ``b`` keeps the
+    bucket open, then a no_sync() backward delivers a mergeable gradient of ``a``. Held, it
+    could outlive the bucket's launch (``b``'s arrival); it is added at once, as without
+    merging, and the sum is the two microbatches' gradient."""
+    model = _TwoWeights()
+    ddp = MultiGroupDDP(model, lambda n, p: None, DDPConfig(merge_microbatch_gradients=3))
+    for name, value in (("ddp", ddp), ("calls", []), ("added_after_launch", [])):
+        monkeypatch.setattr(_MergeableGradient, name, value)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(5, 4, generator=g) for _ in range(2)]
+    _IntoSink.apply(xs[0], model.a, ddp, True).sum().backward()
+    with ddp.no_sync():
+        _IntoSink.apply(xs[1], model.a, ddp, True).sum().backward()
+    (xs[0] @ model.b.t()).sum().backward()  # b arrives: the bucket launches
+    assert ddp.launched_buckets == 1
+    ddp.finish_grad_sync()
+    assert _MergeableGradient.calls == [1, 1] and _MergeableGradient.added_after_launch == [False, False]
+    twin = model.a.detach().clone().requires_grad_()
+    sum((x @ twin.t()).sum() for x in xs).backward()
+    torch.testing.assert_close(ddp.main_grad("a"), twin.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_a_held_gradient_is_never_added_into_a_reduced_bucket():
+    """White-box: the state no public call sequence reaches (a gradient still held in a
+    launched bucket) is refused, not added behind the reduction's back."""
+    model = _TwoWeights()
+    ddp = MultiGroupDDP(model, lambda n, p: None, DDPConfig(merge_microbatch_gradients=2))
+    ddp.finish_grad_sync()
+    written: list[torch.Tensor] = []
+    ddp._slots[model.a].held = written.append
+    with pytest.raises(RuntimeError, match="'a' still holds a gradient .* already reduced"):
+        ddp.finish_grad_sync()
+    assert not written
 
 
 def test_after_a_pipeline_schedule_finish_launches_everything():
@@ -330,6 +410,51 @@ def test_bf16_communication_reduces_a_bf16_copy(mode):
             torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * scale, msg=name)
         fp32 = r["fp32_bytes"]
         assert r["bytes"] == {(0, 1): fp32 // 2}  # the counter counts BF16 bytes
+
+
+def test_synced_is_false_from_the_first_accumulation_to_finish_grad_sync():
+    """What the optimizer checks before a step. ``zero_grad()`` leaves it true (zeros agree on
+    every rank): a step replayed from a CUDA graph runs no Python, so the flag must read
+    true after ``zero_grad()`` and a replay, as the captured ``finish_grad_sync()`` left it."""
+    model = ToyMoE(range(N_EXPERTS))
+    ddp = MultiGroupDDP(model, lambda n, p: None)
+    batches = [microbatch(0, 1, mb, False) for mb in range(2)]
+    assert ddp.synced
+    with ddp.no_sync():
+        assert not ddp.synced
+        loss_sum(model, *batches[0]).backward()
+    assert not ddp.synced
+    loss_sum(model, *batches[1]).backward()  # the synchronised last microbatch: buckets launch
+    assert not ddp.synced and ddp.launched_buckets == len(ddp.grad_buffers())
+    ddp.finish_grad_sync()
+    assert ddp.synced
+    ddp.zero_grad()
+    assert ddp.synced
+    loss_sum(model, *batches[0]).backward()  # one microbatch, no no_sync()
+    assert not ddp.synced
+    ddp.finish_grad_sync()
+    ddp.zero_grad()
+    ddp.add_gradient(model.out.weight, lambda target: target.add_(1.0))  # the sink route
+    assert not ddp.synced
+    ddp.finish_grad_sync()
+    assert ddp.synced
+
+
+def _owner_major_parameter_of_its_own_shape() -> None:
+    model = nn.Linear(64, 2, bias=False)  # weight [2, 64]: owner-major [G, numel/G] for G = 2
+    ddp = MultiGroupDDP(model, lambda n, p: dist.group.WORLD,
+                        DDPConfig(mode="reduce_scatter", min_shard_numel=128))
+    assert ddp.main_grad("weight").shape == model.weight.shape and ddp.grad_is_sharded(model.weight)
+    replicated = MultiGroupDDP(nn.Linear(64, 2, bias=False), lambda n, p: dist.group.WORLD,
+                               DDPConfig(mode="reduce_scatter", min_shard_numel=129))
+    assert not any(replicated.grad_is_sharded(p) for _, p, _, _ in replicated)
+    with pytest.raises(KeyError, match="not a trainable parameter"):
+        ddp.grad_is_sharded(nn.Parameter(torch.zeros(2)))
+    dist.barrier()
+
+
+def test_grad_is_sharded_states_what_the_main_grad_shape_cannot_tell():
+    run_distributed(_owner_major_parameter_of_its_own_shape, 2, timeout=60)
 
 
 def _gradient_after_sync_is_refused() -> None:

@@ -107,7 +107,8 @@ def holdings(scenario: str, rank: int, world: int) -> list[tuple[str, int, int, 
 class Grads:
     """A GradSource of plain tensors. ``owner_major``: sharded tensors get a
     ``[G, numel/G]`` main grad (as moe_ddp's reduce_scatter mode gives), whose
-    rows other than this rank's are NaN, so reading them would show."""
+    rows other than this rank's are NaN, so reading them would show, and the source
+    says which (``grad_is_sharded``)."""
 
     def __init__(self, held, groups, layout: str) -> None:
         self.items = []
@@ -135,6 +136,10 @@ class Grads:
     def __iter__(self):
         for name, param, main_grad, group, *_ in self.items:
             yield name, param, main_grad, group
+
+    def grad_is_sharded(self, param: nn.Parameter) -> bool:
+        """Stated as moe_ddp states it; ``full`` is sound whether the optimizer shards or not."""
+        return next(item[6] for item in self.items if item[1] is param)
 
 
 def build_groups(world: int) -> dict:

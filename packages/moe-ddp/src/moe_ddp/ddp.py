@@ -31,8 +31,15 @@ Design notes (docs/ARCHITECTURE.md, "Loss normalisation and gradient reduction")
   added; the parameter's next gradients are merged into it and up to ``n`` are added in
   one call (moe_model's expert weight gradients: one GEMM over all their microbatches'
   rows, one FP32 read-modify-write of the main grad instead of ``n``). Nothing is held
-  past the window: the last microbatch (synchronised) adds at once, and
-  ``finish_grad_sync()`` adds whatever is still held before it launches a bucket.
+  past the window: a held gradient is added before its parameter counts as arrived
+  (whether the synchronised microbatch's gradient comes through ``add_gradient`` or
+  autograd's hook), so before its bucket can launch, and ``finish_grad_sync()`` adds
+  whatever is still held before it launches a bucket.
+- ``synced`` tells a consumer (moe_optim's optimizer) whether the main grads hold no
+  contribution that is not reduced: false from ``no_sync()`` or the first synchronised
+  gradient until ``finish_grad_sync()``, true otherwise (``zero_grad()`` too: zeros agree
+  on every rank). It changes only where Python runs, so a CUDA-graph replay (which runs
+  none) finds it as the captured window's ``finish_grad_sync()`` left it: true.
 
 Main-grad shapes seen through iteration (the GradSource contract of moe_optim):
 the parameter's shape, except for sharded tensors in ``reduce_scatter`` mode,
@@ -271,6 +278,7 @@ class MultiGroupDDP:
         self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for _, p in named]
 
         self._sync_enabled = True
+        self._synced = True  # the main grads hold no contribution that is not reduced
         self._next_launch = 0
         self._bytes: dict[tuple[int, ...], int] = {}
         self.last_sync_bytes: dict[tuple[int, ...], int] = {}
@@ -326,19 +334,26 @@ class MultiGroupDDP:
             else:
                 add, count = merged, slot.held_count + 1
         if (count < self.config.merge_microbatch_gradients and not self._sync_enabled
-                and callable(getattr(add, "merged", None))):
-            # no_sync: nothing launches before the parameter's next gradient or the finish
+                and not slot.seen and callable(getattr(add, "merged", None))):
+            # no_sync, and the parameter has not arrived: its bucket cannot launch before
+            # its next gradient or the finish, which add what is held first
             slot.held, slot.held_count = add, count
             return
         add(slot.accumulation_view)
         self._arrived(slot)
 
-    def _add_held(self) -> None:
-        """Add every held gradient on its own (the window ends without a partner for it)."""
-        for slot in self._order:
-            held, slot.held = slot.held, None
-            if held is not None:
-                held(slot.accumulation_view)
+    def _add_held(self, slot: _Slot) -> None:
+        """Add ``slot``'s held gradient, if any, on its own (no partner came for it)."""
+        held = slot.held
+        if held is None:
+            return
+        if slot.bucket.launched:
+            raise RuntimeError(
+                f"parameter {slot.name!r} still holds a gradient merged under no_sync(), but its "
+                "bucket was already reduced: the gradient would be missing from the reduction"
+            )
+        slot.held = None
+        held(slot.accumulation_view)
 
     def _open_slot(self, param: nn.Parameter) -> _Slot:
         slot = self._slots[param]
@@ -352,6 +367,8 @@ class MultiGroupDDP:
 
     def _arrived(self, slot: _Slot) -> None:
         if self._sync_enabled and not slot.seen:
+            self._add_held(slot)  # an earlier microbatch's, held to merge: before any launch
+            self._synced = False
             slot.seen = True
             slot.bucket.pending -= 1
             self._launch_ready()
@@ -370,8 +387,10 @@ class MultiGroupDDP:
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients without launching reductions (all microbatches but the last)."""
+        """Accumulate gradients without launching reductions (all microbatches but the last);
+        the main grads count as not synced from here to ``finish_grad_sync()``."""
         previous, self._sync_enabled = self._sync_enabled, False
+        self._synced = False
         try:
             yield
         finally:
@@ -379,17 +398,20 @@ class MultiGroupDDP:
 
     def finish_grad_sync(self) -> None:
         """Add held gradients, launch the remaining buckets in bucket order and wait for
-        all reductions."""
-        self._add_held()
+        all reductions; then ``synced`` is true."""
+        for slot in self._order:
+            self._add_held(slot)
         for bucket in self._buckets[self._next_launch :]:
             self._launch(bucket)
         self._next_launch = len(self._buckets)
         for bucket in self._buckets:
             bucket.wait()
         self.last_sync_bytes, self._bytes = self._bytes, {}
+        self._synced = True
 
     def zero_grad(self) -> None:
-        """Zero every bucket and open a new accumulation window."""
+        """Zero every bucket and open a new accumulation window; ``synced`` is true (zeros
+        agree on every rank) until its first gradient or ``no_sync()``."""
         for bucket in self._buckets:
             if bucket.in_flight:
                 raise RuntimeError("zero_grad() while reductions are in flight; call finish_grad_sync()")
@@ -400,6 +422,7 @@ class MultiGroupDDP:
             slot.param.grad = None
         self._next_launch = 0
         self._bytes = {}
+        self._synced = True
 
     # -- the GradSource --------------------------------------------------------
 
@@ -413,6 +436,26 @@ class MultiGroupDDP:
             if slot.name == name:
                 return slot.main_grad
         raise KeyError(f"no trainable parameter named {name!r}")
+
+    @property
+    def synced(self) -> bool:
+        """Whether every main grad is reduced and complete, as an optimizer step needs.
+
+        False from ``no_sync()`` or a gradient outside it until ``finish_grad_sync()``;
+        true before (construction, ``zero_grad()``: the zeros agree on every rank).
+        Part of moe_optim's ``GradSource``: its ``step()`` refuses to run while false.
+        """
+        return self._synced
+
+    def grad_is_sharded(self, param: nn.Parameter) -> bool:
+        """Whether ``param``'s main grad is reduce-scattered over its replica group, so only
+        this rank's row of ``main_grad.reshape(G, -1)`` is reduced. Part of moe_optim's
+        ``GradSource``: the optimizer refuses to keep such a tensor replicated."""
+        slot = self._slots.get(param)
+        if slot is None:
+            raise KeyError(f"a parameter of shape {tuple(param.shape)} is not a trainable "
+                           "parameter of this MultiGroupDDP")
+        return slot.bucket.spec.collective == "reduce_scatter"
 
     def grad_buffers(self) -> list[tuple[dist.ProcessGroup | None, torch.Tensor]]:
         """Every flat bucket with its replica group, in launch order."""

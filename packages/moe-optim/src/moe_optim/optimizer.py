@@ -3,7 +3,8 @@
 One step (docs/ARCHITECTURE.md, step timeline):
 
 1. read each parameter's reduced FP32 main grad from the ``GradSource`` (this
-   rank's shard of a sharded tensor, all of a replicated one);
+   rank's shard of a sharded tensor, all of a replicated one), after checking the
+   source reports them reduced (its optional ``synced``);
 2. global gradient norm over all replica groups (``clipping``), clip in place,
    non-finite flag, all on the device;
 3. AdamW: PyTorch's fused ``AdamW`` over the main-weight shard tensors, which
@@ -89,9 +90,12 @@ class DistributedOptimizer:
 
         self._layouts: list[TensorLayout] = []
         self._rules: list[ResolvedRule] = []
+        source_sharded = getattr(grads, "grad_is_sharded", None)  # optional (GradSource)
         for name, param, _, group in grads:
             placement = placement_of(name, param) if placement_of else None
             layout = TensorLayout.build(name, param, group, config.min_shard_numel, placement)
+            if source_sharded is not None:
+                layout.check_source_sharding(source_sharded(param), config.min_shard_numel)
             if group is not None and layout.group_size > 1:
                 ranks = set(_group_ranks(group))
                 if norm_ranks is None or not ranks <= norm_ranks:
@@ -199,6 +203,12 @@ class DistributedOptimizer:
         """The local part of ``step``: norm, clip and the sharded update of the FP32 main
         weights, without rebuilding the compute weights (a caller that times the two
         phases separately calls ``rebuild_weights()`` next)."""
+        if not getattr(self._grads, "synced", True):  # optional (GradSource)
+            raise RuntimeError(
+                "optimizer step on gradients that are not reduced: the gradient source reports "
+                "synced=False (reductions in flight or not launched); call its "
+                "finish_grad_sync() after the last backward, before step()/update()"
+            )
         grads = self._read_grads()
         norm = global_grad_norm(grads, self._norm_weights, self._norm_group, self.device)
         found_inf = (~torch.isfinite(norm)).to(torch.float32)

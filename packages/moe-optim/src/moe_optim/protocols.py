@@ -27,6 +27,17 @@ class GradSource(Protocol):
     rank ``r``; every other ``main_grad`` has the parameter's shape and holds the
     fully reduced gradient. The tensors must stay the same objects across steps
     (they are views of persistent buckets) and be reduced before ``step()``.
+
+    Two optional members let the optimizer check that contract instead of trusting it
+    (a plain list of tuples has neither; moe_ddp's ``MultiGroupDDP`` has both):
+
+    - ``synced: bool``: whether every main grad is reduced and complete now.
+      ``update()`` / ``step()`` raise while it is false: a step on gradients still in
+      flight or local makes the replicas diverge silently.
+    - ``grad_is_sharded(param) -> bool``: whether only this rank's shard of ``param``'s
+      main grad is reduced. The shape cannot tell (a ``[G, numel/G]`` parameter looks
+      like its owner-major main grad); construction raises where the optimizer would
+      keep such a tensor replicated (``min_shard_numel`` differs between the two).
     """
 
     def __iter__(

@@ -74,6 +74,19 @@ class TensorLayout:
         row = math.prod(self.param.shape[1:]) if self.param.ndim else 1
         return self.placement.dim0_offset * row + self.start
 
+    def check_source_sharding(self, source_sharded: bool, min_shard_numel: int) -> None:
+        """Refuse a tensor the gradient source reduces only shard-wise but this layout keeps
+        whole: the other shards' gradients would be this rank's local ones (wrong norm,
+        diverging replicas). The reverse is sound: a shard of a fully reduced gradient."""
+        if source_sharded and not self.sharded:
+            raise ValueError(
+                f"parameter {self.name!r} ({self.param.numel()} elements, replica group of "
+                f"{self.group_size}): the gradient source reduce-scatters its main grad (so its "
+                f"min_shard_numel is at most {self.param.numel()}), but the optimizer keeps it "
+                f"replicated (OptimConfig.min_shard_numel={min_shard_numel}); set the same "
+                "min_shard_numel on both (e.g. DDPConfig.min_shard_numel)"
+            )
+
     def local_grad(self, main_grad: torch.Tensor) -> torch.Tensor:
         """This rank's part of a main grad, as a 1-D view."""
         if main_grad.dtype != torch.float32:
