@@ -237,7 +237,10 @@ def _nvshmem_heap(req: PlanRequest) -> int:
     m = req.model
     cfg = EPConfig(n_experts=m.n_experts, top_k=m.top_k, max_tokens=req.micro_batch * req.seq_len,
                    d_model=m.d_model, capacity_factor=m.capacity_factor, combine=req.ep_combine)
-    return N_SLABS * slab_bytes_for(cfg, req.ep, 2 * m.d_model) + NVSHMEM_HEAP_MARGIN
+    # rows of the compute dtype (an MXFP8 payload packs narrower), partial sums in FP32 or wider
+    b = COMPUTE_BYTES[req.compute_dtype]
+    slab = slab_bytes_for(cfg, req.ep, b * m.d_model, max(4, b) * m.d_model)
+    return N_SLABS * slab + NVSHMEM_HEAP_MARGIN
 
 
 def plan_memory(req: PlanRequest, shapes: ModelShapes | None = None,
