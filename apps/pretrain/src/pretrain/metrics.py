@@ -51,9 +51,10 @@ class JsonlTracker:
     def __init__(self, run_dir: Path, keep_through: int | None = None) -> None:
         self.path = run_dir / METRICS_FILE
         if keep_through is not None and self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= keep_through]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            kept = [line for line in _records(self.path) if json.loads(line)["step"] <= keep_through]
+            tmp = self.path.with_name(METRICS_FILE + ".tmp")  # a crash here keeps the old file
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(self.path)
         self._file: TextIO = self.path.open("a", buffering=1)
 
     def log(self, record: Mapping[str, Any]) -> None:
@@ -63,13 +64,33 @@ class JsonlTracker:
         self._file.close()
 
 
-class TensorBoardTracker:
-    """Scalar fields as TensorBoard scalars under ``run_dir/tensorboard``."""
+def _records(path: Path) -> list[str]:
+    """The JSON lines of ``path``; a line that does not parse (a record being written when
+    the run was killed) is dropped with a warning, as the truncation drops later steps."""
+    lines = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            if isinstance(json.loads(line).get("step"), int):
+                lines.append(line)
+                continue
+        except (json.JSONDecodeError, AttributeError):
+            pass
+        print(f"pretrain: warning: {path}:{n}: not a complete record (written when the run "
+              "stopped?); dropped", file=sys.stderr, flush=True)
+    return lines
 
-    def __init__(self, run_dir: Path) -> None:
+
+class TensorBoardTracker:
+    """Scalar fields as TensorBoard scalars under ``run_dir/tensorboard``; with
+    ``keep_through`` (as for the JSONL file), events of later steps are purged."""
+
+    def __init__(self, run_dir: Path, keep_through: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard extra
 
-        self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        purge = None if keep_through is None else keep_through + 1
+        self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
 
     def log(self, record: Mapping[str, Any]) -> None:
         step = record["step"]
@@ -86,7 +107,7 @@ def open_trackers(run_dir: Path, tensorboard: bool, keep_through: int | None = N
     trackers: list[Tracker] = [JsonlTracker(run_dir, keep_through)]
     if tensorboard:
         try:
-            trackers.append(TensorBoardTracker(run_dir))
+            trackers.append(TensorBoardTracker(run_dir, keep_through))
         except ImportError:
             print("pretrain: warning: metrics.tensorboard=true but tensorboard is not installed "
                   "(pip install 'pretrain[tensorboard]'); logging to metrics.jsonl only",

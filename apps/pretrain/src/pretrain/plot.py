@@ -31,11 +31,14 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise PlotError(f"{path} does not exist (is {run_dir} a run directory?)")
     records = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    lines = path.read_text().splitlines()
+    for n, line in enumerate(lines, 1):
         if line.strip():
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
+                if n == len(lines):  # a running run's record, not all written yet
+                    break
                 raise PlotError(f"{path}:{n}: not a JSON object") from None
     if not records:
         raise PlotError(f"{path} holds no records yet")

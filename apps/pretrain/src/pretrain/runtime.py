@@ -19,6 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pretrain.config_tree import ConfigError
+
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE")  # set by torchrun (and by any launcher speaking env://)
 
 
@@ -34,7 +36,7 @@ def resolve_device(preference: str, local_rank: int) -> torch.device:
     """``auto`` picks CUDA when present; a CUDA rank uses the GPU of its local rank."""
     use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA device is available")
+        raise ConfigError("train.device=cuda but no CUDA device is available")
     return torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from moe_model import total_params
 
 from pretrain.checkpoint import RunCheckpoints
-from pretrain.config import PretrainConfig, config_toml, validate_layout
+from pretrain.config import ConfigError, PretrainConfig, config_toml, validate_layout
 from pretrain.mesh import build_mesh
 from pretrain.metrics import MetricsLog, open_trackers
 from pretrain.runtime import distributed
@@ -37,6 +37,8 @@ def _run_dir(cfg: PretrainConfig) -> Path:
     dist.broadcast_object_list(choice, src=0)
     cfg.run_dir = choice[0]
     path = Path(cfg.run_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"run_dir={cfg.run_dir!r} is a file, not a directory")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -49,7 +51,9 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
         run_dir = _run_dir(cfg)
         trainer = Trainer(cfg, mesh, rt.device)
         try:
-            with RunCheckpoints(run_dir, cfg, layout, trainer) as checkpoints:
+            # the stop flag outlives the checkpointer: a SIGTERM while the last checkpoint
+            # is written waits for it (the process would die with it half written)
+            with StopRequest() as stop, RunCheckpoints(run_dir, cfg, layout, trainer) as checkpoints:
                 resumed = checkpoints.resume()
                 done = 0 if resumed is None else resumed.step
                 logging = mesh.is_logging_rank
@@ -62,15 +66,18 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
                         print(f"resumed after step {done} (checkpoint.resume="
                               f"{cfg.checkpoint.resume}; saved on world {saved['world_size']} = "
                               f"pp {saved['pp']} x dp {saved['dp']}, ep {saved['ep']})", flush=True)
-                    if done >= cfg.train.steps:
+                last = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+                if done >= last:  # (a run sliced by train.stop_after, started again)
+                    if logging:
+                        option = "train.steps" if last == cfg.train.steps else "train.stop_after"
                         print(f"nothing to train: the checkpoint is at step {done}, "
-                              f"train.steps={cfg.train.steps}", flush=True)
+                              f"{option}={last}", flush=True)
+                    return []
                 trackers = open_trackers(run_dir, cfg.metrics.tensorboard, keep_through=done) \
                     if logging else []
                 log = MetricsLog(trackers, cfg.train.steps, echo=logging)
                 try:
-                    with StopRequest() as stop:
-                        return trainer.fit(log, stop, checkpoints, start_step=done + 1)
+                    return trainer.fit(log, stop, checkpoints, start_step=done + 1)
                 finally:
                     log.close()
         finally:
