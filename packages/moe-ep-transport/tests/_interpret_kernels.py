@@ -205,12 +205,95 @@ def check_weights_in_metadata() -> None:
     assert torch.equal(got_w[dst_row[dst_rank == 1]], w[dst_rank == 1]) and bool((got_w[row_src < 0] == 0).all())
 
 
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a non-contiguous view (each stored twice, the view takes every other).
+    Read as if contiguous it gives values of ``t`` in the wrong places: wrong results, never
+    wild indices or addresses."""
+    return torch.stack([t, t], -1)[..., 0]
+
+
+def _raises_naming(what: str, call) -> None:
+    try:
+        call()
+    except ValueError as e:
+        assert what in str(e), e
+    else:
+        raise AssertionError(f"a non-contiguous {what} was accepted")
+
+
+def check_any_strides() -> None:
+    # The kernels address rows as ptr + i * width: the wrappers make what they read contiguous
+    # (a column slice of a wider expert output, weights w[:, ::2]) and refuse a non-contiguous
+    # tensor written in place. Each wrapper: the strided inputs give what the contiguous ones give.
+    gen = torch.Generator().manual_seed(6)
+    same = (lambda t: t, _strided)
+    n, C, W = 10, 12, 4
+    dst_rank = torch.tensor([0, 1, 1, 0, -1, 1, 0, 1, 0, 1])
+    dst_row = torch.randperm(C, generator=gen)[:n]
+    src = torch.randint(0, 99, (n, W), generator=gen, dtype=torch.int32)
+    w = torch.randn(n, generator=gen)
+    slabs = {}
+    for f in same:
+        slabs[f] = [torch.zeros(C * 8 + C * W * 4, dtype=torch.uint8) for _ in range(2)]
+        table = torch.tensor([s.data_ptr() for s in slabs[f]])
+        kernels.put_rows(f(src), f(dst_rank), f(dst_row), f(table), byte_offset=C * 8, me=1,
+                         meta_N=f(torch.arange(n)), meta_w_N=f(w))
+    assert all(torch.equal(a, b) for a, b in zip(*slabs.values(), strict=True)), "put_rows"
+    local = _strided(torch.zeros(C, W, dtype=torch.int32))
+    _raises_naming("local_dst", lambda: kernels.put_rows(src, dst_rank, dst_row, table, local_dst=local))
+
+    row_src = torch.tensor([0, 1, 1, 2, 0, 2, -1, -1, -1])
+    inbox = torch.randint(10, 99, (9, 33), generator=gen, dtype=torch.int32)
+    origin_in = torch.randint(0, 1000, (9,), generator=gen)
+    got = {}
+    for f in same:
+        out, origin = torch.zeros(9, 33, dtype=torch.int32), torch.zeros(9, dtype=torch.int64)
+        kernels.finish_receive(out, f(inbox), f(row_src), 1, f(origin_in), origin)
+        got[f] = (out, origin)
+    assert all(torch.equal(a, b) for a, b in zip(*got.values(), strict=True)), "finish_receive"
+    _raises_naming("out_CW", lambda: kernels.finish_receive(_strided(out), inbox, row_src, 1))
+    _raises_naming("origin_out_C",
+                   lambda: kernels.finish_receive(out, inbox, row_src, 1, origin_in, _strided(origin)))
+
+    T, k, D = 5, 2, 70
+    g = torch.randn(T, D, generator=gen)
+    w_N = torch.rand(T * k, generator=gen)
+    rows = torch.randn(T * k, D, generator=gen)
+    local = torch.randn(6, D, generator=gen)
+    rank = torch.randint(-1, 3, (T * k,), generator=gen)
+    row = torch.randint(0, 6, (T * k,), generator=gen)
+    sums = {f: kernels.topk_gather_sum(f(rows), f(local), f(rank), f(row), 1, f(w_N), k, torch.float32,
+                                       True) for f in same}
+    grads = {f: kernels.combine_grads(f(g), f(w_N), f(rows), torch.float32, True) for f in same}
+    for name, results in (("topk_gather_sum", sums), ("combine_grads", grads)):
+        assert all(torch.equal(a, b) for a, b in zip(*results.values(), strict=True)), name
+
+    M, T_max, C = 2, 3, 6
+    row_src = torch.tensor([0, 1, 1, 0, -1, 0])
+    origin = torch.tensor([0, 3, 1, 5, 0, 2])
+    rows, w_C = torch.randn(C, D, generator=gen), torch.rand(C, generator=gen)
+    table_S = ops.slot_table(row_src, origin, M, T_max * k).rows_S
+    partials = {}
+    for f in same:
+        partials[f] = [torch.zeros(M * T_max, D) for _ in range(M)]
+        addresses = torch.tensor([s.data_ptr() for s in partials[f]])
+        slots = ops.SlotTable(f(table_S), f(row_src), f(origin), T_max * k)
+        kernels.put_partial_sums(f(rows), f(w_C), slots, f(addresses), top_k=k, max_tokens=T_max,
+                                 byte_offset=0, me=1)
+    assert all(torch.equal(a, b) for a, b in zip(*partials.values(), strict=True)), "put_partial_sums"
+    partials_QD = torch.randn(M * T_max, D, generator=gen)
+    dst = torch.tensor([0, 1, -1, 1, 0, 0])
+    y = {f: kernels.sum_partials(f(partials_QD), f(dst), M, T_max, k, torch.float32) for f in same}
+    assert torch.equal(*y.values()), "sum_partials"
+
+
 if __name__ == "__main__":
     check_put_rows()
     check_weights_in_metadata()
     check_finish_receive()
     check_topk_gather_sum()
     check_combine_grads()
+    check_any_strides()
     check_scan_blocks()
     check_signal_barrier()
     check_plan_kernels("cpu")

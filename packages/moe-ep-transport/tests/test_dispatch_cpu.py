@@ -222,3 +222,19 @@ def test_weights_given_to_dispatch_are_not_used_once_stale() -> None:
 
 def test_bad_inputs_name_the_field() -> None:
     run_distributed(_bad_inputs, 2, timeout=60)
+
+
+class _NoCountExchange:
+    """A one-rank transport that fails the test when dispatch reaches the count exchange."""
+
+    rank, world_size = 0, 1
+
+    def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("dispatch ran the count exchange (a collective) before rejecting its inputs")
+
+
+def test_misshaped_weights_are_rejected_before_the_count_exchange_and_telemetry() -> None:
+    dispatcher = EPDispatcher(EPConfig(E, K, 4, D), _NoCountExchange())
+    with pytest.raises(ValueError, match=r"weights must be \[T, k\] = \(4, 2\), got \(4, 1\)"):
+        dispatcher.dispatch(torch.zeros(4, D), torch.zeros(4, K, dtype=torch.int64), torch.zeros(4, 1))
+    assert dispatcher.telemetry.calls == 0 and dispatcher.telemetry.pop() == {}

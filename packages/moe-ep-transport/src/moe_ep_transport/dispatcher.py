@@ -190,7 +190,10 @@ class EPDispatcher:
             return self.codec.packed_width(self.cfg.d_model)
         return self.cfg.d_model * dtype.itemsize
 
-    def _check_inputs(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor) -> None:
+    def _check_inputs(
+        self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor | None
+    ) -> None:
+        """Reject a call before the count exchange (a collective) and the telemetry see it."""
         cfg = self.cfg
         if x_TD.dim() != 2 or x_TD.shape[1] != cfg.d_model:
             raise ValueError(f"x must be [T, {cfg.d_model}] (EPConfig.d_model), got {tuple(x_TD.shape)}")
@@ -204,6 +207,10 @@ class EPDispatcher:
             raise ValueError(f"x has {x_TD.shape[0]} tokens, more than EPConfig.max_tokens={cfg.max_tokens}")
         if expert_ids_TK.device != x_TD.device:
             raise ValueError(f"expert_ids is on {expert_ids_TK.device}, x on {x_TD.device}")
+        if weights_TK is not None and weights_TK.shape != expert_ids_TK.shape:
+            raise ValueError(
+                f"weights must be [T, k] = {tuple(expert_ids_TK.shape)}, got {tuple(weights_TK.shape)}"
+            )
 
     def dispatch(
         self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, weights: torch.Tensor | None = None
@@ -215,7 +222,7 @@ class EPDispatcher:
         metadata: no extra exchange), and ``combine`` uses them if it receives the same
         tensor, unchanged (otherwise it sends the weights it gets).
         """
-        self._check_inputs(x_TD, expert_ids_TK)
+        self._check_inputs(x_TD, expert_ids_TK, weights)
         expert_N = expert_ids_TK.reshape(-1)  # any integer dtype: the plan kernels read it as is
         slots = ops.rank_slots(expert_N, self.cfg.n_experts)
         counts_ME = self.transport.exchange_counts(slots.counts_E)
@@ -226,8 +233,6 @@ class EPDispatcher:
         if self.cfg.overflow == "error":
             self._raise_on_overflow(plan)
         self.telemetry.record(plan)
-        if weights is not None and weights.shape != expert_ids_TK.shape:
-            raise ValueError(f"weights must be [T, k] = {tuple(expert_ids_TK.shape)}, got {tuple(weights.shape)}")
         route = self.transport.open_route(plan)
         stage = weights is not None and self.sums_at_destination(x_TD.dtype, torch.float32)
         w_N = weights.detach().reshape(-1).to(torch.float32) if stage else None

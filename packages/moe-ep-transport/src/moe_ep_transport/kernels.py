@@ -1,8 +1,12 @@
 """Triton kernels of the transports: row put through peer pointers, receive finish, top-k sum.
 
 Import this module only where a kernel is launched (it imports triton).
-Row tensors are 2-D and contiguous; a row is ``width`` elements of its dtype
-(callers view rows as 32-bit words when they only move them).
+Row tensors are 2-D; a row is ``width`` elements of its dtype (callers view rows
+as 32-bit words when they only move them). The kernels address every tensor as
+contiguous (row ``i`` at ``ptr + i * width``, element ``i`` at ``ptr + i``), so the
+wrappers take any strides: what a kernel reads is made contiguous here (free when
+it already is), and a tensor it writes in place must be contiguous (a copy would
+lose the writes: ValueError naming it).
 
 Pointer tables are int64 tensors of slab byte addresses (one per destination
 rank); a peer's address comes from NVSHMEM (``nvshmem_ptr``), so a plain store
@@ -236,6 +240,12 @@ def _block_w(width: int) -> int:
     return min(_MAX_BLOCK_W, triton.next_power_of_2(max(width, 1)))
 
 
+def _check_written(what: str, t: torch.Tensor | None) -> None:
+    """A tensor a kernel writes in place must be contiguous (a contiguous copy would lose the writes)."""
+    if t is not None and not t.is_contiguous():
+        raise ValueError(f"{what} must be contiguous (the kernel writes it in place), got strides {t.stride()}")
+
+
 def put_rows(
     src_SW: torch.Tensor,
     dst_rank_N: torch.Tensor,
@@ -263,15 +273,18 @@ def put_rows(
     """
     if local_dst is not None and skip_local:
         raise ValueError("put_rows: local_dst and skip_local exclude each other")
+    _check_written("put_rows: local_dst", local_dst)
     n = dst_rank_N.numel()
     if n == 0:
         return
     width = src_SW.shape[1]
+    dst_row_N = dst_row_N.contiguous()
     block_r = 4
     _put_rows_kernel[(triton.cdiv(n, block_r),)](
-        src_SW, dst_rank_N, dst_row_N, table_M, byte_offset,
+        src_SW.contiguous(), dst_rank_N.contiguous(), dst_row_N, table_M.contiguous(), byte_offset,
         local_dst.data_ptr() if local_dst is not None else 0, me,
-        meta_N if meta_N is not None else dst_row_N, meta_w_N if meta_w_N is not None else dst_row_N,
+        meta_N.contiguous() if meta_N is not None else dst_row_N,
+        meta_w_N.contiguous() if meta_w_N is not None else dst_row_N,
         n, width, inbox_stride,
         PER_SRC=per_src, DEDUP=inbox_stride > 0, HAS_LOCAL=local_dst is not None, SKIP_LOCAL=skip_local,
         HAS_META=meta_N is not None, HAS_META_W=meta_w_N is not None, BLOCK_R=block_r,
@@ -302,14 +315,18 @@ def finish_receive(
     with ``w_out_C`` (float32), each row's weight from its metadata (``ops.pack_meta``).
     ``origin_in`` is read as packed metadata: its low 32 bits are the slot index.
     """
+    for what, t in (("out_CW", out_CW), ("origin_out_C", origin_out_C), ("slot_rows_out", slot_rows_out),
+                    ("w_out_C", w_out_C)):
+        _check_written(f"finish_receive: {what}", t)
     n = out_CW.shape[0]
     if n == 0:
         return
     width = out_CW.shape[1]
+    row_src_C = row_src_C.contiguous()
     block_r = 4
     _finish_receive_kernel[(triton.cdiv(n, block_r),)](
-        out_CW, inbox_CW, row_src_C,
-        origin_in_C if origin_in_C is not None else row_src_C,
+        out_CW, inbox_CW.contiguous(), row_src_C,
+        origin_in_C.contiguous() if origin_in_C is not None else row_src_C,
         origin_out_C if origin_out_C is not None else row_src_C,
         slot_rows_out if slot_rows_out is not None else row_src_C,
         w_out_C if w_out_C is not None else row_src_C, max_slots,
@@ -339,6 +356,8 @@ def combine_grads(
     if T == 0 or (scaled_ND is None and grad_w_N is None):  # a rank without tokens
         return scaled_ND, grad_w_N
     K = N // T
+    w_N = w_N.contiguous()
+    rows_ND = rows_ND.contiguous() if rows_ND is not None else None
     placeholder = scaled_ND if scaled_ND is not None else rows_ND
     _combine_grads_kernel[(T,)](
         g_TD.contiguous(), w_N, rows_ND if rows_ND is not None else placeholder,
@@ -359,8 +378,8 @@ def signal_barrier(epoch_1: torch.Tensor, flag_table_M: torch.Tensor, me: int) -
     counts the barriers passed. Every rank must run the same sequence of barriers.
     """
     M = flag_table_M.numel()
-    _signal_barrier_kernel[(1,)](epoch_1, flag_table_M, me, M, M_P=max(2, triton.next_power_of_2(M)),
-                                 num_warps=1)
+    _signal_barrier_kernel[(1,)](epoch_1, flag_table_M.contiguous(), me, M,
+                                 M_P=max(2, triton.next_power_of_2(M)), num_warps=1)
 
 
 def topk_gather_sum(
@@ -391,7 +410,8 @@ def topk_gather_sum(
         return y, rows_out
     block_w = _block_w(width)
     _topk_gather_sum_kernel[(T, triton.cdiv(width, block_w))](
-        inbox_ND, local_CD, dst_rank_N, dst_row_N, w_N, y, rows_out if store_rows else y, me, width,
+        inbox_ND.contiguous(), local_CD.contiguous(), dst_rank_N.contiguous(), dst_row_N.contiguous(),
+        w_N.contiguous(), y, rows_out if store_rows else y, me, width,
         K=top_k, STORE_ROWS=store_rows, BLOCK_W=block_w, num_warps=4, enable_fp_fusion=False,
     )
     return y, rows_out
@@ -421,10 +441,12 @@ def put_partial_sums(
     if Q == 0 or C == 0:
         return
     block_w = _block_w(width)
+    rows_CD = rows_CD.contiguous()
     _put_partial_sums_kernel[(Q, triton.cdiv(width, block_w))](
-        rows_CD, w_C if w_C is not None else rows_CD, slots.rows_S, slots.row_src_C, slots.origin_C, C,
-        table_M, byte_offset, me, max_tokens, width, K=top_k, HAS_W=w_C is not None, BLOCK_W=block_w,
-        num_warps=4, enable_fp_fusion=False,
+        rows_CD, w_C.contiguous() if w_C is not None else rows_CD, slots.rows_S.contiguous(),
+        slots.row_src_C.contiguous(), slots.origin_C.contiguous(), C, table_M.contiguous(), byte_offset,
+        me, max_tokens, width, K=top_k, HAS_W=w_C is not None, BLOCK_W=block_w, num_warps=4,
+        enable_fp_fusion=False,
     )
 
 
@@ -445,7 +467,7 @@ def sum_partials(
         return y
     block_w = _block_w(width)
     _sum_partials_kernel[(T, triton.cdiv(width, block_w))](
-        partials_QD, dst_rank_N, y, n_ranks, max_tokens, width, K=top_k, BLOCK_W=block_w, num_warps=4,
-        enable_fp_fusion=False,
+        partials_QD.contiguous(), dst_rank_N.contiguous(), y, n_ranks, max_tokens, width, K=top_k,
+        BLOCK_W=block_w, num_warps=4, enable_fp_fusion=False,
     )
     return y

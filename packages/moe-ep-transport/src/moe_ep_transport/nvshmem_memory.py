@@ -156,7 +156,7 @@ class NvshmemPeerMemory:
         if byte_offset % 16:
             raise ValueError(f"slab offset {byte_offset} is not 16-byte aligned")
         kernels.put_rows(
-            src_RW.contiguous(), dst_rank_N, dst_row_N, self._tables[slab], per_src=per_src,
+            src_RW, dst_rank_N, dst_row_N, self._tables[slab], per_src=per_src,
             byte_offset=byte_offset, me=self.rank, local_dst=local_dst, skip_local=skip_local,
             meta_N=meta_N, inbox_stride=inbox_stride, meta_w_N=meta_w_N,
         )
@@ -180,7 +180,7 @@ class NvshmemPeerMemory:
         if byte_offset % 16:
             raise ValueError(f"slab offset {byte_offset} is not 16-byte aligned")
         kernels.put_partial_sums(
-            rows_CD.contiguous(), w_C, slots, self._tables[slab], top_k=top_k, max_tokens=max_tokens,
+            rows_CD, w_C, slots, self._tables[slab], top_k=top_k, max_tokens=max_tokens,
             byte_offset=byte_offset, me=self.rank,
         )
 
