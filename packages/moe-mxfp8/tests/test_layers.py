@@ -133,6 +133,18 @@ def test_mxfp8_saved_activations_halve_saved_bytes():
     assert small < 0.7 * plain
 
 
+def test_parameters_replaced_by_load_state_dict_assign_are_stale_until_refreshed():
+    """``load_state_dict(assign=True)`` gives the layer new parameter objects: the cache
+    must not keep serving the old ones, and a refresh quantizes the new ones."""
+    model = nn.Sequential(MXFP8Linear.from_module(nn.Linear(64, 32, bias=False)))
+    model.load_state_dict({"0.weight": torch.randn(32, 64)}, assign=True)
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="refresh_weight_cache"):
+        model(x)
+    model[0].refresh_weight_cache()
+    assert torch.equal(model(x), MXFP8Linear(model[0].weight)(x))
+
+
 def test_cache_after_adamw_step_equals_fresh_quantization():
     model = nn.ModuleDict({"experts": ToyExperts(3, 64, 32), "proj": nn.Linear(64, 64)})
     names_before = [n for n, _ in model.named_parameters()]

@@ -6,8 +6,11 @@ weight) stays the only source of truth. The cache is a pure function of it:
 MXFP8 values whether the optimizer keeps BF16 compute weights or FP32 parameters.
 Nothing ever updates the cache on its own. ``check_fresh()`` catches a cache that
 was not refreshed after the weight changed (an optimizer step, a checkpoint load,
-a device move) by comparing the weight's storage and version counter with those
-recorded at the last refresh; the layers call it on every forward.
+a device move, a parameter replaced by another, e.g. ``load_state_dict(assign=True)``)
+by comparing the owner's current parameters (which objects, their storage and version
+counters) with those recorded at the last refresh; the layers call it on every
+forward, and refresh from their current parameters. A write through ``.data`` bumps
+no version counter: call ``refresh_weight_cache()`` after one.
 
 Orientation, for a weight stored ``[..., out, in]``: ``rows`` is blocked along the
 last dim (the forward GEMM reduces over ``in``), ``cols`` along dim -2 (the
@@ -24,33 +27,41 @@ from moe_mxfp8.format import BLOCK_SIZE, MXFP8Tensor, quantize_rows_and_cols
 CACHE_SOURCE_DTYPE = torch.bfloat16  # the compute-weight dtype the cache is derived from
 
 
-class MXFP8WeightCache:
-    """MXFP8 ``rows``/``cols`` of ``cat(params, dim=-2)`` (one param, or e.g. gate and up)."""
+Params = tuple[nn.Parameter, ...]
 
-    def __init__(self, params: tuple[nn.Parameter, ...], block_size: int = BLOCK_SIZE) -> None:
+
+def _stamp(params: Params) -> tuple[tuple[int, int, int, torch.device], ...]:
+    return tuple((id(p), p.data_ptr(), p._version, p.device) for p in params)
+
+
+class MXFP8WeightCache:
+    """MXFP8 ``rows``/``cols`` of ``cat(params, dim=-2)`` (one param, or e.g. gate and up).
+
+    ``params`` are the owner's parameters, passed again to ``refresh`` and ``check_fresh``
+    as they are then (the owner may have been given new parameter objects).
+    """
+
+    def __init__(self, params: Params, block_size: int = BLOCK_SIZE) -> None:
         if not params:
             raise ValueError("MXFP8WeightCache needs at least one parameter")
-        self.params = params
         self.block_size = block_size
         self.rows: MXFP8Tensor | None = None
         self.cols: MXFP8Tensor | None = None
-        self._stamp: tuple[tuple[int, int, torch.device], ...] = ()
-        self.refresh()
-
-    def _current_stamp(self) -> tuple[tuple[int, int, torch.device], ...]:
-        return tuple((p.data_ptr(), p._version, p.device) for p in self.params)
+        self._stamp: tuple[tuple[int, int, int, torch.device], ...] = ()
+        self.refresh(params)
 
     @torch.no_grad()
-    def refresh(self) -> None:
+    def refresh(self, params: Params) -> None:
         """Re-derive both orientations from the current weight values."""
-        ps = [p.detach().to(CACHE_SOURCE_DTYPE) for p in self.params]
+        ps = [p.detach().to(CACHE_SOURCE_DTYPE) for p in params]
         weight = ps[0] if len(ps) == 1 else torch.cat(ps, dim=-2)
         self.rows, self.cols = quantize_rows_and_cols(weight, self.block_size)
-        self._stamp = self._current_stamp()
+        self._stamp = _stamp(params)
 
-    def check_fresh(self, owner: str) -> None:
-        """Raise if a parameter changed (values, storage or device) since the last refresh."""
-        if self._current_stamp() != self._stamp:
+    def check_fresh(self, owner: str, params: Params) -> None:
+        """Raise if a parameter changed (values, storage, device, or the object itself)
+        since the last refresh."""
+        if _stamp(params) != self._stamp:
             raise RuntimeError(
                 f"{owner}: the weights changed since the MXFP8 weight cache was built; call "
                 "refresh_weight_cache() after every weight update (register "

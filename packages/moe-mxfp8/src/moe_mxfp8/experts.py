@@ -147,8 +147,8 @@ class MXFP8GroupedExperts(nn.Module):
 
     def refresh_weight_cache(self) -> None:
         """Re-derive the MXFP8 weight copies; call after every weight update."""
-        self.w13_cache.refresh()
-        self.w2_cache.refresh()
+        self.w13_cache.refresh((self.w1, self.w3))
+        self.w2_cache.refresh((self.w2,))
 
     def forward(self, rows_RD: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
         D = self.w1.shape[-1]
@@ -160,8 +160,8 @@ class MXFP8GroupedExperts(nn.Module):
                 f"{tuple(group_offsets.shape)}"
             )
         name = type(self).__name__
-        self.w13_cache.check_fresh(name)
-        self.w2_cache.check_fresh(name)
+        self.w13_cache.check_fresh(name, (self.w1, self.w3))
+        self.w2_cache.check_fresh(name, (self.w2,))
         dtype = compute_dtype(rows_RD)
         with torch.autocast(rows_RD.device.type, enabled=False):
             return _MXFP8ExpertsFn.apply(rows_RD.to(dtype), group_offsets, self.w1, self.w3,

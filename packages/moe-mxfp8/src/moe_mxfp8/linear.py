@@ -108,14 +108,14 @@ class MXFP8Linear(nn.Module):
 
     def refresh_weight_cache(self) -> None:
         """Re-derive the MXFP8 weight copies; call after every weight update."""
-        self.weight_cache.refresh()
+        self.weight_cache.refresh((self.weight,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"MXFP8Linear expects inputs [..., {self.in_features}], got {tuple(x.shape)}"
             )
-        self.weight_cache.check_fresh(type(self).__name__)
+        self.weight_cache.check_fresh(type(self).__name__, (self.weight,))
         dtype = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             y = _MXFP8LinearFn.apply(x.reshape(-1, self.in_features).to(dtype), self.weight, self,
