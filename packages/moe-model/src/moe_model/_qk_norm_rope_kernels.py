@@ -40,6 +40,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from moe_model._triton_support import row_chunks
+from moe_model.backward_needs import grads_needed
 
 # elements of one program's [BLOCK_R, Dh] tile; CPU runs are the Triton interpreter,
 # where small tiles give tests several programs at tiny shapes
@@ -81,10 +82,13 @@ def qk_norm_rope_bwd_kernel(
     g_ptr, x_ptr, w_ptr, rstd_ptr, cos_ptr, sin_ptr, dx_ptr, dw_ptr,
     R, H, S, rows_per_prog, g_sb, g_ss, g_sh, cos_stride,
     HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    WRITE_DX: tl.constexpr, WRITE_DW: tl.constexpr,
 ):
     """dx for rows ``[pid * rows_per_prog, (pid + 1) * rows_per_prog)`` and their dweight
     partial sum in row ``pid`` of ``dw_ptr [n_prog, Dh]`` (FP32). ``g`` (the output's
-    gradient) may be any ``[B, S, H, Dh]`` view whose last dimension is contiguous."""
+    gradient) may be any ``[B, S, H, Dh]`` view whose last dimension is contiguous.
+    ``WRITE_DX`` / ``WRITE_DW``: compute and store that gradient (one of them in a split
+    backward's pass; the other pointer is then not touched)."""
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_HALF)
     d_ok = d < HALF
@@ -115,19 +119,22 @@ def qk_norm_rope_bwd_kernel(
         x1 = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_ptr + at + HALF, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-        n1 = (x1 * rstd[:, None]).to(dtype).to(tl.float32)
-        n2 = (x2 * rstd[:, None]).to(dtype).to(tl.float32)
-        dw1 += (dy1 * n1).to(dtype).to(tl.float32)
-        dw2 += (dy2 * n2).to(dtype).to(tl.float32)
-        dn1 = (dy1 * w1[None, :]).to(dtype).to(tl.float32)
-        dn2 = (dy2 * w2[None, :]).to(dtype).to(tl.float32)
-        # d/dx of x * rsqrt(mean(x^2) + eps): rstd * dn - x * rstd^3 * mean(dn * x)
-        k = (tl.sum(dn1 * x1, axis=1) + tl.sum(dn2 * x2, axis=1)) * (rstd * rstd * rstd) / (2 * HALF)
-        tl.store(dx_ptr + at, (dn1 * rstd[:, None] - x1 * k[:, None]).to(dtype), mask=mask)
-        tl.store(dx_ptr + at + HALF, (dn2 * rstd[:, None] - x2 * k[:, None]).to(dtype), mask=mask)
-    dw_row = dw_ptr + pid.to(tl.int64) * (2 * HALF)
-    tl.store(dw_row + d, tl.sum(dw1, axis=0), mask=d_ok)
-    tl.store(dw_row + HALF + d, tl.sum(dw2, axis=0), mask=d_ok)
+        if WRITE_DW:
+            n1 = (x1 * rstd[:, None]).to(dtype).to(tl.float32)
+            n2 = (x2 * rstd[:, None]).to(dtype).to(tl.float32)
+            dw1 += (dy1 * n1).to(dtype).to(tl.float32)
+            dw2 += (dy2 * n2).to(dtype).to(tl.float32)
+        if WRITE_DX:
+            dn1 = (dy1 * w1[None, :]).to(dtype).to(tl.float32)
+            dn2 = (dy2 * w2[None, :]).to(dtype).to(tl.float32)
+            # d/dx of x * rsqrt(mean(x^2) + eps): rstd * dn - x * rstd^3 * mean(dn * x)
+            k = (tl.sum(dn1 * x1, axis=1) + tl.sum(dn2 * x2, axis=1)) * (rstd * rstd * rstd) / (2 * HALF)
+            tl.store(dx_ptr + at, (dn1 * rstd[:, None] - x1 * k[:, None]).to(dtype), mask=mask)
+            tl.store(dx_ptr + at + HALF, (dn2 * rstd[:, None] - x2 * k[:, None]).to(dtype), mask=mask)
+    if WRITE_DW:
+        dw_row = dw_ptr + pid.to(tl.int64) * (2 * HALF)
+        tl.store(dw_row + d, tl.sum(dw1, axis=0), mask=d_ok)
+        tl.store(dw_row + HALF + d, tl.sum(dw2, axis=0), mask=d_ok)
 
 
 # tile elements per warp: the backward holds about twice the forward's tile-sized arrays
@@ -173,24 +180,30 @@ def qk_norm_rope_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: tor
 
 
 def qk_norm_rope_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                     cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx [B, S, H, Dh] contiguous, dweight) for the output's gradient ``g`` [B, S, H, Dh]."""
+                     cos: torch.Tensor, sin: torch.Tensor, need_dx: bool = True, need_dw: bool = True,
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dx [B, S, H, Dh] contiguous, dweight) for the output's gradient ``g`` [B, S, H, Dh].
+    ``need_dx`` / ``need_dw`` false: that gradient is neither computed nor written
+    (``None``); the other is bit for bit what the full backward gives."""
     B, S, H, Dh = x.shape
     R = B * S * H
-    dx = torch.empty_like(x)
+    dx = torch.empty_like(x) if need_dx else None
     if R == 0:
-        return dx, torch.zeros_like(weight)
+        return dx, torch.zeros_like(weight) if need_dw else None
+    if not (need_dx or need_dw):
+        return None, None
     if g.stride(-1) != 1:
         g = g.contiguous()
     block_r, block_half, num_warps = _launch_shape(Dh, x.device, "backward")
     n_prog, rows_per_prog = row_chunks(R, block_r, x.device, _BWD_PROGRAMS_PER_SM)
-    partial = torch.empty(n_prog, Dh, dtype=torch.float32, device=x.device)
+    partial = torch.empty(n_prog, Dh, dtype=torch.float32, device=x.device) if need_dw else None
     qk_norm_rope_bwd_kernel[(n_prog,)](
-        g, x, weight.contiguous(), rstd, cos, sin, dx, partial, R, H, S, rows_per_prog,
-        g.stride(0), g.stride(1), g.stride(2), cos.stride(0),
-        HALF=Dh // 2, BLOCK_R=block_r, BLOCK_HALF=block_half, num_warps=num_warps,
+        g, x, weight.contiguous(), rstd, cos, sin, x if dx is None else dx, x if partial is None else partial,
+        R, H, S, rows_per_prog, g.stride(0), g.stride(1), g.stride(2), cos.stride(0),
+        HALF=Dh // 2, BLOCK_R=block_r, BLOCK_HALF=block_half, WRITE_DX=need_dx, WRITE_DW=need_dw,
+        num_warps=num_warps,
     )
-    return dx, partial.sum(0).to(weight.dtype)
+    return dx, None if partial is None else partial.sum(0).to(weight.dtype)
 
 
 class QKNormRope(torch.autograd.Function):
@@ -209,6 +222,6 @@ class QKNormRope(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, g: torch.Tensor) -> tuple:  # noqa: ANN001
         x, weight, rstd, cos, sin = ctx.saved_tensors
-        dx, dw = qk_norm_rope_bwd(g, x, weight, rstd, cos, sin)
-        return (dx if ctx.needs_input_grad[0] else None,
-                dw if ctx.needs_input_grad[1] else None, None, None, None)
+        need = grads_needed(ctx, (0, 1, 3, 4))  # dx or dw only in a split (zero-bubble) backward
+        dx, dw = qk_norm_rope_bwd(g, x, weight, rstd, cos, sin, need_dx=need[0], need_dw=need[1])
+        return dx, dw, None, None, None

@@ -40,6 +40,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from moe_model._triton_support import row_chunks
+from moe_model.backward_needs import grads_needed
 
 MAX_D = 8192  # the widest row kept in registers; wider rows take the reference path
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -98,12 +99,15 @@ def rms_norm_bwd_kernel(
     xN1, xN2, xS0, xS1, xS2,
     dyN1, dyN2, dyS0, dyS1, dyS2,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GRAD_IN: tl.constexpr,
+    WRITE_DX: tl.constexpr, WRITE_DW: tl.constexpr,
 ):
     """dx for rows ``[pid * rows_per_prog, (pid + 1) * rows_per_prog)`` and their
     dweight partial sum in row ``pid`` of ``dw_ptr [n_prog, D]`` (FP32). ``dy`` has
     y's dtype (its rounding is the reference autograd's). With ``HAS_GRAD_IN`` the
     input's other gradient ``g_in`` (contiguous, x's dtype) is added to dx, rounded as
-    autograd's add of the two x-dtype gradients."""
+    autograd's add of the two x-dtype gradients. ``WRITE_DX`` / ``WRITE_DW``: compute
+    and store that gradient (one of them in a split backward's pass; the other pointer
+    is then not touched)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
@@ -120,19 +124,22 @@ def rms_norm_bwd_kernel(
         x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + dy_off[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-        n = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-        dw += (dy * n).to(dy_ptr.dtype.element_ty).to(tl.float32)
-        dn = (dy * w[None, :]).to(dy_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
-        dn = dn.to(tl.float32)
-        # d/dx of x * rsqrt(mean(x^2) + eps): rstd * dn - x * rstd^3 * mean(dn * x)
-        c = tl.sum(dn * x, axis=1) * (rstd * rstd * rstd) / D
-        dx = dn * rstd[:, None] - x * c[:, None]
-        dx_off = rows.to(tl.int64) * D
-        if HAS_GRAD_IN:
-            g_in = tl.load(g_in_ptr + dx_off[:, None] + cols[None, :], mask=mask, other=0.0)
-            dx = dx.to(dx_ptr.dtype.element_ty).to(tl.float32) + g_in.to(tl.float32)
-        tl.store(dx_ptr + dx_off[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dw_ptr + pid.to(tl.int64) * D + cols, tl.sum(dw, axis=0), mask=col_ok)
+        if WRITE_DW:
+            n = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+            dw += (dy * n).to(dy_ptr.dtype.element_ty).to(tl.float32)
+        if WRITE_DX:
+            dn = (dy * w[None, :]).to(dy_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
+            dn = dn.to(tl.float32)
+            # d/dx of x * rsqrt(mean(x^2) + eps): rstd * dn - x * rstd^3 * mean(dn * x)
+            c = tl.sum(dn * x, axis=1) * (rstd * rstd * rstd) / D
+            dx = dn * rstd[:, None] - x * c[:, None]
+            dx_off = rows.to(tl.int64) * D
+            if HAS_GRAD_IN:
+                g_in = tl.load(g_in_ptr + dx_off[:, None] + cols[None, :], mask=mask, other=0.0)
+                dx = dx.to(dx_ptr.dtype.element_ty).to(tl.float32) + g_in.to(tl.float32)
+            tl.store(dx_ptr + dx_off[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    if WRITE_DW:
+        tl.store(dw_ptr + pid.to(tl.int64) * D + cols, tl.sum(dw, axis=0), mask=col_ok)
 
 
 # ------------------------------------------------------------------- launchers
@@ -211,28 +218,37 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                 grad_in: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 grad_in: torch.Tensor | None = None, need_dx: bool = True, need_dw: bool = True,
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dx contiguous with x's shape and dtype, dweight with the weight's dtype); with
-    ``grad_in`` (x's other gradient), dx + grad_in in the same pass."""
+    ``grad_in`` (x's other gradient), dx + grad_in in the same pass. ``need_dx`` /
+    ``need_dw`` false: that gradient is neither computed nor written (``None``); the
+    other is bit for bit what the full backward gives."""
     D = x.shape[-1]
     R = x.numel() // D
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     dy = dy.to(out_dtype)  # the reference's rounding assumes dy has y's dtype (it always does)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx else None
     if R == 0:
-        return dx, torch.zeros_like(weight)
+        return dx, torch.zeros_like(weight) if need_dw else None
+    if not (need_dx or need_dw):
+        return None, None
     xv, xl = _rows_layout(x)
     dyv, dyl = _rows_layout(dy)
     block_r, block_d, num_warps = _launch_config(D, x.device)
     n_prog, rows_per_prog = row_chunks(R, block_r, x.device, _BWD_PROGRAMS_PER_SM)
-    partial = torch.empty(n_prog, D, dtype=torch.float32, device=x.device)
-    g_in = grad_in.to(x.dtype).contiguous() if grad_in is not None else dx
+    partial = torch.empty(n_prog, D, dtype=torch.float32, device=x.device) if need_dw else None
+    g_in = grad_in.to(x.dtype).contiguous() if grad_in is not None and need_dx else None
+    unused = xv  # a pointer for the kernel's arguments it does not touch
     with _on_device(x.device):
         rms_norm_bwd_kernel[(n_prog,)](
-            dyv, xv, weight.contiguous(), rstd, dx, partial, g_in, R, D, rows_per_prog, *xl, *dyl,
-            BLOCK_R=block_r, BLOCK_D=block_d, HAS_GRAD_IN=grad_in is not None, num_warps=num_warps,
+            dyv, xv, weight.contiguous(), rstd, unused if dx is None else dx,
+            unused if partial is None else partial, unused if g_in is None else g_in,
+            R, D, rows_per_prog, *xl, *dyl,
+            BLOCK_R=block_r, BLOCK_D=block_d, HAS_GRAD_IN=g_in is not None,
+            WRITE_DX=need_dx, WRITE_DW=need_dw, num_warps=num_warps,
         )
-    return dx, partial.sum(0).to(weight.dtype)
+    return dx, None if partial is None else partial.sum(0).to(weight.dtype)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -246,9 +262,9 @@ class _RMSNormFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy: torch.Tensor) -> tuple:  # noqa: ANN001
         x, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_bwd(dy, x, weight, rstd)
-        return (dx if ctx.needs_input_grad[0] else None,
-                dw if ctx.needs_input_grad[1] else None, None)
+        need = grads_needed(ctx)  # dx or dw only in a split (zero-bubble) backward
+        dx, dw = rms_norm_bwd(dy, x, weight, rstd, need_dx=need[0], need_dw=need[1])
+        return dx, dw, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -273,9 +289,9 @@ class _AddRMSNormFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dh: torch.Tensor, dy: torch.Tensor) -> tuple:  # noqa: ANN001
         h, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_bwd(dy, h, weight, rstd, grad_in=dh)
-        return (dx if ctx.needs_input_grad[0] else None, dx if ctx.needs_input_grad[1] else None,
-                dw if ctx.needs_input_grad[2] else None, None)
+        need = grads_needed(ctx)
+        dx, dw = rms_norm_bwd(dy, h, weight, rstd, grad_in=dh, need_dx=need[0] or need[1], need_dw=need[2])
+        return dx if need[0] else None, dx if need[1] else None, dw, None
 
 
 def add_rms_norm(x: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor, eps: float

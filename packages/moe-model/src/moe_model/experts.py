@@ -32,7 +32,9 @@ microbatch at copy speed. The sink is told when the gradient is in; ``param.grad
 stays ``None``. What the sink gets is an ``ExpertWeightGradient``: it may hold it and
 merge it with the next microbatch's (one launch over both microbatches' rows). A weight
 gradient is only computed in a backward pass that runs the weight's ``AccumulateGrad`` node (a pipeline's input-gradient pass does not; its
-weight pass does), so it lands exactly once whatever way the backward is split.
+weight pass does), so it lands exactly once whatever way the backward is split; likewise
+the input gradient only in a pass that runs the input's node (``backward_needs``), so a
+split backward runs each GEMM once.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import torch
 from torch import nn
 
 from moe_model._triton_support import cuda_capability, triton_available
+from moe_model.backward_needs import grads_needed
 from moe_model.layers import swiglu
 from moe_model.sink import GradientSink, SinkRoute, sink_route, will_run
 
@@ -180,9 +183,10 @@ class _GroupedMMIntoSink(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy_RN: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
         x_RK, w_c, offsets = ctx.saved_tensors
+        need = grads_needed(ctx)
         dy_RN = dy_RN.contiguous()
-        dx = grouped_mm(dy_RN, w_c, offsets, ctx.backend) if ctx.needs_input_grad[0] else None
-        if ctx.needs_input_grad[1]:
+        dx = grouped_mm(dy_RN, w_c, offsets, ctx.backend) if need[0] else None
+        if need[1]:
             _wgrad_into_sink(ctx.route, ctx.param, x_RK, dy_RN, offsets, w_c.transpose(1, 2))
         return dx, None, None, None, None
 
@@ -209,15 +213,16 @@ class _GateUp(torch.autograd.Function):
         from moe_model.triton_grouped_mm import rows_mm_sum2, wgrad_mm
 
         x_RD, w1c, w3c, offsets = ctx.saved_tensors
+        need = grads_needed(ctx)
         dg_RF, du_RF = dg_RF.contiguous(), du_RF.contiguous()
-        dx = rows_mm_sum2(dg_RF, w1c, du_RF, w3c, offsets) if ctx.needs_input_grad[0] else None
+        dx = rows_mm_sum2(dg_RF, w1c, du_RF, w3c, offsets) if need[0] else None
         grads: list[torch.Tensor | None] = []
         for i, (param, w_c, dy) in enumerate(zip(ctx.params, (w1c, w3c), (dg_RF, du_RF), strict=True)):
             like, route = w_c.transpose(1, 2), ctx.routes[i]
-            if ctx.needs_input_grad[1 + i] and route is None:
+            if need[1 + i] and route is None:
                 grads.append(wgrad_mm(x_RD, dy, offsets, like).transpose(1, 2).to(param.dtype))
                 continue
-            if ctx.needs_input_grad[1 + i]:
+            if need[1 + i]:
                 _wgrad_into_sink(route, param, x_RD, dy, offsets, like)
             grads.append(None)
         return dx, grads[0], grads[1], None, None

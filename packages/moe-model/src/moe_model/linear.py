@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_model.backward_needs import grads_needed
 from moe_model.sink import GradientSink, SinkRoute, accumulator_layout, sink_route, will_run
 
 
@@ -81,7 +82,8 @@ class DenseWeightGradient:
 class _LinearsIntoSink(torch.autograd.Function):
     """``y_i = x @ w_i^T`` for one or more weights sharing the input ``x`` (attention's q, k
     and v projections; a SwiGLU's gate and up). Each weight's gradient goes into its sink
-    (in a backward that runs the weight's ``AccumulateGrad`` node). The input gradient is
+    (in a backward that runs the weight's ``AccumulateGrad`` node). The input gradient
+    (in a backward that runs the input's node: a split backward runs each GEMM once) is
     one GEMM and, for each further weight, a GEMM adding into it (beta 1) instead of
     separate ``[T, in]`` results that autograd adds afterwards: for q, k and v at
     bench-1gpu's shapes on an H200, 158 us against 205 per microbatch."""
@@ -96,10 +98,12 @@ class _LinearsIntoSink(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *dys: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         x, *weights = ctx.saved_tensors
+        # forward's tensor inputs: x (input 0) and the weights (inputs 2, 3, ...)
+        need = grads_needed(ctx, (0, *range(2, 2 + len(weights))))
         x_TI = x.reshape(-1, x.shape[-1])
         dx = None
         for dy, w in zip(dys, weights, strict=True):
-            if dy is None or not ctx.needs_input_grad[0]:
+            if dy is None or not need[0]:
                 continue
             dy_TO = dy.reshape(-1, w.shape[0])
             if dx is None:
@@ -107,7 +111,7 @@ class _LinearsIntoSink(torch.autograd.Function):
             else:
                 dx.addmm_(dy_TO, w)
         for i, (dy, route) in enumerate(zip(dys, ctx.routes, strict=True)):
-            if dy is not None and ctx.needs_input_grad[2 + i] and will_run(route):
+            if dy is not None and need[2 + i] and will_run(route):
                 route[0].add_gradient(ctx.params[i], DenseWeightGradient(x_TI, dy.reshape(-1, weights[i].shape[0])))
         return (None if dx is None else dx.view(x.shape), None, *(None for _ in weights))
 

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from moe_model._triton_support import triton_available
+from moe_model.backward_needs import grads_needed
 from moe_model.config import MoEConfig
 
 
@@ -127,6 +128,7 @@ class _RouterLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g_TE: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x_TD, w_ED = ctx.saved_tensors
+        need_dx, need_dw = grads_needed(ctx)  # one of them in a split (zero-bubble) backward
         n_parts, E = _BF16_PARTS, w_ED.shape[0]
         if g_TE.is_cuda and triton_available():
             from moe_model._router_kernels import split_bf16
@@ -135,9 +137,9 @@ class _RouterLogits(torch.autograd.Function):
         else:
             g_TP = torch.cat(_split_bf16(g_TE.float()), 1)
         dx = dw = None
-        if ctx.needs_input_grad[0]:  # [T, 3E] @ [3E, D], rounded once
+        if need_dx:  # [T, 3E] @ [3E, D], rounded once
             dx = g_TP @ torch.cat([w_ED] * n_parts, 0)
-        if ctx.needs_input_grad[1]:
+        if need_dw:
             dw = _mm_fp32(g_TP[:, :E].t(), x_TD)
             for i in range(1, n_parts):
                 dw += _mm_fp32(g_TP[:, i * E:(i + 1) * E].t(), x_TD)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from moe_model._triton_support import num_sms
+from moe_model.backward_needs import grads_needed
 from moe_model.sink import accumulator_layout
 
 
@@ -449,8 +450,9 @@ def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, outp
 
 def _backward(ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor) -> tuple:
     x, w, offsets = ctx.saved_tensors
-    dx = triton_grouped_mm(dy, w.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
-    dw = _wgrad_op(x, dy, offsets, w) if ctx.needs_input_grad[1] else None
+    need = grads_needed(ctx)  # dx or dw only in a split (zero-bubble) backward
+    dx = triton_grouped_mm(dy, w.transpose(1, 2), offsets) if need[0] else None
+    dw = _wgrad_op(x, dy, offsets, w) if need[1] else None
     return dx, dw, None
 
 
