@@ -139,6 +139,10 @@ def test_toml_file_errors_name_the_key(tmp_path):
     (["parallel.ep_payload=mxfp8"], "parallel.ep_payload=mxfp8 needs expert parallelism"),
     (["mxfp8.gemm=fast"], "invalid mxfp8 config: MXFP8Config.gemm must be one of"),
     (["parallel.pp=2", "model.tie_embeddings=true"], "model.tie_embeddings with parallel.pp > 1"),
+    (["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "model.recompute=block"],
+     "parallel.pp_schedule=zero_bubble with model.recompute=block is not supported"),
+    (["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "model.recompute=selective"],
+     "parallel.pp_schedule=zero_bubble with model.recompute=selective is not supported"),
     (["train.cuda_graphs=true", "parallel.pp=2"], "train.cuda_graphs is not supported with parallel.pp=2"),
     (["train.cuda_graphs=true", "parallel.ep=2"],
      "train.cuda_graphs is not supported with parallel.ep=2 / ep_backend=auto"),
@@ -152,6 +156,15 @@ def test_toml_file_errors_name_the_key(tmp_path):
 def test_validate_names_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("tiny", overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallel.pp=2", "parallel.pp_schedule=1f1b", "model.recompute=selective"],
+    ["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "model.recompute=none"],
+    ["parallel.pp_schedule=zero_bubble", "model.recompute=block"],  # no pipeline: no schedule runs
+])
+def test_recompute_is_refused_only_under_a_zero_bubble_pipeline(overrides):
+    load_config("tiny", overrides)
 
 
 @pytest.mark.parametrize("world, overrides, message", [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -80,18 +81,101 @@ class CustomFunctionOnTop(nn.Module):
         return _Scale.apply(self.a(x), self.gain)
 
 
+class _LinearOp(torch.autograd.Function):
+    """``x @ w.T`` as a custom Function, like moe_model's fused linear layers (the head)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return grad @ w, grad.t() @ x
+
+
+class _CrossEntropySum(torch.autograd.Function):
+    """A token-loss sum that saves the logits, as the fused cross-entropy does."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(logits, targets)
+        return nn.functional.cross_entropy(logits, targets, reduction="sum")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, targets = ctx.saved_tensors
+        probs = logits.softmax(-1)
+        probs[torch.arange(len(targets)), targets] -= 1
+        return probs * grad, None
+
+
+class CustomHeadLoss(nn.Module):
+    """A last stage whose head and loss are custom Functions: the head is a root with no
+    built-in root above it, so the outputs are kept for the weight pass (torch 2.11)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Parameter(torch.randn(50, 8) / 3)
+        self.targets = torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _CrossEntropySum.apply(_LinearOp.apply(x, self.head), self.targets) / 16
+
+
+class CustomFunctionUnderASkip(nn.Module):
+    """A custom-Function root on top with a residual around it: the input pass cannot run
+    the nodes above the roots on their own (an autograd call stopping at the input would
+    run the root), so the outputs are kept whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = CustomFunctionOnTop()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * 2 + x
+
+
 def test_outputs_are_kept_only_when_a_root_would_die_with_them():
-    """The weight pass holds the stage outputs (the whole graph) only when a custom
-    Function root has no built-in root above it; otherwise memory is freed as before.
+    """The weight pass holds the stage outputs only when a custom Function root has no
+    built-in root above it; otherwise they are freed after the input pass.
     Checked on the decision itself, since torch 2.15 would not fail without it."""
-    for model, kept in ((CustomFunctionOnTop(), True), (WithCustomFunctions(), False),
+    for model, kept in ((CustomFunctionOnTop(), True), (CustomHeadLoss(), True),
+                        (WithCustomFunctions(), False),
                         (nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), False)):
-        x = torch.randn(4, 8, requires_grad=True)
+        x = torch.randn(16, 8, requires_grad=True)
         y = model(x)
         _, work = backward_input([y], [torch.randn_like(y)], x, list(model.parameters()))
         assert bool(work.keepalive) == kept, type(model).__name__
         backward_weight(work)
         assert work.keepalive == ()
+
+
+def test_kept_outputs_do_not_hold_what_the_nodes_above_the_roots_saved():
+    """The outputs kept for the weight pass hold the loss's node, but it has run and
+    freed its saved logits ([N, V] on a real last stage), which the weight pass never
+    reads; the weight gradient is still the full backward's."""
+    model = CustomHeadLoss()
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 8)
+    x_ref = x.clone().requires_grad_()
+    reference(x_ref).backward()
+
+    x = x.clone().requires_grad_()
+    logits = _LinearOp.apply(x, model.head)
+    alive = weakref.ref(logits)
+    loss = _CrossEntropySum.apply(logits, model.targets) / 16
+    del logits
+    dx, work = backward_input([loss], [None], x, [model.head])
+    assert work.keepalive, "the case under test: the head root needs the outputs kept"
+    del loss
+    gc.collect()
+    assert alive() is None, "the logits the loss saved are alive until the weight pass"
+    assert model.head.grad is None
+    backward_weight(work)
+    torch.testing.assert_close(dx, x_ref.grad, rtol=1e-6, atol=0)
+    torch.testing.assert_close(model.head.grad, reference.head.grad, rtol=1e-6, atol=0)
 
 
 def _moe(part: str) -> nn.Module:
@@ -112,6 +196,9 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], Call
     "reused_weight": (Reused, lambda: torch.randn(4, 8), lambda m, x: m(x)),
     "custom_functions": (WithCustomFunctions, lambda: torch.randn(4, 8), lambda m, x: m(x)),
     "custom_function_on_top": (CustomFunctionOnTop, lambda: torch.randn(4, 8), lambda m, x: m(x)),
+    "custom_head_and_loss": (CustomHeadLoss, lambda: torch.randn(16, 8), lambda m, x: m(x)),
+    "custom_function_under_a_skip": (CustomFunctionUnderASkip, lambda: torch.randn(4, 8),
+                                     lambda m, x: m(x)),
     "first_stage_tokens": (lambda: nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8)),
                            lambda: torch.randint(0, 10, (4,)), lambda m, x: m(x)),
     "moe_middle_stage_with_aux_loss": (lambda: _moe("middle"), lambda: torch.randn(2, 8, 32),

@@ -18,7 +18,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from moe_model import MoEConfig, MoETransformer, init_weights, lm_loss_sum, set_aux_loss_scale
-from moe_pp import SCHEDULES, PipelineConfig, build_pipeline
+from moe_pp import (
+    SCHEDULES,
+    Pipeline,
+    PipelineConfig,
+    ScheduleError,
+    build_pipeline,
+    build_rank_stages,
+    make_schedule,
+    split_model,
+)
 from moe_testing import run_distributed
 
 CFG = dict(vocab_size=64, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -37,8 +46,8 @@ def _batch() -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
     return inputs, targets, sum(t.numel() for t in targets)
 
 
-def _model(aux_scale: float) -> MoETransformer:
-    cfg = MoEConfig(**CFG)
+def _model(aux_scale: float, recompute: str = "none") -> MoETransformer:
+    cfg = MoEConfig(**CFG, recompute=recompute)
     model = MoETransformer(cfg)
     init_weights(model, cfg, SEED)
     set_aux_loss_scale(model, aux_scale)
@@ -135,3 +144,44 @@ def test_pipeline_matches_unsplit_model(pp: int):
                 f"pp={pp} virtual={virtual} {schedule} rank {rank}: {worst} differs by "
                 f"{diffs[worst]:.2e}"
             )
+
+
+RECOMPUTE = ("block", "selective")
+
+
+def _run_with_recompute() -> dict:
+    """1F1B (one backward pass per microbatch, as GPipe) with activation recompute on."""
+    inputs, targets, n_global = _batch()
+    ref_loss, ref_grads = reference()
+    diffs = {}
+    for recompute in RECOMPUTE:
+        pipe = build_pipeline(
+            _model(1.0 / n_global, recompute), PipelineConfig(schedule="1f1b"), N_MICRO,
+            loss_fn=lm_loss_sum, activation_shape=(MICRO_BATCH, SEQ, CFG["d_model"]),
+            activation_dtype=torch.float32,
+        )
+        losses = pipe.step(inputs, targets, loss_scale=1.0 / n_global)
+        diffs[recompute] = max(
+            [abs(losses.sum().item() - ref_loss) / abs(ref_loss)]
+            + [rel_diff(p.grad, ref_grads[n]) for n, p in pipe.module.named_parameters()]
+        )
+        dist.barrier()
+    return diffs
+
+
+def test_activation_recompute_under_1f1b_matches_unsplit_model():
+    for rank, diffs in enumerate(run_distributed(_run_with_recompute, 2, timeout=300)):
+        assert max(diffs.values()) < TOL, (rank, diffs)
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+def test_zero_bubble_refuses_activation_recompute(recompute):
+    """Its input and weight passes would replay each recomputed block twice, which neither
+    moe_model's recompute nor torch's selective checkpointing allows (the first step
+    failed). Refused when the pipeline is built, before any process group is used."""
+    model = _model(1.0, recompute)
+    stages = build_rank_stages(model, split_model(model, pp=2), rank=0)
+    with pytest.raises(ScheduleError, match=f"zero_bubble schedule cannot run a model with "
+                                            f"config.recompute='{recompute}'"):
+        Pipeline(stages, make_schedule("zero_bubble", 2, 1, N_MICRO), lm_loss_sum,
+                 (MICRO_BATCH, SEQ, CFG["d_model"]), torch.float32)

@@ -120,6 +120,34 @@ def test_non_pipeline_models_are_refused():
         build_rank_stages(model, split, 0)
 
 
+def _tied_by_config() -> MoETransformer:
+    """Tied in its config, the two parameters separate (as ``to_empty`` leaves them)."""
+    model = _meta_model(tie_embeddings=True)
+    model.head.weight = nn.Parameter(torch.empty_like(model.embed.weight))
+    return model
+
+
+def _tied_by_parameter() -> MoETransformer:
+    model = _meta_model()
+    model.head.weight = model.embed.weight
+    return model
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda: _meta_model(tie_embeddings=True), r"head.weight is the embedding's"),
+    (_tied_by_config, "config.tie_embeddings is set"),
+    (_tied_by_parameter, r"head.weight is the embedding's"),
+], ids=["tied", "config_only", "parameter_only"])
+def test_tied_embeddings_are_refused(make, why):
+    """The first stage would hold the parameter as embed.weight and the last as head.weight,
+    each with only its part of the gradient."""
+    model = make()
+    with pytest.raises(SplitError, match=f"tied embeddings cannot be pipelined \\({why}"):
+        split_model(model, pp=2)
+    with pytest.raises(SplitError, match="tied embeddings"):
+        build_rank_stages(model, split_model(_meta_model(), pp=2), 1)
+
+
 def test_stages_keep_model_names_and_materialise_from_meta():
     cfg = MoEConfig(**CFG)
     full = MoETransformer(cfg)

@@ -207,6 +207,13 @@ class PretrainConfig:
                 "model.tie_embeddings with parallel.pp > 1 is not supported: the embedding and the "
                 "head would live on different pipeline stages"
             )
+        if p.pp > 1 and p.pp_schedule == "zero_bubble" and self.model.recompute != "none":
+            raise ConfigError(
+                f"parallel.pp_schedule=zero_bubble with model.recompute={self.model.recompute} is "
+                "not supported: its separate input- and weight-gradient passes would replay each "
+                "recomputed block twice, which activation recompute does not allow; use "
+                "parallel.pp_schedule=1f1b or gpipe, or model.recompute=none"
+            )
         if p.merge_expert_grad_microbatches > MAX_WGRAD_SOURCES:
             raise ConfigError(
                 f"parallel.merge_expert_grad_microbatches must be 1 to {MAX_WGRAD_SOURCES}, got "

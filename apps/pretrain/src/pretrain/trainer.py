@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from moe_ddp import DDPConfig, MultiGroupDDP
 from moe_model import (
+    GradientSink,
     flops_per_token,
     lm_loss_sum,
     param_kind,
@@ -146,7 +147,7 @@ class Trainer:
                       merge_microbatch_gradients=cfg.parallel.merge_expert_grad_microbatches),
         )
         if cfg.parallel.fuse_expert_grad_accumulation:
-            set_gradient_sink(self.model, self.ddp)
+            self._set_gradient_sink(self.ddp)
         self.optimizer = build_optimizer(self.ddp, cfg.optim, m.n_experts,
                                          mesh.expert_range(m.n_experts).start, device)
         if self.part.mxfp8_layers:
@@ -182,9 +183,18 @@ class Trainer:
     def close(self) -> None:
         """Release the EP transport (collective) and detach the gradient hooks."""
         self.part.close()
-        set_gradient_sink(self.model, None)
+        self._set_gradient_sink(None)
         self.ddp.close()
         self.graphs = None
+
+    def _set_gradient_sink(self, sink: GradientSink | None) -> None:
+        """``sink`` on the model part and on each pipeline stage's view: a view is a shallow
+        copy of the model's root with root attributes of its own (the embedding's sink), and
+        the views are what the schedule runs."""
+        pipeline = self.part.pipeline
+        views = [stage.module for stage in pipeline.stages.stages] if pipeline is not None else []
+        for module in (self.model, *views):
+            set_gradient_sink(module, sink)
 
     # -- the loop ------------------------------------------------------------------
 

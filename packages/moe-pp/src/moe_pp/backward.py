@@ -30,6 +30,12 @@ A stage without a gradient-requiring input (the first stage: token ids) has no
 input path: the input pass does nothing and the weight pass is the full backward.
 Auxiliary losses attached inside the graph need nothing special: their gradient
 enters at the node that attached them, like any other.
+
+When the stage outputs must outlive the input pass (a custom autograd Function root
+that only they keep alive, see ``_roots_need_outputs``), the input pass runs in two
+autograd calls: first the nodes above the roots, retaining nothing, then the rest.
+The outputs then hold those nodes without what they saved (a last stage's [N, V]
+logits, saved by the cross-entropy), which the weight pass never reads.
 """
 
 from __future__ import annotations
@@ -56,32 +62,80 @@ class WeightGradWork:
 
     groups: list[_Group]
     # Stage outputs held until the weight pass when a root would otherwise die with them
-    # (see ``_roots_need_outputs``); empty in the common case.
+    # (see ``_roots_need_outputs``); empty in the common case. The nodes above the roots
+    # have run by then and freed what they saved (``_run_above``).
     keepalive: tuple[torch.Tensor, ...] = ()
 
 
-def _roots_need_outputs(groups: list[_Group], children: dict[Node, list[Node]]) -> bool:
+def _roots_need_outputs(roots: list[Node], children: dict[Node, list[Node]]) -> bool:
     """Whether some root node is kept alive only by the stage outputs.
 
     A built-in node's Python object owns the node, and the node owns its children, so
     roots below a built-in root survive the outputs. A custom autograd Function's
-    Python object (``BackwardCFunction``) does not own its node in torch 2.11: a custom
-    root with no built-in root above it dies with the outputs, and the weight pass then
-    fails ("Attribute '_input_metadata' is invalid for this instance of
-    _C._FunctionBase"). Only then are the outputs kept (which keeps the whole graph).
+    Python object (``BackwardCFunction``) does not own its node in torch 2.11 (2.13 and
+    2.15 do): a custom root with no built-in root above it dies with the outputs, and
+    the weight pass then fails ("Attribute '_input_metadata' is invalid for this
+    instance of _C._FunctionBase"). Only then are the outputs kept.
     """
-    nodes = [edge.node for g in groups for edge in g.roots]
-    custom = [n for n in nodes if isinstance(n, BackwardCFunction)]
+    custom = [n for n in roots if isinstance(n, BackwardCFunction)]
     if not custom:
         return False
     covered: set[Node] = set()
-    stack = [n for n in nodes if not isinstance(n, BackwardCFunction)]
+    stack = [n for n in roots if not isinstance(n, BackwardCFunction)]
     while stack:
         for kid in children.get(stack.pop(), ()):
             if kid not in covered:
                 covered.add(kid)
                 stack.append(kid)
     return any(n not in covered for n in custom)
+
+
+def _run_above(
+    edges: list[GradientEdge],
+    grads: list[torch.Tensor],
+    below: list[Node],
+    order: list[Node],
+    children: dict[Node, list[Node]],
+    to_input: set[Node],
+) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+    """Backward through the input-path nodes above ``below`` now, retaining nothing.
+
+    ``below``: the weight pass's roots and the stage input's node; everything under
+    them is kept for later passes, nothing above them is run again. Returns where the
+    rest of the input pass starts: the edges into the part below, with their gradients.
+    Returns ``edges`` and ``grads`` unchanged when that part is entered at a node under
+    another entry point: an autograd call stopping at both would run, and free, the
+    upper one.
+    """
+    kept: set[Node] = set()
+    stack = list(below)
+    while stack:
+        node = stack.pop()
+        if node not in kept:
+            kept.add(node)
+            stack.extend(children.get(node, ()))
+    above = {n for n in order if n in to_input and n not in kept}
+    if not above:
+        return edges, grads
+    targets = list(dict.fromkeys(
+        GradientEdge(kid, nr)
+        for node in above for kid, nr in node.next_functions
+        if kid in to_input and kid not in above
+    ))
+    entries = {edge.node for edge in targets}
+    reaches_entry: set[Node] = set()
+    for node in order:  # children first
+        if any(k in entries or k in reaches_entry for k in children[node]):
+            reaches_entry.add(node)
+    if entries & reaches_entry:
+        return edges, grads
+    first = [(e, g) for e, g in zip(edges, grads, strict=True) if e.node in above]
+    rest = [(e, g) for e, g in zip(edges, grads, strict=True) if e.node not in above]
+    got = torch.autograd.grad(
+        [e for e, _ in first], targets, [g for _, g in first], allow_unused=True
+    )
+    rest += [(e, g) for e, g in zip(targets, got, strict=True) if g is not None]
+    return [e for e, _ in rest], [g for _, g in rest]
 
 
 def _graph(roots: list[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
@@ -157,6 +211,8 @@ def backward_input(
         if e.node in to_param and e.node not in to_input
     ]
 
+    roots = [*boundary_params, *(edge.node for edge, _, _ in direct)]
+    keep_outputs = _roots_need_outputs(roots, children)
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     handles = []
     for node in boundary_params:
@@ -167,16 +223,19 @@ def backward_input(
     try:
         input_grad = None
         if input_node is not None and input_node in to_input:
-            (input_grad,) = torch.autograd.grad(
-                list(outputs), [stage_input], grads, retain_graph=True
-            )
+            if keep_outputs:
+                below = [*roots, input_node]
+                edges, grads = _run_above(edges, grads, below, order, children, to_input)
+            if edges:
+                (input_grad,) = torch.autograd.grad(
+                    edges, [stage_input], grads, retain_graph=True, allow_unused=True
+                )
     finally:
         for h in handles:
             h.remove()
 
     groups = _group(boundary_params, captured, direct, param_of)
-    keepalive = tuple(outputs) if _roots_need_outputs(groups, children) else ()
-    return input_grad, WeightGradWork(groups, keepalive)
+    return input_grad, WeightGradWork(groups, tuple(outputs) if keep_outputs else ())
 
 
 def _group(

@@ -22,6 +22,8 @@ class PipelineModel(Protocol):
     the hidden state when ``norm`` and ``head`` are ``None``), running the blocks
     that remain in ``blocks`` in their dict order. Any of ``embed``, ``norm`` and
     ``head`` may be ``None`` and blocks may be deleted: that is how a stage is made.
+    An optional ``config`` is read for ``tie_embeddings`` (refused: see ``split``) and
+    ``recompute`` (refused under a split backward: see ``runtime``).
     """
 
     embed: nn.Module | None

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from moe_pp.backward import WeightGradWork, backward_input, backward_weight
 from moe_pp.p2p import ACTIVATION, GRADIENT, OrderedP2P, message_order
 from moe_pp.protocols import GradSync, PipelineModel
-from moe_pp.schedules import SCHEDULES, Schedule, make_schedule, simulate
+from moe_pp.schedules import SCHEDULES, Schedule, ScheduleError, make_schedule, simulate
 from moe_pp.split import POLICIES, StageSplit, split_model
 from moe_pp.stages import RankStages, Stage, build_rank_stages
 
@@ -89,6 +89,7 @@ class Pipeline:
         activation_dtype: torch.dtype,
         group: dist.ProcessGroup | None = None,
     ) -> None:
+        _check_recompute(stages, schedule)
         pp = dist.get_world_size(group)
         if schedule.pp != pp or dist.get_rank(group) != stages.rank:
             raise ValueError(
@@ -194,6 +195,24 @@ class Pipeline:
             dx = None if grad_input is None else grad_input.grad
         if grad_input is not None:
             step.p2p.send((GRADIENT, s, mb), torch.zeros_like(x) if dx is None else dx)
+
+
+def _check_recompute(stages: RankStages, schedule: Schedule) -> None:
+    """Refuse activation recompute under a split backward (zero bubble).
+
+    The input and weight passes are two autograd runs, and torch's non-reentrant
+    checkpoint replays a recomputed block's forward in each: moe_model's recompute
+    context cannot be entered twice, and torch refuses a second backward through
+    selective checkpointing. The model says it recomputes through ``config.recompute``.
+    """
+    recompute = getattr(getattr(stages.module, "config", None), "recompute", "none")
+    if schedule.split_backward and recompute != "none":
+        raise ScheduleError(
+            f"the {schedule.name} schedule cannot run a model with config.recompute="
+            f"{recompute!r}: its split backward replays each recomputed block twice (input "
+            "and weight passes), which activation recompute does not support; use "
+            "recompute='none' or the gpipe / 1f1b schedule"
+        )
 
 
 def build_pipeline(

@@ -116,6 +116,24 @@ def check_model(model: object) -> None:
             f"the model holds parameters outside embed/blocks/norm/head ({', '.join(own)}); "
             "no stage could own them"
         )
+    _check_untied(model)
+
+
+def _check_untied(model: nn.Module) -> None:
+    """Refuse tied embeddings: the first stage would hold the one parameter as
+    ``embed.weight`` and the last as ``head.weight``, and nothing adds the two gradients."""
+    embed = {id(p) for p in model.embed.parameters()} if model.embed is not None else set()
+    head = model.head.named_parameters() if model.head is not None else ()
+    shared = [f"head.{n}" for n, p in head if id(p) in embed]
+    tied = bool(getattr(getattr(model, "config", None), "tie_embeddings", False))
+    if shared or tied:
+        why = (f"{', '.join(shared)} is the embedding's parameter" if shared
+               else "config.tie_embeddings is set")
+        raise SplitError(
+            f"tied embeddings cannot be pipelined ({why}): the embedding runs on the first "
+            "stage and the head on the last, each would get only its part of the one "
+            "parameter's gradient; untie them (tie_embeddings=False)"
+        )
 
 
 def _explicit(
