@@ -197,7 +197,8 @@ class RunCheckpoints:
 
     def _check_model(self, manifest: Manifest) -> None:
         """The checkpoint's weights must mean what this run's model reads them as, and each
-        of its tensors must have a place in this run's state (none silently left behind)."""
+        of its tensors must have a place in some rank's state (none silently left behind;
+        collective)."""
         saved = manifest.metadata["config"]["model"]
         now = to_tree(self.cfg.model)
         for key in MODEL_FUNCTION_FIELDS:  # (the tree leaves out fields set to None)
@@ -207,7 +208,9 @@ class RunCheckpoints:
                     f"model.{key}={saved.get(key)!r}, this run has {now.get(key)!r}; its weights "
                     "would not compute the same model"
                 )
-        unread = sorted(set(manifest.tensors) - set(self.state))
+        held = [None] * dist.get_world_size()  # each rank holds its stage's and shard's part
+        dist.all_gather_object(held, sorted(self.state))
+        unread = sorted(set(manifest.tensors).difference(*held))
         if unread:
             raise ConfigError(
                 f"checkpoint.resume: this run's model and optimizer have no place for "
