@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from pretrain.config import PRESETS, ConfigError, load_config
@@ -88,9 +89,10 @@ def _print_sweep(args: argparse.Namespace) -> None:
 def plan_command(argv: list[str]) -> int:
     """``pretrain plan``; exit 0 (also when the layout does not fit), 2 on a bad config."""
     args = _parser().parse_args(argv)
-    if args.gpus < 1 or args.gpu_gib <= 0 or not 0 <= args.headroom < 1:
-        print("pretrain plan: error: --gpus must be >= 1, --gpu-gib positive and --headroom "
-              "in [0, 1)", file=sys.stderr)
+    if (args.gpus < 1 or not math.isfinite(args.gpu_gib) or args.gpu_gib <= 0
+            or not 0 <= args.headroom < 1):
+        print("pretrain plan: error: --gpus must be >= 1, --gpu-gib a finite positive number "
+              "and --headroom in [0, 1)", file=sys.stderr)
         return 2
     if args.sweep:
         if args.config is not None or args.overrides:
@@ -103,10 +105,10 @@ def plan_command(argv: list[str]) -> int:
         cfg = load_config(args.config, args.overrides)
         request = PlanRequest.from_config(cfg, args.gpus, gpu_gib=args.gpu_gib,
                                           headroom=args.headroom)
-    except (ConfigError, ValueError) as e:
+        plan = plan_memory(request)
+    except (ConfigError, ValueError) as e:  # moe_pp's ScheduleError is a ValueError too
         print(f"pretrain plan: error: {e}", file=sys.stderr)
         return 2
-    plan = plan_memory(request)
     if args.json:
         print(json.dumps(plan.to_json(), indent=1))
     else:

@@ -19,10 +19,21 @@ checked against measurements (``pretrain.planner.measure.LiveBytes``, CPU tests)
 - ``fwd_live``: what else is alive at the forward's high-water mark (the residual
   stream, Python locals, the FP32 combine's temporaries);
 - backward moments, in execution order: what is freed by then and which
-  temporaries (gradients, the FP32 combine's, one weight gradient) are alive.
+  temporaries (gradients, the FP32 combine's) and weight gradients are alive.
+
+Zero bubble splits the backward (``moe_pp.backward``): an input pass that keeps the
+whole graph (nothing saved is freed until the weight pass) and captures, at each
+weight's GEMM (or norm gain), the output gradient its weight gradient reads (the
+"dy operands"), then a weight pass that forms the weight gradients from them. A
+moment also names the dy operands captured there (``captured``) and which of its
+tensors are weight gradients (``wgrad``: the weight pass's, absent from the input
+pass); ``split_only`` moments (the expert and projection GEMMs, the norms' backward)
+only matter when nothing is freed on the way, and are left out of the ordinary
+backward's high-water mark, which they were validated without.
 
 Sets make overlaps explicit (a tensor both saved and alive is counted once).
-The router runs in FP32 and keeps an FP32 copy of its input.
+The router runs in FP32 and keeps an FP32 copy of its input (see ``_router`` for the
+exceptions).
 
 ``kernels`` selects the device-specific paths. CUDA: moe_model's fused Triton
 RMSNorm (keeps its input and rstd), SwiGLU gating (keeps its two inputs, not
@@ -69,10 +80,25 @@ class Execution:
     # gradient sink: CUDA with parallel.fuse_expert_grad_accumulation): no BF16 [out, in]
     # gradient exists between the GEMM and the DDP hook
     dense_grads_in_gemm: bool = False
+    # dense weights (parameter names) whose in-GEMM gradient is formed as an FP32 [out, in]
+    # temporary first (moe_model.linear.dense_grad_accumulate_: an owner-major bucket piece
+    # that is not whole rows; ``persistent.fp32_dense_wgrads``)
+    fp32_dense_wgrads: frozenset[str] = frozenset()
 
     @property
     def tokens(self) -> int:
         return self.micro_batch * self.seq_len
+
+
+@dataclass
+class Moment:
+    """A point of a block's backward."""
+
+    freed: set[str]  # saved tensors the backward's earlier steps freed (kept under a split)
+    temps: set[str]  # gradients and other temporaries alive then
+    wgrad: set[str] = field(default_factory=set)  # weight gradients alive then
+    captured: set[str] = field(default_factory=set)  # dy operands a split input pass keeps from here on
+    split_only: bool = False  # a candidate only for the split backward's high-water marks
 
 
 @dataclass
@@ -84,8 +110,7 @@ class Inventory:
     ctx: set[str] = field(default_factory=set)
     selective: set[str] = field(default_factory=set)
     fwd_live: set[str] = field(default_factory=set)
-    # Backward moments in execution order: (tensors freed by then, temporaries alive then).
-    bwd_moments: list[tuple[set[str], set[str]]] = field(default_factory=list)
+    bwd_moments: list[Moment] = field(default_factory=list)  # in execution order
 
     def add(self, name: str, nbytes: int, *roles: str) -> None:
         """Register ``name`` (``nbytes``) in each role set named (``saved``, ``ctx``, ...)."""
@@ -113,9 +138,13 @@ class Inventory:
         """High-water mark of this block's forward, the block input included."""
         return self.bytes(self.kept(recompute) | self.fwd_live | {"input"})
 
-    def moment(self, freed: Iterable[str], temporaries: Iterable[str]) -> None:
-        """A point of the backward: what its earlier steps freed, what is alive only then."""
-        self.bwd_moments.append((set(freed), set(temporaries)))
+    def moment(self, freed: Iterable[str], temporaries: Iterable[str], wgrad: Iterable[str] = (),
+               captured: Iterable[str] = (), split_only: bool = False) -> None:
+        """A point of the backward: what its earlier steps freed, what is alive only then
+        (``wgrad``: the weight gradients among it), the dy operands a split input pass
+        captures there (see the module docstring)."""
+        self.bwd_moments.append(Moment(set(freed), set(temporaries), set(wgrad), set(captured),
+                                       split_only))
 
     def backward_peak(self, recompute: str) -> int:
         """High-water mark of this block's backward: what the backward still reads plus
@@ -123,10 +152,38 @@ class Inventory:
         recompute hands its cached outputs to the replay, which frees those nothing
         saves), so the replay's own high-water mark is a candidate too."""
         full = self.saved | self.ctx | ({"input"} if recompute != "none" else set())
-        peak = max(self.bytes((full - freed) | temps) for freed, temps in self.bwd_moments)
+        peak = max(self.bytes((full - m.freed) | m.temps | m.wgrad)
+                   for m in self.bwd_moments if not m.split_only)
         if recompute != "none":
             peak = max(peak, self.bytes(full | self.fwd_live | {"grad_out"}))
         return peak
+
+    # The split backward (zero bubble; no recompute: the app refuses it there). Nothing
+    # saved is freed before the weight pass, so every pass sees ``saved | ctx`` whole.
+
+    def deferred(self) -> int:
+        """Bytes of the dy operands the input pass keeps for the weight pass."""
+        return self.bytes(set().union(*(m.captured for m in self.bwd_moments)))
+
+    def input_pass_peak(self) -> int:
+        """High-water mark of this block in a split input pass: everything saved, the dy
+        operands captured so far, each moment's temporaries without weight gradients."""
+        kept, captured, peak = self.saved | self.ctx, set(), 0
+        for m in self.bwd_moments:
+            captured |= m.captured
+            peak = max(peak, self.bytes(kept | m.temps | captured))
+        return peak
+
+    def retained_backward_peak(self) -> int:
+        """High-water mark of this block in one whole backward that keeps the graph (a
+        first stage's weight pass: it has no input gradient, so no input pass)."""
+        kept = self.saved | self.ctx
+        return max(self.bytes(kept | m.temps | m.wgrad) for m in self.bwd_moments)
+
+    def weight_pass_temporaries(self) -> int:
+        """The largest weight-gradient temporaries of this block in a weight pass (one
+        weight at a time; the DDP hook frees each)."""
+        return max((self.bytes(m.wgrad) for m in self.bwd_moments), default=0)
 
 
 def _norm(inv: Inventory, prefix: str, rows: int, width: int, ex: Execution, out_saved: bool,
@@ -144,7 +201,49 @@ def _norm(inv: Inventory, prefix: str, rows: int, width: int, ex: Execution, out
     inv.add(f"{prefix}.out", b * rows * width, *(("saved",) if out_saved else ()))
 
 
-def _attention(inv: Inventory, cfg: MoEConfig, ex: Execution) -> None:
+def _norm_backward(inv: Inventory, prefix: str, rows: int, width: int, ex: Execution,
+                   captured: Iterable[str] = ()) -> None:
+    """A norm's backward, as a split input pass sees it (``split_only``): the gain's dy
+    operand (the output gradient) is captured; eager (CPU), the autograd graph's FP32
+    temporaries, five [rows, width] at once (measured); fused (CUDA), dx. ``captured``:
+    more dy operands captured by then (the router's, between the experts and this norm)."""
+    b = ex.compute_bytes
+    inv.add(f"{prefix}.dy", b * rows * width)
+    inv.add(f"{prefix}.bwd", (b if ex.kernels == "cuda" else 5 * FP32) * rows * width)
+    inv.moment((), {"grad_out", f"{prefix}.bwd"}, captured={f"{prefix}.dy", *captured},
+               split_only=True)
+
+
+def _dense_wgrad(inv: Inventory, ex: Execution, param: str, name: str, n_out: int,
+                 n_in: int) -> set[str]:
+    """The weight-gradient temporary of dense ``Linear`` ``param`` ([n_out, n_in]): autograd's
+    [out, in] gradient in the compute dtype (freed by the DDP hook), nothing when the GEMM
+    adds it to the main grad (``dense_grads_in_gemm``), or there an FP32 [out, in] first
+    when the bucket piece is not whole rows (``fp32_dense_wgrads``)."""
+    if not ex.dense_grads_in_gemm:
+        inv.add(name, ex.compute_bytes * n_out * n_in)
+        return {name}
+    if param in ex.fp32_dense_wgrads:
+        inv.add(f"{name}32", FP32 * n_out * n_in)
+        return {f"{name}32"}
+    return set()
+
+
+def _shared_input_moments(inv: Inventory, freed: set[str], temps: set[str], dx: str,
+                          dx_bytes: int, summed: bool, wgrad: set[str], captured: set[str],
+                          split_only: bool) -> None:
+    """The backward of GEMMs sharing one input (q, k, v; gate and up): with their output
+    gradients (``temps``) alive, each forms its weight gradient (``wgrad``) beside its input
+    gradient ``dx`` ([rows, in], ``dx_bytes``); ``summed``: two such results and their sum
+    are alive next (separate GEMMs, autograd adds them), else one GEMM adds into the other's."""
+    inv.add(dx, dx_bytes)
+    inv.moment(freed, temps | {dx}, wgrad, captured=captured, split_only=split_only)
+    if summed:
+        inv.add(f"{dx}_sum", 2 * dx_bytes)
+        inv.moment(freed, temps | {dx, f"{dx}_sum"}, split_only=True)
+
+
+def _attention(inv: Inventory, cfg: MoEConfig, ex: Execution, layer: int) -> None:
     """Projections, QK-norm, RoPE, SDPA (keeps q, k, v, out and the log-sum-exp)."""
     T, b, D = ex.tokens, ex.compute_bytes, cfg.d_model
     H, Dh = cfg.n_heads, cfg.head_dim
@@ -174,18 +273,45 @@ def _attention(inv: Inventory, cfg: MoEConfig, ex: Execution) -> None:
             inv.add("attn.dkv_expanded", 2 * b * T * Q)  # dK/dV per query head, then summed
             temps.add("attn.dkv_expanded")
     mlp = {n for n in inv.sizes if not n.startswith(("attn", "input", "grad_out"))}
+    # The output projection's backward first: its dy operand is the residual gradient
+    # ("grad_out" stands for it from here on); a moment of the ordinary backward only where
+    # its weight gradient is an FP32 temporary.
+    param = f"blocks.{layer}.attn"
+    dw_o = _dense_wgrad(inv, ex, f"{param}.wo.weight", "attn.dw_o", D, Q)
+    inv.moment(mlp, {"grad_out", "attn.d_out"}, dw_o, captured={"grad_out"},
+               split_only=not dw_o or not ex.dense_grads_in_gemm)
     inv.moment(mlp, temps)  # runs after the MLP's backward has freed its tensors
+    # q, k and v projections: their output gradients are the dy operands (and the QK-norm
+    # gains' before them); the input gradient of the three; one weight gradient at a time
+    inv.add("attn.dqkv", b * T * (Q + 2 * KV))
+    captured = {"attn.dqkv"}
+    if cfg.qk_norm:
+        inv.add("attn.dqk_norm", b * T * (Q + KV))
+        captured.add("attn.dqk_norm")
+    dw_qkv: set[str] = set()
+    for name, n_out in (("wq", Q), ("wk", KV), ("wv", KV)):
+        dw = _dense_wgrad(inv, ex, f"{param}.{name}.weight", f"attn.dw_{name}", n_out, D)
+        if dw and inv.bytes(dw) > inv.bytes(dw_qkv):
+            dw_qkv = dw
+    projections_only = {n for n in inv.sizes if not n.startswith(("attn_norm", "input", "grad_out"))}
+    _shared_input_moments(inv, projections_only, {"grad_out", "attn.dqkv"}, "attn.dx_qkv",
+                          b * T * D, not ex.dense_grads_in_gemm, dw_qkv, captured,
+                          split_only=not dw_qkv or not ex.dense_grads_in_gemm)
+    _norm_backward(inv, "attn_norm", T, D, ex)
 
 
 def _router(inv: Inventory, cfg: MoEConfig, ex: Execution) -> None:
     """FP32 router: logits, scores, top-k. The logits GEMM keeps FP32 copies of its
     operands (x32 @ w32), except on CUDA with BF16 x and w (``moe_model.router.router_logits``),
-    where it keeps the BF16 x (the MLP norm's output) and w. Whenever a loss
+    where it keeps the BF16 x (the MLP norm's output) and w, and in FP32 compute, where
+    the "copies" are x (the MLP norm's output) and w themselves. Whenever a loss
     coefficient is nonzero the auxiliary losses are in the graph, and the z-loss term
     keeps the logits."""
     T, D, E, k = ex.tokens, cfg.d_model, cfg.n_experts, cfg.top_k
     aux = cfg.lb_loss_coef > 0 or cfg.z_loss_coef > 0
     if ex.kernels == "cuda" and ex.compute_bytes == ex.param_bytes == 2:  # BF16 (the planner's 2-byte dtype)
+        inv.saved.add("mlp_norm.out")
+    elif ex.compute_bytes == FP32:  # x.float() is x itself: the GEMM keeps the MLP norm's output
         inv.saved.add("mlp_norm.out")
     else:
         inv.add("router.x32", FP32 * T * D, "saved")
@@ -313,18 +439,29 @@ def _ep_dispatch(inv: Inventory, cfg: MoEConfig, ex: Execution, C: int) -> None:
     inv.moment((), backward)
 
 
-def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool) -> None:
+def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool,
+             out_saved: bool) -> None:
     """SwiGLU over R rows: BF16 grouped GEMMs, or moe_mxfp8's (keeps rows and h13, or
-    their MXFP8 forms with ``save_mxfp8_activations``). The backward's high-water mark
+    their MXFP8 forms with ``save_mxfp8_activations``). The output is kept when the
+    combine keeps it (``out_saved``: the local dispatcher's, the EP combine summing at the
+    destination; summing at the source it keeps its gathered copy). The backward's high-water mark
     is at the SwiGLU's gradient. The BF16 path has no weight gradient alive then: each
     GEMM's weight gradient reaches the DDP hook (or the main grad, in-kernel) right after
-    that GEMM's backward. moe_mxfp8's single function still holds the down projection's."""
+    that GEMM's backward. moe_mxfp8's single function still holds the down projection's.
+
+    Split (zero bubble): the three GEMMs' dy operands are captured, the down projection's
+    output gradient [R, D] and the gate and up gradients [R, F] each (what
+    ``merged_wgrad_operands`` counts besides the saved rows and h); the GEMMs' own
+    moments (with a weight gradient when no sink takes it) are ``split_only``. moe_mxfp8's
+    function is one node: its output gradient is captured, and the weight pass replays
+    its whole backward."""
     from moe_mxfp8.format import mxfp8_nbytes
 
     D, F, b = cfg.d_model, cfg.expert_hidden, ex.compute_bytes
     E_local = cfg.n_experts // ex.ep
-    inv.add("experts.out", b * R * D, "saved", "selective", "fwd_live")
-    if mxfp8:
+    inv.add("experts.out", b * R * D, *(("saved",) if out_saved else ()), "selective", "fwd_live")
+    inv.add("experts.dy_down", b * R * D)
+    if mxfp8 or not ex.dense_grads_in_gemm:  # else the sink adds it in the GEMM's epilogue
         inv.add("experts.dw", b * E_local * F * D)
     # By the SwiGLU's gradient, the down projection's backward has freed its input h
     # and the output gradient; the combine's backward has freed what it kept.
@@ -337,7 +474,14 @@ def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool)
         inv.add("experts.h", b * R * F, "saved")
         inv.add("experts.d_h", b * R * F)
         inv.add("experts.d_gates", 2 * b * R * F)
-        inv.moment(freed, {"grad_out", "experts.d_h", "experts.d_gates"})
+        dw = {"experts.dw"} if "experts.dw" in inv.sizes else set()
+        inv.moment(freed - {"experts.h"}, {"grad_out", "experts.dy_down", "experts.d_h"}, dw,
+                   captured={"experts.dy_down"}, split_only=True)
+        inv.moment(freed, {"grad_out", "experts.d_h", "experts.d_gates"},
+                   captured={"experts.d_gates"})
+        # gate and up input gradients: one paired GEMM on CUDA
+        _shared_input_moments(inv, freed, {"grad_out", "experts.d_gates"}, "experts.dx_rows",
+                              b * R * D, ex.kernels != "cuda", dw, set(), split_only=True)
         return
     inv.selective.discard("experts.out")  # one custom function: nothing inside is cached
     if ex.mxfp8_save_activations:
@@ -350,7 +494,8 @@ def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool)
     # The FP32 SwiGLU gradient: h1, h3, dh, sigmoid (4 x R*F) and the [R, 2F] result.
     inv.add("experts.swiglu_grad32", FP32 * R * F * 6)
     inv.add("experts.d_h", b * R * F)
-    inv.moment(freed, {"grad_out", "experts.d_h", "experts.swiglu_grad32", "experts.dw"})
+    replay = {"experts.d_h", "experts.swiglu_grad32", "experts.dw"}
+    inv.moment(freed, {"grad_out", *replay}, replay, captured={"experts.dy_down"})
 
 
 def merged_wgrad_operands(cfg: MoEConfig, layers: Iterable[int], ex: Execution, R: int) -> int:
@@ -366,14 +511,16 @@ def merged_wgrad_operands(cfg: MoEConfig, layers: Iterable[int], ex: Execution, 
     return len(moe) * b * R * (2 * D + 3 * F)
 
 
-def _swiglu(inv: Inventory, prefix: str, T: int, D: int, F: int, ex: Execution,
+def _swiglu(inv: Inventory, prefix: str, param: str, T: int, D: int, F: int, ex: Execution,
             peaks: bool) -> None:
-    """A dense SwiGLU (dense layers, shared experts); its backward runs before the
-    routed branch's (created later in the forward, so first in the backward). The
-    down projection's weight gradient goes to DDP at once (``nn.Linear`` transposes its
-    weight inside the call), before the SwiGLU's own gradient. ``peaks``: the block's
-    forward peaks here (a dense block: at the gate product, act, h3 and h are alive).
-    The CUDA gating kernel keeps h1 and h3 only; the eager form also keeps act."""
+    """A dense SwiGLU (dense layers, shared experts; ``param``: its module's name); its
+    backward runs before the routed branch's (created later in the forward, so first in
+    the backward). The down projection's weight gradient goes to DDP at once
+    (``nn.Linear`` transposes its weight inside the call), before the SwiGLU's own
+    gradient. ``peaks``: the block's forward peaks here (a dense block: at the gate
+    product, act, h3 and h are alive). The CUDA gating kernel keeps h1 and h3 only; the
+    eager form also keeps act. Split: the down projection's output gradient and the
+    gate/up gradients are the captured dy operands."""
     b = ex.compute_bytes
     forward = ("fwd_live",) if peaks else ()
     inv.add(f"{prefix}.h1", b * T * F, "saved", "selective")
@@ -384,11 +531,19 @@ def _swiglu(inv: Inventory, prefix: str, T: int, D: int, F: int, ex: Execution,
     inv.add(f"{prefix}.out", b * T * D, "selective")
     inv.add(f"{prefix}.d_h", b * T * F)
     inv.add(f"{prefix}.d_gates", 2 * b * T * F)
-    dw = set() if ex.dense_grads_in_gemm else {f"{prefix}.dw"}
-    if dw:
-        inv.add(f"{prefix}.dw", b * D * F)
-    inv.moment((), {"grad_out", f"{prefix}.d_h", *dw})
-    inv.moment({f"{prefix}.h"}, {"grad_out", f"{prefix}.d_h", f"{prefix}.d_gates"})
+    inv.add(f"{prefix}.dy_down", b * T * D)  # the output gradient (the block's, as a tensor)
+    dw = _dense_wgrad(inv, ex, f"{param}.w2.weight", f"{prefix}.dw", D, F)
+    inv.moment((), {"grad_out", f"{prefix}.d_h"}, dw, captured={f"{prefix}.dy_down"})
+    # gate and up: same shape, one weight gradient at a time; autograd's is planned only
+    # in the split backward (the ordinary one has its high-water mark elsewhere, measured)
+    dw_up: set[str] = set()
+    for name in ("w1", "w3"):
+        dw_up = _dense_wgrad(inv, ex, f"{param}.{name}.weight", f"{prefix}.dw", F, D) or dw_up
+    fp32_up = dw_up if ex.dense_grads_in_gemm else set()
+    inv.moment({f"{prefix}.h"}, {"grad_out", f"{prefix}.d_h", f"{prefix}.d_gates"}, fp32_up,
+               captured={f"{prefix}.d_gates"})
+    _shared_input_moments(inv, {f"{prefix}.h"}, {"grad_out", f"{prefix}.d_gates"}, f"{prefix}.dx",
+                          b * T * D, not ex.dense_grads_in_gemm, dw_up, set(), split_only=True)
 
 
 def block_inventory(cfg: MoEConfig, layer: int, ex: Execution) -> Inventory:
@@ -402,20 +557,32 @@ def block_inventory(cfg: MoEConfig, layer: int, ex: Execution) -> Inventory:
     _norm(inv, "mlp_norm", T, D, ex, out_saved=not moe or cfg.n_shared_experts > 0,
           input_name="h_mid")
     inv.fwd_live.add("mlp_norm.out")
+    param = f"blocks.{layer}.mlp"
     if moe:
         if cfg.n_shared_experts:
-            _swiglu(inv, "shared", T, D, cfg.shared_hidden_width, ex, peaks=False)
+            _swiglu(inv, "shared", f"{param}.shared", T, D, cfg.shared_hidden_width, ex, peaks=False)
         _router(inv, cfg, ex)
-        if ex.ep > 1:
+        if ex.ep_backend != "local":  # the EP transport, on one rank too (ep = 1)
             R = ep_capacity(cfg, T, ex.ep)
             _ep_dispatch(inv, cfg, ex, R)
+            out_saved = _sums_at_destination(cfg, ex)
         else:
             R = local_rows(cfg, T)
             _local_dispatch(inv, cfg, ex, R)
-        _experts(inv, cfg, ex, R, layer in ex.mxfp8_expert_layers)
+            out_saved = True
+        _experts(inv, cfg, ex, R, layer in ex.mxfp8_expert_layers, out_saved)
     else:
-        _swiglu(inv, "mlp", T, D, cfg.dense_hidden_width, ex, peaks=True)
-    _attention(inv, cfg, ex)  # last: its backward moment frees every MLP tensor registered
+        _swiglu(inv, "mlp", param, T, D, cfg.dense_hidden_width, ex, peaks=True)
+    # the MLP norm's backward (split): the router's logits gradient is its GEMM's dy
+    # operand; the fused add-and-norm's node also captures the residual gradient
+    more = {"router.dlogits"} if moe else set()
+    if moe:
+        inv.add("router.dlogits", FP32 * T * cfg.n_experts)
+    if ex.kernels == "cuda":
+        inv.add("mlp_norm.dh", b * T * D)
+        more.add("mlp_norm.dh")
+    _norm_backward(inv, "mlp_norm", T, D, ex, more)
+    _attention(inv, cfg, ex, layer)  # last: its backward moments free every MLP tensor registered
     return inv
 
 
@@ -426,40 +593,77 @@ class EdgeMemory:
     held: int  # kept until the stage's backward
     fwd_peak: int  # added on top of everything held, at the head's forward high-water mark
     bwd_peak: int  # same, at the loss's backward high-water mark
+    # The split backward (zero bubble): the input pass's high-water mark (as bwd_peak), the
+    # dy operands it keeps for the weight pass (the logits' gradient, the final norm's),
+    # what of ``held`` it frees (the loss's saved tensors: above every weight, nothing
+    # reads them again), and the weight pass's largest temporary (the head's gradient).
+    input_pass_peak: int = 0
+    deferred: int = 0
+    freed_by_input_pass: int = 0
+    weight_pass_temporaries: int = 0
 
 
 def head_memory(cfg: MoEConfig, ex: Execution) -> EdgeMemory:
     """Final norm, head and cross-entropy (``lm_loss_sum``); the trainer and the pipeline
     pass the logits straight to the loss, so they die with it.
 
-    Eager (CPU): logits [T,V] in BF16, an FP32 copy, log-softmax's FP32 output (kept);
+    Eager (CPU): logits [T,V] in BF16, an FP32 copy (none in FP32 compute), log-softmax's
+    FP32 output (kept);
     backward: the loss gradient [T,V] FP32, log-softmax's input gradient FP32, then the
     BF16 logits gradient and the head's BF16 weight gradient (freed by the DDP hook).
     Fused (CUDA): the BF16 logits (kept) and 12 bytes per row; backward: the BF16
     logits gradient while the logits are alive, then the head's gradients.
+
+    A tied head's weight gradient is autograd's BF16 [V, D] (no sink): on a stage that
+    also holds the embedding it waits there for the embedding's (``stage_memory``).
     """
     T, D, V, b = ex.tokens, cfg.d_model, cfg.vocab_size, ex.compute_bytes
     inv = Inventory()
     inv.add("final_norm.input", b * T * D)
     _norm(inv, "final_norm", T, D, ex, out_saved=True, input_name="final_norm.input")
     norm = inv.bytes(inv.saved)
-    # the input gradient, and the weight's BF16 gradient unless the GEMM adds it to the main
-    # grad (a tied head keeps autograd's path: the embedding's gradient joins it there)
-    head_dw = 0 if ex.dense_grads_in_gemm and not cfg.tie_embeddings else b * V * D
+    # the input gradient, and the weight's gradient: BF16 unless the GEMM adds it to the main
+    # grad, where it is an FP32 temporary when the bucket piece is not whole rows
+    if ex.dense_grads_in_gemm and not cfg.tie_embeddings:
+        head_dw = FP32 * V * D if "head.weight" in ex.fp32_dense_wgrads else 0
+    else:
+        head_dw = b * V * D
     head_grads = head_dw + b * T * D
+    dlogits = b * T * V  # the head's dy operand
+    # split input pass, after the loss's backward: the head's input gradient (the final norm's
+    # output gradient, its gain's dy operand), then the norm's backward (see _norm_backward)
+    after_loss = dlogits + b * T * D + (b if ex.kernels == "cuda" else 5 * FP32) * T * D
+    deferred = dlogits + b * T * D
     if ex.kernels == "cuda":
         logits = b * T * V
-        held = norm + logits + 3 * FP32 * T
+        loss_saved = logits + 3 * FP32 * T
+        held = norm + loss_saved
         # The loss's backward: its BF16 gradient beside the logits; then the head's, with
         # the logits freed and their gradient (same size) in their place.
         return EdgeMemory(held=held, fwd_peak=held,
-                          bwd_peak=max(held + logits, held + head_grads))
+                          bwd_peak=max(held + logits, held + head_grads),
+                          input_pass_peak=held + after_loss, deferred=deferred,
+                          freed_by_input_pass=loss_saved, weight_pass_temporaries=head_dw)
     log_probs = FP32 * T * V
     held = norm + log_probs
-    fwd = norm + b * T * V + 2 * FP32 * T * V
+    copy32 = FP32 * T * V if b != FP32 else 0  # logits.float(): the logits themselves in FP32
+    fwd = norm + b * T * V + copy32 + log_probs
     ce_backward = held + 2 * FP32 * T * V
     head_backward = held - log_probs + b * T * V + head_grads
-    return EdgeMemory(held=held, fwd_peak=fwd, bwd_peak=max(ce_backward, head_backward))
+    return EdgeMemory(held=held, fwd_peak=fwd, bwd_peak=max(ce_backward, head_backward),
+                      input_pass_peak=max(ce_backward, held + after_loss), deferred=deferred,
+                      freed_by_input_pass=log_probs, weight_pass_temporaries=head_dw)
+
+
+def embedding_backward(cfg: MoEConfig, ex: Execution, tied_head: bool) -> int:
+    """Temporaries of the embedding's backward, the first stage's last step: its output
+    gradient [T, D] and, unless the sink takes the gradient (untied, CUDA with the fused
+    accumulation: only the rows seen are added), autograd's dense [V, D] one. With the
+    tied head on the same stage (``tied_head``), autograd then adds that to the head's
+    gradient (held since the head's backward, see ``stage_memory``) into a new [V, D]."""
+    T, D, V, b = ex.tokens, cfg.d_model, cfg.vocab_size, ex.compute_bytes
+    dense = 0 if ex.dense_grads_in_gemm and not cfg.tie_embeddings else b * V * D
+    return b * T * D + dense + (b * V * D if tied_head else 0)
 
 
 def tokens_memory(ex: Execution) -> int:

@@ -16,6 +16,7 @@ ranks are symmetric), so one rank per stage is planned.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 from moe_model import MoEConfig, active_params, total_params
@@ -33,6 +34,7 @@ from pretrain.planner.persistent import (
     ModelShapes,
     PersistentMemory,
     StateLayout,
+    fp32_dense_wgrads,
     persistent_memory,
 )
 from pretrain.planner.pipeline import rank_activations
@@ -96,15 +98,23 @@ class PlanRequest:
         if self.compute_dtype not in COMPUTE_BYTES:
             raise ValueError(f"PlanRequest.compute_dtype must be one of {', '.join(COMPUTE_BYTES)}, "
                              f"got {self.compute_dtype!r}")
+        if self.pp == 1 and self.virtual > 1:
+            raise ValueError(f"virtual={self.virtual} needs pp > 1 (the trainer runs one stage "
+                             "at pp=1: PlanRequest.from_config plans virtual=1)")
         if self.model.n_layers < self.pp * self.virtual:
             raise ValueError(f"{self.model.n_layers} layers cannot fill "
                              f"{self.pp * self.virtual} stages")
-        if (self.ep > 1) == (self.ep_backend == "local"):
-            raise ValueError(f"ep_backend={self.ep_backend!r} does not go with ep={self.ep}")
+        if self.ep > 1 and self.ep_backend == "local":  # a transport also runs on one rank
+            raise ValueError(f"ep_backend='local' does not go with ep={self.ep}")
+        if self.pp > 1 and self.schedule == "zero_bubble" and self.model.recompute != "none":
+            raise ValueError(f"the zero_bubble schedule does not run with recompute="
+                             f"{self.model.recompute!r} (moe_pp refuses it)")
         if self.optimizer not in ("adamw", "muon"):
             raise ValueError(f"optimizer must be adamw or muon, got {self.optimizer!r}")
         if not 0 <= self.headroom < 1:
             raise ValueError(f"headroom must be in [0, 1), got {self.headroom}")
+        if not (math.isfinite(self.gpu_gib) and self.gpu_gib > 0):
+            raise ValueError(f"gpu_gib must be a finite positive number, got {self.gpu_gib}")
 
     @property
     def dp(self) -> int:
@@ -120,13 +130,15 @@ class PlanRequest:
         """The request for ``cfg`` run on ``world`` ranks (layout checked as the app does).
 
         ``planner`` sets what the run config does not carry (``gpu_gib``, ``headroom``),
-        or overrides the compute dtype, whose ``auto`` plans the GPUs' bfloat16."""
+        or overrides the compute dtype, whose ``auto`` plans the GPUs' bfloat16. Virtual
+        stages count only with a pipeline (pp > 1), as in the trainer."""
         layout = validate_layout(cfg, world)
         p = cfg.parallel
         dtype = cfg.train.compute_dtype
         planner = {"compute_dtype": "bfloat16" if dtype == "auto" else dtype, **planner}
         return cls(model=cfg.model, world=world, pp=layout.pp, ep=layout.ep,
-                   schedule=p.pp_schedule, virtual=p.pp_virtual_stages, pp_split=p.pp_split,
+                   schedule=p.pp_schedule, virtual=p.pp_virtual_stages if layout.pp > 1 else 1,
+                   pp_split=p.pp_split,
                    micro_batch=cfg.train.micro_batch, seq_len=cfg.train.seq_len,
                    global_batch=cfg.train.global_batch, ddp_mode=p.ddp_mode,
                    bucket_cap_mb=p.bucket_cap_mb, optimizer=cfg.optim.name,
@@ -268,22 +280,26 @@ def plan_memory(req: PlanRequest, shapes: ModelShapes | None = None,
                                mxfp8_targets=req.mxfp8_targets)
     stage_layers = shapes.stage_layers(req.pp, req.virtual, req.pp_split, req.seq_len)
     n_stages = len(stage_layers)
-    capacity = m.top_k * ex.tokens if req.ep == 1 else ep_capacity(m, ex.tokens, req.ep)
+    # rows the experts run on: the local dispatcher's (capacity applied), or what one rank
+    # of the EP transport receives (also on one rank)
+    capacity = (local_rows(m, ex.tokens) if req.ep_backend == "local"
+                else ep_capacity(m, ex.tokens, req.ep))
     ranks = []
     for rank in range(req.pp):
         own = list(range(rank, n_stages, req.pp))
         layers = tuple(layer for s in own for layer in stage_layers[s])
+        params = shapes.held(layers, 0 in own, n_stages - 1 in own, req.ep)
+        rank_ex = ex if not ex.dense_grads_in_gemm else replace(
+            ex, fp32_dense_wgrads=fp32_dense_wgrads(m, params, state_layout))
         stages: dict[int, StageMemory] = {
-            s: stage_memory(m, stage_layers[s], s == 0, s == n_stages - 1, ex) for s in own
+            s: stage_memory(m, stage_layers[s], s == 0, s == n_stages - 1, rank_ex) for s in own
         }
         acts = rank_activations(stages, req.pp, req.virtual, req.schedule, req.microbatches, rank,
                                 message_bytes=ex.compute_bytes * ex.tokens * m.d_model)
         # earlier microbatches' expert weight-gradient operands, held until merged: alive
         # through the next microbatch's forward and the start of its backward
-        rows = local_rows(m, ex.tokens) if req.ep == 1 else capacity
         merged = (min(req.merge_expert_grads, req.microbatches) - 1) * merged_wgrad_operands(
-            m, layers, ex, rows)
-        params = shapes.held(layers, 0 in own, n_stages - 1 in own, req.ep)
+            m, layers, ex, capacity)
         state = persistent_memory(m, params, state_layout)
         step = _optimizer_step_transient(state, req.optimizer)
         peak = state.total + max(acts.peak + merged, step) + KERNEL_WORKSPACES

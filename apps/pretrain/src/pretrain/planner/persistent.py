@@ -23,6 +23,7 @@ tensor (reduce-scatter is in place): only the optimizer state is sharded.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -159,6 +160,52 @@ def _mxfp8_cache_bytes(cfg: MoEConfig, params: list[HeldParam], targets: tuple[s
     return total
 
 
+def _bucket_entry(p: HeldParam, state: StateLayout) -> ParamEntry:
+    """How moe_ddp buckets ``p``'s FP32 gradient: its replica group and collective."""
+    group = state.dp if p.kind == "dense" else state.ep_dp
+    if group > 1:
+        sharded = is_sharded(p.numel, group, MIN_SHARD_NUMEL)
+        collective = "reduce_scatter" if state.ddp_mode == "reduce_scatter" and sharded \
+            else "all_reduce"
+    else:
+        collective = "none"
+    return ParamEntry(p.numel, p.kind, group, collective)
+
+
+# The dense layers moe_model.linear.Linear runs: their weight gradient may go into the sink
+_SINK_LINEAR = re.compile(r"(blocks\.\d+\.(attn\.w[qkvo]|mlp(\.shared)?\.w[123])|head)\.weight")
+
+
+def fp32_dense_wgrads(cfg: MoEConfig, params: list[HeldParam], state: StateLayout) -> frozenset[str]:
+    """The dense weights whose gradient, added to the main grad in the GEMM (CUDA with the
+    fused accumulation), is first formed as an FP32 ``[out, in]`` temporary.
+
+    ``moe_model.linear.dense_grad_accumulate_`` writes the FP32 accumulator straight from
+    the GEMM when it is flat, or when each of its ``[G, piece]`` rows (a reduce-scattered
+    weight's slice of an owner-major bucket shared with other tensors) holds whole rows
+    of the weight: ``G`` divides ``out``. Otherwise it forms the gradient once and adds it
+    piece by piece. A tied head has no sink; MXFP8 layers are not ``Linear``s."""
+    from moe_mxfp8 import name_matches
+
+    cap_numel = max(1, int(state.bucket_cap_mb * 2**20) // FP32)
+    entries = [_bucket_entry(p, state) for p in params]
+    found = set()
+    for bucket in plan_buckets(entries, cap_numel):
+        if bucket.collective != "reduce_scatter":
+            continue
+        for index in bucket.params:
+            p, piece = params[index], bucket.piece_numel(entries[index])
+            module = p.name.removesuffix(".weight")
+            if (piece == bucket.region_numel  # the bucket's only tensor: a contiguous view
+                    or not _SINK_LINEAR.fullmatch(p.name)
+                    or (cfg.tie_embeddings and p.name == "head.weight")
+                    or any(name_matches(module, t) for t in state.mxfp8_targets)):
+                continue
+            if piece % p.shape[1]:
+                found.add(p.name)
+    return frozenset(found)
+
+
 def persistent_memory(cfg: MoEConfig, params: list[HeldParam],
                       state: StateLayout) -> PersistentMemory:
     """Bytes of every persistent tensor of a rank holding ``params``."""
@@ -170,14 +217,9 @@ def persistent_memory(cfg: MoEConfig, params: list[HeldParam],
     largest_chunk = 0
     muon_batches: dict[tuple[int, ...], int] = {}
     for p in params:
-        group = state.dp if p.kind == "dense" else state.ep_dp
-        sharded = is_sharded(p.numel, group, MIN_SHARD_NUMEL)
-        if group > 1:
-            collective = "reduce_scatter" if state.ddp_mode == "reduce_scatter" and sharded \
-                else "all_reduce"
-        else:
-            collective = "none"
-        entries.append(ParamEntry(p.numel, p.kind, group, collective))
+        entry = _bucket_entry(p, state)
+        group, sharded = entry.group_size, is_sharded(p.numel, entry.group_size, MIN_SHARD_NUMEL)
+        entries.append(entry)
         owned = p.numel // group if sharded else p.numel
         meta = torch.empty(p.shape, device="meta")
         rule = resolve_rule(p.name, meta, rules, optim)  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ def _gib(nbytes: float) -> str:
 def _layout(plan: MemoryPlan) -> str:
     r = plan.request
     pipe = f", {r.schedule} x{r.virtual}" if r.pp > 1 else ""
-    ep = f" (ep {r.ep} x ep_dp {r.dp // r.ep}, {r.ep_backend})" if r.ep > 1 else ""
+    ep = f" (ep {r.ep} x ep_dp {r.dp // r.ep}, {r.ep_backend})" if r.ep_backend != "local" else ""
     return (f"{r.world} GPUs = pp {r.pp} x dp {r.dp}{ep}{pipe}; micro batch {r.micro_batch} x "
             f"{r.seq_len}, {r.microbatches} microbatches/step; {r.optimizer}, {r.ddp_mode}, "
             f"recompute {r.model.recompute}")
