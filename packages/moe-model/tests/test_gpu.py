@@ -400,3 +400,36 @@ def test_dense_weight_gradients_into_a_sink_train_like_autograd():
             grads.append([p.grad.float() for p in dense])
     for got, want in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_norm_kernels_split_backward_launches_equal_the_full_backward():
+    """The compiled dx-only and dw-only launches a zero-bubble split runs (``need_dx`` /
+    ``need_dw``) at the bench shapes: bit for bit the full backward's gradients."""
+    from moe_model import _qk_norm_rope_kernels as qk
+    from moe_model import _rms_norm_kernels as rk
+    from moe_model.layers import rope_tables
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    x = torch.randn(2, 4096, 2048, device=dev, dtype=bf)
+    w = torch.randn(2048, device=dev, dtype=bf)
+    _, rstd, _ = rk.rms_norm_fwd(x, w, 1e-6)
+    dy = torch.randn_like(x)
+    for grad_in in (None, torch.randn_like(x)):
+        dx, dw = rk.rms_norm_bwd(dy, x, w, rstd, grad_in=grad_in)
+        dx_only, none_w = rk.rms_norm_bwd(dy, x, w, rstd, grad_in=grad_in, need_dw=False)
+        none_x, dw_only = rk.rms_norm_bwd(dy, x, w, rstd, grad_in=grad_in, need_dx=False)
+        assert none_w is None and none_x is None
+        assert torch.equal(dx_only, dx) and torch.equal(dw_only, dw)
+    cos, sin = rope_tables(4096, 128, 10000.0, dev)
+    for heads in (16, 4):
+        q = torch.randn(2, 4096, heads, 128, device=dev, dtype=bf)
+        wq = torch.randn(128, device=dev, dtype=bf)
+        _, rs = qk.qk_norm_rope_fwd(q, wq, 1e-6, cos, sin)
+        g = torch.randn(2, heads, 4096, 128, device=dev, dtype=bf).transpose(1, 2)  # as SDPA gives it
+        dx, dw = qk.qk_norm_rope_bwd(g, q, wq, rs, cos, sin)
+        dx_only, none_w = qk.qk_norm_rope_bwd(g, q, wq, rs, cos, sin, need_dw=False)
+        none_x, dw_only = qk.qk_norm_rope_bwd(g, q, wq, rs, cos, sin, need_dx=False)
+        assert none_w is None and none_x is None
+        assert torch.equal(dx_only, dx) and torch.equal(dw_only, dw)
