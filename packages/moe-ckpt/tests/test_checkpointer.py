@@ -158,6 +158,28 @@ def test_failure_after_the_commit_keeps_the_checkpoint_and_says_so(
         assert ckpt.steps() == [3] and (root / "latest").read_text() == "step_0000000003\n"
 
 
+def test_a_failed_directory_fsync_after_the_rename_is_a_post_commit_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The rename made the checkpoint visible: the save must not report it as lost."""
+    from moe_ckpt import directory
+
+    def failing_fsync(path: Path) -> None:
+        raise OSError(f"fsync of {path} failed")
+
+    root = tmp_path / "ck"
+    with mc.Checkpointer(root) as ckpt:
+        monkeypatch.setattr(directory, "fsync_dir", failing_fsync)
+        with pytest.raises(mc.PostCommitError, match="step_0000000001 is committed.*fsync of .* failed"):
+            ckpt.save(1, state(1))  # raises here when blocking
+            ckpt.wait()  # and here when asynchronous
+        monkeypatch.undo()
+        assert ckpt.steps() == [1] and ckpt.latest_step() == 1
+        ckpt.save(2, state(2))  # no collision with a step the save had called lost
+        ckpt.wait()
+        assert ckpt.steps() == [1, 2]
+
+
 def test_background_error_surfaces_on_the_next_call(tmp_path: Path):
     def fail_once(phase: str) -> None:
         if phase == "written" and not (tmp_path / "failed").exists():

@@ -237,4 +237,8 @@ def test_misshaped_weights_are_rejected_before_the_count_exchange_and_telemetry(
     dispatcher = EPDispatcher(EPConfig(E, K, 4, D), _NoCountExchange())
     with pytest.raises(ValueError, match=r"weights must be \[T, k\] = \(4, 2\), got \(4, 1\)"):
         dispatcher.dispatch(torch.zeros(4, D), torch.zeros(4, K, dtype=torch.int64), torch.zeros(4, 1))
+    with pytest.raises(ValueError, match="weights is on meta, x on cpu"):
+        dispatcher.dispatch(torch.zeros(4, D), torch.zeros(4, K, dtype=torch.int64), torch.zeros(4, K, device="meta"))
+    with pytest.raises(ValueError, match="weights must be a floating-point tensor, got torch.int64"):
+        dispatcher.dispatch(torch.zeros(4, D), torch.zeros(4, K, dtype=torch.int64), torch.zeros(4, K, dtype=torch.int64))
     assert dispatcher.telemetry.calls == 0 and dispatcher.telemetry.pop() == {}

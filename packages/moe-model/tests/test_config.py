@@ -10,6 +10,9 @@ BAD = [
     ("lb_loss_granularity", "sequence"), ("z_loss_coef", -1.0), ("bias_update_rate", -1e-3),
     ("capacity_factor", 0.0), ("rope_theta", 0.0), ("recompute", "full"),
     ("grouped_mm_backend", "cutlass"), ("attention_backend", "xformers"), ("n_experts", 2.5), ("qk_norm", 1), ("norm_topk_weights", "yes"),
+    # infinities pass every sign check; a nan fails them, but the finiteness check names it first
+    ("rope_theta", float("inf")), ("init_std", float("inf")), ("lb_loss_coef", float("inf")),
+    ("capacity_factor", float("inf")), ("norm_eps", float("nan")), ("z_loss_coef", float("-inf")),
 ]
 
 

@@ -42,7 +42,7 @@ import torch
 from moe_ckpt import storage
 from moe_ckpt.boxes import Box
 from moe_ckpt.comm import Collectives, collectives_for
-from moe_ckpt.directory import commit, partial_path
+from moe_ckpt.directory import commit, is_committed, partial_path
 from moe_ckpt.dtypes import itemsize
 from moe_ckpt.errors import CheckpointError, PostCommitError
 from moe_ckpt.host import HostBuffers, crc32, host_views
@@ -308,6 +308,9 @@ def write_and_commit(p: PendingSave, after_commit: Callable[[Path], None] | None
             except Exception as e:  # noqa: BLE001
                 local_error = e
                 status = _error_text(comm, e)
+                # The rename is the commit: if what failed came after it inside `commit`
+                # (the directory's fsync), the checkpoint is in place and must be said so.
+                committed = committed or (not partial.exists() and is_committed(p.final))
     status, committed = comm.broadcast((status, committed))
     if status and committed:
         raise PostCommitError(

@@ -211,6 +211,10 @@ class EPDispatcher:
             raise ValueError(
                 f"weights must be [T, k] = {tuple(expert_ids_TK.shape)}, got {tuple(weights_TK.shape)}"
             )
+        if weights_TK is not None and weights_TK.device != x_TD.device:
+            raise ValueError(f"weights is on {weights_TK.device}, x on {x_TD.device}")
+        if weights_TK is not None and not weights_TK.dtype.is_floating_point:
+            raise ValueError(f"weights must be a floating-point tensor, got {weights_TK.dtype}")
 
     def dispatch(
         self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, weights: torch.Tensor | None = None

@@ -8,6 +8,7 @@ Fields that default to ``None`` resolve through the properties at the bottom
 
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import dataclass, fields
 
@@ -97,6 +98,8 @@ class MoEConfig:
             )
             if not ok:
                 raise ValueError(f"MoEConfig.{f.name} must be {tp}, got {value!r}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"MoEConfig.{f.name} must be finite, got {value!r}")
 
     def _require(self, name: str, ok: bool, why: str) -> None:
         if not ok:
