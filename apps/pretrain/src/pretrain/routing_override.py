@@ -6,8 +6,11 @@ routing costs. ``force_routing`` installs a forward hook on every router that
 keeps the router's computation (its cost, its scores, its gradients) and replaces
 only *which* experts each token goes to:
 
-- ``balanced``: token ``t``'s ``j``-th slot goes to expert ``(t*k + j) mod E``, so
-  every expert gets the same number of rows (when ``E`` divides ``T*k``);
+- ``balanced``: token ``t``'s ``j``-th slot goes to expert ``(t + j * (E // k)) mod E``,
+  so every expert gets the same number of rows (when ``E`` divides ``T``), and a
+  token's experts are spread over the expert range as uniformly random choices would
+  be: under expert parallelism a token reaches ``min(k, ep)`` ranks (consecutive
+  experts would keep all of a token's rows on one rank and halve EP's traffic);
 - ``zipf``: ``k`` distinct experts per token drawn without replacement with
   probabilities ``~ 1/rank^s`` (Gumbel top-k), expert ``0`` the most popular.
 
@@ -43,7 +46,8 @@ def forced_ids(mode: RoutingMode, n_tokens: int, n_experts: int, top_k: int,
                seed: int) -> torch.Tensor:
     """``[T, k]`` int64 expert ids (on the CPU) of forced routing ``mode``."""
     if mode == "balanced":
-        return (torch.arange(n_tokens * top_k) % n_experts).view(n_tokens, top_k)
+        stride = n_experts // top_k
+        return (torch.arange(n_tokens)[:, None] + stride * torch.arange(top_k)) % n_experts
     g = torch.Generator().manual_seed(seed)
     log_p_E = -ZIPF_EXPONENT * torch.arange(1, n_experts + 1, dtype=torch.float64).log()
     u_TE = torch.rand((n_tokens, n_experts), generator=g, dtype=torch.float64).clamp_(min=1e-300)
