@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from moe_testing import load_script
 
@@ -50,3 +51,18 @@ def test_device_busy_merges_overlapping_kernels_and_counts_launch_gaps():
     busy = bench.device_busy([(0, 30), (10, 40), (45, 60), (160, 200), (170, 180)])
     assert busy == {"span_ms": 0.2, "busy_ms": 0.095, "idle_ms": 0.105, "gaps": 1, "gap_ms": 0.1}
     assert bench.device_busy([])["span_ms"] == 0.0
+
+
+def test_methods_whose_layout_refuses_graphs_run_eagerly_and_say_why(tmp_path):
+    """bench-1gpu replays CUDA graphs; EP (a rowwise transport) and FSDP2 cannot, so their
+    rows must say they ran eagerly rather than fail or be compared unlabelled."""
+    bench = _tool()
+    a = bench.parse_args(["--config", "bench-1gpu", "--methods", "ddp", "ep", "fsdp2"])
+    cuda = torch.device("cuda")  # only decides the EP backend; nothing is allocated
+    got = {m: bench.method_config(a, m, cuda, 1, tmp_path) for m in a.methods}
+    assert got["ddp"][0].train.cuda_graphs and got["ddp"][1] is None
+    assert not got["ep"][0].train.cuda_graphs and "ep_backend=rowwise" in got["ep"][1]
+    assert not got["fsdp2"][0].train.cuda_graphs and "FSDP2" in got["fsdp2"][1]
+    bench.refuse_warmup_before_capture(1, {m: cfg for m, (cfg, _) in got.items()})
+    with pytest.raises(SystemExit, match=r"--warmup 0 with train.cuda_graphs \(ddp\)"):
+        bench.refuse_warmup_before_capture(0, {m: cfg for m, (cfg, _) in got.items()})

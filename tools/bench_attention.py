@@ -16,7 +16,9 @@ query heads and 4 KV heads of 128, causal, QK-norm and RoPE, BF16. Per backend
   kernel.
 
 Device times are taken with a sleep kernel ahead so the host's launches never
-hold the device (a training step keeps the host ahead). Compared with ``flash`` in
+hold the device (a training step keeps the host ahead); a timed backward returns its
+gradients (``torch.autograd.grad``) instead of adding them into existing ``.grad``
+tensors, an accumulation the training step does not run. Compared with ``flash`` in
 the same run; the table is printed last, the JSON holds every number.
 """
 
@@ -73,7 +75,7 @@ def time_sdpa(sdpa: Callable[..., torch.Tensor], qkv: tuple[torch.Tensor, ...]
     g_out = torch.randn_like(out)
     B, H, S, Dh = qkv[0].shape
     fwd = device_ms(lambda: sdpa(*qkv))
-    both = device_ms(lambda: sdpa(*qkv).backward(g_out))
+    both = device_ms(lambda: torch.autograd.grad(sdpa(*qkv), qkv, g_out))
     return out.grad_fn.name(), fwd, both, 4 * B * H * S * S * Dh / 2
 
 
@@ -93,10 +95,8 @@ def measure(backend: str, ref: Attention, x32: torch.Tensor, g32: torch.Tensor,
 
     kernel, fwd, both, flops = time_sdpa(sdpa, sdpa_inputs(module, x))
     xr = x.detach().requires_grad_()
-    block = device_ms(lambda: module(xr).backward(g))
+    block = device_ms(lambda: torch.autograd.grad(module(xr), [xr, *module.parameters()], g))
 
-    for p in module.parameters():
-        p.grad = None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     xr = x.detach().requires_grad_()

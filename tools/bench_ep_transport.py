@@ -5,8 +5,7 @@
         --routing balanced --out $OUT/ep_transport_graphs.json
 
 For each per-layer size (tokens per rank, d_model 2048, top-8 of 64 experts) and
-routing (balanced; random router logits; Zipf-skewed towards low expert ids) it
-times, in the same run and on the same routing:
+routing it times, in the same run and on the same routing:
 - ``nccl``: two bare ``all_to_all_single`` of the kept rows (there and back), the
   split sizes known in advance (the floor of what an all-to-all transport pays);
 - ``all_to_all``: this package's reference backend (count exchange, host splits);
@@ -19,6 +18,15 @@ With ``--graphs`` it also replays ``nccl`` and the rowwise variants from CUDA gr
 compares with NCCL's graph row). It measures the one-way NVLink put ceiling with a
 plain large put (every row of a large buffer stored into the peer, both ranks at
 once, our put kernel) and the transport's barrier alone (back to back, eager).
+
+Routings: ``balanced`` is the app's forced balanced routing
+(``pretrain.routing_override.forced_ids``: token ``t``'s ``j``-th expert
+``(t + j*E/k) mod E``), each rank's tokens numbered on from the previous rank's
+(token ``t`` of rank ``r`` is token ``r*T + t``): every expert gets ``T*k/E`` rows
+from every rank (``T`` a multiple of ``E``) and a token's experts are spread over
+the expert range, so it reaches ``min(k, ep)`` ranks, as with uniformly random
+choices; ``random`` is the top-k of random router logits; ``zipf`` is skewed
+towards low expert ids.
 
 Payload = kept rows x bytes per row that one rank dispatches; GB/s counts the
 payload twice (dispatch and combine) for every backend, NCCL included, so the
@@ -49,6 +57,7 @@ import torch.distributed as dist
 from moe_ep_transport import EPConfig, EPDispatcher, make_transport, nvshmem_memory
 from moe_ep_transport.peer_memory import inbox_targets
 from moe_ep_transport.rowwise import slab_bytes_for
+from pretrain.routing_override import forced_ids
 
 
 @dataclass
@@ -71,10 +80,10 @@ class Row:
 
 
 def _routing(kind: str, T: int, E: int, k: int, rank: int, device: torch.device) -> torch.Tensor:
+    """``[T, k]`` expert ids of this rank's tokens (module docstring: Routings)."""
     gen = torch.Generator(device=device).manual_seed(1000 + rank)
-    if kind == "balanced":
-        t = torch.arange(T, device=device).unsqueeze(1)
-        return (t * k + torch.arange(k, device=device) * (E // k) + rank) % E
+    if kind == "balanced":  # the tokens of rank r are tokens r*T .. r*T + T - 1 of one sequence
+        return ((forced_ids("balanced", T, E, k, seed=0) + rank * T) % E).to(device)
     if kind == "random":
         return torch.topk(torch.randn(T, E, generator=gen, device=device), k, dim=1).indices
     if kind == "zipf":

@@ -12,7 +12,10 @@ run:
   each) plus the add of the two ``[R, D]`` results (what autograd does when a tensor
   feeds two GEMMs) vs one GEMM over the joint reduction (``rows_mm_sum2``, 2048);
 - the expert layer (``GroupedExperts``) forward + backward with ``grouped_mm`` (two
-  GEMMs) vs ``auto`` (the paired path), weight gradients through autograd;
+  GEMMs) vs ``auto`` (the paired path), the input and weight gradients returned by
+  ``torch.autograd.grad``: nothing is added into an existing ``.grad``, an
+  accumulation over every expert weight the training step does not run (its weight
+  gradients go to a gradient sink);
 - with ``--padding F``, the rows of an expert-parallel receive buffer sized ``F`` times
   the live rows (dropless EP2 sizes for twice as many): the layer then also shows what
   skipping padding rows in the fused SwiGLU saves.
@@ -81,7 +84,7 @@ def run(routing: str, padding: float, device: torch.device) -> list[dict]:
         dy = rand(C, D)
 
         def layer(mod: GroupedExperts = mod, xr: torch.Tensor = xr, dy: torch.Tensor = dy) -> None:
-            torch.autograd.backward(mod(xr, offs), dy)
+            torch.autograd.grad(mod(xr, offs), [xr, *mod.parameters()], dy)
 
         add("expert layer fwd+bwd", backend, time_ms(layer, warmup=2, iters=5), 9 * gemm_flop)
     return rows

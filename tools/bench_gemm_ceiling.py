@@ -17,7 +17,8 @@ layer's six GEMM shapes is timed as:
 The layer runs each shape's FLOPs once or twice (gate and up share shapes), so its
 expert-GEMM rate is the FLOP-weighted harmonic mean over the nine GEMMs; the table
 prints it per implementation, next to a large square matmul measured in the same
-run (the matmul ceiling).
+run (the matmul ceiling, ``bench_train_step.matmul_ceiling_tflops`` as in the other
+benchmarks).
 
 A second table times a weight gradient's way into an FP32 main grad (what every
 microbatch of data-parallel training does): a BF16 gradient GEMM followed by
@@ -46,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe_layer import time_ms  # noqa: E402
+from bench_train_step import matmul_ceiling_tflops  # noqa: E402
 from moe_ddp.accumulate import accumulate_  # noqa: E402
 from moe_model.triton_grouped_mm import (  # noqa: E402
     rows_mm,
@@ -176,8 +178,7 @@ def main() -> None:
         raise SystemExit(f"--tokens * --top-k ({R}) must split evenly over --experts ({E})")
     flops = 2 * R * D * F  # every one of the nine GEMMs
 
-    square = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    ceiling = 2 * 8192**3 / time_ms(lambda: square @ square) / 1e9
+    ceiling = matmul_ceiling_tflops(device)
     results: list[dict] = []
     for name, (count, calls) in shape_cases(R, D, F, E, device).items():
         for impl, call in calls.items():

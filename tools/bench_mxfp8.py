@@ -10,7 +10,10 @@
 2. Expert layer (d_model 2048, 64 experts, top-8, hidden 1024, 16k tokens, random
    routing): moe_model.GroupedExperts in BF16 vs MXFP8GroupedExperts (Hopper:
    exact emulation, i.e. quantize + dequantize + the same BF16 grouped GEMMs), with
-   BF16 compute weights in both; forward and forward+backward.
+   BF16 compute weights in both; forward and forward+backward (the input and weight
+   gradients returned by ``torch.autograd.grad``: nothing is added into an existing
+   ``.grad``, which the training step does not do either, its expert weight
+   gradients going to a gradient sink).
 Prints a table last and writes JSON.
 """
 
@@ -200,7 +203,8 @@ def bench_experts(tokens: int, d: int, experts: int, top_k: int, hidden: int) ->
     results = {}
     for name, layer in layers.items():
         fwd = cuda_time(lambda layer=layer: layer(rows, offsets), reps=3, trials=5)
-        step = cuda_time(lambda layer=layer: layer(rows, offsets).backward(grad), reps=3, trials=5)
+        step = cuda_time(lambda layer=layer: torch.autograd.grad(
+            layer(rows, offsets), [rows, *layer.parameters()], grad), reps=3, trials=5)
         results[name] = {
             "forward_ms": fwd * 1e3,
             "fwd_bwd_ms": step * 1e3,

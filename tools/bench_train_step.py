@@ -39,8 +39,19 @@ device waited for the host's launches in the steady state. With ``train.cuda_gra
 ``bench-1gpu`` preset) the microbatches and the gradient sync are one phase, ``graph``,
 the graphs are captured again for every routing (the routing hooks change the model's
 launch fingerprint), and the peak memory includes the
-warm-up step, where the capture allocates what the replays then reuse. The JSON holds
-every step; a short table is printed last.
+warm-up step, where the capture allocates what the replays then reuse; ``--warmup``
+must then be at least 1 (the first step of a routing runs eagerly and captures the
+graphs: not a step to time). With graphs the lead is measured only at the marks after
+the replay (the replay is the step's first phase), so it is not comparable with an eager
+run's lead, which includes the marks between the microbatches.
+
+CUDA graphs per method: where the method's layout refuses ``train.cuda_graphs``
+(``pretrain.config``: expert or pipeline parallelism, MXFP8, more than one
+data-parallel rank) the method runs eagerly, with a printed note, and the FSDP2
+baseline always runs eagerly; every row records ``cuda_graphs`` (the table's
+"graphs" column; ``cuda_graphs_off``: why the benchmark turned them off), so a
+comparison never mixes graph-replayed and eager runs unseen. The JSON holds every
+step; a short table is printed last.
 """
 
 from __future__ import annotations
@@ -58,7 +69,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from moe_model import flops_per_token
-from pretrain.config import load_config, validate_layout
+from pretrain.config import ConfigError, load_config, validate_layout
 from pretrain.mesh import build_mesh
 from pretrain.phases import PhaseTimer
 from pretrain.routing_override import ROUTING_MODES, force_routing
@@ -70,6 +81,7 @@ FSDP2_BASELINE = Path(__file__).resolve().with_name("fsdp2_baseline.py")
 PHASES = ("forward", "backward", "pipeline", "graph", "grad_sync", "optimizer", "weight_rebuild",
           "stats")
 MATMUL_N = 8192
+EAGER = "train.cuda_graphs=false"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,7 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", default="bench-1gpu", help="preset name or TOML file")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=["ddp"])
     p.add_argument("--routing", nargs="+", choices=ROUTING_MODES, default=list(ROUTING_MODES))
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per (method, routing)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed steps per (method, routing); at least 1 with train.cuda_graphs")
     p.add_argument("--steps", type=int, default=10, help="timed steps per (method, routing)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--ep-backend", choices=["all_to_all", "rowwise"], default=None,
@@ -109,7 +122,8 @@ def matmul_ceiling_tflops(device: torch.device) -> float | None:
     return 2 * MATMUL_N**3 * iters / (start.elapsed_time(end) / 1e3) / 1e12
 
 
-def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Each value's maximum over the ranks (the slowest rank's time, the largest peak)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
@@ -123,9 +137,11 @@ def build_fsdp2_trainer(cfg: Any, device: torch.device, timer: PhaseTimer) -> An
     return module.build_fsdp2_trainer(cfg, None, device, timer)
 
 
-def run_method(a: argparse.Namespace, method: str, device: torch.device, world: int,
-               run_dir: Path) -> list[dict[str, Any]]:
-    """Build one trainer for ``method`` and time every routing on it."""
+def method_config(a: argparse.Namespace, method: str, device: torch.device, world: int,
+                  run_dir: Path) -> tuple[Any, str | None]:
+    """``method``'s config, and why this benchmark turned ``train.cuda_graphs`` off for it
+    (``None``: as configured). A layout that refuses the graphs runs eagerly rather than
+    not at all; the FSDP2 baseline never replays graphs, its config says so too."""
     per_routing = a.warmup + a.steps + (a.profile is not None)
     overrides = [*a.overrides, f"train.steps={per_routing * len(a.routing)}",
                  "optim.schedule=constant", "checkpoint.every=0", "metrics.expert_load_every=0",
@@ -133,21 +149,42 @@ def run_method(a: argparse.Namespace, method: str, device: torch.device, world: 
     if method == "ep":
         backend = a.ep_backend or ("rowwise" if device.type == "cuda" else "all_to_all")
         overrides += [f"parallel.ep={world}", f"parallel.ep_backend={backend}"]
-    cfg = load_config(a.config, overrides)
+    if method == "fsdp2":
+        cfg = load_config(a.config, overrides)
+        if not cfg.train.cuda_graphs:
+            return cfg, None
+        return load_config(a.config, [*overrides, EAGER]), "the FSDP2 baseline runs eagerly"
+    try:
+        return _with_layout(a.config, overrides, world), None
+    except ConfigError as refused:  # a refusal that turning the graphs off does not lift stands
+        why = str(refused)
+    return _with_layout(a.config, [*overrides, EAGER], world), why
+
+
+def _with_layout(config: str, overrides: list[str], world: int) -> Any:
+    """The config, once its layout on ``world`` ranks is checked (``ConfigError`` if refused)."""
+    cfg = load_config(config, overrides)
+    validate_layout(cfg, world)
+    return cfg
+
+
+def run_method(a: argparse.Namespace, method: str, cfg: Any, device: torch.device,
+               world: int) -> list[dict[str, Any]]:
+    """Build one trainer for ``method`` from ``cfg`` and time every routing on it."""
     timer = PhaseTimer(device)
     if method == "fsdp2":
         trainer = build_fsdp2_trainer(cfg, device, timer)
     else:
         mesh = build_mesh(validate_layout(cfg, world), device.type)
         trainer = Trainer(cfg, mesh, device, phase_timer=timer)
+    # graphs captured under another routing are captured again (the trainer sees the
+    # hooks change); the warm-up step is the eager one before the capture
+    graphs = trainer.graphs is not None
     rows = []
     step = 0
     try:
         for routing in a.routing:
             hooks = force_routing(trainer.model, routing, seed=cfg.seed)
-            # graphs captured under another routing are captured again (the trainer sees the
-            # hooks change); the warm-up step is the eager one before the capture
-            graphs = getattr(trainer, "graphs", None) is not None
             if device.type == "cuda" and graphs:  # the activations are allocated at the capture
                 torch.cuda.reset_peak_memory_stats(device)
             for _ in range(a.warmup):
@@ -163,6 +200,7 @@ def run_method(a: argparse.Namespace, method: str, device: torch.device, world: 
                 phases.append(timer.collect())
                 leads.append(timer.min_host_lead_s)
             row = summarize(method, routing, cfg, world, records, phases, device)
+            row["cuda_graphs"] = graphs
             row["min_host_lead_ms"] = _min_host_lead_ms(leads, device)
             if a.profile is not None:
                 step += 1
@@ -236,7 +274,7 @@ def summarize(method: str, routing: str, cfg: Any, world: int, records: list[dic
     step_s = statistics.mean(r["step_time_s"] for r in records)
     mean_phase = [statistics.mean(p.get(name, 0.0) for p in phases) for name in PHASES]
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-    *phase_s, step_s, peak = _max_over_ranks([*mean_phase, step_s, peak], device)
+    *phase_s, step_s, peak = max_over_ranks([*mean_phase, step_s, peak], device)
     tokens = cfg.train.global_batch * cfg.train.seq_len
     flops = flops_per_token(cfg.model, cfg.train.seq_len) * tokens / step_s  # model FLOP/s, all GPUs
     return {
@@ -259,7 +297,7 @@ def _min_host_lead_ms(leads: list[float | None], device: torch.device) -> float 
     (``PhaseTimer.min_host_lead_s``): about zero where the device waited for launches."""
     if device.type != "cuda" or None in leads:
         return None
-    return -_max_over_ranks([-min(leads)], device)[0] * 1e3
+    return -max_over_ranks([-min(leads)], device)[0] * 1e3
 
 
 def _mean(records: list[dict], key: str) -> float | None:
@@ -273,12 +311,14 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"\n{report['config']} on {report['world']} x {report['device']}, torch {report['torch']}"
           + (f"; BF16 matmul ceiling {ceiling:.0f} TFLOP/s, MFU vs {PEAK_FLOPS / 1e12:.0f}" if ceiling
              else ""))
-    head = ["method", "routing", "tok/s", "tok/s/GPU", "MFU", "of ceil", "peak GiB", "step ms",
-            "fwd", "bwd", "pipe", "graph", "sync", "optim", "rebuild", "stats", "other", "lead"]
+    head = ["method", "routing", "graphs", "tok/s", "tok/s/GPU", "MFU", "of ceil", "peak GiB",
+            "step ms", "fwd", "bwd", "pipe", "graph", "sync", "optim", "rebuild", "stats", "other",
+            "lead"]
     print(" ".join(f"{h:>9s}" for h in head))
     for r in report["runs"]:
         ph = r["phase_ms"]
-        cells = [r["method"], r["routing"], f"{r['tokens_per_s']:,.0f}",
+        cells = [r["method"], r["routing"], "on" if r["cuda_graphs"] else "off",
+                 f"{r['tokens_per_s']:,.0f}",
                  f"{r['tokens_per_s_per_gpu']:,.0f}",
                  f"{r['mfu']:.1%}" if r["mfu"] is not None else "-",
                  f"{r['model_tflops_per_gpu'] / ceiling:.1%}" if ceiling else "-",
@@ -287,6 +327,16 @@ def print_table(report: dict[str, Any]) -> None:
                  f"{r['other_ms']:.1f}",
                  f"{r['min_host_lead_ms']:.1f}" if r.get("min_host_lead_ms") is not None else "-"]
         print(" ".join(f"{c:>9s}" for c in cells))
+
+
+def refuse_warmup_before_capture(warmup: int, configs: dict[str, Any]) -> None:
+    """Exit unless every method replaying CUDA graphs warms up: the first step of each
+    routing runs eagerly and captures the graphs, which a timed mean must not hold."""
+    graphed = [m for m, cfg in configs.items() if cfg.train.cuda_graphs]
+    if graphed and warmup < 1:
+        raise SystemExit(f"--warmup {warmup} with train.cuda_graphs ({', '.join(graphed)}): the "
+                         "first step of every routing runs eagerly and captures the graphs; use "
+                         f"--warmup 1 or more, or {EAGER}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -299,9 +349,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "matmul_ceiling_tflops": matmul_ceiling_tflops(rt.device),
             "peak_tflops": PEAK_FLOPS / 1e12, "runs": [],
         }
+        configs = {m: method_config(a, m, rt.device, rt.world_size, Path(tmp)) for m in a.methods}
+        refuse_warmup_before_capture(a.warmup, {m: cfg for m, (cfg, _) in configs.items()})
+        for method, (_, why) in configs.items():
+            if why is not None and rt.rank == 0:
+                print(f"{method}: train.cuda_graphs off for this method ({why})", flush=True)
         started = time.time()
-        for method in a.methods:
-            report["runs"] += run_method(a, method, rt.device, rt.world_size, Path(tmp))
+        for method, (cfg, why) in configs.items():
+            runs = run_method(a, method, cfg, rt.device, rt.world_size)
+            report["runs"] += [{**r, "cuda_graphs_off": why} if why else r for r in runs]
             report["wall_s"] = time.time() - started
             gc.collect()
             if rt.device.type == "cuda":

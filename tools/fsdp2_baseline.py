@@ -37,7 +37,15 @@ an object with ``step(step) -> record`` (``loss``, ``grad_norm``, ``lr``,
 ``tokens_per_s``, ``step_time_s``; on CUDA ``mfu`` and ``peak_mem_gib``) and the
 app's phase marks (``forward``, ``backward``, ``optimizer``, ``stats``) on an
 optional ``pretrain.phases.PhaseTimer``. Gradient reduce-scatters run inside
-``backward`` (FSDP waits for them at the end of the root's backward).
+``backward`` (FSDP waits for them at the end of the root's backward). Its ``graphs``
+is always ``None``, like the app's ``Trainer`` without ``train.cuda_graphs``: the
+baseline runs every step eagerly whatever ``train.cuda_graphs`` says, which its
+summary here and ``tools/bench_train_step.py``'s rows record (``cuda_graphs``).
+
+Run standalone, it reports the timed steps (after ``--warmup``): the slowest rank's
+median step time (and the tokens/s and MFU from it), the peak memory of the timed
+steps (reset after the warm-up) as the maximum over ranks, and each phase's median,
+the maximum over ranks, as ``tools/bench_train_step.py`` does.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -70,6 +79,9 @@ from pretrain.schedule import build_schedule
 from pretrain.trainer import PEAK_FLOPS, resolve_dtype
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train_step import max_over_ranks  # noqa: E402
 
 
 def param_groups(model: nn.Module, cfg: PretrainConfig) -> list[dict[str, Any]]:
@@ -130,6 +142,7 @@ class FSDP2Trainer:
         if self.world > 1:
             set_count_reducer(self.model, self._sum)
         self.flops_per_token = flops_per_token(m, t.seq_len)
+        self.graphs = None  # train.cuda_graphs is not applied: every step runs eagerly
 
     def _sum(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.group)
@@ -197,6 +210,24 @@ def build_fsdp2_trainer(cfg: PretrainConfig,
     return FSDP2Trainer(cfg, _mesh(mesh_or_group, device), device, phase_timer)
 
 
+def summarize(trainer: FSDP2Trainer, timed: list[dict[str, Any]], device: torch.device
+              ) -> dict[str, Any]:
+    """The timed steps over all ranks: the slowest rank's median step time (tokens/s and
+    MFU from it), the largest peak memory, each phase's largest median. Every rank calls it."""
+    phases = sorted({p for r in timed for p in r["phases_s"]})
+    step_s, peak, *phase_s = max_over_ranks(
+        [statistics.median(r["step_time_s"] for r in timed),
+         max(r.get("peak_mem_gib", 0.0) for r in timed),
+         *(statistics.median(r["phases_s"].get(p, 0.0) for r in timed) for p in phases)], device)
+    tokens_per_s = trainer.tokens_per_step / step_s
+    summary = {"cuda_graphs": trainer.graphs is not None, "tokens_per_s": tokens_per_s,
+               "step_time_s": step_s, "peak_mem_gib": peak,
+               "phases_ms": {p: 1e3 * s for p, s in zip(phases, phase_s, strict=True)}}
+    if device.type == "cuda":
+        summary["mfu"] = trainer.flops_per_token * tokens_per_s / (trainer.world * PEAK_FLOPS)
+    return summary
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="bench-2gpu", help="preset name or TOML file")
@@ -215,35 +246,30 @@ def main(argv: list[str] | None = None) -> None:
     with distributed(cfg.train.device) as rt:
         timer = PhaseTimer(rt.device)
         trainer = build_fsdp2_trainer(cfg, None, rt.device, timer)
+        if cfg.train.cuda_graphs and rt.rank == 0:
+            print("train.cuda_graphs is not applied: the FSDP2 baseline runs eagerly", flush=True)
         records = []
         for step in range(1, args.steps + 1):
             record = trainer.step(step)
             record["phases_s"] = timer.collect()
             records.append(record)
-        timed = records[args.warmup:] or records
-        summary = {
-            "method": "fsdp2", "config": args.config, "overrides": args.overrides,
-            "world": rt.world_size,
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
-            "step_time_s": statistics.median(r["step_time_s"] for r in timed),
-            "peak_mem_gib": max((r.get("peak_mem_gib", 0.0) for r in records), default=0.0),
-        }
-        if rt.device.type == "cuda":
-            summary["mfu"] = statistics.median(r["mfu"] for r in timed)
-        phases = sorted({p for r in timed for p in r["phases_s"]})
-        summary["phases_ms"] = {p: 1e3 * statistics.median(r["phases_s"].get(p, 0.0) for r in timed)
-                                for p in phases}
+            if step == args.warmup and rt.device.type == "cuda":  # the timed steps' peak alone
+                torch.cuda.reset_peak_memory_stats(rt.device)
+        summary = summarize(trainer, records[args.warmup:] or records, rt.device)
+        summary = {"method": "fsdp2", "config": args.config, "overrides": args.overrides,
+                   "world": rt.world_size, **summary}
         if rt.rank == 0:
             if args.out is not None:
                 args.out.write_text(json.dumps({"summary": summary, "steps": records}, indent=1))
-            print(f"{'step':>5} {'loss':>9} {'tok/s':>10} {'ms':>8}")
+            print(f"{'step':>5} {'loss':>9} {'tok/s':>10} {'ms':>8}   (rank 0)")
             for r in records:
                 print(f"{r['step']:>5} {r['loss']:9.4f} {r['tokens_per_s']:10.0f} "
                       f"{1e3 * r['step_time_s']:8.1f}")
             mfu = f", MFU {summary['mfu']:.1%}" if "mfu" in summary else ""
-            print(f"FSDP2 {args.config} on {rt.world_size} ranks: {summary['tokens_per_s']:.0f} "
-                  f"tokens/s ({summary['tokens_per_s'] / rt.world_size:.0f} per GPU){mfu}, peak "
-                  f"{summary['peak_mem_gib']:.1f} GiB; phases (ms): "
+            per_gpu = summary["tokens_per_s"] / rt.world_size
+            print(f"FSDP2 {args.config} on {rt.world_size} ranks (timed steps, slowest rank): "
+                  f"{summary['tokens_per_s']:.0f} tokens/s ({per_gpu:.0f} per GPU){mfu}, peak "
+                  f"{summary['peak_mem_gib']:.1f} GiB (max over ranks), eager; phases (ms): "
                   + ", ".join(f"{p} {v:.1f}" for p, v in summary["phases_ms"].items()))
 
 

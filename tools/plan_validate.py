@@ -10,7 +10,9 @@
     # CPU (gloo; LiveBytes stands in for the CUDA allocator's statistics)
     uv run python tools/plan_validate.py --config tiny --device cpu --case base
 
-A case is a set of overrides on the config (``--case``, plus any KEY=VALUE). The
+A case is a set of overrides on the config (``--case``, plus any KEY=VALUE; printed
+first and kept in the JSON). The ``ep``, ``pp`` and ``mxfp8`` cases turn
+``train.cuda_graphs`` off, which those layouts refuse (``bench-1gpu`` has it on). The
 app's own ``Trainer`` is built and runs ``--steps`` optimizer steps; measured per
 rank: ``torch.cuda.max_memory_allocated`` (what the plan's "peak allocated"
 predicts; the target is within 10%), ``max_memory_reserved`` (peak allocated plus
@@ -40,15 +42,16 @@ from pretrain.planner.memory import GIB, KERNEL_WORKSPACES
 from pretrain.runtime import distributed
 from pretrain.trainer import Trainer, resolve_dtype
 
+EAGER = "train.cuda_graphs=false"  # what the layouts that refuse CUDA graphs run with
 CASES: dict[str, list[str]] = {
     "base": [],  # the config as given (DP over all ranks)
     "dp": [],
     "selective": ["model.recompute=selective"],
     "block": ["model.recompute=block"],
     "muon": ["optim.name=muon"],
-    "ep": ["parallel.ep=2"],  # rowwise on CUDA, all_to_all on CPU (below)
-    "pp": ["parallel.pp=2"],
-    "mxfp8": ["mxfp8.targets=[experts]"],
+    "ep": ["parallel.ep=2", EAGER],  # rowwise on CUDA, all_to_all on CPU (below)
+    "pp": ["parallel.pp=2", EAGER],
+    "mxfp8": ["mxfp8.targets=[experts]", EAGER],
 }
 TARGET = 0.10
 
@@ -104,6 +107,10 @@ def main(argv: list[str] | None = None) -> None:
             backend = "rowwise" if rt.device.type == "cuda" else "all_to_all"
             overrides.append(f"parallel.ep_backend={backend}")
         cfg = load_config(args.config, overrides)
+        if rt.rank == 0:
+            graphs = "on" if cfg.train.cuda_graphs else "off"
+            print(f"case {args.case}: {args.config} {' '.join(overrides)} (CUDA graphs {graphs})",
+                  flush=True)
         measured = _measure(cfg, rt.world_size, rt.device, args.steps)
         gathered: list[dict[str, Any]] = [{}] * rt.world_size
         dist.all_gather_object(gathered, measured)
@@ -130,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
         if args.out is not None:
             args.out.write_text(json.dumps({"config": args.config, "overrides": overrides,
+                                            "cuda_graphs": cfg.train.cuda_graphs,
                                             "plan": plan.to_json(), "ranks": rows}, indent=1))
         print(f"{'case':>10} {'rank':>4} {'planned':>12} {'measured':>12} {'error':>7}"
               + ("    reserved plan / measured     device plan / measured"

@@ -14,8 +14,11 @@ microbatch, so DDP's advantage should grow with the batch.
 (b) expert-count sweep: fixed top-k and expert width (so fixed active size), routed
 experts varied, methods ``ddp`` (no EP), ``ep`` (EP over all ranks) and ``fsdp2``.
 
-Every point is a separate process (an out-of-memory point fails alone and is marked
-``OOM``; a point that exceeds ``--timeout`` is marked ``timeout``). Extra
+Every point is a separate process, which runs the point's methods one after another
+(an out-of-memory point fails alone). When the process fails, the first method
+without a result is the one it failed in, marked ``OOM`` (out of memory),
+``timeout`` (past ``--timeout``) or ``error``; the methods after it never ran and
+are marked ``not run``, not as failures of their own. Extra
 ``KEY=VALUE`` overrides apply to every point: ``model.n_layers=4`` keeps the sweep
 affordable; per-layer compute, parameter traffic and optimizer work all scale with
 the layer count, so the DDP/FSDP2 ratios carry over to the full depth, while the
@@ -58,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_point(a: argparse.Namespace, sweep: str, value: int, methods: list[str],
               overrides: list[str]) -> list[dict[str, Any]]:
-    """One torchrun of the train-step benchmark; its rows, or one failure row per method."""
+    """One torchrun of the train-step benchmark; a row per method: measured, failed or not run."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "point.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -74,15 +77,32 @@ def run_point(a: argparse.Namespace, sweep: str, value: int, methods: list[str],
         except subprocess.TimeoutExpired:
             failure, tail = "timeout", ""
         measured = json.loads(out.read_text())["runs"] if out.exists() else []
-    done = {r["method"] for r in measured}
     rows = [{**r, "sweep": sweep, "value": value, "status": "ok"} for r in measured]
-    for method in methods:
-        if method not in done:
-            rows.append({"sweep": sweep, "value": value, "method": method,
-                         "status": failure or "missing", "error_tail": tail})
+    rows += unmeasured_rows(sweep, value, methods, {r["method"] for r in measured}, failure, tail)
     print(f"{sweep}={value}: " + ", ".join(
         f"{r['method']} {r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU" if r["status"] == "ok"
         else f"{r['method']} {r['status']}" for r in rows), flush=True)
+    return rows
+
+
+def unmeasured_rows(sweep: str, value: int, methods: list[str], done: set[str],
+                    failure: str | None, tail: str) -> list[dict[str, Any]]:
+    """Rows of the methods without a result. The benchmark runs ``methods`` in order and
+    writes its JSON after each, so the first of them is the one the process failed in
+    (``failure``; or its setup before it, which the error tail shows) and the others never
+    started: ``not run``, whatever ended the process. Without a failure a missing method
+    is ``missing``."""
+    todo = [m for m in methods if m not in done]
+    rows = []
+    for i, method in enumerate(todo):
+        row = {"sweep": sweep, "value": value, "method": method}
+        if failure is None:
+            row.update(status="missing", error_tail=tail)
+        elif i == 0:
+            row.update(status=failure, error_tail=tail)
+        else:
+            row.update(status="not run", after=f"{todo[0]} {failure}")
+        rows.append(row)
     return rows
 
 
@@ -95,8 +115,9 @@ def print_table(points: list[dict[str, Any]], seq_len: int | None) -> None:
         tokens = f"{p['value'] * seq_len / 2**20:.2f}Mi" if p["sweep"] == "global_batch" and \
             seq_len else "-"
         if p["status"] != "ok":
+            after = f"  (the process ended at {p['after']} first)" if "after" in p else ""
             print(f"{p['sweep']:>10s} {p['value']:>7d} {tokens:>9s} {p['method']:>7s} "
-                  f"{p['status']:>10s}")
+                  f"{p['status']:>10s}{after}")
             continue
         ref = fsdp2.get((p["sweep"], p["value"]))
         ratio = f"{p['tokens_per_s_per_gpu'] / ref['tokens_per_s_per_gpu']:.2f}" if ref else "-"
@@ -116,7 +137,8 @@ def plot(points: list[dict[str, Any]], seq_len: int, png: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, sweep, xlabel in ((axes[0], "global_batch", "global batch (Mi tokens)"),
                               (axes[1], "experts", "routed experts")):
-        for method, color in (("ddp", "tab:blue"), ("ep", "tab:green"), ("fsdp2", "tab:orange")):
+        for row, (method, color) in enumerate((("ddp", "tab:blue"), ("ep", "tab:green"),
+                                               ("fsdp2", "tab:orange"))):
             pts = sorted((p for p in points if p["sweep"] == sweep and p["method"] == method),
                          key=lambda p: p["value"])
             if not pts:
@@ -126,10 +148,13 @@ def plot(points: list[dict[str, Any]], seq_len: int, png: Path) -> None:
             ax.plot([p["value"] * scale for p in ok],
                             [p["tokens_per_s_per_gpu"] / 1e3 for p in ok], marker="o", label=method,
                             color=color)
-            for p in pts:
+            for p in pts:  # at zero: a failure as x, a method that never ran hollow; one label row per method
                 if p["status"] != "ok":
-                    ax.plot(p["value"] * scale, 0, marker="x", color=color)
-                    ax.annotate(p["status"], (p["value"] * scale, 0), fontsize=8)
+                    style = {"marker": "o", "fillstyle": "none"} if p["status"] == "not run" \
+                        else {"marker": "x"}
+                    ax.plot(p["value"] * scale, 0, color=color, **style)
+                    ax.annotate(f"{method} {p['status']}", (p["value"] * scale, 0), fontsize=8,
+                                color=color, textcoords="offset points", xytext=(4, 4 + 10 * row))
         ax.set_xscale("log", base=2)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("thousand tokens/s per GPU")
