@@ -3,7 +3,7 @@
 import pytest
 import torch
 from moe_model import MoEConfig, MoETransformer
-from pretrain.routing_override import forced_ids, force_routing
+from pretrain.routing_override import force_routing, forced_ids
 
 
 @pytest.mark.parametrize(("n_experts", "top_k"), [(64, 8), (8, 2), (10, 3), (6, 6)])

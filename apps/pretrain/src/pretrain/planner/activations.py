@@ -574,13 +574,17 @@ def block_inventory(cfg: MoEConfig, layer: int, ex: Execution) -> Inventory:
     else:
         _swiglu(inv, "mlp", param, T, D, cfg.dense_hidden_width, ex, peaks=True)
     # the MLP norm's backward (split): the router's logits gradient is its GEMM's dy
-    # operand; the fused add-and-norm's node also captures the residual gradient
+    # operand; the fused add-and-norm's node also captures the residual gradient, the
+    # block's output gradient: the tensor a dense or shared SwiGLU's down projection
+    # captures too, where the block has one
     more = {"router.dlogits"} if moe else set()
     if moe:
         inv.add("router.dlogits", FP32 * T * cfg.n_experts)
     if ex.kernels == "cuda":
-        inv.add("mlp_norm.dh", b * T * D)
-        more.add("mlp_norm.dh")
+        swiglu = "shared" if moe and cfg.n_shared_experts else None if moe else "mlp"
+        if swiglu is None:
+            inv.add("mlp_norm.dh", b * T * D)
+        more.add(f"{swiglu}.dy_down" if swiglu else "mlp_norm.dh")
     _norm_backward(inv, "mlp_norm", T, D, ex, more)
     _attention(inv, cfg, ex, layer)  # last: its backward moments free every MLP tensor registered
     return inv
@@ -595,8 +599,9 @@ class EdgeMemory:
     bwd_peak: int  # same, at the loss's backward high-water mark
     # The split backward (zero bubble): the input pass's high-water mark (as bwd_peak), the
     # dy operands it keeps for the weight pass (the logits' gradient, the final norm's),
-    # what of ``held`` it frees (the loss's saved tensors: above every weight, nothing
-    # reads them again), and the weight pass's largest temporary (the head's gradient).
+    # what of ``held`` it frees before the blocks' backward runs (the loss's saved tensors,
+    # where the pass runs the loss's backward alone first), and the weight pass's largest
+    # temporary (the head's gradient).
     input_pass_peak: int = 0
     deferred: int = 0
     freed_by_input_pass: int = 0
@@ -616,6 +621,12 @@ def head_memory(cfg: MoEConfig, ex: Execution) -> EdgeMemory:
 
     A tied head's weight gradient is autograd's BF16 [V, D] (no sink): on a stage that
     also holds the embedding it waits there for the embedding's (``stage_memory``).
+
+    Split backward: where the head's GEMM is the sink's custom autograd node, the input
+    pass runs the nodes above it (the loss) in a call of their own that retains nothing
+    (``moe_pp.backward``: a custom root must outlive the stage outputs), so the loss's
+    saved tensors are gone before the blocks' backward; a built-in head is one retaining
+    call, and they stay until the weight pass.
     """
     T, D, V, b = ex.tokens, cfg.d_model, cfg.vocab_size, ex.compute_bytes
     inv = Inventory()
@@ -634,25 +645,29 @@ def head_memory(cfg: MoEConfig, ex: Execution) -> EdgeMemory:
     # output gradient, its gain's dy operand), then the norm's backward (see _norm_backward)
     after_loss = dlogits + b * T * D + (b if ex.kernels == "cuda" else 5 * FP32) * T * D
     deferred = dlogits + b * T * D
+    head_is_sink_node = ex.dense_grads_in_gemm and not cfg.tie_embeddings
     if ex.kernels == "cuda":
         logits = b * T * V
         loss_saved = logits + 3 * FP32 * T
         held = norm + loss_saved
         # The loss's backward: its BF16 gradient beside the logits; then the head's, with
         # the logits freed and their gradient (same size) in their place.
+        freed = loss_saved if head_is_sink_node else 0
         return EdgeMemory(held=held, fwd_peak=held,
                           bwd_peak=max(held + logits, held + head_grads),
-                          input_pass_peak=held + after_loss, deferred=deferred,
-                          freed_by_input_pass=loss_saved, weight_pass_temporaries=head_dw)
+                          input_pass_peak=max(held + logits, held - freed + after_loss),
+                          deferred=deferred, freed_by_input_pass=freed,
+                          weight_pass_temporaries=head_dw)
     log_probs = FP32 * T * V
     held = norm + log_probs
     copy32 = FP32 * T * V if b != FP32 else 0  # logits.float(): the logits themselves in FP32
     fwd = norm + b * T * V + copy32 + log_probs
     ce_backward = held + 2 * FP32 * T * V
     head_backward = held - log_probs + b * T * V + head_grads
+    freed = log_probs if head_is_sink_node else 0
     return EdgeMemory(held=held, fwd_peak=fwd, bwd_peak=max(ce_backward, head_backward),
-                      input_pass_peak=max(ce_backward, held + after_loss), deferred=deferred,
-                      freed_by_input_pass=log_probs, weight_pass_temporaries=head_dw)
+                      input_pass_peak=max(ce_backward, held - freed + after_loss),
+                      deferred=deferred, freed_by_input_pass=freed, weight_pass_temporaries=head_dw)
 
 
 def embedding_backward(cfg: MoEConfig, ex: Execution, tied_head: bool) -> int:

@@ -111,11 +111,13 @@ def stage_memory(cfg: MoEConfig, layers: Sequence[int], first: bool, last: bool,
             captured += head.deferred
         else:
             input_peak = total_held + residual
+        # what the input pass frees before the blocks' backward (the loss's saved tensors)
+        freed = head.freed_by_input_pass if head is not None else 0
         for inv in reversed(inventories):
-            input_peak = max(input_peak,
-                             total_held - inv.held("none") + inv.input_pass_peak() + captured)
+            input_peak = max(input_peak, total_held - freed - inv.held("none")
+                             + inv.input_pass_peak() + captured)
             captured += inv.deferred()
-        kept = total_held - (head.freed_by_input_pass if head is not None else 0) + captured
+        kept = total_held - freed + captured
         temporaries = [inv.weight_pass_temporaries() for inv in inventories]
         temporaries.append(head.weight_pass_temporaries if head is not None else 0)
         split = (input_peak, kept, kept + max(temporaries))
