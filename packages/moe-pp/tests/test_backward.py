@@ -137,11 +137,38 @@ class CustomFunctionUnderASkip(nn.Module):
         return self.inner(x) * 2 + x
 
 
+class _FirstOnly(torch.autograd.Function):
+    """``a + 0 * b`` whose backward gives ``b`` no gradient."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + 0 * b
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class CustomRootUnderAGradientlessBoundary(nn.Module):
+    """A custom root whose only built-in root above it gets no gradient in the input pass:
+    no weight pass holds that boundary, so it keeps nothing alive (torch 2.11)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.rand(8) + 0.5)
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = _Scale.apply(x * 1.0, self.gain)
+        return _FirstOnly.apply(c, c @ self.w)
+
+
 def test_outputs_are_kept_only_when_a_root_would_die_with_them():
     """The weight pass holds the stage outputs only when a custom Function root has no
     built-in root above it; otherwise they are freed after the input pass.
     Checked on the decision itself, since torch 2.15 would not fail without it."""
     for model, kept in ((CustomFunctionOnTop(), True), (CustomHeadLoss(), True),
+                        (CustomRootUnderAGradientlessBoundary(), True),
                         (WithCustomFunctions(), False),
                         (nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), False)):
         x = torch.randn(16, 8, requires_grad=True)
@@ -199,6 +226,8 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], Call
     "custom_head_and_loss": (CustomHeadLoss, lambda: torch.randn(16, 8), lambda m, x: m(x)),
     "custom_function_under_a_skip": (CustomFunctionUnderASkip, lambda: torch.randn(4, 8),
                                      lambda m, x: m(x)),
+    "custom_root_under_a_gradientless_boundary": (CustomRootUnderAGradientlessBoundary,
+                                                  lambda: torch.randn(4, 8), lambda m, x: m(x)),
     "first_stage_tokens": (lambda: nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8)),
                            lambda: torch.randint(0, 10, (4,)), lambda m, x: m(x)),
     "moe_middle_stage_with_aux_loss": (lambda: _moe("middle"), lambda: torch.randn(2, 8, 32),

@@ -235,6 +235,10 @@ def backward_input(
             h.remove()
 
     groups = _group(boundary_params, captured, direct, param_of)
+    # A built-in boundary that got no gradient is in no group: nothing holds it, so it
+    # covers no custom root below it (the outputs are then kept whole, nodes above included)
+    held_roots = [edge.node for g in groups for edge in g.roots]
+    keep_outputs = keep_outputs or _roots_need_outputs(held_roots, children)
     return input_grad, WeightGradWork(groups, tuple(outputs) if keep_outputs else ())
 
 
