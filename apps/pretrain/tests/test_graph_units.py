@@ -50,6 +50,22 @@ class _RerunUnits:
         self.stats_sum.zero_()
 
 
+class _CaptureThenChange(_RerunUnits):
+    """A capture, as the host sees it: the units' Python runs once (on the GPU no kernel
+    would; here they run and their gradients are discarded with the ones the capture
+    marks as reduced); then the model no longer matches it."""
+
+    captured = False
+
+    def capture(self, run_unit, token_shape: tuple[int, int]) -> None:
+        self.replay([torch.zeros(token_shape, dtype=torch.int64)] * (self.n_middle * self.unit
+                                                                    + self.last_size))
+        self.captured = True
+
+    def match_model(self) -> bool:
+        return False
+
+
 def _steps(overrides: list[str], units: bool, steps: int = 4) -> tuple[list[tuple], dict]:
     """Records and final weights of ``steps`` steps; with ``units``, from step 2 on the
     microbatches run as graph units."""
@@ -84,6 +100,41 @@ def test_graph_units_train_exactly_like_eager_steps(unit):
     for name, ref in eager_weights.items():
         assert torch.equal(weights[name], ref), name
     assert eager[-1][0] < eager[0][0]
+
+
+def test_a_step_after_the_capture_that_runs_eagerly_trains_like_an_eager_step():
+    """The model changed after the capture (a hook, ``reset_graphs()``): the next step runs
+    eagerly, on a data-parallel wrapper the capture's Python had left with every bucket
+    reduced ('received a gradient after its bucket was reduced' before the fix)."""
+    overrides = ["train.global_batch=6", "parallel.merge_expert_grad_microbatches=2"]
+    with distributed("cpu"):
+        eager, eager_weights = _steps(overrides, units=False, steps=2)
+        cfg = load_config("tiny", overrides)
+        trainer = Trainer(cfg, build_mesh(validate_layout(cfg, 1), "cpu"), torch.device("cpu"))
+        try:
+            trainer.graphs = _CaptureThenChange(trainer)
+            eager_step = trainer._forward_backward
+
+            def first_step_without_graphs(step: int) -> torch.Tensor:
+                graphs, trainer.graphs = trainer.graphs, None  # on a GPU: the graphs' stream
+                try:
+                    return eager_step(step)
+                finally:
+                    trainer.graphs = graphs
+
+            trainer._forward_backward = first_step_without_graphs
+            trainer.reset_graphs = lambda: setattr(trainer, "graphs", None)
+            records = [trainer.step(1)]
+            assert isinstance(trainer.graphs, _CaptureThenChange) and trainer.graphs.captured
+            records.append(trainer.step(2))
+            assert trainer.graphs is None  # the fallback ran
+            weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        finally:
+            trainer.close()
+    keys = ("loss", "grad_norm", "lb_loss", "z_loss", "expert_load", "skipped")
+    assert [tuple(r[k] for k in keys) for r in records] == eager
+    for name, ref in eager_weights.items():
+        assert torch.equal(weights[name], ref), name
 
 
 def _both_ways_on_two_ranks() -> tuple:

@@ -264,6 +264,10 @@ class Trainer:
                 graphs.reset_sums()
             elif step < self.cfg.train.steps:  # this step ran eagerly on the graphs' stream
                 graphs.capture(self._run_unit, (self.cfg.train.micro_batch, self.cfg.train.seq_len + 1))
+                # the capture ran the units' Python (no kernels): the data-parallel wrapper
+                # counts their gradients as reduced; a next step that runs eagerly (the
+                # model changed) must start from a clean slate, as a replay does
+                self.ddp.zero_grad()
         self._mark(None)
         return _DeviceStep(reduced, stats.grad_norm, stats.skipped, self.cfg.optim.lr * lr_factor)
 
