@@ -11,7 +11,8 @@ over it, then the MXFP8 caches' refresh hook.
    but the last under ``no_sync()``; each loss is the token-loss *sum* times
    ``1 / N`` with ``N`` the global batch's target-token count (the auxiliary
    losses use the same scale), so any split over microbatches, ranks and stages
-   sums to the same loss and gradient, and SUM is the right reduction. With
+   sums to the same loss and gradient, and SUM is the right reduction (global-batch
+   balancing over several microbatches per rank excepted: see the README). With
    ``parallel.pp > 1`` moe_pp's pipeline runs the schedule instead (phase
    ``pipeline``) and calls ``finish_grad_sync`` itself.
 2. ``grad_sync``: ``finish_grad_sync`` launches the buckets the last backward did
@@ -355,5 +356,14 @@ class Trainer:
         if self.device.type == "cuda":
             n_gpus = self.mesh.layout.world_size
             record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (n_gpus * PEAK_FLOPS)
-            record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            record["peak_mem_gib"] = self._peak_memory_gib()
         return record, values.stop
+
+    def _peak_memory_gib(self) -> float:
+        """The largest rank's peak allocated memory: the rank that logs (the last stage's)
+        is often not the fullest (1F1B's first stage, a skewed EP rank). After the step's
+        host read, so the collective waits for nothing queued."""
+        peak = torch.tensor([torch.cuda.max_memory_allocated(self.device)], dtype=torch.float64,
+                            device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return peak.item() / 2**30
