@@ -38,6 +38,13 @@ def test_bench_train_step_runs_tiny_on_cpu(tmp_path, capsys):
         assert r["phase_ms"]["optimizer"] > 0
         assert (r["phase_ms"]["weight_rebuild"] > 0) == (method != "fsdp2")  # FSDP2 has none
         assert r["mfu"] is None and r["peak_mem_gib"] is None  # GPU-only figures
+    for routing in ("model", "balanced", "zipf"):
+        # Same single-process data, model and optimizer policy: the app's DDP and EP paths
+        # agree exactly (measured), the FSDP2 baseline to rounding (measured <= 1 ulp).
+        ddp, ep, fsdp2 = (runs[m, routing]["loss"] for m in methods)
+        assert ep == ddp, (routing, ddp, ep)
+        for ours, ref in zip(fsdp2, ddp, strict=True):
+            assert abs(ours - ref) <= 1e-6 * abs(ref), (routing, ddp, fsdp2)
     assert runs["ddp", "balanced"]["expert_load_imbalance"] == 1.0  # forced: 2*32*2 slots / 4
     assert runs["ddp", "zipf"]["expert_load_imbalance"] > 1.5
     lines = capsys.readouterr().out.strip().splitlines()

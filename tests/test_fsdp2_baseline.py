@@ -3,8 +3,8 @@
 FSDP2 (``fully_shard`` per block and root, FP32 on CPU) with gradient
 accumulation over two microbatches per rank must give the loss and the updated
 weights of one process running the same global batch with ``torch.optim.AdamW``:
-same model init, data, loss normalisation, optimizer policy, clipping, LR
-schedule, router bias step.
+same model init, data, loss normalisation, optimizer policy (stated literally in
+tests/adamw_oracle.py), clipping, LR schedule, router bias step.
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_model import MoETransformer, init_weights, lm_loss_sum, set_aux_loss_scale
+from moe_model import MoETransformer, init_weights
 from moe_testing import load_script, run_distributed
 from pretrain.config import load_config
-from pretrain.data import BatchReader, open_source
 from pretrain.runtime import distributed
-from pretrain.schedule import build_schedule
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "fsdp2_baseline.py"
+ORACLE = Path(__file__).resolve().parent / "adamw_oracle.py"
 OVERRIDES = ["data.path=synthetic", "train.global_batch=4", "train.micro_batch=1",
              "train.steps=2", "model.bias_update_rate=0.01", "model.z_loss_coef=0.001",
              "optim.warmup_steps=0", "optim.lr=0.01", "optim.expert_lr_mult=0.5"]
@@ -43,36 +42,8 @@ def _fsdp2_steps() -> dict:
 
 
 def _single_process_steps() -> dict:
-    """The oracle: one process, the whole global batch, plain torch AdamW."""
-    tool = _tool()
-    cfg = load_config("tiny", OVERRIDES)
-    t = cfg.train
-    model = MoETransformer(cfg.model)
-    init_weights(model, cfg.model, cfg.seed)
-    optimizer = tool.build_adamw(model, cfg)
-    data = BatchReader(open_source(cfg.data.path, t.seq_len, cfg.model.vocab_size, cfg.seed),
-                       cfg.seed, t.global_batch, t.micro_batch)
-    schedule = build_schedule(cfg.optim, t.steps)
-    n_tokens = t.global_batch * t.seq_len
-    set_aux_loss_scale(model, 1 / n_tokens)
-    losses = []
-    for step in (1, 2):
-        total = 0.0
-        for index in range(data.n_microbatches):
-            tokens = data.microbatch(step, index)
-            loss = lm_loss_sum(model(tokens[:, :-1]), tokens[:, 1:]) / n_tokens
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or math.inf)
-        for group in optimizer.param_groups:
-            group["lr"] = cfg.optim.lr * schedule(step) * group["lr_scale"]
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        for _, layer in model.moe_layers():
-            layer.update_bias(layer.pop_step_stats()["tokens_per_expert"])
-        losses.append(total)
-    return {"losses": losses, "weights": {n: p.detach() for n, p in model.named_parameters()},
-            "biases": [layer.router.expert_bias for _, layer in model.moe_layers()]}
+    """The oracle: one process, the whole global batch, plain torch AdamW (tests/adamw_oracle.py)."""
+    return load_script(ORACLE).single_process_steps("tiny", OVERRIDES)
 
 
 def test_fsdp2_two_ranks_match_single_process_adamw():

@@ -82,7 +82,7 @@ def _dp_pp_step() -> dict:
     def replica_group_of(name: str, _param: torch.nn.Parameter) -> dist.ProcessGroup:
         return expert_group if ".experts." in name else dp_group
 
-    result: dict = {"diffs": {}, "expert_buckets": None}
+    result: dict = {"diffs": {}, "expert_buckets": None, "stage_params": {}, "stray_grads": {}}
     for virtual, schedule in itertools.product((1, 2), SCHEDULES):
         pipe = build_pipeline(
             _model(n_global), PipelineConfig(schedule=schedule, virtual_stages=virtual), N_MICRO,
@@ -101,6 +101,12 @@ def _dp_pp_step() -> dict:
             assert param.grad is None, f"{name}: the hook must have moved param.grad"
             diffs[name] = _rel(main_grad, ref_grads[name])
         result["diffs"][virtual, schedule] = diffs
+        # Completeness: every parameter this rank's stages hold (not just what DDP yields),
+        # and none of them kept a gradient outside DDP's buffers.
+        stage_params = dict(pipe.module.named_parameters())
+        result["stage_params"][virtual, schedule] = set(stage_params)
+        result["stray_grads"][virtual, schedule] = sorted(
+            n for n, p in stage_params.items() if p.grad is not None)
         result["expert_buckets"] = sum(g is expert_group for g, _ in ddp.grad_buffers())
         dist.barrier()
     return result
@@ -108,8 +114,16 @@ def _dp_pp_step() -> dict:
 
 def test_dp2_pp2_with_multigroup_ddp_matches_unsplit_model():
     results = run_distributed(_dp_pp_step, PP * DP, timeout=300)
+    all_names = {n for n, _ in _model(1).named_parameters()}
+    for key in results[0]["diffs"]:
+        # Every PP rank's stages together hold the whole model, and DDP compared all of it.
+        assert set().union(*(r["stage_params"][key] for r in results)) == all_names, key
+        compared = set().union(*(r["diffs"][key].keys() - {"loss"} for r in results))
+        assert compared == all_names, (key, sorted(all_names - compared))
     for rank, result in enumerate(results):
         assert result["expert_buckets"] >= 1, f"rank {rank}: experts share buckets with dense"
+        for key, stray in result["stray_grads"].items():
+            assert not stray, f"rank {rank} {key}: gradients left outside DDP's buffers: {stray}"
         for (virtual, schedule), diffs in result["diffs"].items():
             worst = max(diffs, key=diffs.get)
             assert diffs[worst] < TOL, (

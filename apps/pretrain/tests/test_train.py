@@ -7,13 +7,20 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
+from moe_model import layers as layers_module
+from moe_model import linear as linear_module
+from moe_model.linear import Linear
+from moe_mxfp8 import MXFP8Linear, dequantize, quantize
 from pretrain.cli import main
 from pretrain.config import ConfigError, OptimConfig, load_config, validate_layout
 from pretrain.data import prepare_data
@@ -25,6 +32,7 @@ from pretrain.schedule import build_schedule
 from pretrain.signals import StopRequest
 from pretrain.train import train
 from pretrain.trainer import Trainer, TrainingAborted
+from torch import nn
 
 RECORD_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "skipped",
                "lb_loss", "z_loss", "expert_load_imbalance", "dropped_token_rate", "expert_load"}
@@ -147,18 +155,75 @@ def test_sigterm_stops_at_the_next_step_boundary(tmp_path, capsys):
     assert signal.getsignal(signal.SIGTERM) is previous  # the handler was removed
 
 
+COMMAND_DEADLINE_S = 120  # to the step-2 line, then again from SIGTERM to the exit
+
+
+class _LineReader:
+    """A pipe's lines, read by a daemon thread into a queue (``None`` at end of file), so
+    that waiting for one can time out."""
+
+    def __init__(self, pipe) -> None:
+        self.queue: queue.Queue[str | None] = queue.Queue()
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self.thread.start()
+
+    def _read(self, pipe) -> None:
+        for line in pipe:
+            self.queue.put(line)
+        self.queue.put(None)
+
+    def next_line(self, deadline: float) -> str | None:
+        """The next line (kept in ``lines``), ``None`` at end of file; ``queue.Empty``
+        when none came by ``deadline`` (``time.monotonic()``)."""
+        line = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+        if line is not None:
+            self.lines.append(line)
+        return line
+
+    def text(self, join_s: float = 0.0) -> str:
+        """Every line read so far (after waiting ``join_s`` for the end of file)."""
+        self.thread.join(join_s)
+        while True:
+            try:
+                line = self.queue.get_nowait()
+            except queue.Empty:
+                return "".join(self.lines)
+            if line is not None:
+                self.lines.append(line)
+
+
 def test_sigterm_through_the_command_saves_a_checkpoint_and_exits_0(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "pretrain", "--config", "tiny", "train.steps=100000",
          f"run_dir={run}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    stdout, stderr = _LineReader(proc.stdout), _LineReader(proc.stderr)
+
+    def fail(what: str) -> None:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"the command {what} within {COMMAND_DEADLINE_S} s: killed it\n"
+                    f"stdout: {stdout.text(5)[-2000:]}\nstderr: {stderr.text(5)[-2000:]}")
+
     try:
-        for line in proc.stdout:
+        deadline = time.monotonic() + COMMAND_DEADLINE_S
+        while True:
+            try:
+                line = stdout.next_line(deadline)
+            except queue.Empty:
+                fail("printed no 'step     2/' line")
+            if line is None:  # it exited before step 2: the assertions below say how
+                break
             if line.startswith("step     2/"):
                 proc.send_signal(signal.SIGTERM)
                 break
-        out, err = proc.communicate(timeout=120)
+        try:
+            proc.wait(timeout=COMMAND_DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            fail("did not exit after SIGTERM")
+        out, err = stdout.text(COMMAND_DEADLINE_S), stderr.text(COMMAND_DEADLINE_S)
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-2000:]
@@ -183,6 +248,96 @@ def test_mxfp8_attention_projections_train(tmp_path):
                                          "train.steps=4"]))
     assert all(not r["skipped"] for r in history)
     assert history[-1]["loss"] < history[0]["loss"]
+
+
+def _mx(x: torch.Tensor) -> torch.Tensor:
+    """MXFP8 round trip along the last dim in FP32 (moe_mxfp8's pure-torch reference)."""
+    return dequantize(*quantize(x, -1, backend="torch"), -1, dtype=torch.float32, backend="torch")
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, what: str) -> None:
+    """``torch.allclose`` with the worst element named (``torch.testing.assert_close``
+    imports DTensor and sympy on first use: seconds on a cold two-core runner)."""
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if not torch.allclose(got, want, rtol=rtol, atol=atol):
+        excess = (got - want).abs() - rtol * want.abs()
+        i = int(excess.argmax())
+        pytest.fail(f"{what}: element {i} is {got.reshape(-1)[i].item()!r}, want "
+                    f"{want.reshape(-1)[i].item()!r} (rtol {rtol}, atol {atol})")
+
+
+@pytest.mark.parametrize("targets", ["experts,attn.w?", "attn.wq"])
+def test_mxfp8_attention_projections_beside_the_dense_sink_route(tmp_path, monkeypatch, targets):
+    """The dense layers' sink route forced on CPU (as on CUDA, ``moe_model.linear``): MXFP8
+    attention projections (all four, or q alone beside k and v taking the route) are each
+    called, their outputs are the MXFP8 GEMM's; the other dense layers (k/v, the dense
+    block's gate/up and w2, the head) deliver into the DDP sink; one step's gradients equal
+    those with the sink off."""
+    monkeypatch.setattr(linear_module, "sink_takes_dense", lambda x: True)
+    calls: list[tuple[tuple[nn.Module, ...], torch.Tensor, tuple[torch.Tensor, ...]]] = []
+    shared = layers_module.shared_input_linears  # whatever the model calls (wrapped, not replaced)
+
+    def recorded(x, mods):
+        out = shared(x, mods)
+        calls.append((mods, x.detach(), tuple(o.detach() for o in out)))
+        return out
+
+    monkeypatch.setattr(layers_module, "shared_input_linears", recorded)
+    cfg = load_config("tiny", [f"run_dir={tmp_path}", f"mxfp8.targets={targets}",
+                               "model.n_dense_layers=1"])
+    with distributed("cpu"):
+        trainer = _trainer(cfg)
+        model = trainer.model
+        mxfp8 = {n: m for n, m in model.named_modules() if isinstance(m, MXFP8Linear)}
+        wanted = ("wq", "wk", "wv", "wo") if targets.endswith("w?") else ("wq",)
+        assert sorted(mxfp8) == sorted(f"blocks.{i}.attn.{w}" for i in range(2) for w in wanted)
+        dense = {n: m.weight for n, m in model.named_modules() if isinstance(m, Linear)}
+        assert len(dense) == 3 + 1 + 2 * (4 - len(wanted))  # dense SwiGLU, head, attention left
+        n_micro = trainer.data.n_microbatches
+        seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in mxfp8}
+        for name, module in mxfp8.items():
+            module.register_forward_hook(
+                lambda _m, args, out, name=name: seen[name].append((args[0].detach(), out.detach())))
+        delivered: list[nn.Parameter] = []
+        add_gradient = trainer.ddp.add_gradient
+        monkeypatch.setattr(trainer.ddp, "add_gradient",
+                            lambda p, add: (delivered.append(p), add_gradient(p, add))[-1])
+        grads = []
+        for sink in (trainer.ddp, None):
+            trainer._set_gradient_sink(sink)
+            for hooked in seen.values():
+                hooked.clear()
+            calls.clear()
+            delivered.clear()
+            trainer._forward_backward(1)
+            grads.append({n: trainer.ddp.main_grad(n).clone() for n, _ in model.named_parameters()})
+            trainer.ddp.zero_grad()
+            for name, hooked in seen.items():
+                assert len(hooked) == n_micro, f"{name}: MXFP8Linear called {len(hooked)} times"
+                w = _mx(mxfp8[name].weight.detach().bfloat16().float())  # the cache's rule
+                for x, y in hooked:
+                    want = _mx(x.reshape(-1, x.shape[-1])) @ w.t()
+                    _assert_close(y.reshape(want.shape), want, 2e-5, 2e-6, f"{name} output")
+            attn = [(mods, x, out) for mods, x, out in calls
+                    if any(mods[0] is model.blocks[str(i)].attn.wq for i in range(2))]
+            assert len(attn) == 2 * n_micro
+            for mods, x, out in attn:  # what attention computes with: q, k and v as they are
+                x_TI = x.reshape(-1, x.shape[-1])
+                for mod, y in zip(mods, out, strict=True):
+                    want = (_mx(x_TI) @ _mx(mod.weight.detach().bfloat16().float()).t()
+                            if isinstance(mod, MXFP8Linear) else x_TI @ mod.weight.detach().t())
+                    _assert_close(y.reshape(want.shape), want, 2e-5, 2e-6,
+                                  f"{type(mod).__name__} output in attention")
+            if sink is not None:  # every plain dense weight took the route, once a microbatch
+                assert sorted(map(id, delivered)) == sorted(id(p) for p in dense.values()
+                                                            for _ in range(n_micro))
+            else:
+                assert not delivered
+        trainer.close()
+    with_sink, without = grads
+    for name, want in without.items():
+        assert want.abs().sum() > 0, name
+        _assert_close(with_sink[name], want, 1e-5, 1e-7, f"{name} gradient, sink on vs off")
 
 
 @pytest.mark.parametrize("overrides, status, message", [

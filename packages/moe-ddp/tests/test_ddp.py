@@ -380,36 +380,63 @@ def test_mean_mode_matches_pytorch_ddp():
 
 
 def _bf16_reduction(mode: str) -> bytes:
+    """Each rank's BF16-reduced main grads, and its own FP32 contribution: the same
+    microbatches through a plain autograd twin (gradients accumulated in the same order)."""
     rank = dist.get_rank()
     model = ToyMoE(range(N_EXPERTS))
     ddp = MultiGroupDDP(model, lambda n, p: dist.group.WORLD,
                         DDPConfig(mode=mode, comm_dtype="bfloat16", min_shard_numel=MIN_SHARD))
+    local = ToyMoE(range(N_EXPERTS))
     for mb in range(MICRO):
+        batch = microbatch(rank, 2, mb, False)
         with ddp.no_sync() if mb < MICRO - 1 else torch.enable_grad():
-            loss_sum(model, *microbatch(rank, 2, mb, False)).div(global_tokens(2)).backward()
+            loss_sum(model, *batch).div(global_tokens(2)).backward()
+        loss_sum(local, *batch).div(global_tokens(2)).backward()
     ddp.finish_grad_sync()
     twin = MultiGroupDDP(ToyMoE(range(N_EXPERTS)), lambda n, p: dist.group.WORLD,
                          DDPConfig(mode=mode, min_shard_numel=MIN_SHARD))
     twin.finish_grad_sync()  # the same buckets reduced in FP32, for the byte count
     return portable({
-        "grads": {n: (g[rank] if g.shape != p.shape else g) for n, p, g, _ in ddp},
+        "grads": {n: (g[rank] if ddp.grad_is_sharded(p) else g) for n, p, g, _ in ddp},
+        "sharded": {n: ddp.grad_is_sharded(p) for n, p, _, _ in ddp},
+        "local": {n: p.grad for n, p in local.named_parameters()},
         "bytes": ddp.last_sync_bytes,
         "fp32_bytes": twin.last_sync_bytes[(0, 1)],
     })
 
 
+def bf16_sum_of_two(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """What a BF16 sum over 2 gloo ranks yields, back in FP32: each rank's contribution
+    rounded to BF16, one BF16 addition (gloo adds BF16 elements as BF16: on 3 ranks,
+    1 + 2^-8 + 2^-8 gives 1 or 1 + 2^-7 depending on the chunk's order, so partial sums
+    are rounded; with 2 ranks there is one addition, the same in either order), then the
+    exact BF16 -> FP32 copy into the main grad."""
+    return (a.bfloat16() + b.bfloat16()).float()
+
+
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
 def test_bf16_communication_reduces_a_bf16_copy(mode):
+    results = unpack(run_distributed(_bf16_reduction, 2, mode, timeout=60))
     ref = reference_grads(2, ep=False)
-    for rank, r in enumerate(unpack(run_distributed(_bf16_reduction, 2, mode, timeout=60))):
+    differ = total = 0
+    for rank, r in enumerate(results):
+        assert r["grads"].keys() == ref.keys()
         for name, got in r["grads"].items():
-            want = ref[name] if got.shape == ref[name].shape else ref[name].reshape(2, -1)[rank]
+            a, b = (results[i]["local"][name].reshape(-1) for i in (0, 1))
+            want, fp32 = bf16_sum_of_two(a, b), a + b
+            torch.testing.assert_close(fp32.view(ref[name].shape), ref[name], rtol=1e-5, atol=1e-7)
+            if r["sharded"][name]:
+                want, fp32 = want.view(2, -1)[rank], fp32.view(2, -1)[rank]
             assert got.dtype == torch.float32
-            # Each rank's contribution and the sum are rounded to BF16 (8-bit mantissa).
-            scale = float(want.abs().max())
-            torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * scale, msg=name)
-        fp32 = r["fp32_bytes"]
-        assert r["bytes"] == {(0, 1): fp32 // 2}  # the counter counts BF16 bytes
+            assert torch.equal(got.reshape(want.shape), want), f"rank {rank} {name}: not the BF16 sum"
+            assert not torch.equal(want, fp32), name  # BF16 rounding shows in every tensor
+            differ += int((want != fp32).sum())
+            total += want.numel()
+        fp32_bytes = r["fp32_bytes"]
+        assert r["bytes"] == {(0, 1): fp32_bytes // 2}  # the counter counts BF16 bytes
+    # Random gradients: almost every element has bits below BF16's 8-bit mantissa, so an
+    # FP32 reduction (rounded nowhere) cannot pass for the BF16 one.
+    assert differ >= 0.9 * total, (differ, total)
 
 
 def test_synced_is_false_from_the_first_accumulation_to_finish_grad_sync():

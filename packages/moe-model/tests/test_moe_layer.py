@@ -163,6 +163,77 @@ def test_shared_experts_and_dense_layers():
     assert logits.shape == (2, 5, 97) and torch.isfinite(logits).all()
 
 
+def swiglu_by_hand(x, w1, w3, w2):
+    """silu(x W1^T) * (x W3^T) W2^T."""
+    return (torch.nn.functional.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
+
+
+def routed_reference(x, ids, weights, w1, w3, w2):
+    """sum_j w[t,j] * expert_{ids[t,j]}(x[t]), one token at a time (test_dispatch's
+    dense_reference, dropless)."""
+    y = torch.zeros_like(x)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            y[t] = y[t] + weights[t, j] * swiglu_by_hand(x[t], w1[e], w3[e], w2[e])
+    return y
+
+
+def fp64_leaves(tensors):
+    return [t.detach().double().requires_grad_() for t in tensors]
+
+
+def assert_matches_fp64(got, want, params, params64, seed):
+    """FP32 output and weight gradients against the FP64 oracle (an FP32 GEMM over 32 terms:
+    well inside 2e-5 relative)."""
+    torch.testing.assert_close(got, want.float(), rtol=2e-5, atol=2e-6)
+    dy = torch.randn(got.shape, generator=torch.Generator().manual_seed(seed))
+    grads = torch.autograd.grad(got, params, dy)
+    grads64 = torch.autograd.grad(want, params64, dy.double())
+    for a, b in zip(grads, grads64, strict=True):
+        torch.testing.assert_close(a, b.float(), rtol=2e-5, atol=2e-6)
+
+
+def test_shared_experts_add_their_swiglus_ungated_to_the_routed_mixture():
+    """The layer's output is the routed mixture plus, for each of the 2 shared experts
+    (hidden 8 each: rows [8s, 8s+8) of the fused width-16 shared SwiGLU), that expert's
+    SwiGLU of x with weight 1; weight gradients likewise (the routing itself is the
+    router's tests' business: its ids and weights are taken as given)."""
+    cfg, layer, x = layer_and_input(seed=4, T=10, n_shared_experts=2, shared_expert_hidden=8)
+    layer.eval()
+    y = layer(x).view(10, cfg.d_model)
+    x_TD = x.view(10, cfg.d_model)
+    with torch.no_grad():
+        routing = layer.router(x_TD)
+    sh, ex, H = layer.shared, layer.experts, 8
+    assert sh.w1.weight.shape == sh.w3.weight.shape == (2 * H, cfg.d_model)
+    assert sh.w2.weight.shape == (cfg.d_model, 2 * H)
+    params = [ex.w1, ex.w3, ex.w2, sh.w1.weight, sh.w3.weight, sh.w2.weight]
+    e1, e3, e2, s1, s3, s2 = params64 = fp64_leaves(params)
+    x64 = x_TD.double()
+    shared = sum(swiglu_by_hand(x64, s1[s * H:(s + 1) * H], s3[s * H:(s + 1) * H], s2[:, s * H:(s + 1) * H])
+                 for s in range(2))
+    routed = routed_reference(x64, routing.expert_ids, routing.weights.double(), e1, e3, e2)
+    assert shared.abs().max() > 0.3 * routed.abs().max()  # neither part is negligible
+    assert_matches_fp64(y, routed + shared, params, params64, seed=5)
+
+
+def test_a_dense_layer_is_a_swiglu_mlp_of_the_dense_width():
+    """The first ``n_dense_layers`` blocks: an MLP silu(x W1^T) * (x W3^T) W2^T of width
+    dense_hidden (default: the MoE layer's active width, top_k * expert_hidden + shared)."""
+    cfg = MoEConfig(**SMALL, n_shared_experts=1, n_dense_layers=2)
+    model = MoETransformer(cfg)
+    init_weights(model, cfg, seed=2)
+    assert [n for n, _ in model.moe_layers()] == ["blocks.2.mlp"]
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3))
+    for i in ("0", "1"):
+        mlp = model.blocks[i].mlp
+        assert mlp.w1.weight.shape == mlp.w3.weight.shape == (2 * 16 + 16, 32)
+        params = [mlp.w1.weight, mlp.w3.weight, mlp.w2.weight]
+        params64 = fp64_leaves(params)
+        assert_matches_fp64(mlp(x), swiglu_by_hand(x.double(), *params64), params, params64, seed=6)
+
+
 @pytest.mark.parametrize("granularity", ["microbatch", "global_batch"])
 def test_an_evaluation_forward_between_steps_leaves_the_next_step_alone(granularity):
     """A validation pass (eval mode, no autograd) after a step: the next step's balancing
