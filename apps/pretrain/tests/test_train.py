@@ -255,17 +255,6 @@ def _mx(x: torch.Tensor) -> torch.Tensor:
     return dequantize(*quantize(x, -1, backend="torch"), -1, dtype=torch.float32, backend="torch")
 
 
-def _assert_close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, what: str) -> None:
-    """``torch.allclose`` with the worst element named (``torch.testing.assert_close``
-    imports DTensor and sympy on first use: seconds on a cold two-core runner)."""
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    if not torch.allclose(got, want, rtol=rtol, atol=atol):
-        excess = (got - want).abs() - rtol * want.abs()
-        i = int(excess.argmax())
-        pytest.fail(f"{what}: element {i} is {got.reshape(-1)[i].item()!r}, want "
-                    f"{want.reshape(-1)[i].item()!r} (rtol {rtol}, atol {atol})")
-
-
 @pytest.mark.parametrize("targets", ["experts,attn.w?", "attn.wq"])
 def test_mxfp8_attention_projections_beside_the_dense_sink_route(tmp_path, monkeypatch, targets):
     """The dense layers' sink route forced on CPU (as on CUDA, ``moe_model.linear``): MXFP8
@@ -317,7 +306,8 @@ def test_mxfp8_attention_projections_beside_the_dense_sink_route(tmp_path, monke
                 w = _mx(mxfp8[name].weight.detach().bfloat16().float())  # the cache's rule
                 for x, y in hooked:
                     want = _mx(x.reshape(-1, x.shape[-1])) @ w.t()
-                    _assert_close(y.reshape(want.shape), want, 2e-5, 2e-6, f"{name} output")
+                    torch.testing.assert_close(y.reshape(want.shape), want, rtol=2e-5, atol=2e-6,
+                                               msg=f"{name} output")
             attn = [(mods, x, out) for mods, x, out in calls
                     if any(mods[0] is model.blocks[str(i)].attn.wq for i in range(2))]
             assert len(attn) == 2 * n_micro
@@ -326,8 +316,8 @@ def test_mxfp8_attention_projections_beside_the_dense_sink_route(tmp_path, monke
                 for mod, y in zip(mods, out, strict=True):
                     want = (_mx(x_TI) @ _mx(mod.weight.detach().bfloat16().float()).t()
                             if isinstance(mod, MXFP8Linear) else x_TI @ mod.weight.detach().t())
-                    _assert_close(y.reshape(want.shape), want, 2e-5, 2e-6,
-                                  f"{type(mod).__name__} output in attention")
+                    torch.testing.assert_close(y.reshape(want.shape), want, rtol=2e-5, atol=2e-6,
+                                               msg=f"{type(mod).__name__} output in attention")
             if sink is not None:  # every plain dense weight took the route, once a microbatch
                 assert sorted(map(id, delivered)) == sorted(id(p) for p in dense.values()
                                                             for _ in range(n_micro))
@@ -337,7 +327,8 @@ def test_mxfp8_attention_projections_beside_the_dense_sink_route(tmp_path, monke
     with_sink, without = grads
     for name, want in without.items():
         assert want.abs().sum() > 0, name
-        _assert_close(with_sink[name], want, 1e-5, 1e-7, f"{name} gradient, sink on vs off")
+        torch.testing.assert_close(with_sink[name], want, rtol=1e-5, atol=1e-7,
+                                   msg=f"{name} gradient, sink on vs off")
 
 
 @pytest.mark.parametrize("overrides, status, message", [

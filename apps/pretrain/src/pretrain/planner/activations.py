@@ -581,7 +581,7 @@ def block_inventory(cfg: MoEConfig, layer: int, ex: Execution) -> Inventory:
     if moe:
         inv.add("router.dlogits", FP32 * T * cfg.n_experts)
     if ex.kernels == "cuda":
-        swiglu = "shared" if moe and cfg.n_shared_experts else None if moe else "mlp"
+        swiglu = "mlp" if not moe else "shared" if cfg.n_shared_experts else None
         if swiglu is None:
             inv.add("mlp_norm.dh", b * T * D)
         more.add(f"{swiglu}.dy_down" if swiglu else "mlp_norm.dh")
