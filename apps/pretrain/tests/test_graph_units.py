@@ -137,6 +137,37 @@ def test_a_step_after_the_capture_that_runs_eagerly_trains_like_an_eager_step():
         assert torch.equal(weights[name], ref), name
 
 
+@pytest.mark.parametrize("ends", ["stop_requested", "stop_after", "last_step"])
+def test_no_capture_after_a_step_that_ends_the_run(ends):
+    """Capturing costs a step's worth of Python; after the run's final step (a stop, a
+    ``train.stop_after`` or the last step) nothing would replay the graphs."""
+    overrides = ["train.global_batch=4", "train.steps=3"]
+    if ends == "stop_after":
+        overrides.append("train.stop_after=1")
+    with distributed("cpu"):
+        cfg = load_config("tiny", overrides)
+        trainer = Trainer(cfg, build_mesh(validate_layout(cfg, 1), "cpu"), torch.device("cpu"))
+        try:
+            graphs = trainer.graphs = _CaptureThenChange(trainer)
+            eager_step = trainer._forward_backward
+
+            def without_graphs(step: int) -> torch.Tensor:
+                trainer.graphs = None  # on a GPU: the eager step on the graphs' stream
+                try:
+                    return eager_step(step)
+                finally:
+                    trainer.graphs = graphs
+
+            trainer._forward_backward = without_graphs
+            trainer._step(3 if ends == "last_step" else 1, stop_requested=ends == "stop_requested")
+            assert not graphs.captured
+            if ends != "last_step":  # control: a step that does not end the run captures
+                trainer._step(2, stop_requested=False)
+                assert graphs.captured
+        finally:
+            trainer.close()
+
+
 def _both_ways_on_two_ranks() -> tuple:
     overrides = ["train.global_batch=12", "model.lb_loss_granularity=global_batch",
                  "parallel.merge_expert_grad_microbatches=2"]

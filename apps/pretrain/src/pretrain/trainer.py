@@ -28,7 +28,8 @@ over it, then the MXFP8 caches' refresh hook.
 
 With ``train.cuda_graphs`` the first step runs eagerly (on the graphs' stream) and
 the microbatches' forward and backward, with the final ``finish_grad_sync``, are then
-captured in CUDA graphs (``pretrain.graphs``; not after the run's last step) and
+captured in CUDA graphs (``pretrain.graphs``; not after a step that ends the run:
+the last, ``train.stop_after``'s or a stopped one) and
 replayed from the second step on, as one phase ``graph``; the rest of the step runs as
 before.
 
@@ -263,7 +264,7 @@ class Trainer:
         if graphs is not None:
             if graphs.captured:
                 graphs.reset_sums()
-            elif step < self.cfg.train.steps:  # this step ran eagerly on the graphs' stream
+            elif not self._last_step(step, stop_requested):  # it ran eagerly on the graphs' stream
                 graphs.capture(self._run_unit, (self.cfg.train.micro_batch, self.cfg.train.seq_len + 1))
                 # the capture ran the units' Python (no kernels): the data-parallel wrapper
                 # counts their gradients as reduced; a next step that runs eagerly (the
@@ -271,6 +272,13 @@ class Trainer:
                 self.ddp.zero_grad()
         self._mark(None)
         return _DeviceStep(reduced, stats.grad_norm, stats.skipped, self.cfg.optim.lr * lr_factor)
+
+    def _last_step(self, step: int, stop_requested: bool) -> bool:
+        """Whether the run ends after ``step``, so capturing graphs for later steps is wasted.
+        Graphs run on one rank only (``config.validate_layout``), where this rank's stop
+        request is the agreed one."""
+        t = self.cfg.train
+        return step >= t.steps or step == t.stop_after or stop_requested
 
     def _host_batches(self, step: int) -> list[torch.Tensor]:
         """``[micro_batch, seq_len + 1]`` token ids of this rank's microbatches, on the host
