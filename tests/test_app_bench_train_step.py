@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_testing import load_script
+from moe_testing import load_script, run_distributed
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_train_step.py"
 
@@ -73,3 +73,27 @@ def test_methods_whose_layout_refuses_graphs_run_eagerly_and_say_why(tmp_path):
     bench.refuse_warmup_before_capture(1, {m: cfg for m, (cfg, _) in got.items()})
     with pytest.raises(SystemExit, match=r"--warmup 0 with train.cuda_graphs \(ddp\)"):
         bench.refuse_warmup_before_capture(0, {m: cfg for m, (cfg, _) in got.items()})
+
+
+def test_a_method_whose_layout_is_refused_fails_after_the_methods_before_it(tmp_path):
+    """EP over 2 ranks cannot split 3 experts: DDP before it is still measured and written,
+    and the error names EP, so the figure-8 sweep blames the right method."""
+    out = tmp_path / "bench.json"
+    errors = run_distributed(_refused_second_method, 2, str(out), timeout=300)
+    assert all("--methods ep: " in e and "not divisible by parallel.ep=2" in e for e in errors), errors
+    report = json.loads(out.read_text())
+    assert {r["method"] for r in report["runs"]} == {"ddp"}
+
+
+def _refused_second_method(out: str) -> str:
+    from pretrain.config import ConfigError
+
+    bench = _tool()
+    torch.set_num_threads(1)
+    try:
+        bench.main(["--config", "tiny", "--device", "cpu", "--warmup", "0", "--steps", "1",
+                    "--methods", "ddp", "ep", "--routing", "model", "--out", out,
+                    "train.global_batch=4", "model.n_experts=3"])
+    except ConfigError as e:
+        return str(e)
+    return "no error"

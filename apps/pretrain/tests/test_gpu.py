@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -111,9 +112,19 @@ def _steady_state_step_syncs(overrides: list[str]) -> list[str]:
                 failures.append(f"{str(e).splitlines()[0]} at {where}")
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-            if not failures:
-                record, _ = trainer._read(4, result, 0.0)  # the one synchronisation, outside
-                assert not record["skipped"]
+            if not failures:  # the step's one synchronisation: one copy to the host
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        record, _ = trainer._read(4, result, 0.0)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+                syncs = [str(w.message).splitlines()[0] for w in caught
+                         if "synchronizing" in str(w.message)]
+                if len(syncs) != 1:
+                    failures.append(f"_read synchronised {len(syncs)} times: {syncs}")
+                assert not record["skipped"] and record["peak_mem_gib"] > 0
         finally:
             trainer.close()
     return failures

@@ -10,15 +10,23 @@ BAD = [
     ("lb_loss_granularity", "sequence"), ("z_loss_coef", -1.0), ("bias_update_rate", -1e-3),
     ("capacity_factor", 0.0), ("rope_theta", 0.0), ("recompute", "full"),
     ("grouped_mm_backend", "cutlass"), ("attention_backend", "xformers"), ("n_experts", 2.5), ("qk_norm", 1), ("norm_topk_weights", "yes"),
-    # infinities pass every sign check; a nan fails them, but the finiteness check names it first
-    ("rope_theta", float("inf")), ("init_std", float("inf")), ("lb_loss_coef", float("inf")),
-    ("capacity_factor", float("inf")), ("norm_eps", float("nan")), ("z_loss_coef", float("-inf")),
 ]
+# +inf passes the sign and range checks (only the finiteness check refuses it); nan fails
+# those too, but the finiteness check is the one that names it
+NON_FINITE = [(f, float("inf")) for f in ("rope_theta", "init_std", "lb_loss_coef", "capacity_factor",
+                                           "norm_eps", "z_loss_coef", "bias_update_rate")]
+NON_FINITE += [("norm_eps", float("nan")), ("z_loss_coef", float("-inf"))]
 
 
 @pytest.mark.parametrize(("field", "value"), BAD)
 def test_bad_value_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"MoEConfig.{field} "):
+        MoEConfig(**{**dict(n_layers=4, n_experts=8, top_k=2), field: value})
+
+
+@pytest.mark.parametrize(("field", "value"), NON_FINITE)
+def test_non_finite_value_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"MoEConfig.{field} must be finite"):
         MoEConfig(**{**dict(n_layers=4, n_experts=8, top_k=2), field: value})
 
 

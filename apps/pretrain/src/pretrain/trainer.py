@@ -35,9 +35,10 @@ before.
 
 Host synchronisation: none inside the step on GPU (the no-sync transports,
 device-side routing, clipping and skip flag). The one synchronisation per step
-is ``_read``: one copy of the reduced values, the gradient norm and the skip flag
-to the host at the end of the step, which the logging, the skip counter and the
-stop decision need. (``parallel.ep_backend=all_to_all`` adds the host-visible
+is ``_read``: one copy of the reduced values, the gradient norm, the skip flag and
+(on GPU) the ranks' largest peak memory (a one-element MAX all-reduce queued just
+before) to the host at the end of the step, which the logging, the skip counter and
+the stop decision need. (``parallel.ep_backend=all_to_all`` adds the host-visible
 split sizes of its all-to-all; ``rowwise`` does not.)
 
 Shape legend: L MoE layers of the model, E experts.
@@ -349,14 +350,17 @@ class Trainer:
     # -- the one host synchronisation of a step --------------------------------------------
 
     def _read(self, step: int, result: _DeviceStep, start: float) -> tuple[dict[str, Any], bool]:
-        host = torch.cat([result.reduced, result.grad_norm.reshape(1).double(),
-                          result.skipped.reshape(1).double()]).cpu()
+        tail = [result.grad_norm.reshape(1).double(), result.skipped.reshape(1).double()]
+        if self.device.type == "cuda":
+            tail.append(self._peak_memory_bytes())
+        host = torch.cat([result.reduced, *tail]).cpu()
         elapsed = time.perf_counter() - start
-        values = self.packer.unpack(host[:-2])
+        n = result.reduced.numel()
+        values = self.packer.unpack(host[:n])
         record: dict[str, Any] = {
-            "step": step, "loss": values.loss, "lr": result.lr, "grad_norm": host[-2].item(),
+            "step": step, "loss": values.loss, "lr": result.lr, "grad_norm": host[n].item(),
             "tokens_per_s": self.tokens_per_step / elapsed, "step_time_s": elapsed,
-            "skipped": bool(host[-1].item()),
+            "skipped": bool(host[n + 1].item()),
         }
         if values.moe is not None:
             every = self.cfg.metrics.expert_load_every
@@ -364,14 +368,16 @@ class Trainer:
         if self.device.type == "cuda":
             n_gpus = self.mesh.layout.world_size
             record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (n_gpus * PEAK_FLOPS)
-            record["peak_mem_gib"] = self._peak_memory_gib()
+            record["peak_mem_gib"] = host[n + 2].item() / 2**30
         return record, values.stop
 
-    def _peak_memory_gib(self) -> float:
-        """The largest rank's peak allocated memory: the rank that logs (the last stage's)
-        is often not the fullest (1F1B's first stage, a skewed EP rank). After the step's
-        host read, so the collective waits for nothing queued."""
-        peak = torch.tensor([torch.cuda.max_memory_allocated(self.device)], dtype=torch.float64,
-                            device=self.device)
+    def _peak_memory_bytes(self) -> torch.Tensor:
+        """The largest rank's peak allocated bytes, as a device tensor: the rank that logs
+        (the last stage's) is often not the fullest (1F1B's first stage, a skewed EP rank).
+        The allocator's counter is the host's and already holds the step's allocations; its
+        MAX all-reduce is queued before the step's one copy to the host, which reads it too
+        (``full`` passes the count as a kernel argument: a host-to-device copy would sync)."""
+        peak = torch.full((1,), float(torch.cuda.max_memory_allocated(self.device)),
+                          dtype=torch.float64, device=self.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return peak.item() / 2**30
+        return peak
