@@ -113,7 +113,10 @@ def test_optional_field_with_a_non_none_default_round_trips():
 def test_toml_file_errors_name_the_key(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('[train]\nstpes = 3\n')
-    with pytest.raises(ConfigError, match="unknown config key 'train.stpes'; did you mean 'train.steps'"):
+    with pytest.raises(ConfigError, match="run.toml: unknown config key 'train.stpes'; did you mean 'train.steps'"):
+        load_config(str(path))
+    path.write_text('[train]\nsteps = 3.0\n')
+    with pytest.raises(ConfigError, match="run.toml: train.steps expects an integer"):
         load_config(str(path))
     path.write_text("[train\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
@@ -138,6 +141,8 @@ def test_toml_file_errors_name_the_key(tmp_path):
     (["optim.warmup_steps=4"], "train.steps=4 must exceed optim.warmup_steps=4"),
     (["parallel.ep_payload=mxfp8"], "parallel.ep_payload=mxfp8 needs expert parallelism"),
     (["mxfp8.gemm=fast"], "invalid mxfp8 config: MXFP8Config.gemm must be one of"),
+    (["mxfp8.targets=exprts,attn.w?"], r"mxfp8.targets \['exprts'\] match no linear layer"),
+    (["mxfp8.targets=mlp"], r"mxfp8.targets \['mlp'\] match no"),  # the MoE layer itself
     (["parallel.pp=2", "model.tie_embeddings=true"], "model.tie_embeddings with parallel.pp > 1"),
     (["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "model.recompute=block"],
      "parallel.pp_schedule=zero_bubble with model.recompute=block is not supported"),

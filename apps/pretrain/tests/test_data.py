@@ -244,3 +244,30 @@ def test_prepare_data_out_must_be_a_directory(tmp_path, capsys):
     (tmp_path / "out").write_text("x")
     status = main(["prepare-data", str(tmp_path / "in.txt"), "--out", str(tmp_path / "out")])
     assert status == 1 and capsys.readouterr().err.strip() == f"pretrain: error: --out '{tmp_path / 'out'}' is not a directory"
+
+
+def test_a_failed_prepare_data_leaves_no_half_written_directory(tmp_path, capsys):
+    """The non-UTF-8 file comes after a shard holds the first file's tokens: a rerun must not be refused
+    as 'already holds token files', and only what the failed call created is removed."""
+    _word_tokenizer(tmp_path / "tok.json", 5)
+    good, bad = tmp_path / "good.txt", tmp_path / "bad.txt"
+    good.write_text("w1 w2 w3\n" * 40)
+    bad.write_bytes(b"w1 w2\n\xff\xfe w3\n")
+    args = ["--tokenizer", str(tmp_path / "tok.json")]
+    new = tmp_path / "new" / "out"
+    assert main(["prepare-data", str(good), str(bad), "--out", str(new), *args]) == 1
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    assert main(["prepare-data", str(good), str(bad), "--out", str(kept), *args]) == 1
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
+    capsys.readouterr()
+    assert main(["prepare-data", str(good), "--out", str(new), *args]) == 0
+    assert (new / "tokens.json").is_file()
+
+
+def test_a_missing_data_path_is_named_as_given(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # './corpus' (a folder) and 'corpus' (the source) differ
+    with pytest.raises(DataError, match=r"data.path './corpus' does not exist"):
+        open_token_files("./corpus", vocab_size=256)

@@ -308,7 +308,12 @@ def test_plan_command_rejects_bad_input(capsys):
     for gib in ("nan", "inf", "-inf", "0", "-1"):
         assert plan_command(["--config", "tiny", f"--gpu-gib={gib}"]) == 2
         err = capsys.readouterr().err
-        assert "--gpu-gib" in err and err.count("\n") == 1
+        assert f"--gpu-gib must be a finite positive number, got {float(gib):g}" in err
+        assert err.count("\n") == 1 and "--gpus" not in err and "--headroom" not in err
+    for flag, value in (("--gpus", "0"), ("--headroom", "1"), ("--headroom", "-0.1")):
+        assert plan_command(["--config", "tiny", f"{flag}={value}"]) == 2
+        err = capsys.readouterr().err
+        assert f"{flag} must be" in err and f"got {value}" in err and err.count("--") == 1, err
     with pytest.raises(ValueError, match="gpu_gib"):
         PlanRequest.from_config(_config(), 1, gpu_gib=float("nan"))
 

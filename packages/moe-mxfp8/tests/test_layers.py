@@ -12,6 +12,7 @@ from moe_mxfp8 import (
     name_matches,
     quantize,
     refresh_weight_caches,
+    unmatched_targets,
 )
 from moe_testing import saved_tensor_bytes
 from torch import nn
@@ -183,6 +184,8 @@ def test_apply_mxfp8_patterns():
         }) for i in range(2)}),
         "head": nn.Linear(8, 4),
     })
+    targets = ("experts", "attn.w?", "mlp", "exprts", "attn")  # ModuleDicts are not layers
+    assert unmatched_targets(model, targets) == ["mlp", "exprts", "attn"]
     assert apply_mxfp8(model, MXFP8Config(targets=("experts", "attn.w?"))) == [
         "blocks.0.attn.wq", "blocks.0.attn.wo", "blocks.0.mlp.experts",
         "blocks.1.attn.wq", "blocks.1.attn.wo", "blocks.1.mlp.experts",
@@ -190,6 +193,7 @@ def test_apply_mxfp8_patterns():
     assert isinstance(model["blocks"]["1"]["mlp"]["experts"], MXFP8GroupedExperts)
     assert isinstance(model["blocks"]["0"]["mlp"]["router"], nn.Linear)
     assert apply_mxfp8(model, MXFP8Config(targets=("experts",))) == []  # already converted
+    assert unmatched_targets(model, targets) == ["mlp", "exprts", "attn"]  # converted still match
     assert name_matches("blocks.0.mlp.experts", "blocks.0.*")
     assert not name_matches("blocks.10.mlp.experts", "blocks.1.*.experts")
     with pytest.raises(ValueError, match="gemm"):

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from moe_model import MoEConfig
+import torch
+from moe_model import MoEConfig, MoETransformer
 from moe_model.triton_grouped_mm import MAX_WGRAD_SOURCES
-from moe_mxfp8 import MXFP8Config
+from moe_mxfp8 import MXFP8Config, unmatched_targets
 
 from pretrain.config_tree import ConfigError, apply_tree, dump_toml, set_key, to_tree
 from pretrain.data.sources import STDLIB, SYNTHETIC
@@ -148,6 +149,20 @@ class PretrainConfig:
     run_dir: str | None = None  # output folder; None: a new folder under runs/
     seed: int = 0  # seeds initialisation (and the data order unless data.seed is set)
 
+    def _check_mxfp8_targets(self) -> None:
+        """Each ``mxfp8.targets`` glob must match a linear layer or the grouped experts of the
+        model (built on the meta device: no memory), or a typo would train without MXFP8."""
+        if not self.mxfp8.targets:
+            return
+        with torch.device("meta"):
+            model = MoETransformer(self.model)
+        unmatched = unmatched_targets(model, self.mxfp8.targets)
+        if unmatched:
+            raise ConfigError(
+                f"mxfp8.targets {unmatched} match no linear layer or grouped experts of the model "
+                "(module-name globs matched against every dotted suffix, e.g. 'experts', "
+                "'attn.w?', 'blocks.1.*')")
+
     def validate(self) -> None:
         """Every check that does not need the world size; raises ``ConfigError``."""
         try:
@@ -158,6 +173,7 @@ class PretrainConfig:
             self.mxfp8.validate()
         except ValueError as e:
             raise ConfigError(f"invalid mxfp8 config: {e}") from None
+        self._check_mxfp8_targets()
         positive = ["train.steps", "train.seq_len", "train.global_batch", "train.micro_batch",
                     "train.max_consecutive_skips", "parallel.pp", "parallel.pp_virtual_stages",
                     "parallel.ep", "parallel.bucket_cap_mb", "parallel.merge_expert_grad_microbatches",
@@ -364,7 +380,10 @@ def load_config(source: str | None = None, overrides: list[str] | None = None) -
             tree = tomllib.loads(path.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
-        apply_tree(cfg, tree)
+        try:
+            apply_tree(cfg, tree)
+        except ConfigError as e:  # an unknown key or a wrong type: say which file holds it
+            raise ConfigError(f"{path}: {e}") from None
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():

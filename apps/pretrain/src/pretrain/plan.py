@@ -89,10 +89,13 @@ def _print_sweep(args: argparse.Namespace) -> None:
 def plan_command(argv: list[str]) -> int:
     """``pretrain plan``; exit 0 (also when the layout does not fit), 2 on a bad config."""
     args = _parser().parse_args(argv)
-    if (args.gpus < 1 or not math.isfinite(args.gpu_gib) or args.gpu_gib <= 0
-            or not 0 <= args.headroom < 1):
-        print("pretrain plan: error: --gpus must be >= 1, --gpu-gib a finite positive number "
-              "and --headroom in [0, 1)", file=sys.stderr)
+    bad = [f"--gpus must be >= 1, got {args.gpus}" if args.gpus < 1 else None,
+           f"--gpu-gib must be a finite positive number, got {args.gpu_gib:g}"
+           if not (math.isfinite(args.gpu_gib) and args.gpu_gib > 0) else None,
+           f"--headroom must be in [0, 1), got {args.headroom:g}"
+           if not 0 <= args.headroom < 1 else None]
+    if any(bad):
+        print(f"pretrain plan: error: {'; '.join(b for b in bad if b)}", file=sys.stderr)
         return 2
     if args.sweep:
         if args.config is not None or args.overrides:

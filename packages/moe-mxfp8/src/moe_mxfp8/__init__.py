@@ -6,8 +6,9 @@
 - ``MXFP8Linear`` / ``MXFP8GroupedExperts``: drop-in modules holding the original
   parameters, with MXFP8 forward and input-gradient GEMMs (exactly emulated on
   Hopper) and MXFP8 weight caches derived from the weights.
-- ``apply_mxfp8`` swaps modules by name pattern; ``refresh_weight_caches`` is the
-  optimizer's weights-updated hook.
+- ``apply_mxfp8`` swaps modules by name pattern (``unmatched_targets`` names the
+  patterns that match nothing); ``refresh_weight_caches`` is the optimizer's
+  weights-updated hook.
 - ``MXFP8RowCodec``: an MXFP8 payload for expert-parallel dispatch (``RowCodec``).
 """
 
@@ -17,6 +18,7 @@ from moe_mxfp8.apply import (
     mxfp8_modules,
     name_matches,
     refresh_weight_caches,
+    unmatched_targets,
 )
 from moe_mxfp8.cache import MXFP8WeightCache
 from moe_mxfp8.codec import MXFP8RowCodec
@@ -51,4 +53,5 @@ __all__ = [
     "quantize_rows_and_cols",
     "refresh_weight_caches",
     "scale_to_float",
+    "unmatched_targets",
 ]

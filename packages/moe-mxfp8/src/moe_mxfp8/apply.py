@@ -54,6 +54,19 @@ def _is_grouped_experts(module: nn.Module) -> bool:
     return all(n in params and params[n].dim() == 3 for n in ("w1", "w3", "w2"))
 
 
+def _replaceable(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or _is_grouped_experts(module)
+
+
+def unmatched_targets(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
+    """The globs of ``targets`` that match no module ``apply_mxfp8`` would replace in
+    ``model`` (a whole model: a pipeline stage lacks other stages' modules). A misspelt
+    glob otherwise leaves MXFP8 off without a word; a caller can refuse it up front."""
+    names = [fqn for fqn, module in model.named_modules()
+             if fqn and (_replaceable(module) or isinstance(module, (MXFP8Linear, MXFP8GroupedExperts)))]
+    return [t for t in targets if not any(name_matches(fqn, t) for fqn in names)]
+
+
 def mxfp8_modules(model: nn.Module) -> Iterator[tuple[str, MXFP8Linear | MXFP8GroupedExperts]]:
     for name, module in model.named_modules():
         if isinstance(module, (MXFP8Linear, MXFP8GroupedExperts)):

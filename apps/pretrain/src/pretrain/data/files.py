@@ -104,9 +104,9 @@ def check_token_ids(array: np.ndarray, vocab_size: int, name: str) -> None:
 
 def open_token_files(path: str | Path, vocab_size: int) -> TokenArrays:
     """Memory-map a token directory (or one ``.bin`` of it) after checking it fully."""
-    path = Path(path)
+    given, path = str(path), Path(path)
     if not path.exists():
-        raise DataError(f"data.path {str(path)!r} does not exist")
+        raise DataError(f"data.path {given!r} does not exist")
     directory = path if path.is_dir() else path.parent
     meta = _read_sidecar(directory)
     dtype = DTYPES[meta["dtype"]]

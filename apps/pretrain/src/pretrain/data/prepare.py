@@ -157,22 +157,34 @@ def prepare_data(inputs: Sequence[Path], out: Path, tokenizer: Path | None = Non
         raise DataError(f"--tokenizer {str(tokenizer)!r} is not a file")
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {str(out)!r} is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / SIDECAR).exists() or any(out.glob("*.bin")):
+    if out.is_dir() and ((out / SIDECAR).exists() or any(out.glob("*.bin"))):
         raise DataError(f"{out} already holds token files; choose an empty --out directory")
-
-    if tokenizer is None:
-        vocab_size, encode, tokenizer_name = 256, _byte_blocks, "bytes"
-    else:
-        (vocab_size, encode), tokenizer_name = _encode_with_tokenizer(tokenizer), tokenizer.name
-    dtype = dtype_for_vocab(vocab_size)
-    writer = _ShardWriter(out, dtype, shard_tokens)
-    for path in inputs:
-        for ids in encode(path):
-            writer.write(ids)
-    files = writer.close()
-    n_tokens = sum(f["tokens"] for f in files)
-    if n_tokens == 0:
-        raise DataError("the input files hold no tokens")
-    write_sidecar(out, dtype, vocab_size, files, tokenizer_name)
+    created = [p for p in (out, *out.parents) if not p.exists()]
+    out.mkdir(parents=True, exist_ok=True)
+    writer = None
+    try:
+        if tokenizer is None:
+            vocab_size, encode, tokenizer_name = 256, _byte_blocks, "bytes"
+        else:
+            (vocab_size, encode), tokenizer_name = _encode_with_tokenizer(tokenizer), tokenizer.name
+        dtype = dtype_for_vocab(vocab_size)
+        writer = _ShardWriter(out, dtype, shard_tokens)
+        for path in inputs:
+            for ids in encode(path):
+                writer.write(ids)
+        files = writer.close()
+        n_tokens = sum(f["tokens"] for f in files)
+        if n_tokens == 0:
+            raise DataError("the input files hold no tokens")
+        write_sidecar(out, dtype, vocab_size, files, tokenizer_name)
+    except BaseException:  # no half-written directory that a rerun would refuse
+        if writer is not None:
+            writer.close()
+            for f in writer.files:
+                (out / f["name"]).unlink(missing_ok=True)
+        (out / (SIDECAR + ".tmp")).unlink(missing_ok=True)
+        for directory in created:  # innermost first; only what this call created
+            if directory.exists() and not any(directory.iterdir()):
+                directory.rmdir()
+        raise
     return PreparedData(out, dtype, vocab_size, n_tokens, files)
