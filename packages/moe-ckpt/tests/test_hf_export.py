@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import moe_ckpt as mc
@@ -79,3 +81,29 @@ def test_export_from_a_sharded_checkpoint(tmp_path: Path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf"]  # no temp dir left
     with pytest.raises(FileExistsError):
         mc.export_hf(ck, out, convert=toy_convert, select=lambda n: True, config=cfg)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077], ids=["022", "002", "077"])
+def test_export_files_get_the_mode_of_ordinary_files(tmp_path: Path, umask: int):
+    """safetensors writes a 0600 temp file and renames it; the shards must still be
+    readable like config.json and the index (0o666 less the umask)."""
+    ck = tmp_path / "ck"
+    mc.save(ck, model_state())
+    old = os.umask(umask)
+    try:
+        out = mc.export_hf(
+            ck,
+            tmp_path / "hf",
+            convert=toy_convert,
+            select=lambda n: n.startswith("model/"),
+            config={"model_type": "toy_moe"},
+            max_shard_bytes=300,
+        )
+    finally:
+        os.umask(old)
+    config_mode = stat.S_IMODE((out / "config.json").stat().st_mode)
+    assert config_mode == 0o666 & ~umask
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) > 1
+    for f in [*shards, out / "model.safetensors.index.json"]:
+        assert stat.S_IMODE(f.stat().st_mode) == config_mode, (f.name, oct(f.stat().st_mode))

@@ -190,6 +190,15 @@ def _bad_inputs() -> None:
     assert d.transport.sends_tokens_once(D * 4)
     with pytest.raises(ValueError, match="max_tokens"):
         d.transport.send(handle.route, torch.zeros(5, D), K)
+    # Rows wider than the rowwise transport was built for (FP32 rows, make_transport's
+    # default BF16): the error names the argument that sizes it.
+    d = EPDispatcher(cfg, make_transport("rowwise", cfg))
+    wanted = r"a row send needs .* bytes .*make_transport\(\.\.\., dtype=x\.dtype\)"
+    with pytest.raises(ValueError, match=wanted):
+        d.dispatch(x, torch.zeros(4, K, dtype=torch.int64))
+    d = EPDispatcher(cfg, make_transport("rowwise", cfg, dtype=x.dtype))
+    rows, _, handle = d.dispatch(x, torch.zeros(4, K, dtype=torch.int64))
+    assert rows.dtype == torch.float32
 
 
 def _weights_given_to_dispatch_then_changed() -> list[bool]:

@@ -8,6 +8,12 @@ point only; integer buffers keep their dtype), and packed in stored order into
 shards of at most ``max_shard_bytes`` (a single tensor larger than the cap gets a
 shard of its own). The export is written to a temporary sibling directory and
 renamed into place, so ``out_dir`` is complete or absent.
+
+Every file gets the permissions of an ordinary file this process creates (0o666
+less the umask, e.g. 0644). ``safetensors.torch.save_file`` (0.8 at least) writes
+each shard to a private temporary file (mode 0600) and renames it over the target,
+so the shards are given ``config.json``'s mode: otherwise a shared export would be
+unreadable to other users.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -53,8 +60,12 @@ def export_hf(
     tmp = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex}")
     tmp.mkdir(parents=True)
     try:
+        # Written first: an ordinary file, whose mode (umask applied, as for any file
+        # this process creates) the shards copy.
+        (tmp / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
+        file_mode = stat.S_IMODE(os.stat(tmp / "config.json").st_mode)
         shard_files, weight_map, total = _write_shards(
-            checkpoint_dir, names, convert, dtype, max_shard_bytes, tmp
+            checkpoint_dir, names, convert, dtype, max_shard_bytes, tmp, file_mode
         )
         final_names = {
             f: f"model-{i + 1:05d}-of-{len(shard_files):05d}.safetensors"
@@ -67,7 +78,6 @@ def export_hf(
             "weight_map": {k: final_names[v] for k, v in sorted(weight_map.items())},
         }
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -82,6 +92,7 @@ def _write_shards(
     dtype: torch.dtype,
     max_shard_bytes: int,
     tmp: Path,
+    file_mode: int,
 ) -> tuple[list[str], dict[str, str], int]:
     files: list[str] = []
     weight_map: dict[str, str] = {}
@@ -93,6 +104,8 @@ def _write_shards(
         if shard:
             files.append(f"part-{len(files):05d}.safetensors")
             save_file(shard, str(tmp / files[-1]), metadata={"format": "pt"})
+            # safetensors created it 0600 (a temporary file renamed into place).
+            os.chmod(tmp / files[-1], file_mode)
             for k in shard:
                 weight_map[k] = files[-1]
             shard, shard_bytes = {}, 0

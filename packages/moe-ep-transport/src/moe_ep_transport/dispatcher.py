@@ -308,7 +308,8 @@ def make_transport(
     ``backend="all_to_all"``: the reference (gloo or NCCL). ``backend="rowwise"``:
     NVSHMEM one-sided puts on CUDA; on CPU the same algorithm over emulated peer
     memory (for tests). The rowwise slabs are sized for rows of ``dtype`` (and the
-    codec's packed rows) at ``cfg``'s capacity.
+    codec's packed rows) at ``cfg``'s capacity: pass the dtype of the activations
+    given to ``dispatch`` (the default is BF16; wider rows do not fit).
     """
     from moe_ep_transport.transport import AllToAllTransport
 

@@ -107,8 +107,12 @@ class RowwiseTransport:
         if nbytes > self.memory.slab_bytes:
             raise ValueError(
                 f"{what} needs {nbytes} bytes of symmetric buffer but the transport's slabs hold "
-                f"{self.memory.slab_bytes}; build the transport for wider rows (row_bytes) or a "
-                f"larger EPConfig"
+                f"{self.memory.slab_bytes}. make_transport sizes them for rows of EPConfig.d_model "
+                f"elements of its `dtype` argument (default torch.bfloat16) or for its `codec`'s "
+                f"packed rows: build it with the dtype of the rows you dispatch "
+                f"(make_transport(..., dtype=x.dtype)) and the codec you use; a RowwiseTransport "
+                f"built directly needs a PeerMemory of rowwise.slab_bytes_for(cfg, ep_size, "
+                f"row_bytes) bytes per slab"
             )
 
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
