@@ -80,6 +80,15 @@ def test_validation_names_the_tensor(tmp_path: Path):
     assert not (tmp_path / "gap").exists() and len(list(tmp_path.iterdir())) == 1
 
 
+def test_a_name_too_long_for_a_file_name_is_refused_by_the_file_layout_only(tmp_path: Path):
+    name = "opt state[adam].m " + "x" * 250  # 268 characters, 276 bytes percent-encoded
+    with pytest.raises(ValueError, match=r"'opt state\[adam\].m x+'\.\.\. is 276 bytes .* 'file' layout"):
+        mc.save(tmp_path / "f", {name: torch.arange(3.0)}, options=mc.StorageOptions(kvstore="file"))
+    assert not (tmp_path / "f").exists()
+    mc.save(tmp_path / "o", {name: torch.arange(3.0)})  # ocdbt: keys are not file names
+    assert torch.equal(dict(mc.read_tensors(tmp_path / "o", [name]))[name], torch.arange(3.0))
+
+
 def test_uncommitted_or_foreign_directories_are_refused(tmp_path: Path):
     mc.save(tmp_path / "ck", {"w": torch.zeros(2)})
     partial = tmp_path / ".ck.partial-0123abcd"

@@ -145,7 +145,7 @@ def prepare_save(
             raise FileExistsError(f"checkpoint {final} already exists")
         described = describe_all(tensors, comm.rank)
         for name, d in described.items():
-            array_key(name)
+            array_key(name, options.kvstore)
             payload[name] = (d.global_shape, d.dtype, d.held.to_json(), [r.box for r in d.regions])
     except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
         local_error = e

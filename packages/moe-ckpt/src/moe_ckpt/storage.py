@@ -50,11 +50,24 @@ class StorageOptions:
             raise ValueError("StorageOptions: target_chunk_bytes >= 1 and min_chunk_bytes >= 0")
 
 
-def array_key(name: str) -> str:
-    """A storage key for a tensor name: percent-encoded, so any name maps to one path part."""
+NAME_MAX = 255  # bytes in one file name on the common Linux file systems (ext4, xfs)
+
+
+def array_key(name: str, kvstore: str | None = None) -> str:
+    """A storage key for a tensor name: percent-encoded, so any name maps to one path part.
+
+    With ``kvstore="file"`` that part is a directory name, which the file system caps
+    at ``NAME_MAX`` bytes; ``ocdbt`` keys live inside its own files and have no cap.
+    """
     key = quote(name, safe="")
     if key in (".", ".."):
         raise ValueError(f"tensor name {name!r} cannot be stored (reserved path name)")
+    if kvstore == "file" and len(key) > NAME_MAX:
+        raise ValueError(
+            f"tensor name {name[:60]!r}... is {len(key)} bytes percent-encoded, over the "
+            f"{NAME_MAX} of a file name: the 'file' layout cannot store it; use "
+            "StorageOptions(kvstore='ocdbt') or a shorter name"
+        )
     return key
 
 
