@@ -141,8 +141,6 @@ def test_toml_file_errors_name_the_key(tmp_path):
     (["optim.warmup_steps=4"], "train.steps=4 must exceed optim.warmup_steps=4"),
     (["parallel.ep_payload=mxfp8"], "parallel.ep_payload=mxfp8 needs expert parallelism"),
     (["mxfp8.gemm=fast"], "invalid mxfp8 config: MXFP8Config.gemm must be one of"),
-    (["mxfp8.targets=exprts,attn.w?"], r"mxfp8.targets \['exprts'\] match no linear layer"),
-    (["mxfp8.targets=mlp"], r"mxfp8.targets \['mlp'\] match no"),  # the MoE layer itself
     (["parallel.pp=2", "model.tie_embeddings=true"], "model.tie_embeddings with parallel.pp > 1"),
     (["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "model.recompute=block"],
      "parallel.pp_schedule=zero_bubble with model.recompute=block is not supported"),

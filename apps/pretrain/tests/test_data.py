@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 
 import numpy as np
 import pytest
@@ -271,3 +272,34 @@ def test_a_missing_data_path_is_named_as_given(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # './corpus' (a folder) and 'corpus' (the source) differ
     with pytest.raises(DataError, match=r"data.path './corpus' does not exist"):
         open_token_files("./corpus", vocab_size=256)
+
+
+def test_a_failed_prepare_data_keeps_files_it_did_not_write(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "tokens.json.tmp").write_text("the user's own file")  # not a token file: accepted
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(DataError, match="hold no tokens"):
+        prepare_data([tmp_path / "empty.txt"], out)
+    assert (out / "tokens.json.tmp").read_text() == "the user's own file"
+
+
+def test_a_write_error_still_cleans_up(tmp_path):
+    """A failed write (a file-size limit here; a full disk fails the same way) leaves bytes in
+    the shard's buffer, so closing the shard in the cleanup raises again."""
+    resource = pytest.importorskip("resource")
+    inputs = []
+    for i in range(100):
+        (tmp_path / f"in{i}.txt").write_bytes(b"abcdefghi\n" * 100)
+        inputs.append(tmp_path / f"in{i}.txt")
+    out = tmp_path / "new" / "tok"
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))
+    try:
+        with pytest.raises(OSError):
+            prepare_data(inputs, out)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert not (tmp_path / "new").exists(), sorted(str(p) for p in (tmp_path / "new").rglob("*"))

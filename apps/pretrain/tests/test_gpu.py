@@ -105,7 +105,7 @@ def _steady_state_step_syncs(overrides: list[str]) -> list[str]:
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                result = trainer._run(4, stop_requested=False)
+                result = trainer._run(4, stop_requested=False, final=False)
             except RuntimeError as e:  # name the operation: the innermost frames of ours
                 ours = [f for f in traceback.extract_tb(e.__traceback__) if "/site-packages/" not in f.filename]
                 where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.line}" for f in ours[::-1][:3])

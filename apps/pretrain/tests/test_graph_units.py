@@ -19,6 +19,7 @@ from moe_testing import run_distributed
 from pretrain.config import load_config, validate_layout
 from pretrain.graphs import split_into_units
 from pretrain.mesh import build_mesh
+from pretrain.metrics import MetricsLog
 from pretrain.runtime import distributed
 from pretrain.trainer import Trainer
 
@@ -137,15 +138,31 @@ def test_a_step_after_the_capture_that_runs_eagerly_trains_like_an_eager_step():
         assert torch.equal(weights[name], ref), name
 
 
-@pytest.mark.parametrize("ends", ["stop_requested", "stop_after", "last_step"])
+class _StopAt:
+    """``StopRequest`` as ``Trainer.fit`` reads it: requested from step ``at`` on."""
+
+    def __init__(self, at: int | None) -> None:
+        self.at, self.steps = at, 0
+
+    @property
+    def requested(self) -> bool:
+        self.steps += 1
+        return self.at is not None and self.steps >= self.at
+
+    def describe(self) -> str:
+        return "a test's stop"
+
+
+@pytest.mark.parametrize("ends", ["stop_requested", "stop_after", "last_step", None])
 def test_no_capture_after_a_step_that_ends_the_run(ends):
     """Capturing costs a step's worth of Python; after the run's final step (a stop, a
-    ``train.stop_after`` or the last step) nothing would replay the graphs."""
-    overrides = ["train.global_batch=4", "train.steps=3"]
+    ``train.stop_after`` or the last step) nothing would replay the graphs. ``None``: the
+    control, a run of three steps, captures after its first."""
+    overrides = ["train.global_batch=4", f"train.steps={1 if ends == 'last_step' else 3}"]
     if ends == "stop_after":
         overrides.append("train.stop_after=1")
     with distributed("cpu"):
-        cfg = load_config("tiny", overrides)
+        cfg = load_config("tiny", [*overrides, "optim.schedule=constant"])
         trainer = Trainer(cfg, build_mesh(validate_layout(cfg, 1), "cpu"), torch.device("cpu"))
         try:
             graphs = trainer.graphs = _CaptureThenChange(trainer)
@@ -159,11 +176,11 @@ def test_no_capture_after_a_step_that_ends_the_run(ends):
                     trainer.graphs = graphs
 
             trainer._forward_backward = without_graphs
-            trainer._step(3 if ends == "last_step" else 1, stop_requested=ends == "stop_requested")
-            assert not graphs.captured
-            if ends != "last_step":  # control: a step that does not end the run captures
-                trainer._step(2, stop_requested=False)
-                assert graphs.captured
+            trainer.reset_graphs = lambda: setattr(trainer, "graphs", None)
+            records = trainer.fit(MetricsLog([], 3, echo=False),
+                                  _StopAt(1 if ends == "stop_requested" else None))
+            assert len(records) == (3 if ends is None else 1)
+            assert graphs.captured == (ends is None)
         finally:
             trainer.close()
 

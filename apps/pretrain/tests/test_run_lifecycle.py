@@ -89,3 +89,13 @@ def test_a_run_dir_that_is_a_file_is_one_line(tmp_path, capsys):
     assert main(["--config", "tiny", f"run_dir={tmp_path / 'f'}"]) == 2
     assert capsys.readouterr().err.strip() == \
         f"pretrain: error: run_dir='{tmp_path / 'f'}' is a file, not a directory"
+
+
+@pytest.mark.parametrize("targets, unmatched", [("exprts,attn.w?", "['exprts']"),
+                                                ("mlp", "['mlp']")])  # the MoE layer itself
+def test_mxfp8_targets_that_match_no_layer_are_one_line(tmp_path, capsys, targets, unmatched):
+    """Checked on the whole model where it is built (cut into stages later), so a typo does
+    not train without MXFP8; a valid target in the same list is no excuse."""
+    assert main(["--config", "tiny", f"run_dir={tmp_path}", f"mxfp8.targets={targets}"]) == 2
+    assert capsys.readouterr().err.strip().startswith(
+        f"pretrain: error: mxfp8.targets {unmatched} match no linear layer or grouped experts")

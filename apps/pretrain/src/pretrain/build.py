@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import torch
 from moe_ep_transport import EPConfig, EPDispatcher, Transport, make_transport
 from moe_model import MoELayer, MoETransformer, init_weights, lm_loss_sum, total_params
-from moe_mxfp8 import MXFP8RowCodec, apply_mxfp8
+from moe_mxfp8 import MXFP8RowCodec, apply_mxfp8, unmatched_targets
 from moe_pp import Pipeline, PipelineConfig, build_pipeline
 from torch import nn
 
-from pretrain.config import PretrainConfig
+from pretrain.config import ConfigError, PretrainConfig
 from pretrain.mesh import ParallelMesh
 
 _ROOT_CHILDREN = ("embed", "norm", "head")
@@ -74,6 +74,12 @@ def build_model_part(cfg: PretrainConfig, mesh: ParallelMesh, device: torch.devi
     on_meta = 4 * total_params(m) > META_BUILD_BYTES
     with torch.device("meta" if on_meta else device):
         model = MoETransformer(m)
+    unmatched = unmatched_targets(model, cfg.mxfp8.targets)  # the whole model: before the cut
+    if unmatched:  # a misspelt glob would train without MXFP8 and say nothing
+        raise ConfigError(
+            f"mxfp8.targets {unmatched} match no linear layer or grouped experts of the model "
+            "(module-name globs matched against every dotted suffix, e.g. 'experts', "
+            "'attn.w?', 'blocks.1.*')")
     pipeline = None
     module: nn.Module = model
     if p.pp > 1:

@@ -207,7 +207,11 @@ class Trainer:
         t = self.cfg.train
         history, consecutive_skips = [], 0
         for step in range(start_step, t.steps + 1):
-            record, stop_agreed = self._step(step, stop.requested)
+            requested = stop.requested
+            # ``final`` only decides a graph capture, which runs on one rank (config): its
+            # own request is the agreed one there
+            final = requested or step in (t.steps, t.stop_after)
+            record, stop_agreed = self._step(step, requested, final)
             log.write(record)
             history.append(record)
             reason = stop.describe() if stop_agreed else \
@@ -228,12 +232,14 @@ class Trainer:
         return history
 
     def step(self, step: int) -> dict[str, Any]:
-        """One optimizer step; its metrics record."""
-        return self._step(step, stop_requested=False)[0]
+        """One optimizer step; its metrics record. (Only ``fit`` stops: a caller stepping
+        on its own, e.g. a benchmark, gets graphs captured after any step but the last.)"""
+        return self._step(step, stop_requested=False, final=step >= self.cfg.train.steps)[0]
 
-    def _step(self, step: int, stop_requested: bool) -> tuple[dict[str, Any], bool]:
+    def _step(self, step: int, stop_requested: bool, final: bool) -> tuple[dict[str, Any], bool]:
+        """``final``: the run ends after this step, so no graphs are captured for later ones."""
         start = time.perf_counter()
-        result = self._run(step, stop_requested)
+        result = self._run(step, stop_requested, final)
         return self._read(step, result, start)
 
     # -- phases (device work only) ---------------------------------------------------
@@ -242,7 +248,7 @@ class Trainer:
         if self.timer is not None:
             self.timer.mark(phase)
 
-    def _run(self, step: int, stop_requested: bool) -> _DeviceStep:
+    def _run(self, step: int, stop_requested: bool, final: bool) -> _DeviceStep:
         lr_factor = self.schedule(step)
         if self.graphs is not None and self.graphs.captured and not self.graphs.match_model():
             self.reset_graphs()  # the model changed since the capture: eager now, capture after
@@ -265,7 +271,7 @@ class Trainer:
         if graphs is not None:
             if graphs.captured:
                 graphs.reset_sums()
-            elif not self._last_step(step, stop_requested):  # it ran eagerly on the graphs' stream
+            elif not final:  # this step ran eagerly on the graphs' stream
                 graphs.capture(self._run_unit, (self.cfg.train.micro_batch, self.cfg.train.seq_len + 1))
                 # the capture ran the units' Python (no kernels): the data-parallel wrapper
                 # counts their gradients as reduced; a next step that runs eagerly (the
@@ -273,13 +279,6 @@ class Trainer:
                 self.ddp.zero_grad()
         self._mark(None)
         return _DeviceStep(reduced, stats.grad_norm, stats.skipped, self.cfg.optim.lr * lr_factor)
-
-    def _last_step(self, step: int, stop_requested: bool) -> bool:
-        """Whether the run ends after ``step``, so capturing graphs for later steps is wasted.
-        Graphs run on one rank only (``config.validate_layout``), where this rank's stop
-        request is the agreed one."""
-        t = self.cfg.train
-        return step >= t.steps or step == t.stop_after or stop_requested
 
     def _host_batches(self, step: int) -> list[torch.Tensor]:
         """``[micro_batch, seq_len + 1]`` token ids of this rank's microbatches, on the host

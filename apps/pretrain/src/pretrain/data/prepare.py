@@ -160,6 +160,8 @@ def prepare_data(inputs: Sequence[Path], out: Path, tokenizer: Path | None = Non
     if out.is_dir() and ((out / SIDECAR).exists() or any(out.glob("*.bin"))):
         raise DataError(f"{out} already holds token files; choose an empty --out directory")
     created = [p for p in (out, *out.parents) if not p.exists()]
+    sidecar_tmp = out / (SIDECAR + ".tmp")
+    ours = [sidecar_tmp] if not sidecar_tmp.exists() else []  # a user's file stays
     out.mkdir(parents=True, exist_ok=True)
     writer = None
     try:
@@ -179,10 +181,13 @@ def prepare_data(inputs: Sequence[Path], out: Path, tokenizer: Path | None = Non
         write_sidecar(out, dtype, vocab_size, files, tokenizer_name)
     except BaseException:  # no half-written directory that a rerun would refuse
         if writer is not None:
-            writer.close()
-            for f in writer.files:
-                (out / f["name"]).unlink(missing_ok=True)
-        (out / (SIDECAR + ".tmp")).unlink(missing_ok=True)
+            try:
+                writer.close()
+            except OSError:  # the failed write's bytes again (a full disk): the file is closed
+                pass
+            ours += [out / f["name"] for f in writer.files]
+        for path in ours:
+            path.unlink(missing_ok=True)
         for directory in created:  # innermost first; only what this call created
             if directory.exists() and not any(directory.iterdir()):
                 directory.rmdir()
