@@ -67,6 +67,25 @@ class _CaptureThenChange(_RerunUnits):
         return False
 
 
+def _capture_then_change(trainer: Trainer) -> _CaptureThenChange:
+    """Install graphs that capture after the first step and then no longer match the model.
+    The eager steps run with the graphs set aside (on a GPU: on the graphs' stream); the
+    fallback drops them, as ``Trainer.reset_graphs`` does."""
+    graphs = trainer.graphs = _CaptureThenChange(trainer)
+    eager_step = trainer._forward_backward
+
+    def without_graphs(step: int) -> torch.Tensor:
+        saved, trainer.graphs = trainer.graphs, None
+        try:
+            return eager_step(step)
+        finally:
+            trainer.graphs = saved
+
+    trainer._forward_backward = without_graphs
+    trainer.reset_graphs = lambda: setattr(trainer, "graphs", None)
+    return graphs
+
+
 def _steps(overrides: list[str], units: bool, steps: int = 4) -> tuple[list[tuple], dict]:
     """Records and final weights of ``steps`` steps; with ``units``, from step 2 on the
     microbatches run as graph units."""
@@ -113,18 +132,7 @@ def test_a_step_after_the_capture_that_runs_eagerly_trains_like_an_eager_step():
         cfg = load_config("tiny", overrides)
         trainer = Trainer(cfg, build_mesh(validate_layout(cfg, 1), "cpu"), torch.device("cpu"))
         try:
-            trainer.graphs = _CaptureThenChange(trainer)
-            eager_step = trainer._forward_backward
-
-            def first_step_without_graphs(step: int) -> torch.Tensor:
-                graphs, trainer.graphs = trainer.graphs, None  # on a GPU: the graphs' stream
-                try:
-                    return eager_step(step)
-                finally:
-                    trainer.graphs = graphs
-
-            trainer._forward_backward = first_step_without_graphs
-            trainer.reset_graphs = lambda: setattr(trainer, "graphs", None)
+            _capture_then_change(trainer)
             records = [trainer.step(1)]
             assert isinstance(trainer.graphs, _CaptureThenChange) and trainer.graphs.captured
             records.append(trainer.step(2))
@@ -165,18 +173,7 @@ def test_no_capture_after_a_step_that_ends_the_run(ends):
         cfg = load_config("tiny", [*overrides, "optim.schedule=constant"])
         trainer = Trainer(cfg, build_mesh(validate_layout(cfg, 1), "cpu"), torch.device("cpu"))
         try:
-            graphs = trainer.graphs = _CaptureThenChange(trainer)
-            eager_step = trainer._forward_backward
-
-            def without_graphs(step: int) -> torch.Tensor:
-                trainer.graphs = None  # on a GPU: the eager step on the graphs' stream
-                try:
-                    return eager_step(step)
-                finally:
-                    trainer.graphs = graphs
-
-            trainer._forward_backward = without_graphs
-            trainer.reset_graphs = lambda: setattr(trainer, "graphs", None)
+            graphs = _capture_then_change(trainer)
             records = trainer.fit(MetricsLog([], 3, echo=False),
                                   _StopAt(1 if ends == "stop_requested" else None))
             assert len(records) == (3 if ends is None else 1)
