@@ -329,18 +329,20 @@ def print_table(report: dict[str, Any]) -> None:
         print(" ".join(f"{c:>9s}" for c in cells))
 
 
-def method_configs(a: argparse.Namespace, device: torch.device, world: int,
-                   run_dir: Path) -> dict[str, tuple[Any, str | None] | ConfigError]:
-    """Every method's config, or the ``ConfigError`` its layout raised. The refusal is
-    raised when that method's turn comes, so the methods before it are still measured
-    and the first method without a result is the one that failed (``sweep_figure8``)."""
-    configs: dict[str, tuple[Any, str | None] | ConfigError] = {}
+def method_configs(a: argparse.Namespace, device: torch.device, world: int, run_dir: Path
+                   ) -> tuple[dict[str, tuple[Any, str | None]], dict[str, ConfigError]]:
+    """Every method's config (``method_config``), and apart the ``ConfigError`` of each
+    method whose layout is refused. The caller raises a refusal when that method's turn
+    comes, so the methods before it are still measured and the first method without a
+    result is the one that failed (``sweep_figure8``)."""
+    configs: dict[str, tuple[Any, str | None]] = {}
+    refused: dict[str, ConfigError] = {}
     for method in a.methods:
         try:
             configs[method] = method_config(a, method, device, world, run_dir)
-        except ConfigError as refused:
-            configs[method] = refused
-    return configs
+        except ConfigError as error:
+            refused[method] = error
+    return configs, refused
 
 
 def refuse_warmup_before_capture(warmup: int, configs: dict[str, Any]) -> None:
@@ -363,17 +365,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "matmul_ceiling_tflops": matmul_ceiling_tflops(rt.device),
             "peak_tflops": PEAK_FLOPS / 1e12, "runs": [],
         }
-        configs = method_configs(a, rt.device, rt.world_size, Path(tmp))
-        refuse_warmup_before_capture(a.warmup, {m: c[0] for m, c in configs.items()
-                                                if not isinstance(c, ConfigError)})
-        for method, built in configs.items():
-            if not isinstance(built, ConfigError) and built[1] is not None and rt.rank == 0:
-                print(f"{method}: train.cuda_graphs off for this method ({built[1]})", flush=True)
+        configs, refused = method_configs(a, rt.device, rt.world_size, Path(tmp))
+        refuse_warmup_before_capture(a.warmup, {m: cfg for m, (cfg, _) in configs.items()})
+        for method, (_, why) in configs.items():
+            if why is not None and rt.rank == 0:
+                print(f"{method}: train.cuda_graphs off for this method ({why})", flush=True)
         started = time.time()
-        for method, built in configs.items():
-            if isinstance(built, ConfigError):  # after the methods before it are measured
-                raise ConfigError(f"--methods {method}: {built}") from built
-            cfg, why = built
+        for method in dict.fromkeys(a.methods):  # in order, once each
+            if method in refused:  # after the methods before it are measured
+                raise ConfigError(f"--methods {method}: {refused[method]}") from refused[method]
+            cfg, why = configs[method]
             runs = run_method(a, method, cfg, rt.device, rt.world_size)
             report["runs"] += [{**r, "cuda_graphs_off": why} if why else r for r in runs]
             report["wall_s"] = time.time() - started
