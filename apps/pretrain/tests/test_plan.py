@@ -22,9 +22,9 @@ from moe_ddp import MultiGroupDDP
 from moe_model import lm_loss_sum
 from moe_testing import run_distributed
 from pretrain.build import build_model_part
+from pretrain.cli import main
 from pretrain.config import load_config, validate_layout
 from pretrain.mesh import build_mesh
-from pretrain.plan import plan_command
 from pretrain.planner import FAMILY, PlanRequest, plan_memory, sweep
 from pretrain.planner.activations import Execution
 from pretrain.planner.measure import LiveBytes
@@ -278,6 +278,10 @@ def test_zero_bubble_holds_the_dy_operands_from_the_input_pass_to_the_weight_pas
     assert rank_activations({1: split}, 2, 1, "zero_bubble", 8, 1).peak == 130 + 200
 
 
+def plan_command(argv: list[str]) -> int:
+    return main(["plan", *argv])
+
+
 def test_plan_command_prints_table_and_json(capsys):
     assert plan_command(["--config", "bench-2gpu", "--gpus", "2", "parallel.pp=2"]) == 0
     out = capsys.readouterr().out
@@ -319,14 +323,14 @@ def test_plan_command_rejects_bad_input(capsys):
 
 
 def test_plan_command_reports_a_planning_error_in_one_line(capsys, monkeypatch):
-    import pretrain.plan
+    import pretrain.planner
 
     def refuse(request):
         raise ValueError("cannot plan this")
 
-    monkeypatch.setattr(pretrain.plan, "plan_memory", refuse)
+    monkeypatch.setattr(pretrain.planner, "plan_memory", refuse)
     assert plan_command(["--config", "tiny"]) == 2
-    assert capsys.readouterr().err == "pretrain plan: error: cannot plan this\n"
+    assert capsys.readouterr().err == "pretrain: error: cannot plan this\n"
 
 
 def test_virtual_stages_without_a_pipeline_are_planned_as_the_trainer_runs_them(capsys):

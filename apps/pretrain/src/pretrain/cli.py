@@ -1,135 +1,120 @@
-"""The ``pretrain`` command.
+"""The ``pretrain`` command line.
 
-    uv run pretrain                                      # the embedded default (stdlib bytes)
+    uv run pretrain                                      # train: the embedded default (stdlib bytes)
     uv run pretrain --config tiny train.steps=10         # a preset plus dotted overrides
     uv run pretrain --config my_run.toml run_dir=runs/a  # a TOML file
     torchrun --nproc-per-node 8 -m pretrain --config my_run.toml
-    uv run pretrain --config tiny checkpoint.every=2 run_dir=runs/a  # resumes runs/a when rerun
     uv run pretrain export-hf runs/a/checkpoints/step_0000000004 hf/a
-    uv run pretrain prepare-data docs/*.txt --out data/docs --tokenizer tokenizer.json
+    uv run pretrain prepare-data docs/ --out data/docs --tokenizer tokenizer.json
     uv run pretrain plot runs/a
     uv run pretrain plan --config my_run.toml
 
-Exit status: 0 done (also after a clean stop on SIGTERM); 2 bad command line or
-config (one line on stderr naming the key); 1 any other error the run reports
-(bad data, a checkpoint that cannot be loaded, too many non-finite steps), also one line.
+Training is the default command: ``pretrain [train] [--config X] [KEY=VALUE ...]``.
+The other commands are argparse subcommands, one module each in
+``pretrain.commands``; a word that names none of them is refused with the closest
+name (``pretrain export`` -> did you mean 'export-hf'?).
+
+Exit status: 0 done (also after a clean stop on SIGTERM); 2 a bad command line or
+config (one line on stderr naming the key); 1 any other error the run foresees (bad
+data, a checkpoint that cannot be loaded, too many non-finite steps), also one line
+(``pretrain.errors``). Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib
 import sys
-from pathlib import Path
+from importlib import metadata
 
-from moe_ckpt import CheckpointError
+from pretrain.errors import PretrainError
 
-from pretrain.config import PRESETS, ConfigError, load_config
-from pretrain.data import DataError, prepare_data
-from pretrain.export import EXPORT_DTYPES, ExportError, export_checkpoint
-from pretrain.plot import PlotError, plot_run
-from pretrain.train import train
-from pretrain.trainer import TrainingAborted
+# subcommand -> module under pretrain.commands
+COMMANDS = {
+    "train": "train",
+    "prepare-data": "prepare_data",
+    "plot": "plot",
+    "export-hf": "export_hf",
+    "plan": "plan",
+}
+DEFAULT_COMMAND = "train"
 
-COMMANDS = ("export-hf", "prepare-data", "plot", "plan")
 
-
-def _fail(message: str, status: int) -> int:
+def fail(message: str, status: int) -> int:
+    """Print ``pretrain: error: <message>`` on stderr; return ``status``."""
     print(f"pretrain: error: {message}", file=sys.stderr, flush=True)
     return status
 
 
-def _train(argv: list[str]) -> int:
+def version() -> str:
+    try:
+        return metadata.version("pretrain")
+    except metadata.PackageNotFoundError:  # a source checkout on PYTHONPATH
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pretrain",
-        description="Train a mixture-of-experts language model. "
-                    f"Other commands: {', '.join(COMMANDS)} (pretrain COMMAND --help).",
-        epilog="Overrides are dotted KEY=VALUE pairs, e.g. train.steps=10 model.n_experts=16. "
-               f"Presets: {', '.join(PRESETS)}.",
+        description="Pretrain mixture-of-experts language models. Without a command, trains: "
+                    "pretrain [--config FILE_OR_NAME] [KEY=VALUE ...].",
+        epilog="pretrain COMMAND --help describes each command.",
     )
-    parser.add_argument("--config", default=None, metavar="FILE_OR_NAME",
-                        help="built-in preset name or TOML file (default: default)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="dotted config override, applied in order")
-    args = parser.parse_args(argv)
-    try:
-        train(load_config(args.config, args.overrides))
-    except ConfigError as e:
-        return _fail(str(e), 2)
-    except (DataError, CheckpointError, TrainingAborted) as e:
-        return _fail(str(e), 1)
-    return 0
+    parser.add_argument("--version", action="version", version=f"pretrain {version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(f"pretrain.commands.{module_name}")
+        command = sub.add_parser(name, help=module.HELP, description=module.__doc__.split("\n\n")[0],
+                                 prog=f"pretrain {name}")
+        module.configure(command)
+        command.set_defaults(run=module.run)
+    return parser
 
 
-def _export_hf(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="pretrain export-hf",
-        description="Export a checkpoint as a Hugging Face Qwen3-MoE folder (one CPU process).",
-    )
-    parser.add_argument("checkpoint", type=Path, metavar="CHECKPOINT",
-                        help="a checkpoint directory, e.g. RUN_DIR/checkpoints/step_0000001000")
-    parser.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new folder to write")
-    parser.add_argument("--dtype", choices=list(EXPORT_DTYPES), default="bfloat16",
-                        help="stored weight dtype (default: bfloat16)")
-    args = parser.parse_args(argv)
-    try:
-        out = export_checkpoint(args.checkpoint, args.out_dir, args.dtype)
-    except (CheckpointError, ExportError, FileExistsError) as e:
-        return _fail(str(e), 1)
-    print(out)
-    return 0
+def _with_command(argv: list[str]) -> list[str] | str:
+    """``argv`` with the command made explicit (training when none is named), or the
+    unknown word that stands where a command would."""
+    if not argv:
+        return [DEFAULT_COMMAND]
+    first = argv[0]
+    if first in COMMANDS or first in ("-h", "--help", "--version"):
+        return argv
+    if first.startswith("-") or "=" in first:  # the training command's options or overrides
+        return [DEFAULT_COMMAND, *argv]
+    return first
 
 
-def _prepare_data(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="pretrain prepare-data",
-        description="Tokenize text files into a token directory for data.path.",
-    )
-    parser.add_argument("files", nargs="+", type=Path, metavar="FILES",
-                        help="text files, concatenated in this order")
-    parser.add_argument("--out", required=True, type=Path, metavar="DIR",
-                        help="output token directory (must not hold token files yet)")
-    parser.add_argument("--tokenizer", type=Path, default=None, metavar="TOKENIZER_JSON",
-                        help="a tokenizers JSON file (default: bytes, vocab 256)")
-    args = parser.parse_args(argv)
-    try:
-        done = prepare_data(args.files, args.out, args.tokenizer)
-    except (DataError, OSError) as e:  # OSError: an input unreadable, --out not writable
-        return _fail(str(e), 1)
-    print(f"wrote {done.n_tokens:,} tokens ({done.dtype}, vocab {done.vocab_size}) in "
-          f"{len(done.files)} file(s) to {done.directory}")
-    return 0
+def _unknown_command(word: str) -> int:
+    names = list(COMMANDS)
+    close = [n for n in names if n.startswith(word)] or difflib.get_close_matches(word, names, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f" (commands: {', '.join(names)})"
+    return fail(f"unknown command {word!r}{hint}", 2)
 
 
-def _plot(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="pretrain plot",
-        description="Plot a run's loss, throughput and expert load as PNGs in RUN_DIR.",
-    )
-    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR",
-                        help="a run directory holding metrics.jsonl")
-    args = parser.parse_args(argv)
-    try:
-        written = plot_run(args.run_dir)
-    except PlotError as e:
-        return _fail(str(e), 1)
-    for path in written:
-        print(path)
-    return 0
-
-
-def _plan(argv: list[str]) -> int:
-    from pretrain.plan import plan_command  # the planner's dependencies load only for `plan`
-
-    return plan_command(argv)
+def _exit_status(error: BaseException) -> int | None:
+    """The exit status of an error the run foresees; ``None`` for a bug."""
+    if isinstance(error, PretrainError):
+        return error.exit_status
+    ckpt = sys.modules.get("moe_ckpt")  # the checkpoint library's own errors, if it is loaded
+    if ckpt is not None and isinstance(error, ckpt.CheckpointError):
+        return 1
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    commands = {"export-hf": _export_hf, "prepare-data": _prepare_data, "plot": _plot,
-                "plan": _plan}
-    if argv and argv[0] in commands:
-        return commands[argv[0]](argv[1:])
-    return _train(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    explicit = _with_command(argv)
+    if isinstance(explicit, str):
+        return _unknown_command(explicit)
+    args = build_parser().parse_args(explicit)
+    try:
+        return args.run(args)
+    except Exception as e:
+        status = _exit_status(e)
+        if status is None:
+            raise
+        return fail(str(e), status)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ from moe_model.triton_grouped_mm import MAX_WGRAD_SOURCES
 from moe_mxfp8 import MXFP8Config
 
 from pretrain.config_tree import ConfigError, apply_tree, dump_toml, set_key, to_tree
-from pretrain.data.sources import STDLIB, SYNTHETIC
+from pretrain.data.sources import STDLIB
+from pretrain.presets import PRESETS
 
 __all__ = [
     "PRESETS",
@@ -147,6 +148,12 @@ class PretrainConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     run_dir: str | None = None  # output folder; None: a new folder under runs/
     seed: int = 0  # seeds initialisation (and the data order unless data.seed is set)
+
+    def __post_init__(self) -> None:
+        # dotted key -> where its value came from ("preset tiny", "file run.toml", "the
+        # command line"), for the keys ``load_config`` set; a key absent here holds its
+        # default. Not a config field: it is neither written nor read back.
+        self.key_sources: dict[str, str] = {}
 
     def validate(self) -> None:
         """Every check that does not need the world size; raises ``ConfigError``."""
@@ -307,52 +314,13 @@ def validate_layout(cfg: PretrainConfig, world_size: int) -> Layout:
     return Layout(world_size, p.pp, dp, p.ep, dp // p.ep, microbatches)
 
 
-_BENCH_MODEL = {
-    "vocab_size": 100352, "d_model": 2048, "n_layers": 8, "n_heads": 16, "n_kv_heads": 4,
-    "head_dim": 128, "n_experts": 64, "top_k": 8, "expert_hidden": 1024,
-}
-_BENCH_TRAIN = {"steps": 20, "seq_len": 4096, "global_batch": 64, "micro_batch": 2}
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # The embedded default: the stdlib corpus, a couple of minutes on two CPU cores.
-    "default": {},
-    # Seconds on a CPU; used by the tests. Global batch 8 of micro batch 2 splits evenly over
-    # 1, 2 and 4 data-parallel ranks with the same microbatches, so those layouts compare exactly.
-    "tiny": {
-        "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16,
-                  "n_experts": 4, "top_k": 2, "expert_hidden": 64},
-        "train": {"steps": 4, "seq_len": 32, "global_batch": 8, "micro_batch": 2},
-        "optim": {"warmup_steps": 2},
-        "metrics": {"expert_load_every": 1},
-    },
-    # Throughput benchmarks on H200s (issue 10): synthetic tokens, bf16 compute.
-    "bench-1gpu": {
-        "model": _BENCH_MODEL,
-        # the microbatches replayed from CUDA graphs: +0.9 to +2.4% on one H200, the device
-        # idle 26 ms per step instead of ~60 (tools/perf_notes.md, fourteenth session)
-        "train": {**_BENCH_TRAIN, "cuda_graphs": True},
-        "optim": {"warmup_steps": 5},
-        "data": {"path": SYNTHETIC},
-        # four microbatches' expert weight gradients per launch: +3.5% for 7 GiB at 2 (ninth
-        # session), +1.5% more for 14 GiB more at 4 (95.5 of 141 GB; tools/perf_notes.md,
-        # eleventh session); bench-2gpu keeps 1 (not measured there)
-        "parallel": {"merge_expert_grad_microbatches": 4},
-    },
-    "bench-2gpu": {
-        "model": {**_BENCH_MODEL, "n_layers": 16},
-        "train": _BENCH_TRAIN,
-        "optim": {"warmup_steps": 5},
-        "data": {"path": SYNTHETIC},
-    },
-}
-
-
 def load_config(source: str | None = None, overrides: list[str] | None = None) -> PretrainConfig:
     """The run config from a preset name or TOML path (default: ``default``), then overrides."""
     cfg = PretrainConfig()
     source = source or "default"
     if source in PRESETS:
-        apply_tree(cfg, PRESETS[source])
+        for key in apply_tree(cfg, PRESETS[source]):
+            cfg.key_sources[key] = f"preset {source}"
     else:
         path = Path(source)
         if not path.is_file():
@@ -365,7 +333,8 @@ def load_config(source: str | None = None, overrides: list[str] | None = None) -
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
         try:
-            apply_tree(cfg, tree)
+            for key in apply_tree(cfg, tree):
+                cfg.key_sources[key] = f"file {path}"
         except ConfigError as e:  # an unknown key or a wrong type: say which file holds it
             raise ConfigError(f"{path}: {e}") from None
     for item in overrides or []:
@@ -373,6 +342,7 @@ def load_config(source: str | None = None, overrides: list[str] | None = None) -
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like KEY=VALUE")
         set_key(cfg, key.strip(), value.strip())
+        cfg.key_sources[key.strip()] = "the command line"
     cfg.validate()
     return cfg
 

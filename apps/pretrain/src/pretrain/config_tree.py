@@ -23,9 +23,11 @@ import types
 import typing
 from typing import Any
 
+from pretrain.errors import UsageError
 
-class ConfigError(ValueError):
-    """A configuration the run cannot use; the message names the offending key."""
+
+class ConfigError(UsageError, ValueError):
+    """A configuration the run cannot use; the message names the offending key (exit 2)."""
 
 
 _NONE_WORDS = ("none", "null")
@@ -168,13 +170,17 @@ def set_key(root: Any, key: str, value: Any) -> None:
         object.__setattr__(obj, part, coerce(key, value, field_types(type(obj))[part]))
 
 
-def apply_tree(root: Any, tree: dict[str, Any], prefix: str = "") -> None:
-    """Apply a nested mapping (a parsed TOML document or a preset) key by key."""
+def apply_tree(root: Any, tree: dict[str, Any], prefix: str = "") -> list[str]:
+    """Apply a nested mapping (a parsed TOML document or a preset) key by key; the dotted
+    keys it set, in order."""
+    keys = []
     for name, value in tree.items():
         if isinstance(value, dict):
-            apply_tree(root, value, f"{prefix}{name}.")
+            keys += apply_tree(root, value, f"{prefix}{name}.")
         else:
             set_key(root, prefix + name, value)
+            keys.append(prefix + name)
+    return keys
 
 
 def _default_of(f: dataclasses.Field) -> Any:

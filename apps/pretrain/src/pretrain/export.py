@@ -19,11 +19,12 @@ from moe_model.hf import convert_to_hf, hf_config
 
 from pretrain.checkpoint import MAIN_PREFIX
 from pretrain.config_tree import ConfigError, apply_tree
+from pretrain.errors import PretrainError
 
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-class ExportError(ValueError):
+class ExportError(PretrainError, ValueError):
     """The checkpoint cannot be exported; the message names the file or setting."""
 
 

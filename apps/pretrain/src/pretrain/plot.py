@@ -17,12 +17,13 @@ from typing import Any
 
 import numpy as np
 
+from pretrain.errors import PretrainError
 from pretrain.metrics import METRICS_FILE
 
 LOAD_RANGE_LOG2 = 3.0  # colour scale: loads from 1/8 to 8 times the mean
 
 
-class PlotError(ValueError):
+class PlotError(PretrainError, ValueError):
     """Nothing to plot; the message names the file."""
 
 

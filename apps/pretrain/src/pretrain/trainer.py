@@ -70,6 +70,7 @@ from torch import nn
 from pretrain.build import build_model_part
 from pretrain.config import ConfigError, PretrainConfig
 from pretrain.data import BatchReader, open_source
+from pretrain.errors import PretrainError
 from pretrain.graphs import MicrobatchGraphs
 from pretrain.mesh import ParallelMesh
 from pretrain.metrics import MetricsLog
@@ -82,7 +83,7 @@ from pretrain.signals import StopRequest
 PEAK_FLOPS = 989e12  # dense BF16 peak of one H200: the MFU denominator peers use
 
 
-class TrainingAborted(RuntimeError):
+class TrainingAborted(PretrainError, RuntimeError):
     """The run cannot continue (e.g. too many consecutive non-finite steps)."""
 
 

@@ -27,12 +27,14 @@ from typing import Any
 
 import numpy as np
 
+from pretrain.errors import PretrainError
+
 SIDECAR = "tokens.json"
 DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 CHECK_CHUNK = 1 << 24  # tokens per vectorised id check
 
 
-class DataError(ValueError):
+class DataError(PretrainError, ValueError):
     """Training data the run cannot use; the message names the file or key."""
 
 

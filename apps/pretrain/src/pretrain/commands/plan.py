@@ -1,4 +1,4 @@
-"""``pretrain plan``: per-GPU memory of a run before renting the machines.
+"""Predict per-GPU peak memory of a run (or of a family of large layouts) and whether it fits.
 
     uv run pretrain plan --config bench-1gpu                        # one H200
     uv run pretrain plan --config bench-2gpu --gpus 2 parallel.ep=2 # the same overrides as a run
@@ -19,47 +19,32 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 
-from pretrain.config import PRESETS, ConfigError, load_config
-from pretrain.planner import (
-    FAMILY,
-    H200_GIB,
-    PlanRequest,
-    format_plan,
-    plan_memory,
-    summary_row,
-    sweep,
-)
+from pretrain.commands.train import add_config_arguments
+from pretrain.errors import UsageError
+
+HELP = "predict per-GPU memory of a run before renting the GPUs"
 
 _SWEEP_COLUMNS = ("gpus", "pp", "dp", "ep", "recompute", "in_flight", "persistent_gib",
                   "activations_gib", "peak_allocated_gib", "device_gib")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pretrain plan",
-        description="Predict per-GPU peak memory of a run (or of a family of large layouts) "
-                    "and whether it fits.",
-        epilog=f"Overrides are dotted KEY=VALUE pairs as for a run. Presets: {', '.join(PRESETS)}.",
-    )
-    parser.add_argument("--config", default=None, metavar="FILE_OR_NAME",
-                        help="built-in preset name or TOML file (default: default)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="dotted config override, applied in order")
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
     parser.add_argument("--gpus", type=int, default=1, metavar="N",
                         help="world size the run will use (default: 1)")
-    parser.add_argument("--gpu-gib", type=float, default=H200_GIB, metavar="GIB",
-                        help=f"memory of one GPU in GiB (default: {H200_GIB:g}, an H200)")
+    parser.add_argument("--gpu-gib", type=float, default=None, metavar="GIB",
+                        help="memory of one GPU in GiB (default: an H200's)")
     parser.add_argument("--headroom", type=float, default=0.10, metavar="FRACTION",
                         help="share of the GPU to keep free (default: 0.10)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--sweep", action="store_true",
                         help="plan the built-in 12B-1.2T model family on 16-512 GPUs instead")
-    return parser
 
 
 def _print_sweep(args: argparse.Namespace) -> None:
+    from pretrain.planner import FAMILY, summary_row, sweep
+
     rows: dict[str, list[dict]] = {}
     for result in sweep(gpu_gib=args.gpu_gib, headroom=args.headroom):
         plan = result.chosen or result.smallest
@@ -86,32 +71,34 @@ def _print_sweep(args: argparse.Namespace) -> None:
             print("  " + "  ".join(cells) + f"  {'yes' if row['fits'] else 'NO FIT':>9}")
 
 
-def plan_command(argv: list[str]) -> int:
-    """``pretrain plan``; exit 0 (also when the layout does not fit), 2 on a bad config."""
-    args = _parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Exit 0 (also when the layout does not fit), 2 on a bad config or flag."""
+    from pretrain.planner import H200_GIB
+
+    if args.gpu_gib is None:
+        args.gpu_gib = H200_GIB
     bad = [f"--gpus must be >= 1, got {args.gpus}" if args.gpus < 1 else None,
            f"--gpu-gib must be a finite positive number, got {args.gpu_gib:g}"
            if not (math.isfinite(args.gpu_gib) and args.gpu_gib > 0) else None,
            f"--headroom must be in [0, 1), got {args.headroom:g}"
            if not 0 <= args.headroom < 1 else None]
     if any(bad):
-        print(f"pretrain plan: error: {'; '.join(b for b in bad if b)}", file=sys.stderr)
-        return 2
+        raise UsageError("; ".join(b for b in bad if b))
     if args.sweep:
         if args.config is not None or args.overrides:
-            print("pretrain plan: error: --sweep plans the built-in family; it takes no "
-                  "--config or overrides", file=sys.stderr)
-            return 2
+            raise UsageError("--sweep plans the built-in family; it takes no --config or overrides")
         _print_sweep(args)
         return 0
+    from pretrain.config import load_config
+    from pretrain.planner import PlanRequest, format_plan, plan_memory
+
+    cfg = load_config(args.config, args.overrides)
     try:
-        cfg = load_config(args.config, args.overrides)
         request = PlanRequest.from_config(cfg, args.gpus, gpu_gib=args.gpu_gib,
                                           headroom=args.headroom)
         plan = plan_memory(request)
-    except (ConfigError, ValueError) as e:  # moe_pp's ScheduleError is a ValueError too
-        print(f"pretrain plan: error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # moe_pp's ScheduleError is a ValueError too
+        raise UsageError(str(e)) from None
     if args.json:
         print(json.dumps(plan.to_json(), indent=1))
     else:
