@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 
@@ -16,10 +17,12 @@ from pretrain.data import (
     StreamSequences,
     SyntheticSequences,
     TokenArrays,
+    TokenizerRecord,
     feistel_permute,
     open_source,
     open_token_files,
     prepare_data,
+    token_dir_info,
 )
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
@@ -103,7 +106,7 @@ def test_prepare_data_bytes_round_trip(tmp_path):
     out = tmp_path / "tokens"
     assert main(["prepare-data", *map(str, inputs), "--out", str(out)]) == 0
     meta = json.loads((out / "tokens.json").read_text())
-    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 256 and meta["tokenizer"] == "bytes"
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 256 and meta["tokenizer"] == {"name": "bytes"}
     tokens = open_token_files(out, vocab_size=256)
     assert np.concatenate(tokens.arrays).tobytes() == np.frombuffer(b"".join(texts), np.uint8).astype("<u2").tobytes()
     source = open_source(str(out), seq_len=4, vocab_size=256, seed=0)
@@ -147,6 +150,24 @@ def test_prepare_data_with_a_tokenizer(tmp_path, n_words, dtype):
     expected = sum((tok.encode(t, add_special_tokens=False).ids for t in texts), [])
     got = np.concatenate(open_token_files(out, vocab_size=n_words + 1).arrays)
     assert got.tolist() == expected
+
+
+def test_prepare_data_keeps_the_tokenizer_and_its_hash(tmp_path):
+    """The token directory carries a copy of its tokenizer and the SHA-256 of its bytes,
+    which runs compare (validation data, checkpoints, export)."""
+    _word_tokenizer(tmp_path / "tok.json", 5)
+    (tmp_path / "in.txt").write_text("w1 w2\n")
+    prepare_data([tmp_path / "in.txt"], tmp_path / "a", tokenizer=tmp_path / "tok.json")
+    info = token_dir_info(tmp_path / "a")
+    data = (tmp_path / "tok.json").read_bytes()
+    assert info.tokenizer.path == tmp_path / "a" / "tokenizer.json"
+    assert info.tokenizer.path.read_bytes() == data and info.tokenizer.name == "tok.json"
+    assert info.tokenizer.sha256 == hashlib.sha256(data).hexdigest()
+    prepare_data([tmp_path / "in.txt"], tmp_path / "b")
+    bytes_info = token_dir_info(tmp_path / "b")
+    assert bytes_info.tokenizer == TokenizerRecord("bytes", None, None)
+    assert not info.tokenizer.same_as(bytes_info.tokenizer)
+    assert bytes_info.tokenizer.same_as(token_dir_info(tmp_path / "b").tokenizer)
 
 
 def test_the_shards_dtype_holds_the_largest_id_of_a_vocabulary_with_gaps(tmp_path):

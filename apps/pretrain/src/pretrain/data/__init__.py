@@ -8,7 +8,14 @@
 """
 
 from pretrain.data.batches import BatchReader
-from pretrain.data.files import DataError, TokenArrays, open_token_files
+from pretrain.data.files import (
+    DataError,
+    TokenArrays,
+    TokenDirInfo,
+    TokenizerRecord,
+    open_token_files,
+    token_dir_info,
+)
 from pretrain.data.order import GlobalOrder, feistel_permute
 from pretrain.data.prepare import PreparedData, prepare_data
 from pretrain.data.sources import (
@@ -31,8 +38,11 @@ __all__ = [
     "StreamSequences",
     "SyntheticSequences",
     "TokenArrays",
+    "TokenDirInfo",
+    "TokenizerRecord",
     "feistel_permute",
     "open_source",
     "open_token_files",
     "prepare_data",
+    "token_dir_info",
 ]

@@ -6,7 +6,13 @@ and any tool can write them), and ``tokens.json``::
 
     {"dtype": "uint16", "vocab_size": 50304,
      "files": [{"name": "part-00000.bin", "tokens": 1048576}],   # optional: order, sizes
-     "tokenizer": "tokenizer.json"}                              # optional: provenance
+     "tokenizer": {"name": "gpt2.json", "file": "tokenizer.json",  # optional: provenance
+                   "sha256": "9f2c..."}}                          # ("bytes": no file)
+
+``tokenizer.file`` is a copy of the tokenizer kept beside the token files, and
+``sha256`` the hash of its bytes: runs compare it to refuse validation data of
+another tokenizer, and checkpoints carry it to the exported model. (Sidecars
+written before it was recorded hold the tokenizer's name as a plain string.)
 
 Without ``files`` every ``*.bin`` is read in name order. The files are one token
 stream in that order; ``data.path`` may also name a single ``.bin`` file of such
@@ -30,6 +36,7 @@ import numpy as np
 from pretrain.errors import PretrainError
 
 SIDECAR = "tokens.json"
+TOKENIZER_FILE = "tokenizer.json"  # the tokenizer's copy in a token directory
 DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 CHECK_CHUNK = 1 << 24  # tokens per vectorised id check
 
@@ -50,14 +57,44 @@ class TokenArrays:
         return sum(a.shape[0] for a in self.arrays)
 
 
+@dataclass(frozen=True)
+class TokenizerRecord:
+    """What tokenized a token directory."""
+
+    name: str  # "bytes", or the tokenizer file's name as given to prepare-data
+    sha256: str | None  # of the tokenizer file's bytes; None for bytes or when not recorded
+    path: Path | None  # the copy kept in the token directory, if there is one
+
+    def same_as(self, other: TokenizerRecord) -> bool:
+        """Both tokenized the same way: equal hashes, or both bytes."""
+        if self.sha256 is not None or other.sha256 is not None:
+            return self.sha256 == other.sha256
+        return self.name == other.name == "bytes"
+
+
+@dataclass(frozen=True)
+class TokenDirInfo:
+    """A token directory's sidecar, checked (``token_dir_info``)."""
+
+    directory: Path
+    sidecar: Path
+    dtype: str
+    vocab_size: int
+    tokenizer: TokenizerRecord
+    eos_id: int | None  # the id written between documents, if the data records one
+
+
 def dtype_for_vocab(vocab_size: int) -> str:
     """The narrowest supported dtype holding ids ``< vocab_size``."""
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
 def write_sidecar(directory: Path, dtype: str, vocab_size: int, files: list[dict[str, Any]],
-                  tokenizer: str) -> None:
-    """Write ``tokens.json`` atomically: a crashed writer never leaves a valid-looking sidecar."""
+                  tokenizer: dict[str, str]) -> None:
+    """Write ``tokens.json`` atomically: a crashed writer never leaves a valid-looking sidecar.
+
+    ``tokenizer``: ``{"name": "bytes"}`` or ``{"name", "file", "sha256"}`` (module docstring).
+    """
     meta = {"dtype": dtype, "vocab_size": vocab_size, "files": files, "tokenizer": tokenizer}
     tmp = directory / (SIDECAR + ".tmp")
     tmp.write_text(json.dumps(meta, indent=1) + "\n")
@@ -90,6 +127,36 @@ def _read_sidecar(directory: Path) -> dict[str, Any]:
             raise DataError(f"{path}: files[{index}] must be an object with a string name and "
                             f"a non-negative integer tokens, got {entry!r}")
     return meta
+
+
+def _tokenizer_record(meta: dict[str, Any], directory: Path, sidecar: Path) -> TokenizerRecord:
+    entry = meta.get("tokenizer")
+    if entry is None or isinstance(entry, str):  # not recorded, or only a name (older sidecars)
+        return TokenizerRecord(entry or "unknown", None, None)
+    if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)):
+        raise DataError(f"{sidecar}: tokenizer must be an object with a string name, got {entry!r}")
+    sha, file = entry.get("sha256"), entry.get("file")
+    if sha is not None and not isinstance(sha, str) or file is not None and not isinstance(file, str):
+        raise DataError(f"{sidecar}: tokenizer.sha256 and tokenizer.file must be strings, got {entry!r}")
+    if file is not None and Path(file).name != file:
+        raise DataError(f"{sidecar}: tokenizer.file {file!r} must name a file in {directory}")
+    return TokenizerRecord(entry["name"], sha, directory / file if file else None)
+
+
+def token_dir_info(path: str | Path) -> TokenDirInfo:
+    """The checked sidecar of a token directory (or of the directory of one of its files)."""
+    given, path = str(path), Path(path)
+    if not path.exists():
+        raise DataError(f"data path {given!r} does not exist")
+    directory = path if path.is_dir() else path.parent
+    meta = _read_sidecar(directory)
+    sidecar = directory / SIDECAR
+    eos = meta.get("eos_id")
+    if eos is not None and (not isinstance(eos, int) or isinstance(eos, bool)
+                            or not 0 <= eos < meta["vocab_size"]):
+        raise DataError(f"{sidecar}: eos_id must be an id below vocab_size, got {eos!r}")
+    return TokenDirInfo(directory, sidecar, meta["dtype"], meta["vocab_size"],
+                        _tokenizer_record(meta, directory, sidecar), eos)
 
 
 def check_token_ids(array: np.ndarray, vocab_size: int, name: str) -> None:

@@ -17,6 +17,7 @@ boundary adds a token (checked for every block).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from pretrain.data.files import DTYPES, SIDECAR, DataError, dtype_for_vocab, write_sidecar
+from pretrain.data.files import (
+    DTYPES,
+    SIDECAR,
+    TOKENIZER_FILE,
+    DataError,
+    dtype_for_vocab,
+    write_sidecar,
+)
 
 BLOCK_BYTES = 1 << 20  # text read per block (cut after the last newline)
 BATCH_BLOCKS = 16  # blocks tokenized per encode_batch call (the tokenizer parallelises them)
@@ -145,6 +153,18 @@ def _encode_with_tokenizer(tokenizer_path: Path) -> tuple[int, Any]:
     return max(tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1), encode
 
 
+def _keep_tokenizer(tokenizer: Path, out: Path, written: list[Path]) -> dict[str, str]:
+    """Copy the tokenizer into ``out`` (appended to ``written``); its sidecar record."""
+    data = tokenizer.read_bytes()
+    copy = out / TOKENIZER_FILE
+    if copy.exists() and copy.read_bytes() != data:
+        raise DataError(f"{copy} exists and is not {tokenizer}; choose an empty --out directory")
+    if not copy.exists():
+        written.append(copy)
+        copy.write_bytes(data)
+    return {"name": tokenizer.name, "file": TOKENIZER_FILE, "sha256": hashlib.sha256(data).hexdigest()}
+
+
 def prepare_data(inputs: Sequence[Path], out: Path, tokenizer: Path | None = None,
                  shard_tokens: int = 1 << 28) -> PreparedData:
     """Tokenize ``inputs`` (in order) into the token directory ``out``."""
@@ -166,9 +186,10 @@ def prepare_data(inputs: Sequence[Path], out: Path, tokenizer: Path | None = Non
     writer = None
     try:
         if tokenizer is None:
-            vocab_size, encode, tokenizer_name = 256, _byte_blocks, "bytes"
+            vocab_size, encode, record = 256, _byte_blocks, {"name": "bytes"}
         else:
-            (vocab_size, encode), tokenizer_name = _encode_with_tokenizer(tokenizer), tokenizer.name
+            vocab_size, encode = _encode_with_tokenizer(tokenizer)
+            record = _keep_tokenizer(tokenizer, out, ours)
         dtype = dtype_for_vocab(vocab_size)
         writer = _ShardWriter(out, dtype, shard_tokens)
         for path in inputs:
@@ -178,7 +199,7 @@ def prepare_data(inputs: Sequence[Path], out: Path, tokenizer: Path | None = Non
         n_tokens = sum(f["tokens"] for f in files)
         if n_tokens == 0:
             raise DataError("the input files hold no tokens")
-        write_sidecar(out, dtype, vocab_size, files, tokenizer_name)
+        write_sidecar(out, dtype, vocab_size, files, record)
     except BaseException:  # no half-written directory that a rerun would refuse
         if writer is not None:
             try:
