@@ -14,6 +14,7 @@ and one end-of-text id: ids from two tokenizers would mean different text in one
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pretrain.data.files import DataError, TokenDirInfo, token_dir_info
@@ -74,8 +75,8 @@ def resolve_vocab_size(cfg: PretrainConfig) -> str | None:
 
     Unset: the data's vocabulary (``vocab_size`` in ``tokens.json``, 256 for the embedded
     corpus) rounded up to a multiple of 64; synthetic data keeps the model's default.
-    Set: a value below the data's is refused (when the data can be read here; the run
-    opening it checks again). Returns what was chosen for data from a token directory,
+    Set: a value below the data's is refused (when the data is there: a plan made away
+    from the data needs only the set value; the run opening it checks again). Returns what was chosen for data from a token directory,
     else ``None``.
     """
     chosen = "model.vocab_size" not in cfg.key_sources
@@ -86,10 +87,10 @@ def resolve_vocab_size(cfg: PretrainConfig) -> str | None:
             cfg.model.vocab_size = -(-BYTE_VOCAB // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
         return None
     if not chosen:
-        try:
-            info = training_data_info(cfg.data)
-        except DataError:  # not readable here (a plan made away from the data): the run checks
+        paths = [s.path for s in cfg.data.sources] or [cfg.data.path]
+        if not all(Path(p).exists() for p in paths):
             return None
+        info = training_data_info(cfg.data)
         if info is not None and info.vocab_size > cfg.model.vocab_size:
             raise DataError(f"{info.sidecar}: the data's vocab_size {info.vocab_size} exceeds "
                             f"model.vocab_size={cfg.model.vocab_size}")
