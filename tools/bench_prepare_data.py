@@ -6,7 +6,9 @@ a byte-level BPE (GPT-2's pre-tokenizer and byte alphabet, ``<|endoftext|>`` as 
 special token) trained here with ``tokenizers`` on the first ``--train-mib`` MiB, since
 no hub is reachable. ``pretrain.data.prepare_data`` then tokenizes the corpus with 1, 2
 and all cores' worker processes (wall time of the whole call: reading, workers'
-start-up, encoding, writing with checksums); the outputs must be identical. The
+start-up, encoding, writing with checksums) and its CPU time (this process and the
+workers it waited for: MB per CPU-second is what a core tokenizes, whatever else the
+machine runs); the outputs must be identical. The
 tokenizer library's own thread pool is off in this process too (``TOKENIZERS_PARALLELISM``,
 as prepare-data's worker processes set it), so that one worker is one core.
 
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -71,6 +74,12 @@ def train_tokenizer(corpus: Path, path: Path, vocab: int, train_mib: int) -> Non
     tok.save(str(path))
 
 
+def cpu_seconds() -> float:
+    """User + system time of this process and of the children it has waited for."""
+    return sum(getattr(resource.getrusage(who), f"ru_{kind}time")
+               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for kind in ("u", "s"))
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -100,14 +109,15 @@ def main() -> None:
         rows, reference = [], None
         for workers in sorted({1, 2, default_workers()}):
             out = scratch / f"tokens_w{workers}"
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), cpu_seconds()
             done = prepare_data([corpus], out, scratch / "bpe.json", workers=workers)
-            seconds = time.perf_counter() - started
+            seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
             produced = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
             assert reference is None or produced == reference, f"{workers} workers wrote other bytes"
             reference = produced
             rows.append({"workers": workers, "seconds": seconds, "mb_per_s": text_bytes / seconds / 1e6,
                          "mb_per_s_per_worker": text_bytes / seconds / 1e6 / workers,
+                         "cpu_seconds": cpu, "mb_per_cpu_s": text_bytes / cpu / 1e6,
                          "tokens": done.n_tokens, "documents": done.n_documents})
             print(f"{workers} worker(s): {seconds:.1f} s", flush=True)
             shutil.rmtree(out)
@@ -121,10 +131,12 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\nprepare-data, byte-level BPE (vocab {args.vocab}), {text_bytes / 1e6:.0f} MB of JSONL "
           f"text, {default_workers()} cores")
-    print(f"{'workers':>8} {'seconds':>8} {'MB/s':>8} {'MB/s/worker':>12} {'tokens':>12}")
+    print(f"{'workers':>8} {'seconds':>8} {'MB/s':>8} {'MB/s/worker':>12} {'CPU s':>8} "
+          f"{'MB/CPU-s':>9} {'tokens':>12}")
     for r in rows:
         print(f"{r['workers']:>8} {r['seconds']:>8.1f} {r['mb_per_s']:>8.2f} "
-              f"{r['mb_per_s_per_worker']:>12.2f} {r['tokens']:>12,}")
+              f"{r['mb_per_s_per_worker']:>12.2f} {r['cpu_seconds']:>8.1f} {r['mb_per_cpu_s']:>9.2f} "
+              f"{r['tokens']:>12,}")
     print(f"wrote {args.out}")
 
 
