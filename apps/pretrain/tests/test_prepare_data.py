@@ -159,6 +159,7 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[Path], str]]:
     (tmp_path / "notjson.jsonl").write_text('{"text": "a"}\n{"text": \n')
     good = gzip.compress(b"".join(b'{"text": "line %d"}\n' % i for i in range(5000)))
     (tmp_path / "corrupt.jsonl.gz").write_bytes(good[:len(good) // 2] + b"\x00" * 64 + good[len(good) // 2:])
+    (tmp_path / "truncated.jsonl.gz").write_bytes(good[:len(good) // 2])
     pq.write_table(pa.table({"body": ["x", "y"]}), tmp_path / "nocolumn.parquet")
     pq.write_table(pa.table({"text": ["x", None]}), tmp_path / "null.parquet")
     (tmp_path / "data.txt.gz").write_bytes(gzip.compress(b"text"))
@@ -168,6 +169,7 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[Path], str]]:
                           f"{tmp_path / 'nofield.jsonl'}:3: no 'text' field (--text-field); the line has 'body'"),
         "not json": ([tmp_path / "notjson.jsonl"], f"{tmp_path / 'notjson.jsonl'}:2: not a JSON line: "),
         "corrupt gzip": ([tmp_path / "corrupt.jsonl.gz"], f"{tmp_path / 'corrupt.jsonl.gz'}:"),
+        "truncated gzip": ([tmp_path / "truncated.jsonl.gz"], f"{tmp_path / 'truncated.jsonl.gz'}:"),
         "no column": ([tmp_path / "nocolumn.parquet"],
                       f"{tmp_path / 'nocolumn.parquet'}: no column 'text' (--text-field); its columns: 'body'"),
         "null row": ([tmp_path / "null.parquet"],
@@ -177,7 +179,7 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[Path], str]]:
     }
 
 
-@pytest.mark.parametrize("case", ["unreadable", "missing field", "not json", "corrupt gzip",
+@pytest.mark.parametrize("case", ["unreadable", "missing field", "not json", "corrupt gzip", "truncated gzip",
                                   "no column", "null row", "other compression", "missing"])
 def test_bad_input_is_one_line_naming_the_file_and_nothing_is_left(tmp_path, capsys, case):
     inputs, message = _bad_inputs(tmp_path)[case]
@@ -187,7 +189,7 @@ def test_bad_input_is_one_line_naming_the_file_and_nothing_is_left(tmp_path, cap
     status = main(["prepare-data", str(good), *map(str, inputs), "--out", str(out), "--workers", "1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 1 and len(err) == 1 and err[0].startswith(f"pretrain: error: {message}"), err
-    if case == "corrupt gzip":
+    if case.endswith("gzip"):
         assert "corrupt gzip data" in err[0]
     assert not (tmp_path / "new").exists()
 
