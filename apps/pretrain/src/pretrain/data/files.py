@@ -303,7 +303,10 @@ def open_token_files(path: str | Path, vocab_size: int, verify: bool | None = No
             )
         if size == 0:
             continue
-        array = np.memmap(file, dtype=dtype, mode="r")
+        try:
+            array = np.memmap(file, dtype=dtype, mode="r")
+        except OSError as e:
+            raise DataError(f"{file}: cannot read: {e.strerror or e}") from None
         check_token_ids(array, vocab_size, str(file), sha256 if verify else None)
         arrays.append(array)
         names.append(str(file))
