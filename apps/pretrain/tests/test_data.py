@@ -97,6 +97,7 @@ def test_synthetic_tokens_are_deterministic_and_in_vocab():
 
 
 def test_prepare_data_bytes_round_trip(tmp_path):
+    """Bytes are the ids; each file, one document, ends with the end-of-text id 256."""
     texts = [b"def f(x):\n    return x\n", "caf\u00e9 \u2014 unicode\n".encode(), b"no newline"]
     inputs = []
     for i, text in enumerate(texts):
@@ -106,10 +107,12 @@ def test_prepare_data_bytes_round_trip(tmp_path):
     out = tmp_path / "tokens"
     assert main(["prepare-data", *map(str, inputs), "--out", str(out)]) == 0
     meta = json.loads((out / "tokens.json").read_text())
-    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 256 and meta["tokenizer"] == {"name": "bytes"}
-    tokens = open_token_files(out, vocab_size=256)
-    assert np.concatenate(tokens.arrays).tobytes() == np.frombuffer(b"".join(texts), np.uint8).astype("<u2").tobytes()
-    source = open_source(str(out), seq_len=4, vocab_size=256, seed=0)
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 257 and meta["tokenizer"] == {"name": "bytes"}
+    assert meta["eos_id"] == 256 and meta["documents"]["count"] == 3
+    tokens = open_token_files(out, vocab_size=257)
+    expected = np.concatenate([np.append(np.frombuffer(t, np.uint8), 256) for t in texts])
+    assert np.concatenate(tokens.arrays).tobytes() == expected.astype("<u2").tobytes()
+    source = open_source(str(out), seq_len=4, vocab_size=257, seed=0)
     assert bytes(source.read(np.array([0]))[0].astype(np.uint8)) == b"def f"
 
 
@@ -117,10 +120,10 @@ def test_prepare_data_shards_and_single_file_path(tmp_path):
     src = tmp_path / "in.txt"
     src.write_bytes(bytes(range(100)) * 3)
     done = prepare_data([src], tmp_path / "out", shard_tokens=128)
-    assert [f["tokens"] for f in done.files] == [128, 128, 44]
-    all_tokens = np.concatenate(open_token_files(tmp_path / "out", 256).arrays)
-    assert np.array_equal(all_tokens, np.frombuffer(src.read_bytes(), np.uint8))
-    one = open_token_files(tmp_path / "out" / "part-00001.bin", 256)
+    assert [f["tokens"] for f in done.files] == [128, 128, 45]
+    all_tokens = np.concatenate(open_token_files(tmp_path / "out", 257).arrays)
+    assert np.array_equal(all_tokens, np.append(np.frombuffer(src.read_bytes(), np.uint8), 256))
+    one = open_token_files(tmp_path / "out" / "part-00001.bin", 257)
     assert np.array_equal(one.arrays[0], all_tokens[128:256])
     with pytest.raises(DataError, match="already holds token files"):
         prepare_data([src], tmp_path / "out")
@@ -130,6 +133,7 @@ def _word_tokenizer(path, n_words: int) -> Tokenizer:
     vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(n_words)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["</s>"])  # the end-of-text token: id n_words + 1
     tok.save(str(path))
     return tok
 
@@ -146,9 +150,9 @@ def test_prepare_data_with_a_tokenizer(tmp_path, n_words, dtype):
         inputs.append(tmp_path / f"{i}.txt")
     out = tmp_path / "out"
     done = prepare_data(inputs, out, tokenizer=tmp_path / "tokenizer.json")
-    assert done.dtype == dtype and done.vocab_size == n_words + 1
-    expected = sum((tok.encode(t, add_special_tokens=False).ids for t in texts), [])
-    got = np.concatenate(open_token_files(out, vocab_size=n_words + 1).arrays)
+    assert done.dtype == dtype and done.vocab_size == n_words + 2 and done.eos_id == n_words + 1
+    expected = sum((tok.encode(t, add_special_tokens=False).ids + [n_words + 1] for t in texts), [])
+    got = np.concatenate(open_token_files(out, vocab_size=n_words + 2).arrays)
     assert got.tolist() == expected
 
 
@@ -176,10 +180,11 @@ def test_the_shards_dtype_holds_the_largest_id_of_a_vocabulary_with_gaps(tmp_pat
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tok.json"))
     (tmp_path / "in.txt").write_text("a b a b\n")
-    done = prepare_data([tmp_path / "in.txt"], tmp_path / "out", tokenizer=tmp_path / "tok.json")
+    done = prepare_data([tmp_path / "in.txt"], tmp_path / "out", tokenizer=tmp_path / "tok.json",
+                        eos_id=0)
     assert (done.dtype, done.vocab_size) == ("uint32", 70001)
     got = np.concatenate(open_token_files(tmp_path / "out", vocab_size=70001).arrays)
-    assert got.tolist() == [1, 70000, 1, 70000]
+    assert got.tolist() == [1, 70000, 1, 70000, 0]
 
 
 @pytest.mark.parametrize("start_marker", [
@@ -189,18 +194,20 @@ def test_the_shards_dtype_holds_the_largest_id_of_a_vocabulary_with_gaps(tmp_pat
 def test_block_boundaries_add_no_token(tmp_path, monkeypatch, start_marker):
     """A file is tokenized in blocks (8 bytes here, 1 MiB in use); a tokenizer that marks a
     text's start must not see every block as one: the ids equal the whole file's."""
-    monkeypatch.setattr("pretrain.data.prepare.BLOCK_BYTES", 8)
+    monkeypatch.setattr("pretrain.data.inputs.BLOCK_BYTES", 8)
     vocab = {c: i for i, c in enumerate(["[UNK]", "\u2581", "\n", *"abcdefgh"])}
     tok = Tokenizer(models.BPE(vocab, [], unk_token="[UNK]"))
     replace = normalizers.Replace(" ", "\u2581")
     tok.normalizer = normalizers.Sequence([start_marker, replace] if start_marker else [replace])
+    tok.add_special_tokens(["</s>"])
     tok.save(str(tmp_path / "tok.json"))
+    eos = len(vocab)
     texts = ["ab cd\nef gh\n\nab\nhg fe dc ba\n", "ab\ncd"]
     for i, text in enumerate(texts):
         (tmp_path / f"{i}.txt").write_text(text)
     prepare_data([tmp_path / "0.txt", tmp_path / "1.txt"], tmp_path / "out", tokenizer=tmp_path / "tok.json")
-    got = np.concatenate(open_token_files(tmp_path / "out", vocab_size=len(vocab)).arrays).tolist()
-    assert got == sum((tok.encode(t, add_special_tokens=False).ids for t in texts), [])
+    got = np.concatenate(open_token_files(tmp_path / "out", vocab_size=len(vocab) + 1).arrays).tolist()
+    assert got == sum((tok.encode(t, add_special_tokens=False).ids + [eos] for t in texts), [])
 
 
 def test_prepare_data_rejects_non_utf8_with_a_tokenizer(tmp_path, capsys):
@@ -258,7 +265,7 @@ def test_data_path_naming_one_file_takes_only_token_files(tmp_path, capsys):
     for name in ("corpus.txt", "tokens.json", "stray.bin"):
         with pytest.raises(DataError, match=f"data.path .*{name}' is not a token file of"):
             open_source(str(out / name), seq_len=8, vocab_size=50304, seed=0)
-    assert open_source(str(out / "part-00000.bin"), seq_len=8, vocab_size=256, seed=0).n_sequences == 29
+    assert open_source(str(out / "part-00000.bin"), seq_len=8, vocab_size=257, seed=0).n_sequences == 30
 
 
 def test_prepare_data_out_must_be_a_directory(tmp_path, capsys):
@@ -299,9 +306,9 @@ def test_a_failed_prepare_data_keeps_files_it_did_not_write(tmp_path):
     out = tmp_path / "mine"
     out.mkdir()
     (out / "tokens.json.tmp").write_text("the user's own file")  # not a token file: accepted
-    (tmp_path / "empty.txt").write_bytes(b"")
-    with pytest.raises(DataError, match="hold no tokens"):
-        prepare_data([tmp_path / "empty.txt"], out)
+    (tmp_path / "bad.jsonl").write_bytes(b'{"body": "no text field"}\n')
+    with pytest.raises(DataError, match="no 'text' field"):
+        prepare_data([tmp_path / "bad.jsonl"], out)
     assert (out / "tokens.json.tmp").read_text() == "the user's own file"
 
 

@@ -44,7 +44,7 @@ from moe_ckpt import Checkpointer, CheckpointerConfig, Manifest, PostCommitError
 
 from pretrain.config import ConfigError, Layout, PretrainConfig
 from pretrain.config_tree import to_tree
-from pretrain.data import STDLIB, SYNTHETIC
+from pretrain.data import STDLIB, SYNTHETIC, MixtureSequences
 from pretrain.trainer import Trainer
 
 CHECKPOINT_DIR = "checkpoints"
@@ -90,13 +90,15 @@ MODEL_FUNCTION_FIELDS = (
 )
 
 
-def _data_position(cfg: PretrainConfig, step: int, n_sequences: int) -> dict[str, Any]:
+def _data_position(cfg: PretrainConfig, step: int, n_sequences: int,
+                   sources: list[dict[str, Any]]) -> dict[str, Any]:
     """Where the data stream stands after ``step``; ``n_sequences`` (the stream's windows)
-    keys its order, so a stream that grew or shrank under the same path is not the same."""
+    keys its order, so a stream that grew or shrank under the same path is not the same;
+    ``sources``: a mixture's path, weight and sequences per source (its order's keys)."""
     t = cfg.train
     return {"samples_seen": step * t.global_batch, "global_batch": t.global_batch,
             "seq_len": t.seq_len, "path": cfg.data.path, "n_sequences": n_sequences,
-            "seed": cfg.seed if cfg.data.seed is None else cfg.data.seed}
+            "seed": cfg.seed if cfg.data.seed is None else cfg.data.seed, "sources": sources}
 
 
 def _same_path(a: str, b: str) -> bool:
@@ -105,6 +107,18 @@ def _same_path(a: str, b: str) -> bool:
     if a == b or STDLIB in (a, b) or SYNTHETIC in (a, b):
         return a == b
     return Path(a).resolve() == Path(b).resolve()
+
+
+def _same_sources(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    """The same mixture: paths (however written), weights and sizes, in order."""
+    return len(a) == len(b) and all(
+        _same_path(x["path"], y["path"]) and x["weight"] == y["weight"]
+        and x["n_sequences"] == y["n_sequences"] for x, y in zip(a, b, strict=True))
+
+
+def _describe_sources(sources: list[dict[str, Any]]) -> str:
+    return "[" + ", ".join(f"{s['path']} x{s['weight']:g} ({s['n_sequences']} sequences)"
+                           for s in sources) + "]"
 
 
 class RunCheckpoints:
@@ -121,6 +135,8 @@ class RunCheckpoints:
             self.root, CheckpointerConfig(keep_last=c.keep_last or None, async_save=c.async_save))
         self.state = training_state(trainer)
         self.n_sequences = trainer.data.source.n_sequences
+        source = trainer.data.source
+        self.sources = source.records() if isinstance(source, MixtureSequences) else []
         self.last_saved: int | None = None
 
     def __enter__(self) -> RunCheckpoints:
@@ -156,7 +172,7 @@ class RunCheckpoints:
         if self.last_saved == step:
             return
         metadata = {"config": to_tree(self.cfg), "layout": dataclasses.asdict(self.layout),
-                    "step": step, "data": _data_position(self.cfg, step, self.n_sequences)}
+                    "step": step, "data": _data_position(self.cfg, step, self.n_sequences, self.sources)}
         with self._post_commit_warned():
             self.checkpointer.wait()  # the previous (asynchronous) save
         with self._post_commit_warned():
@@ -222,7 +238,7 @@ class RunCheckpoints:
     def _check_data(self, manifest: Manifest) -> None:
         """The data position is a step count: the stream it counts must be the same."""
         saved = manifest.metadata["data"]
-        now = _data_position(self.cfg, 0, self.n_sequences)
+        now = _data_position(self.cfg, 0, self.n_sequences, self.sources)
         keys = {"global_batch": "train.global_batch", "seq_len": "train.seq_len",
                 "path": "data.path", "seed": "data.seed (or seed)"}
         for key, option in keys.items():
@@ -233,6 +249,12 @@ class RunCheckpoints:
                     f"{option}={saved[key]!r}, this run has {now[key]!r}; the data position "
                     "would not carry over"
                 )
+        mixed = saved.get("sources", [])  # (absent from checkpoints older than mixtures)
+        if not _same_sources(mixed, now["sources"]):
+            raise ConfigError(
+                f"checkpoint.resume: the checkpoint of step {manifest.step} was trained on "
+                f"data.sources={_describe_sources(mixed)}, this run has "
+                f"{_describe_sources(now['sources'])}; the mixture's order would not carry over")
         # checkpoints written before the stream's size was recorded lack it
         if saved.get("n_sequences", now["n_sequences"]) != now["n_sequences"]:
             raise ConfigError(

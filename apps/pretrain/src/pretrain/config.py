@@ -27,6 +27,7 @@ from moe_model.triton_grouped_mm import MAX_WGRAD_SOURCES
 from moe_mxfp8 import MXFP8Config
 
 from pretrain.config_tree import ConfigError, apply_tree, dump_toml, set_key, to_tree
+from pretrain.data.mixture import block_quotas
 from pretrain.data.sources import STDLIB
 from pretrain.presets import PRESETS
 
@@ -35,6 +36,7 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
+    "DataSource",
     "Layout",
     "MetricsConfig",
     "OptimConfig",
@@ -115,9 +117,42 @@ class OptimConfig:
 
 
 @dataclass
+class DataSource:
+    path: str = ""  # a token directory (or one of its .bin files)
+    weight: float = 1.0  # share of the samples, relative to the other sources' weights
+
+
+@dataclass
 class DataConfig:
     path: str = STDLIB  # stdlib (this interpreter's sources as bytes) | synthetic | a token dir or file
     seed: int | None = None  # seed of the global sequence order; None: the run seed
+    # a mixture of token directories, each sampled by its weight (TOML: [[data.sources]] tables;
+    # command line: '[{path="a", weight=3}, {path="b", weight=1}]'); empty: data.path alone
+    sources: list[DataSource] = field(default_factory=list)
+    # compare token files with the SHA-256 tokens.json records when opening them; none: when the
+    # files total under 10 GB
+    verify: bool | None = None
+
+    def validate(self, where: str = "") -> None:
+        """The mixture's settings (``where``: the origin of data.sources, for the message)."""
+        if not self.sources:
+            return
+        if self.path != STDLIB:
+            raise ConfigError(f"data.path={self.path!r} and data.sources are both set{where}; "
+                              "use data.sources alone for several directories")
+        for i, source in enumerate(self.sources):
+            if not source.path or source.path in (STDLIB, "synthetic"):
+                raise ConfigError(f"data.sources[{i}].path must name a token directory, got "
+                                  f"{source.path!r}{where}")
+            if not (math.isfinite(source.weight) and source.weight >= 0):
+                raise ConfigError(f"data.sources[{i}].weight must be a finite number >= 0, got "
+                                  f"{source.weight}{where}")
+        if not any(source.weight > 0 for source in self.sources):
+            raise ConfigError(f"data.sources: every weight is 0{where}; at least one must be positive")
+        try:
+            block_quotas([source.weight for source in self.sources])
+        except ValueError as e:
+            raise ConfigError(f"data.sources: {e}{where}") from None
 
 
 @dataclass
@@ -247,6 +282,8 @@ class PretrainConfig:
                     raise ConfigError(f"train.cuda_graphs is not supported with {why}")
         if not self.checkpoint.resume:
             raise ConfigError("checkpoint.resume must be auto, none or a checkpoint path")
+        origin = self.key_sources.get("data.sources")
+        self.data.validate(f" ({origin})" if origin else "")
 
     def _get(self, key: str) -> Any:
         obj: Any = self

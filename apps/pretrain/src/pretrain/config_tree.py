@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import enum
 import math
+import tomllib
 import types
 import typing
 from typing import Any
@@ -84,6 +85,8 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
         raise ConfigError(f"{key} expects {' or '.join(options)}, got {value!r}")
     if origin in (list, tuple):
         return _coerce_sequence(key, value, origin, args)
+    if dataclasses.is_dataclass(tp):
+        return _coerce_table(key, value, tp)
     result = _coerce_scalar(key, value, tp)
     if result is _MISMATCH:
         raise ConfigError(f"{key} expects {_describe(tp)}, got {value!r}")
@@ -122,8 +125,28 @@ def _coerce_scalar(key: str, value: Any, tp: Any) -> Any:
     raise ConfigError(f"{key} has a type ({_describe(tp)}) that cannot be set from a config")
 
 
+def _coerce_table(key: str, value: Any, tp: type) -> Any:
+    """A dataclass from a TOML table (an element of a list of tables, e.g. ``data.sources``)."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} expects a table like {{{dataclasses.fields(tp)[0].name} = ...}}, "
+                          f"got {value!r}")
+    obj, types_ = tp(), field_types(tp)
+    for name, item in value.items():
+        if name not in types_:
+            raise ConfigError(f"unknown key {name!r} in {key}; it takes {', '.join(types_)}")
+        setattr(obj, name, coerce(f"{key}.{name}", item, types_[name]))
+    return obj
+
+
 def _coerce_sequence(key: str, value: Any, origin: type, args: tuple) -> Any:
-    """``list[T]`` / ``tuple[T, ...]`` / ``tuple[A, B]`` from a TOML array or ``a,b`` / ``[a,b]``."""
+    """``list[T]`` / ``tuple[T, ...]`` / ``tuple[A, B]`` from a TOML array or ``a,b`` / ``[a,b]``;
+    a list of tables (dataclasses) from a TOML array or its inline text ``[{k = v}, ...]``."""
+    if isinstance(value, str) and args and dataclasses.is_dataclass(args[0]):
+        try:
+            value = tomllib.loads(f"value = {value.strip() or '[]'}")["value"]
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{key} expects a TOML array of tables such as "
+                              f'[{{path = "a", weight = 1}}], got {value!r} ({e})') from None
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("[") and text.endswith("]"):
@@ -208,8 +231,8 @@ def to_tree(obj: Any) -> dict[str, Any]:
                 tree[f.name] = "none"
         elif isinstance(value, enum.Enum):
             tree[f.name] = value.name
-        elif isinstance(value, tuple):
-            tree[f.name] = list(value)
+        elif isinstance(value, (list, tuple)):
+            tree[f.name] = [to_tree(v) if dataclasses.is_dataclass(v) else v for v in value]
         else:
             tree[f.name] = value
     return tree
@@ -243,6 +266,8 @@ def _toml_value(value: Any) -> str:
         return _toml_string(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table (an element of a list of tables)
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} ({type(value).__name__}) as TOML")
 
 

@@ -22,6 +22,7 @@ from moe_model import total_params
 
 from pretrain.checkpoint import RunCheckpoints
 from pretrain.config import ConfigError, PretrainConfig, config_toml, validate_layout
+from pretrain.data import resolve_vocab_size
 from pretrain.mesh import build_mesh
 from pretrain.metrics import MetricsLog, open_trackers
 from pretrain.runtime import distributed
@@ -45,7 +46,10 @@ def _run_dir(cfg: PretrainConfig) -> Path:
 
 def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
     """Train per ``cfg`` as one rank of the launcher's world; returns this process's records."""
+    vocab_note = resolve_vocab_size(cfg)  # model.vocab_size from the data, before the model
     with distributed(cfg.train.device) as rt:
+        if vocab_note and rt.rank == 0:
+            print(vocab_note, flush=True)
         layout = validate_layout(cfg, rt.world_size)
         mesh = build_mesh(layout, rt.device.type)
         run_dir = _run_dir(cfg)

@@ -69,7 +69,7 @@ from torch import nn
 
 from pretrain.build import build_model_part
 from pretrain.config import ConfigError, PretrainConfig
-from pretrain.data import BatchReader, open_source
+from pretrain.data import BatchReader, open_data
 from pretrain.errors import PretrainError
 from pretrain.graphs import MicrobatchGraphs
 from pretrain.mesh import ParallelMesh
@@ -138,7 +138,7 @@ class Trainer:
         self.timer = phase_timer
         t, m = cfg.train, cfg.model
         data_seed = cfg.seed if cfg.data.seed is None else cfg.data.seed
-        source = open_source(cfg.data.path, t.seq_len, m.vocab_size, data_seed)
+        source = open_data(cfg.data, t.seq_len, m.vocab_size, data_seed)
         self.data = BatchReader(source, data_seed, t.global_batch, t.micro_batch,
                                 mesh.dp_rank, mesh.layout.dp)
         torch.manual_seed(cfg.seed)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 
 from pretrain.commands.train import add_config_arguments
 from pretrain.errors import UsageError
@@ -90,9 +91,13 @@ def run(args: argparse.Namespace) -> int:
         _print_sweep(args)
         return 0
     from pretrain.config import load_config
+    from pretrain.data import resolve_vocab_size
     from pretrain.planner import PlanRequest, format_plan, plan_memory
 
     cfg = load_config(args.config, args.overrides)
+    vocab_note = resolve_vocab_size(cfg)
+    if vocab_note:
+        print(vocab_note, file=sys.stderr if args.json else sys.stdout)
     try:
         request = PlanRequest.from_config(cfg, args.gpus, gpu_gib=args.gpu_gib,
                                           headroom=args.headroom)

@@ -12,11 +12,15 @@ last the targets).
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
-from pretrain.data.order import GlobalOrder
+import numpy as np
+
+from pretrain.data.mixture import sample_order
 from pretrain.data.sources import SequenceSource
+
+if TYPE_CHECKING:
+    import torch
 
 
 class BatchReader:
@@ -29,7 +33,7 @@ class BatchReader:
             )
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
-        self.source, self.order = source, GlobalOrder(source.n_sequences, seed)
+        self.source, self.order = source, sample_order(source, seed)
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.rows_per_rank = global_batch // dp_size
         self.n_microbatches = self.rows_per_rank // micro_batch
@@ -44,6 +48,8 @@ class BatchReader:
 
     def microbatch(self, step: int, index: int) -> torch.Tensor:
         """``[micro_batch, seq_len + 1]`` int64 tokens of this rank's microbatch ``index``."""
+        import torch  # here, not at the top: prepare-data imports this package, torch unused
+
         if not 0 <= index < self.n_microbatches:
             raise IndexError(f"microbatch {index} of {self.n_microbatches}")
         first = self.first_row + index * self.micro_batch

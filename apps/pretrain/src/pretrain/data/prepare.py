@@ -1,42 +1,64 @@
-"""``pretrain prepare-data``: text files to a token directory.
+"""``pretrain prepare-data``: a corpus to a token directory.
 
-Text is tokenized with a Hugging Face ``tokenizers`` JSON file, or as raw bytes
-(vocab 256) without one. Ids are written as ``uint16`` when the vocabulary fits,
-else ``uint32``, into shards of at most ``shard_tokens`` tokens, and the sidecar
-is written last so an interrupted run never looks complete. The input files are
-concatenated in the order given, with nothing inserted between them.
+    inputs (files, directories, globs)  -> pretrain.data.inputs: files in order, read as chunks
+    chunks                              -> pretrain.data.encode: ids + document starts, on
+                                           ``workers`` processes, results taken in input order
+    encoded chunks                      -> pretrain.data.writer: shards, document index, SHA-256
+    the directory                       -> pretrain.data.output: marker while writing, sidecar
+                                           last, everything removed on failure or a signal
 
-Files are streamed in blocks cut after a newline, so memory stays bounded for
-large inputs; a tokenizer therefore never sees a merge across a line break,
-which is how the common BPE pre-tokenizers split text anyway. Each file is
-tokenized as one text: a tokenizer that marks the start of a text (a prepended
-``▁`` or space, as Llama- and Mistral-style ones do) gets each later block behind
-the newline that ends the block before it, and those ids are dropped, so no block
-boundary adds a token (checked for every block).
+Memory is bounded: at most ``IN_FLIGHT_PER_WORKER`` chunks per worker (about 1 MiB of
+text each) are read ahead of the writer, whatever the corpus size. The bytes written
+do not depend on ``workers``: chunks are cut by the reader alone, encoded
+independently, and written in the order they were read.
+
+SIGTERM (and Ctrl-C) stop the run between two statements of the main process: the
+worker pool is shut down, the unfinished output removed, and ``Interrupted`` raised
+(exit status 128 + the signal number, one line).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import itertools
+import multiprocessing
+import os
+import signal
+import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from pretrain.data.files import (
-    DTYPES,
-    SIDECAR,
-    TOKENIZER_FILE,
-    DataError,
-    dtype_for_vocab,
-    write_sidecar,
+from pretrain.data.encode import (
+    Chunk,
+    EncodedChunk,
+    Encoder,
+    EncoderSpec,
+    encode_in_worker,
+    init_worker,
+    make_spec,
 )
+from pretrain.data.files import DataError
+from pretrain.data.inputs import expand_inputs, read_chunks
+from pretrain.data.output import OutputDir
+from pretrain.data.progress import Progress
+from pretrain.data.writer import TokenWriter
+from pretrain.errors import PretrainError
 
-BLOCK_BYTES = 1 << 20  # text read per block (cut after the last newline)
-BATCH_BLOCKS = 16  # blocks tokenized per encode_batch call (the tokenizer parallelises them)
+IN_FLIGHT_PER_WORKER = 2  # chunks submitted ahead per worker process
+SHARD_TOKENS = 1 << 28  # tokens per part-NNNNN.bin
+
+
+class Interrupted(PretrainError):
+    """``prepare-data`` stopped by a signal; its exit status is 128 + the signal number."""
+
+    def __init__(self, signum: int, directory: Path) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}; removed the unfinished "
+                         f"output in {directory}")
+        self.exit_status = 128 + signum
 
 
 @dataclass(frozen=True)
@@ -46,171 +68,112 @@ class PreparedData:
     vocab_size: int
     n_tokens: int
     files: list[dict[str, Any]]
+    eos_id: int
+    n_documents: int
+    n_inputs: int
+    replaced: str | None  # the earlier unfinished run whose output was replaced, if any
 
 
-def _byte_blocks(path: Path) -> Iterator[np.ndarray]:
-    with path.open("rb") as f:
-        while block := f.read(BLOCK_BYTES):
-            yield np.frombuffer(block, dtype=np.uint8)
+def default_workers() -> int:
+    """Every core this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
-def _text_blocks(path: Path) -> Iterator[str]:
-    """UTF-8 text in blocks that end after a newline (or at the end of the file)."""
+def _encoded_in_order(chunks: Iterator[Chunk], spec: EncoderSpec,
+                      workers: int) -> Iterator[tuple[Chunk, EncodedChunk]]:
+    """Each chunk with its encoding, in input order; ``workers`` > 1 encodes on that many
+    processes with at most ``IN_FLIGHT_PER_WORKER * workers`` chunks read ahead."""
+    if workers == 1:
+        encoder = Encoder(spec)
+        for chunk in chunks:
+            yield chunk, encoder.encode(chunk)
+        return
+    # spawn: workers import only what encoding needs (a fork would copy this process,
+    # threads and all)
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=init_worker, initargs=(spec,))
+    pending: deque[tuple[Chunk, Future[EncodedChunk]]] = deque()
+    try:
+        for chunk in chunks:
+            # the worker needs the items; the writer only the chunk's bookkeeping
+            pending.append((Chunk(chunk.file, chunk.kind, [], chunk.start, input_bytes=chunk.input_bytes),
+                            pool.submit(encode_in_worker, chunk)))
+            if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
+                done, future = pending.popleft()
+                yield done, future.result()
+        while pending:
+            done, future = pending.popleft()
+            yield done, future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
-    def decode(piece: bytes, offset: int) -> str:
+
+@contextlib.contextmanager
+def _signals_raise(directory: Path) -> Iterator[None]:
+    """SIGTERM and SIGINT raise ``Interrupted`` in the main thread while the body runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        for s in (signal.SIGTERM, signal.SIGINT):  # the cleanup is not interrupted again
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum, directory)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+def prepare_data(inputs: Sequence[str | Path], out: Path, tokenizer: Path | None = None, *,
+                 text_field: str = "text", eos_id: int | None = None, workers: int = 1,
+                 shard_tokens: int = SHARD_TOKENS, progress: bool = False) -> PreparedData:
+    """Tokenize ``inputs`` (files, directories, globs; in order) into the token directory ``out``.
+
+    ``tokenizer``: a Hugging Face ``tokenizers`` JSON file (default: bytes, end of text 256);
+    ``eos_id``: the end-of-text id (default: the tokenizer's own, found among its special
+    tokens); ``progress``: report progress on stderr.
+    """
+    if workers < 1:
+        raise DataError(f"--workers must be >= 1, got {workers}")
+    files = expand_inputs(inputs)
+    spec = make_spec(tokenizer, eos_id, text_field)
+    with _signals_raise(out):
+        directory = OutputDir(out)
+        bar = Progress(sum(f.size for f in files), progress)
+        chunks = read_chunks(files, text_field, cut_at_newline=tokenizer is not None)
+        encoded = _encoded_in_order(chunks, spec, workers)
+        writer = None
         try:
-            return piece.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(
-                f"{path}: not UTF-8 text at byte {offset + e.start}; "
-                "omit --tokenizer to tokenize it as bytes"
-            ) from None
-
-    carry, offset = b"", 0
-    with path.open("rb") as f:
-        while True:
-            block = f.read(BLOCK_BYTES)
-            data = carry + block
-            if not block:
-                if data:
-                    yield decode(data, offset)
-                return
-            cut = data.rfind(b"\n") + 1
-            carry = data[cut:]
-            if cut:
-                yield decode(data[:cut], offset)
-                offset += cut
-
-
-class _ShardWriter:
-    """Appends ids to ``part-NNNNN.bin`` files of at most ``shard_tokens`` tokens."""
-
-    def __init__(self, directory: Path, dtype: str, shard_tokens: int) -> None:
-        self.directory, self.dtype, self.shard_tokens = directory, DTYPES[dtype], shard_tokens
-        self.files: list[dict[str, Any]] = []
-        self._file = None
-
-    def write(self, ids: np.ndarray) -> None:
-        if ids.size and int(ids.max()) > np.iinfo(self.dtype).max:  # astype would wrap it
-            raise DataError(f"token id {int(ids.max())} does not fit the shards' {self.dtype.name}")
-        ids = ids.astype(self.dtype, copy=False)
-        while ids.size:
-            if self._file is None or self.files[-1]["tokens"] == self.shard_tokens:
-                self._open_next()
-            room = self.shard_tokens - self.files[-1]["tokens"]
-            self._file.write(ids[:room].tobytes())
-            self.files[-1]["tokens"] += min(room, ids.size)
-            ids = ids[room:]
-
-    def _open_next(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        name = f"part-{len(self.files):05d}.bin"
-        self._file = (self.directory / name).open("wb")
-        self.files.append({"name": name, "tokens": 0})
-
-    def close(self) -> list[dict[str, Any]]:
-        if self._file is not None:
-            self._file.close()
-        return self.files
-
-
-def _encode_with_tokenizer(tokenizer_path: Path) -> tuple[int, Any]:
-    """The vocabulary size and a ``path -> id arrays`` function for a tokenizers JSON file."""
-    from tokenizers import Tokenizer  # only prepare-data needs it
-
-    try:
-        tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    except Exception as e:  # the library raises a bare Exception on a bad file
-        raise DataError(f"{tokenizer_path}: not a tokenizers JSON file: {e}") from None
-
-    def ids(texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
-
-    # A block after the first follows a newline. Where the tokenizer marks a text's start
-    # ("x" alone differs from "x" after a newline), such a block is encoded behind a
-    # newline whose ids are then dropped: the block's ids as they are inside the file.
-    newline, after_newline, alone = ids(["\n", "\nx", "x"])
-    lead = newline if after_newline != newline + alone else []
-
-    def encode(path: Path) -> Iterator[np.ndarray]:
-        blocks = _text_blocks(path)
-        first = next(blocks, None)
-        if first is None:
-            return
-        yield np.asarray(ids([first])[0], dtype=np.int64)
-        while batch := list(itertools.islice(blocks, BATCH_BLOCKS)):
-            for block, block_ids in zip(batch, ids(["\n" + b if lead else b for b in batch]), strict=True):
-                if block_ids[:len(lead)] != lead:
-                    raise DataError(
-                        f"{path}: {tokenizer_path} tokenizes a newline differently before "
-                        f"{block[:20]!r}; the file cannot be tokenized in blocks without "
-                        "changing its ids")
-                yield np.asarray(block_ids[len(lead):], dtype=np.int64)
-
-    # the largest id + 1, not the entry count: a vocabulary's ids may have gaps
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
-    return max(tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1), encode
-
-
-def _keep_tokenizer(tokenizer: Path, out: Path, written: list[Path]) -> dict[str, str]:
-    """Copy the tokenizer into ``out`` (appended to ``written``); its sidecar record."""
-    data = tokenizer.read_bytes()
-    copy = out / TOKENIZER_FILE
-    if copy.exists() and copy.read_bytes() != data:
-        raise DataError(f"{copy} exists and is not {tokenizer}; choose an empty --out directory")
-    if not copy.exists():
-        written.append(copy)
-        copy.write_bytes(data)
-    return {"name": tokenizer.name, "file": TOKENIZER_FILE, "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def prepare_data(inputs: Sequence[Path], out: Path, tokenizer: Path | None = None,
-                 shard_tokens: int = 1 << 28) -> PreparedData:
-    """Tokenize ``inputs`` (in order) into the token directory ``out``."""
-    if not inputs:
-        raise DataError("no input files given")
-    for path in inputs:
-        if not path.is_file():
-            raise DataError(f"input {str(path)!r} is not a file")
-    if tokenizer is not None and not tokenizer.is_file():
-        raise DataError(f"--tokenizer {str(tokenizer)!r} is not a file")
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out {str(out)!r} is not a directory")
-    if out.is_dir() and ((out / SIDECAR).exists() or any(out.glob("*.bin"))):
-        raise DataError(f"{out} already holds token files; choose an empty --out directory")
-    created = [p for p in (out, *out.parents) if not p.exists()]
-    sidecar_tmp = out / (SIDECAR + ".tmp")
-    ours = [sidecar_tmp] if not sidecar_tmp.exists() else []  # a user's file stays
-    out.mkdir(parents=True, exist_ok=True)
-    writer = None
-    try:
-        if tokenizer is None:
-            vocab_size, encode, record = 256, _byte_blocks, {"name": "bytes"}
-        else:
-            vocab_size, encode = _encode_with_tokenizer(tokenizer)
-            record = _keep_tokenizer(tokenizer, out, ours)
-        dtype = dtype_for_vocab(vocab_size)
-        writer = _ShardWriter(out, dtype, shard_tokens)
-        for path in inputs:
-            for ids in encode(path):
+            if tokenizer is None:
+                record = {"name": "bytes"}
+            else:
+                copy, data = directory.keep_tokenizer(tokenizer)
+                record = {"name": tokenizer.name, "file": copy.name,
+                          "sha256": hashlib.sha256(data).hexdigest()}
+            writer = TokenWriter(directory, spec.dtype, shard_tokens)
+            for chunk, ids in encoded:
                 writer.write(ids)
-        files = writer.close()
-        n_tokens = sum(f["tokens"] for f in files)
-        if n_tokens == 0:
-            raise DataError("the input files hold no tokens")
-        write_sidecar(out, dtype, vocab_size, files, record)
-    except BaseException:  # no half-written directory that a rerun would refuse
-        if writer is not None:
-            try:
-                writer.close()
-            except OSError:  # the failed write's bytes again (a full disk): the file is closed
-                pass
-            ours += [out / f["name"] for f in writer.files]
-        for path in ours:
-            path.unlink(missing_ok=True)
-        for directory in created:  # innermost first; only what this call created
-            if directory.exists() and not any(directory.iterdir()):
-                directory.rmdir()
-        raise
-    return PreparedData(out, dtype, vocab_size, n_tokens, files)
+                bar.update(chunk.input_bytes)
+            written = writer.close()
+            if writer.n_documents == 0:
+                raise DataError("the inputs hold no documents")
+            bar.close(finished=True)
+            directory.commit({"dtype": spec.dtype, "vocab_size": spec.vocab_size,
+                              "eos_id": spec.eos_id, **written, "tokenizer": record})
+        except BaseException:
+            bar.close(finished=False)
+            encoded.close()  # stops the workers
+            chunks.close()  # closes the input file being read
+            if writer is not None:
+                writer.abort()
+            directory.discard()
+            raise
+    return PreparedData(out, spec.dtype, spec.vocab_size, writer.n_tokens, written["files"],
+                        spec.eos_id, writer.n_documents, len(files), directory.replaced)

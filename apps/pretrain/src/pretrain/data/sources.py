@@ -110,13 +110,15 @@ class SyntheticSequences:
         return np.stack(rows).astype(np.int64, copy=False)
 
 
-def open_source(path: str, seq_len: int, vocab_size: int, seed: int) -> SequenceSource:
-    """The source named by ``data.path``: ``stdlib``, ``synthetic`` or a token directory/file."""
+def open_source(path: str, seq_len: int, vocab_size: int, seed: int,
+                verify: bool | None = None) -> SequenceSource:
+    """The source named by ``data.path``: ``stdlib``, ``synthetic`` or a token directory/file
+    (``verify``: see ``open_token_files``)."""
     if path == SYNTHETIC:
         return SyntheticSequences(vocab_size, seq_len, seed)
     if path == STDLIB:
         tokens = stdlib_tokens()
         check_token_ids(tokens.arrays[0], vocab_size, STDLIB_NAME)
     else:
-        tokens = open_token_files(path, vocab_size)
+        tokens = open_token_files(path, vocab_size, verify)
     return StreamSequences(tokens, seq_len)
