@@ -5,6 +5,7 @@ Multi-process layouts, checkpoints and resume through torchrun: ``test_layouts.p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -19,6 +20,7 @@ import pytest
 import torch
 from moe_model import layers as layers_module
 from moe_model import linear as linear_module
+from moe_model import wire_model
 from moe_model.linear import Linear
 from moe_mxfp8 import MXFP8Linear, dequantize, quantize
 from pretrain.cli import main
@@ -58,7 +60,7 @@ def test_router_bias_steps_once_per_optimizer_step(tmp_path):
     cfg = load_config("tiny", [f"run_dir={tmp_path}", "model.bias_update_rate=0.01"])
     with distributed("cpu"):
         trainer = _trainer(cfg)
-        record = trainer.step(1)
+        record = trainer.train_step(1).record
     for (_, layer), load in zip(trainer.model.moe_layers(), record["expert_load"], strict=True):
         load_E = torch.tensor(load, dtype=torch.float32)
         expected = 0.01 * torch.sign(load_E.mean() - load_E)
@@ -104,24 +106,24 @@ def test_a_skipped_step_leaves_weights_and_counter_recovers(tmp_path, monkeypatc
                                "train.max_consecutive_skips=3", "model.bias_update_rate=0.01"])
     with distributed("cpu"):
         trainer = _trainer(cfg)
-        forward_backward = trainer._forward_backward
+        forward_backward = trainer.forward_backward
 
         def poisoned(step: int):  # a NaN gradient in steps 2 and 3
-            loss = forward_backward(step)
+            result = forward_backward(step)
             if step in (2, 3):
                 trainer.ddp.grad_buffers()[0][1][0] = float("nan")
-            return loss
+            return result
 
-        monkeypatch.setattr(trainer, "_forward_backward", poisoned)
+        monkeypatch.setattr(trainer, "forward_backward", poisoned)
 
         def state() -> list[torch.Tensor]:
             return [t.detach().clone() for t in trainer.model.state_dict().values()]
 
-        trainer.step(1)
+        trainer.train_step(1)
         after_1 = state()
-        assert trainer.step(2)["skipped"] and trainer.step(3)["skipped"]
+        assert trainer.train_step(2).record["skipped"] and trainer.train_step(3).record["skipped"]
         assert all(torch.equal(a, b) for a, b in zip(after_1, state(), strict=True))  # router bias included
-        assert not trainer.step(4)["skipped"]
+        assert not trainer.train_step(4).record["skipped"]
         assert not all(torch.equal(a, b) for a, b in zip(after_1, state(), strict=True))
         with StopRequest() as stop:  # two skips in a row, then fine: the limit of 3 is not hit
             records = trainer.fit(MetricsLog([], 6, echo=False), stop)
@@ -293,12 +295,12 @@ def test_mxfp8_attention_projections_beside_the_dense_sink_route(tmp_path, monke
                             lambda p, add: (delivered.append(p), add_gradient(p, add))[-1])
         grads = []
         for sink in (trainer.ddp, None):
-            trainer._set_gradient_sink(sink)
+            wire_model(model, dataclasses.replace(trainer.wiring, gradient_sink=sink))
             for hooked in seen.values():
                 hooked.clear()
             calls.clear()
             delivered.clear()
-            trainer._forward_backward(1)
+            trainer.forward_backward(1)
             grads.append({n: trainer.ddp.main_grad(n).clone() for n, _ in model.named_parameters()})
             trainer.ddp.zero_grad()
             for name, hooked in seen.items():
