@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from moe_ckpt import Checkpointer, CheckpointerConfig, Manifest, PostCommitError, Shard, load
 
+from pretrain import divergence
 from pretrain.config import ConfigError, Layout, PretrainConfig
 from pretrain.config_tree import to_tree
 from pretrain.data import STDLIB, SYNTHETIC, MixtureSequences
@@ -128,7 +129,7 @@ class RunCheckpoints:
     """
 
     def __init__(self, run_dir: Path, cfg: PretrainConfig, layout: Layout, trainer: Trainer) -> None:
-        self.cfg, self.layout, self.trainer = cfg, layout, trainer
+        self.cfg, self.layout, self.trainer, self.run_dir = cfg, layout, trainer, run_dir
         c = cfg.checkpoint
         self.root = run_dir / CHECKPOINT_DIR
         self.checkpointer = Checkpointer(
@@ -147,8 +148,11 @@ class RunCheckpoints:
 
     def close(self) -> None:
         """Wait for the last save (raising its error) and release the checkpointer."""
-        with self._post_commit_warned():
-            self.checkpointer.close()
+        try:
+            self._wait()
+        finally:
+            with self._post_commit_warned():
+                self.checkpointer.close()
 
     @contextlib.contextmanager
     def _post_commit_warned(self) -> Iterator[None]:
@@ -171,14 +175,23 @@ class RunCheckpoints:
         """Checkpoint the state after ``step`` (collective; returns after the host snapshot)."""
         if self.last_saved == step:
             return
+        skips = self.trainer.skips
         metadata = {"config": to_tree(self.cfg), "layout": dataclasses.asdict(self.layout),
-                    "step": step, "data": _data_position(self.cfg, step, self.n_sequences, self.sources)}
-        with self._post_commit_warned():
-            self.checkpointer.wait()  # the previous (asynchronous) save
+                    "step": step, "data": _data_position(self.cfg, step, self.n_sequences, self.sources),
+                    divergence.METADATA_KEY: skips.saved(step)}
+        self._wait()  # the previous (asynchronous) save
         with self._post_commit_warned():
             self.checkpointer.save(step, self.state, metadata,
-                                   rank_metadata={"rng": _rng_state(self.trainer.device)})
+                                   rank_metadata={"rng": _rng_state(self.trainer.device)},
+                                   keep=[] if skips.clean_step is None else [skips.clean_step])
         self.last_saved = step
+
+    def _wait(self) -> None:
+        """Wait for the pending save; once it is committed, a divergence before it is past."""
+        with self._post_commit_warned():
+            self.checkpointer.wait()
+        if self.last_saved is not None and dist.get_rank() == 0:
+            divergence.clear_after(self.run_dir, self.last_saved)
 
     # -- resuming ------------------------------------------------------------------
 
@@ -209,6 +222,7 @@ class RunCheckpoints:
             {k: v for k, v in self.state.items() if not k.startswith(BUFFER_PREFIX)})
         if manifest.world_size == self.layout.world_size:
             _set_rng_state(manifest.rank_metadata[dist.get_rank()]["rng"], self.trainer.device)
+        self.trainer.skips.resumed(manifest.step, manifest.metadata.get(divergence.METADATA_KEY))
         return manifest
 
     def _check_model(self, manifest: Manifest) -> None:

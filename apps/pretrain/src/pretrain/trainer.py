@@ -70,7 +70,7 @@ from torch import nn
 from pretrain.build import build_model_part
 from pretrain.config import ConfigError, PretrainConfig
 from pretrain.data import BatchReader, open_data
-from pretrain.errors import PretrainError
+from pretrain.divergence import SkipGuard
 from pretrain.graphs import MicrobatchGraphs
 from pretrain.mesh import ParallelMesh
 from pretrain.metrics import MetricsLog
@@ -81,10 +81,6 @@ from pretrain.schedule import build_schedule
 from pretrain.signals import StopRequest
 
 PEAK_FLOPS = 989e12  # dense BF16 peak of one H200: the MFU denominator peers use
-
-
-class TrainingAborted(PretrainError, RuntimeError):
-    """The run cannot continue (e.g. too many consecutive non-finite steps)."""
 
 
 class StepCheckpoints(Protocol):
@@ -165,6 +161,7 @@ class Trainer:
         self.schedule = build_schedule(cfg.optim, t.steps)
         self.packer = StepPacker(self.part.moe_layers, m.n_moe_layers, m.n_experts, device)
         self.flops_per_token = flops_per_token(m, t.seq_len)
+        self.skips = SkipGuard(t.max_consecutive_skips)  # continued by a resume
         self.graphs: MicrobatchGraphs | None = None
         if t.cuda_graphs:
             if device.type != "cuda":
@@ -206,7 +203,7 @@ class Trainer:
             start_step: int = 1) -> list[dict[str, Any]]:
         """Steps ``start_step..train.steps`` until done or stopped; the records (on every rank)."""
         t = self.cfg.train
-        history, consecutive_skips = [], 0
+        history = []
         for step in range(start_step, t.steps + 1):
             requested = stop.requested
             # ``final`` only decides a graph capture, which runs on one rank (config): its
@@ -217,18 +214,14 @@ class Trainer:
             history.append(record)
             reason = stop.describe() if stop_agreed else \
                 "train.stop_after" if step == t.stop_after else None
-            if checkpoints is not None and checkpoints.due(step, reason is not None):
+            self.skips.observe(record)  # raises TrainingAborted at the limit
+            if checkpoints is not None and checkpoints.due(step, reason is not None) \
+                    and self.skips.checkpointable(record):
                 checkpoints.save(step)
-            consecutive_skips = consecutive_skips + 1 if record["skipped"] else 0
-            if consecutive_skips >= t.max_consecutive_skips:
-                raise TrainingAborted(
-                    f"{consecutive_skips} consecutive steps (to step {step}) had a non-finite "
-                    f"gradient norm (loss {record['loss']}, grad_norm {record['grad_norm']}); "
-                    "aborting (train.max_consecutive_skips); lower optim.lr or check the data"
-                )
             if reason is not None:
                 if self.mesh.is_logging_rank:
-                    print(f"stopping after step {step}: {reason}", flush=True)
+                    skipped = " (a skipped step: not checkpointed)" if record["skipped"] else ""
+                    print(f"stopping after step {step}: {reason}{skipped}", flush=True)
                 break
         return history
 

@@ -26,8 +26,9 @@ Collectives and threads (why this cannot deadlock with training):
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -96,11 +97,14 @@ class Checkpointer:
         *,
         rank_metadata: Any = None,
         blocking: bool | None = None,
+        keep: Iterable[int] = (),
     ) -> None:
         """Checkpoint ``tensors`` as step ``step`` (collective over all ranks).
 
         Returns after the host snapshot when asynchronous (``blocking`` defaults to
-        ``not config.async_save``); the tensors may then change freely.
+        ``not config.async_save``); the tensors may then change freely. ``keep``: steps
+        that this save's retention leaves in place beyond ``keep_last`` (the last
+        checkpoint known to be good, say).
         """
         self.wait()
         blocking = (not self.config.async_save) if blocking is None else blocking
@@ -115,15 +119,16 @@ class Checkpointer:
             buffers=None if blocking else self._buffers,
             on_phase=self._on_phase,
         )
+        after_commit = functools.partial(self._after_commit, keep=tuple(keep))
         if blocking:
-            write_and_commit(pending, self._after_commit)
+            write_and_commit(pending, after_commit)
         else:
             self._pending = (
                 step,
-                self._executor.submit(write_and_commit, pending, self._after_commit),
+                self._executor.submit(write_and_commit, pending, after_commit),
             )
 
-    def _after_commit(self, final: Path) -> None:
+    def _after_commit(self, final: Path, keep: tuple[int, ...] = ()) -> None:
         """On rank 0, after the commit rename and before any rank's save returns.
 
         A failure here leaves ``final`` committed (``PostCommitError``); the next
@@ -132,7 +137,8 @@ class Checkpointer:
         directory.write_latest(self.root, final)
         self._notify("latest_updated")
         if self.config.keep_last is not None:
-            directory.retain(self.root, self.config.keep_last, protect=final)
+            protect = [final, *(self.root / directory.step_dir_name(k) for k in keep)]
+            directory.retain(self.root, self.config.keep_last, protect=protect)
         directory.clean_transient(self.root)
         self._notify("retained")
 

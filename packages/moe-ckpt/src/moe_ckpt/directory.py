@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 from moe_ckpt.manifest import MANIFEST_NAME, fsync_dir
@@ -103,20 +104,20 @@ def _remove(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def retain(root: Path, keep_last: int, protect: Path) -> list[Path]:
+def retain(root: Path, keep_last: int, protect: Path | Iterable[Path]) -> list[Path]:
     """Delete committed checkpoints beyond the ``keep_last`` highest steps.
 
-    ``protect`` (the checkpoint just committed) is never deleted, whatever its
-    step. Returns the deleted paths.
+    ``protect`` (the checkpoint just committed, and any others the caller names) is
+    never deleted, whatever its step. Returns the deleted paths.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    keep = protect.resolve()
+    keep = {p.resolve() for p in ([protect] if isinstance(protect, Path) else protect)}
     steps = committed_steps(root)
     removed = []
     for step in sorted(steps)[:-keep_last]:
         path = steps[step]
-        if path.resolve() != keep:
+        if path.resolve() not in keep:
             _remove(path)
             removed.append(path)
     return removed

@@ -1,0 +1,108 @@
+"""Runs that cannot lose or corrupt work (tiny preset, one CPU process through the command
+line): divergence restarts, one run per run directory, and faults reported in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from pretrain.cli import main
+from pretrain.divergence import SkipGuard, TrainingAborted
+
+DIVERGING = ["--config", "tiny", "train.steps=40", "optim.lr=1e4", "checkpoint.every=2"]
+
+
+def _committed(run_dir: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*")
+                  if (p / "manifest.json").is_file())
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_divergence_restarts_end_non_zero_with_the_good_checkpoint_kept(tmp_path, capsys):
+    """A run with good checkpoints, then the documented "same command again" six times at a
+    learning rate that diverges: no skipped step is saved, retention keeps the last good
+    checkpoint, and the restarts are refused naming the step they would return to."""
+    assert main(["--config", "tiny", f"run_dir={tmp_path}", "train.steps=40", "checkpoint.every=2",
+                 "train.stop_after=4"]) == 0
+    assert _committed(tmp_path) == [2, 4]
+    statuses = [main([*DIVERGING, f"run_dir={tmp_path}"]) for _ in range(6)]
+    assert statuses == [1] * 6
+    err = capsys.readouterr().err
+    first_skip = min(r["step"] for r in _records(tmp_path) if r["skipped"])
+    kept = _committed(tmp_path)
+    assert kept and max(kept) < first_skip  # nothing saved from the trouble on
+    assert err.count("consecutive steps") == 1  # the first restart diverged; five were refused
+    assert err.count(f"would return to the checkpoint of step {max(kept)} and repeat them") == 5
+
+
+def test_a_diverged_run_continues_with_a_changed_lr_or_when_allowed(tmp_path, capsys):
+    assert main([*DIVERGING, f"run_dir={tmp_path}", "train.steps=8"]) == 1
+    marker = json.loads((tmp_path / "diverged.json").read_text())
+    assert marker["return_step"] == max(_committed(tmp_path))
+    args = ["--config", "tiny", f"run_dir={tmp_path}", "train.steps=8", "checkpoint.every=2"]
+    assert main([*args, "optim.lr=1e4", "train.allow_resume_after_divergence=true"]) == 1
+    assert "on the same settings (train.allow_resume_after_divergence=true)" in capsys.readouterr().out
+    assert main([*args, "optim.lr=1e-3"]) == 0
+    assert "optim.lr=0.001 (was 10000)" in capsys.readouterr().out
+    assert not (tmp_path / "diverged.json").exists()  # a checkpoint beyond the divergence
+    assert _committed(tmp_path)[-1] == 8
+
+
+def test_a_stop_on_a_skipped_step_saves_nothing():
+    guard = SkipGuard(limit=3)
+    assert not guard.checkpointable({"skipped": True}) and guard.checkpointable({"skipped": False})
+
+
+def test_the_skip_count_and_the_clean_checkpoint_survive_a_resume():
+    guard = SkipGuard(limit=3)
+    guard.observe({"step": 1, "skipped": False})
+    assert guard.saved(1) == {"consecutive_skips": 0, "clean_step": 1}
+    guard.observe({"step": 2, "skipped": True, "loss": 1.0, "grad_norm": float("nan")})
+    guard.observe({"step": 3, "skipped": False})
+    # a checkpoint after a skip is not clean: retention keeps step 1's
+    assert guard.saved(3) == {"consecutive_skips": 0, "clean_step": 1}
+    resumed = SkipGuard(limit=3)
+    resumed.resumed(3, {"consecutive_skips": 2, "clean_step": 1})
+    assert resumed.clean_step == 1
+    with pytest.raises(TrainingAborted, match="3 consecutive steps \\(to step 4\\)"):
+        resumed.observe({"step": 4, "skipped": True, "loss": 1.0, "grad_norm": float("nan")})
+    assert resumed.saved(5)["clean_step"] == 1
+    assert resumed.saved(7)["clean_step"] == 7
+
+
+def test_a_second_run_on_a_held_run_dir_is_refused_and_the_first_completes(tmp_path, capsys):
+    first = subprocess.Popen(
+        [sys.executable, "-m", "pretrain", "--config", "tiny", f"run_dir={tmp_path}",
+         "train.steps=40"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "metrics.jsonl").is_file():  # training, the lock held
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.1)
+        assert main(["--config", "tiny", f"run_dir={tmp_path}", "train.steps=40"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"pretrain: error: run_dir='{tmp_path}' is in use by another run: "
+                              f"pid {first.pid} on host {socket.gethostname()}") and "\n" not in err
+    finally:
+        out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-2000:]
+    assert [r["step"] for r in _records(tmp_path)] == list(range(1, 41))
+    assert (tmp_path / "run.lock").read_text() == ""  # released cleanly
+
+
+def test_a_lock_left_by_a_killed_run_is_reported_and_taken_over(tmp_path, capsys):
+    (tmp_path / "run.lock").write_text(json.dumps(
+        {"pid": 2**22 + 1, "host": socket.gethostname(), "since": "2026-01-01 00:00:00"}))
+    assert main(["--config", "tiny", f"run_dir={tmp_path}", "train.steps=4"]) == 0
+    assert (f"warning: run_dir {tmp_path}: taking over the lock of a run that did not end cleanly: "
+            f"pid {2**22 + 1} on host {socket.gethostname()}") in capsys.readouterr().err
