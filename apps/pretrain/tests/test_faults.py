@@ -106,3 +106,60 @@ def test_a_lock_left_by_a_killed_run_is_reported_and_taken_over(tmp_path, capsys
     assert main(["--config", "tiny", f"run_dir={tmp_path}", "train.steps=4"]) == 0
     assert (f"warning: run_dir {tmp_path}: taking over the lock of a run that did not end cleanly: "
             f"pid {2**22 + 1} on host {socket.gethostname()}") in capsys.readouterr().err
+
+
+def _saved_run(run_dir: Path, *extra: str) -> list[str]:
+    """A run of 8 steps stopped after step 6, checkpoints at 2, 4 and 6; its command."""
+    cmd = ["--config", "tiny", f"run_dir={run_dir}", "train.steps=8", "checkpoint.every=2",
+           "checkpoint.keep_last=0", *extra]
+    assert main([*cmd, "train.stop_after=6"]) == 0
+    return cmd
+
+
+def test_a_step_directory_without_its_manifest_is_set_aside_and_the_run_goes_on(tmp_path, capsys):
+    cmd = _saved_run(tmp_path)
+    (tmp_path / "checkpoints" / "step_0000000006" / "manifest.json").unlink()
+    capsys.readouterr()
+    assert main(cmd) == 0
+    captured = capsys.readouterr()
+    assert "step_0000000006 has no manifest.json (an unfinished or damaged checkpoint): moved to " \
+        "step_0000000006.uncommitted-" in captured.err
+    assert "resumed after step 4" in captured.out
+    assert _committed(tmp_path) == [2, 4, 6, 8]
+    assert main(cmd) == 0 and "nothing to train" in capsys.readouterr().out  # no crash loop
+
+
+def _rewrite_manifest(step_dir: Path, change) -> None:
+    from moe_ckpt.manifest import read_manifest, write_manifest
+
+    manifest = read_manifest(step_dir)
+    change(manifest)
+    write_manifest(step_dir, manifest)
+
+
+def _one_line_error(capsys, status: int, argv: list[str]) -> str:
+    assert main(argv) == status
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("pretrain: error: "), err
+    return err.strip().splitlines()[-1]
+
+
+def test_an_edited_manifest_step_is_one_line(tmp_path, capsys):
+    cmd = _saved_run(tmp_path)
+    manifest = tmp_path / "checkpoints" / "step_0000000006" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"step":6', '"step":7'))
+    assert "manifest.json: the manifest does not match its sha256" in _one_line_error(capsys, 1, cmd)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m.metadata.update(step=7), "the checkpoint's metadata says step 7, its manifest step 6"),
+    (lambda m: m.metadata.pop("data"), "lacks data.global_batch"),
+    (lambda m: m.metadata["config"].pop("model"), "lacks config.model"),
+    (lambda m: m.rank_metadata[0]["rng"].update(cpu="not base64!"), "no usable RNG state for rank 0"),
+    (lambda m: m.rank_metadata[0]["rng"].update(cpu="AAAA"), "3 bytes, a CPU generator state has"),
+    (lambda m: m.rank_metadata[0].pop("rng"), "no usable RNG state for rank 0"),
+])
+def test_malformed_checkpoint_metadata_is_one_line(tmp_path, capsys, change, message):
+    cmd = _saved_run(tmp_path)
+    _rewrite_manifest(tmp_path / "checkpoints" / "step_0000000006", change)
+    assert message in _one_line_error(capsys, 1, cmd)

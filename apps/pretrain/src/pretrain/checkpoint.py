@@ -41,11 +41,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from moe_ckpt import Checkpointer, CheckpointerConfig, Manifest, PostCommitError, Shard, load
+from moe_ckpt.directory import step_dir_name
 
 from pretrain import divergence
 from pretrain.config import ConfigError, Layout, PretrainConfig
 from pretrain.config_tree import to_tree
 from pretrain.data import STDLIB, SYNTHETIC, MixtureSequences
+from pretrain.errors import PretrainError
 from pretrain.trainer import Trainer
 
 CHECKPOINT_DIR = "checkpoints"
@@ -120,6 +122,42 @@ def _same_sources(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
 def _describe_sources(sources: list[dict[str, Any]]) -> str:
     return "[" + ", ".join(f"{s['path']} x{s['weight']:g} ({s['n_sequences']} sequences)"
                            for s in sources) + "]"
+
+
+class CheckpointMetadataError(PretrainError):
+    """A checkpoint's own metadata (the trainer's part of its manifest) is not usable."""
+
+
+def _check_metadata(manifest: Manifest, where: Path, rank: int | None) -> None:
+    """The trainer's metadata holds what resuming reads, and its step is the manifest's
+    (``rank``: whose RNG state is restored; ``None`` when the world size changed)."""
+    def bad(what: str) -> CheckpointMetadataError:
+        return CheckpointMetadataError(f"{where}: the checkpoint's metadata {what}; it cannot be "
+                                       "resumed from (choose another with checkpoint.resume=PATH)")
+
+    meta = manifest.metadata
+    if meta.get("step") != manifest.step:
+        raise bad(f"says step {meta.get('step')!r}, its manifest step {manifest.step!r}")
+    required = {"config": ("model",), "data": ("global_batch", "seq_len", "path", "seed")}
+    for section, keys in required.items():
+        value = meta.get(section)
+        for key in keys:
+            if not isinstance(value, dict) or key not in value:
+                raise bad(f"lacks {section}.{key}")
+    if not isinstance(meta["config"]["model"], dict):
+        raise bad("holds no model config (config.model)")
+    if rank is None:
+        return
+    try:
+        rng = manifest.rank_metadata[rank]["rng"]
+        for name, text in rng.items():
+            decoded = base64.b64decode(text, validate=True)
+            if name == "cpu" and len(decoded) != torch.get_rng_state().numel():
+                raise ValueError(f"{len(decoded)} bytes, a CPU generator state has "
+                                 f"{torch.get_rng_state().numel()}")
+    except (IndexError, KeyError, TypeError, AttributeError, ValueError) as e:
+        raise bad(f"holds no usable RNG state for rank {rank} (rank_metadata[{rank}].rng: "
+                  f"{type(e).__name__}: {e})") from None
 
 
 class RunCheckpoints:
@@ -205,6 +243,7 @@ class RunCheckpoints:
         if choice == "auto":
             if not existing:
                 return None
+            where = self.root / step_dir_name(existing[-1])
             manifest = self.checkpointer.load(self.state, step=existing[-1])
         else:
             if existing:
@@ -215,7 +254,10 @@ class RunCheckpoints:
                 )
             if choice == "none":
                 return None
+            where = Path(choice)
             manifest = load(choice, self.state)
+        _check_metadata(manifest, where, dist.get_rank() if manifest.world_size ==
+                        self.layout.world_size else None)
         self._check_model(manifest)
         self._check_data(manifest)
         self.trainer.optimizer.load_sharded_state(
@@ -224,6 +266,13 @@ class RunCheckpoints:
             _set_rng_state(manifest.rank_metadata[dist.get_rank()]["rng"], self.trainer.device)
         self.trainer.skips.resumed(manifest.step, manifest.metadata.get(divergence.METADATA_KEY))
         return manifest
+
+    def report_recovery(self) -> None:
+        """Say what opening the checkpoint root found left by a run that did not end cleanly
+        (rank 0; the checkpointer set it aside or took it over)."""
+        for old, aside in self.checkpointer.set_aside:
+            print(f"warning: {old} has no manifest.json (an unfinished or damaged checkpoint): "
+                  f"moved to {aside.name}, not resumed from", file=sys.stderr, flush=True)
 
     def _check_model(self, manifest: Manifest) -> None:
         """The checkpoint's weights must mean what this run's model reads them as, and each

@@ -40,7 +40,10 @@ CONFIG_FILE = "config.toml"
 
 @contextmanager
 def _divergence_recorded(run_dir: Path, cfg: PretrainConfig, checkpoints: RunCheckpoints) -> Iterator[None]:
-    """Refuse to repeat a divergence (``pretrain.divergence``) and record one that aborts the run."""
+    """Report what a run that did not end cleanly left, refuse to repeat a divergence
+    (``pretrain.divergence``) and record one that aborts the run."""
+    if dist.get_rank() == 0:
+        checkpoints.report_recovery()
     if cfg.checkpoint.resume == "auto":
         note = decided_on_rank_0(lambda: divergence.check_restart(
             run_dir, cfg, checkpoints.checkpointer.latest_step()))

@@ -1,5 +1,13 @@
 """Checkpointer: step directories under one root, ``latest``, retention, async saves.
 
+One writer per root: rank 0 holds ``root/writer.lock`` (``moe_ckpt.lock``) from
+construction to ``close``, and a second ``Checkpointer`` on the root raises
+``DirectoryLockedError`` naming the holder (readers that only load use ``load`` or
+``read_tensors``, which take no lock). A step directory without its manifest (a
+checkpoint damaged or copied half) is renamed ``step_N.uncommitted-<id>`` at
+construction and listed in ``set_aside``: it is never loaded, and a save of that
+step does not collide with it.
+
 What the training loop sees: ``save(step, tensors, metadata)`` returns once this
 rank's data is in host memory; the write and the commit run in one background
 thread; the next ``save``, ``load``, ``wait`` or ``close`` waits for them and
@@ -43,6 +51,7 @@ from moe_ckpt.comm import Collectives, GroupCollectives, SingleProcess
 from moe_ckpt.errors import CheckpointError, IncompleteCheckpointError, PostCommitError
 from moe_ckpt.host import HostBuffers
 from moe_ckpt.load import load
+from moe_ckpt.lock import DirectoryLock
 from moe_ckpt.manifest import Manifest
 from moe_ckpt.save import PhaseHook, prepare_save, write_and_commit
 from moe_ckpt.shards import ShardLike
@@ -86,8 +95,29 @@ class Checkpointer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-ckpt-writer")
         self._pending: tuple[int, Future] | None = None
         self._buffers = HostBuffers()
+        self._lock = DirectoryLock(self.root / directory.LOCK_NAME)
+        self.stale_lock: str | None = None  # rank 0: a lock left by a writer that was killed
+        self.set_aside: list[tuple[Path, Path]] = []  # rank 0: step dirs without a manifest
+        self._open_root()
+
+    def _open_root(self) -> None:
+        """Rank 0 creates the root, takes its writer lock and sets aside uncommitted step
+        directories (a save would collide with one, a load skip it); all ranks raise if it
+        could not (collective)."""
+        error: BaseException | None = None
         if self._comm.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self.stale_lock = self._lock.acquire()
+                self.set_aside = directory.set_aside_uncommitted(self.root)
+            except (OSError, CheckpointError) as e:
+                error = e
+        failure = self._comm.broadcast(None if error is None else str(error))
+        if failure is not None:
+            self.close()
+            if error is not None:
+                raise error
+            raise CheckpointError(f"opening {self.root} failed on rank 0: {failure}")
 
     def save(
         self,
@@ -202,6 +232,7 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            self._lock.release()
             self._executor.shutdown(wait=True)
             if self._group is not None and dist.is_initialized():
                 dist.destroy_process_group(self._group)

@@ -5,7 +5,9 @@ Layout of a checkpoint root::
     step_0000001000/               committed: renamed into place, manifest inside
     .step_0000002000.partial-<id>/ being written, or left by a crash: never loaded
     .step_0000000500.deleting-<id>/ being deleted by retention
+    step_0000000500.uncommitted-<id>/ a step directory found without its manifest, set aside
     latest                         name of the last committed checkpoint, for other readers
+    writer.lock                    held by the one process that writes here (moe_ckpt.lock)
 
 Why this way: ``rename(2)`` of a directory is atomic on one filesystem, so a
 checkpoint appears under its final name complete or not at all; the step-named
@@ -37,6 +39,7 @@ from pathlib import Path
 from moe_ckpt.manifest import MANIFEST_NAME, fsync_dir
 
 LATEST_NAME = "latest"
+LOCK_NAME = "writer.lock"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TRANSIENT_RE = re.compile(r"^\..+\.(partial|deleting|tmp)-[0-9a-f]+$")
 
@@ -78,6 +81,27 @@ def committed_steps(root: Path) -> dict[int, Path]:
         if m and is_committed(entry):
             out[int(m.group(1))] = entry
     return out
+
+
+def set_aside_uncommitted(root: Path) -> list[tuple[Path, Path]]:
+    """Rename step directories without a manifest out of the way; (old, new) paths.
+
+    A commit renames a directory into place with its manifest inside, so such a
+    directory was never committed by this format: damaged, copied in half, or its
+    manifest removed. It is kept (for whoever wants to look at it) under a name that
+    is neither a step nor transient.
+    """
+    moved = []
+    if not root.is_dir():
+        return moved
+    for entry in sorted(root.iterdir()):
+        if _STEP_RE.match(entry.name) and entry.is_dir() and not is_committed(entry):
+            aside = entry.with_name(f"{entry.name}.uncommitted-{uuid.uuid4().hex[:8]}")
+            os.rename(entry, aside)
+            moved.append((entry, aside))
+    if moved:
+        fsync_dir(root)
+    return moved
 
 
 def write_latest(root: Path, final: Path) -> None:
