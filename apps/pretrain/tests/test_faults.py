@@ -3,6 +3,7 @@ line): divergence restarts, one run per run directory, and faults reported in on
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from pretrain.cli import main
 from pretrain.divergence import SkipGuard, TrainingAborted
@@ -163,3 +165,98 @@ def test_malformed_checkpoint_metadata_is_one_line(tmp_path, capsys, change, mes
     cmd = _saved_run(tmp_path)
     _rewrite_manifest(tmp_path / "checkpoints" / "step_0000000006", change)
     assert message in _one_line_error(capsys, 1, cmd)
+
+
+@pytest.fixture(scope="module")
+def token_dir(tmp_path_factory) -> Path:
+    """A small token directory (bytes tokenizer) made by prepare-data."""
+    root = tmp_path_factory.mktemp("corpus")
+    words = ["alpha", "beta", "gamma", "delta"]
+    (root / "text.txt").write_text(" ".join(words[(i * 7) % 5 % 4] for i in range(12000)))
+    assert main(["prepare-data", "--out", str(root / "tokens"), str(root / "text.txt")]) == 0
+    return root / "tokens"
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_setup_errors_are_one_line_and_create_no_run_dir(tmp_path, token_dir, capsys, monkeypatch):
+    run_dir = tmp_path / "run"
+    base = ["--config", "tiny", f"run_dir={run_dir}", "train.steps=4"]
+    capsys.readouterr()
+    binary = _copy(token_dir, tmp_path / "binary")
+    (binary / "tokens.json").write_bytes(bytes(range(256)) * 2)
+    assert "tokens.json: not valid JSON" in _one_line_error(capsys, 1, [*base, f"data.path={binary}"])
+    outside = _copy(token_dir, tmp_path / "outside")
+    (outside / "tokens.json").write_text((outside / "tokens.json").read_text().replace(
+        '"part-00000.bin"', '"../binary/part-00000.bin"'))
+    assert "must name a file in" in _one_line_error(capsys, 1, [*base, f"data.path={outside}"])
+    real_memmap = np.memmap
+
+    def unreadable(file, *args, **kwargs):
+        if str(file).endswith(".bin"):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_memmap(file, *args, **kwargs)
+
+    monkeypatch.setattr(np, "memmap", unreadable)
+    assert f"{token_dir / 'part-00000.bin'}: cannot read: Permission denied" in _one_line_error(
+        capsys, 1, [*base, f"data.path={token_dir}", "data.verify=false"])
+    monkeypatch.undo()
+    assert "train.global_batch" in _one_line_error(capsys, 2, [*base, "train.global_batch=0"])
+    assert not run_dir.exists()  # nothing checked so far created it
+
+
+def test_an_unwritable_run_dir_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    run_dir = tmp_path / "file" / "run"
+    assert _one_line_error(capsys, 1, ["--config", "tiny", f"run_dir={run_dir}"]) == \
+        f"pretrain: error: run_dir='{run_dir}' cannot be written: Not a directory ({run_dir})"
+
+
+def test_a_full_disk_under_the_metrics_ends_the_run_in_one_line(tmp_path, capsys, monkeypatch):
+    import pretrain.metrics as metrics
+
+    class FullAfterStep2:
+        def __init__(self, file) -> None:
+            self.file = file
+
+        def write(self, text: str) -> int:
+            if json.loads(text)["step"] > 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.file.write(text)
+
+        def close(self) -> None:
+            self.file.close()
+
+    opened = metrics.JsonlTracker.__init__
+
+    def full_disk(self, *args, **kwargs):
+        opened(self, *args, **kwargs)
+        self._file = FullAfterStep2(self._file)
+
+    monkeypatch.setattr(metrics.JsonlTracker, "__init__", full_disk)
+    err = _one_line_error(capsys, 1, ["--config", "tiny", f"run_dir={tmp_path}", "train.steps=6",
+                                      "checkpoint.every=2"])
+    assert err == (f"pretrain: error: {tmp_path / 'metrics.jsonl'}: writing step 3 failed: No space "
+                   "left on device; make room and run the same command again (it resumes from the "
+                   "last checkpoint)")
+    assert _committed(tmp_path) == [2] and [r["step"] for r in _records(tmp_path)] == [1, 2]
+
+
+def test_export_to_an_unwritable_path_and_plot_of_a_binary_file_are_one_line(tmp_path, capsys):
+    assert main(["--config", "tiny", f"run_dir={tmp_path}", "train.steps=4",
+                 "checkpoint.every=4"]) == 0
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "hf"
+    err = _one_line_error(capsys, 1, ["export-hf", str(tmp_path / "checkpoints" / "step_0000000004"),
+                                      str(out)])
+    assert ": Not a directory (exporting " in err
+    (tmp_path / "metrics.jsonl").write_bytes(b"\xff\xfe" + bytes(range(256)))
+    assert _one_line_error(capsys, 1, ["plot", str(tmp_path)]) == \
+        f"pretrain: error: {tmp_path / 'metrics.jsonl'}: not a metrics file (not UTF-8 text: byte 0)"
+    (tmp_path / "metrics.jsonl").write_text('[1, 2]\n{"step": 2}\n')
+    assert "metrics.jsonl:1: not a metrics record" in _one_line_error(capsys, 1, ["plot", str(tmp_path)])
