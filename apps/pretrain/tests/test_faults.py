@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -260,3 +261,47 @@ def test_export_to_an_unwritable_path_and_plot_of_a_binary_file_are_one_line(tmp
         f"pretrain: error: {tmp_path / 'metrics.jsonl'}: not a metrics file (not UTF-8 text: byte 0)"
     (tmp_path / "metrics.jsonl").write_text('[1, 2]\n{"step": 2}\n')
     assert "metrics.jsonl:1: not a metrics record" in _one_line_error(capsys, 1, ["plot", str(tmp_path)])
+
+
+@pytest.mark.parametrize("when", ["trainer.close", "on the way out"])
+def test_a_sigterm_during_teardown_leaves_a_finished_run_exit_0(tmp_path, when):
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        import pretrain.trainer, pretrain.train
+        if {when!r} == "trainer.close":
+            close = pretrain.trainer.Trainer.close
+            def close_after_sigterm(self):
+                os.kill(os.getpid(), signal.SIGTERM)  # preempted while tearing down
+                close(self)
+            pretrain.trainer.Trainer.close = close_after_sigterm
+        from pretrain.cli import main
+        status = main(["--config", "tiny", "run_dir={tmp_path}", "train.steps=4"])
+        if {when!r} == "on the way out":  # the interpreter's own teardown
+            os.kill(os.getpid(), signal.SIGTERM)
+        sys.exit(status)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_the_collective_timeout_is_the_process_groups(monkeypatch):
+    import torch.distributed as dist
+    from pretrain.runtime import distributed
+
+    seen = {}
+    init = dist.init_process_group
+
+    def spy(*args, **kwargs):
+        seen["timeout"] = kwargs["timeout"]
+        return init(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", spy)
+    with distributed("cpu", 42.0):
+        pass
+    assert seen["timeout"].total_seconds() == 42.0
+    from pretrain.config import load_config
+    assert load_config("tiny", []).train.collective_timeout_s == 600.0
+    with pytest.raises(ValueError, match="train.collective_timeout_s"):
+        load_config("tiny", ["train.collective_timeout_s=0"])

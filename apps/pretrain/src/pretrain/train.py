@@ -61,7 +61,10 @@ def _divergence_recorded(run_dir: Path, cfg: PretrainConfig, checkpoints: RunChe
 def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
     """Train per ``cfg`` as one rank of the launcher's world; returns this process's records."""
     vocab_note = resolve_vocab_size(cfg)  # model.vocab_size from the data, before the model
-    with distributed(cfg.train.device, cfg.train.collective_timeout_s) as rt:
+    # the stop flag outlives the checkpointer and the teardown: a SIGTERM while the last
+    # checkpoint is written waits for it (the process would die with it half written), one
+    # while the process group is taken down leaves a finished run finished
+    with StopRequest() as stop, distributed(cfg.train.device, cfg.train.collective_timeout_s) as rt:
         if vocab_note and rt.rank == 0:
             print(vocab_note, flush=True)
         layout = validate_layout(cfg, rt.world_size)
@@ -69,9 +72,7 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
         run_dir = choose_run_dir(cfg)
         trainer = Trainer(cfg, mesh, rt.device)  # (opens the data)
         try:
-            # the stop flag outlives the checkpointer: a SIGTERM while the last checkpoint
-            # is written waits for it (the process would die with it half written)
-            with held_run_dir(run_dir), StopRequest() as stop, \
+            with held_run_dir(run_dir), \
                     RunCheckpoints(run_dir, cfg, layout, trainer) as checkpoints, \
                     _divergence_recorded(run_dir, cfg, checkpoints):
                 resumed = checkpoints.resume()
