@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -305,3 +306,22 @@ def test_the_collective_timeout_is_the_process_groups(monkeypatch):
     assert load_config("tiny", []).train.collective_timeout_s == 600.0
     with pytest.raises(ValueError, match="train.collective_timeout_s"):
         load_config("tiny", ["train.collective_timeout_s=0"])
+
+
+@pytest.mark.parametrize("line, message", [
+    ('[train]\nsteps = "40"', "train.steps expects an integer, got '40' (a quoted string in TOML"),
+    ('[optim]\nlr = "1e-3"', "optim.lr expects a number, got '1e-3' (a quoted string in TOML"),
+    ('[checkpoint]\nasync_save = "false"', "checkpoint.async_save expects true or false, got 'false'"),
+    ('[train]\nstop_after = "10"', "train.stop_after expects an integer or none, got '10'"),
+])
+def test_a_toml_string_where_a_number_is_expected_is_refused(tmp_path, line, message):
+    from pretrain.config import ConfigError, load_config
+
+    path = tmp_path / "run.toml"
+    path.write_text(line + "\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(str(path), [])
+    key, value = line.split("\n")[1].split(" = ")
+    section = line.split("]")[0][1:]
+    cfg = load_config("tiny", [f"{section}.{key}={value.strip(chr(34))}"])  # the command line's text
+    assert str(getattr(getattr(cfg, section), key)).lower() in (value.strip('"').lower(), "0.001")
