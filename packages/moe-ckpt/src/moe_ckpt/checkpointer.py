@@ -43,7 +43,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from moe_ckpt import directory
@@ -54,8 +53,8 @@ from moe_ckpt.load import load
 from moe_ckpt.lock import DirectoryLock
 from moe_ckpt.manifest import Manifest
 from moe_ckpt.save import PhaseHook, prepare_save, write_and_commit
-from moe_ckpt.shards import ShardLike
 from moe_ckpt.storage import StorageOptions
+from moe_ckpt.tree import StateTree
 
 
 @dataclass(frozen=True)
@@ -122,7 +121,7 @@ class Checkpointer:
     def save(
         self,
         step: int,
-        tensors: Mapping[str, ShardLike | torch.Tensor],
+        tensors: Mapping[str, StateTree],
         metadata: Mapping[str, Any] | None = None,
         *,
         rank_metadata: Any = None,
@@ -206,7 +205,7 @@ class Checkpointer:
         return None if path is None else int(path.name.split("_")[1])
 
     def load(
-        self, targets: Mapping[str, ShardLike | torch.Tensor], step: int | None = None
+        self, targets: Mapping[str, StateTree], step: int | None = None
     ) -> Manifest:
         """Load ``step`` (default: the newest committed checkpoint) into ``targets``.
 

@@ -108,6 +108,7 @@ class Manifest:
     tensors: dict[str, TensorRecord]
     metadata: dict[str, Any] = field(default_factory=dict)
     rank_metadata: list[Any] = field(default_factory=list)
+    values: dict[str, Any] = field(default_factory=dict)  # non-tensor leaves (moe_ckpt.tree)
 
     def to_json(self) -> dict:
         obj = {
@@ -118,6 +119,7 @@ class Manifest:
             "world_size": self.world_size,
             "metadata": self.metadata,
             "rank_metadata": self.rank_metadata,
+            "values": self.values,
             "tensors": {name: rec.to_json() for name, rec in self.tensors.items()},
         }
         return {**obj, CHECKSUM_KEY: _checksum(obj)}
@@ -144,6 +146,7 @@ class Manifest:
                 tensors={n: TensorRecord.from_json(n, t) for n, t in obj["tensors"].items()},
                 metadata=dict(obj["metadata"]),
                 rank_metadata=list(obj["rank_metadata"]),
+                values=dict(obj.get("values", {})),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{source}: malformed manifest ({e!r})") from e
