@@ -325,3 +325,23 @@ def test_a_toml_string_where_a_number_is_expected_is_refused(tmp_path, line, mes
     section = line.split("]")[0][1:]
     cfg = load_config("tiny", [f"{section}.{key}={value.strip(chr(34))}"])  # the command line's text
     assert str(getattr(getattr(cfg, section), key)).lower() in (value.strip('"').lower(), "0.001")
+
+
+def test_retention_keeps_the_last_checkpoint_from_before_intermittent_skips(tmp_path, monkeypatch):
+    """Steps 3 and 5 non-finite (never the limit in a row): with keep_last=1 the newest
+    checkpoint with no skip since the one before it (step 2) outlives the later ones."""
+    from pretrain.trainer import Trainer
+
+    forward_backward = Trainer._forward_backward
+
+    def poisoned(self, step: int):
+        loss = forward_backward(self, step)
+        if step in (3, 5):
+            self.ddp.grad_buffers()[0][1][0] = float("nan")
+        return loss
+
+    monkeypatch.setattr(Trainer, "_forward_backward", poisoned)
+    assert main(["--config", "tiny", f"run_dir={tmp_path}", "train.steps=6", "optim.warmup_steps=2",
+                 "checkpoint.every=1", "checkpoint.keep_last=1"]) == 0
+    assert [r["skipped"] for r in _records(tmp_path)] == [False, False, True, False, True, False]
+    assert _committed(tmp_path) == [2, 6]

@@ -71,6 +71,18 @@ def test_retention_keeps_the_highest_steps_and_the_new_checkpoint(tmp_path: Path
     assert sorted(directory.committed_steps(tmp_path)) == [15, 30]
 
 
+def test_retention_leaves_the_steps_a_save_names_in_keep(tmp_path: Path):
+    """The last good checkpoint stays while later ones come and go (``keep``)."""
+    config = mc.CheckpointerConfig(keep_last=1, async_save=False)
+    with mc.Checkpointer(tmp_path, config) as ckpt:
+        ckpt.save(1, state(1))
+        for step in (2, 3, 4):
+            ckpt.save(step, state(step), keep=[1])
+        assert ckpt.steps() == [1, 4]
+        ckpt.save(5, state(5))  # no longer named: retention applies to it again
+        assert ckpt.steps() == [5]
+
+
 def test_async_save_snapshots_before_returning(tmp_path: Path):
     phases: list[str] = []
     with mc.Checkpointer(tmp_path, on_phase=phases.append) as ckpt:
