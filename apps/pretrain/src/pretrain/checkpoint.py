@@ -12,8 +12,10 @@ layout resumes on another (DP2 -> EP2, DP2 -> PP2, 2 -> 1 process):
   replicated over data parallelism, written by one rank.
 - metadata: the resolved config, the layout it was saved from, the step and the
   data position (samples consumed; the data order is a function of the step and of
-  the stream's number of sequences, so nothing else is needed), and per rank the RNG
-  states.
+  the stream's number of sequences, so nothing else is needed), the skip count and
+  the newest clean checkpoint (``pretrain.divergence``), and per rank the RNG states.
+  Resuming checks this metadata first (its step is the manifest's, the keys it reads
+  are there, the RNG state decodes): a fault is one line naming the checkpoint.
 
 Resuming refuses what would silently change the run: a model whose weights would
 compute something else (``MODEL_FUNCTION_FIELDS``), a checkpoint tensor this run's

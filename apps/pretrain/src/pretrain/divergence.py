@@ -24,6 +24,7 @@ once a checkpoint of the step that diverged, or a later one, is committed.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,11 @@ def _learning_rates(cfg: PretrainConfig) -> dict[str, float]:
 def record_divergence(run_dir: Path, cfg: PretrainConfig, step: int, return_step: int | None) -> None:
     """Leave the marker of an aborted run (rank 0)."""
     marker = {"step": step, "return_step": return_step, **_learning_rates(cfg)}
-    (run_dir / MARKER).write_text(json.dumps(marker) + "\n")
+    try:
+        (run_dir / MARKER).write_text(json.dumps(marker) + "\n")
+    except OSError as e:  # (a full disk): the abort's own message matters more
+        print(f"warning: {run_dir / MARKER} could not be written ({e.strerror}): a rerun will "
+              "not know this run diverged", file=sys.stderr, flush=True)
 
 
 def check_restart(run_dir: Path, cfg: PretrainConfig, return_step: int | None) -> str | None:
