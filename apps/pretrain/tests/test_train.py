@@ -26,6 +26,7 @@ from moe_mxfp8 import MXFP8Linear, dequantize, quantize
 from pretrain.cli import main
 from pretrain.config import ConfigError, OptimConfig, load_config, validate_layout
 from pretrain.data import prepare_data
+from pretrain.divergence import TrainingAborted
 from pretrain.graphs import split_into_units
 from pretrain.mesh import build_mesh
 from pretrain.metrics import MetricsLog
@@ -33,7 +34,7 @@ from pretrain.runtime import distributed
 from pretrain.schedule import build_schedule
 from pretrain.signals import StopRequest
 from pretrain.train import train
-from pretrain.trainer import Trainer, TrainingAborted
+from pretrain.trainer import Trainer
 from torch import nn
 
 RECORD_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "skipped",

@@ -96,6 +96,12 @@ class TrainConfig:
     # replay the microbatches' forward + backward from CUDA graphs captured after the first
     # step (pretrain.graphs); one CUDA rank, not with pipeline or expert parallelism or MXFP8
     cuda_graphs: bool = False
+    # restart a run that aborted for non-finite steps on the same learning rates (it would
+    # return to the same checkpoint; pretrain.divergence)
+    allow_resume_after_divergence: bool = False
+    # seconds a collective waits for a peer before the process group fails it (a hung or
+    # dead rank); generous because a checkpoint load or the first step's compile can be slow
+    collective_timeout_s: float = 600.0
 
 
 @dataclass
@@ -201,7 +207,7 @@ class PretrainConfig:
         except ValueError as e:
             raise ConfigError(f"invalid mxfp8 config: {e}") from None
         positive = ["train.steps", "train.seq_len", "train.global_batch", "train.micro_batch",
-                    "train.max_consecutive_skips", "parallel.pp", "parallel.pp_virtual_stages",
+                    "train.max_consecutive_skips", "train.collective_timeout_s", "parallel.pp", "parallel.pp_virtual_stages",
                     "parallel.ep", "parallel.bucket_cap_mb", "parallel.merge_expert_grad_microbatches",
                     "optim.lr", "optim.muon_lr"]
         non_negative = ["optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay",

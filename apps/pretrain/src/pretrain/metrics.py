@@ -23,9 +23,12 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TextIO
+
+from pretrain.errors import PretrainError
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -50,18 +53,40 @@ class JsonlTracker:
 
     def __init__(self, run_dir: Path, keep_through: int | None = None) -> None:
         self.path = run_dir / METRICS_FILE
-        if keep_through is not None and self.path.is_file():
-            kept = [line for line in _records(self.path) if json.loads(line)["step"] <= keep_through]
-            tmp = self.path.with_name(METRICS_FILE + ".tmp")  # a crash here keeps the old file
-            tmp.write_text("".join(line + "\n" for line in kept))
-            tmp.replace(self.path)
-        self._file: TextIO = self.path.open("a", buffering=1)
+        with _written(self.path, "opening it"):
+            if keep_through is not None and self.path.is_file():
+                kept = [line for line in _records(self.path)
+                        if json.loads(line)["step"] <= keep_through]
+                tmp = self.path.with_name(METRICS_FILE + ".tmp")  # a crash here keeps the old file
+                tmp.write_text("".join(line + "\n" for line in kept))
+                tmp.replace(self.path)
+            self._file: TextIO = self.path.open("a", buffering=1)
 
     def log(self, record: Mapping[str, Any]) -> None:
-        self._file.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}) + "\n")
+        with _written(self.path, f"writing step {record['step']}"):
+            self._file.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}) + "\n")
 
     def close(self) -> None:
-        self._file.close()
+        with _written(self.path, "closing it"):
+            self._file.close()
+
+
+class MetricsError(PretrainError):
+    """The metrics file cannot be read or written (a full disk, a file that is not text)."""
+
+
+@contextmanager
+def _written(path: Path, doing: str) -> Iterator[None]:
+    """An ``OSError`` (a full disk) or undecodable bytes as one line naming ``path``. The run
+    ends there: the checkpoints before it are intact and the same command resumes."""
+    try:
+        yield
+    except OSError as e:
+        raise MetricsError(f"{path}: {doing} failed: {e.strerror or e}; make room and run the "
+                           "same command again (it resumes from the last checkpoint)") from None
+    except UnicodeDecodeError as e:
+        raise MetricsError(f"{path}: not a metrics file (not UTF-8 text: byte {e.start}); move it "
+                           "away to start a new one") from None
 
 
 def _records(path: Path) -> list[str]:

@@ -65,7 +65,7 @@ from torch import nn
 from pretrain.build import build_model_part
 from pretrain.config import ConfigError, PretrainConfig
 from pretrain.data import BatchReader, open_data
-from pretrain.errors import PretrainError
+from pretrain.divergence import SkipGuard
 from pretrain.graphs import ForwardBackward, GraphedForwardBackward, MicrobatchGraphs, UnitGraphs
 from pretrain.mesh import ParallelMesh
 from pretrain.metrics import MetricsLog
@@ -76,10 +76,6 @@ from pretrain.schedule import build_schedule
 from pretrain.signals import StopRequest
 
 PEAK_FLOPS = 989e12  # dense BF16 peak of one H200: the MFU denominator peers use
-
-
-class TrainingAborted(PretrainError, RuntimeError):
-    """The run cannot continue (e.g. too many consecutive non-finite steps)."""
 
 
 class StepCheckpoints(Protocol):
@@ -162,6 +158,7 @@ class Trainer:
         self.packer = StepPacker(self.part.moe_layers, m.n_moe_layers, m.n_experts, device)
         self.flops_per_token = flops_per_token(m, t.seq_len)
         self.forward_backward: ForwardBackward = self.eager_forward_backward
+        self.skips = SkipGuard(t.max_consecutive_skips)  # continued by a resume
         if t.cuda_graphs:
             if device.type != "cuda":
                 raise ConfigError(f"train.cuda_graphs needs a CUDA device, this run uses {device}")
@@ -221,26 +218,22 @@ class Trainer:
         agreed stop request, too many skipped steps in a row) and when graphs are captured
         (after a step that does not end the run: nothing would replay them)."""
         t = self.cfg.train
-        history, consecutive_skips = [], 0
+        history = []
         for step in range(start_step, t.steps + 1):
             result = self.train_step(step, stop.requested)
-            log.write(result.record)
-            history.append(result.record)
+            record = result.record
+            log.write(record)
+            history.append(record)
             reason = stop.describe() if result.stop else \
                 "train.stop_after" if step == t.stop_after else None
-            if checkpoints is not None and checkpoints.due(step, reason is not None):
+            self.skips.observe(record)  # raises TrainingAborted at the limit
+            if checkpoints is not None and checkpoints.due(step, reason is not None) \
+                    and self.skips.checkpointable(record):
                 checkpoints.save(step)
-            consecutive_skips = consecutive_skips + 1 if result.record["skipped"] else 0
-            if consecutive_skips >= t.max_consecutive_skips:
-                raise TrainingAborted(
-                    f"{consecutive_skips} consecutive steps (to step {step}) had a non-finite "
-                    f"gradient norm (loss {result.record['loss']}, grad_norm "
-                    f"{result.record['grad_norm']}); aborting (train.max_consecutive_skips); "
-                    "lower optim.lr or check the data"
-                )
             if reason is not None:
                 if self.mesh.is_logging_rank:
-                    print(f"stopping after step {step}: {reason}", flush=True)
+                    skipped = " (a skipped step: not checkpointed)" if record["skipped"] else ""
+                    print(f"stopping after step {step}: {reason}{skipped}", flush=True)
                 break
             if step < t.steps:
                 self.capture_graphs()
