@@ -332,15 +332,15 @@ def test_retention_keeps_the_last_checkpoint_from_before_intermittent_skips(tmp_
     checkpoint with no skip since the one before it (step 2) outlives the later ones."""
     from pretrain.trainer import Trainer
 
-    forward_backward = Trainer._forward_backward
+    forward_backward = Trainer.eager_forward_backward
 
     def poisoned(self, step: int):
-        loss = forward_backward(self, step)
+        result = forward_backward(self, step)
         if step in (3, 5):
             self.ddp.grad_buffers()[0][1][0] = float("nan")
-        return loss
+        return result
 
-    monkeypatch.setattr(Trainer, "_forward_backward", poisoned)
+    monkeypatch.setattr(Trainer, "eager_forward_backward", poisoned)
     assert main(["--config", "tiny", f"run_dir={tmp_path}", "train.steps=6", "optim.warmup_steps=2",
                  "checkpoint.every=1", "checkpoint.keep_last=1"]) == 0
     assert [r["skipped"] for r in _records(tmp_path)] == [False, False, True, False, True, False]
