@@ -75,7 +75,7 @@ def dp2_stopped(tmp_path_factory, references) -> Path:
     run = tmp_path_factory.mktemp("dp2") / "run"
     proc = _pretrain(2, ["checkpoint.every=2", "train.stop_after=2", f"run_dir={run}"])
     assert "world 2 = pp 1 x dp 2 (dp = ep 1 x ep_dp 2); microbatches per rank: 2" in proc.stdout
-    assert proc.stdout.strip().endswith("stopping after step 2: train.stop_after")
+    assert "\nstopping after step 2: train.stop_after\n" in proc.stdout
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000000002"]
     _assert_losses(run, references["micro"], [1, 2])
     return run

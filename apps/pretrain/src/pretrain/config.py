@@ -157,7 +157,8 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # save every N optimizer steps and at the last one (0: only when stopped early)
+    every: int = 0  # also save every N optimizer steps (0: only at the end and when stopped early)
+    final: bool = True  # save after the last step (train.steps); a stop always saves
     # auto: the latest complete checkpoint under run_dir/checkpoints, if any | none | a step directory
     resume: str = "auto"
     keep_last: int = 2  # complete checkpoints kept (0: all)

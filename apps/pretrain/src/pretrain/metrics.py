@@ -1,4 +1,4 @@
-"""Per-step metrics: pluggable trackers, the JSONL file, and the progress line.
+"""Per-step metrics: pluggable trackers and the JSONL file.
 
 Only the logging rank (the last pipeline stage's DP rank 0) opens trackers and
 prints; the record it receives is already reduced over the ranks. A tracker is
@@ -115,34 +115,16 @@ def open_trackers(run_dir: Path, tensorboard: bool, keep_through: int | None = N
     return trackers
 
 
-def progress_line(record: Mapping[str, Any], total_steps: int) -> str:
-    parts = [
-        f"step {record['step']:>5}/{total_steps}",
-        f"loss {record['loss']:.4f}",
-        f"lr {record['lr']:.2e}",
-        f"grad_norm {record['grad_norm']:.3f}",
-        f"tok/s {record['tokens_per_s']:,.0f}",
-    ]
-    if "mfu" in record:
-        parts.append(f"mfu {100 * record['mfu']:.1f}%")
-    if "peak_mem_gib" in record:
-        parts.append(f"mem {record['peak_mem_gib']:.1f} GiB")
-    if record.get("skipped"):
-        parts.append("SKIPPED (non-finite)")
-    return "  ".join(parts)
-
-
 class MetricsLog:
-    """Fans each step's record out to the trackers and prints the progress line."""
+    """Fans each step's record out to the trackers (the progress lines are one:
+    ``pretrain.progress``)."""
 
-    def __init__(self, trackers: list[Tracker], total_steps: int, echo: bool) -> None:
-        self.trackers, self.total_steps, self.echo = trackers, total_steps, echo
+    def __init__(self, trackers: list[Tracker]) -> None:
+        self.trackers = trackers
 
     def write(self, record: Mapping[str, Any]) -> None:
         for tracker in self.trackers:
             tracker.log(record)
-        if self.echo:
-            print(progress_line(record, self.total_steps), flush=True)
 
     def close(self) -> None:
         for tracker in self.trackers:

@@ -7,12 +7,15 @@
         trainer = Trainer(cfg, mesh, device)      # data checked, model part built, DDP, optimizer
         checkpoints: resume (checkpoint.resume), then the logging rank writes
         run_dir/config.toml and opens the trackers
-        trainer.fit(...) under a SIGTERM flag, saving checkpoints on schedule and on stop
-        close: the checkpointer waits for its last save, the EP transport is released
+        trainer.fit(...) under a SIGTERM/SIGINT flag, saving checkpoints on schedule, at the
+        end and on stop; the logging rank prints a line per step (pretrain.progress)
+        close: the checkpointer waits for its last save, the EP transport is released;
+        the logging rank prints the summary (pretrain.summary)
 """
 
 from __future__ import annotations
 
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -24,9 +27,11 @@ from pretrain.checkpoint import RunCheckpoints
 from pretrain.config import ConfigError, PretrainConfig, config_toml, validate_layout
 from pretrain.data import resolve_vocab_size
 from pretrain.mesh import build_mesh
-from pretrain.metrics import MetricsLog, open_trackers
+from pretrain.metrics import METRICS_FILE, MetricsLog, Tracker, open_trackers
+from pretrain.progress import Progress
 from pretrain.runtime import distributed
 from pretrain.signals import StopRequest
+from pretrain.summary import RunFiles, run_summary
 from pretrain.trainer import Trainer
 
 CONFIG_FILE = "config.toml"
@@ -46,6 +51,7 @@ def _run_dir(cfg: PretrainConfig) -> Path:
 
 def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
     """Train per ``cfg`` as one rank of the launcher's world; returns this process's records."""
+    started = time.perf_counter()
     vocab_note = resolve_vocab_size(cfg)  # model.vocab_size from the data, before the model
     with distributed(cfg.train.device) as rt:
         if vocab_note and rt.rank == 0:
@@ -54,13 +60,17 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
         mesh = build_mesh(layout, rt.device.type)
         run_dir = _run_dir(cfg)
         trainer = Trainer(cfg, mesh, rt.device)
+        logging = mesh.is_logging_rank
+        last = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+        progress: Progress | None = None
         try:
             # the stop flag outlives the checkpointer: a SIGTERM while the last checkpoint
             # is written waits for it (the process would die with it half written)
-            with StopRequest() as stop, RunCheckpoints(run_dir, cfg, layout, trainer) as checkpoints:
+            with StopRequest() as stop, RunCheckpoints(
+                    run_dir, cfg, layout, trainer, announce=lambda line: _note(progress, line)) \
+                    as checkpoints:
                 resumed = checkpoints.resume()
                 done = 0 if resumed is None else resumed.step
-                logging = mesh.is_logging_rank
                 if logging:
                     (run_dir / CONFIG_FILE).write_text(config_toml(cfg, layout))
                     print(f"run_dir {run_dir}  device {rt.device}  dtype {str(trainer.dtype)[6:]}  "
@@ -70,19 +80,36 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
                         print(f"resumed after step {done} (checkpoint.resume="
                               f"{cfg.checkpoint.resume}; saved on world {saved['world_size']} = "
                               f"pp {saved['pp']} x dp {saved['dp']}, ep {saved['ep']})", flush=True)
-                last = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
                 if done >= last:  # (a run sliced by train.stop_after, started again)
                     if logging:
                         option = "train.steps" if last == cfg.train.steps else "train.stop_after"
                         print(f"nothing to train: the checkpoint is at step {done}, "
                               f"{option}={last}", flush=True)
                     return []
-                trackers = open_trackers(run_dir, cfg.metrics.tensorboard, keep_through=done) \
-                    if logging else []
-                log = MetricsLog(trackers, cfg.train.steps, echo=logging)
+                trackers: list[Tracker] = []
+                if logging:
+                    trackers = open_trackers(run_dir, cfg.metrics.tensorboard, keep_through=done)
+                    progress = Progress(cfg.train.steps, last, start_step=done + 1)
+                    trackers.append(progress)
+                log = MetricsLog(trackers)
                 try:
-                    return trainer.fit(log, stop, checkpoints, start_step=done + 1)
+                    history = trainer.fit(log, stop, checkpoints, start_step=done + 1)
                 finally:
                     log.close()
+            if logging and history:  # (after the checkpointer's close: the last save committed)
+                files = RunFiles(run_dir, run_dir / METRICS_FILE, run_dir / CONFIG_FILE,
+                                 None if checkpoints.last_saved is None
+                                 else checkpoints.path(checkpoints.last_saved))
+                print(run_summary(history, files, cfg.train.steps, trainer.tokens_per_step,
+                                  time.perf_counter() - started), flush=True)
+            return history
         finally:
             trainer.close()
+
+
+def _note(progress: Progress | None, line: str) -> None:
+    """A line above the progress bar (or printed plainly before or without one)."""
+    if progress is not None:
+        progress.write(line)
+    else:
+        print(line, flush=True)
