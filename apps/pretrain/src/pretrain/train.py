@@ -66,7 +66,7 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
         try:
             # the stop flag outlives the checkpointer: a SIGTERM while the last checkpoint
             # is written waits for it (the process would die with it half written)
-            with StopRequest() as stop, RunCheckpoints(
+            with StopRequest(announce=rt.local_rank == 0) as stop, RunCheckpoints(
                     run_dir, cfg, layout, trainer, announce=lambda line: _note(progress, line)) \
                     as checkpoints:
                 resumed = checkpoints.resume()
