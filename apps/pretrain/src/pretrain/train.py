@@ -29,6 +29,7 @@ from pretrain.data import resolve_vocab_size
 from pretrain.mesh import build_mesh
 from pretrain.metrics import METRICS_FILE, MetricsLog, Tracker, open_trackers
 from pretrain.progress import Progress
+from pretrain.resume_changes import resume_changes
 from pretrain.runtime import distributed
 from pretrain.signals import StopRequest
 from pretrain.summary import RunFiles, run_summary
@@ -80,6 +81,8 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
                         print(f"resumed after step {done} (checkpoint.resume="
                               f"{cfg.checkpoint.resume}; saved on world {saved['world_size']} = "
                               f"pp {saved['pp']} x dp {saved['dp']}, ep {saved['ep']})", flush=True)
+                        for line in resume_changes(resumed.metadata["config"], cfg, done + 1):
+                            print(line, flush=True)
                 if done >= last:  # (a run sliced by train.stop_after, started again)
                     if logging:
                         option = "train.steps" if last == cfg.train.steps else "train.stop_after"
