@@ -8,6 +8,7 @@
     uv run pretrain prepare-data docs/ --out data/docs --tokenizer tokenizer.json
     uv run pretrain plot runs/a
     uv run pretrain plan --config my_run.toml
+    uv run pretrain config --config tiny train.steps=10   # every key: value, type, default, description
 
 Training is the default command: ``pretrain [train] [--config X] [KEY=VALUE ...]``.
 The other commands are argparse subcommands, one module each in
@@ -38,6 +39,7 @@ COMMANDS = {
     "plot": "plot",
     "export-hf": "export_hf",
     "plan": "plan",
+    "config": "config",
 }
 DEFAULT_COMMAND = "train"
 

@@ -26,7 +26,8 @@ from moe_model import MoEConfig
 from moe_model.triton_grouped_mm import MAX_WGRAD_SOURCES
 from moe_mxfp8 import MXFP8Config
 
-from pretrain.config_tree import ConfigError, apply_tree, dump_toml, set_key, to_tree
+from pretrain.config_reference import annotated_toml
+from pretrain.config_tree import ConfigError, apply_tree, set_key
 from pretrain.data.mixture import block_quotas
 from pretrain.data.sources import STDLIB
 from pretrain.presets import PRESETS
@@ -386,7 +387,9 @@ def load_config(source: str | None = None, overrides: list[str] | None = None) -
 
 
 def config_toml(cfg: PretrainConfig, layout: Layout | None = None) -> str:
-    """The resolved config as TOML that ``load_config`` reads back to an equal config."""
+    """The resolved config as TOML that ``load_config`` reads back to an equal config: every
+    key with its type, default and description (``pretrain.config_reference``)."""
     header = "resolved pretrain config" + (f"; {layout.describe()}" if layout else "")
-    return dump_toml(to_tree(cfg), header=header)
+    header += "\nevery key: type, default: description (unset optional keys commented out)"
+    return annotated_toml(cfg, header, cfg.key_sources)
 

@@ -251,7 +251,7 @@ def _toml_string(text: str) -> str:
         for c in text) + '"'
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
@@ -265,9 +265,9 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return _toml_string(value)
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):  # an inline table (an element of a list of tables)
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} ({type(value).__name__}) as TOML")
 
 
@@ -279,7 +279,7 @@ def dump_toml(tree: dict[str, Any], header: str = "") -> str:
         scalars = {k: v for k, v in node.items() if not isinstance(v, dict)}
         if name and (scalars or not node):
             lines.extend(["", f"[{name}]"])
-        lines.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items())
+        lines.extend(f"{k} = {toml_value(v)}" for k, v in scalars.items())
         for k, v in node.items():
             if isinstance(v, dict):
                 table(v, f"{name}.{k}" if name else k)
