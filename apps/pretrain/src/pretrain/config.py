@@ -169,7 +169,13 @@ class CheckpointConfig:
 @dataclass
 class MetricsConfig:
     expert_load_every: int = 10  # record tokens per expert per layer every N steps (0: never)
-    tensorboard: bool = False  # also write TensorBoard events (needs the tensorboard extra)
+    tensorboard: bool = False  # also write TensorBoard events to run_dir/tensorboard (the tensorboard extra)
+    wandb: bool = False  # also log to Weights & Biases (the wandb extra)
+    wandb_project: str | None = None  # W&B project; None: wandb's default
+    wandb_name: str | None = None  # W&B run name; None: wandb's default
+    # online | offline (run_dir/wandb, no network; `wandb sync` uploads it) | auto: wandb's own
+    # settings (WANDB_MODE, wandb login)
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"
 
 
 @dataclass

@@ -25,9 +25,10 @@ from moe_model import total_params
 
 from pretrain.checkpoint import RunCheckpoints
 from pretrain.config import ConfigError, PretrainConfig, config_toml, validate_layout
+from pretrain.config_tree import to_tree
 from pretrain.data import resolve_vocab_size
 from pretrain.mesh import build_mesh
-from pretrain.metrics import METRICS_FILE, MetricsLog, Tracker, open_trackers
+from pretrain.metrics import METRICS_FILE, MetricsLog, Tracker, WandbOptions, open_trackers
 from pretrain.progress import Progress
 from pretrain.resume_changes import resume_changes
 from pretrain.runtime import distributed
@@ -91,7 +92,10 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
                     return []
                 trackers: list[Tracker] = []
                 if logging:
-                    trackers = open_trackers(run_dir, cfg.metrics.tensorboard, keep_through=done)
+                    m = cfg.metrics
+                    wandb = WandbOptions(m.wandb_project, m.wandb_name, m.wandb_mode,
+                                         to_tree(cfg)) if m.wandb else None
+                    trackers = open_trackers(run_dir, m.tensorboard, keep_through=done, wandb=wandb)
                     progress = Progress(cfg.train.steps, last, start_step=done + 1)
                     trackers.append(progress)
                 log = MetricsLog(trackers)
