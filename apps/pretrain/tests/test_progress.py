@@ -72,7 +72,7 @@ def test_a_terminal_gets_a_bar_with_notes_above_it():
     progress.close()
     text = out.getvalue()
     assert "saved checkpoint x (0.1 s)\n" in text
-    assert re.search(r"2/4 .*loss 2\.5000", text), text
+    assert re.search(r"2/4 .*\[\d\d:\d\d<\d\d:\d\d, loss 2\.5000  lr", text), text
     assert "elapsed" not in text  # the bar shows tqdm's [elapsed<remaining]
 
 

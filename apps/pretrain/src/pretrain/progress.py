@@ -23,10 +23,9 @@ from collections.abc import Mapping
 from typing import Any, TextIO
 
 
-def progress_line(record: Mapping[str, Any], total_steps: int) -> str:
-    """A step's numbers as one line (without the times)."""
+def step_numbers(record: Mapping[str, Any]) -> str:
+    """A step's numbers (loss, LR, gradient norm, throughput, ...) as one line."""
     parts = [
-        f"step {record['step']:>5}/{total_steps}",
         f"loss {record['loss']:.4f}",
         f"lr {record['lr']:.2e}",
         f"grad_norm {record['grad_norm']:.3f}",
@@ -39,6 +38,11 @@ def progress_line(record: Mapping[str, Any], total_steps: int) -> str:
     if record.get("skipped"):
         parts.append("SKIPPED (non-finite)")
     return "  ".join(parts)
+
+
+def progress_line(record: Mapping[str, Any], total_steps: int) -> str:
+    """A step's plain line (without the times)."""
+    return f"step {record['step']:>5}/{total_steps}  {step_numbers(record)}"
 
 
 def format_duration(seconds: float) -> str:
@@ -69,7 +73,7 @@ class Progress:
 
             self._bar = tqdm(total=last_step, initial=start_step - 1, file=self.stream,
                              unit="step", dynamic_ncols=True, smoothing=0.1,
-                             bar_format="{n_fmt}/{total_fmt} {bar} [{elapsed}<{remaining}] {postfix}")
+                             bar_format="{n_fmt}/{total_fmt} {bar} [{elapsed}<{remaining}{postfix}]")
 
     def eta_s(self, step: int, now: float) -> float:
         """Seconds to ``last_step`` after ``step`` ended at ``now`` (``perf_counter``)."""
@@ -85,14 +89,14 @@ class Progress:
         step = record["step"]
         if self._first_done is None:
             self._first_done = now
-        line = progress_line(record, self.total_steps)
         with self._lock:
             if self._bar is not None:
-                self._bar.set_postfix_str(line.split("  ", 1)[1], refresh=False)
+                self._bar.set_postfix_str(step_numbers(record), refresh=False)
                 self._bar.update(1)
                 return
             elapsed, eta = format_duration(now - self.started), format_duration(self.eta_s(step, now))
-            print(f"{line}  elapsed {elapsed}  eta {eta}", file=self.stream, flush=True)
+            print(f"{progress_line(record, self.total_steps)}  elapsed {elapsed}  eta {eta}",
+                  file=self.stream, flush=True)
 
     def write(self, text: str) -> None:
         """A note, printed above the bar when there is one."""
