@@ -90,15 +90,9 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
                         print(f"nothing to train: the checkpoint is at step {done}, "
                               f"{option}={last}", flush=True)
                     return []
-                trackers: list[Tracker] = []
                 if logging:
-                    m = cfg.metrics
-                    wandb = WandbOptions(m.wandb_project, m.wandb_name, m.wandb_mode,
-                                         to_tree(cfg)) if m.wandb else None
-                    trackers = open_trackers(run_dir, m.tensorboard, keep_through=done, wandb=wandb)
                     progress = Progress(cfg.train.steps, last, start_step=done + 1)
-                    trackers.append(progress)
-                log = MetricsLog(trackers)
+                log = MetricsLog(_trackers(cfg, run_dir, done, progress) if logging else [])
                 try:
                     history = trainer.fit(log, stop, checkpoints, start_step=done + 1)
                 finally:
@@ -112,6 +106,15 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
             return history
         finally:
             trainer.close()
+
+
+def _trackers(cfg: PretrainConfig, run_dir: Path, done: int, progress: Progress) -> list[Tracker]:
+    """The logging rank's trackers: metrics.jsonl, TensorBoard and W&B as configured, then
+    the progress lines."""
+    m = cfg.metrics
+    wandb = WandbOptions(m.wandb_project, m.wandb_name, m.wandb_mode, to_tree(cfg)) \
+        if m.wandb else None
+    return [*open_trackers(run_dir, m.tensorboard, keep_through=done, wandb=wandb), progress]
 
 
 def _note(progress: Progress | None, line: str) -> None:
