@@ -124,6 +124,16 @@ def _missing(option: str, package: str) -> None:
           file=sys.stderr, flush=True)
 
 
+@dataclass(frozen=True)
+class WandbOptions:
+    """``metrics.wandb_project``, ``wandb_name``, ``wandb_mode`` and the run's config tree."""
+
+    project: str | None
+    name: str | None
+    mode: str
+    config: Mapping[str, Any]
+
+
 def open_trackers(run_dir: Path, tensorboard: bool, keep_through: int | None = None,
                   wandb: WandbOptions | None = None) -> list[Tracker]:
     """The JSONL tracker (see ``keep_through`` there), plus TensorBoard and Weights & Biases
@@ -143,16 +153,6 @@ def open_trackers(run_dir: Path, tensorboard: bool, keep_through: int | None = N
         except ImportError:
             _missing("metrics.wandb", "wandb")
     return trackers
-
-
-@dataclass(frozen=True)
-class WandbOptions:
-    """``metrics.wandb_project``, ``wandb_name``, ``wandb_mode`` and the run's config tree."""
-
-    project: str | None
-    name: str | None
-    mode: str
-    config: Mapping[str, Any]
 
 
 class MetricsLog:
