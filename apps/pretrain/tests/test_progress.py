@@ -90,6 +90,10 @@ def test_summary_names_results_files_and_next_commands(tmp_path):
     assert f"pretrain --config {files.config} train.steps=N" in text
     stopped = run_summary(records, files, total_steps=10, tokens_per_step=256, wall_s=1.0)
     assert f"pretrain --config {files.config}   # resume to step 10" in stopped
+    traced = RunFiles(tmp_path, files.metrics, files.config, None, tmp_path / "tb", tmp_path / "wb")
+    text = run_summary(records, traced, 3, 256, 1.0)
+    assert f"  tensorboard {tmp_path / 'tb'}\n  wandb       {tmp_path / 'wb'}\nnext:" in text
+    assert f"  tensorboard --logdir {tmp_path / 'tb'}" in text
     without = run_summary(records, RunFiles(tmp_path, files.metrics, files.config, None), 3, 256, 1.0)
     assert "export-hf" not in without and "checkpoint" not in without
 

@@ -19,6 +19,8 @@ class RunFiles:
     metrics: Path
     config: Path
     checkpoint: Path | None  # the newest checkpoint this process committed
+    tensorboard: Path | None = None  # the TensorBoard log folder, when written
+    wandb: Path | None = None  # the W&B runs' folder, when written
 
 
 def _last_with(records: Sequence[Mapping[str, Any]], key: str) -> Mapping[str, Any] | None:
@@ -50,9 +52,15 @@ def run_summary(records: Sequence[Mapping[str, Any]], files: RunFiles, total_ste
     lines.append(f"  config      {files.config}")
     if files.checkpoint is not None:
         lines.append(f"  checkpoint  {files.checkpoint}")
+    if files.tensorboard is not None:
+        lines.append(f"  tensorboard {files.tensorboard}")
+    if files.wandb is not None:
+        lines.append(f"  wandb       {files.wandb}")
     lines.append("next:")
     run_dir = shlex.quote(str(files.run_dir))
     lines.append(f"  pretrain plot {run_dir}")
+    if files.tensorboard is not None:
+        lines.append(f"  tensorboard --logdir {shlex.quote(str(files.tensorboard))}")
     if files.checkpoint is not None:
         lines.append(f"  pretrain export-hf {shlex.quote(str(files.checkpoint))} "
                      f"{shlex.quote(str(files.run_dir / 'hf'))}")

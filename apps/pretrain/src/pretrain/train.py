@@ -98,9 +98,12 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
                 finally:
                     log.close()
             if logging and history:  # (after the checkpointer's close: the last save committed)
+                tensorboard, wandb_dir = run_dir / "tensorboard", run_dir / "wandb"
                 files = RunFiles(run_dir, run_dir / METRICS_FILE, run_dir / CONFIG_FILE,
                                  None if checkpoints.last_saved is None
-                                 else checkpoints.path(checkpoints.last_saved))
+                                 else checkpoints.path(checkpoints.last_saved),
+                                 tensorboard if tensorboard.is_dir() else None,
+                                 wandb_dir if wandb_dir.is_dir() else None)
                 print(run_summary(history, files, cfg.train.steps, trainer.tokens_per_step,
                                   time.perf_counter() - started), flush=True)
             return history
