@@ -122,7 +122,6 @@ def _resume_matches(run: Path, stopped: int, uninterrupted: dict[int, float], ca
         assert losses[step] == pytest.approx(uninterrupted[step], rel=REL), step
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(2 * DEADLINE_S + 120)
 def test_sigint_stops_saves_exits_0_and_the_run_resumes_exactly(tmp_path, uninterrupted, capsys):
     run = tmp_path / "run"
