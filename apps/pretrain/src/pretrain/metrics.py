@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TextIO
@@ -155,12 +155,17 @@ def open_trackers(run_dir: Path, tensorboard: bool, keep_through: int | None = N
     return trackers
 
 
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
 class MetricsLog:
     """Fans each step's record out to the trackers (the progress lines are one:
-    ``pretrain.progress``)."""
+    ``pretrain.progress``); ``note`` prints a line about the run (above a progress bar:
+    ``Progress.write``)."""
 
-    def __init__(self, trackers: list[Tracker]) -> None:
-        self.trackers = trackers
+    def __init__(self, trackers: list[Tracker], note: Callable[[str], None] = _print) -> None:
+        self.trackers, self.note = trackers, note
 
     def write(self, record: Mapping[str, Any]) -> None:
         for tracker in self.trackers:

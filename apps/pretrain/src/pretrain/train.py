@@ -92,7 +92,8 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
                     return []
                 if logging:
                     progress = Progress(cfg.train.steps, last, start_step=done + 1)
-                log = MetricsLog(_trackers(cfg, run_dir, done, progress) if logging else [])
+                log = MetricsLog(_trackers(cfg, run_dir, done, progress), progress.write) \
+                    if progress is not None else MetricsLog([])
                 try:
                     history = trainer.fit(log, stop, checkpoints, start_step=done + 1)
                 finally:

@@ -228,7 +228,7 @@ class Trainer:
                 )
             if reason is not None:
                 if self.mesh.is_logging_rank:
-                    print(f"stopping after step {step}: {reason}", flush=True)
+                    log.note(f"stopping after step {step}: {reason}")
                 break
         return history
 
