@@ -68,7 +68,7 @@ class Progress:
         self._first_done: float | None = None  # when this process's first step ended
         self._lock = threading.Lock()  # notes may come from the checkpoint writer's thread
         self._bar = None
-        if bar if bar is not None else self.stream.isatty():
+        if self.stream.isatty() if bar is None else bar:
             from tqdm import tqdm
 
             self._bar = tqdm(total=last_step, initial=start_step - 1, file=self.stream,
