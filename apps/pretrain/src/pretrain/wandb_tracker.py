@@ -51,11 +51,6 @@ class WandbTracker:
             raise TrackerError(f"metrics.wandb: wandb could not start a run: {e} "
                                "(metrics.wandb_mode=offline needs no network)") from e
 
-    @property
-    def directory(self) -> Path:
-        """The local folder of this W&B run (``run_dir/wandb/<mode>-run-<time>-<id>``)."""
-        return Path(self._run.dir).parent
-
     def log(self, record: Mapping[str, Any]) -> None:
         self._run.log(scalar_fields(record), step=record["step"])
 
