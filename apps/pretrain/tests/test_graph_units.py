@@ -169,7 +169,7 @@ def test_no_capture_after_a_step_that_ends_the_run(ends):
         trainer = Trainer(cfg, build_mesh(validate_layout(cfg, 1), "cpu"), torch.device("cpu"))
         try:
             made = _capture_then_change(trainer)
-            records = trainer.fit(MetricsLog([], 3, echo=False),
+            records = trainer.fit(MetricsLog([]),
                                   _StopAt(1 if ends == "stop_requested" else None))
             assert len(records) == (3 if ends is None else 1)
             assert made[0].captured == (ends is None)

@@ -23,8 +23,9 @@ state has no place for, and another data stream (path, seed, batch, sequence len
 number of sequences).
 
 Saves are asynchronous (moe_ckpt snapshots to host memory and writes in a
-background thread) every ``checkpoint.every`` steps, at the last step, and when
-the run stops early (SIGTERM, ``train.stop_after``). ``checkpoint.resume``:
+background thread) every ``checkpoint.every`` steps, at the last step
+(``checkpoint.final``), and when the run stops early (SIGTERM or SIGINT,
+``train.stop_after``). ``checkpoint.resume``:
 ``auto`` loads the latest complete checkpoint under ``run_dir/checkpoints`` (a
 fresh start when there is none), ``none`` starts fresh, a path loads that
 checkpoint directory (``.../checkpoints/step_N``).
@@ -36,7 +37,8 @@ import base64
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -166,19 +168,36 @@ class RunCheckpoints:
     """The run's checkpointer: save on schedule, resume at start, close at the end.
 
     Construction is collective (moe_ckpt's checkpointer makes its own gloo group).
+    ``announce``: called with one line (the checkpoint's path and the seconds from the
+    save's start to its commit) on the rank that commits it (rank 0), from the writer
+    thread when the save is asynchronous.
     """
 
-    def __init__(self, run_dir: Path, cfg: PretrainConfig, layout: Layout, trainer: Trainer) -> None:
+    def __init__(self, run_dir: Path, cfg: PretrainConfig, layout: Layout, trainer: Trainer,
+                 announce: Callable[[str], None] | None = None) -> None:
         self.cfg, self.layout, self.trainer, self.run_dir = cfg, layout, trainer, run_dir
         c = cfg.checkpoint
         self.root = run_dir / CHECKPOINT_DIR
+        self.announce = announce
+        self._saving: tuple[int, float] | None = None  # the step being saved, its start time
         self.checkpointer = Checkpointer(
-            self.root, CheckpointerConfig(keep_last=c.keep_last or None, async_save=c.async_save))
+            self.root, CheckpointerConfig(keep_last=c.keep_last or None, async_save=c.async_save),
+            on_phase=self._on_phase)
         self.state = training_state(trainer)
         self.n_sequences = trainer.data.source.n_sequences
         source = trainer.data.source
         self.sources = source.records() if isinstance(source, MixtureSequences) else []
         self.last_saved: int | None = None
+
+    def _on_phase(self, phase: str) -> None:
+        if phase == "committed" and self.announce is not None and self._saving is not None:
+            step, started = self._saving
+            self.announce(f"saved checkpoint {self.path(step)} "
+                          f"({time.perf_counter() - started:.1f} s)")
+
+    def path(self, step: int) -> Path:
+        """The directory the checkpoint of ``step`` is committed as."""
+        return self.root / step_dir_name(step)
 
     def __enter__(self) -> RunCheckpoints:
         return self
@@ -208,8 +227,8 @@ class RunCheckpoints:
     # -- saving --------------------------------------------------------------------
 
     def due(self, step: int, stopping: bool) -> bool:
-        every, last = self.cfg.checkpoint.every, self.cfg.train.steps
-        return stopping or (every > 0 and (step % every == 0 or step == last))
+        c, last = self.cfg.checkpoint, self.cfg.train.steps
+        return stopping or (c.final and step == last) or (c.every > 0 and step % c.every == 0)
 
     def save(self, step: int) -> None:
         """Checkpoint the state after ``step`` (collective; returns after the host snapshot)."""
@@ -220,6 +239,7 @@ class RunCheckpoints:
                     "step": step, "data": _data_position(self.cfg, step, self.n_sequences, self.sources),
                     divergence.METADATA_KEY: skips.saved(step)}
         self._wait()  # the previous (asynchronous) save
+        self._saving = (step, time.perf_counter())
         with self._post_commit_warned():
             self.checkpointer.save(step, self.state, metadata,
                                    rank_metadata={"rng": _rng_state(self.trainer.device)},

@@ -7,10 +7,11 @@ package adds (``int | None``, ``float``, ``bool``, ``Literal[...]``, an ``Enum``
 ``list[int]``, a nested dataclass) is settable from a TOML file or the command
 line the day it lands. Errors are one line and name the dotted key.
 
-TOML is written here rather than with a library because the resolved config is
-written at the start of every run, also on machines where only torch and numpy
-are installed; the tree holds only scalars, lists and tables, so a dozen lines
-cover it.
+TOML values are written here (``toml_value``; the file around them by
+``pretrain.config_reference``) rather than with a library because the resolved
+config is written at the start of every run, also on machines where only torch
+and numpy are installed; the tree holds only scalars, lists and tables, so a
+dozen lines cover it.
 """
 
 from __future__ import annotations
@@ -260,7 +261,7 @@ def _toml_string(text: str) -> str:
         for c in text) + '"'
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
@@ -274,24 +275,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return _toml_string(value)
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):  # an inline table (an element of a list of tables)
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} ({type(value).__name__}) as TOML")
-
-
-def dump_toml(tree: dict[str, Any], header: str = "") -> str:
-    """Scalars first, then one ``[table]`` per nested mapping (recursively, dotted)."""
-    lines = [f"# {line}" for line in header.splitlines()]
-
-    def table(node: dict[str, Any], name: str) -> None:
-        scalars = {k: v for k, v in node.items() if not isinstance(v, dict)}
-        if name and (scalars or not node):
-            lines.extend(["", f"[{name}]"])
-        lines.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items())
-        for k, v in node.items():
-            if isinstance(v, dict):
-                table(v, f"{name}.{k}" if name else k)
-
-    table(tree, "")
-    return "\n".join(lines).lstrip("\n") + "\n"

@@ -233,7 +233,7 @@ class Trainer:
             if reason is not None:
                 if self.mesh.is_logging_rank:
                     skipped = " (a skipped step: not checkpointed)" if record["skipped"] else ""
-                    print(f"stopping after step {step}: {reason}{skipped}", flush=True)
+                    log.note(f"stopping after step {step}: {reason}{skipped}")
                 break
             if step < t.steps:
                 self.capture_graphs()
