@@ -573,3 +573,77 @@ def test_config_errors_name_the_field():
         MultiGroupDDP(ToyMoE(range(1)), lambda n, p: None, DDPConfig(mode="allreduce"))
     with pytest.raises(ValueError, match="DDPConfig.comm_dtype"):
         MultiGroupDDP(ToyMoE(range(1)), lambda n, p: None, DDPConfig(comm_dtype="bf16"))
+
+
+STEPS = 3
+
+
+def _adamw_steps(world: int) -> dict[str, torch.Tensor]:
+    """``STEPS`` AdamW steps of MultiGroupDDP on ``world`` ranks, through ``set_param_grads``;
+    returns the final parameters. Also checks the refusals where whole grads cannot be set."""
+    rank = dist.get_rank()
+    model = ToyMoE(range(N_EXPERTS))
+    ddp = MultiGroupDDP(model, lambda n, p: dist.group.WORLD, DDPConfig(bucket_cap_mb=TINY_CAP_MB))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        for mb in range(MICRO):
+            x, ids, target = microbatch(rank, world, step * MICRO + mb, False)
+            loss = loss_sum(model, x, ids, target) / global_tokens(world)
+            if mb < MICRO - 1:
+                with ddp.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        ddp.finish_grad_sync()
+        ddp.set_param_grads()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        ddp.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    scattered = ToyMoE(range(N_EXPERTS))
+    rs = MultiGroupDDP(scattered, lambda n, p: dist.group.WORLD,
+                       DDPConfig(mode="reduce_scatter", min_shard_numel=MIN_SHARD))
+    with pytest.raises(ValueError, match="'inp.weight' is reduce-scattered"):
+        rs.set_param_grads()
+    return portable({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                     "last_grads": grads})
+
+
+def test_set_param_grads_lets_torch_adamw_train_like_a_single_process():
+    """moe-ddp's reduced FP32 grads exposed as ``.grad`` for ``torch.optim.AdamW`` on 2 gloo
+    ranks: the same parameters as single-process AdamW on the concatenated global batch."""
+    world = 2
+    results = unpack(run_distributed(_adamw_steps, world, world, timeout=90))
+    model = ToyMoE(range(N_EXPERTS))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        batches = [microbatch(r, world, step * MICRO + m, False) for r in range(world) for m in range(MICRO)]
+        x, ids, target = (torch.cat(parts) for parts in zip(*batches, strict=True))
+        (loss_sum(model, x, ids, target) / global_tokens(world)).backward()
+        last_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    for rank, result in enumerate(results):
+        for name, want in model.named_parameters():
+            # the grads too: AdamW's update hardly changes with the gradients' scale
+            torch.testing.assert_close(result["last_grads"][name], last_grads[name], rtol=1e-5,
+                                       atol=1e-7, msg=f"rank {rank} grad of {name}")
+            torch.testing.assert_close(result["params"][name], want.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=f"rank {rank} {name}")
+        assert not torch.equal(result["params"]["inp.weight"], ToyMoE(range(N_EXPERTS)).inp.weight)
+
+
+def test_set_param_grads_refuses_unreduced_grads_and_a_dtype_mismatch():
+    model = _TwoWeights()
+    ddp = MultiGroupDDP(model, lambda n, p: None)
+    with ddp.no_sync():
+        (model.a.sum() + model.b.sum()).backward()
+    with pytest.raises(RuntimeError, match=r"before finish_grad_sync\(\)"):
+        ddp.set_param_grads()
+    ddp.finish_grad_sync()
+    ddp.set_param_grads()
+    assert model.a.grad.data_ptr() == ddp.main_grad("a").data_ptr()
+    torch.testing.assert_close(model.a.grad, torch.ones(3, 4))
+    half = _TwoWeights().to(torch.bfloat16)
+    with pytest.raises(ValueError, match="'a' is torch.bfloat16 but its main grad is torch.float32"):
+        MultiGroupDDP(half, lambda n, p: None).set_param_grads()
