@@ -8,7 +8,7 @@ no autograd, eager mode as training runs it:
 
 - host vs device time of dispatch + combine. Both are measured with the GPU held busy
   by a sleep kernel ahead, so the host is ahead of the device as in a training step
-  (where it stays 18-90 ms ahead, `perf_notes.md`): the device times are what a step
+  (where it stays 18-90 ms ahead: `min_host_lead_ms` of `bench_train_step.py`): the device times are what a step
   pays, the host time is the launch cost alone;
 - the layer split into 1, 2 or 4 token chunks, run sequentially on one stream and
   pipelined (chunk ``c + 1``'s dispatch and chunk ``c - 1``'s combine on a second,

@@ -110,7 +110,8 @@ def _time(fn: Callable[[], object], iters: int, warmup: int, host_ahead: bool = 
     """(device ms, host ms) per call: the rank's mean, then the maximum over ranks.
 
     ``host_ahead``: a sleep kernel goes first, so the host launches while the device is
-    busy, as in a training step (``perf_notes.md``): the device time holds no launch
+    busy, as in a training step (whose host runs tens of ms ahead: ``min_host_lead_ms`` of
+    ``bench_train_step.py``): the device time holds no launch
     waits, and the host time is the launch cost alone.
     """
     for _ in range(warmup):

@@ -1,4 +1,4 @@
-"""FSDP2 baseline: the same moe_model model under PyTorch's ``fully_shard``, for issue 10's
+"""FSDP2 baseline: the same moe_model model under PyTorch's ``fully_shard``, for the
 DDP-vs-FSDP comparison (the reference report's Figure 8).
 
     # two H200s, bench-2gpu, 6 steps (the first 2 warm up)

@@ -7,7 +7,7 @@ peaks of a microbatch are compared per configuration; the persistent state of a
 rank (parameters, FP32 buckets, optimizer shards) and the whole step's peak on 1
 and 2 gloo ranks (DP, EP, PP, AdamW and Muon). On CPU nothing runs CUDA's flash
 attention, so the planner is asked for its CPU kernel variant; what only a GPU
-can show is listed in tools/perf_notes.md.
+can show is left to the GPU tests and tools/plan_validate.py.
 """
 
 from __future__ import annotations
