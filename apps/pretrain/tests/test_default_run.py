@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from pretrain.config import load_config
 from pretrain.train import train
 
@@ -20,6 +21,7 @@ def test_shortened_default_run_lowers_loss(tmp_path):
     assert (tmp_path / "config.toml").is_file()
 
 
+@pytest.mark.multiprocess
 def test_unknown_key_fails_with_suggestion(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pretrain", "--config", "tiny", "train.stpes=3"],
@@ -29,6 +31,7 @@ def test_unknown_key_fails_with_suggestion(tmp_path):
     assert "unknown config key 'train.stpes'; did you mean 'train.steps'?" in proc.stderr
 
 
+@pytest.mark.multiprocess
 def test_wrong_type_fails(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pretrain", "--config", "tiny", "train.steps=many"],

@@ -202,6 +202,7 @@ def _two_rank_measurements() -> dict[str, dict[str, float]]:
     return {name: _measure_trainer(overrides, 2) for name, overrides in TWO_RANKS.items()}
 
 
+@pytest.mark.multiprocess
 def test_two_rank_layouts_match_plan():
     """DP2 (both DDP modes, AdamW and Muon), EP2 (all-to-all), PP2 (1F1B and zero
     bubble), gloo.
@@ -449,6 +450,7 @@ def _transport_slab_bytes(compute_dtype: str) -> int:
             part.close()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("compute_dtype", ["bfloat16", "float32"])
 def test_the_planned_nvshmem_heap_is_what_the_transport_allocates(compute_dtype):
     """Rows of the compute dtype: float32 rows are twice as wide as bfloat16 ones."""
@@ -492,6 +494,7 @@ def _dense_grads_formed_in_fp32(bucket_caps_mb: tuple[float, ...]) -> dict[float
     return formed
 
 
+@pytest.mark.multiprocess
 def test_fp32_dense_weight_gradients_are_planned_where_the_bucket_forms_them():
     """Under reduce_scatter a sharded dense weight sharing its bucket accumulates into
     [G, piece] rows; where G does not divide its out-features the in-GEMM path (CUDA) forms

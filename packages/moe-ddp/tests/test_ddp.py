@@ -225,6 +225,7 @@ def _check_against_reference(results: list[dict], world: int, ep: bool) -> None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=f"rank {rank} {name}")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
 def test_dense_matches_single_process(world, mode):
@@ -235,12 +236,14 @@ def test_dense_matches_single_process(world, mode):
     assert all(r["launched_during_backward"] == r["n_buckets"] > 1 for r in results)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
 def test_expert_groups_and_late_experts_match_single_process(mode):
     results = unpack(run_distributed(_train_window, 4, mode, True, False, timeout=90))
     _check_against_reference(results, 4, ep=True)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
 @pytest.mark.parametrize("ep", [False, True])
 def test_gradients_added_through_the_sink_match_single_process(mode, ep):
@@ -252,6 +255,7 @@ def test_gradients_added_through_the_sink_match_single_process(mode, ep):
         assert all(r["launched_during_backward"] == r["n_buckets"] > 1 for r in results)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
 @pytest.mark.parametrize(("merge", "pipeline"), [(2, False), (3, False), (2, True)])
 def test_merged_microbatch_gradients_match_single_process(mode, merge, pipeline):
@@ -268,6 +272,7 @@ def test_merged_microbatch_gradients_match_single_process(mode, merge, pipeline)
         assert not any(r["added_after_launch"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
 def test_held_gradients_are_added_before_the_bucket_launches_when_the_last_comes_via_autograd(mode):
     """Microbatches 0 and 1 deliver mergeable expert gradients through the sink (held: merge 3),
@@ -328,6 +333,7 @@ def test_a_held_gradient_is_never_added_into_a_reduced_bucket():
     assert not written
 
 
+@pytest.mark.multiprocess
 def test_after_a_pipeline_schedule_finish_launches_everything():
     results = unpack(run_distributed(_train_window, 4, "reduce_scatter", True, True, timeout=90))
     _check_against_reference(results, 4, ep=True)
@@ -348,6 +354,7 @@ def _bytes_per_mode() -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_byte_counter_reduce_scatter_moves_at_most_065x():
     world = (0, 1, 2, 3)
     for r in run_distributed(_bytes_per_mode, 4, timeout=60):
@@ -373,6 +380,7 @@ def _mean_mode_vs_torch_ddp() -> dict:
     return portable({n: (ddp.main_grad(n), p.grad) for n, p in theirs.module.named_parameters()})
 
 
+@pytest.mark.multiprocess
 def test_mean_mode_matches_pytorch_ddp():
     for result in unpack(run_distributed(_mean_mode_vs_torch_ddp, 2, timeout=60)):
         for name, (ours, theirs) in result.items():
@@ -414,6 +422,7 @@ def bf16_sum_of_two(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.bfloat16() + b.bfloat16()).float()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
 def test_bf16_communication_reduces_a_bf16_copy(mode):
     results = unpack(run_distributed(_bf16_reduction, 2, mode, timeout=60))
@@ -480,6 +489,7 @@ def _owner_major_parameter_of_its_own_shape() -> None:
     dist.barrier()
 
 
+@pytest.mark.multiprocess
 def test_grad_is_sharded_states_what_the_main_grad_shape_cannot_tell():
     run_distributed(_owner_major_parameter_of_its_own_shape, 2, timeout=60)
 
@@ -509,6 +519,7 @@ def _gradient_after_sync_is_refused() -> None:
     ddp.finish_grad_sync()
 
 
+@pytest.mark.multiprocess
 def test_gradient_after_sync_is_refused_until_zero_grad():
     run_distributed(_gradient_after_sync_is_refused, 2, timeout=60)
 
@@ -609,6 +620,7 @@ def _adamw_steps(world: int) -> dict[str, torch.Tensor]:
                      "last_grads": grads})
 
 
+@pytest.mark.multiprocess
 def test_set_param_grads_lets_torch_adamw_train_like_a_single_process():
     """moe-ddp's reduced FP32 grads exposed as ``.grad`` for ``torch.optim.AdamW`` on 2 gloo
     ranks: the same parameters as single-process AdamW on the concatenated global batch."""

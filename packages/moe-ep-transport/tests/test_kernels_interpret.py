@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("triton")
 
 
+@pytest.mark.interpreter
 def test_kernels_match_torch_under_interpreter() -> None:
     script = Path(__file__).with_name("_interpret_kernels.py")
     env = {**os.environ, "TRITON_INTERPRET": "1"}

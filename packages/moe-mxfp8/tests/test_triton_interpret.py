@@ -40,11 +40,13 @@ def _case_names() -> list[str]:
     return names + ["block_size_16", "codec", "empty"] + tiles
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", _case_names())
 def test_kernel_matches_reference(results, case):
     assert case in results, f"case {case} did not run"
     assert results[case] == 0, results[case]
 
 
+@pytest.mark.interpreter
 def test_every_case_is_listed(results):
     assert sorted(results) == sorted(_case_names())
