@@ -54,13 +54,13 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _bench import max_over_ranks
 from moe_model import (
     MoETransformer,
     flops_per_token,
@@ -79,9 +79,6 @@ from pretrain.schedule import build_schedule
 from pretrain.trainer import PEAK_FLOPS, resolve_dtype
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train_step import max_over_ranks  # noqa: E402
 
 
 def param_groups(model: nn.Module, cfg: PretrainConfig) -> list[dict[str, Any]]:

@@ -63,7 +63,7 @@ def test_gpu_tile_configs_fit_shared_memory_for_fp32():
 def test_weight_gradient_tiles_follow_the_reduction_length(monkeypatch, rows_per_group, batches, kind):
     """A launch reducing over ``LONG_REDUCTION_ROWS`` rows per group or more (merged
     microbatches, an EP rank's larger groups) takes the long-reduction tiles, shorter ones
-    the short tiles (tuned apart: tools/bench_gemm_ceiling.py --merge 1 / --merge 4)."""
+    the short tiles (tuned apart: tools/bench_expert_gemms.py gemms --merge 1 / --merge 4)."""
     pytest.importorskip("triton")
     from moe_model import triton_grouped_mm as tgm
 

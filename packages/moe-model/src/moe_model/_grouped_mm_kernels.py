@@ -187,7 +187,7 @@ def wgrad_kernel(
     The ``+=`` is a relaxed atomic add of the finished tile, carried out in L2: the
     program never waits for the accumulator's old values (loading them before the
     loop stalled each tile's tensor cores for the FP32 read, ~10% slower at the bench
-    shapes, ``tools/bench_gemm_ceiling.py --merge 4``). Every element belongs to exactly
+    shapes, ``tools/bench_expert_gemms.py gemms --merge 4``). Every element belongs to exactly
     one tile, so each receives one add per launch: the result is deterministic, and
     equal to ``c + sum_s a_(s,g)^T @ b_(s,g)`` rounded once (empty groups add zeros).
 
