@@ -46,6 +46,7 @@ def _single_process_steps() -> dict:
     return load_script(ORACLE).single_process_steps("tiny", OVERRIDES)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_fsdp2_two_ranks_match_single_process_adamw():
     ranks = run_distributed(_fsdp2_steps, 2, timeout=240)

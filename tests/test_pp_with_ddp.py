@@ -113,6 +113,7 @@ def _dp_pp_step() -> dict:
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_dp2_pp2_with_multigroup_ddp_matches_unsplit_model():
     results = run_distributed(_dp_pp_step, PP * DP, timeout=300)

@@ -33,6 +33,7 @@ def test_every_package_readme_has_an_example():
     assert {f"packages/{p.name}" for p in ROOT.glob("packages/*") if (p / "README.md").is_file()} <= ids
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("code", examples())
 def test_readme_example_runs_as_printed(code: str, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ def test_the_tools_are_found():
     assert len(SCRIPTS) >= 10 and (TOOLS / "_bench.py").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
 def test_tool_answers_help_on_cpu(script: Path, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from pretrain.config import load_config
 from pretrain.train import train
 
 
+@pytest.mark.slow
 def test_shortened_default_run_lowers_loss(tmp_path):
     cfg = load_config("default", [f"run_dir={tmp_path}", "train.steps=30", "optim.warmup_steps=5"])
     history = train(cfg)

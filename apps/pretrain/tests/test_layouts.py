@@ -81,6 +81,7 @@ def dp2_stopped(tmp_path_factory, references) -> Path:
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_dp2_resumes_its_own_checkpoint(dp2_stopped, references):
     proc = _pretrain(2, [f"run_dir={dp2_stopped}"])  # checkpoint.resume=auto
@@ -89,6 +90,7 @@ def test_dp2_resumes_its_own_checkpoint(dp2_stopped, references):
     _assert_losses(dp2_stopped, references["micro"], [1, 2, 3, 4])
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("n_procs, overrides, reference, layout", [
     (2, ["parallel.ep=2", "train.micro_batch=4", *ONE_MICROBATCH], "global",
@@ -106,6 +108,7 @@ def test_layouts_match_one_process(tmp_path, references, n_procs, overrides, ref
     _assert_losses(tmp_path, references[reference], [1, 2, 3, 4])
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("n_procs, overrides", [
     (2, ["parallel.ep=2"]), (2, ["parallel.pp=2"]), (1, []),

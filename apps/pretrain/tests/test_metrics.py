@@ -115,6 +115,7 @@ def test_progress_line_and_echo(capsys, tmp_path):
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.slow
 def test_plot_writes_pngs(tmp_path):
     with pytest.raises(PlotError, match="does not exist"):
         plot_run(tmp_path)

@@ -202,6 +202,7 @@ def _two_rank_measurements() -> dict[str, dict[str, float]]:
     return {name: _measure_trainer(overrides, 2) for name, overrides in TWO_RANKS.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_rank_layouts_match_plan():
     """DP2 (both DDP modes, AdamW and Muon), EP2 (all-to-all), PP2 (1F1B and zero
@@ -364,6 +365,7 @@ def test_expert_rows_follow_the_capacity_factor_without_ep():
         assert plan_memory(PlanRequest.from_config(cfg, 1)).capacity_rows == rows
 
 
+@pytest.mark.slow
 def test_sweep_picks_the_first_layout_that_fits():
     tiny, ultra = FAMILY[0], FAMILY[-1]
     (result,) = sweep((tiny,), (16,))
@@ -494,6 +496,7 @@ def _dense_grads_formed_in_fp32(bucket_caps_mb: tuple[float, ...]) -> dict[float
     return formed
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_fp32_dense_weight_gradients_are_planned_where_the_bucket_forms_them():
     """Under reduce_scatter a sharded dense weight sharing its bucket accumulates into

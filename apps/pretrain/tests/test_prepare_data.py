@@ -133,6 +133,7 @@ def _big_inputs(root: Path, mib: int) -> list[Path]:
     return [root / "one.txt", root / "docs.jsonl"]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
 def test_memory_does_not_grow_with_the_corpus(tmp_path):
@@ -270,6 +271,7 @@ def test_sigterm_removes_the_unfinished_output(tmp_path):
     assert "Traceback" not in err and not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_rerun_replaces_the_output_of_a_killed_run(tmp_path):
     out = tmp_path / "out"

@@ -207,6 +207,7 @@ CRASH_PHASES = [
 ]
 
 
+@pytest.mark.slow
 def test_sigkill_at_any_phase_resumes_from_the_newest_committed_step(tmp_path: Path):
     """Kill a saving process at each phase; check what resumption and retention see."""
     base = tmp_path / "base"

@@ -157,6 +157,7 @@ def rank_fn_back_to_two(root: str) -> list[str]:
     return checked
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_reshard_matrix(tmp_path: Path):
     root = str(tmp_path / "ck")

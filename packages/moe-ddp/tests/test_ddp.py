@@ -225,6 +225,7 @@ def _check_against_reference(results: list[dict], world: int, ep: bool) -> None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=f"rank {rank} {name}")
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
@@ -243,6 +244,7 @@ def test_expert_groups_and_late_experts_match_single_process(mode):
     _check_against_reference(results, 4, ep=True)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
 @pytest.mark.parametrize("ep", [False, True])
@@ -272,6 +274,7 @@ def test_merged_microbatch_gradients_match_single_process(mode, merge, pipeline)
         assert not any(r["added_after_launch"])
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
 def test_held_gradients_are_added_before_the_bucket_launches_when_the_last_comes_via_autograd(mode):
@@ -380,6 +383,7 @@ def _mean_mode_vs_torch_ddp() -> dict:
     return portable({n: (ddp.main_grad(n), p.grad) for n, p in theirs.module.named_parameters()})
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_mean_mode_matches_pytorch_ddp():
     for result in unpack(run_distributed(_mean_mode_vs_torch_ddp, 2, timeout=60)):
@@ -620,6 +624,7 @@ def _adamw_steps(world: int) -> dict[str, torch.Tensor]:
                      "last_grads": grads})
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_set_param_grads_lets_torch_adamw_train_like_a_single_process():
     """moe-ddp's reduced FP32 grads exposed as ``.grad`` for ``torch.optim.AdamW`` on 2 gloo

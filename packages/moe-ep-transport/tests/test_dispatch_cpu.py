@@ -109,6 +109,7 @@ def test_one_expert_per_rank_matches_oracle() -> None:
     assert sum(o["received"] for o in out) == (6 + 5) * K
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("capacity_factor", [1.0, None])
 def test_four_ranks_match_oracle(capacity_factor: float | None) -> None:

@@ -10,6 +10,7 @@ from moe_testing import run_under_triton_interpreter
 pytest.importorskip("triton")
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 def test_kernels_match_torch_under_interpreter() -> None:
     out = run_under_triton_interpreter(Path(__file__).with_name("_interpret_kernels.py"))

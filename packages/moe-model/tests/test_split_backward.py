@@ -264,6 +264,7 @@ def test_grouped_mm_into_sink_split_runs_each_gemm_once(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 def test_split_backward_of_triton_functions_under_interpreter():
     run_under_triton_interpreter(Path(__file__).with_name("_split_backward_interpret_check.py"), timeout=600)

@@ -35,6 +35,7 @@ def _case_names() -> list[str]:
     return names + ["block_size_16", "codec", "empty"] + tiles
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.parametrize("case", _case_names())
 def test_kernel_matches_reference(results, case):
@@ -42,6 +43,7 @@ def test_kernel_matches_reference(results, case):
     assert results[case] == 0, results[case]
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 def test_every_case_is_listed(results):
     assert sorted(results) == sorted(_case_names())

@@ -335,6 +335,7 @@ def test_matches_torch_adamw_and_reference_muon(world):
                 assert r["hook_calls"] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("scenario", ["ep", "partial", "pp"])
 def test_clipping_across_groups_matches_single_process(scenario):
@@ -349,6 +350,7 @@ def test_clipping_across_groups_matches_single_process(scenario):
     _check_params(results, want, 1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_non_finite_gradient_skips_the_step_everywhere():
     results = unpack(run_distributed(_train, 4, "ep", "adamw", "owner_major", STEPS,
@@ -375,6 +377,7 @@ def _assemble(results: list[dict]) -> dict[str, torch.Tensor]:
     return flat
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_state_saved_on_one_layout_resumes_on_another():
     """Two steps with EP over four ranks, then three more on two plain DP ranks."""
@@ -426,6 +429,7 @@ def _persistent_bytes(expert_parallel: bool) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_persistent_bytes_per_parameter():
     within = lambda got, want: abs(got - want) <= 0.05 * want  # noqa: E731

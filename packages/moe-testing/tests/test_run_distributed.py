@@ -48,6 +48,7 @@ def _rank_zero_hangs() -> None:
         time.sleep(3600)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_hung_rank_fails_within_timeout():
     start = time.monotonic()
@@ -64,6 +65,7 @@ def _exit_hard() -> None:
     time.sleep(3600)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_dead_rank_is_reported():
     with pytest.raises(DistributedTestError, match="rank 1 died with exit code 3"):
@@ -84,6 +86,7 @@ def test_ranks_can_return_tensors():
         assert value["bf16"].dtype == torch.bfloat16
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_port_taken_before_rank_zero_binds_it_is_replaced(monkeypatch):
     """free_port's answer can be taken by another process before rank 0 listens on it
