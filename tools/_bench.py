@@ -12,11 +12,16 @@ other, only the packages' public API.
   hardware ceiling of the run (machines of one kind differ by a few percent).
 - ``max_over_ranks(values, device)``: each value's maximum over the ranks (the slowest
   rank's time, the largest peak).
+- ``device_and_host_ms(fn, iters, warmup)``: for distributed benchmarks, one batch of
+  calls timed by CUDA events and by the host clock, each the slowest rank's.
+- ``init_nccl()``: this rank's GPU, the launch's NCCL process group joined.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -61,3 +66,37 @@ def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+def device_and_host_ms(fn: Callable[[], object], iters: int, warmup: int, host_ahead: bool = False,
+                       sleep_cycles: int = SLEEP_CYCLES) -> tuple[float, float]:
+    """(device ms, host ms) per call: the rank's mean of one batch, then the maximum over ranks.
+
+    With ``host_ahead`` the device time holds no launch waits and the host time is the
+    launch cost alone (the host issues while the device still sleeps)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    if host_ahead:
+        torch.cuda._sleep(sleep_cycles)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host_ms = (time.perf_counter() - t0) * 1e3 / iters
+    end.record()
+    torch.cuda.synchronize()
+    ms = torch.tensor([start.elapsed_time(end) / iters, host_ms], device="cuda")
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return float(ms[0]), float(ms[1])
+
+
+def init_nccl() -> torch.device:
+    """This rank's GPU, with the NCCL process group of the launch joined."""
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    return device

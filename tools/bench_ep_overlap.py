@@ -23,30 +23,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ep_transport import _init_nccl, _routing, _time  # noqa: E402
-from moe_ep_transport import EPConfig, EPDispatcher, make_transport, nvshmem_memory  # noqa: E402
-from moe_ep_transport.rowwise import slab_bytes_for  # noqa: E402
-from moe_model.experts import GroupedExperts  # noqa: E402
+from _bench import device_and_host_ms, init_nccl
+from moe_ep_transport import EPConfig, EPDispatcher, make_transport, nvshmem_memory
+from moe_ep_transport.rowwise import slab_bytes_for
+from moe_model.experts import GroupedExperts
 
 E, K, D, F = 64, 8, 2048, 1024
 
 
 def device_ms(fn: Callable[[], object], iters: int = 10) -> float:
     """Device time per call with the host ahead of the device, the slower rank's."""
-    return _time(fn, iters, 3, host_ahead=True)[0]
+    return device_and_host_ms(fn, iters, 3, host_ahead=True)[0]
 
 
 def host_ms(fn: Callable[[], object], iters: int = 4) -> float:
     """Host time per call with the device busy: the launch cost alone."""
-    return _time(fn, iters, 3, host_ahead=True)[1]
+    return device_and_host_ms(fn, iters, 3, host_ahead=True)[1]
 
 
 def measure(n: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: GroupedExperts,
@@ -109,12 +106,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     parser.add_argument("--chunks", default="1,2,4")
     args = parser.parse_args()
-    device = _init_nccl()
+    device = init_nccl()
     rank, world = dist.get_rank(), dist.get_world_size()
     T = args.tokens
     nvshmem_memory.bootstrap(None, device, heap_bytes=2 * slab_bytes_for(EPConfig(E, K, T, D), world, 2 * D))
     x = torch.randn(T, D, device=device).to(torch.bfloat16)
-    ids = _routing("random", T, E, K, rank, device)
+    ids = torch.topk(torch.randn(T, E, generator=torch.Generator(device=device).manual_seed(1000 + rank),
+                                device=device), K, dim=1).indices  # random routing
     w = torch.softmax(torch.randn(T, K, device=device), dim=1)
     experts = GroupedExperts(E // world, D, F, "grouped_mm").to(device)
     with torch.no_grad():
