@@ -1,8 +1,9 @@
 """What every benchmark under ``tools/`` shares: one CUDA-event timer and the matmul ceiling.
 
 A tool runs as a script (``python3 tools/<name>.py``), so this directory is first on
-``sys.path`` and ``import _bench`` finds this module; tools import nothing else from each
-other, only the packages' public API.
+``sys.path`` and ``import _bench`` finds this module. Otherwise tools import the packages'
+and the app's API, not each other (one exception: ``bench_train_step``'s ``fsdp2`` method
+runs the trainer of ``fsdp2_baseline``, the baseline tool).
 
 - ``time_ms(fn)``: device milliseconds per call, CUDA events around ``iters`` back-to-back
   calls after ``warmup`` calls, the median of ``reps`` such batches. ``host_ahead``: a
