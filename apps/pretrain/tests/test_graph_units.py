@@ -183,6 +183,7 @@ def _both_ways_on_two_ranks() -> tuple:
     return _steps(overrides, units=False), _steps(overrides, units=True)
 
 
+@pytest.mark.multiprocess
 def test_graph_units_on_two_data_parallel_ranks_train_like_eager_steps():
     """Three microbatches per rank (a middle unit of 2, a last unit of 1 holding the
     gradient reductions), the balancing counts reduced over both ranks in every forward."""

@@ -11,7 +11,7 @@ buckets, sharded FP32 main weights and optimizer states, MXFP8 caches), the
 activations the schedule keeps in flight with their transients, the optimizer
 step's buffers, and what lives outside PyTorch's allocator (CUDA context, NCCL,
 the NVSHMEM heap). See ``pretrain.planner`` for how each number is derived and
-``tools/perf_notes.md`` for what has been measured.
+docs/performance.md for what has been measured.
 """
 
 from __future__ import annotations
