@@ -233,3 +233,31 @@ def test_plan_sweep_time_prints_ranked_layouts(capsys, monkeypatch):
     for model in ("small-a", "small-b"):
         speeds = [r["tokens_per_s_per_gpu"] for r in rows if r["model"] == model]
         assert speeds == sorted(speeds, reverse=True)
+
+
+def test_expert_rate_fit_recovers_the_curve():
+    from pretrain.planner.calibrate import fit_expert_rate
+
+    rates = [(m, 640.0 * m / (m + 96.0)) for m in (128, 512, 2048)]
+    peak, half = fit_expert_rate(rates)
+    assert peak == pytest.approx(640.0) and half == pytest.approx(96.0)
+    assert fit_expert_rate([(128, 500.0), (512, 480.0)]) == (500.0, 0.0)  # falling: flat fit
+
+
+def test_calibrate_refuses_bad_input_in_one_line(capsys, tmp_path):
+    assert main(["calibrate", "--out", str(tmp_path / "no" / "p.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not exist" in err[0]
+    assert main(["calibrate", "--out", str(tmp_path / "p.json"), "--link", "x=1,2"]) == 2
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.slow
+def test_calibrate_on_cpu_writes_a_profile_plan_reads(capsys, tmp_path):
+    out = tmp_path / "cpu.json"
+    assert main(["calibrate", "--device", "cpu", "--out", str(out), "--link",
+                 "network=ib-xdr-800"]) == 0
+    profile = load_profile(out)
+    assert profile.device == "cpu" and profile.links["network"].gb_per_s == 90.0
+    assert main(["plan", "--config", "tiny", "--time", "--profile", str(out)]) == 0
+    assert "cpu calibrated" in capsys.readouterr().out

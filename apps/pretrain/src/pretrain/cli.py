@@ -37,6 +37,7 @@ COMMANDS = {
     "plot": "plot",
     "export-hf": "export_hf",
     "plan": "plan",
+    "calibrate": "calibrate",
 }
 DEFAULT_COMMAND = "train"
 
