@@ -79,9 +79,9 @@ def measure(cfg: Any, shape: str, graphs: str, a: argparse.Namespace, device: to
     """``bench_train_step``'s measurement of ``cfg`` (ddp on one rank, model routing)."""
     import bench_train_step as bench
 
-    args = bench.parse_args(["--config", "bench-1gpu", "--routing", "model", "--warmup",
-                             str(a.warmup), "--steps", str(a.steps), *SHAPES[shape],
-                             GRAPHS[graphs]])
+    args = bench.parse_args([*SHAPES[shape], GRAPHS[graphs], "--config", "bench-1gpu",
+                             "--routing", "model", "--warmup", str(a.warmup),
+                             "--steps", str(a.steps)])
     cfg, why = bench.method_config(args, "ddp", device, 1, run_dir / f"{shape}-{graphs}")
     if why is not None:
         raise SystemExit(f"{shape}: CUDA graphs refused ({why})")
