@@ -261,3 +261,14 @@ def test_calibrate_on_cpu_writes_a_profile_plan_reads(capsys, tmp_path):
     assert profile.device == "cpu" and profile.links["network"].gb_per_s == 90.0
     assert main(["plan", "--config", "tiny", "--time", "--profile", str(out)]) == 0
     assert "cpu calibrated" in capsys.readouterr().out
+
+
+def test_a_skewed_ep_rank_runs_at_most_its_capacity():
+    """Capacity factor 1.25: the busiest rank's rows stop growing at 1.25x the mean."""
+    model = replace(MODEL, capacity_factor=1.25, n_dense_layers=0)
+    req = PlanRequest(model=model, world=2, ep=2, ep_backend="all_to_all", micro_batch=2,
+                      seq_len=64, global_batch=8)
+    profile = replace(_flat_profile(), expert_gemm_half_rows=0.0)
+    mean, capped, over = (predict_step(req, profile, routing_skew=k).compute["expert_gemm"]
+                          for k in (1.0, 1.25, 2.0))
+    assert capped == pytest.approx(1.25 * mean) and over == pytest.approx(capped)

@@ -45,7 +45,7 @@ from moe_ddp import is_sharded
 from moe_model import MoEConfig, flops_per_token
 
 from pretrain.optimizer import MIN_SHARD_NUMEL
-from pretrain.planner.activations import Execution, block_inventory, local_rows
+from pretrain.planner.activations import Execution, block_inventory, ep_capacity, local_rows
 from pretrain.planner.comm import Fabric, Group
 from pretrain.planner.memory import COMPUTE_BYTES, PlanRequest
 from pretrain.planner.persistent import HeldParam, ModelShapes
@@ -196,8 +196,9 @@ def _block_cost(s: _Setup, layer: int) -> StageCost:
         slots = T * m.top_k
         if req.ep_backend == "local":
             rows = float(local_rows(m, T))
-        else:
-            rows = slots * (s.routing_skew if req.ep > 1 else 1.0)
+        else:  # what the busiest rank receives, up to its capacity
+            rows = min(slots * (s.routing_skew if req.ep > 1 else 1.0),
+                       float(ep_capacity(m, T, req.ep)))
         expert = 2 * rows * D * 3 * m.expert_hidden
         expert_s = _gemm_s(expert, expert_rate(p, rows / (m.n_experts // req.ep)))
         if req.ep > 1:
