@@ -59,7 +59,8 @@ def markdown(tables: list[tuple[object, list[dict]]], gpus_per_node: int) -> str
                   "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
         for r in rows:
             if "step_s" not in r:
-                lines.append(f"| {r['model']} | {r['gpus']} | no layout fits |" + " |" * (len(HEAD) - 3))
+                empty = " |" * (len(HEAD) - 3)
+                lines.append(f"| {r['model']} | {r['gpus']} | no layout fits |{empty}")
                 continue
             nxt = r["next_tokens_per_s_per_gpu"]
             cells = [r["model"], r["gpus"], r["pp"], r["dp"], r["ep"], r["recompute"],

@@ -49,11 +49,14 @@ def run(args: argparse.Namespace) -> int:
     from pretrain.planner.calibrate import calibrate
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise PretrainError("--device cuda: no CUDA device here (--device cpu measures a CPU profile)")
+        raise PretrainError("--device cuda: no CUDA device here "
+                            "(--device cpu measures a CPU profile)")
     cuda = args.device != "cpu" and torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    profile = calibrate(device, args.name, links,
-                        progress=lambda what: print(f"measuring {what}", file=sys.stderr, flush=True))
+    def progress(what: str) -> None:
+        print(f"measuring {what}", file=sys.stderr, flush=True)
+
+    profile = calibrate(device, args.name, links, progress=progress)
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
     tmp.replace(args.out)  # never a half-written profile

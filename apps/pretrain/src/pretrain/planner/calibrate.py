@@ -114,7 +114,8 @@ def expert_gemm_rates(t: Timer, s: Sizes, dtype: torch.dtype) -> list[tuple[int,
         g = torch.randn(rows, s.d_model, device=t.device, dtype=dtype)
         params = [x, *experts.parameters()]
 
-        def step() -> None:
+        def step(x: torch.Tensor = x, offsets: torch.Tensor = offsets,
+                 params: list[torch.Tensor] = params, g: torch.Tensor = g) -> None:
             torch.autograd.grad(experts(x, offsets), params, g)
 
         seconds = t(step, s.iters)

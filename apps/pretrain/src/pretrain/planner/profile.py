@@ -135,7 +135,8 @@ class Profile:
         links = {}
         for name, link in (data.get("links") or {}).items():
             if not isinstance(link, dict) or set(link) != {"alpha_us", "gb_per_s"}:
-                raise ValueError(f"{where}: links.{name} must be {{'alpha_us': ..., 'gb_per_s': ...}}")
+                raise ValueError(f"{where}: links.{name} must be "
+                                 "{'alpha_us': ..., 'gb_per_s': ...}")
             try:
                 links[name] = Link(**link)
             except (TypeError, ValueError) as e:

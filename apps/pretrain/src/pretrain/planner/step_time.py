@@ -401,7 +401,8 @@ def _accumulation_bytes(req: PlanRequest, params: list[HeldParam]) -> float:
 def _pp_crossings(req: PlanRequest, gpus_per_node: int) -> int:
     """Stage boundaries of the first pipeline (ranks 0, dp, 2dp, ...) crossing a node."""
     ranks = Group(req.pp, req.dp).ranks()
-    return sum(1 for a, b in zip(ranks, ranks[1:]) if a // gpus_per_node != b // gpus_per_node)
+    return sum(1 for a, b in zip(ranks, ranks[1:], strict=False)
+               if a // gpus_per_node != b // gpus_per_node)
 
 
 def predict_step(req: PlanRequest, profile: Profile, gpus_per_node: int = 8,
