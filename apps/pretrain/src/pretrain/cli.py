@@ -40,6 +40,7 @@ COMMANDS = {
     "export-hf": "export_hf",
     "plan": "plan",
     "config": "config",
+    "calibrate": "calibrate",
 }
 DEFAULT_COMMAND = "train"
 
