@@ -10,7 +10,8 @@ layout resumes on another (DP2 -> EP2, DP2 -> PP2, 2 -> 1 process):
   compute weights are not saved: they are rebuilt from the main weights.
 - ``buffer/<name>``: the model's persistent buffers (the routers' selection bias),
   replicated over data parallelism, written by one rank.
-- metadata: the resolved config, the layout it was saved from, the step and the
+- metadata: the resolved config, the layout it was saved from, the data's
+  tokenizer (``pretrain.tokenizer_files``: what export and sampling read), the step and the
   data position (samples consumed; the data order is a function of the step and of
   the stream's number of sequences, so nothing else is needed), and per rank the RNG
   states.
@@ -45,6 +46,7 @@ from moe_ckpt import Checkpointer, CheckpointerConfig, Manifest, PostCommitError
 from pretrain.config import ConfigError, Layout, PretrainConfig
 from pretrain.config_tree import to_tree
 from pretrain.data import STDLIB, SYNTHETIC, MixtureSequences
+from pretrain.tokenizer_files import data_tokenizer
 from pretrain.trainer import Trainer
 
 CHECKPOINT_DIR = "checkpoints"
@@ -138,6 +140,8 @@ class RunCheckpoints:
         source = trainer.data.source
         self.sources = source.records() if isinstance(source, MixtureSequences) else []
         self.last_saved: int | None = None
+        # recorded from rank 0, whose metadata the checkpoint keeps
+        self.tokenizer = data_tokenizer(cfg.data) if dist.get_rank() == 0 else None
 
     def __enter__(self) -> RunCheckpoints:
         return self
@@ -172,7 +176,7 @@ class RunCheckpoints:
         if self.last_saved == step:
             return
         metadata = {"config": to_tree(self.cfg), "layout": dataclasses.asdict(self.layout),
-                    "step": step, "data": _data_position(self.cfg, step, self.n_sequences, self.sources)}
+                    "tokenizer": self.tokenizer, "step": step, "data": _data_position(self.cfg, step, self.n_sequences, self.sources)}
         with self._post_commit_warned():
             self.checkpointer.wait()  # the previous (asynchronous) save
         with self._post_commit_warned():

@@ -13,12 +13,14 @@
 
 from __future__ import annotations
 
+import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from moe_model import total_params
+from moe_model.hf import check_representable
 
 from pretrain.checkpoint import RunCheckpoints
 from pretrain.config import ConfigError, PretrainConfig, config_toml, validate_layout
@@ -44,6 +46,16 @@ def _run_dir(cfg: PretrainConfig) -> Path:
     return path
 
 
+def warn_if_not_exportable(cfg: PretrainConfig) -> None:
+    """One line on stderr when ``export-hf`` will refuse the model (told now, not after
+    the run)."""
+    try:
+        check_representable(cfg.model)
+    except ValueError as e:
+        print(f"warning: export-hf will not be able to write this model: {e}", file=sys.stderr,
+              flush=True)
+
+
 def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
     """Train per ``cfg`` as one rank of the launcher's world; returns this process's records."""
     vocab_note = resolve_vocab_size(cfg)  # model.vocab_size from the data, before the model
@@ -65,6 +77,7 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
                     (run_dir / CONFIG_FILE).write_text(config_toml(cfg, layout))
                     print(f"run_dir {run_dir}  device {rt.device}  dtype {str(trainer.dtype)[6:]}  "
                           f"params {total_params(cfg.model):,}  {layout.describe()}", flush=True)
+                    warn_if_not_exportable(cfg)
                     if resumed is not None:
                         saved = resumed.metadata["layout"]
                         print(f"resumed after step {done} (checkpoint.resume="
