@@ -24,7 +24,7 @@ from moe_model.hf import check_representable
 
 from pretrain.checkpoint import RunCheckpoints
 from pretrain.config import ConfigError, PretrainConfig, config_toml, validate_layout
-from pretrain.data import resolve_vocab_size
+from pretrain.data import document_eos_id, resolve_vocab_size
 from pretrain.mesh import build_mesh
 from pretrain.metrics import MetricsLog, open_trackers
 from pretrain.runtime import distributed
@@ -59,6 +59,7 @@ def warn_if_not_exportable(cfg: PretrainConfig) -> None:
 def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
     """Train per ``cfg`` as one rank of the launcher's world; returns this process's records."""
     vocab_note = resolve_vocab_size(cfg)  # model.vocab_size from the data, before the model
+    document_eos_id(cfg.data)  # data.document_mask on data without documents: before any output
     with distributed(cfg.train.device) as rt:
         if vocab_note and rt.rank == 0:
             print(vocab_note, flush=True)
