@@ -186,3 +186,24 @@ def test_an_unexportable_model_is_warned_about_at_the_start(tmp_path, capsys):
                  "optim.warmup_steps=1", "model.n_shared_experts=1"]) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "n_shared_experts > 0" in warnings[0]
+
+
+def test_a_tied_model_with_a_selection_bias_loads_whole(tmp_path, capsys):
+    """Tied embeddings (one stored tensor) and the routers' selection bias (a buffer, which
+    Qwen3-MoE cannot hold) come back from our checkpoint as they were saved."""
+    from moe_ckpt import read_tensors
+
+    run = tmp_path / "run"
+    assert main(["--config", "tiny", f"run_dir={run}", "train.steps=3", "optim.warmup_steps=1",
+                 "checkpoint.every=3", "model.tie_embeddings=true", "model.bias_update_rate=0.01"]) == 0
+    checkpoint = run / "checkpoints" / "step_0000000003"
+    loaded, _ = load_model(checkpoint, torch.device("cpu"), torch.float32)
+    m = loaded.model
+    assert m.head.weight is m.embed.weight
+    saved = dict(read_tensors(checkpoint, ["main/embed.weight", "buffer/blocks.1.mlp.router.expert_bias"]))
+    assert torch.equal(m.embed.weight, saved["main/embed.weight"])
+    bias = m.blocks["1"].mlp.router.expert_bias
+    assert bias.abs().sum() > 0 and torch.equal(bias, saved["buffer/blocks.1.mlp.router.expert_bias"])
+    capsys.readouterr()
+    assert main(["generate", str(checkpoint), "--prompt", "import ", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("import ")

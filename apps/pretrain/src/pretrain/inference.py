@@ -55,7 +55,7 @@ def load_checkpoint_model(checkpoint: Path, device: torch.device, dtype: torch.d
     cfg = inference_config(model_config(checkpoint))
     with torch.device("meta"):
         model = MoETransformer(cfg)
-    params = {name for name, _ in model.named_parameters()}
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     stored = {name: (MAIN_PREFIX + logical_name(name, cfg) if name in params else BUFFER_PREFIX + name)
               for name in model.state_dict()}
     state = dict(read_tensors(checkpoint, sorted(set(stored.values()))))
