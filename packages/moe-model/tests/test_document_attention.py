@@ -78,3 +78,25 @@ def test_bad_arguments_are_refused():
         DocumentMask(torch.zeros(1, 4, dtype=torch.int32), kernel="flash")
     with pytest.raises(ValueError, match=r"\[B, S\]"):
         DocumentMask(torch.zeros(4, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+def test_flex_on_cuda_equals_the_dense_mask():
+    """The CUDA kernel (FlexAttention) against the dense-mask SDPA path, forward and backward,
+    for two batches of different documents (the second reuses the compiled kernel)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 256, 64, device="cuda", requires_grad=True)
+    k, v = (torch.randn(2, 2, 256, 64, device="cuda", requires_grad=True) for _ in range(2))
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        starts = torch.rand(2, 256, generator=g) < 1 / 40
+        starts[:, 0] = False
+        ids = torch.cumsum(starts.int(), dim=1, dtype=torch.int32).cuda()
+        outs = []
+        for kernel in ("flex", "sdpa"):
+            out = DocumentMask(ids, kernel=kernel).attend(q, k, v)
+            outs.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+        for a, b in zip(*outs, strict=True):
+            torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4)
