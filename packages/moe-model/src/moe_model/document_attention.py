@@ -42,7 +42,8 @@ def documents_from_eos(tokens_BS: torch.Tensor, eos_id: int) -> torch.Tensor:
 def attended_pairs(document_ids_BS: torch.Tensor) -> torch.Tensor:
     """Query-key pairs the document mask keeps, summed over the batch:
     ``sum over documents of n * (n + 1) / 2`` (causal attention keeps ``S * (S + 1) / 2``
-    per row). The FLOPs of the masked attention follow it."""
+    per row). The FLOPs of the masked attention follow it. Its output size depends on the
+    data, so on a GPU it waits for the device: call it on host tensors (the trainer does)."""
     B, S = document_ids_BS.shape
     offsets = torch.arange(B, device=document_ids_BS.device, dtype=torch.int64)[:, None] * (S + 1)
     _, counts = torch.unique_consecutive((document_ids_BS.to(torch.int64) + offsets).reshape(-1),
