@@ -122,7 +122,7 @@ def main() -> None:
             torch.cuda.synchronize()
             build_ms = (time.perf_counter() - t0) * 1e3
             fwd = device_ms(lambda attend=attend: attend(*qkv))
-            both = device_ms(lambda attend=attend: torch.autograd.grad(attend(*qkv), qkv, g))
+            both = device_ms(lambda attend=attend, g=g: torch.autograd.grad(attend(*qkv), qkv, g))
             reference = gold if name != "causal" else F.scaled_dot_product_attention(
                 q32, k32, v32, is_causal=True, enable_gqa=True)
             error = float((out.float() - reference).norm() / reference.norm())
