@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from moe_ckpt import export_hf, open_checkpoint
 from moe_model import MoEConfig
-from moe_model.hf import convert_to_hf, hf_config
+from moe_model.hf import check_representable, convert_to_hf, hf_config
 
 from pretrain.checkpoint import MAIN_PREFIX
 from pretrain.config_tree import ConfigError, apply_tree
@@ -40,6 +40,15 @@ def model_config(checkpoint: Path) -> MoEConfig:
     except (ConfigError, ValueError) as e:
         raise ExportError(f"{checkpoint}: the saved model config is unusable: {e}") from None
     return cfg
+
+
+def representability_warning(cfg: MoEConfig) -> str | None:
+    """The warning a run prints at its start when ``export-hf`` would refuse its model."""
+    try:
+        check_representable(cfg)
+    except ValueError as e:
+        return f"warning: export-hf will refuse this model: {e}"
+    return None
 
 
 def export_checkpoint(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16") -> Path:

@@ -1,18 +1,21 @@
 """A training run from a config: process group, layout, run directory, checkpoints, loop.
 
+    model shape from model.init_from / checkpoint.init_from, checked (pretrain.init_from)
     with the process group (one process, torchrun, or a test harness):
         layout  = validate_layout(cfg, world)     # fails before any allocation
         mesh    = build_mesh(layout)              # PP x DP, EP inside DP
         run_dir = chosen on rank 0, broadcast     # every rank writes to the same place
         trainer = Trainer(cfg, mesh, device)      # data checked, model part built, DDP, optimizer
-        checkpoints: resume (checkpoint.resume), then the logging rank writes
-        run_dir/config.toml and opens the trackers
+        checkpoints: resume (checkpoint.resume), else the weights model.init_from or
+        checkpoint.init_from name; then the logging rank writes run_dir/config.toml,
+        warns of a model export-hf could not write, and opens the trackers
         trainer.fit(...) under a SIGTERM flag, saving checkpoints on schedule and on stop
         close: the checkpointer waits for its last save, the EP transport is released
 """
 
 from __future__ import annotations
 
+import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,8 @@ from moe_model import total_params
 from pretrain.checkpoint import RunCheckpoints
 from pretrain.config import ConfigError, PretrainConfig, config_toml, validate_layout
 from pretrain.data import resolve_vocab_size
+from pretrain.export import representability_warning
+from pretrain.init_from import adopt_source_model, load_initial_weights
 from pretrain.mesh import build_mesh
 from pretrain.metrics import MetricsLog, open_trackers
 from pretrain.runtime import distributed
@@ -46,10 +51,12 @@ def _run_dir(cfg: PretrainConfig) -> Path:
 
 def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
     """Train per ``cfg`` as one rank of the launcher's world; returns this process's records."""
+    source_note = adopt_source_model(cfg)  # the model's shape from model/checkpoint.init_from
     vocab_note = resolve_vocab_size(cfg)  # model.vocab_size from the data, before the model
     with distributed(cfg.train.device) as rt:
-        if vocab_note and rt.rank == 0:
-            print(vocab_note, flush=True)
+        for note in (source_note, vocab_note):
+            if note and rt.rank == 0:
+                print(note, flush=True)
         layout = validate_layout(cfg, rt.world_size)
         mesh = build_mesh(layout, rt.device.type)
         run_dir = _run_dir(cfg)
@@ -60,11 +67,17 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
             with StopRequest() as stop, RunCheckpoints(run_dir, cfg, layout, trainer) as checkpoints:
                 resumed = checkpoints.resume()
                 done = 0 if resumed is None else resumed.step
+                weights_note = load_initial_weights(cfg, trainer) if resumed is None else None
                 logging = mesh.is_logging_rank
                 if logging:
                     (run_dir / CONFIG_FILE).write_text(config_toml(cfg, layout))
                     print(f"run_dir {run_dir}  device {rt.device}  dtype {str(trainer.dtype)[6:]}  "
                           f"params {total_params(cfg.model):,}  {layout.describe()}", flush=True)
+                    if weights_note:
+                        print(weights_note, flush=True)
+                    warning = representability_warning(cfg.model)  # said now, not at export
+                    if warning:
+                        print(warning, file=sys.stderr, flush=True)
                     if resumed is not None:
                         saved = resumed.metadata["layout"]
                         print(f"resumed after step {done} (checkpoint.resume="
