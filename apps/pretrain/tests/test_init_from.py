@@ -74,8 +74,10 @@ def _train_rank(overrides: list[str]) -> list[dict]:
     return train(load_config("tiny", overrides))
 
 
-@pytest.mark.parametrize("n_procs, layout", [(1, []), (2, ["parallel.ep=2"])],
-                         ids=["one-process", "ep2"])
+@pytest.mark.parametrize("n_procs, layout", [
+    (1, []), (2, ["parallel.ep=2"]),
+    pytest.param(2, ["parallel.pp=2"], marks=pytest.mark.slow),  # each stage reads its layers
+], ids=["one-process", "ep2", "pp2"])
 def test_first_loss_equals_transformers(tmp_path, folder, n_procs, layout):
     overrides = [f"model.init_from={folder}", *ONE_STEP, *layout, f"run_dir={tmp_path / 'run'}"]
     if n_procs == 1:
@@ -128,7 +130,8 @@ def _started_rank(overrides: list[str], source: str) -> dict:
             run = shard.local
             if kind == "main":
                 stored = read_tensor(source, key).reshape(-1)
-                assert torch.equal(run, stored[shard.flat_offset:shard.flat_offset + run.numel()]), key
+                start = shard.flat_offset
+                assert torch.equal(run, stored[start:start + run.numel()]), key
                 checked.append(key)
             else:  # exp_avg, exp_avg_sq, step: fresh
                 assert not run.any(), key
@@ -160,9 +163,11 @@ def test_checkpoint_init_from_on_another_layout(tmp_path, source_checkpoint):
     cfg = model_config(source_checkpoint)
     model = MoETransformer(cfg)
     params = dict(model.named_parameters())
-    model.load_state_dict({n: read_tensor(source_checkpoint, f"{'main' if n in params else 'buffer'}/{n}")
-                           for n in model.state_dict()})
-    tokens = _first_batch([f"checkpoint.init_from={source_checkpoint}", "model.bias_update_rate=0.01"])
+    model.load_state_dict({
+        n: read_tensor(source_checkpoint, f"{'main' if n in params else 'buffer'}/{n}")
+        for n in model.state_dict()})
+    tokens = _first_batch([f"checkpoint.init_from={source_checkpoint}",
+                           "model.bias_update_rate=0.01"])
     with torch.no_grad():
         logits = model.eval()(tokens[:, :-1])
     expected = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()

@@ -123,8 +123,8 @@ def _check_checkpoint(path: str, source: MoEConfig, run: MoEConfig) -> None:
     for name in sorted(tensors):
         if name.startswith(BUFFER_PREFIX) and name.removeprefix(BUFFER_PREFIX) not in placed:
             raise InitFromError(
-                f"checkpoint.init_from={path}: tensor {name!r} (the routers' selection bias) has no "
-                "place in this run's model; set model.bias_update_rate > 0 to keep it")
+                f"checkpoint.init_from={path}: tensor {name!r} (the routers' selection bias) "
+                "has no place in this run's model; set model.bias_update_rate > 0 to keep it")
 
 
 def _check_vocab(cfg: PretrainConfig, option: str, path: str) -> None:

@@ -284,19 +284,16 @@ class Qwen3MoeFolder:
             raise ValueError(f"{self.path}: tensor {unused[0]!r} is not part of a Qwen3-MoE model "
                              f"of this config.json ({len(unused)} such tensors)")
 
-    def read(self, name: str, cfg: MoEConfig, offset: tuple[int, ...] | None = None,
-             shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """The box at ``offset`` of ``shape`` (default: all) of our logical tensor ``name``,
-        in the stored dtype. Call ``check`` first: shapes are not checked here."""
+    def read(self, name: str, cfg: MoEConfig, offset: tuple[int, ...],
+             shape: tuple[int, ...]) -> torch.Tensor:
+        """The box at ``offset`` of ``shape`` of our logical tensor ``name`` (of ``cfg``'s
+        model), in the stored dtype. Call ``check`` first: shapes are not checked here."""
         hf = hf_names(logical_name(name, cfg), cfg)
-        if offset is None or shape is None:
-            first = self._locate(hf[0])[1]
-            offset, shape = (0,) * (len(first) + _stacked_experts(name)), \
-                ((len(hf),) if _stacked_experts(name) else ()) + first
         index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
         if not _stacked_experts(name):
             return self._read(hf[0], index)
-        return torch.stack([self._read(hf[e], index[1:]) for e in range(index[0].start, index[0].stop)])
+        experts = range(index[0].start, index[0].stop)
+        return torch.stack([self._read(hf[e], index[1:]) for e in experts])
 
     # A per-expert tensor stored in transformers 5's in-memory fused layout:
     # experts.gate_up_proj [E, 2F, D] (gate rows first), experts.down_proj [E, D, F].
@@ -309,7 +306,10 @@ class Qwen3MoeFolder:
         fused = f"{head}.mlp.experts.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
         if fused not in self._where or not expert.isdigit():
             return None
-        half = self._where[fused].get_slice(fused).get_shape()[1] // 2
+        n_experts, rows = self._where[fused].get_slice(fused).get_shape()[:2]
+        if int(expert) >= n_experts:
+            return None
+        half = rows // 2
         return fused, int(expert), half if proj == "up_proj" else 0
 
     def _locate(self, name: str) -> tuple[str | None, tuple[int, ...]]:
@@ -349,7 +349,8 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
     model.to_empty(device=device)
     model.tie_weights()
     model.to(dtype)
-    state = {name: folder.read(name, cfg) for name in model.state_dict()}
+    state = {name: folder.read(name, cfg, (0,) * t.ndim, tuple(t.shape))
+             for name, t in model.state_dict().items()}
     model.load_state_dict(state, strict=True)
     return model
 
