@@ -88,7 +88,7 @@ def adopt_source_model(cfg: PretrainConfig) -> str | None:
     _check_vocab(cfg, option, path)
     return (f"{option}={path}: the model's shape from it (d_model {source.d_model}, "
             f"{source.n_layers} layers, {source.n_experts} experts, top-{source.top_k}, "
-            f"vocab_size {source.vocab_size}); optimizer, schedule and data start fresh")
+            f"vocab_size {source.vocab_size})")
 
 
 def _adopt(cfg: PretrainConfig, source: MoEConfig, option: str, path: str) -> None:
@@ -160,4 +160,5 @@ def load_initial_weights(cfg: PretrainConfig, trainer: Trainer) -> str | None:
         buffers = {k: v for k, v in state.items() if k.startswith(BUFFER_PREFIX) and k in stored}
         load(path, {**mains, **buffers})
     trainer.optimizer.rebuild_weights()
-    return f"weights from {option}={path}; starting at step 1"
+    return (f"weights from {option}={path}; a fresh optimizer, LR schedule and data stream "
+            "from step 1")
