@@ -74,9 +74,13 @@ def _train_rank(overrides: list[str]) -> list[dict]:
     return train(load_config("tiny", overrides))
 
 
+TWO_RANKS = [pytest.mark.slow, pytest.mark.multiprocess]
+
+
 @pytest.mark.parametrize("n_procs, layout", [
-    (1, []), (2, ["parallel.ep=2"]),
-    pytest.param(2, ["parallel.pp=2"], marks=pytest.mark.slow),  # each stage reads its layers
+    (1, []),
+    pytest.param(2, ["parallel.ep=2"], marks=TWO_RANKS),  # each rank reads its experts
+    pytest.param(2, ["parallel.pp=2"], marks=TWO_RANKS),  # each stage reads its layers
 ], ids=["one-process", "ep2", "pp2"])
 def test_first_loss_equals_transformers(tmp_path, folder, n_procs, layout):
     overrides = [f"model.init_from={folder}", *ONE_STEP, *layout, f"run_dir={tmp_path / 'run'}"]
@@ -145,6 +149,8 @@ def _started_rank(overrides: list[str], source: str) -> dict:
     return {"checked": checked, "params": params, "record": record}
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_checkpoint_init_from_on_another_layout(tmp_path, source_checkpoint):
     overrides = ["model.bias_update_rate=0.01", f"checkpoint.init_from={source_checkpoint}",
                  "parallel.ep=2", f"run_dir={tmp_path / 'run'}"]
