@@ -171,6 +171,9 @@ class CheckpointConfig:
     final: bool = True  # save after the last step (train.steps); a stop always saves
     # auto: the latest complete checkpoint under run_dir/checkpoints, if any | none | a step directory
     resume: str = "auto"
+    # a checkpoint step directory (any layout) whose weights the run starts from, with a fresh
+    # optimizer, LR schedule and data stream (step 1); None: model.init_from's or random weights
+    init_from: str | None = None
     keep_last: int = 2  # complete checkpoints kept (0: all)
     async_save: bool = True  # write in the background while training continues
 
