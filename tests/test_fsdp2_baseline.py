@@ -35,7 +35,7 @@ def _fsdp2_steps() -> dict:
     cfg = load_config("tiny", OVERRIDES)
     with distributed("cpu"):
         trainer = tool.build_fsdp2_trainer(cfg, device=torch.device("cpu"))
-        losses = [trainer.step(s)["loss"] for s in (1, 2)]
+        losses = [trainer.train_step(s).record["loss"] for s in (1, 2)]
         weights = {n: p.full_tensor().detach().clone() for n, p in trainer.model.named_parameters()}
         biases = [layer.router.expert_bias.clone() for _, layer in trainer.model.moe_layers()]
     return {"losses": losses, "weights": weights, "biases": biases}
@@ -71,7 +71,7 @@ def _fsdp2_bf16_steps() -> list[float]:
                                "model.head_dim=32", "model.expert_hidden=128"])
     with distributed("cuda"):
         trainer = tool.build_fsdp2_trainer(cfg)
-        return [trainer.step(s)["loss"] for s in (1, 2)]
+        return [trainer.train_step(s).record["loss"] for s in (1, 2)]
 
 
 @pytest.mark.multigpu(2)

@@ -189,14 +189,15 @@ def run_method(a: argparse.Namespace, method: str, cfg: Any, device: torch.devic
                 torch.cuda.reset_peak_memory_stats(device)
             for _ in range(a.warmup):
                 step += 1
-                trainer.step(step)
+                trainer.train_step(step)
+                trainer.capture_graphs()  # after the first warm-up step (again after a reset)
                 timer.collect()
             if device.type == "cuda" and not graphs:
                 torch.cuda.reset_peak_memory_stats(device)
             records, phases, leads = [], [], []
             for _ in range(a.steps):
                 step += 1
-                records.append(trainer.step(step))
+                records.append(trainer.train_step(step).record)
                 phases.append(timer.collect())
                 leads.append(timer.min_host_lead_s)
             row = summarize(method, routing, cfg, world, records, phases, device)
@@ -226,7 +227,7 @@ def profile_step(trainer: Trainer, step: int, path: Path, title: str,
     on_cuda = torch.cuda.is_available()
     activities = [torch.profiler.ProfilerActivity.CUDA if on_cuda else torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities) as prof:
-        trainer.step(step)
+        trainer.train_step(step)
     sort_by = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=70)
     busy = device_busy([(e.time_range.start, e.time_range.end) for e in prof.events()

@@ -18,6 +18,7 @@ def test_shortened_default_run_lowers_loss(tmp_path):
     assert first > 5.0  # ~ln(256) at initialisation
     assert last < 0.7 * first, (first, last)
     assert (tmp_path / "config.toml").is_file()
+    assert (tmp_path / "checkpoints" / "step_0000000030").is_dir()  # the default keeps its weights
 
 
 def test_unknown_key_fails_with_suggestion(tmp_path):

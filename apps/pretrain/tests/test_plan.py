@@ -136,8 +136,8 @@ def _measure_trainer(overrides: list[str], world: int) -> dict[str, float]:
             gc.collect()
             persistent = live.live
             live.reset_peak()
-            trainer.step(1)
-            trainer.step(2)
+            trainer.train_step(1)
+            trainer.train_step(2)
             peak = live.peak
         storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                     for p in trainer.model.parameters()}
@@ -389,8 +389,8 @@ def test_plan_within_ten_percent_of_max_memory_allocated(recompute):
     with distributed("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
         trainer = Trainer(cfg, build_mesh(validate_layout(cfg, 1), "cuda"), device)
-        trainer.step(1)
-        trainer.step(2)
+        trainer.train_step(1)
+        trainer.train_step(2)
         measured = torch.cuda.max_memory_allocated(device)
         trainer.close()
     planned = plan_memory(PlanRequest.from_config(cfg, 1)).ranks[0].peak_allocated

@@ -22,9 +22,9 @@ def _embedding_sinks(run_dir: str) -> dict[str, list[bool]]:
         trainer = Trainer(cfg, build_mesh(validate_layout(cfg, rt.world_size), "cpu"), rt.device)
         stages = trainer.part.pipeline.stages.stages
         views = [s.module for s in stages if s.module.embed is not None]
-        built = [v.embed_grad_sink is trainer.ddp for v in views]
+        built = [v.embed.grad_sink is trainer.ddp for v in views]
         trainer.close()
-        closed = [v.embed_grad_sink is None for v in views]
+        closed = [v.embed.grad_sink is None for v in views]
     return {"built": built, "closed": closed}
 
 

@@ -17,7 +17,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from moe_model import MoEConfig, MoETransformer, init_weights, lm_loss_sum, set_aux_loss_scale
+from moe_model import ModelWiring, MoEConfig, MoETransformer, init_weights, lm_loss_sum, wire_model
 from moe_pp import (
     SCHEDULES,
     Pipeline,
@@ -50,7 +50,7 @@ def _model(aux_scale: float, recompute: str = "none") -> MoETransformer:
     cfg = MoEConfig(**CFG, recompute=recompute)
     model = MoETransformer(cfg)
     init_weights(model, cfg, SEED)
-    set_aux_loss_scale(model, aux_scale)
+    wire_model(model, ModelWiring(aux_loss_scale=aux_scale))
     return model
 
 

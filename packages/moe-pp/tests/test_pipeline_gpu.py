@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 import torch
-from moe_model import MoEConfig, MoETransformer, init_weights, lm_loss_sum, set_aux_loss_scale
+from moe_model import ModelWiring, MoEConfig, MoETransformer, init_weights, lm_loss_sum, wire_model
 from moe_pp import SCHEDULES, PipelineConfig, build_pipeline
 from moe_testing import run_distributed
 from torch import nn
@@ -34,7 +34,7 @@ def _model(device: torch.device, n_global: int) -> MoETransformer:
     cfg = MoEConfig(**CFG)
     model = MoETransformer(cfg).to(device)
     init_weights(model, cfg, seed=1)
-    set_aux_loss_scale(model, 1.0 / n_global)
+    wire_model(model, ModelWiring(aux_loss_scale=1.0 / n_global))
     return model
 
 

@@ -49,9 +49,15 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16") 
         config = hf_config(cfg, EXPORT_DTYPES[dtype])
     except ValueError as e:
         raise ExportError(str(e)) from None
-    return export_hf(
-        checkpoint, out_dir,
-        convert=lambda name, tensor: convert_to_hf(name.removeprefix(MAIN_PREFIX), tensor, cfg),
-        select=lambda name: name.startswith(MAIN_PREFIX),
-        config=config, dtype=EXPORT_DTYPES[dtype],
-    )
+    try:
+        return export_hf(
+            checkpoint, out_dir,
+            convert=lambda name, tensor: convert_to_hf(name.removeprefix(MAIN_PREFIX), tensor, cfg),
+            select=lambda name: name.startswith(MAIN_PREFIX),
+            config=config, dtype=EXPORT_DTYPES[dtype],
+        )
+    except FileExistsError:
+        raise
+    except OSError as e:  # (export_hf removes what it wrote)
+        raise ExportError(f"{e.filename or out_dir}: {e.strerror or e} (exporting {checkpoint} "
+                          f"to {out_dir})") from None

@@ -34,6 +34,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train": {**_BENCH_TRAIN, "cuda_graphs": True},
         "optim": {"warmup_steps": 5},
         "data": {"path": "synthetic"},
+        "checkpoint": {"final": False},  # a throughput measurement keeps no weights
         # four microbatches' expert weight gradients per launch: +3.5% for 7 GiB at 2 (ninth
         # session), +1.5% more for 14 GiB more at 4 (95.5 of 141 GB; tools/perf_notes.md,
         # eleventh session); bench-2gpu keeps 1 (not measured there)
@@ -44,5 +45,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train": _BENCH_TRAIN,
         "optim": {"warmup_steps": 5},
         "data": {"path": "synthetic"},
+        "checkpoint": {"final": False},
     },
 }

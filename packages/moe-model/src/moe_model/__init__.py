@@ -18,13 +18,7 @@ from moe_model.experts import (
 from moe_model.flops import active_params, flops_per_token, total_params
 from moe_model.init import init_weights
 from moe_model.loss import IGNORE_INDEX, lm_loss_sum
-from moe_model.model import (
-    Block,
-    MoETransformer,
-    set_aux_loss_scale,
-    set_count_reducer,
-    set_gradient_sink,
-)
+from moe_model.model import Block, MoETransformer
 from moe_model.moe import CountReducer, MoELayer, attach_aux_loss
 from moe_model.params import (
     EXPERT_DIM,
@@ -36,6 +30,7 @@ from moe_model.params import (
 from moe_model.partition import expert_range, layer_range, partition_
 from moe_model.router import RoutingResult, TopKRouter, load_balancing_loss, router_z_loss
 from moe_model.sink import GradientSink
+from moe_model.wiring import ModelWiring, wire_model
 
 __all__ = [
     "EXPERT_DIM",
@@ -48,6 +43,7 @@ __all__ = [
     "LocalDispatcher",
     "MoEConfig",
     "MoELayer",
+    "ModelWiring",
     "MoETransformer",
     "ReportsDrops",
     "RoutingResult",
@@ -69,8 +65,6 @@ __all__ = [
     "partition_",
     "resolve_backend",
     "router_z_loss",
-    "set_aux_loss_scale",
-    "set_count_reducer",
-    "set_gradient_sink",
     "total_params",
+    "wire_model",
 ]

@@ -24,7 +24,7 @@ both, and their input gradient is one GEMM over the joint reduction
 
 Weight gradients into a sink: a data-parallel wrapper that keeps FP32 main grads may
 be installed as the module's ``grad_sink`` (a ``GradientSink``, e.g. through
-``moe_model.set_gradient_sink``). On CUDA with Triton the weight-gradient GEMMs then
+``moe_model.wire_model``). On CUDA with Triton the weight-gradient GEMMs then
 add their result to the main grad in the kernel's epilogue (FP32, no rounding to the
 compute dtype) instead of returning a BF16 gradient for the wrapper's hook to add:
 that accumulation pass re-read and re-wrote every expert weight's gradient once per

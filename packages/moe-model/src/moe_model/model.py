@@ -21,13 +21,11 @@ import torch
 from torch import nn
 
 from moe_model.config import MoEConfig
-from moe_model.embedding import embed
-from moe_model.experts import GroupedExperts
+from moe_model.embedding import Embedding
 from moe_model.layers import Attention, RMSNorm, SwiGLU
 from moe_model.linear import Linear
-from moe_model.moe import CountReducer, MoELayer
+from moe_model.moe import MoELayer
 from moe_model.recompute import recompute_block
-from moe_model.sink import GradientSink
 
 
 class Block(nn.Module):
@@ -55,13 +53,12 @@ class MoETransformer(nn.Module):
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed: Embedding | None = Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleDict(
             {str(i): Block(cfg, moe=cfg.is_moe_layer(i)) for i in range(cfg.n_layers)}
         )
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head: nn.Linear | None = Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.embed_grad_sink: GradientSink | None = None  # see set_gradient_sink
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -83,7 +80,7 @@ class MoETransformer(nn.Module):
                 bad = x[(x < 0) | (x >= self.config.vocab_size)]
                 if bad.numel():
                     raise ValueError(f"token id {int(bad[0])} is outside [0, vocab_size={self.config.vocab_size})")
-            h = embed(self.embed, x, self.embed_grad_sink)
+            h = self.embed(x)
         else:
             if x.dim() != 3 or not x.is_floating_point() or x.shape[-1] != self.config.d_model:
                 raise ValueError(
@@ -102,33 +99,3 @@ class MoETransformer(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, MoELayer):
                 yield name, module
-
-
-def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
-    """Weight of the auxiliary losses' gradient: the trainer's token-loss divisor inverse."""
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            module.aux_loss_scale = scale
-
-
-def set_count_reducer(model: nn.Module, reducer: CountReducer | None) -> None:
-    """Install the data-parallel count reduction used by ``global_batch`` load balancing."""
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            module.count_reducer = reducer
-
-
-def set_gradient_sink(model: nn.Module, sink: GradientSink | None) -> None:
-    """Route weight gradients into ``sink`` (``moe_model.sink``): the routed experts'
-    (``moe_model.experts``), the dense linear layers' (``moe_model.linear``) and the untied
-    token embedding's (``moe_model.embedding``). Tied embeddings keep autograd's path for
-    the embedding and the head: their one parameter gets both gradients, summed by autograd."""
-    for module in model.modules():
-        if isinstance(module, GroupedExperts | Linear):
-            module.grad_sink = sink
-    for module in model.modules():
-        if isinstance(module, MoETransformer):
-            tied = module.config.tie_embeddings
-            module.embed_grad_sink = None if tied else sink
-            if tied and isinstance(module.head, Linear):
-                module.head.grad_sink = None
