@@ -114,7 +114,7 @@ def _train_layout(ep: int, capacity_factor: float | None) -> dict:
             losses.append(float(total))
             keeps.append(handle.plan.valid_N.view(T, K).clone())
             ids_seen.append(ids)
-        token_inbox = transport.sends_tokens_once(D * 4) if backend == "rowwise" else None
+        token_inbox = transport.sends_tokens_once if backend == "rowwise" else None
         out[backend, combine] = dict(losses=losses, keep=keeps, ids=ids_seen, router=router.detach(),
                                      experts=local.detach(), token_inbox=token_inbox)
         transport.close()
