@@ -228,3 +228,38 @@ def test_phase_timer_host_lead_tells_host_bound_from_device_bound():
     torch.cuda.synchronize()
     timer.collect()
     assert abs(timer.min_host_lead_s) < 0.005
+
+
+def _dp2_eager_and_graphed(ddp_mode: str) -> tuple:
+    keys = ("loss", "grad_norm", "lb_loss", "z_loss", "expert_load")
+    common = [*NO_SYNC, "train.global_batch=20", "parallel.merge_expert_grad_microbatches=2",
+              f"parallel.ddp_mode={ddp_mode}"]
+    eager, eager_params = _train_steps(common, 6)
+    graphed, graphed_params = _train_steps([*common, "train.cuda_graphs=true"], 6)
+    return ([tuple(r[k] for k in keys) for r in eager], eager_params,
+            [tuple(r[k] for k in keys) for r in graphed], graphed_params)
+
+
+@pytest.mark.multigpu(2)
+@pytest.mark.parametrize("ddp_mode", ["all_reduce", "reduce_scatter"])
+def test_steps_replayed_from_cuda_graphs_on_two_data_parallel_ranks_equal_eager_steps(ddp_mode):
+    """Five microbatches per rank (two middle units, a last one holding the gradient
+    reductions over NCCL), the balancing counts all-reduced in every forward: the same
+    losses, norms, loads and weights as eager steps, bit for bit (a sum of two is exact in
+    any order)."""
+    for eager, eager_params, graphed, graphed_params in run_distributed(
+            _dp2_eager_and_graphed, 2, ddp_mode, backend="nccl", timeout=400):
+        assert graphed == eager
+        for name, ref in eager_params.items():
+            assert torch.equal(graphed_params[name], ref), name
+        assert graphed[-1][0] < graphed[0][0]
+
+
+def _dp2_graphed_syncs() -> list[str]:
+    return _steady_state_step_syncs([*NO_SYNC, "train.cuda_graphs=true", "train.global_batch=12",
+                                     "parallel.merge_expert_grad_microbatches=2"])
+
+
+@pytest.mark.multigpu(2)
+def test_a_step_replayed_from_cuda_graphs_on_two_data_parallel_ranks_does_not_sync_the_host():
+    assert run_distributed(_dp2_graphed_syncs, 2, backend="nccl", timeout=300) == [[], []]

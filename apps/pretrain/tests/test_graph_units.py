@@ -191,3 +191,37 @@ def test_graph_units_on_two_data_parallel_ranks_train_like_eager_steps():
         assert replayed == eager
         for name, ref in eager_weights.items():
             assert torch.equal(weights[name], ref), name
+
+
+def _capture_then_fall_back_on_two_ranks() -> tuple:
+    """Eager steps, then the same steps captured after the first and, the model changed on
+    every rank after the capture, run eagerly again: both ranks leave the graphs together."""
+    overrides = ["train.global_batch=12", "parallel.merge_expert_grad_microbatches=2",
+                 "parallel.ddp_mode=all_reduce"]
+    eager, eager_weights = _steps(overrides, units=False, steps=3)
+    cfg = load_config("tiny", overrides)
+    trainer = Trainer(cfg, build_mesh(validate_layout(cfg, dist.get_world_size()), "cpu"),
+                      torch.device("cpu"))
+    try:
+        made = _capture_then_change(trainer)
+        records = [trainer.train_step(1).record]
+        trainer.capture_graphs()
+        records += [trainer.train_step(step).record for step in (2, 3)]
+        fell_back = len(made) == 2 and made[0].captured and not made[1].captured
+        weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    finally:
+        trainer.close()
+    keys = ("loss", "grad_norm", "lb_loss", "z_loss", "expert_load", "skipped")
+    return eager, eager_weights, [tuple(r[k] for k in keys) for r in records], weights, fell_back
+
+
+def test_two_data_parallel_ranks_fall_back_to_eager_steps_together():
+    """The capture's Python on two ranks (gradient hooks launching the reductions, the
+    wrapper left with every bucket reduced), then eager steps on both: the reductions of
+    those steps pair up across the ranks and train like steps that never captured."""
+    for eager, eager_weights, records, weights, fell_back in run_distributed(
+            _capture_then_fall_back_on_two_ranks, 2, timeout=240):
+        assert fell_back
+        assert records == eager
+        for name, ref in eager_weights.items():
+            assert torch.equal(weights[name], ref), name

@@ -22,6 +22,15 @@ routing statistics (the graphs add them into the running sums ``loss_sum`` and
 ``stats_sum``, zeroed at the start of each replay and read by the step after it), the MoE layers'
 running balancing counts (one buffer each, zeroed in place at the step's end).
 
+With several data-parallel ranks the last unit's graph holds the gradient reductions and
+every unit the balancing counts' all-reduce: NCCL collectives, captured and replayed like
+kernels (the first, eager step has created the communicators). A replay then runs them on
+every rank, so the ranks must replay or run eagerly alike: they capture after the same
+step (the loop decides from the step's reduced values) and a change that makes one rank
+fall back (below) must be made on every rank, or the ranks would wait in mismatched
+collectives. The expert-parallel transports are not captured (``PretrainConfig.validate``
+says why).
+
 Capture needs a warmed-up model (Triton autotuning, cuDNN plans and library handles
 exist before it, and the graphs' stream has run the work once), so the trainer runs
 its first step eagerly on ``stream`` and captures after it (``GraphedForwardBackward``). Graphs replay what they
