@@ -150,8 +150,9 @@ def test_toml_file_errors_name_the_key(tmp_path):
     (["train.cuda_graphs=true", "parallel.pp=2"], "train.cuda_graphs is not supported with parallel.pp=2"),
     (["train.cuda_graphs=true", "parallel.ep=2"],
      "train.cuda_graphs is not supported with parallel.ep=2 / ep_backend=auto"),
-    (["train.cuda_graphs=true", "parallel.ep_backend=rowwise"],
-     "train.cuda_graphs is not supported with parallel.ep=1 / ep_backend=rowwise"),
+    (["train.cuda_graphs=true", "parallel.ep=2", "parallel.ep_backend=all_to_all"],
+     "train.cuda_graphs is not supported with parallel.ep=2 / ep_backend=all_to_all: the "
+     "all_to_all transport reads its split sizes on the host"),
     (["train.cuda_graphs=true", "mxfp8.targets=experts"],
      "train.cuda_graphs is not supported with mxfp8.targets"),
     (["train.cuda_graphs=true", "train.device=cpu"],
@@ -197,6 +198,11 @@ def test_cuda_graphs_take_several_data_parallel_ranks(ddp_mode):
     cfg = load_config("tiny", ["train.cuda_graphs=true", f"parallel.ddp_mode={ddp_mode}",
                                "train.global_batch=8"])
     assert validate_layout(cfg, 4).dp == 4
+
+
+def test_cuda_graphs_take_expert_parallelism_on_the_rowwise_transport():
+    cfg = load_config("tiny", ["train.cuda_graphs=true", "parallel.ep=2", "parallel.ep_backend=rowwise"])
+    assert validate_layout(cfg, 4).ep_dp == 2
 
 
 def test_layout_derives_dp_and_ep_dp():

@@ -284,10 +284,9 @@ class PretrainConfig:
         if self.train.cuda_graphs:
             unsupported = [
                 (p.pp > 1, f"parallel.pp={p.pp}: the pipeline schedule interleaves microbatches"),
-                (p.resolved_ep_backend() != "local",
+                (p.resolved_ep_backend() == "all_to_all",
                  f"parallel.ep={p.ep} / ep_backend={p.ep_backend}: the all_to_all transport reads "
-                 "its split sizes on the host, and the rowwise one picks each exchange's buffer by "
-                 "a host counter that a replay would not advance"),
+                 "its split sizes on the host every call; use parallel.ep_backend=rowwise"),
                 (bool(self.mxfp8.targets), "mxfp8.targets: the MXFP8 weight caches are rebuilt as "
                  "new tensors after every update, which a graph would not see"),
                 (self.train.device == "cpu", "train.device=cpu: CUDA graphs need a GPU"),

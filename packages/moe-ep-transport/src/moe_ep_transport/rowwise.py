@@ -25,10 +25,18 @@ faster than loads over NVLink.
 Every step is one launch (a put, a barrier, a kernel of :mod:`moe_ep_transport.ops`);
 index tensors that do not change between calls are built once. Sizes are static:
 capacity C rows to receive, T_max*k slots to return.
+
+Consecutive phases use different slabs, chosen by a counter on the host. A CUDA graph
+replays the slabs its capture chose, so calls captured in a graph run inside
+:meth:`RowwiseTransport.replayable`, which rounds their phases up to a multiple of the
+slab count with data-less phases (a barrier): replayed back to back, or after another
+such graph, they still alternate.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +114,27 @@ class RowwiseTransport:
         index = self._phase % N_SLABS
         self._phase += 1
         return index
+
+    @property
+    def phase(self) -> int:
+        """Phases run so far (the same on every rank); the next one uses slab ``phase % N_SLABS``."""
+        return self._phase
+
+    @contextmanager
+    def replayable(self) -> Iterator[None]:
+        """Calls inside take a multiple of ``N_SLABS`` phases, so a CUDA graph captured around
+        them can be replayed back to back, or after another such graph.
+
+        A replay reruns its capture's slab choices without advancing the host counter: a
+        graph of an odd number of phases would start its next replay on the slab its last
+        phase used, which a slower peer may still be reading. Each data-less phase added
+        at the end is one barrier (every rank has read the previous phase's slab).
+        """
+        start = self._phase
+        yield
+        while (self._phase - start) % N_SLABS:
+            self._next_slab()
+            self.memory.barrier()
 
     def _check_fits(self, nbytes: int, what: str) -> None:
         if nbytes > self.memory.slab_bytes:
