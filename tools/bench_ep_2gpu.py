@@ -3,21 +3,30 @@
     tools/from_source.sh python3 tools/bench_ep_2gpu.py --out $OUT/ep_2gpu.json
 
 It runs, one after the other on the GPUs of this host (``torch.distributed.run``,
-``--nproc-per-node`` = ``--gpus``):
+``--nproc-per-node`` = ``--gpus``; the parts inherit ``tools/from_source.sh``'s path):
 
 1. ``tools/bench_train_step.py --config bench-2gpu --methods ddp ep`` with the
-   model's own, forced balanced and forced Zipf routing: EP tokens/s per GPU over
-   DP's on the same commit (target >= 1.05x for every routing) and both MFUs
-   (target >= 42%);
+   model's own, forced balanced and forced Zipf routing, both methods replaying CUDA
+   graphs (``--graphs on``, the default; ``off`` runs eagerly, ``both`` runs the part
+   twice): EP tokens/s per GPU over DP's on the same commit and in the same mode
+   (target >= 1.05x for every routing) and both MFUs (target >= 42%);
 2. ``tools/bench_ep_transport.py --graphs`` from 512 to 64k tokens per rank,
    balanced and Zipf routing: the rowwise transport over a bare NCCL
    ``all_to_all_single`` (targets: >= 1.0x at every size, >= 1.5x at 16-64 MiB of
    payload) and the share of the put ceiling measured in the same run at the largest
-   size (target >= 80%).
+   size (target >= 80%);
+3. with ``--tests``: the two-GPU tests of steps replayed from CUDA graphs (DP2 and EP2
+   equal eager steps bit for bit, no host synchronisation in a replayed step), pass or
+   fail recorded (several minutes more: every case starts its own processes).
 
-Each part writes its own JSON next to ``--out``; ``--out`` gets both plus the
+Each part writes its own JSON next to ``--out``; ``--out`` gets all of them plus the
 target checks, and a short table is printed. A part that fails is recorded with
 its exit status and the rest still runs.
+
+Duration with the defaults (estimated from bench-2gpu's ~2.7 s steps on two H200s,
+``tools/perf_notes.md``): 2 methods x 3 routings x 8 steps plus two model builds and
+six captures for part 1, about a minute for part 2: about 5 minutes. ``--graphs both``
+adds part 1 once more.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ from typing import Any
 
 TOOLS = Path(__file__).resolve().parent
 ROUTINGS = ("model", "balanced", "zipf")
+GRAPH_MODES = {"on": ("graphs",), "off": ("eager",), "both": ("graphs", "eager")}
+GRAPH_TESTS = ("apps/pretrain/tests/test_gpu.py", "-m", "multigpu", "-k", "cuda_graphs_on_two_ranks")
 EP_OVER_DP = 1.05
 MFU = 0.42
 X_NCCL_ALL, X_NCCL_MID, MID_MIB = 1.0, 1.5, (16, 64)
@@ -42,8 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="JSON file of both parts and the checks")
     p.add_argument("--gpus", type=int, default=2, help="GPUs of this host (processes per part)")
     p.add_argument("--config", default="bench-2gpu", help="bench_train_step preset")
-    p.add_argument("--steps", type=int, default=10, help="timed training steps per (method, routing)")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6, help="timed training steps per (method, routing)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps per (method, routing); the first captures the graphs")
+    p.add_argument("--graphs", choices=sorted(GRAPH_MODES), default="on",
+                   help="training steps replayed from CUDA graphs, eager, or both (two runs)")
+    p.add_argument("--tests", action="store_true",
+                   help="also run the two-GPU tests of CUDA-graph steps (several minutes)")
     p.add_argument("--tokens", default="512,1024,2048,4096,8192,16384,32768,65536",
                    help="transport sizes, tokens per rank, comma-separated")
     p.add_argument("--transport-routing", default="balanced,zipf")
@@ -55,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--gpus {a.gpus}: expert parallelism needs at least 2")
     if a.steps < 1 or a.warmup < 0 or a.iters < 1:
         p.error("--steps and --iters must be positive, --warmup not negative")
+    if a.graphs != "off" and a.warmup < 1:
+        p.error(f"--warmup {a.warmup} with --graphs {a.graphs}: the first step captures the graphs")
     try:
         sizes = [int(t) for t in a.tokens.split(",")]
     except ValueError:
@@ -64,29 +82,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = set(a.transport_routing.split(",")) - {"balanced", "random", "zipf"}
     if bad:
         p.error(f"--transport-routing: unknown routing {sorted(bad)} (balanced, random, zipf)")
-    if len(set(a.skip)) == 2:
-        p.error("--skip train and transport leaves nothing to measure")
+    if len(set(a.skip)) == 2 and not a.tests:
+        p.error("--skip train and transport without --tests leaves nothing to run")
     return a
 
 
 def commands(a: argparse.Namespace) -> dict[str, tuple[list[str], Path]]:
-    """Each part's command line and the JSON it writes."""
+    """Each part's command line and the JSON it writes (``train_graphs``, ``train_eager``,
+    ``transport``, ``tests``: a pytest JUnit XML)."""
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.gpus)]
-    train_json = a.out.with_name(a.out.stem + "_train_step.json")
-    transport_json = a.out.with_name(a.out.stem + "_transport.json")
-    parts = {
-        "train": ([*run, str(TOOLS / "bench_train_step.py"), "--config", a.config, "--methods", "ddp", "ep",
-                   "--routing", *ROUTINGS, "--steps", str(a.steps), "--warmup", str(a.warmup),
-                   "--out", str(train_json)], train_json),
-        "transport": ([*run, str(TOOLS / "bench_ep_transport.py"), "--graphs", "--tokens", a.tokens,
-                       "--routing", a.transport_routing, "--iters", str(a.iters),
-                       "--out", str(transport_json)], transport_json),
-    }
-    return {name: part for name, part in parts.items() if name not in a.skip}
+    parts = {}
+    if "train" not in a.skip:
+        for mode in GRAPH_MODES[a.graphs]:
+            path = a.out.with_name(f"{a.out.stem}_train_step_{mode}.json")
+            graphs = f"train.cuda_graphs={'true' if mode == 'graphs' else 'false'}"
+            parts[f"train_{mode}"] = (
+                [*run, str(TOOLS / "bench_train_step.py"), graphs, "--config", a.config,
+                 "--methods", "ddp", "ep", "--routing", *ROUTINGS, "--steps", str(a.steps),
+                 "--warmup", str(a.warmup), "--out", str(path)], path)
+    if "transport" not in a.skip:
+        path = a.out.with_name(a.out.stem + "_transport.json")
+        parts["transport"] = ([*run, str(TOOLS / "bench_ep_transport.py"), "--graphs", "--tokens", a.tokens,
+                               "--routing", a.transport_routing, "--iters", str(a.iters),
+                               "--out", str(path)], path)
+    if a.tests:
+        path = a.out.with_name(a.out.stem + "_tests.xml")
+        parts["tests"] = ([sys.executable, "-m", "pytest", "-p", "moe_testing.pytest_plugin", "-q",
+                           str(TOOLS.parent / GRAPH_TESTS[0]), *GRAPH_TESTS[1:],
+                           f"--junitxml={path}"], path)
+    return parts
 
 
-def train_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """EP over DP tokens/s per GPU and both MFUs, per routing."""
+def train_checks(report: dict[str, Any], mode: str) -> list[dict[str, Any]]:
+    """EP over DP tokens/s per GPU and both MFUs, per routing (``mode``: graphs or eager;
+    a method the layout kept eager says so in ``cuda_graphs_off``)."""
     by = {(r["method"], r["routing"]): r for r in report["runs"]}
     checks = []
     for routing in ROUTINGS:
@@ -94,7 +123,9 @@ def train_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
         if dp is None or ep is None:
             continue
         ratio = ep["tokens_per_s_per_gpu"] / dp["tokens_per_s_per_gpu"]
-        checks.append(dict(routing=routing, dp_tokens_per_s_per_gpu=dp["tokens_per_s_per_gpu"],
+        checks.append(dict(mode=mode, routing=routing,
+                           dp_cuda_graphs=dp.get("cuda_graphs"), ep_cuda_graphs=ep.get("cuda_graphs"),
+                           dp_tokens_per_s_per_gpu=dp["tokens_per_s_per_gpu"],
                            ep_tokens_per_s_per_gpu=ep["tokens_per_s_per_gpu"], ep_over_dp=ratio,
                            dp_mfu=dp["mfu"], ep_mfu=ep["mfu"],
                            met=ratio >= EP_OVER_DP and min(dp["mfu"] or 0, ep["mfu"] or 0) >= MFU))
@@ -127,8 +158,10 @@ def print_summary(result: dict[str, Any]) -> None:
     for name, part in result["parts"].items():
         if part["returncode"] != 0:
             print(f"{name}: exited {part['returncode']} (its output is above)")
-    for c in result.get("train_checks", []):
-        print(f"train {c['routing']:>8}: EP {c['ep_tokens_per_s_per_gpu']:,.0f} / DP "
+        elif name == "tests":
+            print("tests: passed")
+    for c in [c for name in GRAPH_MODES["both"] for c in result.get(f"train_{name}_checks", [])]:
+        print(f"train {c['mode']:>6} {c['routing']:>8}: EP {c['ep_tokens_per_s_per_gpu']:,.0f} / DP "
               f"{c['dp_tokens_per_s_per_gpu']:,.0f} tok/s/GPU = {c['ep_over_dp']:.3f}x (>= {EP_OVER_DP}), "
               f"MFU EP {c['ep_mfu'] or 0:.1%} DP {c['dp_mfu'] or 0:.1%} (>= {MFU:.0%}): "
               f"{'met' if c['met'] else 'NOT met'}")
@@ -145,11 +178,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, (cmd, json_path) in commands(a).items():
         print("+", " ".join(cmd), flush=True)
         code = subprocess.run(cmd, check=False).returncode
-        report = json.loads(json_path.read_text()) if json_path.exists() else None
-        result["parts"][name] = {"command": cmd, "returncode": code, "report": report}
-        if report is not None:
-            checks = train_checks(report) if name == "train" else transport_checks(report)
-            result[f"{name}_checks"] = checks
+        report = None
+        if json_path.exists() and json_path.suffix == ".json":
+            report = json.loads(json_path.read_text())
+        result["parts"][name] = {"command": cmd, "returncode": code, "report": report,
+                                 "file": str(json_path)}
+        if report is not None and name.startswith("train_"):
+            result[f"{name}_checks"] = train_checks(report, name.removeprefix("train_"))
+        elif report is not None and name == "transport":
+            result["transport_checks"] = transport_checks(report)
         a.out.write_text(json.dumps(result, indent=1))  # after every part: a later failure keeps it
     print_summary(result)
     return result
