@@ -243,12 +243,13 @@ EP2 = ["parallel.ep=2", "parallel.ep_backend=rowwise"]
 @pytest.mark.parametrize("extra", [
     ["parallel.ddp_mode=all_reduce"], ["parallel.ddp_mode=reduce_scatter"],
     EP2, [*EP2, "parallel.ep_combine=destination"], [*EP2, "model.n_layers=1"],
-], ids=["dp2-all-reduce", "dp2-reduce-scatter", "ep2", "ep2-dst", "ep2-one-layer"])
+    [*EP2, "model.recompute=block"],
+], ids=["dp2-all-reduce", "dp2-reduce-scatter", "ep2", "ep2-dst", "ep2-one-layer", "ep2-recompute"])
 def test_steps_replayed_from_cuda_graphs_on_two_ranks_equal_eager_steps(extra):
     """Five microbatches per rank (two middle units, a last one holding the gradient
     reductions over NCCL), the balancing counts all-reduced in every forward; with EP2 the
     NVSHMEM puts and flag barriers in every unit (one MoE layer: units of an odd number of
-    exchanges, rounded up). The same losses, norms, loads and weights as eager steps, bit
+    exchanges, rounded up; recompute: the dispatches run again in the backward). The same losses, norms, loads and weights as eager steps, bit
     for bit (a sum of two is exact in any order)."""
     common = [*NO_SYNC, "train.global_batch=20", "parallel.merge_expert_grad_microbatches=2", *extra]
     # one process per run: a process joins one NVSHMEM job
