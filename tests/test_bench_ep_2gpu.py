@@ -17,6 +17,7 @@ def _tool():
     return load_script(TOOL)
 
 
+@pytest.mark.multiprocess
 def test_help_answers_without_a_gpu():
     proc = subprocess.run([sys.executable, str(TOOL), "--help"], capture_output=True, text=True,
                           timeout=60)

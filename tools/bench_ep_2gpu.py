@@ -23,8 +23,8 @@ Each part writes its own JSON next to ``--out``; ``--out`` gets all of them plus
 target checks, and a short table is printed. A part that fails is recorded with
 its exit status and the rest still runs.
 
-Duration with the defaults (estimated from bench-2gpu's ~2.7 s steps on two H200s,
-``tools/perf_notes.md``): 2 methods x 3 routings x 8 steps plus two model builds and
+Duration with the defaults (estimated from bench-2gpu's 2.7-2.8 s steps on two H200s,
+``docs/performance.md``): 2 methods x 3 routings x 8 steps plus two model builds and
 six captures for part 1, about a minute for part 2: about 5 minutes. ``--graphs both``
 adds part 1 once more.
 """

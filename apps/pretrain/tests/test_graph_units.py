@@ -183,6 +183,7 @@ def _both_ways_on_two_ranks() -> tuple:
     return _steps(overrides, units=False), _steps(overrides, units=True)
 
 
+@pytest.mark.multiprocess
 def test_graph_units_on_two_data_parallel_ranks_train_like_eager_steps():
     """Three microbatches per rank (a middle unit of 2, a last unit of 1 holding the
     gradient reductions), the balancing counts reduced over both ranks in every forward."""
@@ -215,6 +216,7 @@ def _capture_then_fall_back_on_two_ranks() -> tuple:
     return eager, eager_weights, [tuple(r[k] for k in keys) for r in records], weights, fell_back
 
 
+@pytest.mark.multiprocess
 def test_two_data_parallel_ranks_fall_back_to_eager_steps_together():
     """The capture's Python on two ranks (gradient hooks launching the reductions, the
     wrapper left with every bucket reduced), then eager steps on both: the reductions of
@@ -271,6 +273,7 @@ def _ep2_eager_and_units() -> tuple:
             eager_step_phases, made[0].unit_phases)
 
 
+@pytest.mark.multiprocess
 def test_ep2_graph_units_keep_the_transport_buffers_alternating():
     """EP2 on the rowwise transport (emulated peer memory): the units train like eager steps,
     and every unit holds whole rounds of the transport's two buffers although an eager step

@@ -94,6 +94,7 @@ def test_jsonl_writes_one_object_per_step_and_null_for_non_finite(tmp_path):
                      {"step": 2, "loss": 1.5}]
 
 
+@pytest.mark.slow
 def test_plot_writes_pngs(tmp_path):
     with pytest.raises(PlotError, match="does not exist"):
         plot_run(tmp_path)

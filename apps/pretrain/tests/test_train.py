@@ -196,6 +196,8 @@ class _LineReader:
                 self.lines.append(line)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_sigterm_through_the_command_saves_a_checkpoint_and_exits_0(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(

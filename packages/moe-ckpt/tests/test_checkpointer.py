@@ -222,6 +222,7 @@ CRASH_PHASES = [
 ]
 
 
+@pytest.mark.slow
 def test_sigkill_at_any_phase_resumes_from_the_newest_committed_step(tmp_path: Path):
     """Kill a saving process at each phase; check what resumption and retention see."""
     base = tmp_path / "base"
@@ -316,6 +317,7 @@ def rank_async_with_training_collectives(root: str) -> list[float]:
     return sums
 
 
+@pytest.mark.multiprocess
 def test_async_saves_do_not_block_training_collectives(tmp_path: Path):
     sums = run_distributed(rank_async_with_training_collectives, 2, str(tmp_path), timeout=120)
     assert sums[0] == sums[1] == [2.0] * 60
@@ -339,6 +341,7 @@ def rank_failure_after_the_commit(root: str) -> list[float]:
     return whole.tolist()
 
 
+@pytest.mark.multiprocess
 def test_failure_after_the_commit_is_reported_on_every_rank(tmp_path: Path):
     loaded = run_distributed(rank_failure_after_the_commit, 2, str(tmp_path), timeout=120)
     assert loaded == [[0.0, 0.0, 1.0, 1.0]] * 2

@@ -169,6 +169,7 @@ def _check_runs(runs: list[dict], world: int, ep: int, key: tuple[str, str]) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_ep4_and_ep2_by_dp2_train_like_one_process() -> None:
     out = _check(4, [(4, None), (2, 1.25)])
     assert all(o[4, None, "rowwise", "source"]["token_inbox"] for o in out)
@@ -176,6 +177,7 @@ def test_ep4_and_ep2_by_dp2_train_like_one_process() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_ep8_trains_like_one_process() -> None:
     out = _check(8, [(8, 2.0)])
     assert not any(o[8, 2.0, "rowwise", "source"]["token_inbox"] for o in out)  # one row per slot

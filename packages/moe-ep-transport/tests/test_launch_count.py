@@ -145,6 +145,8 @@ def _count_for_experts(expert_counts: list[int]) -> dict:
             for combine in ("source", "destination") for E in expert_counts}
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("combine", ["source", "destination"])
 def test_dispatch_and_combine_launch_few_device_operations(combine: str) -> None:
     out = run_distributed(_count_launches, 2, combine, timeout=120)
@@ -164,6 +166,7 @@ def test_dispatch_and_combine_launch_few_device_operations(combine: str) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_launches_and_host_work_do_not_grow_with_experts_or_ranks() -> None:
     """Two ranks with 8 and 32 experts, four ranks with 16: the same launches and aten ops
     per dispatch+combine (forward, and training), and host calls within 2% (a work that

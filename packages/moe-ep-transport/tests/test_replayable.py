@@ -56,6 +56,7 @@ def _phases_and_barriers() -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_replayable_rounds_the_phases_up_with_barriers() -> None:
     out = run_distributed(_phases_and_barriers, 2, timeout=120)
     for o in out:
@@ -79,6 +80,7 @@ def _all_to_all_refuses() -> str:
     return str(e.value)
 
 
+@pytest.mark.multiprocess
 def test_the_all_to_all_transport_cannot_be_replayed() -> None:
     for message in run_distributed(_all_to_all_refuses, 2, timeout=60):
         assert "split sizes on the host" in message

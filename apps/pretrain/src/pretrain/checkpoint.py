@@ -10,7 +10,8 @@ layout resumes on another (DP2 -> EP2, DP2 -> PP2, 2 -> 1 process):
   compute weights are not saved: they are rebuilt from the main weights.
 - ``buffer/<name>``: the model's persistent buffers (the routers' selection bias),
   replicated over data parallelism, written by one rank.
-- metadata: the resolved config, the layout it was saved from, the step and the
+- metadata: the resolved config, the layout it was saved from, the data's
+  tokenizer (``pretrain.tokenizer_files``: what export and sampling read), the step and the
   data position (samples consumed; the data order is a function of the step and of
   the stream's number of sequences, so nothing else is needed), the skip count and
   the newest clean checkpoint (``pretrain.divergence``), and per rank the RNG states.
@@ -52,6 +53,7 @@ from pretrain.config import ConfigError, Layout, PretrainConfig
 from pretrain.config_tree import to_tree
 from pretrain.data import STDLIB, SYNTHETIC, MixtureSequences
 from pretrain.errors import PretrainError
+from pretrain.tokenizer_files import data_tokenizer
 from pretrain.trainer import Trainer
 
 CHECKPOINT_DIR = "checkpoints"
@@ -188,6 +190,8 @@ class RunCheckpoints:
         source = trainer.data.source
         self.sources = source.records() if isinstance(source, MixtureSequences) else []
         self.last_saved: int | None = None
+        # recorded from rank 0, whose metadata the checkpoint keeps
+        self.tokenizer = data_tokenizer(cfg.data) if dist.get_rank() == 0 else None
 
     def _on_phase(self, phase: str) -> None:
         if phase == "committed" and self.announce is not None and self._saving is not None:
@@ -236,7 +240,8 @@ class RunCheckpoints:
             return
         skips = self.trainer.skips
         metadata = {"config": to_tree(self.cfg), "layout": dataclasses.asdict(self.layout),
-                    "step": step, "data": _data_position(self.cfg, step, self.n_sequences, self.sources),
+                    "tokenizer": self.tokenizer, "step": step,
+                    "data": _data_position(self.cfg, step, self.n_sequences, self.sources),
                     divergence.METADATA_KEY: skips.saved(step)}
         self._wait()  # the previous (asynchronous) save
         self._saving = (step, time.perf_counter())

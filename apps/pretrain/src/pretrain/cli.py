@@ -5,6 +5,7 @@
     uv run pretrain --config my_run.toml run_dir=runs/a  # a TOML file
     torchrun --nproc-per-node 8 -m pretrain --config my_run.toml
     uv run pretrain export-hf runs/a/checkpoints/step_0000000004 hf/a
+    uv run pretrain generate runs/a/checkpoints/step_0000000004 --prompt "def "
     uv run pretrain prepare-data docs/ --out data/docs --tokenizer tokenizer.json
     uv run pretrain plot runs/a
     uv run pretrain plan --config my_run.toml
@@ -38,8 +39,10 @@ COMMANDS = {
     "prepare-data": "prepare_data",
     "plot": "plot",
     "export-hf": "export_hf",
+    "generate": "generate",
     "plan": "plan",
     "config": "config",
+    "calibrate": "calibrate",
 }
 DEFAULT_COMMAND = "train"
 

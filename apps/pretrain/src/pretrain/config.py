@@ -139,6 +139,9 @@ class DataConfig:
     # compare token files with the SHA-256 tokens.json records when opening them; none: when the
     # files total under 10 GB
     verify: bool | None = None
+    # attention stays inside each document of a window (documents end with the data's eos_id);
+    # needs token data with an end-of-text id; not with parallel.pp > 1 or train.cuda_graphs
+    document_mask: bool = False
 
     def validate(self, where: str = "") -> None:
         """The mixture's settings (``where``: the origin of data.sources, for the message)."""
@@ -294,6 +297,13 @@ class PretrainConfig:
             for bad, why in unsupported:
                 if bad:
                     raise ConfigError(f"train.cuda_graphs is not supported with {why}")
+        if self.data.document_mask:
+            if p.pp > 1:
+                raise ConfigError("data.document_mask with parallel.pp > 1 is not supported: the "
+                                  "pipeline passes no document boundaries between its stages")
+            if self.train.cuda_graphs:
+                raise ConfigError("data.document_mask with train.cuda_graphs is not supported: the "
+                                  "document mask is built anew for every batch")
         if not self.checkpoint.resume:
             raise ConfigError("checkpoint.resume must be auto, none or a checkpoint path")
         origin = self.key_sources.get("data.sources")

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,12 +27,13 @@ from typing import Any
 
 import torch.distributed as dist
 from moe_model import total_params
+from moe_model.hf import check_representable
 
 from pretrain import divergence
 from pretrain.checkpoint import RunCheckpoints
 from pretrain.config import PretrainConfig, config_toml, validate_layout
 from pretrain.config_tree import to_tree
-from pretrain.data import resolve_vocab_size
+from pretrain.data import document_eos_id, resolve_vocab_size
 from pretrain.mesh import build_mesh
 from pretrain.metrics import METRICS_FILE, MetricsLog, Tracker, WandbOptions, open_trackers
 from pretrain.progress import Progress
@@ -65,10 +67,21 @@ def _divergence_recorded(run_dir: Path, cfg: PretrainConfig, checkpoints: RunChe
         raise
 
 
+def warn_if_not_exportable(cfg: PretrainConfig) -> None:
+    """One line on stderr when ``export-hf`` will refuse the model (told now, not after
+    the run)."""
+    try:
+        check_representable(cfg.model)
+    except ValueError as e:
+        print(f"warning: export-hf will not be able to write this model: {e}", file=sys.stderr,
+              flush=True)
+
+
 def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
     """Train per ``cfg`` as one rank of the launcher's world; returns this process's records."""
     started = time.perf_counter()
     vocab_note = resolve_vocab_size(cfg)  # model.vocab_size from the data, before the model
+    document_eos_id(cfg.data)  # data.document_mask on data without documents: before any output
     # the stop flag outlives the checkpointer and the teardown: a SIGTERM while the last
     # checkpoint is written waits for it (the process would die with it half written), one
     # while the process group is taken down leaves a finished run finished; one rank per
@@ -95,6 +108,7 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
                     (run_dir / CONFIG_FILE).write_text(config_toml(cfg, layout))
                     print(f"run_dir {run_dir}  device {rt.device}  dtype {str(trainer.dtype)[6:]}  "
                           f"params {total_params(cfg.model):,}  {layout.describe()}", flush=True)
+                    warn_if_not_exportable(cfg)
                     if resumed is not None:
                         saved = resumed.metadata["layout"]
                         print(f"resumed after step {done} (checkpoint.resume="

@@ -57,14 +57,22 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from moe_ddp import DDPConfig, MultiGroupDDP
-from moe_model import ModelWiring, flops_per_token, lm_loss_sum, param_kind, wire_model
+from moe_model import (
+    ModelWiring,
+    attended_pairs,
+    documents_from_eos,
+    flops_per_token,
+    lm_loss_sum,
+    param_kind,
+    wire_model,
+)
 from moe_mxfp8 import refresh_weight_caches
 from moe_optim import StepStats
 from torch import nn
 
 from pretrain.build import build_model_part
 from pretrain.config import ConfigError, PretrainConfig
-from pretrain.data import BatchReader, open_data
+from pretrain.data import BatchReader, document_eos_id, open_data
 from pretrain.divergence import SkipGuard
 from pretrain.graphs import ForwardBackward, GraphedForwardBackward, MicrobatchGraphs, UnitGraphs
 from pretrain.mesh import ParallelMesh
@@ -128,6 +136,7 @@ class Trainer:
         t, m = cfg.train, cfg.model
         data_seed = cfg.seed if cfg.data.seed is None else cfg.data.seed
         source = open_data(cfg.data, t.seq_len, m.vocab_size, data_seed)
+        self.document_eos = document_eos_id(cfg.data)  # None: attention across documents
         self.data = BatchReader(source, data_seed, t.global_batch, t.micro_batch,
                                 mesh.dp_rank, mesh.layout.dp)
         torch.manual_seed(cfg.seed)
@@ -306,7 +315,10 @@ class Trainer:
             sync = finish and index == len(batches) - 1
             with nullcontext() if sync else self.ddp.no_sync():
                 self._mark("forward")
-                loss = lm_loss_sum(self.model(tokens[:, :-1]), tokens[:, 1:]) * self.loss_scale
+                inputs = tokens[:, :-1]
+                documents = (None if self.document_eos is None
+                             else documents_from_eos(inputs, self.document_eos))
+                loss = lm_loss_sum(self.model(inputs, documents=documents), tokens[:, 1:]) * self.loss_scale
                 self._mark("backward")
                 loss.backward()
             loss_sum += loss.detach()
@@ -357,9 +369,21 @@ class Trainer:
             record.update(values.moe.record(every > 0 and (step == 1 or step % every == 0)))
         if self.device.type == "cuda":
             n_gpus = self.mesh.layout.world_size
-            record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (n_gpus * PEAK_FLOPS)
+            flops = self.flops_per_token if self.document_eos is None else self._masked_flops(step)
+            record["mfu"] = flops * record["tokens_per_s"] / (n_gpus * PEAK_FLOPS)
             record["peak_mem_gib"] = host[n + 2].item() / 2**30
         return StepResult(record, values.stop)
+
+    def _masked_flops(self, step: int) -> float:
+        """FLOPs per token of step ``step`` under the document mask: the attention term
+        scaled by the share of causal pairs the global batch's documents keep (read on the
+        host from the data, no device work)."""
+        t = self.cfg.train
+        ids = self.data.sequence_ids(step, 0, t.global_batch)
+        inputs = torch.from_numpy(self.data.source.read(ids)[:, :-1])
+        kept = int(attended_pairs(documents_from_eos(inputs, self.document_eos)))
+        causal = t.global_batch * t.seq_len * (t.seq_len + 1) // 2
+        return flops_per_token(self.cfg.model, t.seq_len, kept / causal)
 
     def _peak_memory_bytes(self) -> torch.Tensor:
         """The largest rank's peak allocated bytes, as a device tensor: the rank that logs
