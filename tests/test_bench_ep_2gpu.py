@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,21 +30,34 @@ def test_parts_follow_the_options(tmp_path):
     bench = _tool()
     out = tmp_path / "ep.json"
     parts = bench.commands(bench.parse_args(["--out", str(out)]))
-    assert list(parts) == ["train_graphs", "transport"]
+    assert list(parts) == ["train_graphs", "train_eager", "transport"]
     train_cmd, train_json = parts["train_graphs"]
     assert "train.cuda_graphs=true" in train_cmd and train_json.parent == tmp_path
     assert train_cmd[train_cmd.index("--nproc-per-node") + 1] == "2"
-    parts = bench.commands(bench.parse_args(["--out", str(out), "--graphs", "both", "--tests",
+    parts = bench.commands(bench.parse_args(["--out", str(out), "--graphs", "off", "--tests",
                                              "--skip", "transport"]))
-    assert list(parts) == ["train_graphs", "train_eager", "tests"]
+    assert list(parts) == ["train_eager", "tests"]
     assert "train.cuda_graphs=false" in parts["train_eager"][0]
     assert parts["tests"][0][:3] == [sys.executable, "-m", "pytest"]
+
+
+@pytest.mark.multiprocess
+def test_a_part_past_its_timeout_is_killed_with_its_children(tmp_path):
+    marker = tmp_path / "child_survived"
+    child = f"import time, pathlib; time.sleep(3); pathlib.Path({str(marker)!r}).touch()"
+    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"
+    code, timed_out = _tool().run_part([sys.executable, "-c", parent], 0.5)
+    assert timed_out and code != 0
+    time.sleep(4)
+    assert not marker.exists()  # the grandchild went with the part
+    assert _tool().run_part([sys.executable, "-c", "pass"], 30) == (0, False)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--warmup", "0"], "the first step captures the graphs"),
     (["--gpus", "1"], "needs at least 2"),
     (["--skip", "train", "--skip", "transport"], "leaves nothing to run"),
+    (["--part-timeout", "0"], "positive seconds expected"),
 ])
 def test_bad_options_name_the_option(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit):

@@ -6,10 +6,11 @@ It runs, one after the other on the GPUs of this host (``torch.distributed.run``
 ``--nproc-per-node`` = ``--gpus``; the parts inherit ``tools/from_source.sh``'s path):
 
 1. ``tools/bench_train_step.py --config bench-2gpu --methods ddp ep`` with the
-   model's own, forced balanced and forced Zipf routing, both methods replaying CUDA
-   graphs (``--graphs on``, the default; ``off`` runs eagerly, ``both`` runs the part
-   twice): EP tokens/s per GPU over DP's on the same commit and in the same mode
-   (target >= 1.05x for every routing) and both MFUs (target >= 42%);
+   model's own, forced balanced and forced Zipf routing, run twice: both methods
+   replaying CUDA graphs, then both eager (``--graphs both``, the default; ``on`` or
+   ``off`` runs one of them; a failure of the graphed run leaves the eager one): EP
+   tokens/s per GPU over DP's on the same commit and in the same mode (target >= 1.05x
+   for every routing) and both MFUs (target >= 42%);
 2. ``tools/bench_ep_transport.py --graphs`` from 512 to 64k tokens per rank,
    balanced and Zipf routing: the rowwise transport over a bare NCCL
    ``all_to_all_single`` (targets: >= 1.0x at every size, >= 1.5x at 16-64 MiB of
@@ -17,22 +18,28 @@ It runs, one after the other on the GPUs of this host (``torch.distributed.run``
    size (target >= 80%);
 3. with ``--tests``: the two-GPU tests of steps replayed from CUDA graphs (DP2 and EP2
    equal eager steps bit for bit, no host synchronisation in a replayed step), pass or
-   fail recorded (several minutes more: every case starts its own processes).
+   fail recorded; several minutes (every case starts its own processes), so on their own:
+   ``tools/from_source.sh python3 tools/bench_ep_2gpu.py --tests --skip train --skip
+   transport --part-timeout 580 --out $OUT/ep_2gpu_tests.json``.
 
 Each part writes its own JSON next to ``--out``; ``--out`` gets all of them plus the
-target checks, and a short table is printed. A part that fails is recorded with
-its exit status and the rest still runs.
+target checks (rewritten after every part), and a short table is printed. A part that
+fails is recorded with its exit status and the rest still runs; one that runs past
+``--part-timeout`` (a hang: a spinning barrier never times out) is killed with its
+processes and recorded as timed out.
 
 Duration with the defaults (estimated from bench-2gpu's 2.7-2.8 s steps on two H200s,
-``docs/performance.md``): 2 methods x 3 routings x 8 steps plus two model builds and
-six captures for part 1, about a minute for part 2: about 5 minutes. ``--graphs both``
-adds part 1 once more.
+``docs/performance.md``): 2 modes x 2 methods x 3 routings x 6 steps plus four model
+builds and six captures for part 1, about a minute for part 2: 5 to 6 minutes;
+``--graphs on`` about 3.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -50,25 +57,30 @@ PUT_SHARE = 80.0
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="JSON file of both parts and the checks")
+    p.add_argument("--out", type=Path, required=True, help="JSON file of every part and the checks")
     p.add_argument("--gpus", type=int, default=2, help="GPUs of this host (processes per part)")
     p.add_argument("--config", default="bench-2gpu", help="bench_train_step preset")
-    p.add_argument("--steps", type=int, default=6, help="timed training steps per (method, routing)")
+    p.add_argument("--steps", type=int, default=4, help="timed training steps per (method, routing)")
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed steps per (method, routing); the first captures the graphs")
-    p.add_argument("--graphs", choices=sorted(GRAPH_MODES), default="on",
+    p.add_argument("--graphs", choices=sorted(GRAPH_MODES), default="both",
                    help="training steps replayed from CUDA graphs, eager, or both (two runs)")
     p.add_argument("--tests", action="store_true",
-                   help="also run the two-GPU tests of CUDA-graph steps (several minutes)")
+                   help="also run the two-GPU tests of CUDA-graph steps (several minutes: on their "
+                        "own, with --skip train --skip transport --part-timeout 580)")
     p.add_argument("--tokens", default="512,1024,2048,4096,8192,16384,32768,65536",
                    help="transport sizes, tokens per rank, comma-separated")
     p.add_argument("--transport-routing", default="balanced,zipf")
     p.add_argument("--iters", type=int, default=20, help="transport iterations per size")
     p.add_argument("--skip", choices=["train", "transport"], action="append", default=[],
                    help="leave a part out (repeatable)")
+    p.add_argument("--part-timeout", type=float, default=300.0,
+                   help="seconds a part may run before it and its processes are killed")
     a = p.parse_args(argv)
     if a.gpus < 2:
         p.error(f"--gpus {a.gpus}: expert parallelism needs at least 2")
+    if a.part_timeout <= 0:
+        p.error(f"--part-timeout {a.part_timeout}: positive seconds expected")
     if a.steps < 1 or a.warmup < 0 or a.iters < 1:
         p.error("--steps and --iters must be positive, --warmup not negative")
     if a.graphs != "off" and a.warmup < 1:
@@ -154,9 +166,22 @@ def transport_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
     return checks
 
 
+def run_part(cmd: list[str], timeout_s: float) -> tuple[int, bool]:
+    """``(exit status, timed out)`` of ``cmd``, run in a session of its own so that a part
+    past ``timeout_s`` is killed with every process it started (torchrun's ranks)."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s), False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait(), True
+
+
 def print_summary(result: dict[str, Any]) -> None:
     for name, part in result["parts"].items():
-        if part["returncode"] != 0:
+        if part["timed_out"]:
+            print(f"{name}: killed after --part-timeout (its output is above)")
+        elif part["returncode"] != 0:
             print(f"{name}: exited {part['returncode']} (its output is above)")
         elif name == "tests":
             print("tests: passed")
@@ -177,12 +202,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"parts": {}}
     for name, (cmd, json_path) in commands(a).items():
         print("+", " ".join(cmd), flush=True)
-        code = subprocess.run(cmd, check=False).returncode
+        code, timed_out = run_part(cmd, a.part_timeout)
         report = None
         if json_path.exists() and json_path.suffix == ".json":
             report = json.loads(json_path.read_text())
-        result["parts"][name] = {"command": cmd, "returncode": code, "report": report,
-                                 "file": str(json_path)}
+        result["parts"][name] = {"command": cmd, "returncode": code, "timed_out": timed_out,
+                                 "report": report, "file": str(json_path)}
         if report is not None and name.startswith("train_"):
             result[f"{name}_checks"] = train_checks(report, name.removeprefix("train_"))
         elif report is not None and name == "transport":
