@@ -1,0 +1,65 @@
+"""FP8 kernel cases (moe_mxfp8._triton_fp8), run by test_fp8_triton_interpret.py in a child
+process with ``TRITON_INTERPRET=1`` set before Triton is imported. Prints one JSON
+object: case name -> number of mismatching elements (or an error string)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+from moe_mxfp8 import quantize_fp8, quantize_group_columns  # noqa: E402
+from triton_cases import mismatches, sample  # noqa: E402
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+# (name, shape, block): whole rows of odd and power-of-two widths, a stack, 1x128 tiles with
+# a partial last tile, 128x128 blocks cut in both dims.
+BLOCK_CASES = [
+    ("rows/37x77", (37, 77), (1, 0)),
+    ("rows/3x20x64", (3, 20, 64), (1, 0)),
+    ("tiles/40x300", (40, 300), (1, 128)),
+    ("blocks/2x130x200", (2, 130, 200), (128, 128)),
+]
+OFFSETS = [9, 9, 40, 41, 64]  # an empty expert, a one-row expert, rows 64.. are padding
+
+
+def cases():
+    for name, shape, block in BLOCK_CASES:
+        for dname, dtype in DTYPES.items():
+            for pow2 in (True, False):
+                def run(shape=shape, dtype=dtype, block=block, pow2=pow2):
+                    x = sample(shape, dtype)
+                    got, ref = (quantize_fp8(x, block, pow2, backend=b) for b in ("triton", "torch"))
+                    return mismatches(got.data, ref.data) + mismatches(got.scale, ref.scale)
+
+                yield f"quantize/{name}/{dname}/pow2={pow2}", run
+    for dname, dtype in DTYPES.items():
+        for pow2 in (True, False):
+            def group(dtype=dtype, pow2=pow2):
+                x = sample((70, 100), dtype, seed=1)
+                offsets = torch.tensor(OFFSETS, dtype=torch.int32)
+                (dt, st, et), (dr, sr, er) = (quantize_group_columns(x, offsets, pow2, backend=b)
+                                              for b in ("triton", "torch"))
+                used = int(er[-1])  # columns past the last padded end are unspecified
+                return (mismatches(dt[:, :used], dr[:, :used]) + mismatches(st, sr)
+                        + int(not torch.equal(et, er)))
+
+            yield f"group_columns/{dname}/pow2={pow2}", group
+
+
+def main() -> None:
+    results = {}
+    for name, fn in cases():
+        try:
+            results[name] = fn()
+        except Exception:  # noqa: BLE001 - reported to the parent test
+            results[name] = traceback.format_exc()
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
