@@ -29,9 +29,6 @@ from moe_mxfp8.apply import (
 from moe_mxfp8.cache import MXFP8WeightCache
 from moe_mxfp8.codec import MXFP8RowCodec
 from moe_mxfp8.experts import MXFP8GroupedExperts
-from moe_mxfp8.fp8 import FP8Tensor, dequantize_fp8, quantize_fp8, quantize_group_columns
-from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8GroupedExperts
-from moe_mxfp8.fp8_gemm import fp8_native_available
 from moe_mxfp8.format import (
     BLOCK_SIZE,
     MXFP8Tensor,
@@ -41,6 +38,9 @@ from moe_mxfp8.format import (
     quantize_rows_and_cols,
     scale_to_float,
 )
+from moe_mxfp8.fp8 import FP8Tensor, dequantize_fp8, quantize_fp8, quantize_group_columns
+from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8GroupedExperts
+from moe_mxfp8.fp8_gemm import fp8_native_available
 from moe_mxfp8.gemm import native_mx_available
 from moe_mxfp8.linear import MXFP8Linear
 

@@ -1,0 +1,180 @@
+"""Benchmark FP8 routed experts on one GPU: the expert layer in BF16 vs FP8, quantize kernels.
+
+    tools/from_source.sh python3 tools/bench_fp8_experts.py --out $OUT/bench_fp8_experts.json
+
+1. Expert layer at the ``bench-1gpu`` shapes (d_model 2048, 64 experts, top-8, hidden
+   1024, 16k tokens: 131072 dispatched rows), forward and forward+backward (gradients of
+   the rows and the three weights by ``torch.autograd.grad``, as the training step takes
+   them), for ``balanced`` routing (every expert the same rows) and ``zipf`` (top-k of a
+   Zipf(1.0) over the experts, the busy ones not the low ids). Layers:
+   ``moe_model.GroupedExperts`` in BF16 (the model's own, its default backend),
+   ``FP8GroupedExperts`` fp8_rowwise with the native GEMMs (``torch._scaled_grouped_mm``),
+   and fp8_blockwise, emulated (dequantize + FP32 matmuls per expert; no native grouped
+   GEMM) unless ``--no-blockwise``. BF16 compute weights everywhere; the FP8 layers'
+   outputs are compared with BF16's (relative error in norm).
+2. Quantize kernels on the dispatched rows ``[131072, 2048]`` BF16 and the gate/up weight
+   ``[64, 2048, 2048]``, with a device copy of the rows measured in the same run as the
+   ceiling; bandwidth counts the bytes a kernel must read and write.
+Prints a table last and writes JSON. Needs a CUDA GPU (compute capability 9.x for the
+native path); ``--help`` works anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+
+def cuda_time(fn, reps: int = 3, trials: int = 5) -> float:
+    """Median seconds per call over ``trials`` batches of ``reps`` back-to-back calls."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(trials):
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / reps)
+    return statistics.median(times)
+
+
+def routed_offsets(kind: str, tokens: int, experts: int, top_k: int, seed: int = 0):
+    """Cumulative int32 group ends of ``tokens * top_k`` rows for a routing kind."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "balanced":
+        counts = torch.full((experts,), tokens * top_k // experts, dtype=torch.int64)
+    elif kind == "zipf":
+        p = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64)
+        p = p[torch.randperm(experts, generator=gen)]
+        ids = torch.multinomial(p.expand(tokens, experts), top_k, replacement=False, generator=gen)
+        counts = torch.bincount(ids.reshape(-1), minlength=experts)
+    else:
+        raise ValueError(f"unknown routing {kind!r}; expected balanced or zipf")
+    return counts.cumsum(0).to(torch.int32).cuda()
+
+
+def bench_layers(args, routing: str) -> dict:
+    import torch
+    from moe_model import GroupedExperts
+    from moe_mxfp8 import FP8GroupedExperts
+
+    torch.manual_seed(0)
+    bf16 = GroupedExperts(args.experts, args.d_model, args.hidden).cuda()
+    for p in bf16.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    bf16 = bf16.to(torch.bfloat16)
+    offsets = routed_offsets(routing, args.tokens, args.experts, args.top_k)
+    rows_n = args.tokens * args.top_k
+    rows = torch.randn(rows_n, args.d_model, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(rows)
+    layers = {"bf16": bf16, "fp8_rowwise": FP8GroupedExperts.from_module(bf16, "fp8_rowwise", "native")}
+    if args.blockwise:
+        layers["fp8_blockwise (emulated)"] = FP8GroupedExperts.from_module(bf16, "fp8_blockwise")
+    flops = 3 * 2 * rows_n * args.d_model * args.hidden * 3  # forward + 2x backward, three GEMMs
+    with torch.no_grad():
+        y_ref = bf16(rows, offsets).float()
+    results = {"max_rows_per_expert": int(torch.diff(offsets, prepend=offsets.new_zeros(1)).max())}
+    for name, layer in layers.items():
+        emulated = "emulated" in name
+        reps, trials = (1, 3) if emulated else (3, 5)
+        params = [layer.w1, layer.w3, layer.w2]
+        fwd = cuda_time(lambda layer=layer: layer(rows, offsets), reps, trials)
+        step = cuda_time(lambda layer=layer, params=params: torch.autograd.grad(
+            layer(rows, offsets), [rows, *params], grad), reps, trials)
+        with torch.no_grad():
+            y = layer(rows, offsets).float()
+        results[name] = {"forward_ms": fwd * 1e3, "fwd_bwd_ms": step * 1e3,
+                         "fwd_bwd_tflops": flops / step / 1e12,
+                         "rel_error_vs_bf16": float((y - y_ref).norm() / y_ref.norm())}
+        if hasattr(layer, "refresh_weight_cache"):
+            results[name]["weight_cache_refresh_ms"] = cuda_time(layer.refresh_weight_cache) * 1e3
+    base = results["bf16"]["fwd_bwd_ms"]
+    for name in layers:
+        results[name]["speedup_vs_bf16"] = base / results[name]["fwd_bwd_ms"]
+    return results
+
+
+def bench_kernels(args) -> dict:
+    import torch
+    from moe_mxfp8 import quantize_fp8, quantize_group_columns
+
+    rows_n = args.tokens * args.top_k
+    x = torch.randn(rows_n, args.d_model, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(args.experts, 2 * args.hidden, args.d_model, device="cuda", dtype=torch.bfloat16)
+    offsets = routed_offsets("zipf", args.tokens, args.experts, args.top_k)
+    n, nw = x.numel(), w.numel()
+    out = torch.empty_like(x)
+    cases = {
+        "device copy (ceiling)": (lambda: out.copy_(x), 4 * n),
+        "rowwise rows [R, D]": (lambda: quantize_fp8(x, (1, 0), True), 3 * n + 4 * rows_n),
+        "1x128 tiles [R, D]": (lambda: quantize_fp8(x, (1, 128), False), 3 * n + 4 * n // 128),
+        "per-expert columns, transposed [R, D]": (
+            lambda: quantize_group_columns(x, offsets, True), 3 * n + 4 * args.experts * args.d_model),
+        "rowwise weight [E, 2F, D]": (lambda: quantize_fp8(w, (1, 0), True), 3 * nw),
+        "128x128 weight [E, 2F, D]": (lambda: quantize_fp8(w, (128, 128), False), 3 * nw),
+    }
+    results = {}
+    for name, (fn, nbytes) in cases.items():
+        seconds = cuda_time(fn, reps=10, trials=7)
+        results[name] = {"ms": seconds * 1e3, "bytes": nbytes, "tb_per_s": nbytes / seconds / 1e12}
+    copy = results["device copy (ceiling)"]["tb_per_s"]
+    for r in results.values():
+        r["fraction_of_copy"] = r["tb_per_s"] / copy
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.splitlines()[1:]))
+    ap.add_argument("--out", default="bench_fp8_experts.json", help="JSON report path")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--routing", default="balanced,zipf", help="comma-separated: balanced, zipf")
+    ap.add_argument("--no-blockwise", dest="blockwise", action="store_false",
+                    help="skip the emulated fp8_blockwise layer (FP32 matmuls, the slowest part)")
+    args = ap.parse_args()
+
+    import torch
+    from moe_mxfp8 import fp8_native_available
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_fp8_experts needs a CUDA GPU")
+    if not fp8_native_available(torch.device("cuda")):
+        raise SystemExit("bench_fp8_experts needs torch._scaled_grouped_mm on compute capability 9.x")
+    kernels = bench_kernels(args)
+    layers = {kind: bench_layers(args, kind) for kind in args.routing.split(",")}
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "shape": vars(args), "kernels": kernels, "experts": layers}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+
+    print(f"\n{report['device']}, torch {torch.__version__}; rows [{args.tokens * args.top_k}, "
+          f"{args.d_model}], {args.experts} experts, hidden {args.hidden}")
+    print(f"{'kernel':40s} {'ms':>8s} {'TB/s':>7s} {'of copy':>8s}")
+    for name, r in kernels.items():
+        print(f"{name:40s} {r['ms']:8.3f} {r['tb_per_s']:7.2f} {r['fraction_of_copy']:8.0%}")
+    print(f"\n{'routing':9s} {'layer':26s} {'fwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
+          f"{'vs bf16':>8s} {'rel err':>8s}")
+    for kind, res in layers.items():
+        for name, r in res.items():
+            if isinstance(r, dict):
+                print(f"{kind:9s} {name:26s} {r['forward_ms']:8.2f} {r['fwd_bwd_ms']:8.2f} "
+                      f"{r['fwd_bwd_tflops']:8.0f} {r['speedup_vs_bf16']:7.2f}x "
+                      f"{r['rel_error_vs_bf16']:8.4f}")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
