@@ -13,6 +13,9 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 from moe_mxfp8 import quantize_fp8, quantize_group_columns  # noqa: E402
+from moe_mxfp8._triton_swiglu import swiglu_backward as fused_backward  # noqa: E402
+from moe_mxfp8._triton_swiglu import swiglu_forward as fused_forward  # noqa: E402
+from moe_mxfp8.swiglu import swiglu, swiglu_backward  # noqa: E402
 from triton_cases import mismatches, sample  # noqa: E402
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -49,6 +52,21 @@ def cases():
                         + int(not torch.equal(et, er)))
 
             yield f"group_columns/{dname}/pow2={pow2}", group
+    for dname, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+        def fused_swiglu(dtype=dtype):
+            """Elements beyond FP32 rounding of exp (plus one output rounding) apart."""
+            g = torch.Generator().manual_seed(2)
+            h13 = (torch.randn(37, 2 * 150, generator=g) * 4).to(dtype)
+            dh = torch.randn(37, 150, generator=g).to(dtype)
+            tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+            bad = 0
+            for got, want in ((fused_forward(h13), swiglu(h13)),
+                              (fused_backward(h13, dh, dtype), swiglu_backward(h13, dh, dtype))):
+                close = torch.isclose(got.float(), want.float(), **tol)
+                bad += int((~close).sum()) + int(got.dtype != want.dtype or got.shape != want.shape)
+            return bad
+
+        yield f"swiglu/{dname}", fused_swiglu
 
 
 def main() -> None:

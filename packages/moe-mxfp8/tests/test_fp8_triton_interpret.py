@@ -1,4 +1,5 @@
-"""FP8 Triton kernels under TRITON_INTERPRET=1, bit-exact against the torch reference.
+"""FP8 Triton kernels under TRITON_INTERPRET=1, bit-exact against the torch reference
+(the fused SwiGLU kernels: to FP32 rounding of ``exp``).
 
 As test_triton_interpret.py: the cases run in one child process (fp8_triton_cases.py)
 so the interpreter setting never reaches this process; each case is its own test.
@@ -33,7 +34,7 @@ def _case_names() -> list[str]:
             names += [f"quantize/{name}/{dname}/pow2={p}" for p in (True, False)]
     for dname in ("f32", "bf16", "f16"):
         names += [f"group_columns/{dname}/pow2={p}" for p in (True, False)]
-    return names
+    return names + ["swiglu/f32", "swiglu/bf16"]
 
 
 @pytest.mark.parametrize("case", _case_names())

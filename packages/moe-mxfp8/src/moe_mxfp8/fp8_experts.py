@@ -44,7 +44,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from moe_mxfp8.cache import WeightCache
-from moe_mxfp8.experts import _CARRIED_ATTRS, _swiglu, _swiglu_backward
+from moe_mxfp8.experts import _CARRIED_ATTRS
 from moe_mxfp8.fp8 import FP8Tensor, quantize_fp8
 from moe_mxfp8.fp8_gemm import (
     check_native_widths,
@@ -53,6 +53,7 @@ from moe_mxfp8.fp8_gemm import (
     fp8_native_available,
 )
 from moe_mxfp8.gemm import compute_dtype, grouped_weight_grad
+from moe_mxfp8.swiglu import swiglu, swiglu_backward
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class _FP8ExpertsFn(torch.autograd.Function):
         r, native = layer.recipe, layer.gemm == "native"
         rows_q = quantize_fp8(rows_RD, r.act_block, r.pow2)
         h13_R2F = fp8_grouped_mm(rows_q, layer.w13_cache.rows, offsets_E, dtype, native)
-        h_q = quantize_fp8(_swiglu(h13_R2F), r.act_block, r.pow2)
+        h_q = quantize_fp8(swiglu(h13_R2F), r.act_block, r.pow2)
         y_RD = fp8_grouped_mm(h_q, layer.w2_cache.rows, offsets_E, dtype, native)
         ctx.save_for_backward(offsets_E, rows_RD, h13_R2F)
         # The backward uses the weight copies this forward saw, whatever happens in between.
@@ -133,7 +134,7 @@ class _FP8ExpertsFn(torch.autograd.Function):
         dy_RD = dy_RD.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
         dy_q = quantize_fp8(dy_RD, r.act_block, r.pow2)
         dh_RF = fp8_grouped_mm(dy_q, ctx.w2_cols, offsets_E, dtype, native)
-        dh13_R2F = _swiglu_backward(h13_R2F, dh_RF).to(dtype)
+        dh13_R2F = swiglu_backward(h13_R2F, dh_RF, dtype)
         drows = None
         if ctx.needs_input_grad[0]:
             dh13_q = quantize_fp8(dh13_R2F, r.act_block, r.pow2)
@@ -146,7 +147,7 @@ class _FP8ExpertsFn(torch.autograd.Function):
             dw13 = _wgrad(r, dh13_R2F, rows_RD, offsets_E, dtype, native)
             grads[0], grads[1] = dw13[:, :hidden], dw13[:, hidden:]
         if wanted[2]:
-            grads[2] = _wgrad(r, dy_RD, _swiglu(h13_R2F), offsets_E, dtype, native)
+            grads[2] = _wgrad(r, dy_RD, swiglu(h13_R2F), offsets_E, dtype, native)
         returned: list[torch.Tensor | None] = []
         for param, grad, route, want in zip(ctx.params, grads, ctx.routes, wanted, strict=True):
             if want and route is not None:
