@@ -12,7 +12,11 @@
    and fp8_blockwise, emulated (dequantize + FP32 matmuls per expert; no native grouped
    GEMM) unless ``--no-blockwise``. BF16 compute weights everywhere; the FP8 layers'
    outputs are compared with BF16's (relative error in norm).
-2. Quantize kernels on the dispatched rows ``[131072, 2048]`` BF16 and the gate/up weight
+2. The grouped GEMMs alone (the candidates side by side, balanced routing): BF16
+   ``torch._grouped_mm`` against FP8 ``torch._scaled_grouped_mm`` with FP32 promotion
+   (``use_fast_accum=False``, what the layer uses) and with fast accumulation, on the
+   forward (2d x 3d) and weight-gradient (2d x 2d) shapes of the gate/up projection.
+3. Quantize kernels on the dispatched rows ``[131072, 2048]`` BF16 and the gate/up weight
    ``[64, 2048, 2048]``, with a device copy of the rows measured in the same run as the
    ceiling; bandwidth counts the bytes a kernel must read and write.
 Prints a table last and writes JSON. Needs a CUDA GPU (compute capability 9.x for the
@@ -102,6 +106,46 @@ def bench_layers(args, routing: str) -> dict:
     return results
 
 
+def bench_gemms(args) -> dict:
+    import torch
+    from moe_mxfp8 import quantize_fp8, quantize_group_columns
+
+    rows_n, E, D, F2 = args.tokens * args.top_k, args.experts, args.d_model, 2 * args.hidden
+    offsets = routed_offsets("balanced", args.tokens, E, args.top_k)
+    x = torch.randn(rows_n, D, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(E, F2, D, device="cuda", dtype=torch.bfloat16) * 0.02
+    dy = torch.randn(rows_n, F2, device="cuda", dtype=torch.bfloat16)
+    xq, wq = quantize_fp8(x), quantize_fp8(w)
+    xs, ws = xq.scale.reciprocal().view(-1), wq.scale.reciprocal().squeeze(-1)
+    dy_t, dy_s, ends = quantize_group_columns(dy, offsets)
+    x_t, x_s, _ = quantize_group_columns(x, offsets)
+    dy_s, x_s = dy_s.reciprocal().view(-1), x_s.reciprocal().view(-1)
+    flops = 2 * rows_n * D * F2
+
+    def fp8_fwd(fast):
+        return lambda: torch._scaled_grouped_mm(xq.data, wq.data.transpose(-2, -1), xs, ws,
+                                                offs=offsets, out_dtype=torch.bfloat16,
+                                                use_fast_accum=fast)
+
+    def fp8_wgrad(fast):
+        return lambda: torch._scaled_grouped_mm(dy_t, x_t.t(), dy_s, x_s, offs=ends,
+                                                out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+    cases = {
+        "forward bf16 _grouped_mm": lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets),
+        "forward fp8 _scaled_grouped_mm": fp8_fwd(False),
+        "forward fp8 _scaled_grouped_mm fast_accum": fp8_fwd(True),
+        "wgrad bf16 _grouped_mm": lambda: torch._grouped_mm(dy.t(), x, offs=offsets),
+        "wgrad fp8 _scaled_grouped_mm": fp8_wgrad(False),
+        "wgrad fp8 _scaled_grouped_mm fast_accum": fp8_wgrad(True),
+    }
+    results = {}
+    for name, fn in cases.items():
+        seconds = cuda_time(fn, reps=5, trials=5)
+        results[name] = {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12}
+    return results
+
+
 def bench_kernels(args) -> dict:
     import torch
     from moe_mxfp8 import quantize_fp8, quantize_group_columns
@@ -154,9 +198,10 @@ def main() -> None:
     if not fp8_native_available(torch.device("cuda")):
         raise SystemExit("bench_fp8_experts needs torch._scaled_grouped_mm on compute capability 9.x")
     kernels = bench_kernels(args)
+    gemms = bench_gemms(args)
     layers = {kind: bench_layers(args, kind) for kind in args.routing.split(",")}
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "shape": vars(args), "kernels": kernels, "experts": layers}
+              "shape": vars(args), "kernels": kernels, "gemms": gemms, "experts": layers}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 
@@ -165,6 +210,9 @@ def main() -> None:
     print(f"{'kernel':40s} {'ms':>8s} {'TB/s':>7s} {'of copy':>8s}")
     for name, r in kernels.items():
         print(f"{name:40s} {r['ms']:8.3f} {r['tb_per_s']:7.2f} {r['fraction_of_copy']:8.0%}")
+    print(f"\n{'grouped GEMM (gate/up shapes, balanced)':42s} {'ms':>8s} {'TFLOP/s':>8s}")
+    for name, r in gemms.items():
+        print(f"{name:42s} {r['ms']:8.3f} {r['tflops']:8.0f}")
     print(f"\n{'routing':9s} {'layer':26s} {'fwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
           f"{'vs bf16':>8s} {'rel err':>8s}")
     for kind, res in layers.items():

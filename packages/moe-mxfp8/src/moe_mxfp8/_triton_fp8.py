@@ -138,7 +138,7 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], pow2: bool
         x3, x3.stride(0), x3.stride(1), d3, d3.stride(0), d3.stride(1),
         s3, s3.stride(0), s3.stride(1), M, N,
         ROWS=rows, BN=width, SQUARE=bm > 1, POW2=pow2, IN_BF16=x.dtype == torch.bfloat16,
-        num_warps=4, enable_fp_fusion=False, **_CONSTS,
+        num_warps=8 if bm > 1 else 4, enable_fp_fusion=False, **_CONSTS,
     )
     return data.view(torch.float8_e4m3fn), scale
 
