@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from moe_mxfp8 import FP8Tensor, dequantize_fp8, quantize_fp8, quantize_group_columns
+from moe_mxfp8 import FP8RowCodec, FP8Tensor, dequantize_fp8, quantize_fp8, quantize_group_columns
 
 torchao_float8 = pytest.importorskip("torchao.float8.float8_utils")
 from torchao.float8.config import ScalingGranularity  # noqa: E402
@@ -152,3 +152,22 @@ def test_bad_input_names_the_argument():
         quantize_fp8(torch.randn(4))
     with pytest.raises(ValueError, match="offsets must be int32"):
         quantize_group_columns(torch.randn(4, 4), torch.tensor([4]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_codec_round_trips_like_quantize_and_requantizes_to_the_same_values(dtype):
+    codec = FP8RowCodec()
+    x = adversarial(40, 96, dtype, seed=4)
+    x[3:6] = 1.0  # finite rows for the re-quantization check
+    packed = codec.encode(x)
+    assert packed.shape == (40, 100) and packed.dtype == torch.uint8
+    assert codec.packed_width(2048) == 2052 and codec.bytes_ratio(2048) < 0.502
+    decoded = codec.decode(packed, dtype)
+    assert mismatches(decoded.float(), dequantize_fp8(quantize_fp8(x, backend="torch"))) == 0
+    again = dequantize_fp8(quantize_fp8(decoded, backend="torch"))
+    assert mismatches(again, decoded.float()) == 0
+    # a row whose largest code rounds to 224: its scale doubles on re-quantization
+    row = torch.tensor([[225.0, 1.0, -3.5]])
+    assert quantize_fp8(codec.decode(codec.encode(row), torch.float32)).scale.item() == 2.0
+    with pytest.raises(ValueError, match="packed width"):
+        codec.decode(torch.zeros(2, 4, dtype=torch.uint8), dtype)

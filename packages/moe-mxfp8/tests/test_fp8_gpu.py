@@ -5,6 +5,7 @@ import pytest
 import torch
 from moe_mxfp8 import (
     FP8GroupedExperts,
+    FP8RowCodec,
     fp8_native_available,
     quantize_fp8,
     quantize_group_columns,
@@ -65,6 +66,17 @@ def test_group_columns_bit_exact_at_real_sizes(pow2):
     used = int(er[-1])
     assert torch.equal(et, er) and mismatches(st, sr) == 0
     assert mismatches(dt[:, :used], dr[:, :used]) == 0
+
+
+def test_row_codec_on_gpu_matches_the_cpu_encoding():
+    x = sample((4096, 2048), torch.bfloat16)
+    codec = FP8RowCodec()
+    packed = codec.encode(x)
+    ref = codec.encode(x.cpu())
+    assert packed.shape == (4096, 2052)
+    assert mismatches(packed[:, :2048].view(torch.float8_e4m3fn).cpu(),
+                      ref[:, :2048].view(torch.float8_e4m3fn)) == 0
+    assert mismatches(codec.decode(packed, torch.float32).cpu(), codec.decode(ref, torch.float32)) == 0
 
 
 @needs_sm90

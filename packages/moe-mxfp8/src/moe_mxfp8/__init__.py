@@ -14,7 +14,7 @@
   per row, 1x128 tile or 128x128 block (torchao's float8 rowwise and DeepSeek-V3's
   blockwise recipes); ``FP8GroupedExperts``: routed experts on FP8 grouped GEMMs
   (``torch._scaled_grouped_mm`` on Hopper, ``fp8_native_available``), chosen by
-  ``MXFP8Config.recipe``.
+  ``MXFP8Config.recipe``; ``FP8RowCodec``: the rowwise FP8 dispatch payload.
 """
 
 from moe_mxfp8.apply import (
@@ -27,7 +27,7 @@ from moe_mxfp8.apply import (
     unmatched_targets,
 )
 from moe_mxfp8.cache import MXFP8WeightCache
-from moe_mxfp8.codec import MXFP8RowCodec
+from moe_mxfp8.codec import FP8RowCodec, MXFP8RowCodec
 from moe_mxfp8.experts import MXFP8GroupedExperts
 from moe_mxfp8.format import (
     BLOCK_SIZE,
@@ -46,6 +46,7 @@ from moe_mxfp8.linear import MXFP8Linear
 
 __all__ = [
     "BLOCK_SIZE",
+    "FP8RowCodec",
     "FP8GroupedExperts",
     "FP8Tensor",
     "FP8_RECIPES",
