@@ -8,8 +8,8 @@
    them), for ``balanced`` routing (every expert the same rows) and ``zipf`` (top-k of a
    Zipf(1.0) over the experts, the busy ones not the low ids). Layers:
    ``moe_model.GroupedExperts`` in BF16 (the model's own, its default backend),
-   ``FP8GroupedExperts`` fp8_rowwise with the native GEMMs (``torch._scaled_grouped_mm``),
-   and fp8_blockwise, emulated (dequantize + FP32 matmuls per expert; no native grouped
+   ``FP8GroupedExperts`` fp8_rowwise and fp8_rowwise_gw_hp (BF16 weight gradients) with
+   the native GEMMs (``torch._scaled_grouped_mm``), and fp8_blockwise, emulated (dequantize + FP32 matmuls per expert; no native grouped
    GEMM) unless ``--no-blockwise``. BF16 compute weights everywhere; the FP8 layers'
    outputs are compared with BF16's (relative error in norm).
 2. The grouped GEMMs alone (the candidates side by side, balanced routing): BF16
@@ -79,7 +79,9 @@ def bench_layers(args, routing: str) -> dict:
     rows_n = args.tokens * args.top_k
     rows = torch.randn(rows_n, args.d_model, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(rows)
-    layers = {"bf16": bf16, "fp8_rowwise": FP8GroupedExperts.from_module(bf16, "fp8_rowwise", "native")}
+    layers = {"bf16": bf16}
+    for recipe in ("fp8_rowwise", "fp8_rowwise_gw_hp"):
+        layers[recipe] = FP8GroupedExperts.from_module(bf16, recipe, "native")
     if args.blockwise:
         layers["fp8_blockwise (emulated)"] = FP8GroupedExperts.from_module(bf16, "fp8_blockwise")
     flops = 3 * 2 * rows_n * args.d_model * args.hidden * 3  # forward + 2x backward, three GEMMs

@@ -60,7 +60,7 @@ def oracle(recipe, rows, offsets, w1, w3, w2, dy):
     """Per-expert loop, FP32 products of operands quantized by torchao's functions."""
     w13 = torch.cat([w1, w3], dim=1).detach().bfloat16()  # caches quantize the BF16 weight
     w2b = w2.detach().bfloat16()
-    if recipe == "fp8_rowwise":
+    if recipe.startswith("fp8_rowwise"):
         act = rowwise
         w13_f, w13_b, w2_f, w2_b = rowwise(w13, -1), rowwise(w13, -2), rowwise(w2b, -1), rowwise(w2b, -2)
     else:
@@ -92,7 +92,8 @@ def oracle(recipe, rows, offsets, w1, w3, w2, dy):
     return y, drows, dw13[:, :F_], dw13[:, F_:], dw2
 
 
-CASES = {"fp8_rowwise": (40, 24), "fp8_blockwise": (128, 128)}  # (d_model, hidden)
+CASES = {"fp8_rowwise": (40, 24), "fp8_rowwise_gw_hp": (40, 24),
+         "fp8_blockwise": (128, 128)}  # (d_model, hidden)
 
 
 @pytest.mark.parametrize("recipe", list(CASES))
@@ -111,7 +112,7 @@ def test_experts_match_torchao_oracle(recipe):
     ref = oracle(recipe, rows.detach(), offsets, experts.w1, experts.w3, experts.w2, dy)
     torch.testing.assert_close(y[:27], ref[0][:27], **TIGHT)
     torch.testing.assert_close(rows.grad[:27], ref[1][:27], **TIGHT)
-    # unquantized weight gradients (blockwise) see the layer's SwiGLU derivative, an ulp
+    # unquantized weight gradients (gw_hp, blockwise) see the layer's SwiGLU derivative, an ulp
     # away from autograd's, without a quantization step to absorb it
     wtol = TIGHT if recipe == "fp8_rowwise" else dict(rtol=2e-5, atol=1e-5)
     for got, want in zip((experts.w1.grad, experts.w3.grad, experts.w2.grad), ref[2:], strict=True):

@@ -2,7 +2,7 @@
 
 Structural: with ``recipe="mxfp8"`` an ``nn.Linear`` becomes ``MXFP8Linear`` and any
 module with parameters ``w1``, ``w3``, ``w2`` (grouped experts) ``MXFP8GroupedExperts``;
-with an FP8 recipe (``fp8_rowwise``, ``fp8_blockwise``) grouped experts become
+with an FP8 recipe (``fp8_rowwise``, ``fp8_rowwise_gw_hp``, ``fp8_blockwise``) grouped experts become
 ``FP8GroupedExperts`` and a matching ``nn.Linear`` is refused (FP8 covers the routed
 experts only). The new modules hold the same ``nn.Parameter`` objects under the same
 names, so parameter names, optimizer state, gradient buckets and checkpoints are untouched.
@@ -34,9 +34,9 @@ class MXFP8Config:
     targets: tuple[str, ...] = ("experts",)  # module-name globs; each matches any dotted suffix
     save_mxfp8_activations: bool = False  # keep tensors saved for backward in MXFP8 (mxfp8 only)
     # mxfp8: dense layers emulated | native (sm_100 only), experts emulated;
-    # fp8_rowwise: emulated | native (sm_90); fp8_blockwise: emulated
+    # fp8_rowwise(_gw_hp): emulated | native (sm_90); fp8_blockwise: emulated
     gemm: str = "emulated"
-    recipe: str = "mxfp8"  # mxfp8 | fp8_rowwise | fp8_blockwise
+    recipe: str = "mxfp8"  # mxfp8 | fp8_rowwise | fp8_rowwise_gw_hp | fp8_blockwise
 
     def __post_init__(self) -> None:
         self.validate()

@@ -10,6 +10,11 @@ Recipes (``FP8_RECIPES``):
   its reduction dim with power-of-two scales; all three GEMMs in FP8, the weight
   gradients' operands scaled per expert and column (along the tokens). Native on
   Hopper through ``torch._scaled_grouped_mm``.
+- ``fp8_rowwise_gw_hp`` (torchao's "rowwise_with_gw_hp"): the same, with the weight
+  gradients in the compute dtype (BF16) from unquantized operands: two thirds of the
+  GEMM FLOPs in FP8, none of the four per-expert column quantizations (whichever is
+  faster depends on how those passes compare with the FP8 gain on the weight-gradient
+  GEMMs: ``tools/bench_fp8_experts.py`` measures both).
 - ``fp8_blockwise`` (DeepSeek-V3): activations and output gradients in 1x128 tiles,
   weights in 128x128 blocks, FP32 scales; forward and input-gradient GEMMs in FP8, the
   weight gradients in the compute dtype. Emulated only: no grouped GEMM with these
@@ -69,6 +74,7 @@ class FP8Recipe:
 
 FP8_RECIPES = {
     "fp8_rowwise": FP8Recipe((1, 0), (1, 0), pow2=True, fp8_wgrad=True, native=True),
+    "fp8_rowwise_gw_hp": FP8Recipe((1, 0), (1, 0), pow2=True, fp8_wgrad=False, native=True),
     "fp8_blockwise": FP8Recipe((1, 128), (128, 128), pow2=False, fp8_wgrad=False, native=False),
 }
 FP8_GEMMS = ("emulated", "native")
