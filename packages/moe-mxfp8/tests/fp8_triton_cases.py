@@ -14,6 +14,10 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 from moe_mxfp8 import quantize_fp8, quantize_group_columns  # noqa: E402
 from moe_mxfp8._triton_swiglu import swiglu_backward as fused_backward  # noqa: E402
+from moe_mxfp8._triton_swiglu import (  # noqa: E402
+    swiglu_backward_quantize_rows,
+    swiglu_quantize_rows,
+)
 from moe_mxfp8._triton_swiglu import swiglu_forward as fused_forward  # noqa: E402
 from moe_mxfp8.swiglu import swiglu, swiglu_backward  # noqa: E402
 from triton_cases import mismatches, sample  # noqa: E402
@@ -67,6 +71,28 @@ def cases():
             return bad
 
         yield f"swiglu/{dname}", fused_swiglu
+
+        def swiglu_quantized(dtype=dtype):
+            """The quantizing kernels equal the plain kernels' output quantized, bit for bit."""
+            g = torch.Generator().manual_seed(3)
+            h13 = (torch.randn(37, 2 * 150, generator=g) * 4).to(dtype)
+            h13[0] = 0.0  # a zero row
+            h13[1, 5] = float("inf")
+            dh = torch.randn(37, 150, generator=g).to(dtype)
+            total = 0
+            for pow2 in (True, False):
+                data, scale = swiglu_quantize_rows(h13, pow2)
+                ref = quantize_fp8(fused_forward(h13), (1, 0), pow2, backend="triton")
+                total += mismatches(data, ref.data) + mismatches(scale, ref.scale)
+                dh13, data, scale = swiglu_backward_quantize_rows(h13, dh, pow2)
+                plain = fused_backward(h13, dh, dtype)
+                ref = quantize_fp8(plain, (1, 0), pow2, backend="triton")
+                total += mismatches(dh13.view(torch.int16 if dtype == torch.bfloat16 else torch.float32),
+                                    plain.view(torch.int16 if dtype == torch.bfloat16 else torch.float32))
+                total += mismatches(data, ref.data) + mismatches(scale, ref.scale)
+            return total
+
+        yield f"swiglu_quantized/{dname}", swiglu_quantized
 
 
 def main() -> None:

@@ -68,6 +68,23 @@ def test_group_columns_bit_exact_at_real_sizes(pow2):
     assert mismatches(dt[:, :used], dr[:, :used]) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_swiglu_quantization_equals_the_unfused_kernels(dtype):
+    from moe_mxfp8.swiglu import swiglu, swiglu_backward, swiglu_backward_quantized, swiglu_quantized
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    h13 = (torch.randn(8192, 2048, generator=g, device="cuda") * 4).to(dtype)
+    dh = torch.randn(8192, 1024, generator=g, device="cuda").to(dtype)
+    fused = swiglu_quantized(h13, (1, 0), True)
+    plain = quantize_fp8(swiglu(h13), (1, 0), True)
+    assert mismatches(fused.data, plain.data) == 0 and mismatches(fused.scale, plain.scale) == 0
+    dh13, fused = swiglu_backward_quantized(h13, dh, dtype, (1, 0), True)
+    plain_dh13 = swiglu_backward(h13, dh, dtype)
+    plain = quantize_fp8(plain_dh13, (1, 0), True)
+    assert torch.equal(dh13, plain_dh13)
+    assert mismatches(fused.data, plain.data) == 0 and mismatches(fused.scale, plain.scale) == 0
+
+
 def test_row_codec_on_gpu_matches_the_cpu_encoding():
     x = sample((4096, 2048), torch.bfloat16)
     codec = FP8RowCodec()

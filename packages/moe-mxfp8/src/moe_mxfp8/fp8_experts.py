@@ -58,7 +58,12 @@ from moe_mxfp8.fp8_gemm import (
     fp8_native_available,
 )
 from moe_mxfp8.gemm import compute_dtype, grouped_weight_grad
-from moe_mxfp8.swiglu import swiglu, swiglu_backward
+from moe_mxfp8.swiglu import (
+    swiglu,
+    swiglu_backward,
+    swiglu_backward_quantized,
+    swiglu_quantized,
+)
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,7 @@ class _FP8ExpertsFn(torch.autograd.Function):
         r, native = layer.recipe, layer.gemm == "native"
         rows_q = quantize_fp8(rows_RD, r.act_block, r.pow2)
         h13_R2F = fp8_grouped_mm(rows_q, layer.w13_cache.rows, offsets_E, dtype, native)
-        h_q = quantize_fp8(swiglu(h13_R2F), r.act_block, r.pow2)
+        h_q = swiglu_quantized(h13_R2F, r.act_block, r.pow2)
         y_RD = fp8_grouped_mm(h_q, layer.w2_cache.rows, offsets_E, dtype, native)
         ctx.save_for_backward(offsets_E, rows_RD, h13_R2F)
         # The backward uses the weight copies this forward saw, whatever happens in between.
@@ -140,11 +145,12 @@ class _FP8ExpertsFn(torch.autograd.Function):
         dy_RD = dy_RD.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
         dy_q = quantize_fp8(dy_RD, r.act_block, r.pow2)
         dh_RF = fp8_grouped_mm(dy_q, ctx.w2_cols, offsets_E, dtype, native)
-        dh13_R2F = swiglu_backward(h13_R2F, dh_RF, dtype)
         drows = None
         if ctx.needs_input_grad[0]:
-            dh13_q = quantize_fp8(dh13_R2F, r.act_block, r.pow2)
+            dh13_R2F, dh13_q = swiglu_backward_quantized(h13_R2F, dh_RF, dtype, r.act_block, r.pow2)
             drows = fp8_grouped_mm(dh13_q, ctx.w13_cols, offsets_E, dtype, native)
+        else:
+            dh13_R2F = swiglu_backward(h13_R2F, dh_RF, dtype)
         wanted = [ctx.needs_input_grad[2 + i] and (route is None or torch._C._will_engine_execute_node(route[1]))
                   for i, route in enumerate(ctx.routes)]
         grads: list[torch.Tensor | None] = [None, None, None]
