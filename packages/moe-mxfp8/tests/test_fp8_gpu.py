@@ -70,7 +70,12 @@ def test_group_columns_bit_exact_at_real_sizes(pow2):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_swiglu_quantization_equals_the_unfused_kernels(dtype):
-    from moe_mxfp8.swiglu import swiglu, swiglu_backward, swiglu_backward_quantized, swiglu_quantized
+    from moe_mxfp8.swiglu import (
+        swiglu,
+        swiglu_backward,
+        swiglu_backward_quantized,
+        swiglu_quantized,
+    )
 
     g = torch.Generator(device="cuda").manual_seed(3)
     h13 = (torch.randn(8192, 2048, generator=g, device="cuda") * 4).to(dtype)
