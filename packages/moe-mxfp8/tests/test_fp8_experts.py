@@ -213,6 +213,35 @@ def test_recipe_config_converts_experts_only_and_caches_refresh():
     assert torch.equal(layer(rows, offsets), fresh(rows, offsets))
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "fp8_rowwise", "fp8_blockwise"])
+def test_in_place_refresh_keeps_the_cache_tensors_and_equals_a_fresh_cache(recipe):
+    """What a captured CUDA graph needs: same addresses, new values."""
+    D = 128 if recipe == "fp8_blockwise" else 64
+    model = nn.ModuleDict({"experts": ToyExperts(2, D, D)})
+    apply_mxfp8(model, MXFP8Config(targets=("experts",), recipe=recipe))
+    layer = model["experts"]
+    caches = (layer.w13_cache, layer.w2_cache)
+
+    def tensors():
+        return [t for c in caches for copy in (c.rows, c.cols) for t in vars(copy).values()
+                if isinstance(t, torch.Tensor)]
+
+    before = [(t.data_ptr(), t.clone()) for t in tensors()]
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.mul_(-3.0)
+    assert refresh_weight_caches(model, in_place=True) == 1
+    fresh = type(layer).from_module(layer, **({} if recipe == "mxfp8" else {"recipe": recipe}))
+    fresh_caches = (fresh.w13_cache, fresh.w2_cache)
+    for (ptr, old), t, f in zip(before, tensors(), [t for c in fresh_caches for copy in
+                                                    (c.rows, c.cols) for t in vars(copy).values()
+                                                    if isinstance(t, torch.Tensor)], strict=True):
+        assert t.data_ptr() == ptr
+        assert torch.equal(t.view(torch.uint8), f.view(torch.uint8))
+        assert not torch.equal(t.view(torch.uint8), old.view(torch.uint8))
+    layer(torch.randn(6, D), torch.tensor([3, 6], dtype=torch.int32))  # fresh
+
+
 def test_bad_recipe_settings_are_refused_with_the_field():
     with pytest.raises(ValueError, match="recipe"):
         MXFP8Config(recipe="fp8")

@@ -128,10 +128,12 @@ def apply_mxfp8(model: nn.Module, config: MXFP8Config | None = None) -> list[str
     return replaced
 
 
-def refresh_weight_caches(model: nn.Module) -> int:
-    """Re-derive every weight cache (MXFP8 and FP8) in ``model`` (the weights-updated hook); returns the count."""
+def refresh_weight_caches(model: nn.Module, in_place: bool = False) -> int:
+    """Re-derive every weight cache (MXFP8 and FP8) in ``model`` (the weights-updated hook);
+    returns the count. ``in_place`` keeps the caches' tensors (for captured CUDA graphs;
+    see ``WeightCache.refresh``)."""
     count = 0
     for _, module in mxfp8_modules(model):
-        module.refresh_weight_cache()
+        module.refresh_weight_cache(in_place)
         count += 1
     return count

@@ -36,6 +36,20 @@ def _stamp(params: Params) -> tuple[tuple[int, int, int, torch.device], ...]:
     return tuple((id(p), p.data_ptr(), p._version, p.device) for p in params)
 
 
+def _tensors(copies: tuple[Any, ...]) -> list[torch.Tensor]:
+    """The tensors of quantized copies (``MXFP8Tensor`` / ``FP8Tensor`` fields), in order."""
+    return [v for c in copies for v in vars(c).values() if isinstance(v, torch.Tensor)]
+
+
+def _same_layout(old: tuple[Any, ...], new: tuple[Any, ...]) -> bool:
+    if any(c is None for c in old):
+        return False
+    a, b = _tensors(old), _tensors(new)
+    return len(a) == len(b) and all(
+        (x.shape, x.dtype, x.device, x.stride()) == (y.shape, y.dtype, y.device, y.stride())
+        for x, y in zip(a, b, strict=True))
+
+
 class WeightCache:
     """Derived copies (``rows``/``cols``) of ``cat(params, dim=-2)`` (one param, or e.g. gate
     and up); subclasses say how a copy is derived (``_derive``).
@@ -57,11 +71,22 @@ class WeightCache:
         raise NotImplementedError
 
     @torch.no_grad()
-    def refresh(self, params: Params) -> None:
-        """Re-derive both orientations from the current weight values."""
+    def refresh(self, params: Params, in_place: bool = False) -> None:
+        """Re-derive both orientations from the current weight values.
+
+        ``in_place``: copy the new values into the current cache tensors where shapes,
+        dtypes and devices are unchanged, so their addresses stay (what a captured CUDA
+        graph reads); a backward of a forward run before the refresh then sees the new
+        values. Otherwise the cache gets new tensors.
+        """
         ps = [p.detach().to(CACHE_SOURCE_DTYPE) for p in params]
         weight = ps[0] if len(ps) == 1 else torch.cat(ps, dim=-2)
-        self.rows, self.cols = self._derive(weight)
+        rows, cols = self._derive(weight)
+        if in_place and _same_layout((self.rows, self.cols), (rows, cols)):
+            for old, new in zip(_tensors((self.rows, self.cols)), _tensors((rows, cols)), strict=True):
+                old.copy_(new)
+        else:
+            self.rows, self.cols = rows, cols
         self._stamp = _stamp(params)
 
     def check_fresh(self, owner: str, params: Params) -> None:

@@ -130,10 +130,11 @@ class MXFP8GroupedExperts(nn.Module):
                 setattr(layer, name, value)
         return layer
 
-    def refresh_weight_cache(self) -> None:
-        """Re-derive the MXFP8 weight copies; call after every weight update."""
-        self.w13_cache.refresh((self.w1, self.w3))
-        self.w2_cache.refresh((self.w2,))
+    def refresh_weight_cache(self, in_place: bool = False) -> None:
+        """Re-derive the MXFP8 weight copies; call after every weight update
+        (``in_place``: see ``WeightCache.refresh``)."""
+        self.w13_cache.refresh((self.w1, self.w3), in_place)
+        self.w2_cache.refresh((self.w2,), in_place)
 
     def forward(self, rows_RD: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
         D = self.w1.shape[-1]
