@@ -46,6 +46,8 @@ def _single_process_steps() -> dict:
     return load_script(ORACLE).single_process_steps("tiny", OVERRIDES)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_fsdp2_two_ranks_match_single_process_adamw():
     ranks = run_distributed(_fsdp2_steps, 2, timeout=240)
     oracle = _single_process_steps()
@@ -74,6 +76,7 @@ def _fsdp2_bf16_steps() -> list[float]:
         return [trainer.train_step(s).record["loss"] for s in (1, 2)]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.multigpu(2)
 def test_fsdp2_runs_bf16_over_nccl():
     """The GPU path (BF16 parameters, FP32 reduce, NCCL): finite losses, equal on both ranks."""

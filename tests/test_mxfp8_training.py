@@ -23,6 +23,7 @@ end-of-run gap the test checks (all in the same test, measured on CPU FP32):
   measured ratio ~0.11, a frozen down projection ~0.7).
 """
 
+import pytest
 import torch
 from moe_model import ModelWiring, MoEConfig, MoETransformer, init_weights, lm_loss_sum, wire_model
 from moe_mxfp8 import MXFP8Config, MXFP8GroupedExperts, apply_mxfp8, refresh_weight_caches
@@ -113,6 +114,7 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
+@pytest.mark.slow
 def test_mxfp8_experts_train_within_2_percent_of_fp32():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: more threads only add contention

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 import torch.distributed as dist
 from moe_ddp import DDPConfig, MultiGroupDDP
@@ -112,6 +113,8 @@ def _dp_pp_step() -> dict:
     return result
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_dp2_pp2_with_multigroup_ddp_matches_unsplit_model():
     results = run_distributed(_dp_pp_step, PP * DP, timeout=300)
     all_names = {n for n, _ in _model(1).named_parameters()}

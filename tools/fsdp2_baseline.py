@@ -1,4 +1,4 @@
-"""FSDP2 baseline: the same moe_model model under PyTorch's ``fully_shard``, for issue 10's
+"""FSDP2 baseline: the same moe_model model under PyTorch's ``fully_shard``, for the
 DDP-vs-FSDP comparison (the reference report's Figure 8).
 
     # two H200s, bench-2gpu, 6 steps (the first 2 warm up)
@@ -54,13 +54,13 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _bench import max_over_ranks
 from moe_model import (
     ModelWiring,
     MoETransformer,
@@ -79,9 +79,6 @@ from pretrain.schedule import build_schedule
 from pretrain.trainer import PEAK_FLOPS, StepResult, resolve_dtype
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train_step import max_over_ranks  # noqa: E402
 
 
 def param_groups(model: nn.Module, cfg: PretrainConfig) -> list[dict[str, Any]]:

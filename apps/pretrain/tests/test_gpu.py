@@ -76,6 +76,7 @@ def test_merged_expert_weight_gradients_train_like_unmerged(tmp_path, monkeypatc
     assert runs[1][-1]["loss"] < runs[1][0]["loss"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.multigpu(2)
 def test_dp2_and_ep2_over_nccl_match_one_gpu(tmp_path):
     common = ["--config", "tiny", "train.device=cuda", "train.compute_dtype=float32"]
@@ -195,6 +196,7 @@ def test_a_hook_installed_after_the_capture_takes_effect_in_the_next_step():
     assert [r["expert_load"] for r in records[2:]] == [balanced] * 3
 
 
+@pytest.mark.multiprocess
 @pytest.mark.multigpu(2)
 def test_a_warmed_up_ep2_step_on_nvshmem_does_not_sync_the_host():
     assert run_distributed(_ep2_rowwise_syncs, 2, backend="nccl", timeout=300) == [[], []]

@@ -169,7 +169,7 @@ def test_no_capture_after_a_step_that_ends_the_run(ends):
         trainer = Trainer(cfg, build_mesh(validate_layout(cfg, 1), "cpu"), torch.device("cpu"))
         try:
             made = _capture_then_change(trainer)
-            records = trainer.fit(MetricsLog([], 3, echo=False),
+            records = trainer.fit(MetricsLog([]),
                                   _StopAt(1 if ends == "stop_requested" else None))
             assert len(records) == (3 if ends is None else 1)
             assert made[0].captured == (ends is None)
@@ -183,6 +183,7 @@ def _both_ways_on_two_ranks() -> tuple:
     return _steps(overrides, units=False), _steps(overrides, units=True)
 
 
+@pytest.mark.multiprocess
 def test_graph_units_on_two_data_parallel_ranks_train_like_eager_steps():
     """Three microbatches per rank (a middle unit of 2, a last unit of 1 holding the
     gradient reductions), the balancing counts reduced over both ranks in every forward."""

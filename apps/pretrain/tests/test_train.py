@@ -26,6 +26,7 @@ from moe_mxfp8 import MXFP8Linear, dequantize, quantize
 from pretrain.cli import main
 from pretrain.config import ConfigError, OptimConfig, load_config, validate_layout
 from pretrain.data import prepare_data
+from pretrain.divergence import TrainingAborted
 from pretrain.graphs import split_into_units
 from pretrain.mesh import build_mesh
 from pretrain.metrics import MetricsLog
@@ -33,7 +34,7 @@ from pretrain.runtime import distributed
 from pretrain.schedule import build_schedule
 from pretrain.signals import StopRequest
 from pretrain.train import train
-from pretrain.trainer import Trainer, TrainingAborted
+from pretrain.trainer import Trainer
 from torch import nn
 
 RECORD_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "skipped",
@@ -93,7 +94,7 @@ def test_non_finite_steps_are_skipped_and_abort_after_the_limit(tmp_path):
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         collect = _Collect()
         with pytest.raises(TrainingAborted) as e, StopRequest() as stop:
-            trainer.fit(MetricsLog([collect], 10, echo=False), stop)
+            trainer.fit(MetricsLog([collect]), stop)
     assert "3 consecutive steps (to step 3) had a non-finite gradient norm" in str(e.value)
     assert "train.max_consecutive_skips" in str(e.value)
     assert [r["skipped"] for r in collect.records] == [True, True, True]
@@ -126,7 +127,7 @@ def test_a_skipped_step_leaves_weights_and_counter_recovers(tmp_path, monkeypatc
         assert not trainer.train_step(4).record["skipped"]
         assert not all(torch.equal(a, b) for a, b in zip(after_1, state(), strict=True))
         with StopRequest() as stop:  # two skips in a row, then fine: the limit of 3 is not hit
-            records = trainer.fit(MetricsLog([], 6, echo=False), stop)
+            records = trainer.fit(MetricsLog([]), stop)
     assert [r["skipped"] for r in records] == [False, True, True, False, False, False]
 
 
@@ -151,7 +152,7 @@ def test_sigterm_stops_at_the_next_step_boundary(tmp_path, capsys):
         trainer = _trainer(cfg)
         tracker = _SigtermAt(2)
         with StopRequest() as stop:
-            records = trainer.fit(MetricsLog([tracker], 1000, echo=False), stop)
+            records = trainer.fit(MetricsLog([tracker]), stop)
     assert [r["step"] for r in records] == [1, 2, 3] == [r["step"] for r in tracker.records]
     assert capsys.readouterr().out.strip() == "stopping after step 3: received SIGTERM"
     assert signal.getsignal(signal.SIGTERM) is previous  # the handler was removed
@@ -195,6 +196,8 @@ class _LineReader:
                 self.lines.append(line)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_sigterm_through_the_command_saves_a_checkpoint_and_exits_0(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(
@@ -229,8 +232,9 @@ def test_sigterm_through_the_command_saves_a_checkpoint_and_exits_0(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-2000:]
-    stopped = int(out.strip().splitlines()[-1].split("stopping after step ")[1].split(":")[0])
-    assert out.strip().endswith(f"stopping after step {stopped}: received SIGTERM")
+    stops = [x for x in out.splitlines() if x.startswith("stopping after step ")]
+    assert len(stops) == 1 and stops[0].endswith(": received SIGTERM"), out[-2000:]
+    stopped = int(stops[0].split("stopping after step ")[1].split(":")[0])
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [f"step_{stopped:010d}"]
 
 

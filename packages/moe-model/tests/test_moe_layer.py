@@ -122,6 +122,7 @@ def _global_batch_rank() -> None:
     assert not torch.allclose(g_local, g_ref, rtol=1e-3, atol=1e-6)
 
 
+@pytest.mark.multiprocess
 def test_global_batch_balancing_over_two_ranks_matches_one_process():
     run_distributed(_global_batch_rank, 2, timeout=120)
 

@@ -60,6 +60,7 @@ def _equivalence_on_gpus() -> dict:
     return worst
 
 
+@pytest.mark.multiprocess
 @pytest.mark.multigpu(2)
 def test_pp2_on_two_gpus_matches_unsplit_model():
     for rank, worst in enumerate(run_distributed(_equivalence_on_gpus, 2, backend="nccl",
@@ -113,6 +114,7 @@ def _steps_without_host_sync() -> None:
         torch.cuda.synchronize()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.multigpu(2)
 def test_pipeline_step_does_not_sync_the_host():
     run_distributed(_steps_without_host_sync, 2, backend="nccl", timeout=300)

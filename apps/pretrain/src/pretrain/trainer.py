@@ -57,15 +57,23 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from moe_ddp import DDPConfig, MultiGroupDDP
-from moe_model import ModelWiring, flops_per_token, lm_loss_sum, param_kind, wire_model
+from moe_model import (
+    ModelWiring,
+    attended_pairs,
+    documents_from_eos,
+    flops_per_token,
+    lm_loss_sum,
+    param_kind,
+    wire_model,
+)
 from moe_mxfp8 import refresh_weight_caches
 from moe_optim import StepStats
 from torch import nn
 
 from pretrain.build import build_model_part
 from pretrain.config import ConfigError, PretrainConfig
-from pretrain.data import BatchReader, open_data
-from pretrain.errors import PretrainError
+from pretrain.data import BatchReader, document_eos_id, open_data
+from pretrain.divergence import SkipGuard
 from pretrain.graphs import ForwardBackward, GraphedForwardBackward, MicrobatchGraphs, UnitGraphs
 from pretrain.mesh import ParallelMesh
 from pretrain.metrics import MetricsLog
@@ -76,10 +84,6 @@ from pretrain.schedule import build_schedule
 from pretrain.signals import StopRequest
 
 PEAK_FLOPS = 989e12  # dense BF16 peak of one H200: the MFU denominator peers use
-
-
-class TrainingAborted(PretrainError, RuntimeError):
-    """The run cannot continue (e.g. too many consecutive non-finite steps)."""
 
 
 class StepCheckpoints(Protocol):
@@ -132,6 +136,7 @@ class Trainer:
         t, m = cfg.train, cfg.model
         data_seed = cfg.seed if cfg.data.seed is None else cfg.data.seed
         source = open_data(cfg.data, t.seq_len, m.vocab_size, data_seed)
+        self.document_eos = document_eos_id(cfg.data)  # None: attention across documents
         self.data = BatchReader(source, data_seed, t.global_batch, t.micro_batch,
                                 mesh.dp_rank, mesh.layout.dp)
         torch.manual_seed(cfg.seed)
@@ -162,6 +167,7 @@ class Trainer:
         self.packer = StepPacker(self.part.moe_layers, m.n_moe_layers, m.n_experts, device)
         self.flops_per_token = flops_per_token(m, t.seq_len)
         self.forward_backward: ForwardBackward = self.eager_forward_backward
+        self.skips = SkipGuard(t.max_consecutive_skips)  # continued by a resume
         if t.cuda_graphs:
             if device.type != "cuda":
                 raise ConfigError(f"train.cuda_graphs needs a CUDA device, this run uses {device}")
@@ -221,26 +227,22 @@ class Trainer:
         agreed stop request, too many skipped steps in a row) and when graphs are captured
         (after a step that does not end the run: nothing would replay them)."""
         t = self.cfg.train
-        history, consecutive_skips = [], 0
+        history = []
         for step in range(start_step, t.steps + 1):
             result = self.train_step(step, stop.requested)
-            log.write(result.record)
-            history.append(result.record)
+            record = result.record
+            log.write(record)
+            history.append(record)
             reason = stop.describe() if result.stop else \
                 "train.stop_after" if step == t.stop_after else None
-            if checkpoints is not None and checkpoints.due(step, reason is not None):
+            self.skips.observe(record)  # raises TrainingAborted at the limit
+            if checkpoints is not None and checkpoints.due(step, reason is not None) \
+                    and self.skips.checkpointable(record):
                 checkpoints.save(step)
-            consecutive_skips = consecutive_skips + 1 if result.record["skipped"] else 0
-            if consecutive_skips >= t.max_consecutive_skips:
-                raise TrainingAborted(
-                    f"{consecutive_skips} consecutive steps (to step {step}) had a non-finite "
-                    f"gradient norm (loss {result.record['loss']}, grad_norm "
-                    f"{result.record['grad_norm']}); aborting (train.max_consecutive_skips); "
-                    "lower optim.lr or check the data"
-                )
             if reason is not None:
                 if self.mesh.is_logging_rank:
-                    print(f"stopping after step {step}: {reason}", flush=True)
+                    skipped = " (a skipped step: not checkpointed)" if record["skipped"] else ""
+                    log.note(f"stopping after step {step}: {reason}{skipped}")
                 break
             if step < t.steps:
                 self.capture_graphs()
@@ -312,7 +314,10 @@ class Trainer:
             sync = finish and index == len(batches) - 1
             with nullcontext() if sync else self.ddp.no_sync():
                 self._mark("forward")
-                loss = lm_loss_sum(self.model(tokens[:, :-1]), tokens[:, 1:]) * self.loss_scale
+                inputs = tokens[:, :-1]
+                documents = (None if self.document_eos is None
+                             else documents_from_eos(inputs, self.document_eos))
+                loss = lm_loss_sum(self.model(inputs, documents=documents), tokens[:, 1:]) * self.loss_scale
                 self._mark("backward")
                 loss.backward()
             loss_sum += loss.detach()
@@ -363,9 +368,21 @@ class Trainer:
             record.update(values.moe.record(every > 0 and (step == 1 or step % every == 0)))
         if self.device.type == "cuda":
             n_gpus = self.mesh.layout.world_size
-            record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (n_gpus * PEAK_FLOPS)
+            flops = self.flops_per_token if self.document_eos is None else self._masked_flops(step)
+            record["mfu"] = flops * record["tokens_per_s"] / (n_gpus * PEAK_FLOPS)
             record["peak_mem_gib"] = host[n + 2].item() / 2**30
         return StepResult(record, values.stop)
+
+    def _masked_flops(self, step: int) -> float:
+        """FLOPs per token of step ``step`` under the document mask: the attention term
+        scaled by the share of causal pairs the global batch's documents keep (read on the
+        host from the data, no device work)."""
+        t = self.cfg.train
+        ids = self.data.sequence_ids(step, 0, t.global_batch)
+        inputs = torch.from_numpy(self.data.source.read(ids)[:, :-1])
+        kept = int(attended_pairs(documents_from_eos(inputs, self.document_eos)))
+        causal = t.global_batch * t.seq_len * (t.seq_len + 1) // 2
+        return flops_per_token(self.cfg.model, t.seq_len, kept / causal)
 
     def _peak_memory_bytes(self) -> torch.Tensor:
         """The largest rank's peak allocated bytes, as a device tensor: the rank that logs

@@ -9,6 +9,7 @@ interop lives in ``moe_model.hf`` (needs the ``hf`` extra).
 
 from moe_model.config import MoEConfig
 from moe_model.dispatch import LocalDispatcher, ReportsDrops, TokenDispatcher
+from moe_model.document_attention import DocumentMask, attended_pairs, documents_from_eos
 from moe_model.experts import (
     ExpertWeightGradient,
     GroupedExperts,
@@ -16,7 +17,9 @@ from moe_model.experts import (
     resolve_backend,
 )
 from moe_model.flops import active_params, flops_per_token, total_params
+from moe_model.generate import generate, next_token
 from moe_model.init import init_weights
+from moe_model.kv_cache import KVCache
 from moe_model.loss import IGNORE_INDEX, lm_loss_sum
 from moe_model.model import Block, MoETransformer
 from moe_model.moe import CountReducer, MoELayer, attach_aux_loss
@@ -37,7 +40,9 @@ __all__ = [
     "IGNORE_INDEX",
     "Block",
     "CountReducer",
+    "DocumentMask",
     "ExpertWeightGradient",
+    "KVCache",
     "GradientSink",
     "GroupedExperts",
     "LocalDispatcher",
@@ -51,16 +56,20 @@ __all__ = [
     "TopKRouter",
     "active_params",
     "attach_aux_loss",
+    "attended_pairs",
+    "documents_from_eos",
     "dense_parameters",
     "expert_parameters",
     "expert_range",
     "flops_per_token",
+    "generate",
     "grouped_mm",
     "init_weights",
     "layer_range",
     "lm_loss_sum",
     "load_balancing_loss",
     "logical_shapes",
+    "next_token",
     "param_kind",
     "partition_",
     "resolve_backend",
