@@ -1,15 +1,15 @@
-"""FP8 kernel cases (moe_mxfp8._triton_fp8), run by test_fp8_triton_interpret.py in a child
-process with ``TRITON_INTERPRET=1`` set before Triton is imported. Prints one JSON
-object: case name -> number of mismatching elements (or an error string)."""
+"""FP8 kernel cases (moe_mxfp8._triton_fp8, _triton_swiglu), run by
+test_fp8_triton_interpret.py through ``moe_testing.run_under_triton_interpreter`` (a child
+process with ``TRITON_INTERPRET=1`` set before Triton is imported). Prints one line of
+JSON (case name -> number of mismatching elements, or an error string), then ``ok``."""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import traceback
 
-os.environ["TRITON_INTERPRET"] = "1"
+assert os.environ.get("TRITON_INTERPRET") == "1", "run by moe_testing.run_under_triton_interpreter"
 
 import torch  # noqa: E402
 from moe_mxfp8 import quantize_fp8, quantize_group_columns  # noqa: E402
@@ -102,7 +102,8 @@ def main() -> None:
             results[name] = fn()
         except Exception:  # noqa: BLE001 - reported to the parent test
             results[name] = traceback.format_exc()
-    json.dump(results, sys.stdout)
+    print(json.dumps(results))
+    print("ok")
 
 
 if __name__ == "__main__":
