@@ -27,25 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 
-def cuda_time(fn, reps: int = 3, trials: int = 5) -> float:
-    """Median seconds per call over ``trials`` batches of ``reps`` back-to-back calls."""
-    import torch
+def time_s(fn, iters: int, reps: int) -> float:
+    """Device seconds per call (``_bench.time_ms``, the host launching ahead as in a step)."""
+    from _bench import time_ms
 
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(trials):
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / reps)
-    return statistics.median(times)
+    return time_ms(fn, warmup=1, iters=iters, reps=reps, host_ahead=True) / 1e3
 
 
 def routed_offsets(kind: str, tokens: int, experts: int, top_k: int, seed: int = 0):
@@ -90,18 +78,18 @@ def bench_layers(args, routing: str) -> dict:
     results = {"max_rows_per_expert": int(torch.diff(offsets, prepend=offsets.new_zeros(1)).max())}
     for name, layer in layers.items():
         emulated = "emulated" in name
-        reps, trials = (1, 3) if emulated else (3, 5)
+        iters, reps = (1, 3) if emulated else (3, 5)
         params = [layer.w1, layer.w3, layer.w2]
-        fwd = cuda_time(lambda layer=layer: layer(rows, offsets), reps, trials)
-        step = cuda_time(lambda layer=layer, params=params: torch.autograd.grad(
-            layer(rows, offsets), [rows, *params], grad), reps, trials)
+        fwd = time_s(lambda layer=layer: layer(rows, offsets), iters, reps)
+        step = time_s(lambda layer=layer, params=params: torch.autograd.grad(
+            layer(rows, offsets), [rows, *params], grad), iters, reps)
         with torch.no_grad():
             y = layer(rows, offsets).float()
         results[name] = {"forward_ms": fwd * 1e3, "fwd_bwd_ms": step * 1e3,
                          "fwd_bwd_tflops": flops / step / 1e12,
                          "rel_error_vs_bf16": float((y - y_ref).norm() / y_ref.norm())}
         if hasattr(layer, "refresh_weight_cache"):
-            results[name]["weight_cache_refresh_ms"] = cuda_time(layer.refresh_weight_cache) * 1e3
+            results[name]["weight_cache_refresh_ms"] = time_s(layer.refresh_weight_cache, 3, 5) * 1e3
     base = results["bf16"]["fwd_bwd_ms"]
     for name in layers:
         results[name]["speedup_vs_bf16"] = base / results[name]["fwd_bwd_ms"]
@@ -143,7 +131,7 @@ def bench_gemms(args) -> dict:
     }
     results = {}
     for name, fn in cases.items():
-        seconds = cuda_time(fn, reps=5, trials=5)
+        seconds = time_s(fn, 5, 5)
         results[name] = {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12}
     return results
 
@@ -169,7 +157,7 @@ def bench_kernels(args) -> dict:
     }
     results = {}
     for name, (fn, nbytes) in cases.items():
-        seconds = cuda_time(fn, reps=10, trials=7)
+        seconds = time_s(fn, 10, 7)
         results[name] = {"ms": seconds * 1e3, "bytes": nbytes, "tb_per_s": nbytes / seconds / 1e12}
     copy = results["device copy (ceiling)"]["tb_per_s"]
     for r in results.values():
