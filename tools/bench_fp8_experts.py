@@ -19,6 +19,9 @@
 3. Quantize kernels on the dispatched rows ``[131072, 2048]`` BF16 and the gate/up weight
    ``[64, 2048, 2048]``, with a device copy of the rows measured in the same run as the
    ceiling; bandwidth counts the bytes a kernel must read and write.
+4. Unless ``--no-tile-sweep``: each quantize kernel under each launch shape of
+   ``TILE_CANDIDATES`` (``moe_mxfp8._triton_fp8._TILES``), checked bit-exact against the
+   torch reference first, so that table can be set from one run.
 Prints a table last and writes JSON. Needs a CUDA GPU (compute capability 9.x for the
 native path); ``--help`` works anywhere.
 """
@@ -29,11 +32,12 @@ import argparse
 import json
 
 
-def time_s(fn, iters: int, reps: int) -> float:
-    """Device seconds per call (``_bench.time_ms``, the host launching ahead as in a step)."""
+def time_s(fn, iters: int, reps: int, host_ahead: bool = False) -> float:
+    """Device seconds per call (``_bench.time_ms``); ``host_ahead`` for the layers, whose
+    many launches a training step issues while the device is busy."""
     from _bench import time_ms
 
-    return time_ms(fn, warmup=1, iters=iters, reps=reps, host_ahead=True) / 1e3
+    return time_ms(fn, warmup=1, iters=iters, reps=reps, host_ahead=host_ahead) / 1e3
 
 
 def routed_offsets(kind: str, tokens: int, experts: int, top_k: int, seed: int = 0):
@@ -80,9 +84,9 @@ def bench_layers(args, routing: str) -> dict:
         emulated = "emulated" in name
         iters, reps = (1, 3) if emulated else (3, 5)
         params = [layer.w1, layer.w3, layer.w2]
-        fwd = time_s(lambda layer=layer: layer(rows, offsets), iters, reps)
+        fwd = time_s(lambda layer=layer: layer(rows, offsets), iters, reps, host_ahead=True)
         step = time_s(lambda layer=layer, params=params: torch.autograd.grad(
-            layer(rows, offsets), [rows, *params], grad), iters, reps)
+            layer(rows, offsets), [rows, *params], grad), iters, reps, host_ahead=True)
         with torch.no_grad():
             y = layer(rows, offsets).float()
         results[name] = {"forward_ms": fwd * 1e3, "fwd_bwd_ms": step * 1e3,
@@ -136,6 +140,81 @@ def bench_gemms(args) -> dict:
     return results
 
 
+# Launch shapes per kernel kind of moe_mxfp8._triton_fp8 (its _TILES): BlockTile(elements,
+# warps) for the block kinds, ColumnTile(rows, cols, warps) for the per-expert columns.
+TILE_CANDIDATES = {
+    "rows": [(2048, 4), (4096, 4), (8192, 4), (8192, 8), (16384, 8), (2048, 2)],
+    "tiles": [(2048, 4), (4096, 4), (8192, 8), (16384, 8)],
+    "blocks": [(16384, 4), (16384, 8), (16384, 16)],
+    "group_columns": [(64, 64, 4), (32, 64, 4), (64, 128, 4), (128, 64, 8), (64, 32, 2),
+                      (128, 128, 8)],
+}
+
+
+def sweep_tiles(args) -> dict:
+    import torch
+    from moe_mxfp8 import _triton_fp8, quantize_fp8, quantize_group_columns
+
+    rows_n = args.tokens * args.top_k
+    x = torch.randn(rows_n, args.d_model, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(args.experts, 2 * args.hidden, args.d_model, device="cuda", dtype=torch.bfloat16)
+    offsets = routed_offsets("zipf", args.tokens, args.experts, args.top_k)
+    n, nw = x.numel(), w.numel()
+    out = torch.empty_like(x)
+    copy = 4 * n / time_s(lambda: out.copy_(x), 10, 7)
+
+    def blocks(t, block, pow2, backend="auto"):
+        q = quantize_fp8(t, block, pow2, backend=backend)
+        return [q.data.view(torch.uint8), q.scale]
+
+    def columns(t, backend="auto"):
+        data_t, scale, ends = quantize_group_columns(t, offsets[-8:] - offsets[-9], True, backend)
+        return [data_t[:, :int(ends[-1])].view(torch.uint8), scale]
+
+    head = x[:4096]
+    tail = x[int(offsets[-9]):int(offsets[-1])]  # the last 8 experts' rows, for the check
+    work = {
+        "rows": (lambda t, b="auto": blocks(t, (1, 0), True, b), x, head, 3 * n + 4 * rows_n),
+        "tiles": (lambda t, b="auto": blocks(t, (1, 128), False, b), x, head, 3 * n + n // 32),
+        "blocks": (lambda t, b="auto": blocks(t, (128, 128), False, b), w, w[:2], 3 * nw),
+        "group_columns": (None, x, tail, 3 * n + 4 * args.experts * args.d_model),
+    }
+    default = dict(_triton_fp8._TILES)
+    results = {"copy_tb_per_s": copy / 1e12}
+    try:
+        for kind, candidates in TILE_CANDIDATES.items():
+            fn, full, sample, nbytes = work[kind]
+
+            def check(kind=kind, fn=fn, sample=sample):
+                return ((columns(sample), columns(sample, "torch")) if kind == "group_columns"
+                        else (fn(sample), fn(sample, "torch")))
+
+            def timed(kind=kind, fn=fn, full=full):
+                return (quantize_group_columns(full, offsets, True) if kind == "group_columns"
+                        else fn(full))
+
+            for cand in candidates:
+                tile = (_triton_fp8.ColumnTile if kind == "group_columns" else _triton_fp8.BlockTile)(*cand)
+                entry = {"tile": list(cand), "default": tile == default[kind]}
+                _triton_fp8._TILES[kind] = tile  # what the launchers read at every call
+                try:
+                    got, ref = check()
+                    bad = sum(int((g.view(torch.uint8) != r.view(torch.uint8)).sum())
+                              for g, r in zip(got, ref, strict=True))
+                    if bad:
+                        entry["error"] = f"{bad} bytes differ from the torch reference"
+                    else:
+                        rate = nbytes / time_s(timed, 10, 5)
+                        entry.update(tb_per_s=rate / 1e12, fraction_of_copy=rate / copy)
+                except Exception as e:  # noqa: BLE001 - a candidate that fails is reported
+                    entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                results[f"{kind} {cand}"] = entry
+            _triton_fp8._TILES[kind] = default[kind]
+    finally:
+        _triton_fp8._TILES.update(default)
+    return results
+
+
 def bench_kernels(args) -> dict:
     import torch
     from moe_mxfp8 import quantize_fp8, quantize_group_columns
@@ -176,6 +255,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--routing", default="balanced,zipf", help="comma-separated: balanced, zipf")
+    ap.add_argument("--no-tile-sweep", dest="tile_sweep", action="store_false",
+                    help="skip measuring the quantize kernels' launch-shape candidates")
     ap.add_argument("--no-blockwise", dest="blockwise", action="store_false",
                     help="skip the emulated fp8_blockwise layer (FP32 matmuls, the slowest part)")
     args = ap.parse_args()
@@ -188,10 +269,11 @@ def main() -> None:
     if not fp8_native_available(torch.device("cuda")):
         raise SystemExit("bench_fp8_experts needs torch._scaled_grouped_mm on compute capability 9.x")
     kernels = bench_kernels(args)
+    tiles = sweep_tiles(args) if args.tile_sweep else None
     gemms = bench_gemms(args)
     layers = {kind: bench_layers(args, kind) for kind in args.routing.split(",")}
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "shape": vars(args), "kernels": kernels, "gemms": gemms, "experts": layers}
+              "shape": vars(args), "kernels": kernels, "tile_sweep": tiles, "gemms": gemms, "experts": layers}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 
@@ -200,6 +282,14 @@ def main() -> None:
     print(f"{'kernel':40s} {'ms':>8s} {'TB/s':>7s} {'of copy':>8s}")
     for name, r in kernels.items():
         print(f"{name:40s} {r['ms']:8.3f} {r['tb_per_s']:7.2f} {r['fraction_of_copy']:8.0%}")
+    if tiles is not None:
+        print(f"\n{'launch shape (sweep)':40s} {'TB/s':>7s} {'of copy':>8s}")
+        for name, r in tiles.items():
+            if isinstance(r, dict):
+                mark = " *" if r["default"] else ""
+                rate = (f"{r['tb_per_s']:7.2f} {r['fraction_of_copy']:8.0%}" if "error" not in r
+                        else r["error"][:60])
+                print(f"{name + mark:40s} {rate}")
     print(f"\n{'grouped GEMM (gate/up shapes, balanced)':42s} {'ms':>8s} {'TFLOP/s':>8s}")
     for name, r in gemms.items():
         print(f"{name:42s} {r['ms']:8.3f} {r['tflops']:8.0f}")

@@ -56,6 +56,32 @@ def cases():
                         + int(not torch.equal(et, er)))
 
             yield f"group_columns/{dname}/pow2={pow2}", group
+    def small_tiles():
+        """Launch shapes other than the defaults: several rows per program cut by M, column
+        tiles cut by N and groups longer than one row tile."""
+        from moe_mxfp8 import _triton_fp8 as k
+
+        saved = dict(k._TILES)
+        k._TILES.update(rows=k.BlockTile(256, 1), tiles=k.BlockTile(512, 2),
+                        blocks=k.BlockTile(128 * 128, 4), group_columns=k.ColumnTile(16, 32, 1))
+        try:
+            total = 0
+            for shape, block in (((37, 77), (1, 0)), ((40, 300), (1, 128)),
+                                 ((130, 200), (128, 128))):
+                x = sample(shape, torch.bfloat16, seed=5)
+                got, ref = (quantize_fp8(x, block, True, backend=b) for b in ("triton", "torch"))
+                total += mismatches(got.data, ref.data) + mismatches(got.scale, ref.scale)
+            x = sample((70, 100), torch.float32, seed=6)
+            offsets = torch.tensor(OFFSETS, dtype=torch.int32)
+            (dt, st, _), (dr, sr, er) = (quantize_group_columns(x, offsets, True, backend=b)
+                                         for b in ("triton", "torch"))
+            used = int(er[-1])
+            return total + mismatches(dt[:, :used], dr[:, :used]) + mismatches(st, sr)
+        finally:
+            k._TILES.clear()
+            k._TILES.update(saved)
+
+    yield "small_tiles", small_tiles
     for dname, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
         def fused_swiglu(dtype=dtype):
             """Elements beyond FP32 rounding of exp (plus one output rounding) apart."""

@@ -29,7 +29,8 @@ def _case_names() -> list[str]:
             names += [f"quantize/{name}/{dname}/pow2={p}" for p in (True, False)]
     for dname in ("f32", "bf16", "f16"):
         names += [f"group_columns/{dname}/pow2={p}" for p in (True, False)]
-    return names + [f"{k}/{d}" for k in ("swiglu", "swiglu_quantized") for d in ("f32", "bf16")]
+    return names + ["small_tiles"] + [f"{k}/{d}" for k in ("swiglu", "swiglu_quantized")
+                                      for d in ("f32", "bf16")]
 
 
 @pytest.mark.interpreter

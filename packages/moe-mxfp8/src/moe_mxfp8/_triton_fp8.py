@@ -23,6 +23,7 @@ would skip that rounding; it matters for non-power-of-two scales).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -118,6 +119,38 @@ def _group_columns_kernel(
 _CONSTS = dict(EPS_BITS=_EPS_BITS, SCALE_AT_EPS=_SCALE_AT_EPS)
 
 
+@dataclass(frozen=True)
+class BlockTile:
+    """Launch shape of ``quantize_blocks``: about ``elements`` per program (whole rows of
+    one scale block; a 128x128 block is one program whatever ``elements``), ``warps``."""
+
+    elements: int
+    warps: int
+
+
+@dataclass(frozen=True)
+class ColumnTile:
+    """Launch shape of ``quantize_group_columns_t``: ``rows`` x ``cols`` tiles, ``warps``."""
+
+    rows: int
+    cols: int
+    warps: int
+
+
+# Untuned first choices (no GPU measurement yet): tools/bench_fp8_experts.py measures the
+# candidates of its TILE_CANDIDATES on the bench shapes, each checked bit-exact first.
+_TILES: dict[str, BlockTile | ColumnTile] = {
+    "rows": BlockTile(4096, 4),  # one scale per row
+    "tiles": BlockTile(4096, 4),  # 1x128
+    "blocks": BlockTile(128 * 128, 8),  # 128x128
+    "group_columns": ColumnTile(64, 64, 4),
+}
+
+
+def _block_kind(block: tuple[int, int]) -> str:
+    return "blocks" if block[0] > 1 else "rows" if block[1] == 0 else "tiles"
+
+
 def quantize_blocks(x: torch.Tensor, block: tuple[int, int], pow2: bool
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., M, N]`` -> (E4M3 data, FP32 scales ``[..., ceil(M/bm), ceil(N/bn)]``)."""
@@ -130,15 +163,16 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], pow2: bool
     scale = torch.empty(*x.shape[:-2], -(-M // bm), n_cols, dtype=torch.float32, device=x.device)
     if x.numel() == 0:
         return data.view(torch.float8_e4m3fn), scale.fill_(_SCALE_AT_EPS if M and not N else 0)
+    tile = _TILES[_block_kind(block)]
     width = bn or triton.next_power_of_2(N)
-    rows = bm if bm > 1 else max(1, min(64, 4096 // width))
+    rows = bm if bm > 1 else max(1, tile.elements // width)
     x3, d3, s3 = (t.reshape(B, t.shape[-2], t.shape[-1]) for t in (_bits_view(x), data, scale))
     grid = (triton.cdiv(M, rows), n_cols, B)
     _quantize_blocks_kernel[grid](
         x3, x3.stride(0), x3.stride(1), d3, d3.stride(0), d3.stride(1),
         s3, s3.stride(0), s3.stride(1), M, N,
         ROWS=rows, BN=width, SQUARE=bm > 1, POW2=pow2, IN_BF16=x.dtype == torch.bfloat16,
-        num_warps=8 if bm > 1 else 4, enable_fp_fusion=False, **_CONSTS,
+        num_warps=tile.warps, enable_fp_fusion=False, **_CONSTS,
     )
     return data.view(torch.float8_e4m3fn), scale
 
@@ -152,10 +186,10 @@ def quantize_group_columns_t(x: torch.Tensor, offsets: torch.Tensor, padded_ends
     data_t = torch.empty(N, width, dtype=torch.uint8, device=x.device)
     scale = torch.empty(E, N, dtype=torch.float32, device=x.device)
     if N and E:
-        BN = 64
-        _group_columns_kernel[(triton.cdiv(N, BN), E)](
+        tile = _TILES["group_columns"]
+        _group_columns_kernel[(triton.cdiv(N, tile.cols), E)](
             _bits_view(x), x.stride(0), offsets, padded_ends, data_t, data_t.stride(0), scale, N,
-            BR=64, BN=BN, POW2=pow2, IN_BF16=x.dtype == torch.bfloat16,
-            num_warps=4, enable_fp_fusion=False, **_CONSTS,
+            BR=tile.rows, BN=tile.cols, POW2=pow2, IN_BF16=x.dtype == torch.bfloat16,
+            num_warps=tile.warps, enable_fp_fusion=False, **_CONSTS,
         )
     return data_t.view(torch.float8_e4m3fn), scale
