@@ -256,3 +256,62 @@ def test_bad_recipe_settings_are_refused_with_the_field():
         layer(torch.randn(4, 32), torch.tensor([2, 4], dtype=torch.int32))
     with pytest.raises(ValueError, match="group_offsets must be int32"):
         layer(torch.randn(4, 32), torch.tensor([2, 4]))
+
+
+def stand_in_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtype=None,
+                               use_fast_accum=False):
+    """``torch._scaled_grouped_mm``'s contract on CPU (rowwise FP32 scales; torch's meta
+    checks and the sm_90 kernel's group-alignment asserts), for checking the arguments the
+    native path builds without a GPU."""
+    assert mat_a.dtype == mat_b.dtype == torch.float8_e4m3fn
+    assert mat_a.stride(-1) == 1 and mat_a.stride(-2) > 1, "mat_a must be row-major"
+    assert mat_b.stride(-2) == 1 and mat_b.stride(-1) > 1, "mat_b must be column-major"
+    assert scale_a.dtype == scale_b.dtype == torch.float32 and scale_a.is_contiguous()
+    assert out_dtype == torch.bfloat16 and offs.dtype == torch.int32 and not use_fast_accum
+    a, b = mat_a.float(), mat_b.float()
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    if mat_a.dim() == 2 and mat_b.dim() == 3:  # rows grouped: [R, K] x [E, K, N]
+        assert a.shape[1] % 16 == 0 and b.shape[2] % 16 == 0 and b.shape[0] == len(ends)
+        assert scale_a.shape == (a.shape[0],) and scale_b.shape == (b.shape[0], b.shape[2])
+        out = torch.zeros(a.shape[0], b.shape[2])
+        for e, (s, t) in enumerate(zip(starts, ends, strict=True)):
+            out[s:t] = (a[s:t] * scale_a[s:t, None]) @ (b[e] * scale_b[e][None, :])
+        return out.to(out_dtype)
+    assert mat_a.dim() == mat_b.dim() == 2  # reduction grouped: [M, T] x [T, N] -> [E, M, N]
+    M, N, G = a.shape[0], b.shape[1], len(ends)
+    assert mat_a.stride(0) % 16 == 0 and mat_b.stride(1) % 16 == 0
+    assert all(s % 16 == 0 for s in starts), "each group must start 16-byte aligned"
+    assert ends[-1] <= a.shape[1] and scale_a.shape == (M * G,) and scale_b.shape == (N * G,)
+    out = torch.zeros(G, M, N)
+    for e, (s, t) in enumerate(zip(starts, ends, strict=True)):
+        out[e] = ((a[:, s:t] * scale_a[e * M:(e + 1) * M, None])
+                  @ (b[s:t] * scale_b[e * N:(e + 1) * N][None, :]))
+    return out.to(out_dtype)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
+def test_native_path_arguments_against_a_stand_in_gemm(recipe, monkeypatch):
+    """The native path's operands, transposes, scales and padded offsets, through a CPU
+    stand-in for torch._scaled_grouped_mm: equal to the emulation up to accumulation order."""
+    import moe_mxfp8.fp8_experts as fp8_experts
+
+    experts = ToyExperts(5, 64, 48)
+    for p in experts.parameters():
+        p.data = p.data.bfloat16()
+    emulated = FP8GroupedExperts.from_module(experts, recipe)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", stand_in_scaled_grouped_mm, raising=False)
+    monkeypatch.setattr(fp8_experts, "fp8_native_available", lambda device: True)
+    native = FP8GroupedExperts.from_module(experts, recipe, gemm="native")
+    offsets = torch.tensor([7, 7, 30, 31, 50], dtype=torch.int32)  # uneven, an empty expert
+    g = torch.Generator().manual_seed(7)
+    rows = torch.randn(53, 64, generator=g).bfloat16().requires_grad_()  # 3 padding rows
+    dy = torch.randn(53, 64, generator=g).bfloat16()
+    outs = []
+    for layer in (native, emulated):
+        y = layer(rows, offsets)
+        outs.append((y[:50], *torch.autograd.grad(y, [rows, *experts.parameters()], dy)))
+    for got, want in zip(*outs, strict=True):
+        got = got[:50] if got.shape == rows.shape else got
+        want = want[:50] if want.shape == rows.shape else want
+        torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-4)
