@@ -151,7 +151,10 @@ class _FP8ExpertsFn(torch.autograd.Function):
             drows = fp8_grouped_mm(dh13_q, ctx.w13_cols, offsets_E, dtype, native)
         else:
             dh13_R2F = swiglu_backward(h13_R2F, dh_RF, dtype)
-        wanted = [ctx.needs_input_grad[2 + i] and (route is None or torch._C._will_engine_execute_node(route[1]))
+        # a weight's gradient is computed where autograd wants it back, or where its sink
+        # takes it in a backward that runs the weight's node (not a pipeline's input pass)
+        wanted = [ctx.needs_input_grad[2 + i]
+                  and (route is None or torch._C._will_engine_execute_node(route[1]))
                   for i, route in enumerate(ctx.routes)]
         grads: list[torch.Tensor | None] = [None, None, None]
         if wanted[0] or wanted[1]:
@@ -164,8 +167,7 @@ class _FP8ExpertsFn(torch.autograd.Function):
         for param, grad, route, want in zip(ctx.params, grads, ctx.routes, wanted, strict=True):
             if want and route is not None:
                 route[0].add_gradient(param, _AddGradient(grad))
-                grad = None
-            returned.append(grad.to(param.dtype) if grad is not None else None)
+            returned.append(grad.to(param.dtype) if want and route is None else None)
         return drows, None, *returned, None, None, None
 
 
