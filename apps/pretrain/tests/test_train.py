@@ -516,3 +516,23 @@ def test_fp8_experts_take_the_gradient_sink_and_match_autograd(tmp_path):
     with_sink, without = grads
     for name, want in without.items():
         torch.testing.assert_close(with_sink[name], want, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_closed_trainer_is_freed_without_a_gc_pass(tmp_path):
+    """No reference cycle through the trainer: its memory (GPU memory on a GPU) goes when
+    the last reference does, not at some later garbage collection."""
+    import gc
+    import weakref
+    cfg = load_config("tiny", [f"run_dir={tmp_path}"])
+    with distributed("cpu"):
+        gc.collect()
+        gc.disable()
+        try:
+            trainer = _trainer(cfg)
+            trainer.train_step(1)
+            trainer.close()
+            alive = weakref.ref(trainer)
+            del trainer
+            assert alive() is None
+        finally:
+            gc.enable()

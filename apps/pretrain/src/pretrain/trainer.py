@@ -74,7 +74,7 @@ from pretrain.build import build_model_part
 from pretrain.config import ConfigError, PretrainConfig
 from pretrain.data import BatchReader, document_eos_id, open_data
 from pretrain.divergence import SkipGuard
-from pretrain.graphs import ForwardBackward, GraphedForwardBackward, MicrobatchGraphs, UnitGraphs
+from pretrain.graphs import GraphedForwardBackward, MicrobatchGraphs, UnitGraphs
 from pretrain.mesh import ParallelMesh
 from pretrain.metrics import MetricsLog
 from pretrain.moe_stats import StepPacker
@@ -151,7 +151,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.ddp, cfg.optim, m.n_experts,
                                          mesh.expert_range(m.n_experts).start, device)
         if self.part.mxfp8_layers:
-            self.optimizer.register_weights_updated_hook(lambda: refresh_weight_caches(self.model))
+            model = self.model  # (not self: the optimizer would hold the trainer)
+            self.optimizer.register_weights_updated_hook(lambda: refresh_weight_caches(model))
             refresh_weight_caches(self.model)
         self.tokens_per_step = t.global_batch * t.seq_len  # = target tokens of the global batch
         self.loss_scale = 1.0 / self.tokens_per_step
@@ -166,7 +167,9 @@ class Trainer:
         self.schedule = build_schedule(cfg.optim, t.steps)
         self.packer = StepPacker(self.part.moe_layers, m.n_moe_layers, m.n_experts, device)
         self.flops_per_token = flops_per_token(m, t.seq_len)
-        self.forward_backward: ForwardBackward = self.eager_forward_backward
+        # set by enable_graphs; no bound method of the trainer is kept on it otherwise (a
+        # reference cycle would keep a closed trainer's GPU memory until a gc pass)
+        self._graphs: GraphedForwardBackward | None = None
         self.skips = SkipGuard(t.max_consecutive_skips)  # continued by a resume
         if t.cuda_graphs:
             if device.type != "cuda":
@@ -182,7 +185,7 @@ class Trainer:
                 self.model, self.data.n_microbatches, self.cfg.parallel.merge_expert_grad_microbatches,
                 self.packer.n_slots * self.packer.width, self.device)
         transport = self.part.transport
-        self.forward_backward = GraphedForwardBackward(
+        self._graphs = GraphedForwardBackward(
             self.eager_forward_backward, self.unit_work, self.host_batches, new_graphs,
             (self.cfg.train.micro_batch, self.cfg.train.seq_len + 1), after_capture=self.ddp.zero_grad,
             mark=self._mark, unit_scope=nullcontext if transport is None else transport.replayable)
@@ -190,8 +193,14 @@ class Trainer:
     @property
     def graphs(self) -> GraphedForwardBackward | None:
         """The graphed forward and backward, if this trainer replays CUDA graphs."""
-        fb = self.forward_backward
-        return fb if isinstance(fb, GraphedForwardBackward) else None
+        return self._graphs
+
+    def forward_backward(self, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The step's forward and backward over this rank's microbatches, gradients synced:
+        replayed from CUDA graphs once captured (``enable_graphs``), else eagerly."""
+        if self._graphs is not None:
+            return self._graphs(step)
+        return self.eager_forward_backward(step)
 
     def capture_graphs(self) -> None:
         """Capture the step's forward and backward (after at least one step; a no-op
@@ -214,9 +223,10 @@ class Trainer:
     def close(self) -> None:
         """Release the EP transport (collective) and detach the gradient hooks."""
         self.part.close()
-        wire_model(self.model, ModelWiring())
+        self.wiring = ModelWiring()  # (the count reducer is a bound method of the trainer)
+        wire_model(self.model, self.wiring)
         self.ddp.close()
-        self.forward_backward = self.eager_forward_backward
+        self._graphs = None  # (it holds the trainer's bound methods)
 
     # -- the loop ------------------------------------------------------------------
 
