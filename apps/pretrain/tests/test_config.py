@@ -212,12 +212,24 @@ def test_mxfp8_targets_round_trip(tmp_path):
 @pytest.mark.parametrize(("overrides", "message"), [
     (["parallel.merge_expert_grad_microbatches=5"], "must be 1 to 4"),
     (["parallel.merge_expert_grad_microbatches=0"], "must be positive"),
-    (["parallel.merge_expert_grad_microbatches=2", "parallel.fuse_expert_grad_accumulation=false"],
-     "needs parallel.fuse_expert_grad_accumulation"),
+    (["parallel.merge_expert_grad_microbatches=2", "parallel.fuse_grad_accumulation=false"],
+     "needs parallel.fuse_grad_accumulation"),
 ])
 def test_merged_expert_grads_need_the_fused_path_and_at_most_four(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("tiny", overrides).validate()
+
+
+def test_a_renamed_key_is_refused_naming_its_new_key(tmp_path):
+    message = ("config key 'parallel.fuse_expert_grad_accumulation' was renamed "
+               "'parallel.fuse_grad_accumulation'; set that instead")
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        load_config("tiny", ["parallel.fuse_expert_grad_accumulation=false"])
+    path = tmp_path / "run.toml"
+    path.write_text("[parallel]\nfuse_expert_grad_accumulation = false\n")
+    with pytest.raises(ConfigError, match=f"run.toml: {message}$"):
+        load_config(str(path))
+    assert not load_config("tiny", ["parallel.fuse_grad_accumulation=false"]).parallel.fuse_grad_accumulation
 
 
 @pytest.mark.parametrize("text", ["runs/\U0001F680-launch", 'a "quoted" \\ path', "tab\tnew\nline\x7f\x01 caf\u00e9"])
