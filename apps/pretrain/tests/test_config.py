@@ -220,6 +220,23 @@ def test_merged_expert_grads_need_the_fused_path_and_at_most_four(overrides, mes
         load_config("tiny", overrides).validate()
 
 
+@pytest.mark.parametrize(("key", "choices"), [
+    ("model.router_score", "softmax, sigmoid"),
+    ("model.lb_loss_granularity", "microbatch, global_batch"),
+    ("model.recompute", "none, block, selective"),
+    ("model.grouped_mm_backend", "auto, grouped_mm, triton, loop"),
+    ("model.attention_backend", "auto, cudnn, flash"),
+])
+def test_a_package_literal_field_refuses_a_bad_value_listing_its_choices(key, choices):
+    """Package-owned enum-like fields are typed Literal: the app's coercion names the
+    choices (one line, before the package's own validation) and the reference lists them."""
+    with pytest.raises(ConfigError, match=f"^{key} expects one of {choices}, got 'bogus'$"):
+        load_config("tiny", [f"{key}=bogus"])
+    line = next(ln for ln in config_toml(load_config("tiny")).splitlines()
+                if ln.startswith(key.split(".")[1] + " = "))
+    assert choices.replace(", ", " | ") in line
+
+
 def test_a_renamed_key_is_refused_naming_its_new_key(tmp_path):
     message = ("config key 'parallel.fuse_expert_grad_accumulation' was renamed "
                "'parallel.fuse_grad_accumulation'; set that instead")
