@@ -1,6 +1,7 @@
 """Can expert parallelism hide its token transport behind the expert GEMMs? (two GPUs)
 
     tools/from_source.sh torchrun --nproc-per-node 2 tools/bench_ep_overlap.py --out $OUT/ep_overlap.json
+    tools/from_source.sh torchrun --nproc-per-node 2 tools/bench_ep_overlap.py --graphs --out $OUT/ep_overlap_graphs.json
 
 One MoE layer's forward at the bench-2gpu shape (8k tokens per rank, d_model 2048,
 64 experts over two ranks, top-8, expert hidden 1024, the rowwise NVSHMEM transport),
@@ -15,6 +16,11 @@ no autograd, eager mode as training runs it:
   high-priority stream while chunk ``c``'s experts run): the schedule a
   dispatch/compute overlap would use, timed end to end. ``comm`` and ``comp`` are the
   transport and the expert GEMMs alone.
+
+With ``--graphs`` every device time comes from a CUDA graph of the variant (captured
+inside the transport's ``replayable()``, so replays alternate its slabs): no launch gap
+is left in them, only the device's own costs (per-chunk plans and barriers, SMs shared
+by the puts and the GEMMs). The host time stays that of eager calls.
 
 The table prints each variant against the unsplit sequential layer (today's schedule).
 """
@@ -46,9 +52,25 @@ def host_ms(fn: Callable[[], object], iters: int = 4) -> float:
     return device_and_host_ms(fn, iters, 3, host_ahead=True)[1]
 
 
+def replayed(fn: Callable[[], object], transport) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph (after a warm-up call on a side stream); its replay."""
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        fn()
+    torch.cuda.current_stream().wait_stream(warm)
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"), transport.replayable():
+        fn()
+    return graph.replay
+
+
 def measure(n: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: GroupedExperts,
-            side: torch.cuda.Stream, device: torch.device) -> dict[str, float]:
-    """The variants of one layer forward split into ``n`` token chunks."""
+            side: torch.cuda.Stream, device: torch.device, graphs: bool = False) -> dict[str, float]:
+    """The variants of one layer forward split into ``n`` token chunks (device times from
+    CUDA graphs with ``graphs``)."""
     T = x.shape[0]
     cfg = EPConfig(E, K, T // n, D)
     transport = make_transport("rowwise", cfg, device=device)
@@ -93,9 +115,12 @@ def measure(n: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts
                 ep.combine(out, wc, handle)
         main_stream.wait_stream(side)
 
-    row = {"chunks": n, "comm_ms": device_ms(comm), "comm_host_ms": host_ms(comm),
-           "comp_ms": device_ms(comp), "sequential_ms": device_ms(sequential),
-           "pipelined_ms": device_ms(pipelined)}
+    def timed(fn: Callable[[], object]) -> float:
+        return device_ms(replayed(fn, transport) if graphs else fn)
+
+    row = {"chunks": n, "graphs": graphs, "comm_ms": timed(comm), "comm_host_ms": host_ms(comm),
+           "comp_ms": timed(comp), "sequential_ms": timed(sequential),
+           "pipelined_ms": timed(pipelined)}
     transport.close()
     return row
 
@@ -105,6 +130,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     parser.add_argument("--chunks", default="1,2,4")
+    parser.add_argument("--graphs", action="store_true", help="device times from CUDA graph replays")
     args = parser.parse_args()
     device = init_nccl()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -122,14 +148,15 @@ def main() -> None:
     side = torch.cuda.Stream(priority=-1)
     results = []
     for n in (int(c) for c in args.chunks.split(",")):
-        results.append(measure(n, x, ids, w, experts, side, device))
+        results.append(measure(n, x, ids, w, experts, side, device, args.graphs))
         if rank == 0:
             print(json.dumps(results[-1]), flush=True)
     if rank == 0:
         base = results[0]["sequential_ms"]
         Path(args.out).write_text(json.dumps({"tokens_per_rank": T, "ranks": world, "results": results},
                                              indent=1))
-        print(f"\nms per MoE layer forward, {T} tokens per rank, {world} ranks (slower rank)")
+        how = "from CUDA graphs" if args.graphs else "eager, host ahead"
+        print(f"\nms per MoE layer forward, {T} tokens per rank, {world} ranks (slower rank, {how})")
         print("| chunks | transport (device) | transport (host) | experts | sequential | pipelined "
               "| pipelined vs unsplit |")
         print("|---|---|---|---|---|---|---|")

@@ -149,7 +149,7 @@ def _barrier_time(transport, iters: int) -> tuple[float, float]:
 def _moved_bytes(dispatcher: EPDispatcher, remote: int, pairs: int, row_bytes: int, rows_out: int) -> int:
     """Bytes one rank sends to the other rank in a dispatch + combine of this backend."""
     cfg, transport = dispatcher.cfg, dispatcher.transport
-    dedup = getattr(transport, "sends_tokens_once", lambda _: False)(row_bytes)
+    dedup = getattr(transport, "sends_tokens_once", False)
     there = (pairs if dedup else remote) * row_bytes
     if not dispatcher.sums_at_destination(torch.bfloat16, torch.float32):
         return there + rows_out * row_bytes

@@ -46,8 +46,8 @@ the replay (the replay is the step's first phase), so it is not comparable with 
 run's lead, which includes the marks between the microbatches.
 
 CUDA graphs per method: where the method's layout refuses ``train.cuda_graphs``
-(``pretrain.config``: expert or pipeline parallelism, MXFP8, more than one
-data-parallel rank) the method runs eagerly, with a printed note, and the FSDP2
+(``pretrain.config``: pipeline parallelism, the all_to_all EP transport, MXFP8 layers)
+the method runs eagerly, with a printed note, and the FSDP2
 baseline always runs eagerly; every row records ``cuda_graphs`` (the table's
 "graphs" column; ``cuda_graphs_off``: why the benchmark turned them off), so a
 comparison never mixes graph-replayed and eager runs unseen. The JSON holds every

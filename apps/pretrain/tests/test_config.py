@@ -150,8 +150,9 @@ def test_toml_file_errors_name_the_key(tmp_path):
     (["train.cuda_graphs=true", "parallel.pp=2"], "train.cuda_graphs is not supported with parallel.pp=2"),
     (["train.cuda_graphs=true", "parallel.ep=2"],
      "train.cuda_graphs is not supported with parallel.ep=2 / ep_backend=auto"),
-    (["train.cuda_graphs=true", "parallel.ep_backend=rowwise"],
-     "train.cuda_graphs is not supported with parallel.ep=1 / ep_backend=rowwise"),
+    (["train.cuda_graphs=true", "parallel.ep=2", "parallel.ep_backend=all_to_all"],
+     "train.cuda_graphs is not supported with parallel.ep=2 / ep_backend=all_to_all: the "
+     "all_to_all transport reads its split sizes on the host"),
     (["train.cuda_graphs=true", "mxfp8.targets=experts"],
      "train.cuda_graphs is not supported with mxfp8.targets"),
     (["train.cuda_graphs=true", "train.device=cpu"],
@@ -180,7 +181,6 @@ def test_recompute_is_refused_only_under_a_zero_bubble_pipeline(overrides):
     (2, ["train.global_batch=6", "train.micro_batch=2"],
      "train.global_batch=6 is not divisible by data-parallel size 2 x train.micro_batch=2"),
     (4, ["parallel.pp=4"], "model.n_layers=2 is fewer than the 4 pipeline stages"),
-    (2, ["train.cuda_graphs=true"], "train.cuda_graphs is not supported with 2 data-parallel ranks"),
     (2, ["parallel.pp=2", "parallel.pp_virtual_stages=2", "model.n_layers=4",
          "train.global_batch=6"],
      "parallel.pp_virtual_stages=2 needs the microbatches per rank (3 = train.global_batch"),
@@ -190,6 +190,19 @@ def test_impossible_layouts(world, overrides, message):
     with pytest.raises(ConfigError) as e:
         validate_layout(cfg, world)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("ddp_mode", ["all_reduce", "reduce_scatter"])
+def test_cuda_graphs_take_several_data_parallel_ranks(ddp_mode):
+    # The gradient reductions (and the balancing counts' all-reduce) run inside the graphs.
+    cfg = load_config("tiny", ["train.cuda_graphs=true", f"parallel.ddp_mode={ddp_mode}",
+                               "train.global_batch=8"])
+    assert validate_layout(cfg, 4).dp == 4
+
+
+def test_cuda_graphs_take_expert_parallelism_on_the_rowwise_transport():
+    cfg = load_config("tiny", ["train.cuda_graphs=true", "parallel.ep=2", "parallel.ep_backend=rowwise"])
+    assert validate_layout(cfg, 4).ep_dp == 2
 
 
 def test_layout_derives_dp_and_ep_dp():

@@ -230,3 +230,49 @@ def test_phase_timer_host_lead_tells_host_bound_from_device_bound():
     torch.cuda.synchronize()
     timer.collect()
     assert abs(timer.min_host_lead_s) < 0.005
+
+
+def _two_ranks_steps(overrides: list[str]) -> tuple:
+    keys = ("loss", "grad_norm", "lb_loss", "z_loss", "expert_load")
+    records, params = _train_steps(overrides, 6)
+    return [tuple(r[k] for k in keys) for r in records], params
+
+
+EP2 = ["parallel.ep=2", "parallel.ep_backend=rowwise"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.multigpu(2)
+@pytest.mark.parametrize("extra", [
+    ["parallel.ddp_mode=all_reduce"], ["parallel.ddp_mode=reduce_scatter"],
+    EP2, [*EP2, "parallel.ep_combine=destination"], [*EP2, "model.n_layers=1"],
+    [*EP2, "model.recompute=block"],
+], ids=["dp2-all-reduce", "dp2-reduce-scatter", "ep2", "ep2-dst", "ep2-one-layer", "ep2-recompute"])
+def test_steps_replayed_from_cuda_graphs_on_two_ranks_equal_eager_steps(extra):
+    """Five microbatches per rank (two middle units, a last one holding the gradient
+    reductions over NCCL), the balancing counts all-reduced in every forward; with EP2 the
+    NVSHMEM puts and flag barriers in every unit (one MoE layer: units of an odd number of
+    exchanges, rounded up; recompute: the dispatches run again in the backward). The same losses, norms, loads and weights as eager steps, bit
+    for bit (a sum of two is exact in any order)."""
+    common = [*NO_SYNC, "train.global_batch=20", "parallel.merge_expert_grad_microbatches=2", *extra]
+    # one process per run: a process joins one NVSHMEM job
+    eager_runs = run_distributed(_two_ranks_steps, 2, common, backend="nccl", timeout=300)
+    graphed_runs = run_distributed(_two_ranks_steps, 2, [*common, "train.cuda_graphs=true"],
+                                   backend="nccl", timeout=300)
+    for (eager, eager_params), (graphed, graphed_params) in zip(eager_runs, graphed_runs, strict=True):
+        assert graphed == eager
+        for name, ref in eager_params.items():
+            assert torch.equal(graphed_params[name], ref), name
+        assert graphed[-1][0] < graphed[0][0]
+
+
+def _two_ranks_graphed_syncs(extra: list[str]) -> list[str]:
+    return _steady_state_step_syncs([*NO_SYNC, "train.cuda_graphs=true", "train.global_batch=12",
+                                     "parallel.merge_expert_grad_microbatches=2", *extra])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.multigpu(2)
+@pytest.mark.parametrize("extra", [[], EP2], ids=["dp2", "ep2"])
+def test_a_step_replayed_from_cuda_graphs_on_two_ranks_does_not_sync_the_host(extra):
+    assert run_distributed(_two_ranks_graphed_syncs, 2, extra, backend="nccl", timeout=300) == [[], []]

@@ -192,3 +192,96 @@ def test_graph_units_on_two_data_parallel_ranks_train_like_eager_steps():
         assert replayed == eager
         for name, ref in eager_weights.items():
             assert torch.equal(weights[name], ref), name
+
+
+def _capture_then_fall_back_on_two_ranks() -> tuple:
+    """Eager steps, then the same steps captured after the first and, the model changed on
+    every rank after the capture, run eagerly again: both ranks leave the graphs together."""
+    overrides = ["train.global_batch=12", "parallel.merge_expert_grad_microbatches=2",
+                 "parallel.ddp_mode=all_reduce"]
+    eager, eager_weights = _steps(overrides, units=False, steps=3)
+    cfg = load_config("tiny", overrides)
+    trainer = Trainer(cfg, build_mesh(validate_layout(cfg, dist.get_world_size()), "cpu"),
+                      torch.device("cpu"))
+    try:
+        made = _capture_then_change(trainer)
+        records = [trainer.train_step(1).record]
+        trainer.capture_graphs()
+        records += [trainer.train_step(step).record for step in (2, 3)]
+        fell_back = len(made) == 2 and made[0].captured and not made[1].captured
+        weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    finally:
+        trainer.close()
+    keys = ("loss", "grad_norm", "lb_loss", "z_loss", "expert_load", "skipped")
+    return eager, eager_weights, [tuple(r[k] for k in keys) for r in records], weights, fell_back
+
+
+@pytest.mark.multiprocess
+def test_two_data_parallel_ranks_fall_back_to_eager_steps_together():
+    """The capture's Python on two ranks (gradient hooks launching the reductions, the
+    wrapper left with every bucket reduced), then eager steps on both: the reductions of
+    those steps pair up across the ranks and train like steps that never captured."""
+    for eager, eager_weights, records, weights, fell_back in run_distributed(
+            _capture_then_fall_back_on_two_ranks, 2, timeout=240):
+        assert fell_back
+        assert records == eager
+        for name, ref in eager_weights.items():
+            assert torch.equal(weights[name], ref), name
+
+
+class _RerunUnitsCountingPhases(_RerunUnits):
+    """The rerun stand-in, recording the EP transport's phases per unit as a graph would
+    hold them (a replay reruns its capture's slab choices)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        super().__init__(trainer)
+        self.transport = trainer.part.transport
+        self.unit_phases: list[int] = []
+
+    def capture(self, run_unit, token_shape: tuple[int, int]) -> None:
+        def counted(tokens, last: bool) -> None:
+            start = self.transport.phase
+            run_unit(tokens, last)
+            self.unit_phases.append(self.transport.phase - start)
+
+        super().capture(counted, token_shape)
+
+
+def _ep2_eager_and_units() -> tuple:
+    # One MoE layer: five exchanges per microbatch (counts, rows, rows back; two in the
+    # backward), so a unit of one microbatch is odd and needs rounding up.
+    overrides = ["parallel.ep=2", "parallel.ep_backend=rowwise", "model.n_layers=1",
+                 "train.global_batch=12", "parallel.merge_expert_grad_microbatches=2",
+                 "model.lb_loss_granularity=global_batch", "model.bias_update_rate=0.01"]
+    eager, eager_weights = _steps(overrides, units=False)
+    cfg = load_config("tiny", overrides)
+    trainer = Trainer(cfg, build_mesh(validate_layout(cfg, dist.get_world_size()), "cpu"),
+                      torch.device("cpu"))
+    try:
+        made: list[_RerunUnitsCountingPhases] = []
+        trainer.enable_graphs(lambda: made.append(_RerunUnitsCountingPhases(trainer)) or made[-1])
+        start = trainer.part.transport.phase
+        records = [trainer.train_step(1).record]
+        eager_step_phases = trainer.part.transport.phase - start
+        trainer.capture_graphs()
+        records += [trainer.train_step(step).record for step in range(2, 5)]
+        weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    finally:
+        trainer.close()
+    keys = ("loss", "grad_norm", "lb_loss", "z_loss", "expert_load", "skipped")
+    return (eager, eager_weights, [tuple(r[k] for k in keys) for r in records], weights,
+            eager_step_phases, made[0].unit_phases)
+
+
+@pytest.mark.multiprocess
+def test_ep2_graph_units_keep_the_transport_buffers_alternating():
+    """EP2 on the rowwise transport (emulated peer memory): the units train like eager steps,
+    and every unit holds whole rounds of the transport's two buffers although an eager step
+    of three microbatches runs an odd number of exchanges."""
+    for eager, eager_weights, records, weights, step_phases, unit_phases in run_distributed(
+            _ep2_eager_and_units, 2, timeout=240):
+        assert records == eager
+        for name, ref in eager_weights.items():
+            assert torch.equal(weights[name], ref), name
+        assert step_phases % 2 == 1
+        assert len(unit_phases) == 3 * 2 and all(n % 2 == 0 for n in unit_phases), unit_phases

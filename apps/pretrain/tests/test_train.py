@@ -487,3 +487,32 @@ def test_a_failure_after_a_checkpoint_commit_warns_and_training_goes_on(tmp_path
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_0000000004"
     assert main(["--config", "tiny", f"run_dir={tmp_path}", "train.steps=5"]) == 0
     assert "resumed after step 4" in capsys.readouterr().out
+
+
+def test_fp8_experts_take_the_gradient_sink_and_match_autograd(tmp_path):
+    """``mxfp8.recipe=fp8_rowwise``: the FP8 experts are wired to the DDP sink, and their
+    weight gradients through it equal autograd's route (the sink removed)."""
+    from moe_mxfp8.fp8_experts import FP8GroupedExperts
+    cfg = load_config("tiny", [f"run_dir={tmp_path}", "mxfp8.targets=experts",
+                               "mxfp8.recipe=fp8_rowwise"])
+    with distributed("cpu"):
+        trainer = _trainer(cfg)
+        model = trainer.model
+        experts = [m for m in model.modules() if isinstance(m, FP8GroupedExperts)]
+        assert experts and all(m.grad_sink is trainer.ddp for m in experts)
+        delivered: list[nn.Parameter] = []
+        add_gradient = trainer.ddp.add_gradient
+        trainer.ddp.add_gradient = lambda p, add: (delivered.append(p), add_gradient(p, add))[-1]
+        grads = []
+        for sink in (trainer.ddp, None):
+            wire_model(model, dataclasses.replace(trainer.wiring, gradient_sink=sink))
+            delivered.clear()
+            trainer.forward_backward(1)
+            grads.append({n: trainer.ddp.main_grad(n).clone() for n, _ in model.named_parameters()})
+            trainer.ddp.zero_grad()
+            expert_weights = {id(w) for m in experts for w in (m.w1, m.w3, m.w2)}
+            assert expert_weights <= {id(p) for p in delivered} if sink is not None else not delivered
+        trainer.close()
+    with_sink, without = grads
+    for name, want in without.items():
+        torch.testing.assert_close(with_sink[name], want, rtol=1e-5, atol=1e-7, msg=name)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from moe_ckpt.boxes import Box, flat_run_boxes, full_box, grid_cells
 from moe_ckpt.plan import Write, assign_writers, choose_chunk_shape
-from moe_ckpt.shards import FlatShard, Shard, describe
+from moe_ckpt.shards import FlatShard, Shard, describe, fill_from
 
 
 def _flat_indices(shape: tuple[int, ...], box: Box) -> set[int]:
@@ -112,3 +112,21 @@ def test_describe_views_local_memory_for_both_shard_kinds():
         describe("f", FlatShard(torch.zeros(10)[::2], (20,), 0), rank=0)
     with pytest.raises(TypeError, match="'u'.*uint16|'u'.*not supported"):
         describe("u", torch.zeros(2, dtype=torch.uint16), rank=0)
+
+
+def test_fill_from_reads_only_the_boxes_a_shard_holds():
+    full = torch.arange(2 * 3 * 5, dtype=torch.float64).reshape(2, 3, 5)
+    asked = []
+
+    def read(name, offset, shape):
+        asked.append((name, offset, shape))
+        return full[Box(offset, shape).slices()].float()
+
+    flat = FlatShard(torch.zeros(13), (2, 3, 5), flat_offset=7)
+    box = Shard(torch.zeros(1, 3, 5), (2, 3, 5), (1, 0, 0))
+    fill_from({"flat": flat, "box": box}, read)
+    assert torch.equal(flat.local, full.reshape(-1)[7:20].float())
+    assert torch.equal(box.local, full[1:].float())
+    assert sum(math.prod(shape) for _, _, shape in asked) == 13 + 15  # nothing else read
+    with pytest.raises(ValueError, match="'box'"):
+        fill_from({"box": box}, lambda name, offset, shape: torch.zeros(3))

@@ -1,5 +1,9 @@
 """Dispatch and combine launch a small, fixed number of device operations (a regression guard).
 
+The number is fixed: it does not grow with the experts or the EP ranks, and neither
+does the host's Python work per call (counted as Python and C function calls outside
+the device calls, which on CPU emulate the GPU's kernels and loop over ranks).
+
 Their cost at per-layer sizes was host time: a hundred and more small launches per
 dispatch, not bytes. On CUDA every ``moe_ep_transport.ops`` device function is one
 Triton launch (``rank_slots`` two, with its block scan), every ``PeerMemory.put_rows``
@@ -47,13 +51,22 @@ _MAX_TRAINING = {"source": 24, "destination": 24}
 
 
 class _LaunchCounter(TorchDispatchMode):
-    """Counts launching aten ops, except inside calls that :meth:`device_call` accounts for."""
+    """Counts launching aten ops, except inside calls that :meth:`device_call` accounts for.
+
+    As a ``sys.setprofile`` function it also counts the host's function calls (Python
+    and C) outside those calls: the Python work of issuing a dispatch or combine.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.aten: collections.Counter[str] = collections.Counter()
         self.device: collections.Counter[str] = collections.Counter()
+        self.host_calls = 0
         self._inside = 0
+
+    def profile(self, frame, event: str, arg) -> None:
+        if not self._inside and event in ("call", "c_call"):
+            self.host_calls += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -78,13 +91,13 @@ class _LaunchCounter(TorchDispatchMode):
         return sum(self.aten.values()) + sum(_GPU_LAUNCHES[n] * c for n, c in self.device.items())
 
 
-def _count_launches(combine: str) -> dict:
-    rank = dist.get_rank()
-    E, K, D = 8, 2, 16
+def _count_launches(combine: str, n_experts: int = 8) -> dict:
+    rank, M = dist.get_rank(), dist.get_world_size()
+    E, K, D = n_experts, 2, 16
     cfg = EPConfig(E, K, 12, D, capacity_factor=1.0, combine=combine)
     transport = make_transport("rowwise", cfg, dtype=torch.bfloat16)
     dispatcher = EPDispatcher(cfg, transport)
-    data = make_data([12, 12], E, K, D, torch.bfloat16, seed=3, skew=1.0)
+    data = make_data([12] * M, E, K, D, torch.bfloat16, seed=3, skew=1.0)
     x, ids, w, g = data.x[rank], data.ids[rank], data.w[rank].float(), data.g[rank]
 
     # As the MoE layer calls them: the weights are given to dispatch too.
@@ -111,14 +124,25 @@ def _count_launches(combine: str) -> dict:
             setattr(memory, fn_name, counter.device_call(fn_name, getattr(type(memory), fn_name).__get__(memory)))
         try:
             with counter:
-                step()
+                sys.setprofile(counter.profile)
+                try:
+                    step()
+                finally:
+                    sys.setprofile(None)
         finally:
             for fn_name, fn in patched.items():
                 setattr(ops, fn_name, fn)
             for fn_name in _MEMORY:
                 delattr(memory, fn_name)
-        counts[name] = dict(launches=counter.launches, aten=dict(counter.aten), device=dict(counter.device))
+        counts[name] = dict(launches=counter.launches, aten=dict(counter.aten), device=dict(counter.device),
+                            host_calls=counter.host_calls)
     return counts
+
+
+def _count_for_experts(expert_counts: list[int]) -> dict:
+    _count_launches("source")  # the first counted call pays one-off imports of the dispatch mode
+    return {(combine, E): _count_launches(combine, E)
+            for combine in ("source", "destination") for E in expert_counts}
 
 
 @pytest.mark.slow
@@ -139,3 +163,21 @@ def test_dispatch_and_combine_launch_few_device_operations(combine: str) -> None
         assert fwd["device"]["barrier"] == puts, fwd
         assert fwd["launches"] <= _MAX_FORWARD[combine], fwd
         assert train["launches"] <= _MAX_TRAINING[combine], train
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_launches_and_host_work_do_not_grow_with_experts_or_ranks() -> None:
+    """Two ranks with 8 and 32 experts, four ranks with 16: the same launches and aten ops
+    per dispatch+combine (forward, and training), and host calls within 2% (a work that
+    grew with E or M would take 4x or 2x of it)."""
+    two = run_distributed(_count_for_experts, 2, [8, 32], timeout=120)
+    four = run_distributed(_count_for_experts, 4, [16], timeout=180)
+    for combine in ("source", "destination"):
+        want = two[0][combine, 8]
+        for got in (two[0][combine, 32], two[1][combine, 32], four[0][combine, 16], four[3][combine, 16]):
+            for phase in ("forward", "training"):
+                host, want_host = got[phase].pop("host_calls"), want[phase].pop("host_calls")
+                assert got[phase] == want[phase], (combine, phase, got[phase], want[phase])
+                assert abs(host - want_host) <= 0.02 * want_host, (combine, phase, host, want_host)
+                got[phase]["host_calls"], want[phase]["host_calls"] = host, want_host

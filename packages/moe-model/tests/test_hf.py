@@ -11,6 +11,7 @@ pytest.importorskip("safetensors")
 
 from moe_model import MoEConfig, MoETransformer, init_weights  # noqa: E402
 from moe_model.hf import (  # noqa: E402
+    Qwen3MoeFolder,
     convert_to_hf,
     from_pretrained,
     hf_config,
@@ -80,6 +81,36 @@ def test_fused_expert_layout_loads(tmp_path):
     ours = from_pretrained(tmp_path).eval()
     with torch.no_grad():
         assert (hf(TOKENS).logits - ours(TOKENS)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
+def test_folder_reads_any_box_of_a_logical_tensor(tmp_path, fused):
+    """What one rank of a parallel run reads: an expert range, a run of rows, a column block."""
+    from safetensors.torch import save_file
+
+    hf = hf_model()
+    if fused:  # transformers 5's in-memory layout written as it is
+        save_file({k: v.contiguous() for k, v in hf.state_dict().items()},
+                  str(tmp_path / "model.safetensors"))
+        (tmp_path / "config.json").write_text(json.dumps(hf.config.to_dict()))
+    else:
+        hf.save_pretrained(tmp_path)
+    # the oracle: transformers' own tensors (fused in memory, gate rows before up rows, as
+    # the logits tests above confirm)
+    hf_state, f = hf.state_dict(), hf.config.moe_intermediate_size
+    whole = {"blocks.1.mlp.experts.w1": hf_state["model.layers.1.mlp.experts.gate_up_proj"][:, :f],
+             "blocks.1.mlp.experts.w3": hf_state["model.layers.1.mlp.experts.gate_up_proj"][:, f:],
+             "blocks.2.mlp.experts.w2": hf_state["model.layers.2.mlp.experts.down_proj"],
+             "blocks.0.attn.wq.weight": hf_state["model.layers.0.self_attn.q_proj.weight"]}
+    folder = Qwen3MoeFolder(tmp_path)
+    cfg = folder.model_config()
+    folder.check(cfg)
+    for name, offset, shape in [("blocks.1.mlp.experts.w1", (2, 3, 5), (3, 9, 20)),
+                                ("blocks.1.mlp.experts.w3", (1, 0, 0), (2, 16, 32)),
+                                ("blocks.2.mlp.experts.w2", (5, 7, 2), (1, 20, 11)),
+                                ("blocks.0.attn.wq.weight", (4, 0), (6, 32))]:
+        index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+        assert torch.equal(folder.read(name, cfg, offset, shape), whole[name][index]), name
 
 
 def test_pure_conversion_functions():

@@ -171,6 +171,9 @@ class CheckpointConfig:
     final: bool = True  # save after the last step (train.steps); a stop always saves
     # auto: the latest complete checkpoint under run_dir/checkpoints, if any | none | a step directory
     resume: str = "auto"
+    # a checkpoint step directory (any layout) whose weights the run starts from, with a fresh
+    # optimizer, LR schedule and data stream (step 1); None: model.init_from's or random weights
+    init_from: str | None = None
     keep_last: int = 2  # complete checkpoints kept (0: all)
     async_save: bool = True  # write in the background while training continues
 
@@ -293,9 +296,9 @@ class PretrainConfig:
         if self.train.cuda_graphs:
             unsupported = [
                 (p.pp > 1, f"parallel.pp={p.pp}: the pipeline schedule interleaves microbatches"),
-                (p.resolved_ep_backend() != "local",
-                 f"parallel.ep={p.ep} / ep_backend={p.ep_backend}: the expert transport is not "
-                 "captured"),
+                (p.resolved_ep_backend() == "all_to_all",
+                 f"parallel.ep={p.ep} / ep_backend={p.ep_backend}: the all_to_all transport reads "
+                 "its split sizes on the host every call; use parallel.ep_backend=rowwise"),
                 (bool(self.mxfp8.targets), "mxfp8.targets: the MXFP8 weight caches are rebuilt as "
                  "new tensors after every update, which a graph would not see"),
                 (self.train.device == "cpu", "train.device=cpu: CUDA graphs need a GPU"),
@@ -364,12 +367,6 @@ def validate_layout(cfg: PretrainConfig, world_size: int) -> Layout:
         raise ConfigError(
             f"model.n_layers={m.n_layers} is fewer than the {stages} pipeline stages "
             f"(parallel.pp={p.pp} x parallel.pp_virtual_stages={p.pp_virtual_stages})"
-        )
-    if t.cuda_graphs and dp > 1:
-        raise ConfigError(
-            f"train.cuda_graphs is not supported with {dp} data-parallel ranks yet: NCCL's "
-            "reductions inside the captured graphs have not been compared with eager steps on "
-            "GPUs (one rank per run for now)"
         )
     microbatches = t.global_batch // (dp * t.micro_batch)
     if p.pp > 1 and p.pp_virtual_stages > 1 and microbatches % p.pp:

@@ -22,6 +22,18 @@ routing statistics (the graphs add them into the running sums ``loss_sum`` and
 ``stats_sum``, zeroed at the start of each replay and read by the step after it), the MoE layers'
 running balancing counts (one buffer each, zeroed in place at the step's end).
 
+With several data-parallel ranks the last unit's graph holds the gradient reductions and
+every unit the balancing counts' all-reduce: NCCL collectives, captured and replayed like
+kernels (the first, eager step has created the communicators). A replay then runs them on
+every rank, so the ranks must replay or run eagerly alike: they capture after the same
+step (the loop decides from the step's reduced values) and a change that makes one rank
+fall back (below) must be made on every rank, or the ranks would wait in mismatched
+collectives. With expert parallelism the units capture the rowwise transport's puts and
+barriers too (its barrier epochs live on the device); each unit runs inside the
+transport's ``replayable()``, which rounds the unit's exchanges up to whole rounds of its
+two buffers, so replays keep alternating them (the all_to_all transport reads its split
+sizes on the host and is refused).
+
 Capture needs a warmed-up model (Triton autotuning, cuDNN plans and library handles
 exist before it, and the graphs' stream has run the work once), so the trainer runs
 its first step eagerly on ``stream`` and captures after it (``GraphedForwardBackward``). Graphs replay what they
@@ -35,6 +47,7 @@ fingerprint cannot see (a Python attribute a forward reads) needs
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -193,17 +206,20 @@ class GraphedForwardBackward:
     step's token ids on the host; ``new_graphs()``: empty units (``MicrobatchGraphs``);
     ``after_capture``: what must be undone of the capture's Python (the data-parallel
     wrapper counts the units' gradients as reduced: a following eager step needs a clean
-    slate, as a replay has); ``mark``: the phase timer's mark (a replay is phase ``graph``).
+    slate, as a replay has); ``mark``: the phase timer's mark (a replay is phase ``graph``);
+    ``unit_scope()``: entered around each unit's work as it is captured (the EP transport's
+    ``replayable``).
     """
 
     def __init__(self, eager: ForwardBackward, unit_work: UnitWork,
                  host_batches: Callable[[int], list[torch.Tensor]],
                  new_graphs: Callable[[], UnitGraphs], token_shape: Sequence[int],
                  after_capture: Callable[[], None],
-                 mark: Callable[[str], None] = lambda phase: None) -> None:
+                 mark: Callable[[str], None] = lambda phase: None,
+                 unit_scope: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
         self.eager, self.unit_work, self.host_batches = eager, unit_work, host_batches
         self.new_graphs, self.token_shape, self.after_capture = new_graphs, token_shape, after_capture
-        self.mark = mark
+        self.mark, self.unit_scope = mark, unit_scope
         self.graphs = new_graphs()
 
     @property
@@ -237,6 +253,10 @@ class GraphedForwardBackward:
         graphs = self.graphs
         if graphs.captured:
             return
-        graphs.capture(lambda tokens, last: self.unit_work(tokens, last, graphs.loss_sum,
-                                                           graphs.stats_sum), self.token_shape)
+
+        def run_unit(tokens: Sequence[torch.Tensor], last: bool) -> None:
+            with self.unit_scope():
+                self.unit_work(tokens, last, graphs.loss_sum, graphs.stats_sum)
+
+        graphs.capture(run_unit, self.token_shape)
         self.after_capture()

@@ -1,5 +1,6 @@
 """A training run from a config: process group, layout, run directory, checkpoints, loop.
 
+    model shape from model.init_from / checkpoint.init_from, checked (pretrain.init_from)
     with the process group (one process, torchrun, or a test harness):
         layout  = validate_layout(cfg, world)     # fails before any allocation
         mesh    = build_mesh(layout)              # PP x DP, EP inside DP
@@ -7,8 +8,9 @@
         trainer = Trainer(cfg, mesh, device)      # data checked, model part built, DDP, optimizer
         run_dir created and locked (pretrain.run_dir): nothing is written before this
         checkpoints: a diverged run is not repeated (pretrain.divergence), resume
-        (checkpoint.resume), then the logging rank writes run_dir/config.toml and opens
-        the trackers
+        (checkpoint.resume), else the weights model.init_from or checkpoint.init_from
+        name (pretrain.init_from); then the logging rank writes run_dir/config.toml and
+        opens the trackers
         trainer.fit(...) under a SIGTERM/SIGINT flag, saving checkpoints on schedule, at the
         end and on stop; the logging rank prints a line per step (pretrain.progress)
         close: the checkpointer waits for its last save, the lock is released, the EP
@@ -34,6 +36,7 @@ from pretrain.checkpoint import RunCheckpoints
 from pretrain.config import PretrainConfig, config_toml, validate_layout
 from pretrain.config_tree import to_tree
 from pretrain.data import document_eos_id, resolve_vocab_size
+from pretrain.init_from import adopt_source_model, load_initial_weights
 from pretrain.mesh import build_mesh
 from pretrain.metrics import METRICS_FILE, MetricsLog, Tracker, WandbOptions, open_trackers
 from pretrain.progress import Progress
@@ -80,6 +83,7 @@ def warn_if_not_exportable(cfg: PretrainConfig) -> None:
 def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
     """Train per ``cfg`` as one rank of the launcher's world; returns this process's records."""
     started = time.perf_counter()
+    source_note = adopt_source_model(cfg)  # the model's shape from model/checkpoint.init_from
     vocab_note = resolve_vocab_size(cfg)  # model.vocab_size from the data, before the model
     document_eos_id(cfg.data)  # data.document_mask on data without documents: before any output
     # the stop flag outlives the checkpointer and the teardown: a SIGTERM while the last
@@ -88,8 +92,9 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
     # host announces it
     with StopRequest(announce=os.environ.get("LOCAL_RANK", "0") == "0") as stop, \
             distributed(cfg.train.device, cfg.train.collective_timeout_s) as rt:
-        if vocab_note and rt.rank == 0:
-            print(vocab_note, flush=True)
+        for note in (source_note, vocab_note):
+            if note and rt.rank == 0:
+                print(note, flush=True)
         layout = validate_layout(cfg, rt.world_size)
         mesh = build_mesh(layout, rt.device.type)
         run_dir = choose_run_dir(cfg)
@@ -104,10 +109,13 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
                     _divergence_recorded(run_dir, cfg, checkpoints):
                 resumed = checkpoints.resume()
                 done = 0 if resumed is None else resumed.step
+                weights_note = load_initial_weights(cfg, trainer) if resumed is None else None
                 if logging:
                     (run_dir / CONFIG_FILE).write_text(config_toml(cfg, layout))
                     print(f"run_dir {run_dir}  device {rt.device}  dtype {str(trainer.dtype)[6:]}  "
                           f"params {total_params(cfg.model):,}  {layout.describe()}", flush=True)
+                    if weights_note:
+                        print(weights_note, flush=True)
                     warn_if_not_exportable(cfg)
                     if resumed is not None:
                         saved = resumed.metadata["layout"]

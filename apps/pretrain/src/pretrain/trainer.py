@@ -181,10 +181,11 @@ class Trainer:
             new_graphs = lambda: MicrobatchGraphs(  # noqa: E731
                 self.model, self.data.n_microbatches, self.cfg.parallel.merge_expert_grad_microbatches,
                 self.packer.n_slots * self.packer.width, self.device)
+        transport = self.part.transport
         self.forward_backward = GraphedForwardBackward(
             self.eager_forward_backward, self.unit_work, self.host_batches, new_graphs,
             (self.cfg.train.micro_batch, self.cfg.train.seq_len + 1), after_capture=self.ddp.zero_grad,
-            mark=self._mark)
+            mark=self._mark, unit_scope=nullcontext if transport is None else transport.replayable)
 
     @property
     def graphs(self) -> GraphedForwardBackward | None:

@@ -22,7 +22,7 @@ from moe_ckpt.load import load, open_checkpoint, read_tensor, read_tensors
 from moe_ckpt.lock import DirectoryLock, DirectoryLockedError
 from moe_ckpt.manifest import Manifest, TensorRecord
 from moe_ckpt.save import save
-from moe_ckpt.shards import BoxShardLike, FlatShard, FlatShardLike, Shard, ShardLike
+from moe_ckpt.shards import BoxShardLike, FlatShard, FlatShardLike, Shard, ShardLike, fill_from
 from moe_ckpt.storage import StorageOptions
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "TensorMismatchError",
     "TensorRecord",
     "export_hf",
+    "fill_from",
     "load",
     "open_checkpoint",
     "read_tensor",

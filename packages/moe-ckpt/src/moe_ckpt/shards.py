@@ -12,13 +12,14 @@ Two forms, told apart by attribute name so that producers need no import:
 
 A plain ``torch.Tensor`` stands for the whole tensor (replicated). Either form
 resolves to *regions*: (global box, view of ``local`` with the box's shape).
-Loading writes through those views, so ``local`` is filled in place.
+Loading writes through those views, so ``local`` is filled in place; ``fill_from``
+does the same from a source other than a checkpoint (a Hugging Face folder).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -164,3 +165,23 @@ def describe_all(
     tensors: Mapping[str, ShardLike | torch.Tensor], rank: int
 ) -> dict[str, Described]:
     return {name: describe(name, shard, rank) for name, shard in tensors.items()}
+
+
+BoxReader = Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor]
+
+
+def fill_from(targets: Mapping[str, ShardLike | torch.Tensor], read: BoxReader) -> None:
+    """Fill each target's ``local`` in place from another store of the logical tensors.
+
+    ``read(name, offset, shape)`` returns that box of logical tensor ``name`` (any dtype:
+    it is cast on copy). A box shard asks for its box; a flat shard for the at most
+    ``2 * ndim - 1`` boxes of its run, so only what the targets hold is ever read.
+    """
+    for name, shard in targets.items():
+        for region in describe(name, shard, rank=0).regions:
+            data = read(name, region.box.offset, region.box.shape)
+            if tuple(data.shape) != region.box.shape:
+                raise ValueError(f"tensor {name!r}: the box at {region.box.offset} of shape "
+                                 f"{region.box.shape} was read with shape {tuple(data.shape)}")
+            with torch.no_grad():
+                region.view.copy_(data)

@@ -14,6 +14,7 @@ from typing import Literal
 
 OverflowPolicy = Literal["drop", "error"]
 CombineSite = Literal["auto", "source", "destination"]
+DispatchLayout = Literal["token_inbox", "per_slot"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,28 @@ class EPConfig:
         if self.capacity_factor is None:
             return worst
         return min(worst, max(1, math.ceil(self.capacity_factor * self.max_slots)))
+
+    def dispatch_layout(self, ep_size: int) -> DispatchLayout:
+        """Where the rowwise dispatch lands the rows of other ranks, chosen by the EP group size.
+
+        ``"token_inbox"``: a source stores each token once into every other rank holding
+        any of its experts (row ``source * T_max + token`` of that rank's inbox) and the
+        destination expands the tokens into their receive rows; it moves ``1/u`` of the
+        bytes of one row per slot (``u`` experts of a token per rank: top-8 on two ranks
+        about 4). The inbox is ``M * T_max`` rows whatever the routing: it grows with the
+        group. ``"per_slot"``: one row per routed slot, stored at its receive row; the
+        ``C`` rows of :meth:`rank_capacity`, which every layout needs anyway (the
+        expanded receive rows).
+
+        The token inbox is chosen while it fits in those ``C`` rows (``M * T_max <= C``:
+        ``M <= cf * k`` with a capacity factor, every ``M`` dropless), so the layout never
+        enlarges the symmetric buffers; a larger group sends one row per slot, and its
+        buffers stay ``C`` rows per slab however many ranks join (an inbox would add
+        ``M * T_max`` rows per slab, on every rank). Top-8 at factor 1.25 keeps the token
+        inbox up to 10 ranks; there ``u`` is already 1.5 or less, so little is given up.
+        """
+        fits = ep_size * self.max_tokens <= self.rank_capacity(ep_size)
+        return "token_inbox" if ep_size > 1 and fits else "per_slot"
 
     def sums_at_destination(self, ep_size: int, row_bytes: int, partial_bytes: int) -> bool:
         """Whether combine (and dispatch's backward) sum top-k contributions at the destinations.

@@ -12,7 +12,8 @@ slab is reused by the next phase, while the rows must live until the expert
 backward). Sending tokens instead of rows cuts the NVLink bytes of a dispatch by
 the number of a token's experts that share a rank (top-8 over two ranks: about
 4x); the token inbox takes M * T_max rows, which fit the slab's C = cf * T_max * k
-rows while M <= cf * k; larger EP groups send one row per slot.
+rows while M <= cf * k; larger EP groups send one row per slot
+(:meth:`EPConfig.dispatch_layout`).
 
 Per combine the destination puts each expert output row back into its source's
 slab at the source's slot index (the origin recorded in step 3; rows of its own
@@ -24,10 +25,18 @@ faster than loads over NVLink.
 Every step is one launch (a put, a barrier, a kernel of :mod:`moe_ep_transport.ops`);
 index tensors that do not change between calls are built once. Sizes are static:
 capacity C rows to receive, T_max*k slots to return.
+
+Consecutive phases use different slabs, chosen by a counter on the host. A CUDA graph
+replays the slabs its capture chose, so calls captured in a graph run inside
+:meth:`RowwiseTransport.replayable`, which rounds their phases up to a multiple of the
+slab count with data-less phases (a barrier): replayed back to back, or after another
+such graph, they still alternate.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -54,11 +63,13 @@ def slab_bytes_for(cfg: EPConfig, ep_size: int, row_bytes: int, partial_bytes: i
     capacity = cfg.rank_capacity(ep_size)
     counts = ep_size * cfg.n_experts * 4
     send = _align(capacity * 8) + capacity * _align_row(row_bytes)
+    inbox_rows = ep_size * cfg.max_tokens if cfg.dispatch_layout(ep_size) == "token_inbox" else 0
+    inbox = _align(capacity * 8) + inbox_rows * _align_row(row_bytes)  # never more than `send`
     back = cfg.max_slots * _align_row(row_bytes)
     partial_bytes = cfg.d_model * 4 if partial_bytes is None else partial_bytes
     partials = ep_size * cfg.max_tokens * partial_bytes if cfg.sums_at_destination(
         ep_size, row_bytes, partial_bytes) else 0
-    return _align(max(counts, send, back, partials))
+    return _align(max(counts, send, inbox, back, partials))
 
 
 def _align_row(row_bytes: int) -> int:
@@ -82,6 +93,7 @@ class RowwiseTransport:
         self.max_slots = cfg.max_slots
         self.max_tokens = cfg.max_tokens
         self._meta_bytes = _align(self.capacity * 8)
+        self.layout = cfg.dispatch_layout(self.world_size)  # fixed per group: the slabs are sized for it
         # The receive kernel writes the inverse layout when combine may sum at the destination
         # for rows up to FP32 (a store per receive row; ops.slot_table would cost launches).
         D = cfg.d_model
@@ -102,6 +114,27 @@ class RowwiseTransport:
         index = self._phase % N_SLABS
         self._phase += 1
         return index
+
+    @property
+    def phase(self) -> int:
+        """Phases run so far (the same on every rank); the next one uses slab ``phase % N_SLABS``."""
+        return self._phase
+
+    @contextmanager
+    def replayable(self) -> Iterator[None]:
+        """Calls inside take a multiple of ``N_SLABS`` phases, so a CUDA graph captured around
+        them can be replayed back to back, or after another such graph.
+
+        A replay reruns its capture's slab choices without advancing the host counter: a
+        graph of an odd number of phases would start its next replay on the slab its last
+        phase used, which a slower peer may still be reading. Each data-less phase added
+        at the end is one barrier (every rank has read the previous phase's slab).
+        """
+        start = self._phase
+        yield
+        while (self._phase - start) % N_SLABS:
+            self._next_slab()
+            self.memory.barrier()
 
     def _check_fits(self, nbytes: int, what: str) -> None:
         if nbytes > self.memory.slab_bytes:
@@ -126,9 +159,10 @@ class RowwiseTransport:
         self.memory.barrier()
         return slab_view(self.memory.slab(slab), 0, torch.int32, E)[:M]
 
-    def sends_tokens_once(self, row_bytes: int) -> bool:
-        """Whether a token dispatch moves each token once per destination rank (its inbox fits)."""
-        return self._meta_bytes + self.world_size * self.max_tokens * row_bytes <= self.memory.slab_bytes
+    @property
+    def sends_tokens_once(self) -> bool:
+        """Whether a token dispatch moves each token once per destination rank (the token inbox layout)."""
+        return self.layout == "token_inbox"
 
     def open_route(self, plan: RoutePlan) -> RowwiseRoute:
         if plan.capacity != self.capacity:
@@ -144,9 +178,9 @@ class RowwiseTransport:
         if transient and per_src == 1 and route.origin_C is not None:
             return self._send_in_place(route, src_RW)
         row_bytes = W * src_RW.element_size()
-        self._check_fits(self._meta_bytes + C * row_bytes, "a row send")
+        self._check_fits(self._meta_bytes + C * row_bytes, "a row send")  # C >= the inbox's rows
         inbox_rows = self.world_size * self.max_tokens
-        dedup = per_src > 1 and self.sends_tokens_once(row_bytes)
+        dedup = per_src > 1 and self.sends_tokens_once
         if dedup and src_RW.shape[0] > self.max_tokens:  # it would overlap the next source's inbox
             raise ValueError(
                 f"send: {src_RW.shape[0]} source rows, more than EPConfig.max_tokens={self.max_tokens}"

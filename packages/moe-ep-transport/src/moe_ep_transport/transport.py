@@ -31,6 +31,7 @@ W 32-bit words per row, D row width.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -75,6 +76,11 @@ class Transport(Protocol):
 
     def send_back(self, route: Any, rows_CW: torch.Tensor) -> torch.Tensor: ...
 
+    def replayable(self) -> AbstractContextManager[None]:
+        """Where calls a CUDA graph captures run, so that the graph can be replayed (or a
+        ``RuntimeError`` saying why this transport's calls cannot be)."""
+        ...
+
 
 @dataclass
 class AllToAllRoute:
@@ -103,6 +109,12 @@ class AllToAllTransport:
 
     def close(self) -> None:
         """Nothing to release (symmetry with the rowwise transport)."""
+
+    def replayable(self) -> AbstractContextManager[None]:
+        raise RuntimeError(
+            "the all_to_all EP transport cannot run in a CUDA graph: it reads its split sizes "
+            "on the host every call (use the rowwise transport)"
+        )
 
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         counts_ME = counts_E.new_empty(self.world_size * counts_E.numel())

@@ -48,6 +48,9 @@ class MoEConfig:
     grouped_mm_backend: Literal["auto", "grouped_mm", "triton", "loop"] = "auto"  # expert GEMMs: auto | grouped_mm | triton | loop
     attention_backend: Literal["auto", "cudnn", "flash"] = "auto"  # SDPA kernel on CUDA: auto (PyTorch's choice) | cudnn | flash (tried first)
     init_std: float = 0.02  # std of the normal init; output projections are scaled by 1/sqrt(2*n_layers)
+    # a Hugging Face Qwen3MoeForCausalLM folder (config.json + safetensors) the weights start from;
+    # its config.json gives the model's shape (moe_model.hf.Qwen3MoeFolder reads both); None: init_std
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()

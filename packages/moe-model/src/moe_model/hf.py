@@ -10,9 +10,12 @@ at ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``. Our stacked
 weights stacked (w3 = up_proj, w2 = down_proj); the 5.x in-memory fused
 ``gate_up_proj [E, 2F, D]`` is also accepted when loading.
 
-The conversion is exposed as pure functions so a checkpoint exporter can write
-HF files from global tensors without building a model: ``hf_config(cfg)`` (the
-``config.json`` content) and ``convert_to_hf(name, tensor, cfg)``.
+One table (``hf_names``) maps our logical tensors to HF names both ways. The export
+is pure functions, so a checkpoint exporter writes HF files from global tensors
+without building a model: ``hf_config(cfg)`` (the ``config.json`` content) and
+``convert_to_hf(name, tensor, cfg)``. The import is ``Qwen3MoeFolder``: the
+folder's config, a check of its tensors (``hf_shapes``), and any box of a logical
+tensor read lazily (a parallel run reads only the slices each rank holds).
 
 Qwen3-MoE cannot represent shared experts, sigmoid router scores, a selection
 bias (aux-loss-free balancing), or attention without QK-norm; such configs are
@@ -25,7 +28,7 @@ part of the checkpoint; transformers always runs dropless.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +37,6 @@ import torch
 from moe_model.config import MoEConfig
 from moe_model.init import logical_name
 from moe_model.model import MoETransformer
-from moe_model.params import logical_shapes
 
 _TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "head.weight": "lm_head.weight"}
@@ -206,67 +208,130 @@ def convert_to_hf(name: str, tensor: torch.Tensor, cfg: MoEConfig) -> list[tuple
     return list(zip(names, tensor.unbind(0), strict=True))
 
 
-def convert_from_hf(get: Callable[[str], torch.Tensor], cfg: MoEConfig) -> dict[str, torch.Tensor]:
-    """Our full state dict from HF tensors, fetched by name with ``get`` (KeyError if missing)."""
-    state: dict[str, torch.Tensor] = {}
-    for name, shape in logical_shapes(cfg).items():
-        source = logical_name(name, cfg)  # a tied head reads the embedding
-        names = hf_names(source, cfg)
-        try:
-            parts = [get(n) for n in names]
-        except KeyError as e:
-            raise ValueError(f"checkpoint is missing {e.args[0]!r} (needed for {name})") from None
-        tensor = torch.stack(parts) if _stacked_experts(source) else parts[0]
-        if tensor.shape != shape:
-            raise ValueError(f"{names[0]}: shape {tuple(tensor.shape)} does not give {name} {tuple(shape)}")
-        state[name] = tensor
-    return state
+def hf_shapes(cfg: MoEConfig) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor the model's weights read, with its shape (from the one table
+    ``hf_names`` walks: the import is the export read backwards)."""
+    check_representable(cfg)
+    with torch.device("meta"):
+        params = dict(MoETransformer(cfg).named_parameters())  # a tied head is the embedding
+    out: dict[str, tuple[int, ...]] = {}
+    for name, p in params.items():
+        shape = tuple(p.shape[1:]) if _stacked_experts(name) else tuple(p.shape)
+        out.update((n, shape) for n in hf_names(name, cfg))
+    return out
 
 
-class _SafetensorsDir:
-    """Tensors of a (possibly sharded) safetensors checkpoint folder, read lazily by name."""
+class Qwen3MoeFolder:
+    """A ``Qwen3MoeForCausalLM`` folder (``config.json`` and safetensors): its config, a check
+    of its tensors, and any box of our logical tensors read lazily from it.
 
-    def __init__(self, path: Path) -> None:
+    Only the safetensors headers are read on opening; ``read`` fetches just the slices a
+    box needs (one expert range of one layer, a run of rows), so each rank of a parallel
+    run reads only what it holds. Errors are ``ValueError``s naming the folder and the
+    tensor or key.
+    """
+
+    def __init__(self, path: str | Path) -> None:
         from safetensors import safe_open
 
+        self.path = path = Path(path)
+        if not path.is_dir():
+            raise ValueError(f"{path} is not a directory")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} has no config.json: not a Hugging Face model folder")
+        try:
+            self.config: dict[str, Any] = json.loads((path / "config.json").read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path / 'config.json'}: not valid JSON ({e})") from None
+        if not isinstance(self.config, dict) or self.config.get("model_type") != "qwen3_moe":
+            got = self.config.get("model_type") if isinstance(self.config, dict) else None
+            raise ValueError(f"{path / 'config.json'}: model_type {got!r} is not 'qwen3_moe' "
+                             "(a Qwen3MoeForCausalLM folder)")
         index = path / "model.safetensors.index.json"
         if index.is_file():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         elif (path / "model.safetensors").is_file():
             files = ["model.safetensors"]
         else:
-            raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-        self._handles = [safe_open(str(path / f), framework="pt") for f in files]
-        self._where = {k: h for h in self._handles for k in h.keys()}
-        self._fused: dict[str, torch.Tensor] = {}
-        self.used: set[str] = set()
+            raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        self._where: dict[str, Any] = {}
+        for f in files:
+            handle = safe_open(str(path / f), framework="pt")
+            self._where.update((k, handle) for k in handle.keys())
 
-    def keys(self) -> set[str]:
-        return set(self._where)
+    def model_config(self, **overrides: Any) -> MoEConfig:
+        """``MoEConfig`` of ``config.json``; ``overrides`` set training-only fields."""
+        try:
+            return config_from_hf(self.config, **overrides)
+        except (KeyError, TypeError, ValueError) as e:
+            what = f"no key {e.args[0]!r}" if isinstance(e, KeyError) else str(e)
+            raise ValueError(f"{self.path / 'config.json'}: {what.removeprefix('config.json: ')}") \
+                from None
 
-    def get(self, name: str) -> torch.Tensor:
-        if name in self._where:
-            self.used.add(name)
-            return self._where[name].get_tensor(name)
-        return self._from_fused(name)
+    def check(self, cfg: MoEConfig) -> None:
+        """Every tensor ``cfg``'s weights read is here with its shape, and nothing else is."""
+        used: set[str] = set()
+        for name, shape in hf_shapes(cfg).items():
+            stored, got = self._locate(name)
+            if stored is None:
+                raise ValueError(f"{self.path}: tensor {name!r} is missing")
+            if got != shape:
+                raise ValueError(f"{self.path}: tensor {name!r} has shape {got}, the model of "
+                                 f"its config.json needs {shape}")
+            used.add(stored)
+        unused = sorted(k for k in set(self._where) - used if not k.endswith(_IGNORED_HF))
+        if unused:
+            raise ValueError(f"{self.path}: tensor {unused[0]!r} is not part of a Qwen3-MoE model "
+                             f"of this config.json ({len(unused)} such tensors)")
 
-    def _from_fused(self, name: str) -> torch.Tensor:
-        """Per-expert tensors out of the fused ``gate_up_proj`` / ``down_proj`` layout."""
+    def read(self, name: str, cfg: MoEConfig, offset: tuple[int, ...],
+             shape: tuple[int, ...]) -> torch.Tensor:
+        """The box at ``offset`` of ``shape`` of our logical tensor ``name`` (of ``cfg``'s
+        model), in the stored dtype. Call ``check`` first: shapes are not checked here."""
+        hf = hf_names(logical_name(name, cfg), cfg)
+        index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+        if not _stacked_experts(name):
+            return self._read(hf[0], index)
+        experts = range(index[0].start, index[0].stop)
+        return torch.stack([self._read(hf[e], index[1:]) for e in experts])
+
+    # A per-expert tensor stored in transformers 5's in-memory fused layout:
+    # experts.gate_up_proj [E, 2F, D] (gate rows first), experts.down_proj [E, D, F].
+    def _fused(self, name: str) -> tuple[str, int, int] | None:
+        """(stored fused name, expert, row offset) of per-expert tensor ``name``, if fused."""
         head, sep, tail = name.partition(".mlp.experts.")
-        if not sep:
-            raise KeyError(name)
-        expert, proj = tail.split(".")[:2]
+        if not sep or tail.count(".") != 2:
+            return None
+        expert, proj, _ = tail.split(".")
         fused = f"{head}.mlp.experts.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
-        if fused not in self._where:
-            raise KeyError(name)
-        if fused not in self._fused:
-            self.used.add(fused)
-            self._fused[fused] = self._where[fused].get_tensor(fused)
-        t = self._fused[fused][int(expert)]
-        if proj == "down_proj":
-            return t
-        half = t.shape[0] // 2
-        return t[:half] if proj == "gate_proj" else t[half:]
+        if fused not in self._where or not expert.isdigit():
+            return None
+        n_experts, rows = self._where[fused].get_slice(fused).get_shape()[:2]
+        if int(expert) >= n_experts:
+            return None
+        half = rows // 2
+        return fused, int(expert), half if proj == "up_proj" else 0
+
+    def _locate(self, name: str) -> tuple[str | None, tuple[int, ...]]:
+        """(stored tensor holding ``name``, ``name``'s shape); (None, ()) when absent."""
+        if name in self._where:
+            return name, tuple(self._where[name].get_slice(name).get_shape())
+        fused = self._fused(name)
+        if fused is None:
+            return None, ()
+        stored = fused[0]
+        _, dim1, dim2 = self._where[stored].get_slice(stored).get_shape()
+        return stored, (dim1 if stored.endswith("down_proj") else dim1 // 2, dim2)
+
+    def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        if name in self._where:
+            return self._where[name].get_slice(name)[index]
+        fused = self._fused(name)
+        assert fused is not None, name  # check() found every name
+        stored, expert, rows = fused
+        first, second = index
+        return self._where[stored].get_slice(stored)[
+            expert, first.start + rows:first.stop + rows, second]
 
 
 def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
@@ -276,18 +341,16 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
     ``overrides`` set training-only ``MoEConfig`` fields (e.g. ``recompute="block"``).
     Unknown tensors in the checkpoint are an error, as are missing ones.
     """
-    path = Path(path)
-    cfg = config_from_hf(json.loads((path / "config.json").read_text()), **overrides)
-    files = _SafetensorsDir(path)
-    state = convert_from_hf(files.get, cfg)
-    unused = sorted(k for k in files.keys() - files.used if not k.endswith(_IGNORED_HF))
-    if unused:
-        raise ValueError(f"{path}: tensors not used by the model: {unused[:8]}{' ...' if len(unused) > 8 else ''}")
+    folder = Qwen3MoeFolder(path)
+    cfg = folder.model_config(**overrides)
+    folder.check(cfg)
     with torch.device("meta"):
         model = MoETransformer(cfg)
     model.to_empty(device=device)
     model.tie_weights()
     model.to(dtype)
+    state = {name: folder.read(name, cfg, (0,) * t.ndim, tuple(t.shape))
+             for name, t in model.state_dict().items()}
     model.load_state_dict(state, strict=True)
     return model
 

@@ -8,7 +8,8 @@ losses (``1 / N``, the token-loss divisor), a gradient sink for the weight gradi
 parallelism). ``wire_model`` sets all of them from one ``ModelWiring``, so what a model
 runs with is stated in one place; it sets them on the modules that use them (the
 experts, linear layers, embedding and MoE layers), which every view of the model that
-shares those modules (a pipeline stage) sees too.
+shares those modules (a pipeline stage) sees too. A module of another package that
+declares a ``grad_sink`` attribute of its own (moe_mxfp8's FP8 experts) gets the sink too.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def wire_model(model: nn.Module, wiring: ModelWiring) -> None:
             module.grad_sink = None if id(module) in tied else wiring.gradient_sink
         elif isinstance(module, Embedding):
             module.grad_sink = None if id(module) in tied_embeddings else wiring.gradient_sink
+        elif "grad_sink" in vars(module):  # another package's layer that takes the sink
+            module.grad_sink = wiring.gradient_sink  # (e.g. moe_mxfp8's FP8 experts)
         elif isinstance(module, MoELayer):
             module.aux_loss_scale = wiring.aux_loss_scale
             module.count_reducer = wiring.count_reducer

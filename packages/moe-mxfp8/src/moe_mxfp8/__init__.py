@@ -10,9 +10,15 @@
   patterns that match nothing); ``refresh_weight_caches`` is the optimizer's
   weights-updated hook.
 - ``MXFP8RowCodec``: an MXFP8 payload for expert-parallel dispatch (``RowCodec``).
+- ``quantize_fp8`` / ``FP8Tensor`` / ``quantize_group_columns``: E4M3 with FP32 scales
+  per row, 1x128 tile or 128x128 block (torchao's float8 rowwise and DeepSeek-V3's
+  blockwise recipes); ``FP8GroupedExperts``: routed experts on FP8 grouped GEMMs
+  (``torch._scaled_grouped_mm`` on Hopper, ``fp8_native_available``), chosen by
+  ``MXFP8Config.recipe``; ``FP8RowCodec``: the rowwise FP8 dispatch payload.
 """
 
 from moe_mxfp8.apply import (
+    RECIPES,
     MXFP8Config,
     apply_mxfp8,
     mxfp8_modules,
@@ -21,7 +27,7 @@ from moe_mxfp8.apply import (
     unmatched_targets,
 )
 from moe_mxfp8.cache import MXFP8WeightCache
-from moe_mxfp8.codec import MXFP8RowCodec
+from moe_mxfp8.codec import FP8RowCodec, MXFP8RowCodec
 from moe_mxfp8.experts import MXFP8GroupedExperts
 from moe_mxfp8.format import (
     BLOCK_SIZE,
@@ -32,11 +38,23 @@ from moe_mxfp8.format import (
     quantize_rows_and_cols,
     scale_to_float,
 )
+from moe_mxfp8.fp8 import FP8Tensor, dequantize_fp8, quantize_fp8, quantize_group_columns
+from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8GroupedExperts
+from moe_mxfp8.fp8_gemm import fp8_native_available
 from moe_mxfp8.gemm import native_mx_available
 from moe_mxfp8.linear import MXFP8Linear
 
 __all__ = [
     "BLOCK_SIZE",
+    "FP8RowCodec",
+    "FP8GroupedExperts",
+    "FP8Tensor",
+    "FP8_RECIPES",
+    "RECIPES",
+    "dequantize_fp8",
+    "fp8_native_available",
+    "quantize_fp8",
+    "quantize_group_columns",
     "MXFP8Config",
     "MXFP8GroupedExperts",
     "MXFP8Linear",

@@ -1,9 +1,11 @@
-"""Swap a model's modules for MXFP8 ones by name pattern, and refresh their caches.
+"""Swap a model's modules for low-precision ones by name pattern, and refresh their caches.
 
-Structural: an ``nn.Linear`` becomes ``MXFP8Linear``; any module with parameters
-``w1``, ``w3``, ``w2`` (grouped experts) becomes ``MXFP8GroupedExperts``. The new
-modules hold the same ``nn.Parameter`` objects under the same names, so parameter
-names, optimizer state, gradient buckets and checkpoints are untouched.
+Structural: with ``recipe="mxfp8"`` an ``nn.Linear`` becomes ``MXFP8Linear`` and any
+module with parameters ``w1``, ``w3``, ``w2`` (grouped experts) ``MXFP8GroupedExperts``;
+with an FP8 recipe (``fp8_rowwise``, ``fp8_rowwise_gw_hp``, ``fp8_blockwise``) grouped experts become
+``FP8GroupedExperts`` and a matching ``nn.Linear`` is refused (FP8 covers the routed
+experts only). The new modules hold the same ``nn.Parameter`` objects under the same
+names, so parameter names, optimizer state, gradient buckets and checkpoints are untouched.
 
 Order in a training setup: build, initialise and partition the model (expert
 narrowing replaces parameters), ``apply_mxfp8``, wrap for data parallelism, build
@@ -20,14 +22,21 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from moe_mxfp8.experts import MXFP8GroupedExperts
+from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8GroupedExperts
 from moe_mxfp8.linear import GEMMS, MXFP8Linear
+
+RECIPES = ("mxfp8", *FP8_RECIPES)
+_CONVERTED = (MXFP8Linear, MXFP8GroupedExperts, FP8GroupedExperts)
 
 
 @dataclass
 class MXFP8Config:
     targets: tuple[str, ...] = ("experts",)  # module-name globs; each matches any dotted suffix
-    save_mxfp8_activations: bool = False  # keep tensors saved for backward in MXFP8
-    gemm: str = "emulated"  # dense layers: emulated | native (sm_100 only); experts: emulated
+    save_mxfp8_activations: bool = False  # keep tensors saved for backward in MXFP8 (mxfp8 only)
+    # mxfp8: dense layers emulated | native (sm_100 only), experts emulated;
+    # fp8_rowwise(_gw_hp): emulated | native (sm_90); fp8_blockwise: emulated
+    gemm: str = "emulated"
+    recipe: str = "mxfp8"  # mxfp8 | fp8_rowwise | fp8_rowwise_gw_hp | fp8_blockwise
 
     def __post_init__(self) -> None:
         self.validate()
@@ -35,8 +44,17 @@ class MXFP8Config:
     def validate(self) -> None:
         if isinstance(self.targets, str) or not all(isinstance(t, str) and t for t in self.targets):
             raise ValueError(f"MXFP8Config.targets must be a tuple of non-empty globs, got {self.targets!r}")
+        if self.recipe not in RECIPES:
+            raise ValueError(f"MXFP8Config.recipe must be one of {RECIPES}, got {self.recipe!r}")
         if self.gemm not in GEMMS:
             raise ValueError(f"MXFP8Config.gemm must be one of {GEMMS}, got {self.gemm!r}")
+        if self.recipe != "mxfp8":
+            if self.save_mxfp8_activations:
+                raise ValueError(f"MXFP8Config.save_mxfp8_activations applies to recipe mxfp8, "
+                                 f"not {self.recipe}")
+            if self.gemm == "native" and not FP8_RECIPES[self.recipe].native:
+                raise ValueError(f"MXFP8Config.gemm: recipe {self.recipe} has no native grouped "
+                                 "GEMM; use gemm='emulated'")
 
 
 def name_matches(fqn: str, pattern: str) -> bool:
@@ -63,13 +81,16 @@ def unmatched_targets(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
     ``model`` (a whole model: a pipeline stage lacks other stages' modules). A misspelt
     glob otherwise leaves MXFP8 off without a word; a caller can refuse it up front."""
     names = [fqn for fqn, module in model.named_modules()
-             if fqn and (_replaceable(module) or isinstance(module, (MXFP8Linear, MXFP8GroupedExperts)))]
+             if fqn and (_replaceable(module) or isinstance(module, _CONVERTED))]
     return [t for t in targets if not any(name_matches(fqn, t) for fqn in names)]
 
 
-def mxfp8_modules(model: nn.Module) -> Iterator[tuple[str, MXFP8Linear | MXFP8GroupedExperts]]:
+def mxfp8_modules(
+    model: nn.Module,
+) -> Iterator[tuple[str, MXFP8Linear | MXFP8GroupedExperts | FP8GroupedExperts]]:
+    """Every converted module (any recipe): the holders of weight caches."""
     for name, module in model.named_modules():
-        if isinstance(module, (MXFP8Linear, MXFP8GroupedExperts)):
+        if isinstance(module, _CONVERTED):
             yield name, module
 
 
@@ -81,15 +102,22 @@ def apply_mxfp8(model: nn.Module, config: MXFP8Config | None = None) -> list[str
     """
     config = config or MXFP8Config()
     config.validate()
+    matched = [(fqn, module) for fqn, module in model.named_modules()
+               if fqn and not isinstance(module, _CONVERTED)
+               and any(name_matches(fqn, t) for t in config.targets)]
+    if config.recipe != "mxfp8":  # refused before anything is replaced
+        linear = [fqn for fqn, module in matched if isinstance(module, nn.Linear)]
+        if linear:
+            raise ValueError(f"recipe {config.recipe} converts grouped experts only; the targets "
+                             f"match the linear layer(s) {linear}")
     replaced = []
-    for fqn, module in list(model.named_modules()):
-        if not fqn or isinstance(module, (MXFP8Linear, MXFP8GroupedExperts)):
-            continue
-        if not any(name_matches(fqn, t) for t in config.targets):
-            continue
-        if isinstance(module, nn.Linear):
-            new: nn.Module = MXFP8Linear.from_module(module, config.save_mxfp8_activations,
-                                                    config.gemm)
+    for fqn, module in matched:
+        if config.recipe != "mxfp8":
+            if not _is_grouped_experts(module):
+                continue
+            new: nn.Module = FP8GroupedExperts.from_module(module, config.recipe, config.gemm)
+        elif isinstance(module, nn.Linear):
+            new = MXFP8Linear.from_module(module, config.save_mxfp8_activations, config.gemm)
         elif _is_grouped_experts(module):
             new = MXFP8GroupedExperts.from_module(module, config.save_mxfp8_activations)
         else:
@@ -100,10 +128,12 @@ def apply_mxfp8(model: nn.Module, config: MXFP8Config | None = None) -> list[str
     return replaced
 
 
-def refresh_weight_caches(model: nn.Module) -> int:
-    """Re-derive every MXFP8 weight cache in ``model`` (the weights-updated hook); returns the count."""
+def refresh_weight_caches(model: nn.Module, in_place: bool = False) -> int:
+    """Re-derive every weight cache (MXFP8 and FP8) in ``model`` (the weights-updated hook);
+    returns the count. ``in_place`` keeps the caches' tensors (for captured CUDA graphs;
+    see ``WeightCache.refresh``)."""
     count = 0
     for _, module in mxfp8_modules(model):
-        module.refresh_weight_cache()
+        module.refresh_weight_cache(in_place)
         count += 1
     return count

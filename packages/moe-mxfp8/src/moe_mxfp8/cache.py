@@ -1,9 +1,9 @@
-"""Derived MXFP8 copies of a weight, in the two orientations its GEMMs reduce over.
+"""Derived low-precision copies of a weight, in the two orientations its GEMMs reduce over.
 
 The weight (a parameter the optimizer owns, rebuilt each step from the FP32 main
 weight) stays the only source of truth. The cache is a pure function of it:
 ``refresh()`` re-quantizes the weight rounded to BF16, so a layer sees the same
-MXFP8 values whether the optimizer keeps BF16 compute weights or FP32 parameters.
+quantized values whether the optimizer keeps BF16 compute weights or FP32 parameters.
 Nothing ever updates the cache on its own. ``check_fresh()`` catches a cache that
 was not refreshed after the weight changed (an optimizer step, a checkpoint load,
 a device move, a parameter replaced by another, e.g. ``load_state_dict(assign=True)``)
@@ -18,6 +18,8 @@ input-gradient GEMM reduces over ``out``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,28 +36,57 @@ def _stamp(params: Params) -> tuple[tuple[int, int, int, torch.device], ...]:
     return tuple((id(p), p.data_ptr(), p._version, p.device) for p in params)
 
 
-class MXFP8WeightCache:
-    """MXFP8 ``rows``/``cols`` of ``cat(params, dim=-2)`` (one param, or e.g. gate and up).
+def _tensors(copies: tuple[Any, ...]) -> list[torch.Tensor]:
+    """The tensors of quantized copies (``MXFP8Tensor`` / ``FP8Tensor`` fields), in order."""
+    return [v for c in copies for v in vars(c).values() if isinstance(v, torch.Tensor)]
+
+
+def _same_layout(old: tuple[Any, ...], new: tuple[Any, ...]) -> bool:
+    if any(c is None for c in old):
+        return False
+    a, b = _tensors(old), _tensors(new)
+    return len(a) == len(b) and all(
+        (x.shape, x.dtype, x.device, x.stride()) == (y.shape, y.dtype, y.device, y.stride())
+        for x, y in zip(a, b, strict=True))
+
+
+class WeightCache:
+    """Derived copies (``rows``/``cols``) of ``cat(params, dim=-2)`` (one param, or e.g. gate
+    and up); subclasses say how a copy is derived (``_derive``).
 
     ``params`` are the owner's parameters, passed again to ``refresh`` and ``check_fresh``
     as they are then (the owner may have been given new parameter objects).
     """
 
-    def __init__(self, params: Params, block_size: int = BLOCK_SIZE) -> None:
+    def __init__(self, params: Params) -> None:
         if not params:
-            raise ValueError("MXFP8WeightCache needs at least one parameter")
-        self.block_size = block_size
-        self.rows: MXFP8Tensor | None = None
-        self.cols: MXFP8Tensor | None = None
+            raise ValueError(f"{type(self).__name__} needs at least one parameter")
+        self.rows: Any = None
+        self.cols: Any = None
         self._stamp: tuple[tuple[int, int, int, torch.device], ...] = ()
         self.refresh(params)
 
+    def _derive(self, weight: torch.Tensor) -> tuple[Any, Any]:
+        """``(rows, cols)`` of the BF16 weight ``[..., out, in]``."""
+        raise NotImplementedError
+
     @torch.no_grad()
-    def refresh(self, params: Params) -> None:
-        """Re-derive both orientations from the current weight values."""
+    def refresh(self, params: Params, in_place: bool = False) -> None:
+        """Re-derive both orientations from the current weight values.
+
+        ``in_place``: copy the new values into the current cache tensors where shapes,
+        dtypes and devices are unchanged, so their addresses stay (what a captured CUDA
+        graph reads); a backward of a forward run before the refresh then sees the new
+        values. Otherwise the cache gets new tensors.
+        """
         ps = [p.detach().to(CACHE_SOURCE_DTYPE) for p in params]
         weight = ps[0] if len(ps) == 1 else torch.cat(ps, dim=-2)
-        self.rows, self.cols = quantize_rows_and_cols(weight, self.block_size)
+        rows, cols = self._derive(weight)
+        if in_place and _same_layout((self.rows, self.cols), (rows, cols)):
+            for old, new in zip(_tensors((self.rows, self.cols)), _tensors((rows, cols)), strict=True):
+                old.copy_(new)
+        else:
+            self.rows, self.cols = rows, cols
         self._stamp = _stamp(params)
 
     def check_fresh(self, owner: str, params: Params) -> None:
@@ -63,7 +94,7 @@ class MXFP8WeightCache:
         since the last refresh."""
         if _stamp(params) != self._stamp:
             raise RuntimeError(
-                f"{owner}: the weights changed since the MXFP8 weight cache was built; call "
+                f"{owner}: the weights changed since the weight cache was built; call "
                 "refresh_weight_cache() after every weight update (register "
                 "moe_mxfp8.refresh_weight_caches as the optimizer's weights-updated hook)"
             )
@@ -71,3 +102,14 @@ class MXFP8WeightCache:
     @property
     def nbytes(self) -> int:
         return self.rows.nbytes + self.cols.nbytes
+
+
+class MXFP8WeightCache(WeightCache):
+    """MXFP8 ``rows`` (blocked along the last dim) and ``cols`` (along dim -2)."""
+
+    def __init__(self, params: Params, block_size: int = BLOCK_SIZE) -> None:
+        self.block_size = block_size
+        super().__init__(params)
+
+    def _derive(self, weight: torch.Tensor) -> tuple[MXFP8Tensor, MXFP8Tensor]:
+        return quantize_rows_and_cols(weight, self.block_size)

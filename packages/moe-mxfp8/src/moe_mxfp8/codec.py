@@ -1,4 +1,6 @@
-"""MXFP8 payload for expert-parallel dispatch: rows travel as E4M3 bytes plus E8M0 scales.
+"""Low-precision payloads for expert-parallel dispatch: rows travel as E4M3 bytes plus scales.
+
+``MXFP8RowCodec``: E8M0 scales per 32 elements.
 
 Packed row layout (``uint8[W]``, ``W = D + ceil(D / 32)``): the D data bytes, then
 the ``ceil(D / 32)`` scale bytes. No padding: ``W`` is strictly increasing in ``D``,
@@ -9,6 +11,13 @@ For D = 2048: 2112 bytes a row, 51.6% of BF16's 4096.
 Values: the same quantization as ``moe_mxfp8.quantize`` along the row, so a decoded
 row equals ``dequantize(quantize(row))`` exactly. Not differentiable (a transport
 passes gradients straight through).
+
+``FP8RowCodec``: the ``fp8_rowwise`` recipe's rows (E4M3 data, one power-of-two FP32
+scale per row): ``W = D + 4`` bytes, the data then the scale's bytes (2052 for D =
+2048: 50.1% of BF16). Decoded rows are exact in BF16, and re-quantizing them gives the
+sender's FP8 values again (the row's largest code is in [224, 448], so the power-of-two
+scale comes back unchanged or doubled, with the codes doubled: both exact), so the
+receiving FP8 experts compute on what was sent.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from moe_mxfp8.format import (
     quantize,
     uses_triton,
 )
+from moe_mxfp8.fp8 import FP8Tensor, dequantize_fp8, quantize_fp8
 
 
 class MXFP8RowCodec:
@@ -75,3 +85,43 @@ class MXFP8RowCodec:
         data = packed[:, :D].contiguous().view(torch.float8_e4m3fn)
         scales = packed[:, D:].contiguous().view(torch.float8_e8m0fnu)
         return dequantize(data, scales, -1, self.block_size, dtype, backend="torch")
+
+
+class FP8RowCodec:
+    """Encodes ``[R, D]`` rows into ``uint8[R, D + 4]`` (E4M3 data, FP32 row scale) and back."""
+
+    scale_bytes = 4
+
+    def packed_width(self, d: int) -> int:
+        """Bytes per encoded row of width ``d`` (data, then the scale)."""
+        if d <= 0:
+            raise ValueError(f"row width must be positive, got {d}")
+        return d + self.scale_bytes
+
+    def row_width(self, packed_width: int) -> int:
+        """Inverse of ``packed_width``; raises for a width no row produces."""
+        if packed_width <= self.scale_bytes:
+            raise ValueError(f"{packed_width} bytes is not the packed width of any row")
+        return packed_width - self.scale_bytes
+
+    def bytes_ratio(self, d: int, dtype: torch.dtype = torch.bfloat16) -> float:
+        """Encoded bytes per row relative to the row in ``dtype``."""
+        return self.packed_width(d) / (d * dtype.itemsize)
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.dim() != 2:
+            raise ValueError(f"rows must be [R, D], got {tuple(rows.shape)}")
+        R, D = rows.shape
+        q = quantize_fp8(rows, (1, 0), pow2=True)
+        packed = torch.empty(R, self.packed_width(D), dtype=torch.uint8, device=rows.device)
+        packed[:, :D] = q.data.view(torch.uint8)
+        packed[:, D:] = q.scale.view(torch.uint8)
+        return packed
+
+    def decode(self, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if packed.dim() != 2 or packed.dtype != torch.uint8:
+            raise ValueError(f"packed must be uint8 [R, W], got {packed.dtype} {tuple(packed.shape)}")
+        D = self.row_width(packed.shape[1])
+        data = packed[:, :D].contiguous().view(torch.float8_e4m3fn)
+        scale = packed[:, D:].clone(memory_format=torch.contiguous_format).view(torch.float32)
+        return dequantize_fp8(FP8Tensor(data, scale, (1, 0)), dtype)

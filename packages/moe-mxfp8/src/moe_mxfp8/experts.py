@@ -25,12 +25,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_mxfp8.cache import MXFP8WeightCache
 from moe_mxfp8.format import MXFP8Tensor, quantize, quantize_dequantize
 from moe_mxfp8.gemm import carrier_dtype, compute_dtype, grouped_mm, grouped_weight_grad
+from moe_mxfp8.swiglu import swiglu, swiglu_backward
 
 _CARRIED_ATTRS = (bool, int, float, str, type(None))
 
@@ -46,7 +46,7 @@ class _MXFP8ExpertsFn(torch.autograd.Function):
         rows_deq, rows_mx = quantize_dequantize(rows_RD, carrier, keep_mxfp8=keep)
         h13_R2F = grouped_mm(rows_deq, w13.rows.dequantize(carrier).transpose(-2, -1),
                              offsets_E).to(dtype)
-        h_RF = _swiglu(h13_R2F)
+        h_RF = swiglu(h13_R2F)
         h_deq, h_mx = quantize_dequantize(h_RF, carrier, keep_mxfp8=keep)
         y_RD = grouped_mm(h_deq, w2c.rows.dequantize(carrier).transpose(-2, -1), offsets_E)
         if keep:
@@ -71,11 +71,11 @@ class _MXFP8ExpertsFn(torch.autograd.Function):
                                       for i in (0, 2, 4))
         else:
             rows_RD, h13_R2F = saved
-            h_RF = _swiglu(h13_R2F)
+            h_RF = swiglu(h13_R2F)
         dy_RD = dy_RD.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
         dy_deq, _ = quantize_dequantize(dy_RD, carrier)
         dh_RF = grouped_mm(dy_deq, ctx.w2_cols.dequantize(carrier), offsets_E)
-        dh13_R2F = _swiglu_backward(h13_R2F, dh_RF).to(dtype)
+        dh13_R2F = swiglu_backward(h13_R2F, dh_RF, dtype)
         drows = None
         if ctx.needs_input_grad[0]:
             dh13_deq, _ = quantize_dequantize(dh13_R2F, carrier)
@@ -88,21 +88,6 @@ class _MXFP8ExpertsFn(torch.autograd.Function):
             dw3 = dw13[:, hidden:].to(ctx.param_dtypes[1])
             dw2 = grouped_weight_grad(dy_RD, h_RF, offsets_E).to(ctx.param_dtypes[2])
         return drows, None, dw1, dw3, dw2, None, None
-
-
-def _swiglu(h13_R2F: torch.Tensor) -> torch.Tensor:
-    h1, h3 = h13_R2F.chunk(2, dim=-1)
-    return F.silu(h1) * h3
-
-
-def _swiglu_backward(h13_R2F: torch.Tensor, dh_RF: torch.Tensor) -> torch.Tensor:
-    """Gradients of ``silu(h1) * h3`` w.r.t. ``[h1, h3]``, computed in FP32."""
-    h1, h3 = (t.float() for t in h13_R2F.chunk(2, dim=-1))
-    dh = dh_RF.float()
-    sig = torch.sigmoid(h1)
-    dh1 = dh * h3 * sig * (1 + h1 * (1 - sig))
-    dh3 = dh * h1 * sig
-    return torch.cat([dh1, dh3], dim=-1)
 
 
 class MXFP8GroupedExperts(nn.Module):
@@ -145,10 +130,11 @@ class MXFP8GroupedExperts(nn.Module):
                 setattr(layer, name, value)
         return layer
 
-    def refresh_weight_cache(self) -> None:
-        """Re-derive the MXFP8 weight copies; call after every weight update."""
-        self.w13_cache.refresh((self.w1, self.w3))
-        self.w2_cache.refresh((self.w2,))
+    def refresh_weight_cache(self, in_place: bool = False) -> None:
+        """Re-derive the MXFP8 weight copies; call after every weight update
+        (``in_place``: see ``WeightCache.refresh``)."""
+        self.w13_cache.refresh((self.w1, self.w3), in_place)
+        self.w2_cache.refresh((self.w2,), in_place)
 
     def forward(self, rows_RD: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
         D = self.w1.shape[-1]

@@ -106,9 +106,10 @@ class MXFP8Linear(nn.Module):
             raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
         return cls(linear.weight, linear.bias, save_mxfp8_input, gemm)
 
-    def refresh_weight_cache(self) -> None:
-        """Re-derive the MXFP8 weight copies; call after every weight update."""
-        self.weight_cache.refresh((self.weight,))
+    def refresh_weight_cache(self, in_place: bool = False) -> None:
+        """Re-derive the MXFP8 weight copies; call after every weight update
+        (``in_place``: see ``WeightCache.refresh``)."""
+        self.weight_cache.refresh((self.weight,), in_place)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

@@ -174,12 +174,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from pretrain.config import load_config
     from pretrain.data import resolve_vocab_size
+    from pretrain.init_from import adopt_source_model
     from pretrain.planner import PlanRequest, format_plan, plan_memory
 
     cfg = load_config(args.config, args.overrides)
-    vocab_note = resolve_vocab_size(cfg)
-    if vocab_note:
-        print(vocab_note, file=sys.stderr if args.json else sys.stdout)
+    for note in (adopt_source_model(cfg), resolve_vocab_size(cfg)):  # in this order
+        if note:
+            print(note, file=sys.stderr if args.json else sys.stdout)
     try:
         request = PlanRequest.from_config(cfg, args.gpus, gpu_gib=args.gpu_gib,
                                           headroom=args.headroom)

@@ -1,0 +1,195 @@
+"""Triton kernels for the scaled E4M3 formats of ``moe_mxfp8.fp8``, bit-identical to its
+torch reference on the GPU and under ``TRITON_INTERPRET=1``.
+
+Imported lazily, like ``moe_mxfp8._triton`` (whose exact E4M3 encoding they share: no
+FP8 conversion instruction, whose subnormal and tie handling differs between the
+hardware and the interpreter).
+
+- ``quantize_blocks``: one program per tile of ``[B, M, N]``: ``ROWS`` rows by one scale
+  block (a whole row, 128 columns, or a 128x128 block); amax is an integer max over
+  ``|x|`` bit patterns (NaN sorts above inf).
+- ``quantize_group_columns_t``: one program per (expert, column strip): a pass over the
+  expert's rows for the column amax, a second that scales, encodes and writes the strip
+  transposed into the expert's 16-aligned slot of ``[N, W]`` (zeros in the padding).
+  Offsets are read on the device.
+
+Exactness: the scale is ``448 / amax`` divided in FP64 (IEEE on the GPU: ``div.rn.f64``)
+and rounded once to FP32; the ``1e-12`` floor is applied by comparing FP32 bit patterns
+(no FP32 rounding of the constant). Kernels launch with ``enable_fp_fusion=False`` so the
+scaled value ``|x| * scale`` is rounded to FP32 before the E4M3 rounding step (an FMA
+would skip that rounding; it matters for non-power-of-two scales).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_mxfp8._triton import _bits_view, _e4m3, _load_abs_sign
+from moe_mxfp8.fp8 import E4M3_MAX, EPS
+
+
+def _f32_bits(v: float) -> int:
+    return int(torch.tensor(v, dtype=torch.float32).view(torch.int32))
+
+
+# amax below the floor: FP32 bit patterns under that of the smallest FP32 >= 1e-12.
+_EPS_F32 = torch.tensor(EPS, dtype=torch.float64).float().item()
+_EPS_BITS = _f32_bits(_EPS_F32) + (1 if _EPS_F32 < EPS else 0)
+_SCALE_AT_EPS = torch.tensor(E4M3_MAX / EPS, dtype=torch.float64).float().item()
+
+
+@triton.jit
+def _scale(amax_bits, POW2: tl.constexpr, EPS_BITS: tl.constexpr, SCALE_AT_EPS: tl.constexpr):
+    """FP32 scale of blocks whose ``|x|`` maximum has FP32 bits ``amax_bits`` (uint32)."""
+    amax = amax_bits.to(tl.float32, bitcast=True).to(tl.float64)
+    s = (448.0 / amax).to(tl.float32)
+    s = tl.where(amax_bits < EPS_BITS, SCALE_AT_EPS, s)
+    if POW2:
+        s = (s.to(tl.uint32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.where(amax_bits > 0x7F800000, float("nan"), s)
+
+
+@triton.jit
+def _encode(abs_bits, sign, scale):
+    """E4M3 bytes of ``x * scale`` (saturating; NaN where the product is NaN)."""
+    q, _ = _e4m3(abs_bits, sign, scale, tl.full([], 126, tl.uint32))
+    a = abs_bits.to(tl.float32, bitcast=True) * scale
+    return tl.where(a != a, 0x7F, q).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_blocks_kernel(
+    x_ptr, sx_b, sx_m, d_ptr, sd_b, sd_m, s_ptr, ss_b, ss_m, M, N,
+    ROWS: tl.constexpr, BN: tl.constexpr, SQUARE: tl.constexpr, POW2: tl.constexpr,
+    IN_BF16: tl.constexpr, EPS_BITS: tl.constexpr, SCALE_AT_EPS: tl.constexpr,
+):
+    pid_m, pid_n, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    rows = (pid_m * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+    cols = (pid_n * BN + tl.arange(0, BN))[None, :]
+    mask = (rows < M) & (cols < N)
+    abs_bits, sign = _load_abs_sign(x_ptr + b * sx_b + rows * sx_m + cols, mask, IN_BF16)
+    if SQUARE:
+        amax = tl.max(tl.max(abs_bits, axis=1, keep_dims=True), axis=0, keep_dims=True)
+    else:
+        amax = tl.max(abs_bits, axis=1, keep_dims=True)
+    scale = _scale(amax, POW2, EPS_BITS, SCALE_AT_EPS)
+    tl.store(d_ptr + b * sd_b + rows * sd_m + cols, _encode(abs_bits, sign, scale), mask=mask)
+    if SQUARE:
+        tl.store(s_ptr + b * ss_b + pid_m * ss_m + pid_n + tl.zeros([1, 1], tl.int32), scale)
+    else:
+        tl.store(s_ptr + b * ss_b + rows * ss_m + pid_n, scale, mask=rows < M)
+
+
+@triton.jit
+def _group_columns_kernel(
+    x_ptr, sx_m, offs_ptr, pends_ptr, d_ptr, sd_n, s_ptr, N,
+    BR: tl.constexpr, BN: tl.constexpr, POW2: tl.constexpr, IN_BF16: tl.constexpr,
+    EPS_BITS: tl.constexpr, SCALE_AT_EPS: tl.constexpr,
+):
+    pid_n, e = tl.program_id(0), tl.program_id(1)
+    start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(offs_ptr + e)
+    p_start = tl.load(pends_ptr + e - 1, mask=e > 0, other=0)
+    p_end = tl.load(pends_ptr + e)
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    amax = tl.zeros([BN], tl.uint32)
+    for r0 in range(start, end, BR):
+        rows = (r0 + tl.arange(0, BR)).to(tl.int64)
+        mask = (rows < end)[:, None] & col_ok[None, :]
+        abs_bits, _ = _load_abs_sign(x_ptr + rows[:, None] * sx_m + cols[None, :], mask, IN_BF16)
+        amax = tl.maximum(amax, tl.max(abs_bits, axis=0))
+    scale = _scale(amax, POW2, EPS_BITS, SCALE_AT_EPS)
+    tl.store(s_ptr + e.to(tl.int64) * N + cols, scale, mask=col_ok)
+    for p0 in range(p_start, p_end, BR):
+        slots = (p0 + tl.arange(0, BR)).to(tl.int64)
+        rows = start + slots - p_start
+        mask = (rows < end)[:, None] & col_ok[None, :]
+        abs_bits, sign = _load_abs_sign(x_ptr + rows[:, None] * sx_m + cols[None, :], mask, IN_BF16)
+        q = tl.where(mask, _encode(abs_bits, sign, scale[None, :]), 0)  # padding: zero
+        ptrs = d_ptr + cols.to(tl.int64)[:, None] * sd_n + slots[None, :]
+        tl.store(ptrs, tl.trans(q), mask=col_ok[:, None] & (slots < p_end)[None, :])
+
+
+_CONSTS = dict(EPS_BITS=_EPS_BITS, SCALE_AT_EPS=_SCALE_AT_EPS)
+
+
+@dataclass(frozen=True)
+class BlockTile:
+    """Launch shape of ``quantize_blocks``: about ``elements`` per program (whole rows of
+    one scale block; a 128x128 block is one program whatever ``elements``), ``warps``."""
+
+    elements: int
+    warps: int
+
+
+@dataclass(frozen=True)
+class ColumnTile:
+    """Launch shape of ``quantize_group_columns_t``: ``rows`` x ``cols`` tiles, ``warps``."""
+
+    rows: int
+    cols: int
+    warps: int
+
+
+# Untuned first choices (no GPU measurement yet): tools/bench_fp8_experts.py measures the
+# candidates of its TILE_CANDIDATES on the bench shapes, each checked bit-exact first.
+_TILES: dict[str, BlockTile | ColumnTile] = {
+    "rows": BlockTile(4096, 4),  # one scale per row
+    "tiles": BlockTile(4096, 4),  # 1x128
+    "blocks": BlockTile(128 * 128, 8),  # 128x128
+    "group_columns": ColumnTile(64, 64, 4),
+}
+
+
+def _block_kind(block: tuple[int, int]) -> str:
+    return "blocks" if block[0] > 1 else "rows" if block[1] == 0 else "tiles"
+
+
+def quantize_blocks(x: torch.Tensor, block: tuple[int, int], pow2: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., M, N]`` -> (E4M3 data, FP32 scales ``[..., ceil(M/bm), ceil(N/bn)]``)."""
+    bm, bn = block
+    x = x.contiguous()
+    M, N = x.shape[-2:]
+    B = math.prod(x.shape[:-2])
+    n_cols = -(-N // bn) if bn else 1
+    data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(*x.shape[:-2], -(-M // bm), n_cols, dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return data.view(torch.float8_e4m3fn), scale.fill_(_SCALE_AT_EPS if M and not N else 0)
+    tile = _TILES[_block_kind(block)]
+    width = bn or triton.next_power_of_2(N)
+    rows = bm if bm > 1 else max(1, tile.elements // width)
+    x3, d3, s3 = (t.reshape(B, t.shape[-2], t.shape[-1]) for t in (_bits_view(x), data, scale))
+    grid = (triton.cdiv(M, rows), n_cols, B)
+    _quantize_blocks_kernel[grid](
+        x3, x3.stride(0), x3.stride(1), d3, d3.stride(0), d3.stride(1),
+        s3, s3.stride(0), s3.stride(1), M, N,
+        ROWS=rows, BN=width, SQUARE=bm > 1, POW2=pow2, IN_BF16=x.dtype == torch.bfloat16,
+        num_warps=tile.warps, enable_fp_fusion=False, **_CONSTS,
+    )
+    return data.view(torch.float8_e4m3fn), scale
+
+
+def quantize_group_columns_t(x: torch.Tensor, offsets: torch.Tensor, padded_ends: torch.Tensor,
+                             width: int, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """See ``moe_mxfp8.fp8.quantize_group_columns``; returns ``(data_t [N, width], scale [E, N])``."""
+    x = x.contiguous()
+    R, N = x.shape
+    E = offsets.shape[0]
+    data_t = torch.empty(N, width, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(E, N, dtype=torch.float32, device=x.device)
+    if N and E:
+        tile = _TILES["group_columns"]
+        _group_columns_kernel[(triton.cdiv(N, tile.cols), E)](
+            _bits_view(x), x.stride(0), offsets, padded_ends, data_t, data_t.stride(0), scale, N,
+            BR=tile.rows, BN=tile.cols, POW2=pow2, IN_BF16=x.dtype == torch.bfloat16,
+            num_warps=tile.warps, enable_fp_fusion=False, **_CONSTS,
+        )
+    return data_t.view(torch.float8_e4m3fn), scale

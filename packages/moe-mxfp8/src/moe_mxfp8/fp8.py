@@ -1,0 +1,204 @@
+"""Scaled E4M3 formats for Hopper's FP8 tensor cores: rowwise and blockwise.
+
+One FP32 scale per block of a matrix ``[..., M, N]``; ``block = (bm, bn)``:
+
+- ``(1, 0)``: rowwise, one scale per row (``0`` = the whole axis): torchao's float8
+  "rowwise" recipe, with power-of-two scales (``pow2=True``, that recipe's default);
+- ``(1, 128)``: DeepSeek-V3's activation tiles, ``(128, 128)``: its weight blocks,
+  with FP32 scales (``pow2=False``), as torchao's ``blockwise_fp8_training``.
+
+Numerics (torchao's ``amax_to_scale`` / ``to_fp8_saturated``): ``scale = fp32(448 /
+max(amax, 1e-12))`` divided in FP64; with ``pow2`` the scale is rounded down to a power
+of two. Elements become ``e4m3(clamp(fp32(x) * scale, -448, 448))`` (nearest even), so
+``x ~ data / scale``. ``scale`` is the multiplier (torchao's convention); a GEMM takes its
+reciprocal. Non-finite input, documented rather than refused (an overflow shows up as
+NaN in the step's loss and gradient norm instead of stopping a kernel):
+
+- a block holding an infinity gets scale 0: its finite elements encode 0 and its
+  infinities NaN, so the whole block dequantizes to NaN (``0 * inf``);
+- a block holding a NaN gets a NaN scale and dequantizes to NaN;
+- all-zero blocks get ``448e12`` (the ``1e-12`` floor) and stay zero; FP32 denormals
+  encode as zero.
+
+Power-of-two rounding is exact (the FP32 scale's exponent bits). torchao evaluates
+``exp2(floor(log2(s)))`` in FP32, whose ``log2`` rounds up to an integer when ``s`` is
+within about 2**-22 (relative) below a power of two, i.e. when a row's ``amax`` lies
+within that of ``7 * 2**j`` from above: only there torchao's scale is twice ours
+(checked by a test). Bit-identical otherwise, also in the Triton kernels
+(``moe_mxfp8._triton_fp8``), which encode E4M3 without the FP8 conversion instructions.
+
+Weight-gradient operands are quantized along the tokens of each expert's segment
+(``quantize_group_columns``): per group and column one scale, the result transposed to
+``[N, rows]`` with every group's start padded to 16 (the FP8 grouped GEMM reads each
+group's columns at a 16-byte aligned address), padding zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+E4M3_MAX = 448.0
+EPS = 1e-12  # torchao's amax floor
+GROUP_ALIGN = 16  # FP8 grouped GEMMs over tokens: each group starts at a multiple of this
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_F32_EXP_MASK = 0x7F800000
+
+
+@dataclass(frozen=True)
+class FP8Tensor:
+    """E4M3 ``data`` ``[..., M, N]`` and FP32 ``scale`` ``[..., ceil(M/bm), ceil(N/bn)]``
+    (``bn = 0``: one column), ``x ~ data / scale``."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + 4 * self.scale.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_fp8(self, dtype)
+
+
+def check_block(block: tuple[int, int]) -> tuple[int, int]:
+    bm, bn = block
+    if bm not in (1, 128) or bn not in (0, 128) or (bm, bn) == (128, 0):
+        raise ValueError(f"block must be (1, 0), (1, 128) or (128, 128), got {block!r}")
+    return bm, bn
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() < 2:
+        raise ValueError(f"x must be [..., M, N], got {x.dim()} dims")
+
+
+def _use_triton(x: torch.Tensor, backend: str) -> bool:
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
+    from moe_mxfp8.format import uses_triton
+
+    return uses_triton(x, backend)
+
+
+# --- pure-torch reference -------------------------------------------------------------
+
+
+def scale_from_amax(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
+    """FP32 scale of blocks with FP32 ``amax`` (NaN where ``amax`` is NaN)."""
+    scale = (E4M3_MAX / amax.double().clamp_min(EPS)).float()
+    if pow2:  # the exponent bits: the largest power of two not above ``scale``
+        scale = (scale.view(torch.int32) & _F32_EXP_MASK).view(torch.float32)
+    return torch.where(amax.isnan(), float("nan"), scale)
+
+
+def to_e4m3(scaled: torch.Tensor) -> torch.Tensor:
+    """Saturating, nearest-even E4M3 of FP32 values (NaN stays NaN)."""
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _blocks_view(x: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tensor, int, int]:
+    """FP32 ``x [..., M, N]`` zero-padded to whole blocks, as ``[..., Mb, bm, Nb, bn]``."""
+    M, N = x.shape[-2:]
+    nb = 1 if bn == 0 else -(-N // bn)
+    bn = bn or max(N, 1)
+    mb = -(-M // bm)
+    padded = F.pad(x.float(), (0, nb * bn - N, 0, mb * bm - M))
+    return padded.reshape(*x.shape[:-2], mb, bm, nb, bn), mb * bm, nb * bn
+
+
+def _quantize_torch(x: torch.Tensor, block: tuple[int, int], pow2: bool) -> FP8Tensor:
+    bm, bn = block
+    M, N = x.shape[-2:]
+    blocks, Mp, Np = _blocks_view(x, bm, bn)
+    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)
+    amax = torch.where(blocks.isnan().any(dim=(-3, -1), keepdim=True), float("nan"), amax)
+    scale = scale_from_amax(amax, pow2)
+    data = to_e4m3(blocks * scale).reshape(*x.shape[:-2], Mp, Np)[..., :M, :N].contiguous()
+    return FP8Tensor(data, scale.squeeze(-1).squeeze(-2).contiguous(), block)
+
+
+def dequantize_fp8(t: FP8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``data * (1 / scale)`` in FP32 (the reciprocal a GEMM applies), then ``dtype``."""
+    bm, bn = t.block
+    M, N = t.data.shape[-2:]
+    inv = t.scale.reciprocal()
+    inv = inv.repeat_interleave(bm, dim=-2)[..., :M, :]
+    inv = inv.repeat_interleave(bn or max(N, 1), dim=-1)[..., :N]
+    return (t.data.float() * inv).to(dtype)
+
+
+def _group_columns_torch(x: torch.Tensor, offsets: torch.Tensor, padded_ends: torch.Tensor,
+                         rows_out: int, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    N = x.shape[1]
+    data_t = torch.zeros(N, rows_out, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(offsets.shape[0], N, dtype=torch.float32, device=x.device)
+    start = padded_start = 0
+    for e, (end, padded_end) in enumerate(zip(offsets.tolist(), padded_ends.tolist(), strict=True)):
+        seg = x[start:end].float()
+        amax = seg.abs().amax(0) if end > start else seg.new_zeros(N)
+        amax = torch.where(seg.isnan().any(0), float("nan"), amax)
+        scale[e] = scale_from_amax(amax, pow2)
+        data_t[:, padded_start:padded_start + end - start] = to_e4m3(seg * scale[e]).t()
+        start, padded_start = end, padded_end
+    return data_t, scale
+
+
+# --- public API -----------------------------------------------------------------------
+
+
+def quantize_fp8(x: torch.Tensor, block: tuple[int, int] = (1, 0), pow2: bool = True,
+                 backend: str = "auto") -> FP8Tensor:
+    """Quantize ``x [..., M, N]`` with one scale per ``block`` (see the module notes)."""
+    _check_input(x)
+    block = check_block(tuple(block))
+    if _use_triton(x, backend):
+        from moe_mxfp8._triton_fp8 import quantize_blocks
+
+        data, scale = quantize_blocks(x, block, pow2)
+        return FP8Tensor(data, scale, block)
+    return _quantize_torch(x, block, pow2)
+
+
+def padded_group_ends(offsets: torch.Tensor, align: int = GROUP_ALIGN) -> torch.Tensor:
+    """Cumulative group ends with every group's size rounded up to ``align`` (on the device)."""
+    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    return ((sizes + align - 1) // align * align).cumsum(0).to(torch.int32)
+
+
+def group_columns_width(rows: int, n_groups: int, align: int = GROUP_ALIGN) -> int:
+    """Columns of the transposed weight-gradient operand: room for every group padded."""
+    return -(-rows // align) * align + n_groups * align
+
+
+def quantize_group_columns(x: torch.Tensor, offsets: torch.Tensor, pow2: bool = True,
+                           backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per expert segment and column of ``x [R, N]``: one scale over the segment's rows.
+
+    Returns ``data_t [N, W]`` (E4M3, ``x``'s segments transposed, each starting at a
+    multiple of 16, zeros between; ``W = group_columns_width(R, E)``; columns past the
+    last padded end are unspecified), ``scale [E, N]``
+    and the padded group ends ``[E]`` int32. Rows past ``offsets[-1]`` are ignored; an
+    empty group's scales are those of a zero block. Offsets stay on the device.
+    """
+    _check_input(x)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [R, N], got {tuple(x.shape)}")
+    if offsets.dim() != 1 or offsets.dtype != torch.int32:
+        raise ValueError(f"offsets must be int32 [E], got {offsets.dtype} {tuple(offsets.shape)}")
+    padded_ends = padded_group_ends(offsets)
+    width = group_columns_width(x.shape[0], offsets.shape[0])
+    if _use_triton(x, backend):
+        from moe_mxfp8._triton_fp8 import quantize_group_columns_t
+
+        data_t, scale = quantize_group_columns_t(x, offsets, padded_ends, width, pow2)
+    else:
+        data_t, scale = _group_columns_torch(x, offsets, padded_ends, width, pow2)
+    return data_t, scale, padded_ends

@@ -1,0 +1,261 @@
+"""FP8GroupedExperts: routed SwiGLU experts whose grouped GEMMs read scaled E4M3 operands.
+
+Shape legend: R dispatched rows (expert-major), E local experts, D d_model, F expert
+hidden, 2F gate and up side by side. Weights as in the model they replace: ``w1 [E,F,D]``,
+``w3 [E,F,D]``, ``w2 [E,D,F]``; ``forward(rows[R,D], group_offsets[E] int32 cumulative
+ends)``, as ``MXFP8GroupedExperts``.
+
+Recipes (``FP8_RECIPES``):
+- ``fp8_rowwise`` (torchao's float8 rowwise): every GEMM operand scaled per row along
+  its reduction dim with power-of-two scales; all three GEMMs in FP8, the weight
+  gradients' operands scaled per expert and column (along the tokens). Native on
+  Hopper through ``torch._scaled_grouped_mm``.
+- ``fp8_rowwise_gw_hp`` (torchao's "rowwise_with_gw_hp"): the same, with the weight
+  gradients in the compute dtype (BF16) from unquantized operands: two thirds of the
+  GEMM FLOPs in FP8, none of the four per-expert column quantizations (whichever is
+  faster depends on how those passes compare with the FP8 gain on the weight-gradient
+  GEMMs: ``tools/bench_fp8_experts.py`` measures both).
+- ``fp8_blockwise`` (DeepSeek-V3): activations and output gradients in 1x128 tiles,
+  weights in 128x128 blocks, FP32 scales; forward and input-gradient GEMMs in FP8, the
+  weight gradients in the compute dtype. Emulated only: no grouped GEMM with these
+  scales exists in torch for sm_90 (a per-expert ``torch._scaled_mm`` loop would read
+  the offsets on the host).
+
+Per layer: ``h13 = rows @ w13^T`` (gate and up in one GEMM from a ``[E, 2F, D]`` cache),
+``h = silu(h1) * h3``, ``y = h @ w2^T``; backward ``dh = dy @ w2``, ``drows = dh13 @ w13``
+(weights from the caches' transposed copies scaled along the output dim), weight
+gradients ``dw = dy^T @ x`` per expert. ``rows`` and ``h13`` are saved in the compute
+dtype; ``h`` is recomputed.
+
+``gemm``: ``native`` (``torch._scaled_grouped_mm``, BF16 compute, widths multiples of
+16, no host synchronisation) or ``emulated`` (dequantize, FP32 matmuls per expert:
+exact, reads the offsets on the host; every device).
+
+Weight gradients into a sink: like ``moe_model.GroupedExperts``, the layer has a
+``grad_sink`` (a ``GradientSink``: ``accepts(param)``, ``add_gradient(param, add)``).
+When it accepts a weight and the backward runs that weight's ``AccumulateGrad`` node,
+the gradient is handed over as ``add(target)`` (adds it, in the GEMM's output dtype,
+to the FP32 accumulator ``target``) and ``param.grad`` stays ``None``; otherwise it is
+returned through autograd.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+from moe_mxfp8.cache import WeightCache
+from moe_mxfp8.experts import _CARRIED_ATTRS
+from moe_mxfp8.fp8 import FP8Tensor, quantize_fp8
+from moe_mxfp8.fp8_gemm import (
+    check_native_widths,
+    fp8_grouped_mm,
+    fp8_grouped_wgrad,
+    fp8_native_available,
+)
+from moe_mxfp8.gemm import compute_dtype, grouped_weight_grad
+from moe_mxfp8.swiglu import (
+    swiglu,
+    swiglu_backward,
+    swiglu_backward_quantized,
+    swiglu_quantized,
+)
+
+
+@dataclass(frozen=True)
+class FP8Recipe:
+    """How a recipe scales each operand (``moe_mxfp8.fp8`` blocks) and what runs natively."""
+
+    act_block: tuple[int, int]
+    weight_block: tuple[int, int]
+    pow2: bool  # power-of-two scales
+    fp8_wgrad: bool  # weight-gradient GEMMs in FP8 too
+    native: bool  # a native grouped GEMM exists (sm_90)
+
+
+FP8_RECIPES = {
+    "fp8_rowwise": FP8Recipe((1, 0), (1, 0), pow2=True, fp8_wgrad=True, native=True),
+    "fp8_rowwise_gw_hp": FP8Recipe((1, 0), (1, 0), pow2=True, fp8_wgrad=False, native=True),
+    "fp8_blockwise": FP8Recipe((1, 128), (128, 128), pow2=False, fp8_wgrad=False, native=False),
+}
+FP8_GEMMS = ("emulated", "native")
+
+
+class FP8WeightCache(WeightCache):
+    """``rows``: the weight ``[..., out, in]`` scaled along ``in``; ``cols``: its transpose
+    ``[..., in, out]`` (contiguous) scaled along ``out``, the input-gradient GEMM's operand."""
+
+    def __init__(self, params: tuple[nn.Parameter, ...], recipe: FP8Recipe) -> None:
+        self.recipe = recipe
+        super().__init__(params)
+
+    def _derive(self, weight: torch.Tensor) -> tuple[FP8Tensor, FP8Tensor]:
+        r = self.recipe
+        return (quantize_fp8(weight, r.weight_block, r.pow2),
+                quantize_fp8(weight.transpose(-2, -1).contiguous(), r.weight_block, r.pow2))
+
+
+SinkRoute = tuple[Any, Any]  # (the sink, the weight's AccumulateGrad node)
+
+
+def _sink_route(sink: Any, w: nn.Parameter) -> SinkRoute | None:
+    if sink is None or not w.requires_grad or not torch.is_grad_enabled() or not sink.accepts(w):
+        return None
+    return sink, get_gradient_edge(w).node
+
+
+class _AddGradient:
+    """Adds a computed weight gradient to a sink's FP32 accumulator (1-D, or rows of a bucket)."""
+
+    def __init__(self, grad: torch.Tensor) -> None:
+        self.grad = grad
+
+    def __call__(self, target: torch.Tensor) -> None:
+        if target.numel() != self.grad.numel():
+            raise ValueError(f"gradient target has {target.numel()} elements, the weight "
+                             f"{self.grad.numel()}")
+        target.add_(self.grad.reshape(target.shape))
+
+
+class _FP8ExpertsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, rows_RD: torch.Tensor, offsets_E: torch.Tensor, w1: torch.Tensor,
+                w3: torch.Tensor, w2: torch.Tensor, layer: FP8GroupedExperts, dtype: torch.dtype,
+                routes: tuple[SinkRoute | None, ...]) -> torch.Tensor:
+        r, native = layer.recipe, layer.gemm == "native"
+        rows_q = quantize_fp8(rows_RD, r.act_block, r.pow2)
+        h13_R2F = fp8_grouped_mm(rows_q, layer.w13_cache.rows, offsets_E, dtype, native)
+        h_q = swiglu_quantized(h13_R2F, r.act_block, r.pow2)
+        y_RD = fp8_grouped_mm(h_q, layer.w2_cache.rows, offsets_E, dtype, native)
+        ctx.save_for_backward(offsets_E, rows_RD, h13_R2F)
+        # The backward uses the weight copies this forward saw, whatever happens in between.
+        ctx.w13_cols, ctx.w2_cols = layer.w13_cache.cols, layer.w2_cache.cols
+        ctx.recipe, ctx.native, ctx.dtype, ctx.routes = r, native, dtype, routes
+        ctx.params = (w1, w3, w2)
+        return y_RD
+
+    @staticmethod
+    def backward(ctx: Any, dy_RD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        r, native, dtype = ctx.recipe, ctx.native, ctx.dtype
+        offsets_E, rows_RD, h13_R2F = ctx.saved_tensors
+        dy_RD = dy_RD.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
+        dy_q = quantize_fp8(dy_RD, r.act_block, r.pow2)
+        dh_RF = fp8_grouped_mm(dy_q, ctx.w2_cols, offsets_E, dtype, native)
+        drows = None
+        if ctx.needs_input_grad[0]:
+            dh13_R2F, dh13_q = swiglu_backward_quantized(h13_R2F, dh_RF, dtype, r.act_block, r.pow2)
+            drows = fp8_grouped_mm(dh13_q, ctx.w13_cols, offsets_E, dtype, native)
+        else:
+            dh13_R2F = swiglu_backward(h13_R2F, dh_RF, dtype)
+        # a weight's gradient is computed where autograd wants it back, or where its sink
+        # takes it in a backward that runs the weight's node (not a pipeline's input pass)
+        wanted = [ctx.needs_input_grad[2 + i]
+                  and (route is None or torch._C._will_engine_execute_node(route[1]))
+                  for i, route in enumerate(ctx.routes)]
+        grads: list[torch.Tensor | None] = [None, None, None]
+        if wanted[0] or wanted[1]:
+            hidden = h13_R2F.shape[1] // 2
+            dw13 = _wgrad(r, dh13_R2F, rows_RD, offsets_E, dtype, native)
+            grads[0], grads[1] = dw13[:, :hidden], dw13[:, hidden:]
+        if wanted[2]:
+            grads[2] = _wgrad(r, dy_RD, swiglu(h13_R2F), offsets_E, dtype, native)
+        returned: list[torch.Tensor | None] = []
+        for param, grad, route, want in zip(ctx.params, grads, ctx.routes, wanted, strict=True):
+            if want and route is not None:
+                route[0].add_gradient(param, _AddGradient(grad))
+            returned.append(grad.to(param.dtype) if want and route is None else None)
+        return drows, None, *returned, None, None, None
+
+
+def _wgrad(r: FP8Recipe, dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch.Tensor,
+           dtype: torch.dtype, native: bool) -> torch.Tensor:
+    if r.fp8_wgrad:
+        return fp8_grouped_wgrad(dy_RN, x_RK, offsets, r.pow2, dtype, native)
+    return grouped_weight_grad(dy_RN, x_RK, offsets)
+
+
+class FP8GroupedExperts(nn.Module):
+    """Grouped SwiGLU experts on FP8 GEMMs (a recipe of ``FP8_RECIPES``), holding the given
+    ``w1``/``w3``/``w2``."""
+
+    def __init__(self, w1: nn.Parameter, w3: nn.Parameter, w2: nn.Parameter,
+                 recipe: str = "fp8_rowwise", gemm: str = "emulated") -> None:
+        super().__init__()
+        if recipe not in FP8_RECIPES:
+            raise ValueError(f"recipe must be one of {tuple(FP8_RECIPES)}, got {recipe!r}")
+        if gemm not in FP8_GEMMS:
+            raise ValueError(f"gemm must be one of {FP8_GEMMS}, got {gemm!r}")
+        if gemm == "native" and not FP8_RECIPES[recipe].native:
+            raise ValueError(f"recipe {recipe} has no native grouped GEMM; use gemm='emulated'")
+        if w1.dim() != 3 or w1.shape != w3.shape:
+            raise ValueError(
+                f"w1 and w3 must both be [E, F, D], got {tuple(w1.shape)} and {tuple(w3.shape)}"
+            )
+        E, F_, D = w1.shape
+        if tuple(w2.shape) != (E, D, F_):
+            raise ValueError(f"w2 must be [E, D, F] = {(E, D, F_)}, got {tuple(w2.shape)}")
+        if gemm == "native":
+            check_native_widths(D, F_)
+        self.w1, self.w3, self.w2 = w1, w3, w2
+        self.recipe_name, self.recipe, self.gemm = recipe, FP8_RECIPES[recipe], gemm
+        self.grad_sink: Any = None  # a GradientSink, see the module docstring
+        self.w13_cache = FP8WeightCache((w1, w3), self.recipe)
+        self.w2_cache = FP8WeightCache((w2,), self.recipe)
+
+    @classmethod
+    def from_module(cls, experts: nn.Module, recipe: str = "fp8_rowwise",
+                    gemm: str = "emulated") -> FP8GroupedExperts:
+        """Take over a grouped-experts module's own ``w1``/``w3``/``w2`` parameters (matched
+        by structure), its public plain attributes and its ``grad_sink``, as
+        ``MXFP8GroupedExperts.from_module`` does. Narrow expert ranges before converting."""
+        params = dict(experts.named_parameters(recurse=False))
+        missing = [n for n in ("w1", "w3", "w2") if n not in params]
+        if missing:
+            raise TypeError(
+                f"{type(experts).__name__} has no parameter(s) {missing}; expected w1, w3, w2"
+            )
+        layer = cls(params["w1"], params["w3"], params["w2"], recipe, gemm)
+        for name, value in vars(experts).items():
+            if not name.startswith("_") and name != "training" and isinstance(value, _CARRIED_ATTRS):
+                setattr(layer, name, value)
+        layer.grad_sink = getattr(experts, "grad_sink", None)
+        return layer
+
+    def refresh_weight_cache(self, in_place: bool = False) -> None:
+        """Re-derive the FP8 weight copies; call after every weight update
+        (``in_place``: see ``WeightCache.refresh``)."""
+        self.w13_cache.refresh((self.w1, self.w3), in_place)
+        self.w2_cache.refresh((self.w2,), in_place)
+
+    def forward(self, rows_RD: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
+        D = self.w1.shape[-1]
+        if rows_RD.dim() != 2 or rows_RD.shape[1] != D:
+            raise ValueError(f"rows must be [R, {D}], got {tuple(rows_RD.shape)}")
+        if group_offsets.shape != (self.w1.shape[0],) or group_offsets.dtype != torch.int32:
+            raise ValueError(
+                f"group_offsets must be int32 [{self.w1.shape[0]}], got {group_offsets.dtype} "
+                f"{tuple(group_offsets.shape)}"
+            )
+        name = type(self).__name__
+        self.w13_cache.check_fresh(name, (self.w1, self.w3))
+        self.w2_cache.check_fresh(name, (self.w2,))
+        dtype = compute_dtype(rows_RD)
+        if self.gemm == "native":
+            if not fp8_native_available(rows_RD.device):
+                raise RuntimeError(f"{name}: gemm='native' needs a CUDA device of compute "
+                                   f"capability 9.x; rows are on {rows_RD.device}")
+            if dtype != torch.bfloat16:
+                raise ValueError(f"{name}: gemm='native' computes in BF16, got {dtype} rows")
+        routes = tuple(_sink_route(self.grad_sink, w) for w in (self.w1, self.w3, self.w2))
+        with torch.autocast(rows_RD.device.type, enabled=False):
+            return _FP8ExpertsFn.apply(rows_RD.to(dtype), group_offsets, self.w1, self.w3,
+                                       self.w2, self, dtype, routes)
+
+    def extra_repr(self) -> str:
+        E, F_, D = self.w1.shape
+        return f"experts={E}, d_model={D}, hidden={F_}, recipe={self.recipe_name}, gemm={self.gemm}"
+

@@ -1,0 +1,70 @@
+"""SwiGLU between the experts' GEMMs: ``h = silu(h1) * h3`` of ``h13 = [h1, h3]`` and its
+gradient, computed in FP32 and rounded once to the output dtype.
+
+On CUDA (with Triton) one fused kernel each way (``moe_mxfp8._triton_swiglu``): the
+unfused torch ops made several passes over ``[R, 2F]`` FP32 temporaries, a few
+milliseconds per layer at the bench shapes, comparable to the FP8 GEMMs themselves.
+Elsewhere the same formulas in torch. The two agree to FP32 rounding of ``exp``.
+
+``swiglu_quantized`` / ``swiglu_backward_quantized``: the result also quantized to E4M3
+(``quantize_fp8``); for rowwise blocks on CUDA in the same kernel (whole rows per
+program), equal bit for bit to quantizing the unfused kernels' output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe_mxfp8.format import uses_triton
+from moe_mxfp8.fp8 import FP8Tensor, quantize_fp8
+
+
+def swiglu(h13_R2F: torch.Tensor) -> torch.Tensor:
+    """``silu(h1) * h3`` in FP32, returned in ``h13``'s dtype."""
+    if uses_triton(h13_R2F, "auto"):
+        from moe_mxfp8._triton_swiglu import swiglu_forward
+
+        return swiglu_forward(h13_R2F)
+    h1, h3 = h13_R2F.float().chunk(2, dim=-1)
+    return (F.silu(h1) * h3).to(h13_R2F.dtype)
+
+
+def swiglu_backward(h13_R2F: torch.Tensor, dh_RF: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gradients of ``silu(h1) * h3`` w.r.t. ``[h1, h3]``, computed in FP32, in ``dtype``."""
+    if uses_triton(h13_R2F, "auto"):
+        from moe_mxfp8._triton_swiglu import swiglu_backward as fused
+
+        return fused(h13_R2F, dh_RF, dtype)
+    h1, h3 = h13_R2F.float().chunk(2, dim=-1)
+    dh = dh_RF.float()
+    sig = torch.sigmoid(h1)
+    dh1 = dh * h3 * sig * (1 + h1 * (1 - sig))
+    dh3 = dh * h1 * sig
+    return torch.cat([dh1, dh3], dim=-1).to(dtype)
+
+
+def _fused_rows(h13: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> bool:
+    return (tuple(block) == (1, 0) and dtype == h13.dtype
+            and dtype in (torch.bfloat16, torch.float32) and uses_triton(h13, "auto"))
+
+
+def swiglu_quantized(h13_R2F: torch.Tensor, block: tuple[int, int], pow2: bool) -> FP8Tensor:
+    """``quantize_fp8(swiglu(h13), block, pow2)``."""
+    if _fused_rows(h13_R2F, block, h13_R2F.dtype):
+        from moe_mxfp8._triton_swiglu import swiglu_quantize_rows
+
+        return FP8Tensor(*swiglu_quantize_rows(h13_R2F, pow2), (1, 0))
+    return quantize_fp8(swiglu(h13_R2F), block, pow2)
+
+
+def swiglu_backward_quantized(h13_R2F: torch.Tensor, dh_RF: torch.Tensor, dtype: torch.dtype,
+                              block: tuple[int, int], pow2: bool) -> tuple[torch.Tensor, FP8Tensor]:
+    """``dh13 = swiglu_backward(h13, dh, dtype)`` and ``quantize_fp8(dh13, block, pow2)``."""
+    if _fused_rows(h13_R2F, block, dtype):
+        from moe_mxfp8._triton_swiglu import swiglu_backward_quantize_rows
+
+        dh13, data, scale = swiglu_backward_quantize_rows(h13_R2F, dh_RF, pow2)
+        return dh13, FP8Tensor(data, scale, (1, 0))
+    dh13 = swiglu_backward(h13_R2F, dh_RF, dtype)
+    return dh13, quantize_fp8(dh13, block, pow2)

@@ -1,0 +1,136 @@
+"""FP8 kernel cases (moe_mxfp8._triton_fp8, _triton_swiglu), run by
+test_fp8_triton_interpret.py through ``moe_testing.run_under_triton_interpreter`` (a child
+process with ``TRITON_INTERPRET=1`` set before Triton is imported). Prints one line of
+JSON (case name -> number of mismatching elements, or an error string), then ``ok``."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run by moe_testing.run_under_triton_interpreter"
+
+import torch  # noqa: E402
+from moe_mxfp8 import quantize_fp8, quantize_group_columns  # noqa: E402
+from moe_mxfp8._triton_swiglu import swiglu_backward as fused_backward  # noqa: E402
+from moe_mxfp8._triton_swiglu import (  # noqa: E402
+    swiglu_backward_quantize_rows,
+    swiglu_quantize_rows,
+)
+from moe_mxfp8._triton_swiglu import swiglu_forward as fused_forward  # noqa: E402
+from moe_mxfp8.swiglu import swiglu, swiglu_backward  # noqa: E402
+from triton_cases import mismatches, sample  # noqa: E402
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+# (name, shape, block): whole rows of odd and power-of-two widths, a stack, 1x128 tiles with
+# a partial last tile, 128x128 blocks cut in both dims.
+BLOCK_CASES = [
+    ("rows/37x77", (37, 77), (1, 0)),
+    ("rows/3x20x64", (3, 20, 64), (1, 0)),
+    ("tiles/40x300", (40, 300), (1, 128)),
+    ("blocks/2x130x200", (2, 130, 200), (128, 128)),
+]
+OFFSETS = [9, 9, 40, 41, 64]  # an empty expert, a one-row expert, rows 64.. are padding
+
+
+def cases():
+    for name, shape, block in BLOCK_CASES:
+        for dname, dtype in DTYPES.items():
+            for pow2 in (True, False):
+                def run(shape=shape, dtype=dtype, block=block, pow2=pow2):
+                    x = sample(shape, dtype)
+                    got, ref = (quantize_fp8(x, block, pow2, backend=b) for b in ("triton", "torch"))
+                    return mismatches(got.data, ref.data) + mismatches(got.scale, ref.scale)
+
+                yield f"quantize/{name}/{dname}/pow2={pow2}", run
+    for dname, dtype in DTYPES.items():
+        for pow2 in (True, False):
+            def group(dtype=dtype, pow2=pow2):
+                x = sample((70, 100), dtype, seed=1)
+                offsets = torch.tensor(OFFSETS, dtype=torch.int32)
+                (dt, st, et), (dr, sr, er) = (quantize_group_columns(x, offsets, pow2, backend=b)
+                                              for b in ("triton", "torch"))
+                used = int(er[-1])  # columns past the last padded end are unspecified
+                return (mismatches(dt[:, :used], dr[:, :used]) + mismatches(st, sr)
+                        + int(not torch.equal(et, er)))
+
+            yield f"group_columns/{dname}/pow2={pow2}", group
+    def small_tiles():
+        """Launch shapes other than the defaults: several rows per program cut by M, column
+        tiles cut by N and groups longer than one row tile."""
+        from moe_mxfp8 import _triton_fp8 as k
+
+        saved = dict(k._TILES)
+        k._TILES.update(rows=k.BlockTile(256, 1), tiles=k.BlockTile(512, 2),
+                        blocks=k.BlockTile(128 * 128, 4), group_columns=k.ColumnTile(16, 32, 1))
+        try:
+            total = 0
+            for shape, block in (((37, 77), (1, 0)), ((40, 300), (1, 128)),
+                                 ((130, 200), (128, 128))):
+                x = sample(shape, torch.bfloat16, seed=5)
+                got, ref = (quantize_fp8(x, block, True, backend=b) for b in ("triton", "torch"))
+                total += mismatches(got.data, ref.data) + mismatches(got.scale, ref.scale)
+            x = sample((70, 100), torch.float32, seed=6)
+            offsets = torch.tensor(OFFSETS, dtype=torch.int32)
+            (dt, st, _), (dr, sr, er) = (quantize_group_columns(x, offsets, True, backend=b)
+                                         for b in ("triton", "torch"))
+            used = int(er[-1])
+            return total + mismatches(dt[:, :used], dr[:, :used]) + mismatches(st, sr)
+        finally:
+            k._TILES.clear()
+            k._TILES.update(saved)
+
+    yield "small_tiles", small_tiles
+    for dname, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+        def fused_swiglu(dtype=dtype):
+            """Elements beyond FP32 rounding of exp (plus one output rounding) apart."""
+            g = torch.Generator().manual_seed(2)
+            h13 = (torch.randn(37, 2 * 150, generator=g) * 4).to(dtype)
+            dh = torch.randn(37, 150, generator=g).to(dtype)
+            tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+            bad = 0
+            for got, want in ((fused_forward(h13), swiglu(h13)),
+                              (fused_backward(h13, dh, dtype), swiglu_backward(h13, dh, dtype))):
+                close = torch.isclose(got.float(), want.float(), **tol)
+                bad += int((~close).sum()) + int(got.dtype != want.dtype or got.shape != want.shape)
+            return bad
+
+        yield f"swiglu/{dname}", fused_swiglu
+
+        def swiglu_quantized(dtype=dtype):
+            """The quantizing kernels equal the plain kernels' output quantized, bit for bit."""
+            g = torch.Generator().manual_seed(3)
+            h13 = (torch.randn(37, 2 * 150, generator=g) * 4).to(dtype)
+            h13[0] = 0.0  # a zero row
+            h13[1, 5] = float("inf")
+            dh = torch.randn(37, 150, generator=g).to(dtype)
+            total = 0
+            for pow2 in (True, False):
+                data, scale = swiglu_quantize_rows(h13, pow2)
+                ref = quantize_fp8(fused_forward(h13), (1, 0), pow2, backend="triton")
+                total += mismatches(data, ref.data) + mismatches(scale, ref.scale)
+                dh13, data, scale = swiglu_backward_quantize_rows(h13, dh, pow2)
+                plain = fused_backward(h13, dh, dtype)
+                ref = quantize_fp8(plain, (1, 0), pow2, backend="triton")
+                total += mismatches(dh13.view(torch.int16 if dtype == torch.bfloat16 else torch.float32),
+                                    plain.view(torch.int16 if dtype == torch.bfloat16 else torch.float32))
+                total += mismatches(data, ref.data) + mismatches(scale, ref.scale)
+            return total
+
+        yield f"swiglu_quantized/{dname}", swiglu_quantized
+
+
+def main() -> None:
+    results = {}
+    for name, fn in cases():
+        try:
+            results[name] = fn()
+        except Exception:  # noqa: BLE001 - reported to the parent test
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()

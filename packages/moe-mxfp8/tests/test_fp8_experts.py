@@ -1,0 +1,317 @@
+"""FP8GroupedExperts (emulated GEMMs) against per-expert FP32 oracles built on torchao's
+quantization functions; recipes in MXFP8Config; the gradient sink route."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from moe_mxfp8 import (
+    FP8GroupedExperts,
+    MXFP8Config,
+    apply_mxfp8,
+    refresh_weight_caches,
+    unmatched_targets,
+)
+from torch import nn
+
+torchao_float8 = pytest.importorskip("torchao.float8.float8_utils")
+from torchao.float8.config import ScalingGranularity  # noqa: E402
+from torchao.prototype.blockwise_fp8_training.kernels import (  # noqa: E402
+    torch_blockwise_scale_act_quant_lhs,
+    torch_blockwise_scale_weight_quant,
+)
+
+TIGHT = dict(rtol=2e-5, atol=2e-6)  # FP32 accumulation-order differences only
+
+
+class ToyExperts(nn.Module):
+    """Stands in for moe_model.GroupedExperts: same parameter names, shapes and attributes."""
+
+    def __init__(self, n_experts: int, d_model: int, hidden: int, seed: int = 0) -> None:
+        super().__init__()
+        self.expert_start, self.n_local = 0, n_experts
+        g = torch.Generator().manual_seed(seed)
+        self.w1 = nn.Parameter(torch.randn(n_experts, hidden, d_model, generator=g) * 0.2)
+        self.w3 = nn.Parameter(torch.randn(n_experts, hidden, d_model, generator=g) * 0.2)
+        self.w2 = nn.Parameter(torch.randn(n_experts, d_model, hidden, generator=g) * 0.2)
+
+
+def rowwise(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """torchao float8 rowwise round trip (power-of-two scales along ``dim``), in FP32."""
+    scale = torchao_float8.tensor_to_scale(
+        x, torch.float8_e4m3fn, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=dim,
+        round_scales_to_power_of_2=True)
+    return torchao_float8.to_fp8_saturated(x.float() * scale, torch.float8_e4m3fn).float() / scale
+
+
+def act_1x128(x: torch.Tensor) -> torch.Tensor:
+    data, inv = torch_blockwise_scale_act_quant_lhs(x.contiguous())
+    return data.float() * inv.repeat_interleave(128, dim=1)
+
+
+def weight_128x128(w: torch.Tensor) -> torch.Tensor:
+    out = []
+    for w_e in w:
+        data, inv = torch_blockwise_scale_weight_quant(w_e.contiguous())
+        out.append(data.float() * inv.repeat_interleave(128, 0).repeat_interleave(128, 1))
+    return torch.stack(out)
+
+
+def oracle(recipe, rows, offsets, w1, w3, w2, dy):
+    """Per-expert loop, FP32 products of operands quantized by torchao's functions."""
+    w13 = torch.cat([w1, w3], dim=1).detach().bfloat16()  # caches quantize the BF16 weight
+    w2b = w2.detach().bfloat16()
+    if recipe.startswith("fp8_rowwise"):
+        act = rowwise
+        w13_f, w13_b, w2_f, w2_b = rowwise(w13, -1), rowwise(w13, -2), rowwise(w2b, -1), rowwise(w2b, -2)
+    else:
+        act = act_1x128
+        w13_f, w2_f = weight_128x128(w13), weight_128x128(w2b)
+        w13_b, w2_b = w13_f, w2_f  # 128x128 blocks: the transpose's blocks are the same
+    F_ = w1.shape[1]
+    y = torch.zeros(rows.shape[0], w2.shape[1])
+    drows = torch.zeros_like(rows)
+    dw13, dw2 = torch.zeros(w13.shape), torch.zeros(w2.shape)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        seg = slice(start, end)
+        start = end
+        if seg.stop == seg.start:
+            continue
+        h13 = (act(rows[seg]) @ w13_f[e].T).requires_grad_()
+        h = F.silu(h13[:, :F_]) * h13[:, F_:]
+        y[seg] = act(h.detach()) @ w2_f[e].T
+        dh = act(dy[seg]) @ w2_b[e]
+        (dh13,) = torch.autograd.grad(h, h13, dh)
+        drows[seg] = act(dh13) @ w13_b[e]
+        if recipe == "fp8_rowwise":  # per expert and column, along the tokens
+            dw13[e] = rowwise(dh13, 0).T @ rowwise(rows[seg], 0)
+            dw2[e] = rowwise(dy[seg], 0).T @ rowwise(h.detach(), 0)
+        else:  # weight gradients in the compute dtype
+            dw13[e] = dh13.T @ rows[seg]
+            dw2[e] = dy[seg].T @ h.detach()
+    return y, drows, dw13[:, :F_], dw13[:, F_:], dw2
+
+
+CASES = {"fp8_rowwise": (40, 24), "fp8_rowwise_gw_hp": (40, 24),
+         "fp8_blockwise": (128, 128)}  # (d_model, hidden)
+
+
+@pytest.mark.parametrize("recipe", list(CASES))
+def test_experts_match_torchao_oracle(recipe):
+    D, F_ = CASES[recipe]
+    experts = ToyExperts(4, D, F_)
+    layer = FP8GroupedExperts.from_module(experts, recipe)
+    offsets = torch.tensor([5, 5, 18, 27], dtype=torch.int32)  # odd sizes, one empty expert
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randn(30, D, generator=g)
+    rows[27:] = float("nan")  # padding rows must not leak into real rows or weight grads
+    dy = torch.randn(30, D, generator=g)
+    rows.requires_grad_()
+    y = layer(rows, offsets)
+    y.backward(dy)
+    ref = oracle(recipe, rows.detach(), offsets, experts.w1, experts.w3, experts.w2, dy)
+    torch.testing.assert_close(y[:27], ref[0][:27], **TIGHT)
+    torch.testing.assert_close(rows.grad[:27], ref[1][:27], **TIGHT)
+    # unquantized weight gradients (gw_hp, blockwise) see the layer's SwiGLU derivative, an ulp
+    # away from autograd's, without a quantization step to absorb it
+    wtol = TIGHT if recipe == "fp8_rowwise" else dict(rtol=2e-5, atol=1e-5)
+    for got, want in zip((experts.w1.grad, experts.w3.grad, experts.w2.grad), ref[2:], strict=True):
+        torch.testing.assert_close(got, want, **wtol)
+    assert experts.w1.grad[1].abs().sum() == 0  # the empty expert
+
+
+def unquantized(rows, offsets, w1, w3, w2):
+    y = torch.zeros(rows.shape[0], w2.shape[1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        x = rows[start:end]
+        y[start:end] = (F.silu(x @ w1[e].T) * (x @ w3[e].T)) @ w2[e].T
+        start = end
+    return y
+
+
+@pytest.mark.parametrize("recipe", list(CASES))
+def test_quantization_error_is_bounded_against_fp32(recipe):
+    D, F_ = CASES[recipe]
+    experts = ToyExperts(3, D, F_, seed=4)
+    rows = torch.randn(48, D, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    offsets = torch.tensor([10, 30, 48], dtype=torch.int32)
+    y = FP8GroupedExperts.from_module(experts, recipe)(rows, offsets)
+    (dx,) = torch.autograd.grad(y.square().sum(), rows)
+    w = [p.detach() for p in (experts.w1, experts.w3, experts.w2)]
+    rows_ref = rows.detach().requires_grad_()
+    y_ref = unquantized(rows_ref, offsets, *w)
+    (dx_ref,) = torch.autograd.grad(y_ref.square().sum(), rows_ref)
+    for got, want in ((y, y_ref), (dx, dx_ref)):
+        rel = (got - want).norm() / want.norm()
+        # quantized (not the FP32 result), and within a few compounded E4M3 roundings
+        # (each up to 2**-4 relative; measured ~0.065 here)
+        assert 0.01 < rel < 0.1, rel
+
+
+class RecordingSink:
+    """A GradientSink with FP32 accumulators for the weights it accepts."""
+
+    def __init__(self, params):
+        self.targets = {id(p): torch.zeros(p.numel()) for p in params}
+        self.calls = 0
+
+    def accepts(self, param):
+        return id(param) in self.targets
+
+    def add_gradient(self, param, add):
+        add(self.targets[id(param)])
+        self.calls += 1
+
+
+def test_weight_gradients_go_into_the_sink():
+    experts = ToyExperts(3, 32, 16)
+    rows = torch.randn(20, 32, requires_grad=True)
+    offsets = torch.tensor([4, 12, 20], dtype=torch.int32)
+    dy = torch.randn(20, 32)
+    plain = FP8GroupedExperts.from_module(experts)
+    plain(rows, offsets).backward(dy)
+    want = {n: getattr(experts, n).grad.clone() for n in ("w1", "w3", "w2")}
+    dx = rows.grad.clone()
+    for p in (rows, *experts.parameters()):
+        p.grad = None
+    experts.grad_sink = RecordingSink([experts.w1, experts.w2])
+    layer = FP8GroupedExperts.from_module(experts)
+    assert layer.grad_sink is experts.grad_sink
+    for _ in range(2):  # two microbatches accumulate
+        layer(rows, offsets).backward(dy)
+    sink = experts.grad_sink
+    assert sink.calls == 4 and experts.w1.grad is None and experts.w2.grad is None
+    torch.testing.assert_close(sink.targets[id(experts.w1)], 2 * want["w1"].reshape(-1))
+    torch.testing.assert_close(sink.targets[id(experts.w2)], 2 * want["w2"].reshape(-1))
+    torch.testing.assert_close(experts.w3.grad, 2 * want["w3"])  # not accepted: autograd's
+    torch.testing.assert_close(rows.grad, 2 * dx)
+    # a backward that does not run the weights' nodes (a pipeline's input pass) adds nothing
+    torch.autograd.grad(layer(rows, offsets), rows, dy)
+    assert sink.calls == 4
+
+
+def test_recipe_config_converts_experts_only_and_caches_refresh():
+    model = nn.ModuleDict({"experts": ToyExperts(3, 64, 32), "proj": nn.Linear(64, 64)})
+    with pytest.raises(ValueError, match=r"grouped experts only.*\['proj'\]"):
+        apply_mxfp8(model, MXFP8Config(targets=("experts", "proj"), recipe="fp8_rowwise"))
+    assert isinstance(model["experts"], ToyExperts)  # nothing replaced before the refusal
+    params = list(model.parameters())
+    assert apply_mxfp8(model, MXFP8Config(targets=("experts",), recipe="fp8_rowwise")) == ["experts"]
+    layer = model["experts"]
+    assert isinstance(layer, FP8GroupedExperts) and layer.n_local == 3
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+    assert unmatched_targets(model, ("experts",)) == []
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rows, offsets = torch.randn(40, 64), torch.tensor([10, 25, 40], dtype=torch.int32)
+    model["proj"](layer(rows, offsets)).square().sum().backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="refresh_weight_cache"):
+        layer(rows, offsets)
+    assert refresh_weight_caches(model) == 1
+    fresh = FP8GroupedExperts(layer.w1, layer.w3, layer.w2)
+    assert torch.equal(layer(rows, offsets), fresh(rows, offsets))
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "fp8_rowwise", "fp8_blockwise"])
+def test_in_place_refresh_keeps_the_cache_tensors_and_equals_a_fresh_cache(recipe):
+    """What a captured CUDA graph needs: same addresses, new values."""
+    D = 128 if recipe == "fp8_blockwise" else 64
+    model = nn.ModuleDict({"experts": ToyExperts(2, D, D)})
+    apply_mxfp8(model, MXFP8Config(targets=("experts",), recipe=recipe))
+    layer = model["experts"]
+    caches = (layer.w13_cache, layer.w2_cache)
+
+    def tensors():
+        return [t for c in caches for copy in (c.rows, c.cols) for t in vars(copy).values()
+                if isinstance(t, torch.Tensor)]
+
+    before = [(t.data_ptr(), t.clone()) for t in tensors()]
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.mul_(-3.0)
+    assert refresh_weight_caches(model, in_place=True) == 1
+    fresh = type(layer).from_module(layer, **({} if recipe == "mxfp8" else {"recipe": recipe}))
+    fresh_caches = (fresh.w13_cache, fresh.w2_cache)
+    for (ptr, old), t, f in zip(before, tensors(), [t for c in fresh_caches for copy in
+                                                    (c.rows, c.cols) for t in vars(copy).values()
+                                                    if isinstance(t, torch.Tensor)], strict=True):
+        assert t.data_ptr() == ptr
+        assert torch.equal(t.view(torch.uint8), f.view(torch.uint8))
+        assert not torch.equal(t.view(torch.uint8), old.view(torch.uint8))
+    layer(torch.randn(6, D), torch.tensor([3, 6], dtype=torch.int32))  # fresh
+
+
+def test_bad_recipe_settings_are_refused_with_the_field():
+    with pytest.raises(ValueError, match="recipe"):
+        MXFP8Config(recipe="fp8")
+    with pytest.raises(ValueError, match="save_mxfp8_activations"):
+        MXFP8Config(recipe="fp8_rowwise", save_mxfp8_activations=True)
+    with pytest.raises(ValueError, match="fp8_blockwise has no native"):
+        MXFP8Config(recipe="fp8_blockwise", gemm="native")
+    with pytest.raises(ValueError, match="divisible by 16"):
+        FP8GroupedExperts.from_module(ToyExperts(2, 40, 24), gemm="native")
+    layer = FP8GroupedExperts.from_module(ToyExperts(2, 32, 16), gemm="native")
+    with pytest.raises(RuntimeError, match="compute capability 9"):
+        layer(torch.randn(4, 32), torch.tensor([2, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="group_offsets must be int32"):
+        layer(torch.randn(4, 32), torch.tensor([2, 4]))
+
+
+def stand_in_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtype=None,
+                               use_fast_accum=False):
+    """``torch._scaled_grouped_mm``'s contract on CPU (rowwise FP32 scales; torch's meta
+    checks and the sm_90 kernel's group-alignment asserts), for checking the arguments the
+    native path builds without a GPU."""
+    assert mat_a.dtype == mat_b.dtype == torch.float8_e4m3fn
+    assert mat_a.stride(-1) == 1 and mat_a.stride(-2) > 1, "mat_a must be row-major"
+    assert mat_b.stride(-2) == 1 and mat_b.stride(-1) > 1, "mat_b must be column-major"
+    assert scale_a.dtype == scale_b.dtype == torch.float32 and scale_a.is_contiguous()
+    assert out_dtype == torch.bfloat16 and offs.dtype == torch.int32 and not use_fast_accum
+    a, b = mat_a.float(), mat_b.float()
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    if mat_a.dim() == 2 and mat_b.dim() == 3:  # rows grouped: [R, K] x [E, K, N]
+        assert a.shape[1] % 16 == 0 and b.shape[2] % 16 == 0 and b.shape[0] == len(ends)
+        assert scale_a.shape == (a.shape[0],) and scale_b.shape == (b.shape[0], b.shape[2])
+        out = torch.zeros(a.shape[0], b.shape[2])
+        for e, (s, t) in enumerate(zip(starts, ends, strict=True)):
+            out[s:t] = (a[s:t] * scale_a[s:t, None]) @ (b[e] * scale_b[e][None, :])
+        return out.to(out_dtype)
+    assert mat_a.dim() == mat_b.dim() == 2  # reduction grouped: [M, T] x [T, N] -> [E, M, N]
+    M, N, G = a.shape[0], b.shape[1], len(ends)
+    assert mat_a.stride(0) % 16 == 0 and mat_b.stride(1) % 16 == 0
+    assert all(s % 16 == 0 for s in starts), "each group must start 16-byte aligned"
+    assert ends[-1] <= a.shape[1] and scale_a.shape == (M * G,) and scale_b.shape == (N * G,)
+    out = torch.zeros(G, M, N)
+    for e, (s, t) in enumerate(zip(starts, ends, strict=True)):
+        out[e] = ((a[:, s:t] * scale_a[e * M:(e + 1) * M, None])
+                  @ (b[s:t] * scale_b[e * N:(e + 1) * N][None, :]))
+    return out.to(out_dtype)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
+def test_native_path_arguments_against_a_stand_in_gemm(recipe, monkeypatch):
+    """The native path's operands, transposes, scales and padded offsets, through a CPU
+    stand-in for torch._scaled_grouped_mm: equal to the emulation up to accumulation order."""
+    import moe_mxfp8.fp8_experts as fp8_experts
+
+    experts = ToyExperts(5, 64, 48)
+    for p in experts.parameters():
+        p.data = p.data.bfloat16()
+    emulated = FP8GroupedExperts.from_module(experts, recipe)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", stand_in_scaled_grouped_mm, raising=False)
+    monkeypatch.setattr(fp8_experts, "fp8_native_available", lambda device: True)
+    native = FP8GroupedExperts.from_module(experts, recipe, gemm="native")
+    offsets = torch.tensor([7, 7, 30, 31, 50], dtype=torch.int32)  # uneven, an empty expert
+    g = torch.Generator().manual_seed(7)
+    rows = torch.randn(53, 64, generator=g).bfloat16().requires_grad_()  # 3 padding rows
+    dy = torch.randn(53, 64, generator=g).bfloat16()
+    outs = []
+    for layer in (native, emulated):
+        y = layer(rows, offsets)
+        outs.append((y[:50], *torch.autograd.grad(y, [rows, *experts.parameters()], dy)))
+    for got, want in zip(*outs, strict=True):
+        got = got[:50] if got.shape == rows.shape else got
+        want = want[:50] if want.shape == rows.shape else want
+        torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-4)

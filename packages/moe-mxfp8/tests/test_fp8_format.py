@@ -1,0 +1,173 @@
+"""Scaled E4M3 formats (moe_mxfp8.fp8) bit for bit against torchao's float8 reference functions."""
+
+import pytest
+import torch
+from moe_mxfp8 import FP8RowCodec, FP8Tensor, dequantize_fp8, quantize_fp8, quantize_group_columns
+
+torchao_float8 = pytest.importorskip("torchao.float8.float8_utils")
+from torchao.float8.config import ScalingGranularity  # noqa: E402
+from torchao.prototype.blockwise_fp8_training.kernels import (  # noqa: E402
+    torch_blockwise_scale_act_quant_lhs,
+    torch_blockwise_scale_weight_quant,
+)
+
+E4M3 = torch.float8_e4m3fn
+
+
+def torchao_axiswise(x: torch.Tensor, dim: int, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's float8 rowwise recipe cast: (E4M3 data, scale with ``dim`` kept as 1)."""
+    scale = torchao_float8.tensor_to_scale(x, E4M3, scaling_granularity=ScalingGranularity.AXISWISE,
+                                           axiswise_dim=dim, round_scales_to_power_of_2=pow2)
+    return torchao_float8.to_fp8_saturated(x.float() * scale, E4M3), scale
+
+
+def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Differing elements by bits; NaN equals NaN whatever its payload or sign."""
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    as_int = {1: torch.uint8, 4: torch.int32}[a.element_size()]
+    both_nan = a.float().isnan() & b.float().isnan()
+    return int(((a.view(as_int) != b.view(as_int)) & ~both_nan).sum())
+
+
+def adversarial(rows: int, cols: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Rows over FP32's range plus rows that are zero, subnormal-only, infinite, NaN, at
+    E4M3's and FP32's largest magnitudes, and sparse (one element per row)."""
+    g = torch.Generator().manual_seed(seed)
+    spread = (-20, 12) if dtype == torch.float16 else (-120, 120)
+    x = torch.randn(rows, cols, generator=g) * torch.exp2(
+        torch.randint(*spread, (rows, 1), generator=g).float())
+    x[0] = 0.0
+    x[1] = -0.0
+    x[2] = torch.randn(cols, generator=g) * (1e-6 if dtype == torch.float16 else 1e-40)
+    x[3, 5] = float("inf")
+    x[4, 7] = -float("inf")
+    x[5, 3] = float("nan")
+    x[6] = 448.0
+    x[7] = torch.randn(cols, generator=g).sign() * (6e4 if dtype == torch.float16 else 3e38)
+    x[8] = 0.0
+    x[8, cols - 1] = -2.5
+    x[9] = torch.randn(cols, generator=g) * 1e-12  # around the amax floor
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rowwise_matches_torchao(dtype, pow2):
+    x = adversarial(48, 200, dtype)
+    q = quantize_fp8(x, (1, 0), pow2, backend="torch")
+    data, scale = torchao_axiswise(x, -1, pow2)
+    assert q.scale.shape == (48, 1) and q.data.dtype == E4M3
+    assert mismatches(q.scale, scale) == 0
+    assert mismatches(q.data, data) == 0
+    # columns of a 3-D stack (a weight's transposed copy) are rows of the transpose
+    w = adversarial(60, 40, dtype, seed=1).view(3, 20, 40)
+    q = quantize_fp8(w.transpose(-2, -1).contiguous(), (1, 0), pow2, backend="torch")
+    data, scale = torchao_axiswise(w, -2, pow2)
+    assert mismatches(q.data, data.transpose(-2, -1)) == 0
+    assert mismatches(q.scale, scale.transpose(-2, -1)) == 0
+
+
+def test_non_finite_rows_dequantize_to_nan_and_zero_rows_stay_zero():
+    x = adversarial(16, 64, torch.float32)
+    deq = dequantize_fp8(quantize_fp8(x, backend="torch"))
+    assert deq[3:6].isnan().all()  # a row with inf or NaN: scale 0 or NaN
+    assert (deq[[0, 1, 2]] == 0).all()  # zeros and FP32 denormals
+    assert (deq[6] == 448.0).all() and deq[7].abs().max() < 3.5e38
+
+
+def test_power_of_two_scale_is_rounded_down_exactly_where_torchao_log2_rounds_up():
+    """amax just above 7 * 2**j puts 448/amax a few ulps below a power of two; torchao's
+    FP32 log2 then rounds up to the integer (scale twice ours, saturating the amax)."""
+    ulps = torch.arange(0, 40, dtype=torch.int32)
+    amax = (torch.tensor(7.0 * 2.0**-3).view(torch.int32) + ulps).view(torch.float32)
+    x = torch.zeros(len(ulps), 8)
+    x[:, 0] = amax
+    x[:, 1] = 0.5
+    q = quantize_fp8(x, (1, 0), True, backend="torch")
+    _, scale = torchao_axiswise(x, -1, True)
+    exact = (torch.tensor(448.0, dtype=torch.float64) / amax.double()).float()
+    assert (q.scale[:, 0] <= exact).all() and (exact < 2 * q.scale[:, 0]).all()
+    differ = q.scale[:, 0] != scale[:, 0]
+    assert differ.any() and not differ[0]
+    assert (scale[differ, 0] == 2 * q.scale[differ, 0]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blockwise_matches_torchao_deepseek_reference(dtype):
+    x = adversarial(256, 384, dtype, seed=2)
+    q = quantize_fp8(x, (1, 128), pow2=False, backend="torch")
+    data, inv_scale = torch_blockwise_scale_act_quant_lhs(x.contiguous())
+    assert q.scale.shape == (256, 3)
+    assert mismatches(q.data, data) == 0 and mismatches(q.scale.reciprocal(), inv_scale) == 0
+    q = quantize_fp8(x, (128, 128), pow2=False, backend="torch")
+    data, inv_scale = torch_blockwise_scale_weight_quant(x.contiguous())
+    assert q.scale.shape == (2, 3)
+    assert mismatches(q.data, data) == 0 and mismatches(q.scale.reciprocal(), inv_scale) == 0
+
+
+def test_partial_blocks_quantize_as_if_zero_padded():
+    x = torch.randn(2, 130, 200)
+    q = quantize_fp8(x, (128, 128), pow2=False, backend="torch")
+    assert q.scale.shape == (2, 2, 2) and q.data.shape == x.shape
+    padded = torch.zeros(2, 256, 256)
+    padded[:, :130, :200] = x
+    ref = quantize_fp8(padded, (128, 128), pow2=False, backend="torch")
+    assert mismatches(q.scale, ref.scale) == 0
+    assert mismatches(q.data, ref.data[:, :130, :200].contiguous()) == 0
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_group_columns_match_torchao_per_expert_and_are_16_aligned(pow2):
+    x = adversarial(70, 48, torch.bfloat16, seed=3)
+    offsets = torch.tensor([9, 9, 40, 41, 64], dtype=torch.int32)  # an empty expert; rows 64.. pad
+    data_t, scale, ends = quantize_group_columns(x, offsets, pow2, backend="torch")
+    assert ends.tolist() == [16, 16, 48, 64, 96]
+    assert data_t.shape == (48, 80 + 5 * 16) and scale.shape == (5, 48)
+    start = slot = 0
+    for e, (end, padded_end) in enumerate(zip(offsets.tolist(), ends.tolist(), strict=True)):
+        seg = x[start:end] if end > start else torch.zeros(1, 48, dtype=x.dtype)
+        data, s = torchao_axiswise(seg, 0, pow2)
+        assert mismatches(scale[e], s[0]) == 0, e
+        n = end - start
+        assert mismatches(data_t[:, slot:slot + n], data[:n].t()) == 0, e
+        assert (data_t[:, slot + n:padded_end].float() == 0).all(), e  # padding is zero
+        start, slot = end, padded_end
+
+
+def test_dequantize_is_within_e4m3_precision():
+    x = torch.randn(64, 256)
+    for block, pow2 in (((1, 0), True), ((1, 128), False), ((128, 128), False)):
+        q = quantize_fp8(x, block, pow2, backend="torch")
+        assert isinstance(q, FP8Tensor) and q.block == block
+        err = (q.dequantize() - x).abs()
+        assert (err <= x.abs() * 2**-4 + 2**-9 * x.abs().max()).all(), block
+
+
+def test_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match="block"):
+        quantize_fp8(torch.randn(4, 4), (2, 0))
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        quantize_fp8(torch.zeros(4, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., M, N\]"):
+        quantize_fp8(torch.randn(4))
+    with pytest.raises(ValueError, match="offsets must be int32"):
+        quantize_group_columns(torch.randn(4, 4), torch.tensor([4]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_codec_round_trips_like_quantize_and_requantizes_to_the_same_values(dtype):
+    codec = FP8RowCodec()
+    x = adversarial(40, 96, dtype, seed=4)
+    x[3:6] = 1.0  # finite rows for the re-quantization check
+    packed = codec.encode(x)
+    assert packed.shape == (40, 100) and packed.dtype == torch.uint8
+    assert codec.packed_width(2048) == 2052 and codec.bytes_ratio(2048) < 0.502
+    decoded = codec.decode(packed, dtype)
+    assert mismatches(decoded.float(), dequantize_fp8(quantize_fp8(x, backend="torch"))) == 0
+    again = dequantize_fp8(quantize_fp8(decoded, backend="torch"))
+    assert mismatches(again, decoded.float()) == 0
+    # a row whose largest code rounds to 224: its scale doubles on re-quantization
+    row = torch.tensor([[225.0, 1.0, -3.5]])
+    assert quantize_fp8(codec.decode(codec.encode(row), torch.float32)).scale.item() == 2.0
+    with pytest.raises(ValueError, match="packed width"):
+        codec.decode(torch.zeros(2, 4, dtype=torch.uint8), dtype)

@@ -1,0 +1,161 @@
+"""FP8 on a GPU at real sizes: kernels bit-exact vs the torch reference; the native grouped
+GEMMs (torch._scaled_grouped_mm, sm_90) against the exact emulation; no host sync."""
+
+import pytest
+import torch
+from moe_mxfp8 import (
+    FP8GroupedExperts,
+    FP8RowCodec,
+    fp8_native_available,
+    quantize_fp8,
+    quantize_group_columns,
+)
+from moe_mxfp8.fp8_gemm import fp8_grouped_mm, fp8_grouped_wgrad
+from moe_testing import assert_no_host_sync
+
+pytestmark = pytest.mark.gpu
+
+needs_sm90 = pytest.mark.skipif(
+    not (torch.cuda.is_available() and fp8_native_available(torch.device("cuda"))),
+    reason="needs a GPU with FP8 tensor cores and torch._scaled_grouped_mm (compute capability 9.x)")
+
+
+def sample(shape, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(shape, generator=g, device="cuda")
+    x = x * torch.exp2(torch.randint(-100, 100, (*shape[:-1], 1), generator=g, device="cuda").float())
+    flat = x.view(-1)
+    flat[: shape[-1]] = 0.0  # a zero row
+    flat[5 * shape[-1] + 3] = float("inf")
+    flat[7 * shape[-1] + 9] = float("nan")
+    flat[9 * shape[-1]: 9 * shape[-1] + 40] = 1e-40  # denormals
+    return x.to(dtype)
+
+
+def mismatches(a, b):
+    as_int = {1: torch.uint8, 4: torch.int32}[a.element_size()]
+    both_nan = a.float().isnan() & b.float().isnan()
+    return int(((a.view(as_int) != b.view(as_int)) & ~both_nan).sum())
+
+
+def routed_offsets(rows, experts, seed=0):
+    """Uneven group ends over ``rows`` with one empty expert (expert 1)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(experts, generator=g) + 0.1
+    w[1] = 0
+    counts = (w / w.sum() * rows).floor().long()
+    counts[0] += rows - counts.sum()
+    return counts.cumsum(0).to(torch.int32).cuda()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("block", "pow2"), [((1, 0), True), ((1, 0), False), ((1, 128), False),
+                                             ((128, 128), False)])
+def test_kernels_bit_exact_at_real_sizes(block, pow2, dtype):
+    for shape in ((8192, 2048), (1000, 3000), (4, 384, 520)):
+        x = sample(shape, dtype)
+        got, ref = (quantize_fp8(x, block, pow2, backend=b) for b in ("auto", "torch"))
+        assert mismatches(got.data, ref.data) == 0 and mismatches(got.scale, ref.scale) == 0, shape
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_group_columns_bit_exact_at_real_sizes(pow2):
+    x = sample((8192, 2048), torch.bfloat16)
+    offsets = routed_offsets(8192, 64)
+    (dt, st, et), (dr, sr, er) = (quantize_group_columns(x, offsets, pow2, backend=b)
+                                  for b in ("auto", "torch"))
+    used = int(er[-1])
+    assert torch.equal(et, er) and mismatches(st, sr) == 0
+    assert mismatches(dt[:, :used], dr[:, :used]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_swiglu_quantization_equals_the_unfused_kernels(dtype):
+    from moe_mxfp8.swiglu import (
+        swiglu,
+        swiglu_backward,
+        swiglu_backward_quantized,
+        swiglu_quantized,
+    )
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    h13 = (torch.randn(8192, 2048, generator=g, device="cuda") * 4).to(dtype)
+    dh = torch.randn(8192, 1024, generator=g, device="cuda").to(dtype)
+    fused = swiglu_quantized(h13, (1, 0), True)
+    plain = quantize_fp8(swiglu(h13), (1, 0), True)
+    assert mismatches(fused.data, plain.data) == 0 and mismatches(fused.scale, plain.scale) == 0
+    dh13, fused = swiglu_backward_quantized(h13, dh, dtype, (1, 0), True)
+    plain_dh13 = swiglu_backward(h13, dh, dtype)
+    plain = quantize_fp8(plain_dh13, (1, 0), True)
+    assert torch.equal(dh13, plain_dh13)
+    assert mismatches(fused.data, plain.data) == 0 and mismatches(fused.scale, plain.scale) == 0
+
+
+def test_row_codec_on_gpu_matches_the_cpu_encoding():
+    x = sample((4096, 2048), torch.bfloat16)
+    codec = FP8RowCodec()
+    packed = codec.encode(x)
+    ref = codec.encode(x.cpu())
+    assert packed.shape == (4096, 2052)
+    assert mismatches(packed[:, :2048].view(torch.float8_e4m3fn).cpu(),
+                      ref[:, :2048].view(torch.float8_e4m3fn)) == 0
+    assert mismatches(codec.decode(packed, torch.float32).cpu(), codec.decode(ref, torch.float32)) == 0
+
+
+@needs_sm90
+def test_native_grouped_gemms_equal_the_emulation_of_the_same_operands():
+    """Same E4M3 operands and scales: only accumulation order and the BF16 output rounding."""
+    R, E, K, N = 8192, 16, 2048, 1024
+    offsets = routed_offsets(R, E)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    a = quantize_fp8(torch.randn(R, K, device="cuda", generator=g).bfloat16())
+    b = quantize_fp8((torch.randn(E, N, K, device="cuda", generator=g) * 0.02).bfloat16())
+    end = int(offsets[-1])
+    native = fp8_grouped_mm(a, b, offsets, torch.bfloat16, native=True)[:end]
+    emulated = fp8_grouped_mm(a, b, offsets, torch.float32, native=False)[:end]
+    torch.testing.assert_close(native.float(), emulated, rtol=8e-3, atol=1e-3)
+    dy = torch.randn(R, N, device="cuda", generator=g).bfloat16()
+    x = torch.randn(R, K, device="cuda", generator=g).bfloat16()
+    native = fp8_grouped_wgrad(dy, x, offsets, True, torch.bfloat16, native=True)
+    emulated = fp8_grouped_wgrad(dy, x, offsets, True, torch.float32, native=False)
+    torch.testing.assert_close(native.float(), emulated, rtol=8e-3, atol=5e-2)
+    assert native[1].abs().sum() == 0  # the empty expert
+
+
+def _experts(E=16, D=2048, F=1024, gemm="native"):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ws = [torch.nn.Parameter((torch.randn(shape, generator=g, device="cuda") * 0.02).bfloat16())
+          for shape in ((E, F, D), (E, F, D), (E, D, F))]
+    return FP8GroupedExperts(*ws, recipe="fp8_rowwise", gemm=gemm)
+
+
+@needs_sm90
+def test_native_experts_match_emulated_experts():
+    """Forward, input and weight gradients of the whole layer; the SwiGLU between the GEMMs
+    sees BF16 inputs that differ by an ulp, so an E4M3 rounding may flip: compared in norm."""
+    native = _experts()
+    emulated = FP8GroupedExperts(native.w1, native.w3, native.w2, gemm="emulated")
+    R = 8192
+    offsets = routed_offsets(R, 16)
+    end = int(offsets[-1])
+    g = torch.Generator(device="cuda").manual_seed(2)
+    rows = torch.randn(R, 2048, device="cuda", generator=g).bfloat16().requires_grad_()
+    dy = torch.randn(R, 2048, device="cuda", generator=g).bfloat16()
+    outs = []
+    for layer in (native, emulated):
+        y = layer(rows, offsets)
+        grads = torch.autograd.grad(y, [rows, layer.w1, layer.w3, layer.w2], dy)
+        outs.append((y[:end], grads[0][:end], *grads[1:]))
+    for got, want in zip(*outs, strict=True):
+        rel = (got.float() - want.float()).norm() / want.float().norm()
+        assert rel < 1e-2, rel
+    assert outs[0][2][1].abs().sum() == 0  # the empty expert's gate weight gradient
+
+
+@needs_sm90
+def test_no_host_sync_in_a_warm_native_step():
+    layer = _experts(E=8, D=256, F=128)
+    offsets = torch.tensor([100, 100, 250, 300, 512, 600, 700, 1024], dtype=torch.int32,
+                           device="cuda")
+    rows = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    assert_no_host_sync(lambda: layer(rows, offsets).sum().backward())

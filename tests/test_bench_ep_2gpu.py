@@ -1,0 +1,94 @@
+"""tools/bench_ep_2gpu.py on the CPU: its options, the parts it would run and its target checks
+(the measurement itself needs two GPUs)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from moe_testing import load_script
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_ep_2gpu.py"
+
+
+def _tool():
+    return load_script(TOOL)
+
+
+@pytest.mark.multiprocess
+def test_help_answers_without_a_gpu():
+    proc = subprocess.run([sys.executable, str(TOOL), "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "--graphs" in proc.stdout and "--out" in proc.stdout
+
+
+def test_parts_follow_the_options(tmp_path):
+    bench = _tool()
+    out = tmp_path / "ep.json"
+    parts = bench.commands(bench.parse_args(["--out", str(out)]))
+    assert list(parts) == ["train_graphs", "train_eager", "transport"]
+    train_cmd, train_json = parts["train_graphs"]
+    assert "train.cuda_graphs=true" in train_cmd and train_json.parent == tmp_path
+    assert train_cmd[train_cmd.index("--nproc-per-node") + 1] == "2"
+    parts = bench.commands(bench.parse_args(["--out", str(out), "--graphs", "off", "--tests",
+                                             "--skip", "transport"]))
+    assert list(parts) == ["train_eager", "tests"]
+    assert "train.cuda_graphs=false" in parts["train_eager"][0]
+    assert parts["tests"][0][:3] == [sys.executable, "-m", "pytest"]
+
+
+@pytest.mark.multiprocess
+def test_a_part_past_its_timeout_is_killed_with_its_children(tmp_path):
+    marker = tmp_path / "child_survived"
+    child = f"import time, pathlib; time.sleep(3); pathlib.Path({str(marker)!r}).touch()"
+    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"
+    code, timed_out = _tool().run_part([sys.executable, "-c", parent], 0.5)
+    assert timed_out and code != 0
+    time.sleep(4)
+    assert not marker.exists()  # the grandchild went with the part
+    assert _tool().run_part([sys.executable, "-c", "pass"], 30) == (0, False)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--warmup", "0"], "the first step captures the graphs"),
+    (["--gpus", "1"], "needs at least 2"),
+    (["--skip", "train", "--skip", "transport"], "leaves nothing to run"),
+    (["--part-timeout", "0"], "positive seconds expected"),
+])
+def test_bad_options_name_the_option(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        _tool().parse_args(["--out", str(tmp_path / "x.json"), *argv])
+    assert message in capsys.readouterr().err
+
+
+def _run(method, routing, tok, mfu):
+    return {"method": method, "routing": routing, "tokens_per_s_per_gpu": tok, "mfu": mfu,
+            "cuda_graphs": True}
+
+
+def test_train_checks_compare_ep_with_dp_per_routing():
+    report = {"runs": [_run("ddp", "model", 40_000, 0.43), _run("ep", "model", 42_400, 0.45),
+                       _run("ddp", "balanced", 40_000, 0.43), _run("ep", "balanced", 41_600, 0.44),
+                       _run("ddp", "zipf", 40_000, 0.41), _run("ep", "zipf", 44_000, 0.45)]}
+    checks = {c["routing"]: c for c in _tool().train_checks(report, "graphs")}
+    assert checks["model"]["met"] and checks["model"]["ep_over_dp"] == pytest.approx(1.06)
+    assert not checks["balanced"]["met"]  # 1.04x
+    assert not checks["zipf"]["met"]  # DP's MFU under 42%
+
+
+def _row(tokens, routing, backend, payload, x_nccl, put):
+    return {"tokens": tokens, "routing": routing, "backend": backend, "payload_mib": payload,
+            "x_nccl": x_nccl, "pct_put_ceiling": put}
+
+
+def test_transport_checks_use_the_graph_replay_and_the_size_targets():
+    rows = [_row(512, "balanced", "rowwise", 16, 0.9, 50), _row(512, "balanced", "rowwise:graph", 16, 1.6, 72),
+            _row(1024, "balanced", "rowwise:graph", 32, 1.4, 90),
+            _row(65536, "balanced", "rowwise:graph", 2048, 1.2, 79)]
+    checks = _tool().transport_checks({"rows": rows})
+    assert [(c["tokens"], c["backend"], c["met"]) for c in checks] == [
+        (512, "rowwise:graph", True), (1024, "rowwise:graph", False), (65536, "rowwise:graph", False)]

@@ -1,0 +1,221 @@
+"""Every two-GPU expert-parallelism target in one call: the training step and the transport.
+
+    tools/from_source.sh python3 tools/bench_ep_2gpu.py --out $OUT/ep_2gpu.json
+
+It runs, one after the other on the GPUs of this host (``torch.distributed.run``,
+``--nproc-per-node`` = ``--gpus``; the parts inherit ``tools/from_source.sh``'s path):
+
+1. ``tools/bench_train_step.py --config bench-2gpu --methods ddp ep`` with the
+   model's own, forced balanced and forced Zipf routing, run twice: both methods
+   replaying CUDA graphs, then both eager (``--graphs both``, the default; ``on`` or
+   ``off`` runs one of them; a failure of the graphed run leaves the eager one): EP
+   tokens/s per GPU over DP's on the same commit and in the same mode (target >= 1.05x
+   for every routing) and both MFUs (target >= 42%);
+2. ``tools/bench_ep_transport.py --graphs`` from 512 to 64k tokens per rank,
+   balanced and Zipf routing: the rowwise transport over a bare NCCL
+   ``all_to_all_single`` (targets: >= 1.0x at every size, >= 1.5x at 16-64 MiB of
+   payload) and the share of the put ceiling measured in the same run at the largest
+   size (target >= 80%);
+3. with ``--tests``: the two-GPU tests of steps replayed from CUDA graphs (DP2 and EP2
+   equal eager steps bit for bit, no host synchronisation in a replayed step), pass or
+   fail recorded; several minutes (every case starts its own processes), so on their own:
+   ``tools/from_source.sh python3 tools/bench_ep_2gpu.py --tests --skip train --skip
+   transport --part-timeout 580 --out $OUT/ep_2gpu_tests.json``.
+
+Each part writes its own JSON next to ``--out``; ``--out`` gets all of them plus the
+target checks (rewritten after every part), and a short table is printed. A part that
+fails is recorded with its exit status and the rest still runs; one that runs past
+``--part-timeout`` (a hang: a spinning barrier never times out) is killed with its
+processes and recorded as timed out.
+
+Duration with the defaults (estimated from bench-2gpu's 2.7-2.8 s steps on two H200s,
+``docs/performance.md``): 2 modes x 2 methods x 3 routings x 6 steps plus four model
+builds and six captures for part 1, about a minute for part 2: 5 to 6 minutes;
+``--graphs on`` about 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+TOOLS = Path(__file__).resolve().parent
+ROUTINGS = ("model", "balanced", "zipf")
+GRAPH_MODES = {"on": ("graphs",), "off": ("eager",), "both": ("graphs", "eager")}
+GRAPH_TESTS = ("apps/pretrain/tests/test_gpu.py", "-m", "multigpu", "-k", "cuda_graphs_on_two_ranks")
+EP_OVER_DP = 1.05
+MFU = 0.42
+X_NCCL_ALL, X_NCCL_MID, MID_MIB = 1.0, 1.5, (16, 64)
+PUT_SHARE = 80.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="JSON file of every part and the checks")
+    p.add_argument("--gpus", type=int, default=2, help="GPUs of this host (processes per part)")
+    p.add_argument("--config", default="bench-2gpu", help="bench_train_step preset")
+    p.add_argument("--steps", type=int, default=4, help="timed training steps per (method, routing)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps per (method, routing); the first captures the graphs")
+    p.add_argument("--graphs", choices=sorted(GRAPH_MODES), default="both",
+                   help="training steps replayed from CUDA graphs, eager, or both (two runs)")
+    p.add_argument("--tests", action="store_true",
+                   help="also run the two-GPU tests of CUDA-graph steps (several minutes: on their "
+                        "own, with --skip train --skip transport --part-timeout 580)")
+    p.add_argument("--tokens", default="512,1024,2048,4096,8192,16384,32768,65536",
+                   help="transport sizes, tokens per rank, comma-separated")
+    p.add_argument("--transport-routing", default="balanced,zipf")
+    p.add_argument("--iters", type=int, default=20, help="transport iterations per size")
+    p.add_argument("--skip", choices=["train", "transport"], action="append", default=[],
+                   help="leave a part out (repeatable)")
+    p.add_argument("--part-timeout", type=float, default=300.0,
+                   help="seconds a part may run before it and its processes are killed")
+    a = p.parse_args(argv)
+    if a.gpus < 2:
+        p.error(f"--gpus {a.gpus}: expert parallelism needs at least 2")
+    if a.part_timeout <= 0:
+        p.error(f"--part-timeout {a.part_timeout}: positive seconds expected")
+    if a.steps < 1 or a.warmup < 0 or a.iters < 1:
+        p.error("--steps and --iters must be positive, --warmup not negative")
+    if a.graphs != "off" and a.warmup < 1:
+        p.error(f"--warmup {a.warmup} with --graphs {a.graphs}: the first step captures the graphs")
+    try:
+        sizes = [int(t) for t in a.tokens.split(",")]
+    except ValueError:
+        p.error(f"--tokens {a.tokens!r}: comma-separated integers expected")
+    if not sizes or min(sizes) < 1:
+        p.error(f"--tokens {a.tokens!r}: positive sizes expected")
+    bad = set(a.transport_routing.split(",")) - {"balanced", "random", "zipf"}
+    if bad:
+        p.error(f"--transport-routing: unknown routing {sorted(bad)} (balanced, random, zipf)")
+    if len(set(a.skip)) == 2 and not a.tests:
+        p.error("--skip train and transport without --tests leaves nothing to run")
+    return a
+
+
+def commands(a: argparse.Namespace) -> dict[str, tuple[list[str], Path]]:
+    """Each part's command line and the JSON it writes (``train_graphs``, ``train_eager``,
+    ``transport``, ``tests``: a pytest JUnit XML)."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.gpus)]
+    parts = {}
+    if "train" not in a.skip:
+        for mode in GRAPH_MODES[a.graphs]:
+            path = a.out.with_name(f"{a.out.stem}_train_step_{mode}.json")
+            graphs = f"train.cuda_graphs={'true' if mode == 'graphs' else 'false'}"
+            parts[f"train_{mode}"] = (
+                [*run, str(TOOLS / "bench_train_step.py"), graphs, "--config", a.config,
+                 "--methods", "ddp", "ep", "--routing", *ROUTINGS, "--steps", str(a.steps),
+                 "--warmup", str(a.warmup), "--out", str(path)], path)
+    if "transport" not in a.skip:
+        path = a.out.with_name(a.out.stem + "_transport.json")
+        parts["transport"] = ([*run, str(TOOLS / "bench_ep_transport.py"), "--graphs", "--tokens", a.tokens,
+                               "--routing", a.transport_routing, "--iters", str(a.iters),
+                               "--out", str(path)], path)
+    if a.tests:
+        path = a.out.with_name(a.out.stem + "_tests.xml")
+        parts["tests"] = ([sys.executable, "-m", "pytest", "-p", "moe_testing.pytest_plugin", "-q",
+                           str(TOOLS.parent / GRAPH_TESTS[0]), *GRAPH_TESTS[1:],
+                           f"--junitxml={path}"], path)
+    return parts
+
+
+def train_checks(report: dict[str, Any], mode: str) -> list[dict[str, Any]]:
+    """EP over DP tokens/s per GPU and both MFUs, per routing (``mode``: graphs or eager;
+    a method the layout kept eager says so in ``cuda_graphs_off``)."""
+    by = {(r["method"], r["routing"]): r for r in report["runs"]}
+    checks = []
+    for routing in ROUTINGS:
+        dp, ep = by.get(("ddp", routing)), by.get(("ep", routing))
+        if dp is None or ep is None:
+            continue
+        ratio = ep["tokens_per_s_per_gpu"] / dp["tokens_per_s_per_gpu"]
+        checks.append(dict(mode=mode, routing=routing,
+                           dp_cuda_graphs=dp.get("cuda_graphs"), ep_cuda_graphs=ep.get("cuda_graphs"),
+                           dp_tokens_per_s_per_gpu=dp["tokens_per_s_per_gpu"],
+                           ep_tokens_per_s_per_gpu=ep["tokens_per_s_per_gpu"], ep_over_dp=ratio,
+                           dp_mfu=dp["mfu"], ep_mfu=ep["mfu"],
+                           met=ratio >= EP_OVER_DP and min(dp["mfu"] or 0, ep["mfu"] or 0) >= MFU))
+    return checks
+
+
+def transport_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rowwise (``combine="auto"``, from CUDA graphs where replayed) over NCCL per size and routing."""
+    rows = report["rows"]
+    largest = max(r["tokens"] for r in rows)
+    checks = []
+    for r in rows:
+        if r["backend"] not in ("rowwise:graph", "rowwise"):
+            continue
+        graphed = any(o["backend"] == "rowwise:graph" and o["tokens"] == r["tokens"]
+                      and o["routing"] == r["routing"] for o in rows)
+        if graphed and r["backend"] == "rowwise":
+            continue  # the graph replay is the device time the targets are about
+        want = X_NCCL_MID if MID_MIB[0] <= r["payload_mib"] <= MID_MIB[1] else X_NCCL_ALL
+        met = r["x_nccl"] >= want
+        if r["tokens"] == largest and r["routing"] == "balanced":
+            met = met and r["pct_put_ceiling"] >= PUT_SHARE
+        checks.append(dict(tokens=r["tokens"], routing=r["routing"], backend=r["backend"],
+                           payload_mib=r["payload_mib"], x_nccl=r["x_nccl"], want_x_nccl=want,
+                           pct_put_ceiling=r["pct_put_ceiling"], met=met))
+    return checks
+
+
+def run_part(cmd: list[str], timeout_s: float) -> tuple[int, bool]:
+    """``(exit status, timed out)`` of ``cmd``, run in a session of its own so that a part
+    past ``timeout_s`` is killed with every process it started (torchrun's ranks)."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s), False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait(), True
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    for name, part in result["parts"].items():
+        if part["timed_out"]:
+            print(f"{name}: killed after --part-timeout (its output is above)")
+        elif part["returncode"] != 0:
+            print(f"{name}: exited {part['returncode']} (its output is above)")
+        elif name == "tests":
+            print("tests: passed")
+    for c in [c for name in GRAPH_MODES["both"] for c in result.get(f"train_{name}_checks", [])]:
+        print(f"train {c['mode']:>6} {c['routing']:>8}: EP {c['ep_tokens_per_s_per_gpu']:,.0f} / DP "
+              f"{c['dp_tokens_per_s_per_gpu']:,.0f} tok/s/GPU = {c['ep_over_dp']:.3f}x (>= {EP_OVER_DP}), "
+              f"MFU EP {c['ep_mfu'] or 0:.1%} DP {c['dp_mfu'] or 0:.1%} (>= {MFU:.0%}): "
+              f"{'met' if c['met'] else 'NOT met'}")
+    for c in result.get("transport_checks", []):
+        print(f"transport {c['tokens']:>6} {c['routing']:>8} {c['payload_mib']:>7.1f} MiB: "
+              f"{c['x_nccl']:.2f}x NCCL (>= {c['want_x_nccl']}), {c['pct_put_ceiling']:.0f}% put: "
+              f"{'met' if c['met'] else 'NOT met'}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"parts": {}}
+    for name, (cmd, json_path) in commands(a).items():
+        print("+", " ".join(cmd), flush=True)
+        code, timed_out = run_part(cmd, a.part_timeout)
+        report = None
+        if json_path.exists() and json_path.suffix == ".json":
+            report = json.loads(json_path.read_text())
+        result["parts"][name] = {"command": cmd, "returncode": code, "timed_out": timed_out,
+                                 "report": report, "file": str(json_path)}
+        if report is not None and name.startswith("train_"):
+            result[f"{name}_checks"] = train_checks(report, name.removeprefix("train_"))
+        elif report is not None and name == "transport":
+            result["transport_checks"] = transport_checks(report)
+        a.out.write_text(json.dumps(result, indent=1))  # after every part: a later failure keeps it
+    print_summary(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""Benchmark FP8 routed experts on one GPU: the expert layer in BF16 vs FP8, quantize kernels.
+
+    tools/from_source.sh python3 tools/bench_fp8_experts.py --out $OUT/bench_fp8_experts.json
+
+1. Expert layer at the ``bench-1gpu`` shapes (d_model 2048, 64 experts, top-8, hidden
+   1024, 16k tokens: 131072 dispatched rows), forward and forward+backward (gradients of
+   the rows and the three weights by ``torch.autograd.grad``, as the training step takes
+   them), for ``balanced`` routing (every expert the same rows) and ``zipf`` (top-k of a
+   Zipf(1.0) over the experts, the busy ones not the low ids). Layers:
+   ``moe_model.GroupedExperts`` in BF16 (the model's own, its default backend),
+   ``FP8GroupedExperts`` fp8_rowwise and fp8_rowwise_gw_hp (BF16 weight gradients) with
+   the native GEMMs (``torch._scaled_grouped_mm``), and fp8_blockwise, emulated (dequantize + FP32 matmuls per expert; no native grouped
+   GEMM) unless ``--no-blockwise``. BF16 compute weights everywhere; the FP8 layers'
+   outputs are compared with BF16's (relative error in norm).
+2. The grouped GEMMs alone (the candidates side by side, balanced routing): BF16
+   ``torch._grouped_mm`` against FP8 ``torch._scaled_grouped_mm`` with FP32 promotion
+   (``use_fast_accum=False``, what the layer uses) and with fast accumulation, on the
+   forward (2d x 3d) and weight-gradient (2d x 2d) shapes of the gate/up projection.
+3. Quantize kernels on the dispatched rows ``[131072, 2048]`` BF16 and the gate/up weight
+   ``[64, 2048, 2048]``, with a device copy of the rows measured in the same run as the
+   ceiling; bandwidth counts the bytes a kernel must read and write.
+4. Unless ``--no-tile-sweep``: each quantize kernel under each launch shape of
+   ``TILE_CANDIDATES`` (``moe_mxfp8._triton_fp8._TILES``), checked bit-exact against the
+   torch reference first, so that table can be set from one run.
+Prints a table last and writes JSON. Needs a CUDA GPU (compute capability 9.x for the
+native path); ``--help`` works anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def time_s(fn, iters: int, reps: int, host_ahead: bool = False) -> float:
+    """Device seconds per call (``_bench.time_ms``); ``host_ahead`` for the layers, whose
+    many launches a training step issues while the device is busy."""
+    from _bench import time_ms
+
+    return time_ms(fn, warmup=1, iters=iters, reps=reps, host_ahead=host_ahead) / 1e3
+
+
+def routed_offsets(kind: str, tokens: int, experts: int, top_k: int, seed: int = 0):
+    """Cumulative int32 group ends of ``tokens * top_k`` rows for a routing kind."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "balanced":
+        counts = torch.full((experts,), tokens * top_k // experts, dtype=torch.int64)
+    elif kind == "zipf":
+        p = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64)
+        p = p[torch.randperm(experts, generator=gen)]
+        ids = torch.multinomial(p.expand(tokens, experts), top_k, replacement=False, generator=gen)
+        counts = torch.bincount(ids.reshape(-1), minlength=experts)
+    else:
+        raise ValueError(f"unknown routing {kind!r}; expected balanced or zipf")
+    return counts.cumsum(0).to(torch.int32).cuda()
+
+
+def bench_layers(args, routing: str) -> dict:
+    import torch
+    from moe_model import GroupedExperts
+    from moe_mxfp8 import FP8GroupedExperts
+
+    torch.manual_seed(0)
+    bf16 = GroupedExperts(args.experts, args.d_model, args.hidden).cuda()
+    for p in bf16.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    bf16 = bf16.to(torch.bfloat16)
+    offsets = routed_offsets(routing, args.tokens, args.experts, args.top_k)
+    rows_n = args.tokens * args.top_k
+    rows = torch.randn(rows_n, args.d_model, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(rows)
+    layers = {"bf16": bf16}
+    for recipe in ("fp8_rowwise", "fp8_rowwise_gw_hp"):
+        layers[recipe] = FP8GroupedExperts.from_module(bf16, recipe, "native")
+    if args.blockwise:
+        layers["fp8_blockwise (emulated)"] = FP8GroupedExperts.from_module(bf16, "fp8_blockwise")
+    flops = 3 * 2 * rows_n * args.d_model * args.hidden * 3  # forward + 2x backward, three GEMMs
+    with torch.no_grad():
+        y_ref = bf16(rows, offsets).float()
+    results = {"max_rows_per_expert": int(torch.diff(offsets, prepend=offsets.new_zeros(1)).max())}
+    for name, layer in layers.items():
+        emulated = "emulated" in name
+        iters, reps = (1, 3) if emulated else (3, 5)
+        params = [layer.w1, layer.w3, layer.w2]
+        fwd = time_s(lambda layer=layer: layer(rows, offsets), iters, reps, host_ahead=True)
+        step = time_s(lambda layer=layer, params=params: torch.autograd.grad(
+            layer(rows, offsets), [rows, *params], grad), iters, reps, host_ahead=True)
+        with torch.no_grad():
+            y = layer(rows, offsets).float()
+        results[name] = {"forward_ms": fwd * 1e3, "fwd_bwd_ms": step * 1e3,
+                         "fwd_bwd_tflops": flops / step / 1e12,
+                         "rel_error_vs_bf16": float((y - y_ref).norm() / y_ref.norm())}
+        if hasattr(layer, "refresh_weight_cache"):
+            results[name]["weight_cache_refresh_ms"] = time_s(layer.refresh_weight_cache, 3, 5) * 1e3
+    base = results["bf16"]["fwd_bwd_ms"]
+    for name in layers:
+        results[name]["speedup_vs_bf16"] = base / results[name]["fwd_bwd_ms"]
+    return results
+
+
+def bench_gemms(args) -> dict:
+    import torch
+    from moe_mxfp8 import quantize_fp8, quantize_group_columns
+
+    rows_n, E, D, F2 = args.tokens * args.top_k, args.experts, args.d_model, 2 * args.hidden
+    offsets = routed_offsets("balanced", args.tokens, E, args.top_k)
+    x = torch.randn(rows_n, D, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(E, F2, D, device="cuda", dtype=torch.bfloat16) * 0.02
+    dy = torch.randn(rows_n, F2, device="cuda", dtype=torch.bfloat16)
+    xq, wq = quantize_fp8(x), quantize_fp8(w)
+    xs, ws = xq.scale.reciprocal().view(-1), wq.scale.reciprocal().squeeze(-1)
+    dy_t, dy_s, ends = quantize_group_columns(dy, offsets)
+    x_t, x_s, _ = quantize_group_columns(x, offsets)
+    dy_s, x_s = dy_s.reciprocal().view(-1), x_s.reciprocal().view(-1)
+    flops = 2 * rows_n * D * F2
+
+    def fp8_fwd(fast):
+        return lambda: torch._scaled_grouped_mm(xq.data, wq.data.transpose(-2, -1), xs, ws,
+                                                offs=offsets, out_dtype=torch.bfloat16,
+                                                use_fast_accum=fast)
+
+    def fp8_wgrad(fast):
+        return lambda: torch._scaled_grouped_mm(dy_t, x_t.t(), dy_s, x_s, offs=ends,
+                                                out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+    cases = {
+        "forward bf16 _grouped_mm": lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets),
+        "forward fp8 _scaled_grouped_mm": fp8_fwd(False),
+        "forward fp8 _scaled_grouped_mm fast_accum": fp8_fwd(True),
+        "wgrad bf16 _grouped_mm": lambda: torch._grouped_mm(dy.t(), x, offs=offsets),
+        "wgrad fp8 _scaled_grouped_mm": fp8_wgrad(False),
+        "wgrad fp8 _scaled_grouped_mm fast_accum": fp8_wgrad(True),
+    }
+    results = {}
+    for name, fn in cases.items():
+        seconds = time_s(fn, 5, 5)
+        results[name] = {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12}
+    return results
+
+
+# Launch shapes per kernel kind of moe_mxfp8._triton_fp8 (its _TILES): BlockTile(elements,
+# warps) for the block kinds, ColumnTile(rows, cols, warps) for the per-expert columns.
+TILE_CANDIDATES = {
+    "rows": [(2048, 4), (4096, 4), (8192, 4), (8192, 8), (16384, 8), (2048, 2)],
+    "tiles": [(2048, 4), (4096, 4), (8192, 8), (16384, 8)],
+    "blocks": [(16384, 4), (16384, 8), (16384, 16)],
+    "group_columns": [(64, 64, 4), (32, 64, 4), (64, 128, 4), (128, 64, 8), (64, 32, 2),
+                      (128, 128, 8)],
+}
+
+
+def sweep_tiles(args) -> dict:
+    import torch
+    from moe_mxfp8 import _triton_fp8, quantize_fp8, quantize_group_columns
+
+    rows_n = args.tokens * args.top_k
+    x = torch.randn(rows_n, args.d_model, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(args.experts, 2 * args.hidden, args.d_model, device="cuda", dtype=torch.bfloat16)
+    offsets = routed_offsets("zipf", args.tokens, args.experts, args.top_k)
+    n, nw = x.numel(), w.numel()
+    out = torch.empty_like(x)
+    copy = 4 * n / time_s(lambda: out.copy_(x), 10, 7)
+
+    def blocks(t, block, pow2, backend="auto"):
+        q = quantize_fp8(t, block, pow2, backend=backend)
+        return [q.data.view(torch.uint8), q.scale]
+
+    def columns(t, backend="auto"):
+        data_t, scale, ends = quantize_group_columns(t, offsets[-8:] - offsets[-9], True, backend)
+        return [data_t[:, :int(ends[-1])].view(torch.uint8), scale]
+
+    head = x[:4096]
+    tail = x[int(offsets[-9]):int(offsets[-1])]  # the last 8 experts' rows, for the check
+    work = {
+        "rows": (lambda t, b="auto": blocks(t, (1, 0), True, b), x, head, 3 * n + 4 * rows_n),
+        "tiles": (lambda t, b="auto": blocks(t, (1, 128), False, b), x, head, 3 * n + n // 32),
+        "blocks": (lambda t, b="auto": blocks(t, (128, 128), False, b), w, w[:2], 3 * nw),
+        "group_columns": (None, x, tail, 3 * n + 4 * args.experts * args.d_model),
+    }
+    default = dict(_triton_fp8._TILES)
+    results = {"copy_tb_per_s": copy / 1e12}
+    try:
+        for kind, candidates in TILE_CANDIDATES.items():
+            fn, full, sample, nbytes = work[kind]
+
+            def check(kind=kind, fn=fn, sample=sample):
+                return ((columns(sample), columns(sample, "torch")) if kind == "group_columns"
+                        else (fn(sample), fn(sample, "torch")))
+
+            def timed(kind=kind, fn=fn, full=full):
+                return (quantize_group_columns(full, offsets, True) if kind == "group_columns"
+                        else fn(full))
+
+            for cand in candidates:
+                tile = (_triton_fp8.ColumnTile if kind == "group_columns" else _triton_fp8.BlockTile)(*cand)
+                entry = {"tile": list(cand), "default": tile == default[kind]}
+                _triton_fp8._TILES[kind] = tile  # what the launchers read at every call
+                try:
+                    got, ref = check()
+                    bad = sum(int((g.view(torch.uint8) != r.view(torch.uint8)).sum())
+                              for g, r in zip(got, ref, strict=True))
+                    if bad:
+                        entry["error"] = f"{bad} bytes differ from the torch reference"
+                    else:
+                        rate = nbytes / time_s(timed, 10, 5)
+                        entry.update(tb_per_s=rate / 1e12, fraction_of_copy=rate / copy)
+                except Exception as e:  # noqa: BLE001 - a candidate that fails is reported
+                    entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                results[f"{kind} {cand}"] = entry
+            _triton_fp8._TILES[kind] = default[kind]
+    finally:
+        _triton_fp8._TILES.update(default)
+    return results
+
+
+def bench_kernels(args) -> dict:
+    import torch
+    from moe_mxfp8 import quantize_fp8, quantize_group_columns
+
+    rows_n = args.tokens * args.top_k
+    x = torch.randn(rows_n, args.d_model, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(args.experts, 2 * args.hidden, args.d_model, device="cuda", dtype=torch.bfloat16)
+    offsets = routed_offsets("zipf", args.tokens, args.experts, args.top_k)
+    n, nw = x.numel(), w.numel()
+    out = torch.empty_like(x)
+    cases = {
+        "device copy (ceiling)": (lambda: out.copy_(x), 4 * n),
+        "rowwise rows [R, D]": (lambda: quantize_fp8(x, (1, 0), True), 3 * n + 4 * rows_n),
+        "1x128 tiles [R, D]": (lambda: quantize_fp8(x, (1, 128), False), 3 * n + 4 * n // 128),
+        "per-expert columns, transposed [R, D]": (
+            lambda: quantize_group_columns(x, offsets, True), 3 * n + 4 * args.experts * args.d_model),
+        "rowwise weight [E, 2F, D]": (lambda: quantize_fp8(w, (1, 0), True), 3 * nw),
+        "128x128 weight [E, 2F, D]": (lambda: quantize_fp8(w, (128, 128), False), 3 * nw),
+    }
+    results = {}
+    for name, (fn, nbytes) in cases.items():
+        seconds = time_s(fn, 10, 7)
+        results[name] = {"ms": seconds * 1e3, "bytes": nbytes, "tb_per_s": nbytes / seconds / 1e12}
+    copy = results["device copy (ceiling)"]["tb_per_s"]
+    for r in results.values():
+        r["fraction_of_copy"] = r["tb_per_s"] / copy
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.splitlines()[1:]))
+    ap.add_argument("--out", default="bench_fp8_experts.json", help="JSON report path")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--routing", default="balanced,zipf", help="comma-separated: balanced, zipf")
+    ap.add_argument("--no-tile-sweep", dest="tile_sweep", action="store_false",
+                    help="skip measuring the quantize kernels' launch-shape candidates")
+    ap.add_argument("--no-blockwise", dest="blockwise", action="store_false",
+                    help="skip the emulated fp8_blockwise layer (FP32 matmuls, the slowest part)")
+    args = ap.parse_args()
+
+    import torch
+    from moe_mxfp8 import fp8_native_available
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_fp8_experts needs a CUDA GPU")
+    if not fp8_native_available(torch.device("cuda")):
+        raise SystemExit("bench_fp8_experts needs torch._scaled_grouped_mm on compute capability 9.x")
+    kernels = bench_kernels(args)
+    tiles = sweep_tiles(args) if args.tile_sweep else None
+    gemms = bench_gemms(args)
+    layers = {kind: bench_layers(args, kind) for kind in args.routing.split(",")}
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "shape": vars(args), "kernels": kernels, "tile_sweep": tiles, "gemms": gemms, "experts": layers}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+
+    print(f"\n{report['device']}, torch {torch.__version__}; rows [{args.tokens * args.top_k}, "
+          f"{args.d_model}], {args.experts} experts, hidden {args.hidden}")
+    print(f"{'kernel':40s} {'ms':>8s} {'TB/s':>7s} {'of copy':>8s}")
+    for name, r in kernels.items():
+        print(f"{name:40s} {r['ms']:8.3f} {r['tb_per_s']:7.2f} {r['fraction_of_copy']:8.0%}")
+    if tiles is not None:
+        print(f"\n{'launch shape (sweep)':40s} {'TB/s':>7s} {'of copy':>8s}")
+        for name, r in tiles.items():
+            if isinstance(r, dict):
+                mark = " *" if r["default"] else ""
+                rate = (f"{r['tb_per_s']:7.2f} {r['fraction_of_copy']:8.0%}" if "error" not in r
+                        else r["error"][:60])
+                print(f"{name + mark:40s} {rate}")
+    print(f"\n{'grouped GEMM (gate/up shapes, balanced)':42s} {'ms':>8s} {'TFLOP/s':>8s}")
+    for name, r in gemms.items():
+        print(f"{name:42s} {r['ms']:8.3f} {r['tflops']:8.0f}")
+    print(f"\n{'routing':9s} {'layer':26s} {'fwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
+          f"{'vs bf16':>8s} {'rel err':>8s}")
+    for kind, res in layers.items():
+        for name, r in res.items():
+            if isinstance(r, dict):
+                print(f"{kind:9s} {name:26s} {r['forward_ms']:8.2f} {r['fwd_bwd_ms']:8.2f} "
+                      f"{r['fwd_bwd_tflops']:8.0f} {r['speedup_vs_bf16']:7.2f}x "
+                      f"{r['rel_error_vs_bf16']:8.4f}")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
