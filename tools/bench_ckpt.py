@@ -60,7 +60,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_state(size_gb: float, device: torch.device) -> dict[str, mc.Shard]:
+def make_state(size_gb: float, device: torch.device) -> dict[str, mc.BoxShard]:
     """This rank's dim-0 box of each global tensor (rows split evenly)."""
     n, rank = world()
     count = max(1, round(size_gb * 1e9 / TENSOR_BYTES))
@@ -71,11 +71,11 @@ def make_state(size_gb: float, device: torch.device) -> dict[str, mc.Shard]:
         g = torch.Generator(device=device).manual_seed(i * 1000 + rank)
         local = torch.empty((rows, shape[1]), dtype=dtype, device=device)
         local.uniform_(-1, 1, generator=g)
-        state[f"layers.{i}.weight"] = mc.Shard(local, shape, (rank * rows, 0))
+        state[f"layers.{i}.weight"] = mc.BoxShard(local, shape, (rank * rows, 0))
     return state
 
 
-def state_bytes(state: dict[str, mc.Shard]) -> int:
+def state_bytes(state: dict[str, mc.BoxShard]) -> int:
     """Global bytes (all ranks)."""
     return sum(math.prod(s.global_shape) * s.local.element_size() for s in state.values())
 
@@ -114,7 +114,7 @@ def fresh(path: Path) -> Path:
     return path
 
 
-def single_stream(state: dict[str, mc.Shard], root: Path, device: torch.device) -> dict[str, float]:
+def single_stream(state: dict[str, mc.BoxShard], root: Path, device: torch.device) -> dict[str, float]:
     """Raw sequential write (fsync) and cold read of this rank's bytes, one file and one
     thread per rank, all ranks at once. Not a ceiling: parallel writes can go faster."""
     _, rank = world()
@@ -144,7 +144,7 @@ def single_stream(state: dict[str, mc.Shard], root: Path, device: torch.device) 
     return {"single_stream_write_GBps": total / w / 1e9, "single_stream_read_GBps": total / r / 1e9}
 
 
-def as_dtensors(state: dict[str, mc.Shard], device: torch.device) -> dict[str, torch.Tensor]:
+def as_dtensors(state: dict[str, mc.BoxShard], device: torch.device) -> dict[str, torch.Tensor]:
     """The same shards as DCP understands them (plain tensors in a single process)."""
     if not dist.is_initialized():
         return {k: s.local for k, s in state.items()}
@@ -177,7 +177,7 @@ def bench_blocking(state, root: Path, device, repeats: int, gloo) -> dict[str, d
         for rep in range(repeats):
             path = fresh(root / f"{label.replace(' ', '_')}_{rep}")
             targets = {
-                k: mc.Shard(torch.zeros_like(s.local), s.global_shape, s.global_offset)
+                k: mc.BoxShard(torch.zeros_like(s.local), s.global_shape, s.global_offset)
                 for k, s in state.items()
             }
             if kvstore is not None:

@@ -225,12 +225,41 @@ def test_mxfp8_targets_round_trip(tmp_path):
 @pytest.mark.parametrize(("overrides", "message"), [
     (["parallel.merge_expert_grad_microbatches=5"], "must be 1 to 4"),
     (["parallel.merge_expert_grad_microbatches=0"], "must be positive"),
-    (["parallel.merge_expert_grad_microbatches=2", "parallel.fuse_expert_grad_accumulation=false"],
-     "needs parallel.fuse_expert_grad_accumulation"),
+    (["parallel.merge_expert_grad_microbatches=2", "parallel.fuse_grad_accumulation=false"],
+     "needs parallel.fuse_grad_accumulation"),
 ])
 def test_merged_expert_grads_need_the_fused_path_and_at_most_four(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("tiny", overrides).validate()
+
+
+@pytest.mark.parametrize(("key", "choices"), [
+    ("model.router_score", "softmax, sigmoid"),
+    ("model.lb_loss_granularity", "microbatch, global_batch"),
+    ("model.recompute", "none, block, selective"),
+    ("model.grouped_mm_backend", "auto, grouped_mm, triton, loop"),
+    ("model.attention_backend", "auto, cudnn, flash"),
+])
+def test_a_package_literal_field_refuses_a_bad_value_listing_its_choices(key, choices):
+    """Package-owned enum-like fields are typed Literal: the app's coercion names the
+    choices (one line, before the package's own validation) and the reference lists them."""
+    with pytest.raises(ConfigError, match=f"^{key} expects one of {choices}, got 'bogus'$"):
+        load_config("tiny", [f"{key}=bogus"])
+    line = next(ln for ln in config_toml(load_config("tiny")).splitlines()
+                if ln.startswith(key.split(".")[1] + " = "))
+    assert choices.replace(", ", " | ") in line
+
+
+def test_a_renamed_key_is_refused_naming_its_new_key(tmp_path):
+    message = ("config key 'parallel.fuse_expert_grad_accumulation' was renamed "
+               "'parallel.fuse_grad_accumulation'; set that instead")
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        load_config("tiny", ["parallel.fuse_expert_grad_accumulation=false"])
+    path = tmp_path / "run.toml"
+    path.write_text("[parallel]\nfuse_expert_grad_accumulation = false\n")
+    with pytest.raises(ConfigError, match=f"run.toml: {message}$"):
+        load_config(str(path))
+    assert not load_config("tiny", ["parallel.fuse_grad_accumulation=false"]).parallel.fuse_grad_accumulation
 
 
 @pytest.mark.parametrize("text", ["runs/\U0001F680-launch", 'a "quoted" \\ path', "tab\tnew\nline\x7f\x01 caf\u00e9"])

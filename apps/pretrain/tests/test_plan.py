@@ -437,7 +437,7 @@ def test_head_weight_gradient_into_the_main_grad_is_not_planned_as_a_bf16_tensor
     b, V, D, T = 2, cfg.vocab_size, cfg.d_model, 1024
     assert m[False, False].bwd_peak - m[False, True].bwd_peak == b * V * D - max(0, b * T * V - b * T * D)
     assert m[True, True] == m[True, False]
-    off = ["parallel.fuse_expert_grad_accumulation=false", "parallel.merge_expert_grad_microbatches=1"]
+    off = ["parallel.fuse_grad_accumulation=false", "parallel.merge_expert_grad_microbatches=1"]
     request = PlanRequest.from_config(load_config("bench-1gpu", off), 1)
     assert not request.fused_grad_accumulation and PlanRequest.from_config(load_config("bench-1gpu"), 1).fused_grad_accumulation
 

@@ -36,7 +36,7 @@ def _plan(overrides: list[str], last: bool, kernels: str = "cuda"):
     cfg = load_config("bench-2gpu", overrides)
     m, t = cfg.model, cfg.train
     ex = Execution(t.micro_batch, t.seq_len, kernels=kernels,
-                   dense_grads_in_gemm=kernels == "cuda" and cfg.parallel.fuse_expert_grad_accumulation)
+                   dense_grads_in_gemm=kernels == "cuda" and cfg.parallel.fuse_grad_accumulation)
     captured = sum(block_inventory(m, i, ex).deferred() for i in range(m.n_layers))
     captured += head_memory(m, ex).deferred if last else 0
     return stage_memory(m, range(m.n_layers), False, last, ex), captured
@@ -55,7 +55,7 @@ def _measure_split(overrides: list[str], last: bool, device: torch.device) -> tu
             setattr(model, name, None)
         gc.collect()
         ddp = MultiGroupDDP(model, lambda n, p: None)
-        if cfg.parallel.fuse_expert_grad_accumulation:
+        if cfg.parallel.fuse_grad_accumulation:
             wire_model(model, ModelWiring(gradient_sink=ddp))
         params = list(model.parameters())
         tokens = torch.randint(0, m.vocab_size, (t.micro_batch, t.seq_len + 1), device=device)
@@ -101,7 +101,7 @@ def test_a_sink_head_frees_the_logits_before_the_blocks_input_pass():
     fused, _ = _plan(LAST8, last=True)
     assert fused.split_input_peak == pytest.approx(16.409 * GIB, rel=0.02)
     assert fused.split_held == pytest.approx(16.310 * GIB, rel=0.02)
-    built_in, _ = _plan([*LAST8, "parallel.fuse_expert_grad_accumulation=false"], last=True)
+    built_in, _ = _plan([*LAST8, "parallel.fuse_grad_accumulation=false"], last=True)
     assert built_in.split_input_peak == pytest.approx(17.940 * GIB, rel=0.02)
 
 

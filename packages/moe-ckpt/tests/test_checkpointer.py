@@ -298,10 +298,10 @@ def rank_async_with_training_collectives(root: str) -> list[float]:
         # A blocking save failing on rank 1 after planning: both ranks raise, nothing commits.
         expected = OSError if rank == 1 else mc.CheckpointError
         with pytest.raises(expected, match="rank 1 fails when planned"):
-            ckpt.save(7, {"w": mc.Shard(local, (6, 4), (rank * 3, 0))}, blocking=True)
+            ckpt.save(7, {"w": mc.BoxShard(local, (6, 4), (rank * 3, 0))}, blocking=True)
         assert ckpt.steps() == []
         for step in range(3):
-            ckpt.save(step, {"w": mc.Shard(local, (6, 4), (rank * 3, 0))}, {"step": step})
+            ckpt.save(step, {"w": mc.BoxShard(local, (6, 4), (rank * 3, 0))}, {"step": step})
             for _ in range(20):  # the training loop's own collectives, concurrent with the write
                 x = torch.ones(1000)
                 dist.all_reduce(x)
@@ -332,7 +332,7 @@ def rank_failure_after_the_commit(root: str) -> list[float]:
             raise OSError("pointer write failed")
 
     with mc.Checkpointer(root, on_phase=fail_pointer) as ckpt:
-        ckpt.save(4, {"w": mc.Shard(torch.full((2,), float(rank)), (4,), (2 * rank,))})
+        ckpt.save(4, {"w": mc.BoxShard(torch.full((2,), float(rank)), (4,), (2 * rank,))})
         committed = r"step_0000000004 is committed.*rank 0: OSError\('pointer write failed'\)"
         with pytest.raises(mc.PostCommitError, match=committed):
             ckpt.wait()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from moe_ckpt.boxes import Box, flat_run_boxes, full_box, grid_cells
 from moe_ckpt.plan import Write, assign_writers, choose_chunk_shape
-from moe_ckpt.shards import FlatShard, Shard, describe, fill_from
+from moe_ckpt.shards import BoxShard, FlatShard, describe, fill_from
 
 
 def _flat_indices(shape: tuple[int, ...], box: Box) -> set[int]:
@@ -104,10 +104,10 @@ def test_describe_views_local_memory_for_both_shard_kinds():
     for r in regions:
         r.view.fill_(-1)
     assert (local == -1).all()
-    box = describe("b", Shard(torch.zeros(2, 4), (3, 4), (1, 0)), rank=0).regions
+    box = describe("b", BoxShard(torch.zeros(2, 4), (3, 4), (1, 0)), rank=0).regions
     assert box[0].box == Box((1, 0), (2, 4))
     with pytest.raises(ValueError, match="'b'.*outside"):
-        describe("b", Shard(torch.zeros(3, 4), (3, 4), (1, 0)), rank=0)
+        describe("b", BoxShard(torch.zeros(3, 4), (3, 4), (1, 0)), rank=0)
     with pytest.raises(ValueError, match="'f'.*stride 1"):
         describe("f", FlatShard(torch.zeros(10)[::2], (20,), 0), rank=0)
     with pytest.raises(TypeError, match="'u'.*uint16|'u'.*not supported"):
@@ -123,7 +123,7 @@ def test_fill_from_reads_only_the_boxes_a_shard_holds():
         return full[Box(offset, shape).slices()].float()
 
     flat = FlatShard(torch.zeros(13), (2, 3, 5), flat_offset=7)
-    box = Shard(torch.zeros(1, 3, 5), (2, 3, 5), (1, 0, 0))
+    box = BoxShard(torch.zeros(1, 3, 5), (2, 3, 5), (1, 0, 0))
     fill_from({"flat": flat, "box": box}, read)
     assert torch.equal(flat.local, full.reshape(-1)[7:20].float())
     assert torch.equal(box.local, full[1:].float())

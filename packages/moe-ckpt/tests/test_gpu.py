@@ -40,7 +40,7 @@ def rank_nccl_training_with_async_saves(root: str) -> None:
     local = full[rank * 4 : rank * 4 + 4].clone()
     with mc.Checkpointer(root, mc.CheckpointerConfig(keep_last=1)) as ckpt:
         for step in range(3):
-            ckpt.save(step, {"w": mc.Shard(local, (8, 1024), (rank * 4, 0))})
+            ckpt.save(step, {"w": mc.BoxShard(local, (8, 1024), (rank * 4, 0))})
             for _ in range(50):  # NCCL collectives on the default group meanwhile
                 x = torch.ones(1 << 20, device=device)
                 dist.all_reduce(x)

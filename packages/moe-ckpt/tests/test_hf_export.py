@@ -44,7 +44,7 @@ def save_sharded(path: str) -> None:
                 (50, 8),
                 rank * 200,
             ),
-            "model/layers.0.experts.w1": mc.Shard(
+            "model/layers.0.experts.w1": mc.BoxShard(
                 m["model/layers.0.experts.w1"][rank * 2 : rank * 2 + 2], (4, 6, 8), (rank * 2, 0, 0)
             ),
             "model/norm.weight": m["model/norm.weight"],

@@ -62,7 +62,7 @@ def shard(name: str, kind: str, world: int, rank: int, fill: bool):
     shape = tuple(full.shape)
     if kind == "replicated" or (not shape and kind != "flat"):
         local = full.clone() if fill else torch.zeros_like(full)
-        return mc.Shard(local, shape)
+        return mc.BoxShard(local, shape)
     if kind == "flat":
         b = _bounds(math.prod(shape), world, [1] * world)
         local = full.reshape(-1)[b[rank] : b[rank + 1]].clone()
@@ -72,7 +72,7 @@ def shard(name: str, kind: str, world: int, rank: int, fill: bool):
     b = _bounds(shape[dim], world, weights)
     local = full.narrow(dim, b[rank], b[rank + 1] - b[rank]).clone()
     offset = tuple(b[rank] if d == dim else 0 for d in range(len(shape)))
-    return mc.Shard(local if fill else torch.zeros_like(local), shape, offset)
+    return mc.BoxShard(local if fill else torch.zeros_like(local), shape, offset)
 
 
 def _expected(name: str, s) -> torch.Tensor:

@@ -58,7 +58,7 @@ def test_any_box_or_flat_run_loads_into_parameters(tmp_path: Path, kvstore: str)
     mc.save(tmp_path / "ck", {"w": w}, options=_opts(kvstore))
     box = torch.nn.Parameter(torch.zeros(4, 3))  # in-place load must work on leaves
     flat = torch.zeros(30)
-    mc.load(tmp_path / "ck", {"w": mc.Shard(box, (9, 7), (3, 2))})
+    mc.load(tmp_path / "ck", {"w": mc.BoxShard(box, (9, 7), (3, 2))})
     mc.load(tmp_path / "ck", {"w": mc.FlatShard(flat, (9, 7), 11)})
     assert torch.equal(box.detach(), w[3:7, 2:5])
     assert torch.equal(flat, w.reshape(-1)[11:41])
@@ -70,13 +70,13 @@ def test_validation_names_the_tensor(tmp_path: Path):
     with pytest.raises(mc.MissingTensorError, match="'nope' is not in checkpoint"):
         mc.load(tmp_path / "ck", {"nope": torch.zeros(4, 4)})
     with pytest.raises(mc.TensorMismatchError, match=r"'w'.*\(4, 4\).*\(4, 5\)"):
-        mc.load(tmp_path / "ck", {"w": mc.Shard(torch.zeros(4, 5), (4, 5))})
+        mc.load(tmp_path / "ck", {"w": mc.BoxShard(torch.zeros(4, 5), (4, 5))})
     with pytest.raises(mc.TensorMismatchError, match="'b'.*float32.*bfloat16"):
         mc.load(tmp_path / "ck", {"b": torch.zeros(3, dtype=torch.bfloat16)})
     with pytest.raises(FileExistsError):
         mc.save(tmp_path / "ck", {"w": torch.zeros(1)})
     with pytest.raises(ValueError, match="'g'.*cover 8 of its 16"):
-        mc.save(tmp_path / "gap", {"g": mc.Shard(torch.zeros(2, 4), (4, 4))})
+        mc.save(tmp_path / "gap", {"g": mc.BoxShard(torch.zeros(2, 4), (4, 4))})
     assert not (tmp_path / "gap").exists() and len(list(tmp_path.iterdir())) == 1
 
 
@@ -126,7 +126,7 @@ def test_flipped_byte_in_a_chunk_file_names_the_tensor(tmp_path: Path):
     with pytest.raises(
         mc.ChecksumError, match="'emb'"
     ):  # also when only part of the piece is wanted
-        mc.load(tmp_path / "ck", {"emb": mc.Shard(torch.empty(1, 2), (64, 32), (41, 3))})
+        mc.load(tmp_path / "ck", {"emb": mc.BoxShard(torch.empty(1, 2), (64, 32), (41, 3))})
 
 
 def test_flipped_byte_in_an_ocdbt_data_file_names_the_tensor(tmp_path: Path):
@@ -199,3 +199,10 @@ def test_a_value_missing_from_the_checkpoint_is_named(tmp_path):
     mc.save(tmp_path / "ck", {"w": torch.ones(2)})
     with pytest.raises(mc.MissingTensorError, match="value 'lr' is not in checkpoint"):
         mc.load(tmp_path / "ck", {"w": torch.zeros(2), "lr": 0.1})
+
+
+def test_the_old_name_of_box_shard_still_resolves_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match="moe_ckpt.Shard is renamed moe_ckpt.BoxShard"):
+        assert mc.Shard is mc.BoxShard
+    with pytest.raises(AttributeError, match="no attribute 'Shrad'"):
+        mc.Shrad  # noqa: B018

@@ -132,8 +132,8 @@ def _one_process(world: int, keeps: list[list[torch.Tensor]]) -> dict:
         loss, ids_step = 0.0, []
         for r in range(world):
             weights, ids = _route(xs[r], router)
-            out_TKD = torch.tanh(torch.einsum("td,tkde->tke", xs[r], experts[ids]))
-            y = (out_TKD * (weights * keeps[step][r])[..., None]).sum(1)
+            out_TkD = torch.tanh(torch.einsum("td,tkde->tke", xs[r], experts[ids]))
+            y = (out_TkD * (weights * keeps[step][r])[..., None]).sum(1)
             loss = loss + ((y - targets[r]) ** 2).sum() / (world * T * D)
             ids_step.append(ids)
         optimizer.zero_grad()

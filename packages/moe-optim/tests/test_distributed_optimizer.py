@@ -25,9 +25,9 @@ from moe_optim import (
     DistributedOptimizer,
     MuonConfig,
     OptimConfig,
+    OwnedRange,
     ParamRule,
     Placement,
-    Shard,
 )
 from moe_testing import run_distributed
 from torch import nn
@@ -275,7 +275,7 @@ def _train(scenario: str, kind: str, layout: str, steps: int, *, max_grad_norm: 
     opt.register_weights_updated_hook(lambda: hook_calls.append(int(opt.step_count)))
     if load is not None:  # a checkpoint of logical flat tensors, saved on another layout
         opt.load_sharded_state({
-            key: Shard(load[key][s.flat_offset : s.flat_offset + s.local.numel()].clone(),
+            key: OwnedRange(load[key][s.flat_offset : s.flat_offset + s.local.numel()].clone(),
                        s.global_shape, s.flat_offset)
             for key, s in opt.sharded_state().items()
         })

@@ -14,7 +14,7 @@ import io
 import pytest
 import torch
 import torch.distributed as dist
-from moe_optim import AdamWConfig, DistributedOptimizer, OptimConfig, Shard
+from moe_optim import AdamWConfig, DistributedOptimizer, OptimConfig, OwnedRange
 from moe_testing import run_distributed
 from torch import nn
 
@@ -106,7 +106,7 @@ def test_a_step_before_the_source_is_synced_is_refused_and_changes_nothing():
     assert all(torch.equal(s.local, before[k]) for k, s in opt.sharded_state().items())
     assert torch.equal(source.param.detach(), weight)
     # Resuming loads state before any step: no gradient is read, so no sync is needed.
-    opt.load_sharded_state({k: Shard(before[k].clone(), s.global_shape, s.flat_offset)
+    opt.load_sharded_state({k: OwnedRange(before[k].clone(), s.global_shape, s.flat_offset)
                             for k, s in opt.sharded_state().items()})
     source.synced = True
     opt.step()

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from moe_ckpt import Checkpointer, CheckpointerConfig, Manifest, PostCommitError, Shard, load
+from moe_ckpt import BoxShard, Checkpointer, CheckpointerConfig, Manifest, PostCommitError, load
 from moe_ckpt.directory import step_dir_name
 
 from pretrain import divergence
@@ -67,7 +67,7 @@ def training_state(trainer: Trainer) -> dict[str, Any]:
     params = {name for name, _ in trainer.model.named_parameters(remove_duplicate=False)}
     for name, tensor in trainer.model.state_dict(keep_vars=True).items():
         if name not in params:  # a persistent buffer, held whole (replicated over DP)
-            state[BUFFER_PREFIX + name] = Shard(tensor, tuple(tensor.shape))
+            state[BUFFER_PREFIX + name] = BoxShard(tensor, tuple(tensor.shape))
     return state
 
 

@@ -20,7 +20,7 @@ import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from moe_model import MoEConfig
 from moe_model.triton_grouped_mm import MAX_WGRAD_SOURCES
@@ -68,9 +68,9 @@ class ParallelConfig:
     ddp_mode: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"  # gradient sync collective
     # routed experts' weight gradients added to the FP32 main grads inside the grouped GEMM's
     # epilogue, the untied embedding's rows of the tokens seen, and the dense linear layers'
-    # by cuBLAS with FP32 output (CUDA; the name predates the last two); false: BF16
+    # by cuBLAS with FP32 output (CUDA), all through moe_model's gradient sink; false: BF16
     # gradients through autograd and the DDP hook
-    fuse_expert_grad_accumulation: bool = True
+    fuse_grad_accumulation: bool = True
     # with it, n (2 to 4): n microbatches' expert weight gradients in one GEMM launch (the
     # earlier ones held until the n-th's backward): 1/n of the FP32 main-grad
     # read-modify-writes, for the memory of n - 1 microbatches' expert GEMM inputs and output
@@ -192,6 +192,12 @@ class MetricsConfig:
 
 @dataclass
 class PretrainConfig:
+    # keys that were renamed: setting the old one is refused with a pointer to the new one
+    # (``pretrain.config_tree.unknown_key``); not config fields
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        "parallel.fuse_expert_grad_accumulation": "parallel.fuse_grad_accumulation",
+    }
+
     model: MoEConfig = field(default_factory=MoEConfig)
     # MXFP8 layers; targets are module-name globs ("experts", "attn.w?"); empty: off
     mxfp8: MXFP8Config = field(default_factory=lambda: MXFP8Config(targets=()))
@@ -282,10 +288,10 @@ class PretrainConfig:
                 f"{p.merge_expert_grad_microbatches}: the expert weight-gradient kernel reduces "
                 f"at most {MAX_WGRAD_SOURCES} microbatches per launch"
             )
-        if p.merge_expert_grad_microbatches > 1 and not p.fuse_expert_grad_accumulation:
+        if p.merge_expert_grad_microbatches > 1 and not p.fuse_grad_accumulation:
             raise ConfigError(
                 "parallel.merge_expert_grad_microbatches > 1 merges the gradients the fused expert "
-                "GEMMs deliver: it needs parallel.fuse_expert_grad_accumulation=true"
+                "GEMMs deliver: it needs parallel.fuse_grad_accumulation=true"
             )
         if self.train.cuda_graphs:
             unsupported = [

@@ -174,6 +174,11 @@ def _coerce_sequence(key: str, value: Any, origin: type, args: tuple, text: bool
 
 
 def unknown_key(key: str, root: Any) -> ConfigError:
+    """The error for a key ``root`` has no field for: a renamed key (the root dataclass's
+    ``RENAMED_KEYS``, old dotted key -> new) names its new key, any other the closest match."""
+    renamed = getattr(root, "RENAMED_KEYS", {}).get(key)
+    if renamed:
+        return ConfigError(f"config key {key!r} was renamed {renamed!r}; set that instead")
     candidates = all_keys(root)
     close = difflib.get_close_matches(key, candidates, n=1)
     if not close:  # a misspelt section: compare the leaf name within every section

@@ -158,7 +158,7 @@ class Trainer:
         self.loss_scale = 1.0 / self.tokens_per_step
         self.wiring = ModelWiring(
             aux_loss_scale=self.loss_scale,
-            gradient_sink=self.ddp if cfg.parallel.fuse_expert_grad_accumulation else None,
+            gradient_sink=self.ddp if cfg.parallel.fuse_grad_accumulation else None,
             # global-batch load balancing counts over every DP rank's tokens
             count_reducer=self._sum_over_dp if mesh.layout.dp > 1 else None,
             dispatchers=self.part.dispatchers,

@@ -8,6 +8,8 @@ Hugging Face safetensors in one CPU process. Depends on torch, tensorstore,
 safetensors and numpy only; works with or without torch.distributed.
 """
 
+import warnings
+
 from moe_ckpt.checkpointer import Checkpointer, CheckpointerConfig
 from moe_ckpt.errors import (
     CheckpointError,
@@ -22,10 +24,20 @@ from moe_ckpt.load import load, open_checkpoint, read_tensor, read_tensors
 from moe_ckpt.lock import DirectoryLock, DirectoryLockedError
 from moe_ckpt.manifest import Manifest, TensorRecord
 from moe_ckpt.save import save
-from moe_ckpt.shards import BoxShardLike, FlatShard, FlatShardLike, Shard, ShardLike, fill_from
+from moe_ckpt.shards import BoxShard, BoxShardLike, FlatShard, FlatShardLike, ShardLike, fill_from
 from moe_ckpt.storage import StorageOptions
 
+
+def __getattr__(name: str) -> type:
+    # Shard was BoxShard's name in the README's first examples: old code keeps working, warned
+    if name == "Shard":
+        warnings.warn("moe_ckpt.Shard is renamed moe_ckpt.BoxShard", DeprecationWarning, stacklevel=2)
+        return BoxShard
+    raise AttributeError(f"module 'moe_ckpt' has no attribute {name!r}")
+
+
 __all__ = [
+    "BoxShard",
     "BoxShardLike",
     "CheckpointError",
     "Checkpointer",
@@ -39,7 +51,6 @@ __all__ = [
     "Manifest",
     "MissingTensorError",
     "PostCommitError",
-    "Shard",
     "ShardLike",
     "StorageOptions",
     "TensorMismatchError",

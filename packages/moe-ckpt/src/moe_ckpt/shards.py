@@ -45,7 +45,7 @@ ShardLike = BoxShardLike | FlatShardLike
 
 
 @dataclass
-class Shard:
+class BoxShard:
     """A box of a global tensor; the default offset (zeros) with the full shape is a replica."""
 
     local: torch.Tensor
@@ -111,7 +111,7 @@ def describe(name: str, shard: ShardLike | torch.Tensor, rank: int) -> Described
     if not isinstance(name, str) or not name:
         raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
     if isinstance(shard, torch.Tensor):
-        shard = Shard(shard, tuple(shard.shape))
+        shard = BoxShard(shard, tuple(shard.shape))
     local = getattr(shard, "local", None)
     if not isinstance(local, torch.Tensor):
         raise TypeError(f"tensor {name!r}: shard.local must be a torch.Tensor, got {type(local)}")

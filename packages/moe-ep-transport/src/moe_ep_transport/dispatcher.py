@@ -88,15 +88,15 @@ class _Dispatch(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, rows_CD: torch.Tensor, weights_TK: torch.Tensor, dispatcher: EPDispatcher, route: Any,
+        ctx: Any, rows_CD: torch.Tensor, weights_Tk: torch.Tensor, dispatcher: EPDispatcher, route: Any,
         staged: bool,
     ) -> torch.Tensor:
-        acc = _accumulation_dtype(rows_CD.dtype, weights_TK.dtype)
-        w_N = weights_TK.reshape(-1).to(acc)  # dropped slots weigh zero inside the sum
+        acc = _accumulation_dtype(rows_CD.dtype, weights_Tk.dtype)
+        w_N = weights_Tk.reshape(-1).to(acc)  # dropped slots weigh zero inside the sum
         need_rows = ctx.needs_input_grad[1]
         transport = dispatcher.transport
         ctx.dispatcher, ctx.route = dispatcher, route
-        ctx.w_dtype, ctx.rows_dtype, ctx.acc = weights_TK.dtype, rows_CD.dtype, acc
+        ctx.w_dtype, ctx.rows_dtype, ctx.acc = weights_Tk.dtype, rows_CD.dtype, acc
         ctx.at_destination = dispatcher.sums_at_destination(rows_CD.dtype, acc)
         if ctx.at_destination:
             # The weights travel to the rows (unless dispatch carried them); each rank sums what
@@ -191,33 +191,33 @@ class EPDispatcher:
         return self.cfg.d_model * dtype.itemsize
 
     def _check_inputs(
-        self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor | None
+        self, x_TD: torch.Tensor, expert_ids_Tk: torch.Tensor, weights_Tk: torch.Tensor | None
     ) -> None:
         """Reject a call before the count exchange (a collective) and the telemetry see it."""
         cfg = self.cfg
         if x_TD.dim() != 2 or x_TD.shape[1] != cfg.d_model:
             raise ValueError(f"x must be [T, {cfg.d_model}] (EPConfig.d_model), got {tuple(x_TD.shape)}")
-        if expert_ids_TK.shape != (x_TD.shape[0], cfg.top_k):
+        if expert_ids_Tk.shape != (x_TD.shape[0], cfg.top_k):
             raise ValueError(
-                f"expert_ids must be [T={x_TD.shape[0]}, k={cfg.top_k}], got {tuple(expert_ids_TK.shape)}"
+                f"expert_ids must be [T={x_TD.shape[0]}, k={cfg.top_k}], got {tuple(expert_ids_Tk.shape)}"
             )
-        if expert_ids_TK.dtype.is_floating_point or expert_ids_TK.dtype == torch.bool:
-            raise ValueError(f"expert_ids must be an integer tensor, got {expert_ids_TK.dtype}")
+        if expert_ids_Tk.dtype.is_floating_point or expert_ids_Tk.dtype == torch.bool:
+            raise ValueError(f"expert_ids must be an integer tensor, got {expert_ids_Tk.dtype}")
         if x_TD.shape[0] > cfg.max_tokens:
             raise ValueError(f"x has {x_TD.shape[0]} tokens, more than EPConfig.max_tokens={cfg.max_tokens}")
-        if expert_ids_TK.device != x_TD.device:
-            raise ValueError(f"expert_ids is on {expert_ids_TK.device}, x on {x_TD.device}")
-        if weights_TK is not None and weights_TK.shape != expert_ids_TK.shape:
+        if expert_ids_Tk.device != x_TD.device:
+            raise ValueError(f"expert_ids is on {expert_ids_Tk.device}, x on {x_TD.device}")
+        if weights_Tk is not None and weights_Tk.shape != expert_ids_Tk.shape:
             raise ValueError(
-                f"weights must be [T, k] = {tuple(expert_ids_TK.shape)}, got {tuple(weights_TK.shape)}"
+                f"weights must be [T, k] = {tuple(expert_ids_Tk.shape)}, got {tuple(weights_Tk.shape)}"
             )
-        if weights_TK is not None and weights_TK.device != x_TD.device:
-            raise ValueError(f"weights is on {weights_TK.device}, x on {x_TD.device}")
-        if weights_TK is not None and not weights_TK.dtype.is_floating_point:
-            raise ValueError(f"weights must be a floating-point tensor, got {weights_TK.dtype}")
+        if weights_Tk is not None and weights_Tk.device != x_TD.device:
+            raise ValueError(f"weights is on {weights_Tk.device}, x on {x_TD.device}")
+        if weights_Tk is not None and not weights_Tk.dtype.is_floating_point:
+            raise ValueError(f"weights must be a floating-point tensor, got {weights_Tk.dtype}")
 
     def dispatch(
-        self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, weights: torch.Tensor | None = None
+        self, x_TD: torch.Tensor, expert_ids_Tk: torch.Tensor, weights: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, EPHandle]:
         """Send each routed row to its expert's rank.
 
@@ -226,8 +226,8 @@ class EPDispatcher:
         metadata: no extra exchange), and ``combine`` uses them if it receives the same
         tensor, unchanged (otherwise it sends the weights it gets).
         """
-        self._check_inputs(x_TD, expert_ids_TK, weights)
-        expert_N = expert_ids_TK.reshape(-1)  # any integer dtype: the plan kernels read it as is
+        self._check_inputs(x_TD, expert_ids_Tk, weights)
+        expert_N = expert_ids_Tk.reshape(-1)  # any integer dtype: the plan kernels read it as is
         slots = ops.rank_slots(expert_N, self.cfg.n_experts)
         counts_ME = self.transport.exchange_counts(slots.counts_E)
         plan = plan_routes(
@@ -256,16 +256,16 @@ class EPDispatcher:
         plan = handle.plan
         return plan.counts_ME[plan.rank] - plan.kept_ME[plan.rank]
 
-    def combine(self, rows_out_CD: torch.Tensor, weights_TK: torch.Tensor, handle: EPHandle) -> torch.Tensor:
+    def combine(self, rows_out_CD: torch.Tensor, weights_Tk: torch.Tensor, handle: EPHandle) -> torch.Tensor:
         plan = handle.plan
         if rows_out_CD.shape[0] != self.capacity:
             raise ValueError(f"rows_out must have {self.capacity} rows (capacity), got {rows_out_CD.shape[0]}")
-        if weights_TK.shape != (plan.n_tokens, plan.top_k):
+        if weights_Tk.shape != (plan.n_tokens, plan.top_k):
             raise ValueError(
-                f"weights must be [{plan.n_tokens}, {plan.top_k}], got {tuple(weights_TK.shape)}"
+                f"weights must be [{plan.n_tokens}, {plan.top_k}], got {tuple(weights_Tk.shape)}"
             )
-        staged = handle.weights is weights_TK and _version(weights_TK) == handle.weights_version
-        return _Combine.apply(rows_out_CD, weights_TK, self, handle.route, staged)
+        staged = handle.weights is weights_Tk and _version(weights_Tk) == handle.weights_version
+        return _Combine.apply(rows_out_CD, weights_Tk, self, handle.route, staged)
 
     def _send_tokens(self, x_TD: torch.Tensor, route: Any, w_N: torch.Tensor | None) -> torch.Tensor:
         """Forward row movement: encode each token once, send a copy per kept slot, decode

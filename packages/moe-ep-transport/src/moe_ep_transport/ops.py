@@ -240,11 +240,11 @@ def topk_gather_sum_reference(
     x_ND[local] = local_CD[dst_row_N[local]]
     x_ND[remote] = inbox_ND[:n][remote]
     T = n // top_k
-    x_TKD = x_ND.view(T, top_k, width)
-    w_TK = torch.where(dst_rank_N >= 0, w_N, 0).view(T, top_k)
+    x_TkD = x_ND.view(T, top_k, width)
+    weights_Tk = torch.where(dst_rank_N >= 0, w_N, 0).view(T, top_k)
     acc = torch.zeros(T, width, dtype=w_N.dtype, device=local_CD.device)
     for j in range(top_k):
-        acc = acc + x_TKD[:, j].to(w_N.dtype) * w_TK[:, j, None]
+        acc = acc + x_TkD[:, j].to(w_N.dtype) * weights_Tk[:, j, None]
     return acc.to(out_dtype), (x_ND if store_rows else None)
 
 
@@ -393,9 +393,9 @@ def sum_partials_reference(
 ) -> torch.Tensor:
     """PyTorch version of :func:`sum_partials`."""
     T = dst_rank_N.numel() // top_k
-    ranks_TK = dst_rank_N.view(T, top_k)
+    ranks_Tk = dst_rank_N.view(T, top_k)
     acc = torch.zeros(T, partials_QD.shape[1], dtype=partials_QD.dtype, device=partials_QD.device)
     for r in range(n_ranks):
-        present = (ranks_TK == r).any(1, keepdim=True)
+        present = (ranks_Tk == r).any(1, keepdim=True)
         acc = acc + torch.where(present, partials_QD[r * max_tokens : r * max_tokens + T], 0)
     return acc.to(out_dtype)

@@ -174,11 +174,11 @@ def combine_backward(
         zero_fill = kept_S is not None
     alloc = torch.zeros if zero_fill else torch.empty
     d_rows_RD = alloc(n_rows, D, dtype=rows_out_RD.dtype, device=rows_out_RD.device)
-    d_w_Tk = torch.empty(T, k, dtype=torch.float32, device=rows_out_RD.device)
+    d_weights_Tk = torch.empty(T, k, dtype=torch.float32, device=rows_out_RD.device)
     if T == 0 or k == 0:
-        return d_rows_RD, d_w_Tk
+        return d_rows_RD, d_weights_Tk
     if D == 0:
-        return d_rows_RD, d_w_Tk.zero_()
+        return d_rows_RD, d_weights_Tk.zero_()
     dy_TD, rows_out_RD = _row_major(dy_TD), _row_major(rows_out_RD)
     row_of_slot_S, w_S = row_of_slot_S.contiguous(), w_S.contiguous()
     kept_S = kept_S.contiguous() if kept_S is not None else None
@@ -186,9 +186,9 @@ def combine_backward(
     block_t, block_d = _blocks(rows_out_RD.device, T, D, _GPU_BACKWARD_TILE // k_block)
     combine_backward_kernel[(triton.cdiv(T, block_t),)](
         dy_TD, rows_out_RD, row_of_slot_S, w_S, kept_S if kept_S is not None else w_S,
-        d_rows_RD, d_w_Tk,
+        d_rows_RD, d_weights_Tk,
         T, D, dy_TD.stride(0), rows_out_RD.stride(0), d_rows_RD.stride(0),
         K=k, K_BLOCK=k_block, HAS_KEPT=kept_S is not None,
         BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_GPU_NUM_WARPS,
     )
-    return d_rows_RD, d_w_Tk
+    return d_rows_RD, d_weights_Tk

@@ -11,12 +11,7 @@ from __future__ import annotations
 import math
 import typing
 from dataclasses import dataclass, fields
-
-ROUTER_SCORES = ("softmax", "sigmoid")
-LB_GRANULARITIES = ("microbatch", "global_batch")
-RECOMPUTE_POLICIES = ("none", "block", "selective")
-GROUPED_MM_BACKENDS = ("auto", "grouped_mm", "triton", "loop")
-ATTENTION_BACKENDS = ("auto", "cudnn", "flash")
+from typing import Literal
 
 
 @dataclass
@@ -36,10 +31,10 @@ class MoEConfig:
     n_dense_layers: int = 0  # the first k blocks use a dense SwiGLU MLP instead of an MoE layer
     dense_hidden: int | None = None  # dense blocks' SwiGLU width; None: the MoE layer's active width
     # --- routing and balancing
-    router_score: str = "softmax"  # softmax | sigmoid: per-expert score from the router logits
+    router_score: Literal["softmax", "sigmoid"] = "softmax"  # softmax | sigmoid: per-expert score from the router logits
     norm_topk_weights: bool = False  # rescale the k selected scores to sum to 1 per token
     lb_loss_coef: float = 0.01  # weight of the load-balancing loss (0 disables it)
-    lb_loss_granularity: str = "microbatch"  # microbatch | global_batch: token set the expert load f_e is counted over
+    lb_loss_granularity: Literal["microbatch", "global_batch"] = "microbatch"  # microbatch | global_batch: token set the expert load f_e is counted over
     z_loss_coef: float = 0.0  # weight of the router z-loss, logsumexp(logits)^2 per token (0 disables it)
     bias_update_rate: float = 0.0  # aux-loss-free balancing: per-step change of the selection bias (0 disables it)
     capacity_factor: float | None = None  # None: dropless; else each expert takes <= ceil(cf * T * k / E) rows
@@ -49,9 +44,9 @@ class MoEConfig:
     norm_eps: float = 1e-6  # RMSNorm epsilon
     tie_embeddings: bool = False  # the LM head shares the input embedding's weight
     # --- execution
-    recompute: str = "none"  # none | block (whole blocks) | selective (keep GEMM/attention outputs only)
-    grouped_mm_backend: str = "auto"  # expert GEMMs: auto | grouped_mm | triton | loop
-    attention_backend: str = "auto"  # SDPA kernel on CUDA: auto (PyTorch's choice) | cudnn | flash (tried first)
+    recompute: Literal["none", "block", "selective"] = "none"  # none | block (whole blocks) | selective (keep GEMM/attention outputs only)
+    grouped_mm_backend: Literal["auto", "grouped_mm", "triton", "loop"] = "auto"  # expert GEMMs: auto | grouped_mm | triton | loop
+    attention_backend: Literal["auto", "cudnn", "flash"] = "auto"  # SDPA kernel on CUDA: auto (PyTorch's choice) | cudnn | flash (tried first)
     init_std: float = 0.02  # std of the normal init; output projections are scaled by 1/sqrt(2*n_layers)
     # a Hugging Face Qwen3MoeForCausalLM folder (config.json + safetensors) the weights start from;
     # its config.json gives the model's shape (moe_model.hf.Qwen3MoeFolder reads both); None: init_std
@@ -80,17 +75,15 @@ class MoEConfig:
                       f"must not exceed n_experts={self.n_experts}")
         self._require("n_dense_layers", self.n_dense_layers <= self.n_layers,
                       f"must not exceed n_layers={self.n_layers}")
-        for name, options in (("router_score", ROUTER_SCORES),
-                              ("lb_loss_granularity", LB_GRANULARITIES),
-                              ("recompute", RECOMPUTE_POLICIES),
-                              ("grouped_mm_backend", GROUPED_MM_BACKENDS),
-                              ("attention_backend", ATTENTION_BACKENDS)):
-            self._require(name, getattr(self, name) in options, f"must be one of {', '.join(options)}")
 
     def _check_types(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in fields(self):
             value, tp = getattr(self, f.name), hints[f.name]
+            if typing.get_origin(tp) is Literal:
+                options = typing.get_args(tp)
+                self._require(f.name, value in options, f"must be one of {', '.join(options)}")
+                continue
             allowed = typing.get_args(tp) or (tp,)
             ok = any(
                 (a is type(None) and value is None)

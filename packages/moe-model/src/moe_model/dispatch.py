@@ -157,19 +157,19 @@ class _Combine(torch.autograd.Function):
         if _fused(rows_out_RD):
             from moe_model._combine_kernels import combine_backward
 
-            d_rows, d_w_Tk = combine_backward(
+            d_rows, d_weights_Tk = combine_backward(
                 dy_TD, rows_out_RD, h.row_of_slot, w_S, h.kept_of_slot, rows_out_RD.shape[0],
                 zero_fill=h.kept_of_slot is not None or h.valid_rows is not None)
-            return d_rows, d_w_Tk.to(ctx.weights_dtype), None
+            return d_rows, d_weights_Tk.to(ctx.weights_dtype), None
         dy32_TD = dy_TD.to(w_S.dtype)
         d_rows = dy32_TD.index_select(0, h.token_of_row) * w_S.index_select(0, h.slot_of_row)[:, None]
         if h.valid_rows is not None:
             d_rows = torch.where(h.valid_rows[:, None], d_rows, 0.0)
         g_TkD = rows_out_RD.index_select(0, h.row_of_slot).view(T, k, D)
-        d_w_Tk = torch.bmm(g_TkD.to(w_S.dtype), dy32_TD.unsqueeze(-1)).view(T, k)
+        d_weights_Tk = torch.bmm(g_TkD.to(w_S.dtype), dy32_TD.unsqueeze(-1)).view(T, k)
         if h.kept_of_slot is not None:
-            d_w_Tk = d_w_Tk * h.kept_of_slot.view(T, k).to(w_S.dtype)
-        return d_rows.to(rows_out_RD.dtype), d_w_Tk.to(ctx.weights_dtype), None
+            d_weights_Tk = d_weights_Tk * h.kept_of_slot.view(T, k).to(w_S.dtype)
+        return d_rows.to(rows_out_RD.dtype), d_weights_Tk.to(ctx.weights_dtype), None
 
 
 def _dropless_layout(

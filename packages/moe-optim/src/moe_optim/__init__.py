@@ -12,7 +12,7 @@ from moe_optim.clipping import clip_coefficient, global_grad_norm
 from moe_optim.config import AdamWConfig, MuonConfig, OptimConfig, ParamRule
 from moe_optim.newton_schulz import newton_schulz, orthogonalize_many, update_scale
 from moe_optim.optimizer import DistributedOptimizer, PlacementOf, StepStats
-from moe_optim.protocols import GradSource, Placement, Shard
+from moe_optim.protocols import GradSource, OwnedRange, Placement
 from moe_optim.schedules import Cosine, LinearWarmup, WarmupStableDecay
 from moe_optim.sharding import is_sharded
 
@@ -24,10 +24,10 @@ __all__ = [
     "LinearWarmup",
     "MuonConfig",
     "OptimConfig",
+    "OwnedRange",
     "ParamRule",
     "Placement",
     "PlacementOf",
-    "Shard",
     "StepStats",
     "WarmupStableDecay",
     "clip_coefficient",

@@ -35,7 +35,7 @@ from moe_optim.clipping import clip_coefficient, global_grad_norm
 from moe_optim.config import OptimConfig, ParamRule, ResolvedRule, resolve_rule
 from moe_optim.muon_exchange import MuonExchange
 from moe_optim.newton_schulz import orthogonalize_many
-from moe_optim.protocols import GradSource, Placement, Shard
+from moe_optim.protocols import GradSource, OwnedRange, Placement
 from moe_optim.rebuild import WeightRebuilder
 from moe_optim.sharding import TensorLayout
 
@@ -302,23 +302,23 @@ class DistributedOptimizer:
         for i in self._muon:
             yield "momentum", i, self._momentum[i]
 
-    def sharded_state(self) -> dict[str, Shard]:
+    def sharded_state(self) -> dict[str, OwnedRange]:
         """Every FP32 main weight and optimizer state of this rank, and the step counter.
 
         Keys: ``main/<param>``, ``exp_avg/<param>``, ``exp_avg_sq/<param>``,
-        ``momentum/<param>``, ``step``. Each ``Shard`` is a 1-D run of its logical
+        ``momentum/<param>``, ``step``. Each ``OwnedRange`` is a 1-D run of its logical
         tensor (the parameter's global shape) at ``flat_offset``; ``local`` is the
         live tensor.
         """
         out = {}
         for kind, i, tensor in self._states():
             lay = self._layouts[i]
-            out[f"{kind}/{lay.name}"] = Shard(tensor, tuple(lay.placement.global_shape), lay.flat_offset)
-        out["step"] = Shard(self._step, (1,), 0)
+            out[f"{kind}/{lay.name}"] = OwnedRange(tensor, tuple(lay.placement.global_shape), lay.flat_offset)
+        out["step"] = OwnedRange(self._step, (1,), 0)
         return out
 
     @torch.no_grad()
-    def load_sharded_state(self, state: Mapping[str, Shard]) -> None:
+    def load_sharded_state(self, state: Mapping[str, OwnedRange]) -> None:
         """Copy every state tensor from ``state`` (same keys and regions as
         ``sharded_state()``), then rebuild the compute weights. Collective: call on
         every rank."""

@@ -2,7 +2,7 @@
 
 ``GradSource`` is declared here, by the consumer (docs/ARCHITECTURE.md); moe_ddp's
 ``MultiGroupDDP`` satisfies it without importing this package, and so does a
-plain list of tuples (the tests use one). ``Shard`` is what this package gives a
+plain list of tuples (the tests use one). ``OwnedRange`` is what this package gives a
 checkpoint library: it satisfies moe_ckpt's ``ShardLike`` (the ``flat_offset``
 form) structurally.
 """
@@ -58,8 +58,8 @@ class Placement:
 
 
 @dataclass
-class Shard:
-    """A contiguous run of a logical tensor's row-major flattening held by this rank.
+class OwnedRange:
+    """The contiguous range of a logical tensor's row-major flattening this rank's optimizer owns.
 
     ``local`` is 1-D and is the live optimizer tensor (loading fills it in place);
     ``flat_offset`` is where it starts in the flattened ``global_shape``.

@@ -16,12 +16,13 @@ from moe_pp.schedules import (
     Costs,
     Schedule,
     ScheduleError,
+    ScheduleName,
     TimedAction,
     Timeline,
     make_schedule,
     simulate,
 )
-from moe_pp.split import POLICIES, SplitError, StageSplit, balanced_counts, split_model
+from moe_pp.split import POLICIES, SplitError, SplitPolicy, StageSplit, balanced_counts, split_model
 from moe_pp.stages import RankStages, Stage, build_rank_stages, partial_model
 
 __all__ = [
@@ -37,7 +38,9 @@ __all__ = [
     "RankStages",
     "Schedule",
     "ScheduleError",
+    "ScheduleName",
     "SplitError",
+    "SplitPolicy",
     "Stage",
     "StageSplit",
     "TimedAction",

@@ -35,8 +35,15 @@ import torch.distributed as dist
 from moe_pp.backward import WeightGradWork, backward_input, backward_weight
 from moe_pp.p2p import ACTIVATION, GRADIENT, OrderedP2P, message_order
 from moe_pp.protocols import GradSync, PipelineModel
-from moe_pp.schedules import SCHEDULES, Schedule, ScheduleError, make_schedule, simulate
-from moe_pp.split import POLICIES, StageSplit, split_model
+from moe_pp.schedules import (
+    SCHEDULES,
+    Schedule,
+    ScheduleError,
+    ScheduleName,
+    make_schedule,
+    simulate,
+)
+from moe_pp.split import POLICIES, SplitPolicy, StageSplit, split_model
 from moe_pp.stages import RankStages, Stage, build_rank_stages
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -44,9 +51,9 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass
 class PipelineConfig:
-    schedule: str = "1f1b"  # gpipe | 1f1b | zero_bubble (1f1b with virtual_stages > 1: interleaved)
+    schedule: ScheduleName = "1f1b"  # 1f1b with virtual_stages > 1: interleaved 1F1B
     virtual_stages: int = 1  # stages (model chunks) per PP rank; stage s runs on rank s % pp
-    split: str = "params"  # balanced split policy: params (memory) | flops (compute)
+    split: SplitPolicy = "params"  # balanced split policy: params (memory) | flops (compute)
     stage_blocks: list[int] | None = None  # explicit blocks per stage, overrides split
 
     def validate(self) -> None:

@@ -29,10 +29,13 @@ the bubble fraction.
 
 from __future__ import annotations
 
+import typing
 from collections import deque
 from dataclasses import dataclass
+from typing import Literal
 
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
+ScheduleName = Literal["gpipe", "1f1b", "zero_bubble"]
+SCHEDULES: tuple[ScheduleName, ...] = typing.get_args(ScheduleName)
 
 
 class ScheduleError(ValueError):

@@ -18,15 +18,18 @@ that names the problem.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from torch import nn
 
 from moe_pp.costs import forward_flops_per_token, param_count
 from moe_pp.protocols import PipelineModel
 
-POLICIES = ("params", "flops")
+SplitPolicy = Literal["params", "flops"]
+POLICIES: tuple[SplitPolicy, ...] = typing.get_args(SplitPolicy)
 
 
 class SplitError(ValueError):

@@ -77,7 +77,7 @@ class Execution:
     mxfp8_save_activations: bool = False  # MXFP8 layers keep their saved tensors in MXFP8
     kernels: Kernels = "cuda"
     # dense weight gradients added to the FP32 main grads by the GEMM itself (moe_model's
-    # gradient sink: CUDA with parallel.fuse_expert_grad_accumulation): no BF16 [out, in]
+    # gradient sink: CUDA with parallel.fuse_grad_accumulation): no BF16 [out, in]
     # gradient exists between the GEMM and the DDP hook
     dense_grads_in_gemm: bool = False
     # dense weights (parameter names) whose in-GEMM gradient is formed as an FP32 [out, in]

@@ -77,7 +77,7 @@ class PlanRequest:
     mxfp8_save_activations: bool = False
     compute_dtype: str = "bfloat16"  # bfloat16 | float32: compute weights and activations
     merge_expert_grads: int = 1  # microbatches' expert weight gradients added in one launch
-    fused_grad_accumulation: bool = True  # parallel.fuse_expert_grad_accumulation (CUDA kernels)
+    fused_grad_accumulation: bool = True  # parallel.fuse_grad_accumulation (CUDA kernels)
     gpu_gib: float = H200_GIB
     headroom: float = 0.10  # share of the device kept free
 
@@ -145,8 +145,8 @@ class PlanRequest:
                    ep_backend=_ep_backend(p.resolved_ep_backend()), ep_combine=p.ep_combine,
                    mxfp8_targets=tuple(cfg.mxfp8.targets),
                    mxfp8_save_activations=cfg.mxfp8.save_mxfp8_activations,
-                   merge_expert_grads=p.merge_expert_grad_microbatches if p.fuse_expert_grad_accumulation else 1,
-                   fused_grad_accumulation=p.fuse_expert_grad_accumulation,
+                   merge_expert_grads=p.merge_expert_grad_microbatches if p.fuse_grad_accumulation else 1,
+                   fused_grad_accumulation=p.fuse_grad_accumulation,
                    **planner)  # type: ignore[arg-type]
 
 
