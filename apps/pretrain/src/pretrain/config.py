@@ -37,6 +37,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DataSource",
+    "EvalConfig",
     "Layout",
     "MetricsConfig",
     "OptimConfig",
@@ -132,6 +133,7 @@ class DataConfig:
     # compare token files with the SHA-256 tokens.json records when opening them; none: when the
     # files total under 10 GB
     verify: bool | None = None
+    val_path: str = ""  # held-out token directory (or .bin) for evaluation; empty: none
 
     def validate(self, where: str = "") -> None:
         """The mixture's settings (``where``: the origin of data.sources, for the message)."""
@@ -165,6 +167,12 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalConfig:
+    every: int | None = None  # evaluate every N steps and at the end (0: never); None: 10% of the run
+    tokens: int = 1 << 20  # held-out tokens per evaluation (at most data.val_path's)
+
+
+@dataclass
 class MetricsConfig:
     expert_load_every: int = 10  # record tokens per expert per layer every N steps (0: never)
     tensorboard: bool = False  # also write TensorBoard events (needs the tensorboard extra)
@@ -181,6 +189,7 @@ class PretrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run_dir: str | None = None  # output folder; None: a new folder under runs/
     seed: int = 0  # seeds initialisation (and the data order unless data.seed is set)
 
@@ -207,6 +216,7 @@ class PretrainConfig:
         non_negative = ["optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay",
                         "optim.grad_clip", "optim.expert_lr_mult", "optim.eps",
                         "checkpoint.every", "checkpoint.keep_last", "metrics.expert_load_every",
+                        "eval.tokens",
                         "seed"]
         for key in positive + non_negative:
             value = self._get(key)
@@ -217,6 +227,10 @@ class PretrainConfig:
                 raise ConfigError(f"{key} must be {bound}, got {value}")
         if self.seed >= 1 << 64:
             raise ConfigError(f"seed must be below 2**64 (torch's generator seed), got {self.seed}")
+        if self.eval.every is not None and self.eval.every < 0:
+            raise ConfigError(f"eval.every must be >= 0 or none, got {self.eval.every}")
+        if self.eval.every and not self.data.val_path:
+            raise ConfigError(f"eval.every={self.eval.every} needs data.val_path")
         for key in ("data.seed", "train.stop_after"):
             value = self._get(key)
             if value is not None and value < (0 if key == "data.seed" else 1):

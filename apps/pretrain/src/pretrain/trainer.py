@@ -46,6 +46,7 @@ Shape legend: L MoE layers of the model, E experts.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -71,6 +72,7 @@ from pretrain.build import build_model_part
 from pretrain.config import ConfigError, PretrainConfig
 from pretrain.data import BatchReader, open_data
 from pretrain.errors import PretrainError
+from pretrain.evaluate import Evaluator, eval_every
 from pretrain.graphs import MicrobatchGraphs
 from pretrain.mesh import ParallelMesh
 from pretrain.metrics import MetricsLog
@@ -109,6 +111,7 @@ class _DeviceStep:
     grad_norm: torch.Tensor
     skipped: torch.Tensor
     lr: float
+    val_loss_sum: torch.Tensor | None = None  # held-out token-loss sum, on evaluation steps
 
 
 class _MarkedGradSync:
@@ -165,6 +168,8 @@ class Trainer:
         self.schedule = build_schedule(cfg.optim, t.steps)
         self.packer = StepPacker(self.part.moe_layers, m.n_moe_layers, m.n_experts, device)
         self.flops_per_token = flops_per_token(m, t.seq_len)
+        self.eval_every = eval_every(cfg)
+        self.evaluator = Evaluator(cfg, mesh, device, self.part) if self.eval_every else None
         self.graphs: MicrobatchGraphs | None = None
         if t.cuda_graphs:
             if device.type != "cuda":
@@ -241,6 +246,8 @@ class Trainer:
         """``final``: the run ends after this step, so no graphs are captured for later ones."""
         start = time.perf_counter()
         result = self._run(step, stop_requested, final)
+        if self.evaluator is not None and (final or step % self.eval_every == 0):
+            result.val_loss_sum = self.evaluator.loss_sum(step)
         return self._read(step, result, start)
 
     # -- phases (device work only) ---------------------------------------------------
@@ -351,6 +358,8 @@ class Trainer:
 
     def _read(self, step: int, result: _DeviceStep, start: float) -> tuple[dict[str, Any], bool]:
         tail = [result.grad_norm.reshape(1).double(), result.skipped.reshape(1).double()]
+        if result.val_loss_sum is not None:
+            tail.append(result.val_loss_sum.reshape(1).double())
         if self.device.type == "cuda":
             tail.append(self._peak_memory_bytes())
         host = torch.cat([result.reduced, *tail]).cpu()
@@ -362,6 +371,11 @@ class Trainer:
             "tokens_per_s": self.tokens_per_step / elapsed, "step_time_s": elapsed,
             "skipped": bool(host[n + 1].item()),
         }
+        if result.val_loss_sum is not None:
+            tail_at = n + 2
+            n += 1
+            record["val_loss"] = host[tail_at].item() / self.evaluator.n_tokens
+            record["val_ppl"] = math.exp(min(record["val_loss"], 700.0))
         if values.moe is not None:
             every = self.cfg.metrics.expert_load_every
             record.update(values.moe.record(every > 0 and (step == 1 or step % every == 0)))

@@ -166,6 +166,49 @@ class Pipeline:
         dist.broadcast(step.losses, src=src, group=self.group)
         return step.losses
 
+    @torch.no_grad()
+    def forward_only(
+        self,
+        inputs: Sequence[torch.Tensor] | None,
+        targets: Sequence[torch.Tensor] | None,
+        loss_fn: LossFn | None = None,
+    ) -> torch.Tensor | None:
+        """Forward of every microbatch, no gradients: the sum of ``loss_fn`` (default: the
+        pipeline's) over them on the rank of the last stage, ``None`` elsewhere.
+
+        Any number of microbatches of ``activation_shape``. Each microbatch goes through
+        the stages in order with blocking point-to-point transfers; every rank walks the
+        same (microbatch, stage) order, so each receive meets the send before it.
+        """
+        loss_fn = loss_fn or self.loss_fn
+        n_stages = self.schedule.n_stages
+        count = len(inputs) if inputs is not None else len(targets) if targets is not None else 0
+        device = next(self.stages.module.parameters()).device
+        total = torch.zeros((), dtype=torch.float32, device=device)
+
+        def peer(stage_index: int) -> int:
+            rank = self.schedule.rank_of(stage_index)
+            return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+        for mb in range(count):
+            x: torch.Tensor | None = None
+            for s in range(n_stages):
+                stage = self._by_index.get(s)
+                if stage is None:
+                    continue
+                if stage.is_first:
+                    x = inputs[mb]  # type: ignore[index]
+                elif self.schedule.rank_of(s - 1) != self.stages.rank:
+                    x = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=device)
+                    dist.recv(x, src=peer(s - 1), group=self.group)
+                y = stage.module(x)
+                if stage.is_last:
+                    total += loss_fn(y, targets[mb])  # type: ignore[index]
+                elif self.schedule.rank_of(s + 1) != self.stages.rank:
+                    dist.send(y.contiguous(), dst=peer(s + 1), group=self.group)
+                x = y
+        return total if n_stages - 1 in self._by_index else None
+
     def _forward(self, step: _StepState, stage: Stage, mb: int) -> None:
         s = stage.index
         if stage.is_first:
