@@ -19,7 +19,7 @@ import math
 from typing import Any
 
 import torch
-from moe_model import MoETransformer, init_weights, lm_loss_sum, set_aux_loss_scale
+from moe_model import ModelWiring, MoETransformer, init_weights, lm_loss_sum, wire_model
 from pretrain.config import PretrainConfig, load_config
 from pretrain.data import BatchReader, open_source
 from pretrain.schedule import build_schedule
@@ -53,7 +53,7 @@ def single_process_steps(preset: str, overrides: list[str]) -> dict:
                        cfg.seed, t.global_batch, t.micro_batch)
     schedule = build_schedule(o, t.steps)
     n_tokens = t.global_batch * t.seq_len
-    set_aux_loss_scale(model, 1 / n_tokens)
+    wire_model(model, ModelWiring(aux_loss_scale=1 / n_tokens))
     losses, lrs = [], []
     for step in range(1, t.steps + 1):
         total = 0.0

@@ -75,6 +75,7 @@ def test_methods_whose_layout_refuses_graphs_run_eagerly_and_say_why(tmp_path):
         bench.refuse_warmup_before_capture(0, {m: cfg for m, (cfg, _) in got.items()})
 
 
+@pytest.mark.multiprocess
 def test_a_method_whose_layout_is_refused_fails_after_the_methods_before_it(tmp_path):
     """EP over 2 ranks cannot split 3 experts: DDP before it is still measured and written,
     and the error names EP, so the figure-8 sweep blames the right method."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 import torch.distributed as dist
 from moe_ddp import DDPConfig, MultiGroupDDP
@@ -53,6 +54,7 @@ def _run(ddp_min: int, opt_min: int) -> bytes:
     return buf.getvalue()
 
 
+@pytest.mark.multiprocess
 def test_min_shard_numel_mismatch_and_unsynced_steps_are_refused():
     for raw in run_distributed(_run, 2, 32, 4096, timeout=120):
         message = torch.load(io.BytesIO(raw)).get("error", "accepted")

@@ -9,6 +9,7 @@ gradients uncoded), so the input gradient equals the oracle's too.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from moe_ep_transport import EPConfig, EPDispatcher, make_transport
@@ -62,5 +63,6 @@ def _coded_vs_quantized_inputs() -> list[str]:
     return failures
 
 
+@pytest.mark.multiprocess
 def test_mxfp8_payload_dispatch_equals_dispatching_mxfp8_rounded_rows():
     assert run_distributed(_coded_vs_quantized_inputs, 2, timeout=120) == [[], []]

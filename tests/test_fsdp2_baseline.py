@@ -35,7 +35,7 @@ def _fsdp2_steps() -> dict:
     cfg = load_config("tiny", OVERRIDES)
     with distributed("cpu"):
         trainer = tool.build_fsdp2_trainer(cfg, device=torch.device("cpu"))
-        losses = [trainer.step(s)["loss"] for s in (1, 2)]
+        losses = [trainer.train_step(s).record["loss"] for s in (1, 2)]
         weights = {n: p.full_tensor().detach().clone() for n, p in trainer.model.named_parameters()}
         biases = [layer.router.expert_bias.clone() for _, layer in trainer.model.moe_layers()]
     return {"losses": losses, "weights": weights, "biases": biases}
@@ -46,6 +46,8 @@ def _single_process_steps() -> dict:
     return load_script(ORACLE).single_process_steps("tiny", OVERRIDES)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_fsdp2_two_ranks_match_single_process_adamw():
     ranks = run_distributed(_fsdp2_steps, 2, timeout=240)
     oracle = _single_process_steps()
@@ -71,9 +73,10 @@ def _fsdp2_bf16_steps() -> list[float]:
                                "model.head_dim=32", "model.expert_hidden=128"])
     with distributed("cuda"):
         trainer = tool.build_fsdp2_trainer(cfg)
-        return [trainer.step(s)["loss"] for s in (1, 2)]
+        return [trainer.train_step(s).record["loss"] for s in (1, 2)]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.multigpu(2)
 def test_fsdp2_runs_bf16_over_nccl():
     """The GPU path (BF16 parameters, FP32 reduce, NCCL): finite losses, equal on both ranks."""

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 import torch.distributed as dist
 from moe_ddp import DDPConfig, MultiGroupDDP
-from moe_model import MoEConfig, MoETransformer, init_weights, lm_loss_sum, set_aux_loss_scale
+from moe_model import ModelWiring, MoEConfig, MoETransformer, init_weights, lm_loss_sum, wire_model
 from moe_pp import SCHEDULES, GradSync, PipelineConfig, build_pipeline
 from moe_testing import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
@@ -46,7 +47,7 @@ def _model(n_global: int) -> MoETransformer:
     cfg = MoEConfig(**CFG)
     model = MoETransformer(cfg)
     init_weights(model, cfg, SEED)
-    set_aux_loss_scale(model, 1.0 / n_global)
+    wire_model(model, ModelWiring(aux_loss_scale=1.0 / n_global))
     return model
 
 
@@ -112,6 +113,8 @@ def _dp_pp_step() -> dict:
     return result
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_dp2_pp2_with_multigroup_ddp_matches_unsplit_model():
     results = run_distributed(_dp_pp_step, PP * DP, timeout=300)
     all_names = {n for n, _ in _model(1).named_parameters()}

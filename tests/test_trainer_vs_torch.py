@@ -35,7 +35,7 @@ def _trainer_steps() -> dict:
     with distributed("cpu"):
         trainer = Trainer(cfg, build_mesh(validate_layout(cfg, 1), "cpu"), torch.device("cpu"))
         try:
-            records = [trainer.step(s) for s in range(1, cfg.train.steps + 1)]
+            records = [trainer.train_step(s).record for s in range(1, cfg.train.steps + 1)]
             weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
             biases = [layer.router.expert_bias.clone() for _, layer in trainer.model.moe_layers()]
         finally:

@@ -32,27 +32,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _bench import time_ms
 from moe_model import MoEConfig
 from moe_model.layers import Attention, apply_rope, rope_tables, sdpa_priority
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 BACKENDS = ("flash", "cudnn", "auto")
-SLEEP_CYCLES = int(4e8)  # GPU cycles ahead of a timed loop: longer than its launches take
-
-
 def device_ms(fn: Callable[[], object], iters: int = 10) -> float:
     """Mean device time per call with the host ahead of the device."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+    return time_ms(fn, warmup=3, iters=iters, reps=1, host_ahead=True)
 
 
 def sdpa_inputs(module: Attention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

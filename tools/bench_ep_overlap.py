@@ -8,7 +8,7 @@ no autograd, eager mode as training runs it:
 
 - host vs device time of dispatch + combine. Both are measured with the GPU held busy
   by a sleep kernel ahead, so the host is ahead of the device as in a training step
-  (where it stays 18-90 ms ahead, `perf_notes.md`): the device times are what a step
+  (where it stays 18-90 ms ahead: `min_host_lead_ms` of `bench_train_step.py`): the device times are what a step
   pays, the host time is the launch cost alone;
 - the layer split into 1, 2 or 4 token chunks, run sequentially on one stream and
   pipelined (chunk ``c + 1``'s dispatch and chunk ``c - 1``'s combine on a second,
@@ -23,30 +23,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ep_transport import _init_nccl, _routing, _time  # noqa: E402
-from moe_ep_transport import EPConfig, EPDispatcher, make_transport, nvshmem_memory  # noqa: E402
-from moe_ep_transport.rowwise import slab_bytes_for  # noqa: E402
-from moe_model.experts import GroupedExperts  # noqa: E402
+from _bench import device_and_host_ms, init_nccl
+from moe_ep_transport import EPConfig, EPDispatcher, make_transport, nvshmem_memory
+from moe_ep_transport.rowwise import slab_bytes_for
+from moe_model.experts import GroupedExperts
 
 E, K, D, F = 64, 8, 2048, 1024
 
 
 def device_ms(fn: Callable[[], object], iters: int = 10) -> float:
     """Device time per call with the host ahead of the device, the slower rank's."""
-    return _time(fn, iters, 3, host_ahead=True)[0]
+    return device_and_host_ms(fn, iters, 3, host_ahead=True)[0]
 
 
 def host_ms(fn: Callable[[], object], iters: int = 4) -> float:
     """Host time per call with the device busy: the launch cost alone."""
-    return _time(fn, iters, 3, host_ahead=True)[1]
+    return device_and_host_ms(fn, iters, 3, host_ahead=True)[1]
 
 
 def measure(n: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: GroupedExperts,
@@ -109,12 +106,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     parser.add_argument("--chunks", default="1,2,4")
     args = parser.parse_args()
-    device = _init_nccl()
+    device = init_nccl()
     rank, world = dist.get_rank(), dist.get_world_size()
     T = args.tokens
     nvshmem_memory.bootstrap(None, device, heap_bytes=2 * slab_bytes_for(EPConfig(E, K, T, D), world, 2 * D))
     x = torch.randn(T, D, device=device).to(torch.bfloat16)
-    ids = _routing("random", T, E, K, rank, device)
+    ids = torch.topk(torch.randn(T, E, generator=torch.Generator(device=device).manual_seed(1000 + rank),
+                                device=device), K, dim=1).indices  # random routing
     w = torch.softmax(torch.randn(T, K, device=device), dim=1)
     experts = GroupedExperts(E // world, D, F, "grouped_mm").to(device)
     with torch.no_grad():

@@ -47,13 +47,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
+from _bench import device_and_host_ms, init_nccl
 from moe_ep_transport import EPConfig, EPDispatcher, make_transport, nvshmem_memory
 from moe_ep_transport.peer_memory import inbox_targets
 from moe_ep_transport.rowwise import slab_bytes_for
@@ -96,40 +95,11 @@ def _routing(kind: str, T: int, E: int, k: int, rank: int, device: torch.device)
 HEAD_START_CYCLES = int(1e9)
 
 
-def _init_nccl() -> torch.device:
-    """This rank's GPU, with the NCCL process group of the launch joined."""
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=device)
-    return device
-
-
 def _time(fn: Callable[[], object], iters: int, warmup: int, host_ahead: bool = False
           ) -> tuple[float, float]:
-    """(device ms, host ms) per call: the rank's mean, then the maximum over ranks.
-
-    ``host_ahead``: a sleep kernel goes first, so the host launches while the device is
-    busy, as in a training step (``perf_notes.md``): the device time holds no launch
-    waits, and the host time is the launch cost alone.
-    """
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    if host_ahead:
-        torch.cuda._sleep(HEAD_START_CYCLES)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    host_ms = (time.perf_counter() - t0) * 1e3 / iters
-    end.record()
-    torch.cuda.synchronize()
-    ms = torch.tensor([start.elapsed_time(end) / iters, host_ms], device="cuda")
-    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-    return float(ms[0]), float(ms[1])
+    """(device ms, host ms) per call, the slowest rank's (``_bench.device_and_host_ms``);
+    ``host_ahead``: as in a training step, whose host runs tens of ms ahead."""
+    return device_and_host_ms(fn, iters, warmup, host_ahead, HEAD_START_CYCLES)
 
 
 def _graph_time(fn: Callable[[], object], iters: int) -> tuple[float, float]:
@@ -266,7 +236,7 @@ def main() -> None:
     ap.add_argument("--out", default="ep_transport.json")
     args = ap.parse_args()
 
-    device = _init_nccl()
+    device = init_nccl()
     rank, M = dist.get_rank(), dist.get_world_size()
     E, k, D, dtype = args.experts, args.top_k, args.d_model, torch.bfloat16
     tokens = sorted(int(t) for t in args.tokens.split(","))

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from _bench import time_ms
 from moe_mxfp8 import (
     MXFP8GroupedExperts,
     MXFP8RowCodec,
@@ -40,18 +40,7 @@ BF16_PEAK = 989e12  # H200 dense BF16, FLOP/s
 
 def cuda_time(fn, reps: int = 10, trials: int = 7) -> float:
     """Median seconds per call over ``trials`` batches of ``reps`` back-to-back calls."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(trials):
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / reps)
-    return statistics.median(times)
+    return time_ms(fn, warmup=1, iters=reps, reps=trials) / 1e3
 
 
 def bench_kernels(rows: int, d: int) -> dict:

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import statistics
 import tempfile
@@ -68,6 +67,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _bench import matmul_ceiling_tflops, max_over_ranks
 from moe_model import flops_per_token
 from pretrain.config import ConfigError, load_config, validate_layout
 from pretrain.mesh import build_mesh
@@ -77,10 +77,8 @@ from pretrain.runtime import distributed
 from pretrain.trainer import PEAK_FLOPS, Trainer
 
 METHODS = ("ddp", "ep", "fsdp2")
-FSDP2_BASELINE = Path(__file__).resolve().with_name("fsdp2_baseline.py")
 PHASES = ("forward", "backward", "pipeline", "graph", "grad_sync", "optimizer", "weight_rebuild",
           "stats")
-MATMUL_N = 8192
 EAGER = "train.cuda_graphs=false"
 
 
@@ -104,37 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def matmul_ceiling_tflops(device: torch.device) -> float | None:
-    """Dense BF16 matmul TFLOP/s measured now (the hardware ceiling of this run); CUDA only."""
-    if device.type != "cuda":
-        return None
-    a = torch.randn(MATMUL_N, MATMUL_N, device=device, dtype=torch.bfloat16)
-    b = torch.randn(MATMUL_N, MATMUL_N, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    iters = 20
-    start.record()
-    for _ in range(iters):
-        a @ b
-    end.record()
-    end.synchronize()
-    return 2 * MATMUL_N**3 * iters / (start.elapsed_time(end) / 1e3) / 1e12
-
-
-def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    """Each value's maximum over the ranks (the slowest rank's time, the largest peak)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 def build_fsdp2_trainer(cfg: Any, device: torch.device, timer: PhaseTimer) -> Any:
-    """The FSDP2 baseline's trainer (``tools/fsdp2_baseline.py``, loaded from beside this file)."""
-    spec = importlib.util.spec_from_file_location("fsdp2_baseline", FSDP2_BASELINE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build_fsdp2_trainer(cfg, None, device, timer)
+    """The FSDP2 baseline's trainer (``tools/fsdp2_baseline.py``)."""
+    import fsdp2_baseline  # a tool beside this one; imported only by the fsdp2 method
+
+    return fsdp2_baseline.build_fsdp2_trainer(cfg, None, device, timer)
 
 
 def method_config(a: argparse.Namespace, method: str, device: torch.device, world: int,
@@ -189,14 +161,15 @@ def run_method(a: argparse.Namespace, method: str, cfg: Any, device: torch.devic
                 torch.cuda.reset_peak_memory_stats(device)
             for _ in range(a.warmup):
                 step += 1
-                trainer.step(step)
+                trainer.train_step(step)
+                trainer.capture_graphs()  # after the first warm-up step (again after a reset)
                 timer.collect()
             if device.type == "cuda" and not graphs:
                 torch.cuda.reset_peak_memory_stats(device)
             records, phases, leads = [], [], []
             for _ in range(a.steps):
                 step += 1
-                records.append(trainer.step(step))
+                records.append(trainer.train_step(step).record)
                 phases.append(timer.collect())
                 leads.append(timer.min_host_lead_s)
             row = summarize(method, routing, cfg, world, records, phases, device)
@@ -226,7 +199,7 @@ def profile_step(trainer: Trainer, step: int, path: Path, title: str,
     on_cuda = torch.cuda.is_available()
     activities = [torch.profiler.ProfilerActivity.CUDA if on_cuda else torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities) as prof:
-        trainer.step(step)
+        trainer.train_step(step)
     sort_by = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=70)
     busy = device_busy([(e.time_range.start, e.time_range.end) for e in prof.events()

@@ -1,4 +1,4 @@
-"""FSDP2 baseline: the same moe_model model under PyTorch's ``fully_shard``, for issue 10's
+"""FSDP2 baseline: the same moe_model model under PyTorch's ``fully_shard``, for the
 DDP-vs-FSDP comparison (the reference report's Figure 8).
 
     # two H200s, bench-2gpu, 6 steps (the first 2 warm up)
@@ -54,20 +54,20 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _bench import max_over_ranks
 from moe_model import (
+    ModelWiring,
     MoETransformer,
     flops_per_token,
     init_weights,
     lm_loss_sum,
-    set_aux_loss_scale,
-    set_count_reducer,
+    wire_model,
 )
 from moe_optim.config import resolve_rule
 from pretrain.config import PretrainConfig, load_config
@@ -76,12 +76,9 @@ from pretrain.optimizer import optim_config, param_rules
 from pretrain.phases import PhaseTimer
 from pretrain.runtime import distributed
 from pretrain.schedule import build_schedule
-from pretrain.trainer import PEAK_FLOPS, resolve_dtype
+from pretrain.trainer import PEAK_FLOPS, StepResult, resolve_dtype
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train_step import max_over_ranks  # noqa: E402
 
 
 def param_groups(model: nn.Module, cfg: PretrainConfig) -> list[dict[str, Any]]:
@@ -108,7 +105,8 @@ def _mesh(mesh_or_group: DeviceMesh | dist.ProcessGroup | None, device: torch.de
 
 
 class FSDP2Trainer:
-    """One rank of a data-parallel FSDP2 run of ``cfg``; ``step`` runs one optimizer step."""
+    """One rank of a data-parallel FSDP2 run of ``cfg``; ``train_step`` runs one optimizer
+    step (the app's ``Trainer`` interface as the benchmarks use it)."""
 
     def __init__(self, cfg: PretrainConfig, mesh: DeviceMesh, device: torch.device,
                  phase_timer: PhaseTimer | None = None) -> None:
@@ -138,9 +136,9 @@ class FSDP2Trainer:
         self.schedule = build_schedule(cfg.optim, t.steps)
         self.tokens_per_step = t.global_batch * t.seq_len  # target tokens of the global batch
         self.loss_scale = 1.0 / self.tokens_per_step
-        set_aux_loss_scale(self.model, self.world * self.loss_scale)  # FSDP2 averages gradients
-        if self.world > 1:
-            set_count_reducer(self.model, self._sum)
+        wire_model(self.model, ModelWiring(
+            aux_loss_scale=self.world * self.loss_scale,  # FSDP2 averages gradients
+            count_reducer=self._sum if self.world > 1 else None))
         self.flops_per_token = flops_per_token(m, t.seq_len)
         self.graphs = None  # train.cuda_graphs is not applied: every step runs eagerly
 
@@ -152,7 +150,7 @@ class FSDP2Trainer:
         if self.timer is not None:
             self.timer.mark(phase)
 
-    def step(self, step: int) -> dict[str, Any]:
+    def train_step(self, step: int) -> StepResult:
         start = time.perf_counter()
         lr_factor = self.schedule(step)
         loss_sum = torch.zeros((), device=self.device)
@@ -185,7 +183,10 @@ class FSDP2Trainer:
             flops = self.flops_per_token * record["tokens_per_s"]
             record["mfu"] = flops / (self.world * PEAK_FLOPS)
             record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        return record
+        return StepResult(record, stop=False)
+
+    def capture_graphs(self) -> None:
+        """Nothing to capture: the baseline runs every step eagerly."""
 
     def _router_bias_step(self) -> None:
         """Aux-loss-free balancing once per step, from the step's load summed over ranks."""
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
             print("train.cuda_graphs is not applied: the FSDP2 baseline runs eagerly", flush=True)
         records = []
         for step in range(1, args.steps + 1):
-            record = trainer.step(step)
+            record = trainer.train_step(step).record
             record["phases_s"] = timer.collect()
             records.append(record)
             if step == args.warmup and rt.device.type == "cuda":  # the timed steps' peak alone

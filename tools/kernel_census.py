@@ -90,10 +90,11 @@ def main() -> None:
         try:
             force_routing(trainer.model, "model", seed=cfg.seed)
             for step in range(1, a.warmup + 1):
-                trainer.step(step)
+                trainer.train_step(step)
+                trainer.capture_graphs()
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=activities) as prof:
-                trainer.step(a.warmup + 1)
+                trainer.train_step(a.warmup + 1)
         finally:
             trainer.close()
     rows = census(prof.profiler.kineto_results.events())

@@ -79,7 +79,9 @@ def _measure(cfg: Any, world: int, device: torch.device, steps: int) -> dict[str
         torch.cuda.reset_peak_memory_stats(device)
         trainer = Trainer(cfg, mesh, device)
         for step in range(1, steps + 1):
-            trainer.step(step)
+            trainer.train_step(step)
+            if step < steps:
+                trainer.capture_graphs()
         torch.cuda.synchronize(device)
         free, total = torch.cuda.mem_get_info(device)
         out.update(peak_allocated=torch.cuda.max_memory_allocated(device),
@@ -88,7 +90,9 @@ def _measure(cfg: Any, world: int, device: torch.device, steps: int) -> dict[str
         with LiveBytes() as live:
             trainer = Trainer(cfg, mesh, device)
             for step in range(1, steps + 1):
-                trainer.step(step)
+                trainer.train_step(step)
+                if step < steps:
+                    trainer.capture_graphs()
         out["peak_allocated"] = live.peak
     trainer.close()
     del trainer

@@ -40,6 +40,7 @@ def test_every_command_has_help(capsys):
         assert f"usage: pretrain {name}" in capsys.readouterr().out
 
 
+@pytest.mark.multiprocess
 def test_help_answers_without_importing_torch():
     """``pretrain --help`` (and each command's) imports no heavy module: under a second."""
     code = ("import sys; from pretrain.cli import main\n"

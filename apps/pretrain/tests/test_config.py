@@ -11,7 +11,8 @@ from typing import Literal
 import pytest
 from moe_model import MoEConfig
 from pretrain.config import PRESETS, PretrainConfig, config_toml, load_config, validate_layout
-from pretrain.config_tree import ConfigError, apply_tree, coerce, dump_toml, set_key, to_tree
+from pretrain.config_reference import annotated_toml
+from pretrain.config_tree import ConfigError, apply_tree, coerce, set_key
 
 
 class Color(enum.Enum):
@@ -106,7 +107,7 @@ def test_optional_field_with_a_non_none_default_round_trips():
 
     tree = Tree(cap=None)
     back = Tree()
-    apply_tree(back, tomllib.loads(dump_toml(to_tree(tree))))
+    apply_tree(back, tomllib.loads(annotated_toml(tree)))
     assert back == tree
 
 
@@ -228,5 +229,5 @@ def test_strings_round_trip_through_the_written_toml(text):
         name: str = ""
 
     back = Tree()
-    apply_tree(back, tomllib.loads(dump_toml(to_tree(Tree(text)))))
+    apply_tree(back, tomllib.loads(annotated_toml(Tree(text))))
     assert back.name == text

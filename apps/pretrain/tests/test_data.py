@@ -275,6 +275,7 @@ def test_prepare_data_out_must_be_a_directory(tmp_path, capsys):
     assert status == 1 and capsys.readouterr().err.strip() == f"pretrain: error: --out '{tmp_path / 'out'}' is not a directory"
 
 
+@pytest.mark.slow
 def test_a_failed_prepare_data_leaves_no_half_written_directory(tmp_path, capsys):
     """The non-UTF-8 file comes after a shard holds the first file's tokens: a rerun must not be refused
     as 'already holds token files', and only what the failed call created is removed."""

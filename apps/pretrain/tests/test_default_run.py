@@ -4,10 +4,12 @@ import json
 import subprocess
 import sys
 
+import pytest
 from pretrain.config import load_config
 from pretrain.train import train
 
 
+@pytest.mark.slow
 def test_shortened_default_run_lowers_loss(tmp_path):
     cfg = load_config("default", [f"run_dir={tmp_path}", "train.steps=30", "optim.warmup_steps=5"])
     history = train(cfg)
@@ -18,8 +20,10 @@ def test_shortened_default_run_lowers_loss(tmp_path):
     assert first > 5.0  # ~ln(256) at initialisation
     assert last < 0.7 * first, (first, last)
     assert (tmp_path / "config.toml").is_file()
+    assert (tmp_path / "checkpoints" / "step_0000000030").is_dir()  # the default keeps its weights
 
 
+@pytest.mark.multiprocess
 def test_unknown_key_fails_with_suggestion(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pretrain", "--config", "tiny", "train.stpes=3"],
@@ -29,6 +33,7 @@ def test_unknown_key_fails_with_suggestion(tmp_path):
     assert "unknown config key 'train.stpes'; did you mean 'train.steps'?" in proc.stderr
 
 
+@pytest.mark.multiprocess
 def test_wrong_type_fails(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pretrain", "--config", "tiny", "train.steps=many"],

@@ -4,7 +4,7 @@ Replaying a captured unit runs the work its Python launched when it was captured
 everything but the capture itself can be checked without a GPU by running that Python
 again in its place: the split into middle and last units, the ``no_sync`` windows, the
 last unit's gradient sync, the loss and routing statistics added into running sums per
-unit, the step's end (``pack(stats=...)``, ``end_step``, ``reset_sums``). One rank and two
+unit, the step's end (``pack(stats=...)``, the sums zeroed by each replay). One rank and two
 (gloo). The capture and replay on a GPU: ``test_gpu.py``.
 """
 
@@ -25,30 +25,35 @@ from pretrain.trainer import Trainer
 
 
 class _RerunUnits:
-    """``MicrobatchGraphs``' interface as the trainer uses it after a capture; a replay runs
-    the trainer's unit function again, unit by unit, as the graphs would."""
+    """``UnitGraphs`` as a CPU stand-in: the capture keeps the trainer's unit function, a
+    replay runs it again, unit by unit, into the running sums, as the graphs would."""
 
-    captured = True
+    stream = None  # the eager warm-up runs on the current stream
 
     def __init__(self, trainer: Trainer) -> None:
-        self.run_unit = trainer._run_unit
         self.unit = trainer.cfg.parallel.merge_expert_grad_microbatches
         self.n_middle, self.last_size = split_into_units(trainer.data.n_microbatches, self.unit)
         self.loss_sum = torch.zeros(())
         self.stats_sum = torch.zeros(trainer.packer.n_slots * trainer.packer.width, dtype=torch.float64)
+        self.run_unit = None
+
+    @property
+    def captured(self) -> bool:
+        return self.run_unit is not None
 
     def match_model(self) -> bool:
         return True
 
+    def capture(self, run_unit, token_shape: tuple[int, int]) -> None:
+        self.run_unit = run_unit
+
     def replay(self, batches: Sequence[torch.Tensor]) -> None:
+        self.loss_sum.zero_()
+        self.stats_sum.zero_()
         u = self.unit
         for index in range(self.n_middle):
             self.run_unit(batches[index * u:(index + 1) * u], False)
         self.run_unit(batches[self.n_middle * u:], True)
-
-    def reset_sums(self) -> None:
-        self.loss_sum.zero_()
-        self.stats_sum.zero_()
 
 
 class _CaptureThenChange(_RerunUnits):
@@ -56,34 +61,21 @@ class _CaptureThenChange(_RerunUnits):
     would; here they run and their gradients are discarded with the ones the capture
     marks as reduced); then the model no longer matches it."""
 
-    captured = False
-
     def capture(self, run_unit, token_shape: tuple[int, int]) -> None:
+        super().capture(run_unit, token_shape)
         self.replay([torch.zeros(token_shape, dtype=torch.int64)] * (self.n_middle * self.unit
                                                                     + self.last_size))
-        self.captured = True
 
     def match_model(self) -> bool:
         return False
 
 
-def _capture_then_change(trainer: Trainer) -> _CaptureThenChange:
-    """Install graphs that capture after the first step and then no longer match the model.
-    The eager steps run with the graphs set aside (on a GPU: on the graphs' stream); the
-    fallback drops them, as ``Trainer.reset_graphs`` does."""
-    graphs = trainer.graphs = _CaptureThenChange(trainer)
-    eager_step = trainer._forward_backward
-
-    def without_graphs(step: int) -> torch.Tensor:
-        saved, trainer.graphs = trainer.graphs, None
-        try:
-            return eager_step(step)
-        finally:
-            trainer.graphs = saved
-
-    trainer._forward_backward = without_graphs
-    trainer.reset_graphs = lambda: setattr(trainer, "graphs", None)
-    return graphs
+def _capture_then_change(trainer: Trainer) -> list[_CaptureThenChange]:
+    """Graphs that capture after the first step and then no longer match the model; the
+    list of every set of graphs made (a fallback makes new ones)."""
+    made: list[_CaptureThenChange] = []
+    trainer.enable_graphs(lambda: made.append(_CaptureThenChange(trainer)) or made[-1])
+    return made
 
 
 def _steps(overrides: list[str], units: bool, steps: int = 4) -> tuple[list[tuple], dict]:
@@ -93,10 +85,12 @@ def _steps(overrides: list[str], units: bool, steps: int = 4) -> tuple[list[tupl
     trainer = Trainer(cfg, build_mesh(validate_layout(cfg, dist.get_world_size()), "cpu"),
                       torch.device("cpu"))
     try:
-        records = [trainer.step(1)]
         if units:
-            trainer.graphs = _RerunUnits(trainer)
-        records += [trainer.step(step) for step in range(2, steps + 1)]
+            trainer.enable_graphs(lambda: _RerunUnits(trainer))
+        records = [trainer.train_step(1).record]
+        trainer.capture_graphs()
+        records += [trainer.train_step(step).record for step in range(2, steps + 1)]
+        assert trainer.graphs is None or trainer.graphs.captured
         weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     finally:
         trainer.close()
@@ -132,11 +126,12 @@ def test_a_step_after_the_capture_that_runs_eagerly_trains_like_an_eager_step():
         cfg = load_config("tiny", overrides)
         trainer = Trainer(cfg, build_mesh(validate_layout(cfg, 1), "cpu"), torch.device("cpu"))
         try:
-            _capture_then_change(trainer)
-            records = [trainer.step(1)]
-            assert isinstance(trainer.graphs, _CaptureThenChange) and trainer.graphs.captured
-            records.append(trainer.step(2))
-            assert trainer.graphs is None  # the fallback ran
+            made = _capture_then_change(trainer)
+            records = [trainer.train_step(1).record]
+            trainer.capture_graphs()
+            assert len(made) == 1 and made[0].captured
+            records.append(trainer.train_step(2).record)
+            assert len(made) == 2 and not made[1].captured  # the fallback ran
             weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         finally:
             trainer.close()
@@ -173,11 +168,11 @@ def test_no_capture_after_a_step_that_ends_the_run(ends):
         cfg = load_config("tiny", [*overrides, "optim.schedule=constant"])
         trainer = Trainer(cfg, build_mesh(validate_layout(cfg, 1), "cpu"), torch.device("cpu"))
         try:
-            graphs = _capture_then_change(trainer)
-            records = trainer.fit(MetricsLog([], 3, echo=False),
+            made = _capture_then_change(trainer)
+            records = trainer.fit(MetricsLog([]),
                                   _StopAt(1 if ends == "stop_requested" else None))
             assert len(records) == (3 if ends is None else 1)
-            assert graphs.captured == (ends is None)
+            assert made[0].captured == (ends is None)
         finally:
             trainer.close()
 
@@ -188,6 +183,7 @@ def _both_ways_on_two_ranks() -> tuple:
     return _steps(overrides, units=False), _steps(overrides, units=True)
 
 
+@pytest.mark.multiprocess
 def test_graph_units_on_two_data_parallel_ranks_train_like_eager_steps():
     """Three microbatches per rank (a middle unit of 2, a last unit of 1 holding the
     gradient reductions), the balancing counts reduced over both ranks in every forward."""

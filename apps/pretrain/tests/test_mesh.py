@@ -1,5 +1,6 @@
 """Mesh group memberships on 4 CPU ranks: DP2 x PP2 and EP2 x DP2."""
 
+import pytest
 import torch
 import torch.distributed as dist
 from moe_testing import run_distributed
@@ -29,6 +30,7 @@ def _both_layouts() -> tuple[dict, dict]:
             _memberships(["parallel.ep=2", "train.global_batch=8"]))
 
 
+@pytest.mark.multiprocess
 def test_dp2_pp2_and_ep2_dp2_group_memberships():
     results = run_distributed(_both_layouts, 4, timeout=90)
     dp2pp2 = [r[0] for r in results]

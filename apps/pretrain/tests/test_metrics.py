@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
-from pretrain.metrics import JsonlTracker, MetricsLog, open_trackers, progress_line
+from pretrain.metrics import JsonlTracker
 from pretrain.moe_stats import StepPacker
 from pretrain.plot import PlotError, plot_run
 
@@ -95,26 +94,7 @@ def test_jsonl_writes_one_object_per_step_and_null_for_non_finite(tmp_path):
                      {"step": 2, "loss": 1.5}]
 
 
-def test_missing_tensorboard_is_a_warning_not_a_failure(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError
-    trackers = open_trackers(tmp_path, tensorboard=True)
-    assert [type(t).__name__ for t in trackers] == ["JsonlTracker"]
-    err = capsys.readouterr().err
-    assert "tensorboard is not installed" in err and "pretrain[tensorboard]" in err
-    for t in trackers:
-        t.close()
-
-
-def test_progress_line_and_echo(capsys, tmp_path):
-    record = {"step": 3, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 12345.6,
-              "skipped": False, "mfu": 0.4, "peak_mem_gib": 70.25}
-    assert progress_line(record, 10) == ("step     3/10  loss 2.5000  lr 1.00e-03  grad_norm 0.500  "
-                                         "tok/s 12,346  mfu 40.0%  mem 70.2 GiB")
-    log = MetricsLog([], 10, echo=False)
-    log.write(record)
-    assert capsys.readouterr().out == ""
-
-
+@pytest.mark.slow
 def test_plot_writes_pngs(tmp_path):
     with pytest.raises(PlotError, match="does not exist"):
         plot_run(tmp_path)

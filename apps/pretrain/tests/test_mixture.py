@@ -82,6 +82,8 @@ def _mixture_rank(run_dir: str, overrides: list[str]) -> dict:
             "records": train(cfg)}
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_mixture_is_the_same_on_1_and_2_ranks_and_after_a_resume(tmp_path, capsys):
     a, b = _two_sources(tmp_path / "data")
     overrides = [_sources(a, b), "checkpoint.every=2"]

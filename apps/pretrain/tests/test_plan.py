@@ -7,7 +7,7 @@ peaks of a microbatch are compared per configuration; the persistent state of a
 rank (parameters, FP32 buckets, optimizer shards) and the whole step's peak on 1
 and 2 gloo ranks (DP, EP, PP, AdamW and Muon). On CPU nothing runs CUDA's flash
 attention, so the planner is asked for its CPU kernel variant; what only a GPU
-can show is listed in tools/perf_notes.md.
+can show is left to the GPU tests and tools/plan_validate.py.
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ def _measure_trainer(overrides: list[str], world: int) -> dict[str, float]:
             gc.collect()
             persistent = live.live
             live.reset_peak()
-            trainer.step(1)
-            trainer.step(2)
+            trainer.train_step(1)
+            trainer.train_step(2)
             peak = live.peak
         storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                     for p in trainer.model.parameters()}
@@ -202,6 +202,8 @@ def _two_rank_measurements() -> dict[str, dict[str, float]]:
     return {name: _measure_trainer(overrides, 2) for name, overrides in TWO_RANKS.items()}
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_rank_layouts_match_plan():
     """DP2 (both DDP modes, AdamW and Muon), EP2 (all-to-all), PP2 (1F1B and zero
     bubble), gloo.
@@ -363,6 +365,7 @@ def test_expert_rows_follow_the_capacity_factor_without_ep():
         assert plan_memory(PlanRequest.from_config(cfg, 1)).capacity_rows == rows
 
 
+@pytest.mark.slow
 def test_sweep_picks_the_first_layout_that_fits():
     tiny, ultra = FAMILY[0], FAMILY[-1]
     (result,) = sweep((tiny,), (16,))
@@ -389,8 +392,8 @@ def test_plan_within_ten_percent_of_max_memory_allocated(recompute):
     with distributed("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
         trainer = Trainer(cfg, build_mesh(validate_layout(cfg, 1), "cuda"), device)
-        trainer.step(1)
-        trainer.step(2)
+        trainer.train_step(1)
+        trainer.train_step(2)
         measured = torch.cuda.max_memory_allocated(device)
         trainer.close()
     planned = plan_memory(PlanRequest.from_config(cfg, 1)).ranks[0].peak_allocated
@@ -449,6 +452,7 @@ def _transport_slab_bytes(compute_dtype: str) -> int:
             part.close()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("compute_dtype", ["bfloat16", "float32"])
 def test_the_planned_nvshmem_heap_is_what_the_transport_allocates(compute_dtype):
     """Rows of the compute dtype: float32 rows are twice as wide as bfloat16 ones."""
@@ -492,6 +496,8 @@ def _dense_grads_formed_in_fp32(bucket_caps_mb: tuple[float, ...]) -> dict[float
     return formed
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_fp32_dense_weight_gradients_are_planned_where_the_bucket_forms_them():
     """Under reduce_scatter a sharded dense weight sharing its bucket accumulates into
     [G, piece] rows; where G does not divide its out-features the in-GEMM path (CUDA) forms

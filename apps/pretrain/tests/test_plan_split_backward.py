@@ -15,7 +15,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 from moe_ddp import MultiGroupDDP
-from moe_model import lm_loss_sum, set_gradient_sink
+from moe_model import ModelWiring, lm_loss_sum, wire_model
 from moe_pp.backward import backward_input, backward_weight
 from pretrain.build import build_model_part
 from pretrain.config import load_config, validate_layout
@@ -56,7 +56,7 @@ def _measure_split(overrides: list[str], last: bool, device: torch.device) -> tu
         gc.collect()
         ddp = MultiGroupDDP(model, lambda n, p: None)
         if cfg.parallel.fuse_expert_grad_accumulation:
-            set_gradient_sink(model, ddp)
+            wire_model(model, ModelWiring(gradient_sink=ddp))
         params = list(model.parameters())
         tokens = torch.randint(0, m.vocab_size, (t.micro_batch, t.seq_len + 1), device=device)
         live = LiveBytes() if device.type == "cpu" else None

@@ -133,6 +133,8 @@ def _big_inputs(root: Path, mib: int) -> list[Path]:
     return [root / "one.txt", root / "docs.jsonl"]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
 def test_memory_does_not_grow_with_the_corpus(tmp_path):
     """8x the corpus, about the same peak memory: reading, encoding and writing stream."""
@@ -142,6 +144,7 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path):
     assert large < 500
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
 def test_a_1_gb_corpus_needs_under_500_mb(tmp_path):
@@ -257,6 +260,7 @@ def _start(tmp_path: Path, out: Path) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.multiprocess
 def test_sigterm_removes_the_unfinished_output(tmp_path):
     out = tmp_path / "new" / "out"
     proc = _start(tmp_path, out)
@@ -267,6 +271,8 @@ def test_sigterm_removes_the_unfinished_output(tmp_path):
     assert "Traceback" not in err and not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_rerun_replaces_the_output_of_a_killed_run(tmp_path):
     out = tmp_path / "out"
     proc = _start(tmp_path, out)

@@ -46,6 +46,8 @@ def test_a_record_cut_by_a_crash_is_dropped_on_resume(tmp_path, capsys):
     assert _steps(tmp_path) == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_stop_signal_while_the_last_checkpoint_is_written_waits_for_it(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, sys

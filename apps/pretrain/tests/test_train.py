@@ -5,6 +5,7 @@ Multi-process layouts, checkpoints and resume through torchrun: ``test_layouts.p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -19,11 +20,13 @@ import pytest
 import torch
 from moe_model import layers as layers_module
 from moe_model import linear as linear_module
+from moe_model import wire_model
 from moe_model.linear import Linear
 from moe_mxfp8 import MXFP8Linear, dequantize, quantize
 from pretrain.cli import main
 from pretrain.config import ConfigError, OptimConfig, load_config, validate_layout
 from pretrain.data import prepare_data
+from pretrain.divergence import TrainingAborted
 from pretrain.graphs import split_into_units
 from pretrain.mesh import build_mesh
 from pretrain.metrics import MetricsLog
@@ -31,7 +34,7 @@ from pretrain.runtime import distributed
 from pretrain.schedule import build_schedule
 from pretrain.signals import StopRequest
 from pretrain.train import train
-from pretrain.trainer import Trainer, TrainingAborted
+from pretrain.trainer import Trainer
 from torch import nn
 
 RECORD_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "skipped",
@@ -58,7 +61,7 @@ def test_router_bias_steps_once_per_optimizer_step(tmp_path):
     cfg = load_config("tiny", [f"run_dir={tmp_path}", "model.bias_update_rate=0.01"])
     with distributed("cpu"):
         trainer = _trainer(cfg)
-        record = trainer.step(1)
+        record = trainer.train_step(1).record
     for (_, layer), load in zip(trainer.model.moe_layers(), record["expert_load"], strict=True):
         load_E = torch.tensor(load, dtype=torch.float32)
         expected = 0.01 * torch.sign(load_E.mean() - load_E)
@@ -91,7 +94,7 @@ def test_non_finite_steps_are_skipped_and_abort_after_the_limit(tmp_path):
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         collect = _Collect()
         with pytest.raises(TrainingAborted) as e, StopRequest() as stop:
-            trainer.fit(MetricsLog([collect], 10, echo=False), stop)
+            trainer.fit(MetricsLog([collect]), stop)
     assert "3 consecutive steps (to step 3) had a non-finite gradient norm" in str(e.value)
     assert "train.max_consecutive_skips" in str(e.value)
     assert [r["skipped"] for r in collect.records] == [True, True, True]
@@ -104,27 +107,27 @@ def test_a_skipped_step_leaves_weights_and_counter_recovers(tmp_path, monkeypatc
                                "train.max_consecutive_skips=3", "model.bias_update_rate=0.01"])
     with distributed("cpu"):
         trainer = _trainer(cfg)
-        forward_backward = trainer._forward_backward
+        forward_backward = trainer.forward_backward
 
         def poisoned(step: int):  # a NaN gradient in steps 2 and 3
-            loss = forward_backward(step)
+            result = forward_backward(step)
             if step in (2, 3):
                 trainer.ddp.grad_buffers()[0][1][0] = float("nan")
-            return loss
+            return result
 
-        monkeypatch.setattr(trainer, "_forward_backward", poisoned)
+        monkeypatch.setattr(trainer, "forward_backward", poisoned)
 
         def state() -> list[torch.Tensor]:
             return [t.detach().clone() for t in trainer.model.state_dict().values()]
 
-        trainer.step(1)
+        trainer.train_step(1)
         after_1 = state()
-        assert trainer.step(2)["skipped"] and trainer.step(3)["skipped"]
+        assert trainer.train_step(2).record["skipped"] and trainer.train_step(3).record["skipped"]
         assert all(torch.equal(a, b) for a, b in zip(after_1, state(), strict=True))  # router bias included
-        assert not trainer.step(4)["skipped"]
+        assert not trainer.train_step(4).record["skipped"]
         assert not all(torch.equal(a, b) for a, b in zip(after_1, state(), strict=True))
         with StopRequest() as stop:  # two skips in a row, then fine: the limit of 3 is not hit
-            records = trainer.fit(MetricsLog([], 6, echo=False), stop)
+            records = trainer.fit(MetricsLog([]), stop)
     assert [r["skipped"] for r in records] == [False, True, True, False, False, False]
 
 
@@ -149,7 +152,7 @@ def test_sigterm_stops_at_the_next_step_boundary(tmp_path, capsys):
         trainer = _trainer(cfg)
         tracker = _SigtermAt(2)
         with StopRequest() as stop:
-            records = trainer.fit(MetricsLog([tracker], 1000, echo=False), stop)
+            records = trainer.fit(MetricsLog([tracker]), stop)
     assert [r["step"] for r in records] == [1, 2, 3] == [r["step"] for r in tracker.records]
     assert capsys.readouterr().out.strip() == "stopping after step 3: received SIGTERM"
     assert signal.getsignal(signal.SIGTERM) is previous  # the handler was removed
@@ -193,6 +196,8 @@ class _LineReader:
                 self.lines.append(line)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_sigterm_through_the_command_saves_a_checkpoint_and_exits_0(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(
@@ -227,8 +232,9 @@ def test_sigterm_through_the_command_saves_a_checkpoint_and_exits_0(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-2000:]
-    stopped = int(out.strip().splitlines()[-1].split("stopping after step ")[1].split(":")[0])
-    assert out.strip().endswith(f"stopping after step {stopped}: received SIGTERM")
+    stops = [x for x in out.splitlines() if x.startswith("stopping after step ")]
+    assert len(stops) == 1 and stops[0].endswith(": received SIGTERM"), out[-2000:]
+    stopped = int(stops[0].split("stopping after step ")[1].split(":")[0])
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [f"step_{stopped:010d}"]
 
 
@@ -293,12 +299,12 @@ def test_mxfp8_attention_projections_beside_the_dense_sink_route(tmp_path, monke
                             lambda p, add: (delivered.append(p), add_gradient(p, add))[-1])
         grads = []
         for sink in (trainer.ddp, None):
-            trainer._set_gradient_sink(sink)
+            wire_model(model, dataclasses.replace(trainer.wiring, gradient_sink=sink))
             for hooked in seen.values():
                 hooked.clear()
             calls.clear()
             delivered.clear()
-            trainer._forward_backward(1)
+            trainer.forward_backward(1)
             grads.append({n: trainer.ddp.main_grad(n).clone() for n, _ in model.named_parameters()})
             trainer.ddp.zero_grad()
             for name, hooked in seen.items():

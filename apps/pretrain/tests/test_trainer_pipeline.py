@@ -7,6 +7,7 @@ view's own, so setting one on the rank's union module does not reach the views.
 
 from __future__ import annotations
 
+import pytest
 from moe_testing import run_distributed
 from pretrain.config import load_config, validate_layout
 from pretrain.mesh import build_mesh
@@ -22,12 +23,13 @@ def _embedding_sinks(run_dir: str) -> dict[str, list[bool]]:
         trainer = Trainer(cfg, build_mesh(validate_layout(cfg, rt.world_size), "cpu"), rt.device)
         stages = trainer.part.pipeline.stages.stages
         views = [s.module for s in stages if s.module.embed is not None]
-        built = [v.embed_grad_sink is trainer.ddp for v in views]
+        built = [v.embed.grad_sink is trainer.ddp for v in views]
         trainer.close()
-        closed = [v.embed_grad_sink is None for v in views]
+        closed = [v.embed.grad_sink is None for v in views]
     return {"built": built, "closed": closed}
 
 
+@pytest.mark.multiprocess
 def test_the_embedding_stage_view_gets_the_gradient_sink(tmp_path):
     """Without it, stage 0 ran the embedding without the sink (numerics the same, the
     slower autograd path for its gradient on GPU)."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
+import os
 import shutil
 import sys
 import threading
@@ -45,6 +47,7 @@ def test_latest_and_retention_keep_the_newest(tmp_path: Path):
             "step_0000000004",
             "step_0000000005",
             "step_0000000099",
+            "writer.lock",
         ]
         assert (tmp_path / "latest").read_text() == "step_0000000005\n"  # for other readers
         # The pointer is never trusted for resumption: stale (a crash between the
@@ -66,6 +69,18 @@ def test_retention_keeps_the_highest_steps_and_the_new_checkpoint(tmp_path: Path
     mc.save(new, state(15), step=15)
     directory.retain(tmp_path, keep_last=1, protect=new)
     assert sorted(directory.committed_steps(tmp_path)) == [15, 30]
+
+
+def test_retention_leaves_the_steps_a_save_names_in_keep(tmp_path: Path):
+    """The last good checkpoint stays while later ones come and go (``keep``)."""
+    config = mc.CheckpointerConfig(keep_last=1, async_save=False)
+    with mc.Checkpointer(tmp_path, config) as ckpt:
+        ckpt.save(1, state(1))
+        for step in (2, 3, 4):
+            ckpt.save(step, state(step), keep=[1])
+        assert ckpt.steps() == [1, 4]
+        ckpt.save(5, state(5))  # no longer named: retention applies to it again
+        assert ckpt.steps() == [5]
 
 
 def test_async_save_snapshots_before_returning(tmp_path: Path):
@@ -207,6 +222,7 @@ CRASH_PHASES = [
 ]
 
 
+@pytest.mark.slow
 def test_sigkill_at_any_phase_resumes_from_the_newest_committed_step(tmp_path: Path):
     """Kill a saving process at each phase; check what resumption and retention see."""
     base = tmp_path / "base"
@@ -238,11 +254,16 @@ def test_sigkill_at_any_phase_resumes_from_the_newest_committed_step(tmp_path: P
             if proc.is_alive():
                 proc.kill()
 
-    for phase, (root, _, _) in children.items():
+    for phase, (root, _, proc) in children.items():
         # Once renamed into place step 2 is resumed from, whether ``latest`` was updated or not.
         committed = CRASH_PHASES.index(phase) >= CRASH_PHASES.index("committed")
         resumed = 2 if committed else 1
         with mc.Checkpointer(root, config) as ckpt:
+            # the killed writer's lock is taken over and reported; every manifest verifies
+            assert ckpt.stale_lock is not None and ckpt.stale_lock.startswith(
+                f"pid {proc.pid} on host ") and ckpt.stale_lock.endswith("no longer running"), phase
+            for step in ckpt.steps():
+                mc.open_checkpoint(root / directory.step_dir_name(step))
             assert ckpt.steps() == ([1, 2] if committed else [1]), phase
             assert ckpt.latest_step() == resumed, phase
             manifest, out = _load_state(ckpt)
@@ -250,7 +271,7 @@ def test_sigkill_at_any_phase_resumes_from_the_newest_committed_step(tmp_path: P
             assert all(torch.equal(out[k], v) for k, v in state(resumed).items()), phase
             ckpt.save(resumed + 1, state(resumed + 1))  # the resumed loop's next checkpoint
             assert ckpt.steps() == [resumed + 1] and ckpt.latest_step() == resumed + 1, phase
-        expected = ["latest", directory.step_dir_name(resumed + 1)]  # retention and cleanup
+        expected = ["latest", directory.step_dir_name(resumed + 1), "writer.lock"]  # retention, cleanup
         assert sorted(p.name for p in root.iterdir()) == expected, phase
         assert (root / "latest").read_text() == expected[1] + "\n", phase
 
@@ -296,6 +317,7 @@ def rank_async_with_training_collectives(root: str) -> list[float]:
     return sums
 
 
+@pytest.mark.multiprocess
 def test_async_saves_do_not_block_training_collectives(tmp_path: Path):
     sums = run_distributed(rank_async_with_training_collectives, 2, str(tmp_path), timeout=120)
     assert sums[0] == sums[1] == [2.0] * 60
@@ -319,6 +341,55 @@ def rank_failure_after_the_commit(root: str) -> list[float]:
     return whole.tolist()
 
 
+@pytest.mark.multiprocess
 def test_failure_after_the_commit_is_reported_on_every_rank(tmp_path: Path):
     loaded = run_distributed(rank_failure_after_the_commit, 2, str(tmp_path), timeout=120)
     assert loaded == [[0.0, 0.0, 1.0, 1.0]] * 2
+
+
+def test_a_second_writer_on_a_root_is_refused_naming_the_first(tmp_path: Path):
+    with mc.Checkpointer(tmp_path) as ckpt:
+        assert ckpt.stale_lock is None
+        with pytest.raises(mc.DirectoryLockedError, match=f"in use by pid {os.getpid()} on host"):
+            mc.Checkpointer(tmp_path)
+    with mc.Checkpointer(tmp_path) as ckpt:  # released by close
+        assert ckpt.stale_lock is None
+
+
+def test_a_step_directory_without_its_manifest_is_set_aside(tmp_path: Path):
+    config = mc.CheckpointerConfig(keep_last=None, async_save=False)
+    with mc.Checkpointer(tmp_path, config) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, state(step))
+    (tmp_path / directory.step_dir_name(2) / "manifest.json").unlink()
+    with mc.Checkpointer(tmp_path, config) as ckpt:
+        [(old, aside)] = ckpt.set_aside
+        assert old.name == "step_0000000002" and aside.name.startswith("step_0000000002.uncommitted-")
+        assert aside.is_dir() and ckpt.steps() == [1]
+        ckpt.save(2, state(2))  # the resumed run saves the step again: no collision
+        assert ckpt.steps() == [1, 2] and aside.is_dir()  # kept for a look
+
+
+def test_an_edited_manifest_is_refused(tmp_path: Path):
+    path = tmp_path / directory.step_dir_name(12)
+    mc.save(path, state(12), step=12)
+    text = (path / "manifest.json").read_text()
+    (path / "manifest.json").write_text(text.replace('"step":12', '"step":13'))
+    with pytest.raises(mc.CheckpointError, match="does not match its sha256"):
+        mc.open_checkpoint(path)
+
+
+def test_a_manifest_step_unlike_its_directory_or_a_key_outside_it_is_refused(tmp_path: Path):
+    from moe_ckpt.manifest import read_manifest, write_manifest
+
+    path = tmp_path / directory.step_dir_name(12)
+    mc.save(path, state(12), step=12)
+    good = read_manifest(path)
+    write_manifest(path, dataclasses.replace(good, step=13))  # a consistent checksum
+    with pytest.raises(mc.CheckpointError, match="step 13 disagrees with its directory step_0000000012"):
+        mc.open_checkpoint(path)
+    for key in ("/etc", "..", "a/../../b"):
+        record = dataclasses.replace(good.tensors["a"], key=key)
+        write_manifest(path, dataclasses.replace(good, tensors={**good.tensors, "a": record}))
+        with pytest.raises(mc.CheckpointError, match="storage key .* is not a name inside"):
+            mc.load(path, {"a": torch.empty(64, 16)})

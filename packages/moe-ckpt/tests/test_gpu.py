@@ -51,6 +51,7 @@ def rank_nccl_training_with_async_saves(root: str) -> None:
     assert manifest.step == 2 and torch.equal(whole, full + 2)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.multigpu(2)
 def test_async_saves_beside_nccl_collectives(tmp_path: Path):
     run_distributed(

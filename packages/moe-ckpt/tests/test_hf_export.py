@@ -54,6 +54,7 @@ def save_sharded(path: str) -> None:
     )
 
 
+@pytest.mark.multiprocess
 def test_export_from_a_sharded_checkpoint(tmp_path: Path):
     ck = tmp_path / "ck"
     run_distributed(save_sharded, 2, str(ck), timeout=60)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import moe_ckpt as mc
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from moe_testing import run_distributed
@@ -156,6 +157,8 @@ def rank_fn_back_to_two(root: str) -> list[str]:
     return checked
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_reshard_matrix(tmp_path: Path):
     root = str(tmp_path / "ck")
     save_layout(root, "replicated", ALIGNED)  # world 1, this process

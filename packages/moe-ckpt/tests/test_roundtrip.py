@@ -147,3 +147,55 @@ def test_deleted_chunk_is_detected(tmp_path: Path):
     (tmp_path / "ck" / "arrays" / "w" / "c" / "3" / "0").unlink()
     with pytest.raises(mc.ChecksumError, match="'w'.*piece at \\(3, 0\\)"):
         mc.load(tmp_path / "ck", {"w": torch.empty(8, 8)})
+
+
+def test_a_torch_optimizer_state_dict_round_trips_nested_with_its_values(tmp_path):
+    """A model's and an AdamW's ``state_dict()`` side by side (int keys, param_groups with
+    floats, tuples, bools and None): the optimizer resumes exactly as torch's own
+    ``load_state_dict`` of the original state would."""
+
+    def trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2 * (seed + 1), betas=(0.8, 0.9))
+        for _ in range(seed + 1):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+        return model, opt
+
+    model, opt = trained(0)
+    mc.save(tmp_path / "ck", {"model": model.state_dict(), "optim": opt.state_dict()}, step=1)
+    manifest = mc.open_checkpoint(tmp_path / "ck")
+    assert "optim/state/0/exp_avg" in manifest.tensors
+    assert manifest.values["optim/param_groups/0/betas"] == [0.8, 0.9]
+    other_model, other = trained(1)  # different weights, moments, step count and lr
+    target = {"model": other_model.state_dict(), "optim": other.state_dict()}
+    mc.load(tmp_path / "ck", target)
+    other.load_state_dict(target["optim"])
+    assert target["optim"]["param_groups"][0]["betas"] == (0.8, 0.9)  # a tuple again
+    for a, b in zip(model.parameters(), other_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    want, got = opt.state_dict(), other.state_dict()
+    assert want["param_groups"] == got["param_groups"]
+    for i, state in want["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, got["state"][i][key]), (i, key)
+
+
+@pytest.mark.parametrize("state, message", [
+    ({"optim": {"state": {0: {"fn": print}}}}, r"state\['optim'\]\['state'\]\[0\]\['fn'\]: a builtin_function_or_method"),
+    ({"a": {"b": [torch.ones(1), object()]}}, r"state\[.a.\]\[.b.\]\[1\]: a object is neither"),
+    ({"a": {(1, 2): torch.ones(1)}}, r"state\['a'\]: key \(1, 2\) must be"),
+    ({"a": {"b/c": torch.ones(1)}}, r"state\['a'\]\['b/c'\]: a nested key cannot hold '/'"),
+    ({"a/b": torch.ones(1), "a": {"b": torch.ones(1)}}, r"its name 'a/b' is also another entry's"),
+])
+def test_state_that_cannot_be_stored_is_refused_naming_its_path(tmp_path, state, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        mc.save(tmp_path / "ck", state)
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_value_missing_from_the_checkpoint_is_named(tmp_path):
+    mc.save(tmp_path / "ck", {"w": torch.ones(2)})
+    with pytest.raises(mc.MissingTensorError, match="value 'lr' is not in checkpoint"):
+        mc.load(tmp_path / "ck", {"w": torch.zeros(2), "lr": 0.1})

@@ -10,6 +10,8 @@ from moe_ddp.accumulate import accumulate_
 from moe_testing import run_under_triton_interpreter
 
 
+@pytest.mark.slow
+@pytest.mark.interpreter
 def test_accumulate_kernel_under_interpreter_is_add():
     run_under_triton_interpreter(Path(__file__).with_name("_accumulate_interpret_check.py"))
 

@@ -225,6 +225,8 @@ def _check_against_reference(results: list[dict], world: int, ep: bool) -> None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=f"rank {rank} {name}")
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
 def test_dense_matches_single_process(world, mode):
@@ -235,12 +237,15 @@ def test_dense_matches_single_process(world, mode):
     assert all(r["launched_during_backward"] == r["n_buckets"] > 1 for r in results)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
 def test_expert_groups_and_late_experts_match_single_process(mode):
     results = unpack(run_distributed(_train_window, 4, mode, True, False, timeout=90))
     _check_against_reference(results, 4, ep=True)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
 @pytest.mark.parametrize("ep", [False, True])
 def test_gradients_added_through_the_sink_match_single_process(mode, ep):
@@ -252,6 +257,7 @@ def test_gradients_added_through_the_sink_match_single_process(mode, ep):
         assert all(r["launched_during_backward"] == r["n_buckets"] > 1 for r in results)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
 @pytest.mark.parametrize(("merge", "pipeline"), [(2, False), (3, False), (2, True)])
 def test_merged_microbatch_gradients_match_single_process(mode, merge, pipeline):
@@ -268,6 +274,8 @@ def test_merged_microbatch_gradients_match_single_process(mode, merge, pipeline)
         assert not any(r["added_after_launch"])
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
 def test_held_gradients_are_added_before_the_bucket_launches_when_the_last_comes_via_autograd(mode):
     """Microbatches 0 and 1 deliver mergeable expert gradients through the sink (held: merge 3),
@@ -328,6 +336,7 @@ def test_a_held_gradient_is_never_added_into_a_reduced_bucket():
     assert not written
 
 
+@pytest.mark.multiprocess
 def test_after_a_pipeline_schedule_finish_launches_everything():
     results = unpack(run_distributed(_train_window, 4, "reduce_scatter", True, True, timeout=90))
     _check_against_reference(results, 4, ep=True)
@@ -348,6 +357,7 @@ def _bytes_per_mode() -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_byte_counter_reduce_scatter_moves_at_most_065x():
     world = (0, 1, 2, 3)
     for r in run_distributed(_bytes_per_mode, 4, timeout=60):
@@ -373,6 +383,8 @@ def _mean_mode_vs_torch_ddp() -> dict:
     return portable({n: (ddp.main_grad(n), p.grad) for n, p in theirs.module.named_parameters()})
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_mean_mode_matches_pytorch_ddp():
     for result in unpack(run_distributed(_mean_mode_vs_torch_ddp, 2, timeout=60)):
         for name, (ours, theirs) in result.items():
@@ -414,6 +426,7 @@ def bf16_sum_of_two(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.bfloat16() + b.bfloat16()).float()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
 def test_bf16_communication_reduces_a_bf16_copy(mode):
     results = unpack(run_distributed(_bf16_reduction, 2, mode, timeout=60))
@@ -480,6 +493,7 @@ def _owner_major_parameter_of_its_own_shape() -> None:
     dist.barrier()
 
 
+@pytest.mark.multiprocess
 def test_grad_is_sharded_states_what_the_main_grad_shape_cannot_tell():
     run_distributed(_owner_major_parameter_of_its_own_shape, 2, timeout=60)
 
@@ -509,6 +523,7 @@ def _gradient_after_sync_is_refused() -> None:
     ddp.finish_grad_sync()
 
 
+@pytest.mark.multiprocess
 def test_gradient_after_sync_is_refused_until_zero_grad():
     run_distributed(_gradient_after_sync_is_refused, 2, timeout=60)
 
@@ -573,3 +588,79 @@ def test_config_errors_name_the_field():
         MultiGroupDDP(ToyMoE(range(1)), lambda n, p: None, DDPConfig(mode="allreduce"))
     with pytest.raises(ValueError, match="DDPConfig.comm_dtype"):
         MultiGroupDDP(ToyMoE(range(1)), lambda n, p: None, DDPConfig(comm_dtype="bf16"))
+
+
+STEPS = 3
+
+
+def _adamw_steps(world: int) -> dict[str, torch.Tensor]:
+    """``STEPS`` AdamW steps of MultiGroupDDP on ``world`` ranks, through ``set_param_grads``;
+    returns the final parameters. Also checks the refusals where whole grads cannot be set."""
+    rank = dist.get_rank()
+    model = ToyMoE(range(N_EXPERTS))
+    ddp = MultiGroupDDP(model, lambda n, p: dist.group.WORLD, DDPConfig(bucket_cap_mb=TINY_CAP_MB))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        for mb in range(MICRO):
+            x, ids, target = microbatch(rank, world, step * MICRO + mb, False)
+            loss = loss_sum(model, x, ids, target) / global_tokens(world)
+            if mb < MICRO - 1:
+                with ddp.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        ddp.finish_grad_sync()
+        ddp.set_param_grads()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        ddp.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    scattered = ToyMoE(range(N_EXPERTS))
+    rs = MultiGroupDDP(scattered, lambda n, p: dist.group.WORLD,
+                       DDPConfig(mode="reduce_scatter", min_shard_numel=MIN_SHARD))
+    with pytest.raises(ValueError, match="'inp.weight' is reduce-scattered"):
+        rs.set_param_grads()
+    return portable({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                     "last_grads": grads})
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_set_param_grads_lets_torch_adamw_train_like_a_single_process():
+    """moe-ddp's reduced FP32 grads exposed as ``.grad`` for ``torch.optim.AdamW`` on 2 gloo
+    ranks: the same parameters as single-process AdamW on the concatenated global batch."""
+    world = 2
+    results = unpack(run_distributed(_adamw_steps, world, world, timeout=90))
+    model = ToyMoE(range(N_EXPERTS))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        batches = [microbatch(r, world, step * MICRO + m, False) for r in range(world) for m in range(MICRO)]
+        x, ids, target = (torch.cat(parts) for parts in zip(*batches, strict=True))
+        (loss_sum(model, x, ids, target) / global_tokens(world)).backward()
+        last_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    for rank, result in enumerate(results):
+        for name, want in model.named_parameters():
+            # the grads too: AdamW's update hardly changes with the gradients' scale
+            torch.testing.assert_close(result["last_grads"][name], last_grads[name], rtol=1e-5,
+                                       atol=1e-7, msg=f"rank {rank} grad of {name}")
+            torch.testing.assert_close(result["params"][name], want.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=f"rank {rank} {name}")
+        assert not torch.equal(result["params"]["inp.weight"], ToyMoE(range(N_EXPERTS)).inp.weight)
+
+
+def test_set_param_grads_refuses_unreduced_grads_and_a_dtype_mismatch():
+    model = _TwoWeights()
+    ddp = MultiGroupDDP(model, lambda n, p: None)
+    with ddp.no_sync():
+        (model.a.sum() + model.b.sum()).backward()
+    with pytest.raises(RuntimeError, match=r"before finish_grad_sync\(\)"):
+        ddp.set_param_grads()
+    ddp.finish_grad_sync()
+    ddp.set_param_grads()
+    assert model.a.grad.data_ptr() == ddp.main_grad("a").data_ptr()
+    torch.testing.assert_close(model.a.grad, torch.ones(3, 4))
+    half = _TwoWeights().to(torch.bfloat16)
+    with pytest.raises(ValueError, match="'a' is torch.bfloat16 but its main grad is torch.float32"):
+        MultiGroupDDP(half, lambda n, p: None).set_param_grads()

@@ -83,6 +83,7 @@ def _sync_on_gpus(mode: str) -> bytes:
     return buf.getvalue()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
 def test_two_gpus_match_one_gpu_and_overlap_backward(mode):
     backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -92,6 +92,7 @@ def _check_combine_site(tokens: list[int], capacity_factor, banned, n_experts: i
     )
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_dropless_match_oracle() -> None:
     # Experts 4..7 live on rank 1 and get no token: rank 1 receives nothing.
     out = run_distributed(_check_against_oracle_and_each_other, 2, [12, 9], None, (4, 5, 6, 7), timeout=120)
@@ -100,6 +101,7 @@ def test_two_ranks_dropless_match_oracle() -> None:
     assert all(o["token_inbox"] for o in out)  # the rowwise dispatch sent tokens once per rank
 
 
+@pytest.mark.multiprocess
 def test_one_expert_per_rank_matches_oracle() -> None:
     # EP degree = number of experts: each rank holds a single expert.
     out = run_distributed(_check_against_oracle_and_each_other, 2, [6, 5], None, (), 2, timeout=120)
@@ -107,6 +109,8 @@ def test_one_expert_per_rank_matches_oracle() -> None:
     assert sum(o["received"] for o in out) == (6 + 5) * K
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("capacity_factor", [1.0, None])
 def test_four_ranks_match_oracle(capacity_factor: float | None) -> None:
     # Rank 2 sends nothing, experts 2 and 3 (rank 1) get nothing, skewed routing overflows
@@ -156,6 +160,7 @@ def _overflow_error_and_telemetry() -> list:
     return report
 
 
+@pytest.mark.multiprocess
 def test_overflow_error_raises_on_every_rank_and_drop_reports() -> None:
     out = run_distributed(_overflow_error_and_telemetry, 2, timeout=90)
     for error, (dropped, imbalance, rate) in out:
@@ -225,10 +230,12 @@ def _weights_given_to_dispatch_then_changed() -> list[bool]:
     return ok
 
 
+@pytest.mark.multiprocess
 def test_weights_given_to_dispatch_are_not_used_once_stale() -> None:
     assert run_distributed(_weights_given_to_dispatch_then_changed, 2, timeout=60) == [[True, True]] * 2
 
 
+@pytest.mark.multiprocess
 def test_bad_inputs_name_the_field() -> None:
     run_distributed(_bad_inputs, 2, timeout=60)
 

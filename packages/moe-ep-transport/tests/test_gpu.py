@@ -76,6 +76,7 @@ def _rowwise_equals_all_to_all() -> list:
     return report
 
 
+@pytest.mark.multiprocess
 @pytest.mark.multigpu(2)
 def test_rowwise_equals_all_to_all_bit_for_bit() -> None:
     out = run_distributed(_rowwise_equals_all_to_all, 2, backend="nccl", timeout=300)
@@ -109,6 +110,7 @@ def _no_host_sync() -> bool:
     return ok
 
 
+@pytest.mark.multiprocess
 @pytest.mark.multigpu(2)
 def test_rowwise_dispatch_combine_backward_without_host_sync() -> None:
     assert run_distributed(_no_host_sync, 2, backend="nccl", timeout=300) == [True, True]
@@ -153,6 +155,7 @@ def _graph_replay() -> bool:
     return ok
 
 
+@pytest.mark.multiprocess
 @pytest.mark.multigpu(2)
 def test_rowwise_dispatch_combine_replays_from_a_cuda_graph() -> None:
     assert run_distributed(_graph_replay, 2, backend="nccl", timeout=300) == [True, True]
@@ -179,6 +182,7 @@ def _overflow_error() -> list:
     return [raised, int(handle.plan.dropped_M.sum())]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.multigpu(2)
 def test_overflow_error_policy_raises_on_both_ranks() -> None:
     out = run_distributed(_overflow_error, 2, backend="nccl", timeout=300)

@@ -121,6 +121,8 @@ def _count_launches(combine: str) -> dict:
     return counts
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("combine", ["source", "destination"])
 def test_dispatch_and_combine_launch_few_device_operations(combine: str) -> None:
     out = run_distributed(_count_launches, 2, combine, timeout=120)

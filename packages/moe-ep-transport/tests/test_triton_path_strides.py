@@ -64,6 +64,7 @@ def _strided_rows_out_and_weights(combine: str) -> None:
     assert "moe_ep_transport.kernels" in sys.modules  # the Triton path ran
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("combine", ["source", "destination"])
 def test_combine_takes_strided_rows_out_and_weights_on_triton_path(combine: str) -> None:
     run_distributed(_strided_rows_out_and_weights, 2, combine, timeout=300)

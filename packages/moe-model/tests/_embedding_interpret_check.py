@@ -7,7 +7,7 @@ no tokens; then a model's untied embedding routed into a sink against autograd."
 import dataclasses
 
 import torch
-from moe_model import MoEConfig, MoETransformer, init_weights, set_gradient_sink
+from moe_model import ModelWiring, MoEConfig, MoETransformer, init_weights, wire_model
 from moe_model import embedding as embedding_module
 from moe_model._embedding_kernels import embedding_grad_accumulate_
 
@@ -65,7 +65,7 @@ def check_model():
         model = MoETransformer(cfg)
         init_weights(model, cfg, seed=0)
         sink = _Sink([model.embed.weight])
-        set_gradient_sink(model, sink if use_sink else None)
+        wire_model(model, ModelWiring(gradient_sink=sink if use_sink else None))
         model(tokens).float().pow(2).mean().backward()
         if use_sink:
             assert model.embed.weight.grad is None and sink.calls == 1
@@ -74,8 +74,8 @@ def check_model():
             grads.append(model.embed.weight.grad)
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
     tied = MoETransformer(dataclasses.replace(cfg, tie_embeddings=True))
-    set_gradient_sink(tied, _Sink([tied.embed.weight]))
-    assert tied.embed_grad_sink is None, "a tied embedding must keep autograd's path"
+    wire_model(tied, ModelWiring(gradient_sink=_Sink([tied.embed.weight])))
+    assert tied.embed.grad_sink is None, "a tied embedding must keep autograd's path"
 
 
 def main():

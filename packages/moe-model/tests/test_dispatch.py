@@ -131,6 +131,8 @@ def test_dispatch_is_deterministic():
     assert torch.equal(a[2].row_of_slot, b[2].row_of_slot)
 
 
+@pytest.mark.slow
+@pytest.mark.interpreter
 def test_counting_sort_layout_under_interpreter_matches_stable_argsort():
     run_under_triton_interpreter(Path(__file__).with_name("_dispatch_interpret_check.py"))
 

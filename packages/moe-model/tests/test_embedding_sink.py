@@ -27,6 +27,8 @@ class _Sink:
         add(self.targets[p])
 
 
+@pytest.mark.slow
+@pytest.mark.interpreter
 def test_embedding_sink_under_interpreter_matches_index_add_and_autograd():
     run_under_triton_interpreter(Path(__file__).with_name("_embedding_interpret_check.py"))
 

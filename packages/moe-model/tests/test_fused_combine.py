@@ -13,6 +13,8 @@ from moe_testing import assert_no_host_sync, run_under_triton_interpreter
 _fused_gate = dispatch._fused
 
 
+@pytest.mark.slow
+@pytest.mark.interpreter
 def test_fused_kernels_under_interpreter():
     run_under_triton_interpreter(Path(__file__).with_name("_combine_interpret_check.py"))
 

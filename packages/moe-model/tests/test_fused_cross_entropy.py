@@ -29,6 +29,8 @@ def test_cpu_path_is_the_reference_call():
         lm_loss_sum(logits, targets)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_importing_moe_model_does_not_need_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch, moe_model\n"
@@ -37,6 +39,8 @@ def test_importing_moe_model_does_not_need_triton():
     assert done.returncode == 0, done.stderr[-4000:]
 
 
+@pytest.mark.slow
+@pytest.mark.interpreter
 def test_cross_entropy_kernels_under_interpreter():
     run_under_triton_interpreter(Path(__file__).with_name("_cross_entropy_interpret_check.py"))
 

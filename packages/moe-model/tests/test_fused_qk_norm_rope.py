@@ -11,6 +11,8 @@ from moe_model.layers import rope_tables
 from moe_testing import assert_no_host_sync, run_under_triton_interpreter
 
 
+@pytest.mark.slow
+@pytest.mark.interpreter
 def test_fused_qk_norm_rope_under_interpreter_matches_the_two_kernels_and_eager():
     run_under_triton_interpreter(Path(__file__).with_name("_qk_norm_rope_interpret_check.py"))
 

@@ -23,6 +23,8 @@ def test_cpu_forward_is_the_reference():
         assert torch.equal(norm(x), want) and torch.equal(norm.forward_reference(x), want)
 
 
+@pytest.mark.slow
+@pytest.mark.interpreter
 def test_rms_norm_kernels_under_interpreter():
     run_under_triton_interpreter(Path(__file__).with_name("_rms_norm_interpret_check.py"))
 

@@ -10,6 +10,8 @@ from moe_model.layers import apply_rope_reference, rope_tables
 from moe_testing import run_under_triton_interpreter
 
 
+@pytest.mark.slow
+@pytest.mark.interpreter
 def test_fused_rope_under_interpreter_matches_eager():
     run_under_triton_interpreter(Path(__file__).with_name("_rope_interpret_check.py"))
 

@@ -13,6 +13,8 @@ from moe_model.router import RoutingResult, _route_eager, count_per_expert, rout
 from moe_testing import assert_no_host_sync, run_under_triton_interpreter
 
 
+@pytest.mark.slow
+@pytest.mark.interpreter
 def test_fused_router_under_interpreter_matches_eager():
     run_under_triton_interpreter(Path(__file__).with_name("_router_interpret_check.py"))
 

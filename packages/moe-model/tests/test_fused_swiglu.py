@@ -11,6 +11,8 @@ from moe_model.layers import swiglu, swiglu_reference
 from moe_testing import assert_no_host_sync, run_under_triton_interpreter
 
 
+@pytest.mark.slow
+@pytest.mark.interpreter
 def test_fused_swiglu_under_interpreter_matches_fp32_and_eager():
     run_under_triton_interpreter(Path(__file__).with_name("_swiglu_interpret_check.py"))
 

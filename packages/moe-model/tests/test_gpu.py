@@ -229,7 +229,7 @@ def test_merged_weight_gradient_with_operands_far_apart():
 def test_sink_under_activation_recompute_matches_autograd(recompute):
     """With recomputed blocks the experts' weight gradients still land once, with the
     values autograd gives (FP32 parameters under BF16 autocast, as the FSDP2-free path)."""
-    from moe_model import set_gradient_sink
+    from moe_model import ModelWiring, wire_model
 
     tokens = torch.randint(0, LAYER["vocab_size"], (2, 129), device="cuda",
                            generator=torch.Generator(device="cuda").manual_seed(0))
@@ -240,7 +240,7 @@ def test_sink_under_activation_recompute_matches_autograd(recompute):
         init_weights(model, cfg, seed=0)
         experts = [p for n, p in model.named_parameters() if ".experts." in n]
         sink = _Targets(experts, owner_major=False)
-        set_gradient_sink(model, sink if use_sink else None)
+        wire_model(model, ModelWiring(gradient_sink=sink if use_sink else None))
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = model(tokens[:, :-1])
         (lm_loss_sum(logits, tokens[:, 1:]) / tokens[:, 1:].numel()).backward()
@@ -370,7 +370,7 @@ def test_dense_weight_gradients_into_a_sink_train_like_autograd():
     """A BF16 model's dense linear weights (attention, the head) with a sink: each weight's
     gradient lands once, in FP32 (one rounding), equal to autograd's BF16 gradient within
     BF16's rounding; the step has no host synchronisation."""
-    from moe_model import set_gradient_sink
+    from moe_model import ModelWiring, wire_model
     from moe_model.linear import Linear
 
     tokens = torch.randint(0, LAYER["vocab_size"], (2, 129), device="cuda",
@@ -383,7 +383,7 @@ def test_dense_weight_gradients_into_a_sink_train_like_autograd():
         model.to(torch.bfloat16)
         dense = [m.weight for m in model.modules() if isinstance(m, Linear)]
         sink = _Targets(dense, owner_major=use_sink)
-        set_gradient_sink(model, sink if use_sink else None)
+        wire_model(model, ModelWiring(gradient_sink=sink if use_sink else None))
 
         def step(model=model, sink=sink):
             for t in sink.targets.values():

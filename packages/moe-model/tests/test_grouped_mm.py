@@ -37,6 +37,8 @@ def test_auto_backend_on_cpu():
         resolve_backend("cublas", x, w)
 
 
+@pytest.mark.slow
+@pytest.mark.interpreter
 def test_triton_kernels_under_interpreter():
     run_under_triton_interpreter(Path(__file__).with_name("_triton_interpret_check.py"))
 
@@ -62,7 +64,7 @@ def test_gpu_tile_configs_fit_shared_memory_for_fp32():
 def test_weight_gradient_tiles_follow_the_reduction_length(monkeypatch, rows_per_group, batches, kind):
     """A launch reducing over ``LONG_REDUCTION_ROWS`` rows per group or more (merged
     microbatches, an EP rank's larger groups) takes the long-reduction tiles, shorter ones
-    the short tiles (the two were tuned apart: tools/perf_notes.md, twelfth session)."""
+    the short tiles (tuned apart: tools/bench_expert_gemms.py gemms --merge 1 / --merge 4)."""
     pytest.importorskip("triton")
     from moe_model import triton_grouped_mm as tgm
 
@@ -87,6 +89,8 @@ def test_weight_gradient_tiles_follow_the_reduction_length(monkeypatch, rows_per
     assert chosen == [kind] and len(launched) == 1 and launched[0]["SOURCES"] == batches
 
 
+@pytest.mark.slow
+@pytest.mark.interpreter
 def test_weight_gradients_into_a_sink_under_interpreter():
     run_under_triton_interpreter(Path(__file__).with_name("_wgrad_sink_interpret_check.py"))
 
@@ -110,6 +114,8 @@ def test_sink_is_left_alone_where_no_kernel_runs():
     assert all(p.grad is not None for p in mod.parameters())
 
 
+@pytest.mark.slow
+@pytest.mark.interpreter
 def test_paired_gate_up_gemms_under_interpreter():
     run_under_triton_interpreter(Path(__file__).with_name("_gate_up_interpret_check.py"))
 

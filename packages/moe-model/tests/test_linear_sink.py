@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from moe_model import MoEConfig, MoETransformer, init_weights, set_gradient_sink
+from moe_model import ModelWiring, MoEConfig, MoETransformer, init_weights, wire_model
 from moe_model import linear as linear_module
 from moe_model.linear import Linear, dense_grad_accumulate_
 
@@ -98,7 +98,7 @@ def test_model_dense_weight_gradients_into_a_sink_equal_autograd(monkeypatch, re
         init_weights(model, cfg, seed=0)
         dense = [m.weight for m in model.modules() if isinstance(m, Linear)]
         sink = _Sink(dense, owners)
-        set_gradient_sink(model, sink if use_sink else None)
+        wire_model(model, ModelWiring(gradient_sink=sink if use_sink else None))
         model(tokens).float().pow(2).mean().backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
         if use_sink:
@@ -154,11 +154,11 @@ def test_layers_without_the_route_stay_nn_linear(monkeypatch):
     plain(torch.randn(2, 4)).sum().backward()  # CPU: sink_takes_dense is False
     assert plain.weight.grad is not None and not sink_calls
     tied = MoETransformer(dataclasses.replace(CFG, tie_embeddings=True))
-    set_gradient_sink(tied, Recorder())
-    assert tied.head.grad_sink is None and tied.embed_grad_sink is None
+    wire_model(tied, ModelWiring(gradient_sink=Recorder()))
+    assert tied.head.grad_sink is None and tied.embed.grad_sink is None
     assert tied.blocks["0"].attn.wq.grad_sink is not None
     untied = MoETransformer(CFG)
-    set_gradient_sink(untied, Recorder())
+    wire_model(untied, ModelWiring(gradient_sink=Recorder()))
     assert untied.head.grad_sink is not None
-    set_gradient_sink(untied, None)
+    wire_model(untied, ModelWiring(gradient_sink=None))
     assert all(m.grad_sink is None for m in untied.modules() if isinstance(m, Linear))

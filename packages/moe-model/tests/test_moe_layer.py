@@ -5,14 +5,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from moe_model import (
+    ModelWiring,
     MoEConfig,
     MoELayer,
     MoETransformer,
     init_weights,
     lm_loss_sum,
     load_balancing_loss,
-    set_aux_loss_scale,
-    set_count_reducer,
+    wire_model,
 )
 from moe_testing import run_distributed
 
@@ -102,7 +102,7 @@ def test_global_batch_counts_run_over_the_step():
 def _global_batch_rank() -> None:
     rank = dist.get_rank()
     cfg, layer, x = layer_and_input(seed=3, T=32, lb_loss_granularity="global_batch", lb_loss_coef=1.0)
-    set_count_reducer(layer, lambda c: (dist.all_reduce(c), c)[1])
+    wire_model(layer, ModelWiring(count_reducer=lambda c: (dist.all_reduce(c), c)[1]))
     layer.aux_loss_scale = 1 / 32
     mine = x[:, rank * 16:(rank + 1) * 16]
     (g,) = torch.autograd.grad(layer(mine).sum() * 0, layer.router.weight)  # aux-loss gradient only
@@ -122,6 +122,7 @@ def _global_batch_rank() -> None:
     assert not torch.allclose(g_local, g_ref, rtol=1e-3, atol=1e-6)
 
 
+@pytest.mark.multiprocess
 def test_global_batch_balancing_over_two_ranks_matches_one_process():
     run_distributed(_global_batch_rank, 2, timeout=120)
 
@@ -136,7 +137,7 @@ def test_recompute_gives_identical_gradients_and_stats(policy):
         cfg = MoEConfig(**base, recompute=recompute)
         model = MoETransformer(cfg)
         init_weights(model, cfg, seed=0)
-        set_aux_loss_scale(model, 1 / 24)
+        wire_model(model, ModelWiring(aux_loss_scale=1 / 24))
         (lm_loss_sum(model(tokens[:, :-1]), tokens[:, 1:]) / 24).backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
         stats = [layer.pop_step_stats() for _, layer in model.moe_layers()]

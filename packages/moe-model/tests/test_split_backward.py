@@ -135,7 +135,7 @@ def _assert_same(got, want, what):  # noqa: ANN001, ANN202
 
 @pytest.mark.parametrize("weight_pass", ["grad", "edge"])
 def test_router_logits_split_runs_each_gemm_once(monkeypatch, weight_pass):
-    """The reviewer's case: 4 + 4 GEMMs before, now 1 (dx) then 3 (dw, three BF16 parts).
+    """The router's split backward: 4 + 4 GEMMs before, now 1 (dx) then 3 (dw, three BF16 parts).
     On CPU the FP32-output GEMM is emulated (as in test_router)."""
     monkeypatch.setattr(router, "_mm_fp32", lambda a, b: a.float() @ b.float())
     g = torch.Generator().manual_seed(0)
@@ -264,5 +264,7 @@ def test_grouped_mm_into_sink_split_runs_each_gemm_once(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
+@pytest.mark.interpreter
 def test_split_backward_of_triton_functions_under_interpreter():
     run_under_triton_interpreter(Path(__file__).with_name("_split_backward_interpret_check.py"), timeout=600)

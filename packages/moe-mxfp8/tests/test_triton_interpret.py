@@ -5,12 +5,10 @@ never reaches this process; each case is reported as its own test.
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from moe_testing import run_under_triton_interpreter
 
 pytest.importorskip("triton")
 
@@ -19,11 +17,8 @@ CASES_FILE = Path(__file__).with_name("triton_cases.py")
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(CASES_FILE)], capture_output=True, text=True,
-                          env=env, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    out = run_under_triton_interpreter(CASES_FILE, timeout=300)
+    return json.loads(out.strip().splitlines()[-2])
 
 
 def _case_names() -> list[str]:
@@ -40,11 +35,15 @@ def _case_names() -> list[str]:
     return names + ["block_size_16", "codec", "empty"] + tiles
 
 
+@pytest.mark.slow
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", _case_names())
 def test_kernel_matches_reference(results, case):
     assert case in results, f"case {case} did not run"
     assert results[case] == 0, results[case]
 
 
+@pytest.mark.slow
+@pytest.mark.interpreter
 def test_every_case_is_listed(results):
     assert sorted(results) == sorted(_case_names())

@@ -1,19 +1,18 @@
 """Triton kernel cases, run by test_triton_interpret.py in a child process.
 
-The child sets ``TRITON_INTERPRET=1`` before Triton is imported, so the kernels run
-on CPU tensors; the parent's Triton (and any GPU test in it) never sees the
-variable. Prints one JSON object: case name -> number of mismatching elements
-(or an error string).
+``moe_testing.run_under_triton_interpreter`` runs it with ``TRITON_INTERPRET=1`` set
+before Triton is imported, so the kernels run on CPU tensors; the parent's Triton (and
+any GPU test in it) never sees the variable. Prints one line of JSON (case name ->
+number of mismatching elements, or an error string), then ``ok``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import traceback
 
-os.environ["TRITON_INTERPRET"] = "1"
+assert os.environ.get("TRITON_INTERPRET") == "1", "run by moe_testing.run_under_triton_interpreter"
 
 import torch  # noqa: E402
 from moe_mxfp8 import (  # noqa: E402
@@ -185,7 +184,8 @@ def main() -> None:
             results[name] = fn()
         except Exception:  # noqa: BLE001 - reported to the parent test
             results[name] = traceback.format_exc()
-    json.dump(results, sys.stdout)
+    print(json.dumps(results))
+    print("ok")
 
 
 if __name__ == "__main__":

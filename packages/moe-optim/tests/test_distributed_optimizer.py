@@ -320,6 +320,7 @@ def _adamw_and_muon_runs() -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_matches_torch_adamw_and_reference_muon(world):
     results = run_distributed(_adamw_and_muon_runs, world, timeout=120)
@@ -334,6 +335,8 @@ def test_matches_torch_adamw_and_reference_muon(world):
                 assert r["hook_calls"] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("scenario", ["ep", "partial", "pp"])
 def test_clipping_across_groups_matches_single_process(scenario):
     """Dense + expert groups; ranks without experts; a pipeline split where one
@@ -347,6 +350,8 @@ def test_clipping_across_groups_matches_single_process(scenario):
     _check_params(results, want, 1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_non_finite_gradient_skips_the_step_everywhere():
     results = unpack(run_distributed(_train, 4, "ep", "adamw", "owner_major", STEPS,
                                      poison_step=3, timeout=120))
@@ -372,6 +377,8 @@ def _assemble(results: list[dict]) -> dict[str, torch.Tensor]:
     return flat
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_state_saved_on_one_layout_resumes_on_another():
     """Two steps with EP over four ranks, then three more on two plain DP ranks."""
     first = unpack(run_distributed(_train, 4, "ep", "muon", "owner_major", 2, timeout=120))
@@ -422,6 +429,8 @@ def _persistent_bytes(expert_parallel: bool) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_persistent_bytes_per_parameter():
     within = lambda got, want: abs(got - want) <= 0.05 * want  # noqa: E731
     plain = _persistent_bytes(False)

@@ -54,6 +54,7 @@ def _step_on_gpus(kind: str) -> bytes:
     return buf.getvalue()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["adamw", "muon"])
 def test_two_gpus_match_one_gpu_without_host_sync(kind):
     backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -76,6 +76,8 @@ def _sharded_source_and_optimizer(min_shard_numel: int) -> bytes:
     return buf.getvalue()
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_tensor_the_source_shards_cannot_be_kept_replicated():
     """Weight ``[2, 64]`` on 2 ranks: its owner-major main grad has the parameter's own
     shape, so only the source's statement shows that the other row is not reduced."""

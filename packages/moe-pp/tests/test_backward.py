@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from moe_model import MoEConfig, MoETransformer, init_weights, lm_loss_sum, set_aux_loss_scale
+from moe_model import ModelWiring, MoEConfig, MoETransformer, init_weights, lm_loss_sum, wire_model
 from moe_pp import backward_input, backward_weight
 from torch import nn
 
@@ -210,7 +210,7 @@ def _moe(part: str) -> nn.Module:
                     n_experts=4, top_k=2, expert_hidden=16, lb_loss_coef=0.1)
     model = MoETransformer(cfg)
     init_weights(model, cfg, seed=0)
-    set_aux_loss_scale(model, 1 / 16)
+    wire_model(model, ModelWiring(aux_loss_scale=1 / 16))
     if part == "middle":
         model.embed = model.norm = model.head = None
     return model

@@ -17,7 +17,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from moe_model import MoEConfig, MoETransformer, init_weights, lm_loss_sum, set_aux_loss_scale
+from moe_model import ModelWiring, MoEConfig, MoETransformer, init_weights, lm_loss_sum, wire_model
 from moe_pp import (
     SCHEDULES,
     Pipeline,
@@ -50,7 +50,7 @@ def _model(aux_scale: float, recompute: str = "none") -> MoETransformer:
     cfg = MoEConfig(**CFG, recompute=recompute)
     model = MoETransformer(cfg)
     init_weights(model, cfg, SEED)
-    set_aux_loss_scale(model, aux_scale)
+    wire_model(model, ModelWiring(aux_loss_scale=aux_scale))
     return model
 
 
@@ -118,6 +118,7 @@ def _run_all_schedules() -> dict:
     return report
 
 
+@pytest.mark.slow
 def test_aux_loss_moves_router_gradients():
     """Precondition of the equivalence test: dropping the aux loss would be caught."""
     _, with_aux = reference(aux=True)
@@ -127,6 +128,8 @@ def test_aux_loss_moves_router_gradients():
     assert min(rel_diff(without[n], with_aux[n]) for n in routers) > 1e-3
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipeline_matches_unsplit_model(pp: int):
     """One process group per pp (process start-up dominates on CPU), all cases inside."""
@@ -169,6 +172,8 @@ def _run_with_recompute() -> dict:
     return diffs
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_activation_recompute_under_1f1b_matches_unsplit_model():
     for rank, diffs in enumerate(run_distributed(_run_with_recompute, 2, timeout=300)):
         assert max(diffs.values()) < TOL, (rank, diffs)

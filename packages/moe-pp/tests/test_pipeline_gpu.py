@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 import torch
-from moe_model import MoEConfig, MoETransformer, init_weights, lm_loss_sum, set_aux_loss_scale
+from moe_model import ModelWiring, MoEConfig, MoETransformer, init_weights, lm_loss_sum, wire_model
 from moe_pp import SCHEDULES, PipelineConfig, build_pipeline
 from moe_testing import run_distributed
 from torch import nn
@@ -34,7 +34,7 @@ def _model(device: torch.device, n_global: int) -> MoETransformer:
     cfg = MoEConfig(**CFG)
     model = MoETransformer(cfg).to(device)
     init_weights(model, cfg, seed=1)
-    set_aux_loss_scale(model, 1.0 / n_global)
+    wire_model(model, ModelWiring(aux_loss_scale=1.0 / n_global))
     return model
 
 
@@ -60,6 +60,7 @@ def _equivalence_on_gpus() -> dict:
     return worst
 
 
+@pytest.mark.multiprocess
 @pytest.mark.multigpu(2)
 def test_pp2_on_two_gpus_matches_unsplit_model():
     for rank, worst in enumerate(run_distributed(_equivalence_on_gpus, 2, backend="nccl",
@@ -113,6 +114,7 @@ def _steps_without_host_sync() -> None:
         torch.cuda.synchronize()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.multigpu(2)
 def test_pipeline_step_does_not_sync_the_host():
     run_distributed(_steps_without_host_sync, 2, backend="nccl", timeout=300)

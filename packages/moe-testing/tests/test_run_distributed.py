@@ -15,6 +15,7 @@ def _all_reduce_rank_values(n: int) -> list[float]:
     return t.tolist()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_all_reduce_of_rank_dependent_tensors(world_size):
     results = run_distributed(_all_reduce_rank_values, world_size, 5, timeout=60)
@@ -30,6 +31,7 @@ def _raise_on_rank_one() -> None:
     dist.barrier()
 
 
+@pytest.mark.multiprocess
 def test_exception_carries_failing_rank_traceback():
     start = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
@@ -46,6 +48,8 @@ def _rank_zero_hangs() -> None:
         time.sleep(3600)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_hung_rank_fails_within_timeout():
     start = time.monotonic()
     with pytest.raises(DistributedTestError, match=r"ranks \[0\] of 2 did not finish within 8 s"):
@@ -61,6 +65,8 @@ def _exit_hard() -> None:
     time.sleep(3600)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_dead_rank_is_reported():
     with pytest.raises(DistributedTestError, match="rank 1 died with exit code 3"):
         run_distributed(_exit_hard, 2, timeout=60)
@@ -71,6 +77,7 @@ def _return_tensors() -> dict:
     return {"rank": rank, "t": torch.full((3,), float(rank)), "bf16": torch.ones(2, dtype=torch.bfloat16)}
 
 
+@pytest.mark.multiprocess
 def test_ranks_can_return_tensors():
     out = run_distributed(_return_tensors, 2, timeout=60)
     for r, value in enumerate(out):
@@ -79,6 +86,8 @@ def test_ranks_can_return_tensors():
         assert value["bf16"].dtype == torch.bfloat16
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_port_taken_before_rank_zero_binds_it_is_replaced(monkeypatch):
     """free_port's answer can be taken by another process before rank 0 listens on it
     (seen on a busy GPU machine): the run starts again on a fresh port."""

@@ -16,7 +16,9 @@ Order (each step needs the ones before it):
    from these values (BF16-rounded initial values on GPU, the same on every layout);
 6. MXFP8 (``mxfp8.targets``): swap the target layers, same parameters and names;
 7. EP dispatch: one transport per EP group, shared by all MoE layers, one
-   dispatcher per layer (seeded by the layer, for fair overflow drops).
+   dispatcher per layer (seeded by the layer, for fair overflow drops), which the
+   trainer wires into the model with the rest of its attachments
+   (``moe_model.wire_model``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ from dataclasses import dataclass
 
 import torch
 from moe_ep_transport import EPConfig, EPDispatcher, Transport, make_transport
-from moe_model import MoELayer, MoETransformer, init_weights, lm_loss_sum, total_params
+from moe_model import (
+    MoELayer,
+    MoETransformer,
+    TokenDispatcher,
+    init_weights,
+    lm_loss_sum,
+    total_params,
+)
 from moe_mxfp8 import MXFP8RowCodec, apply_mxfp8, unmatched_targets
 from moe_pp import Pipeline, PipelineConfig, build_pipeline
 from torch import nn
@@ -42,6 +51,7 @@ class ModelPart:
     module: nn.Module  # this rank's parameters under the model's names
     pipeline: Pipeline | None  # this rank's stages and schedule (parallel.pp > 1)
     moe_layers: dict[int, MoELayer]  # MoE layer index in the model -> the layer held here
+    dispatchers: dict[str, TokenDispatcher]  # MoE layer name in ``module`` -> its EP dispatcher
     transport: Transport | None  # the EP group's token transport (parallel.ep_backend != local)
     mxfp8_layers: list[str]  # modules swapped for MXFP8 ones
     nvshmem: bool  # the transport runs on NVSHMEM (finalised on close)
@@ -91,7 +101,8 @@ def build_model_part(cfg: PretrainConfig, mesh: ParallelMesh, device: torch.devi
             group=mesh.pp_group, seq_len=t.seq_len,
         )
         module = pipeline.module
-    layers = {_moe_layer_index(name, m.n_dense_layers): layer for name, layer in module.moe_layers()}
+    layer_names = {_moe_layer_index(name, m.n_dense_layers): name for name, _ in module.moe_layers()}
+    layers = {index: module.get_submodule(name) for index, name in layer_names.items()}
     experts = mesh.expert_range(m.n_experts)
     for layer in layers.values():
         layer.experts.narrow_(experts.start, len(experts))
@@ -107,6 +118,7 @@ def build_model_part(cfg: PretrainConfig, mesh: ParallelMesh, device: torch.devi
                     setattr(stage.module, name, getattr(module, name))
     backend = p.resolved_ep_backend()
     transport = None
+    dispatchers: dict[str, TokenDispatcher] = {}
     if backend != "local":
         ep_cfg = EPConfig(n_experts=m.n_experts, top_k=m.top_k,
                           max_tokens=t.micro_batch * t.seq_len, d_model=m.d_model,
@@ -114,7 +126,7 @@ def build_model_part(cfg: PretrainConfig, mesh: ParallelMesh, device: torch.devi
         codec = MXFP8RowCodec() if p.ep_payload == "mxfp8" else None
         transport = make_transport(backend, ep_cfg, mesh.ep_mp_group, device=device, dtype=dtype,
                                    codec=codec)
-        for index, layer in layers.items():
-            layer.dispatcher = EPDispatcher(ep_cfg, transport, codec=codec, seed=index)
-    return ModelPart(module, pipeline, layers, transport, mxfp8_layers,
+        dispatchers = {name: EPDispatcher(ep_cfg, transport, codec=codec, seed=index)
+                       for index, name in layer_names.items()}
+    return ModelPart(module, pipeline, layers, dispatchers, transport, mxfp8_layers,
                      nvshmem=backend == "rowwise" and device.type == "cuda")

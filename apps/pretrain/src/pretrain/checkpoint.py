@@ -10,10 +10,13 @@ layout resumes on another (DP2 -> EP2, DP2 -> PP2, 2 -> 1 process):
   compute weights are not saved: they are rebuilt from the main weights.
 - ``buffer/<name>``: the model's persistent buffers (the routers' selection bias),
   replicated over data parallelism, written by one rank.
-- metadata: the resolved config, the layout it was saved from, the step and the
+- metadata: the resolved config, the layout it was saved from, the data's
+  tokenizer (``pretrain.tokenizer_files``: what export and sampling read), the step and the
   data position (samples consumed; the data order is a function of the step and of
-  the stream's number of sequences, so nothing else is needed), and per rank the RNG
-  states.
+  the stream's number of sequences, so nothing else is needed), the skip count and
+  the newest clean checkpoint (``pretrain.divergence``), and per rank the RNG states.
+  Resuming checks this metadata first (its step is the manifest's, the keys it reads
+  are there, the RNG state decodes): a fault is one line naming the checkpoint.
 
 Resuming refuses what would silently change the run: a model whose weights would
 compute something else (``MODEL_FUNCTION_FIELDS``), a checkpoint tensor this run's
@@ -21,8 +24,9 @@ state has no place for, and another data stream (path, seed, batch, sequence len
 number of sequences).
 
 Saves are asynchronous (moe_ckpt snapshots to host memory and writes in a
-background thread) every ``checkpoint.every`` steps, at the last step, and when
-the run stops early (SIGTERM, ``train.stop_after``). ``checkpoint.resume``:
+background thread) every ``checkpoint.every`` steps, at the last step
+(``checkpoint.final``), and when the run stops early (SIGTERM or SIGINT,
+``train.stop_after``). ``checkpoint.resume``:
 ``auto`` loads the latest complete checkpoint under ``run_dir/checkpoints`` (a
 fresh start when there is none), ``none`` starts fresh, a path loads that
 checkpoint directory (``.../checkpoints/step_N``).
@@ -34,17 +38,22 @@ import base64
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from moe_ckpt import Checkpointer, CheckpointerConfig, Manifest, PostCommitError, Shard, load
+from moe_ckpt.directory import step_dir_name
 
+from pretrain import divergence
 from pretrain.config import ConfigError, Layout, PretrainConfig
 from pretrain.config_tree import to_tree
 from pretrain.data import STDLIB, SYNTHETIC, MixtureSequences
+from pretrain.errors import PretrainError
+from pretrain.tokenizer_files import data_tokenizer
 from pretrain.trainer import Trainer
 
 CHECKPOINT_DIR = "checkpoints"
@@ -121,23 +130,78 @@ def _describe_sources(sources: list[dict[str, Any]]) -> str:
                            for s in sources) + "]"
 
 
+class CheckpointMetadataError(PretrainError):
+    """A checkpoint's own metadata (the trainer's part of its manifest) is not usable."""
+
+
+def _check_metadata(manifest: Manifest, where: Path, rank: int | None) -> None:
+    """The trainer's metadata holds what resuming reads, and its step is the manifest's
+    (``rank``: whose RNG state is restored; ``None`` when the world size changed)."""
+    def bad(what: str) -> CheckpointMetadataError:
+        return CheckpointMetadataError(f"{where}: the checkpoint's metadata {what}; it cannot be "
+                                       "resumed from (choose another with checkpoint.resume=PATH)")
+
+    meta = manifest.metadata
+    if meta.get("step") != manifest.step:
+        raise bad(f"says step {meta.get('step')!r}, its manifest step {manifest.step!r}")
+    required = {"config": ("model",), "data": ("global_batch", "seq_len", "path", "seed")}
+    for section, keys in required.items():
+        value = meta.get(section)
+        for key in keys:
+            if not isinstance(value, dict) or key not in value:
+                raise bad(f"lacks {section}.{key}")
+    if not isinstance(meta["config"]["model"], dict):
+        raise bad("holds no model config (config.model)")
+    if rank is None:
+        return
+    try:
+        rng = manifest.rank_metadata[rank]["rng"]
+        for name, text in rng.items():
+            decoded = base64.b64decode(text, validate=True)
+            if name == "cpu" and len(decoded) != torch.get_rng_state().numel():
+                raise ValueError(f"{len(decoded)} bytes, a CPU generator state has "
+                                 f"{torch.get_rng_state().numel()}")
+    except (IndexError, KeyError, TypeError, AttributeError, ValueError) as e:
+        raise bad(f"holds no usable RNG state for rank {rank} (rank_metadata[{rank}].rng: "
+                  f"{type(e).__name__}: {e})") from None
+
+
 class RunCheckpoints:
     """The run's checkpointer: save on schedule, resume at start, close at the end.
 
     Construction is collective (moe_ckpt's checkpointer makes its own gloo group).
+    ``announce``: called with one line (the checkpoint's path and the seconds from the
+    save's start to its commit) on the rank that commits it (rank 0), from the writer
+    thread when the save is asynchronous.
     """
 
-    def __init__(self, run_dir: Path, cfg: PretrainConfig, layout: Layout, trainer: Trainer) -> None:
-        self.cfg, self.layout, self.trainer = cfg, layout, trainer
+    def __init__(self, run_dir: Path, cfg: PretrainConfig, layout: Layout, trainer: Trainer,
+                 announce: Callable[[str], None] | None = None) -> None:
+        self.cfg, self.layout, self.trainer, self.run_dir = cfg, layout, trainer, run_dir
         c = cfg.checkpoint
         self.root = run_dir / CHECKPOINT_DIR
+        self.announce = announce
+        self._saving: tuple[int, float] | None = None  # the step being saved, its start time
         self.checkpointer = Checkpointer(
-            self.root, CheckpointerConfig(keep_last=c.keep_last or None, async_save=c.async_save))
+            self.root, CheckpointerConfig(keep_last=c.keep_last or None, async_save=c.async_save),
+            on_phase=self._on_phase)
         self.state = training_state(trainer)
         self.n_sequences = trainer.data.source.n_sequences
         source = trainer.data.source
         self.sources = source.records() if isinstance(source, MixtureSequences) else []
         self.last_saved: int | None = None
+        # recorded from rank 0, whose metadata the checkpoint keeps
+        self.tokenizer = data_tokenizer(cfg.data) if dist.get_rank() == 0 else None
+
+    def _on_phase(self, phase: str) -> None:
+        if phase == "committed" and self.announce is not None and self._saving is not None:
+            step, started = self._saving
+            self.announce(f"saved checkpoint {self.path(step)} "
+                          f"({time.perf_counter() - started:.1f} s)")
+
+    def path(self, step: int) -> Path:
+        """The directory the checkpoint of ``step`` is committed as."""
+        return self.root / step_dir_name(step)
 
     def __enter__(self) -> RunCheckpoints:
         return self
@@ -147,8 +211,11 @@ class RunCheckpoints:
 
     def close(self) -> None:
         """Wait for the last save (raising its error) and release the checkpointer."""
-        with self._post_commit_warned():
-            self.checkpointer.close()
+        try:
+            self._wait()
+        finally:
+            with self._post_commit_warned():
+                self.checkpointer.close()
 
     @contextlib.contextmanager
     def _post_commit_warned(self) -> Iterator[None]:
@@ -164,21 +231,32 @@ class RunCheckpoints:
     # -- saving --------------------------------------------------------------------
 
     def due(self, step: int, stopping: bool) -> bool:
-        every, last = self.cfg.checkpoint.every, self.cfg.train.steps
-        return stopping or (every > 0 and (step % every == 0 or step == last))
+        c, last = self.cfg.checkpoint, self.cfg.train.steps
+        return stopping or (c.final and step == last) or (c.every > 0 and step % c.every == 0)
 
     def save(self, step: int) -> None:
         """Checkpoint the state after ``step`` (collective; returns after the host snapshot)."""
         if self.last_saved == step:
             return
+        skips = self.trainer.skips
         metadata = {"config": to_tree(self.cfg), "layout": dataclasses.asdict(self.layout),
-                    "step": step, "data": _data_position(self.cfg, step, self.n_sequences, self.sources)}
-        with self._post_commit_warned():
-            self.checkpointer.wait()  # the previous (asynchronous) save
+                    "tokenizer": self.tokenizer, "step": step,
+                    "data": _data_position(self.cfg, step, self.n_sequences, self.sources),
+                    divergence.METADATA_KEY: skips.saved(step)}
+        self._wait()  # the previous (asynchronous) save
+        self._saving = (step, time.perf_counter())
         with self._post_commit_warned():
             self.checkpointer.save(step, self.state, metadata,
-                                   rank_metadata={"rng": _rng_state(self.trainer.device)})
+                                   rank_metadata={"rng": _rng_state(self.trainer.device)},
+                                   keep=[] if skips.clean_step is None else [skips.clean_step])
         self.last_saved = step
+
+    def _wait(self) -> None:
+        """Wait for the pending save; once it is committed, a divergence before it is past."""
+        with self._post_commit_warned():
+            self.checkpointer.wait()
+        if self.last_saved is not None and dist.get_rank() == 0:
+            divergence.clear_after(self.run_dir, self.last_saved)
 
     # -- resuming ------------------------------------------------------------------
 
@@ -192,6 +270,7 @@ class RunCheckpoints:
         if choice == "auto":
             if not existing:
                 return None
+            where = self.root / step_dir_name(existing[-1])
             manifest = self.checkpointer.load(self.state, step=existing[-1])
         else:
             if existing:
@@ -202,14 +281,25 @@ class RunCheckpoints:
                 )
             if choice == "none":
                 return None
+            where = Path(choice)
             manifest = load(choice, self.state)
+        _check_metadata(manifest, where, dist.get_rank() if manifest.world_size ==
+                        self.layout.world_size else None)
         self._check_model(manifest)
         self._check_data(manifest)
         self.trainer.optimizer.load_sharded_state(
             {k: v for k, v in self.state.items() if not k.startswith(BUFFER_PREFIX)})
         if manifest.world_size == self.layout.world_size:
             _set_rng_state(manifest.rank_metadata[dist.get_rank()]["rng"], self.trainer.device)
+        self.trainer.skips.resumed(manifest.step, manifest.metadata.get(divergence.METADATA_KEY))
         return manifest
+
+    def report_recovery(self) -> None:
+        """Say what opening the checkpoint root found left by a run that did not end cleanly
+        (rank 0; the checkpointer set it aside or took it over)."""
+        for old, aside in self.checkpointer.set_aside:
+            print(f"warning: {old} has no manifest.json (an unfinished or damaged checkpoint): "
+                  f"moved to {aside.name}, not resumed from", file=sys.stderr, flush=True)
 
     def _check_model(self, manifest: Manifest) -> None:
         """The checkpoint's weights must mean what this run's model reads them as, and each

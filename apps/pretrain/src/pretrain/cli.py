@@ -5,16 +5,19 @@
     uv run pretrain --config my_run.toml run_dir=runs/a  # a TOML file
     torchrun --nproc-per-node 8 -m pretrain --config my_run.toml
     uv run pretrain export-hf runs/a/checkpoints/step_0000000004 hf/a
+    uv run pretrain generate runs/a/checkpoints/step_0000000004 --prompt "def "
     uv run pretrain prepare-data docs/ --out data/docs --tokenizer tokenizer.json
     uv run pretrain plot runs/a
     uv run pretrain plan --config my_run.toml
+    uv run pretrain config --config tiny train.steps=10   # every key: value, type, default, description
 
 Training is the default command: ``pretrain [train] [--config X] [KEY=VALUE ...]``.
 The other commands are argparse subcommands, one module each in
 ``pretrain.commands``; a word that names none of them is refused with the closest
 name (``pretrain export`` -> did you mean 'export-hf'?).
 
-Exit status: 0 done (also after a clean stop on SIGTERM); 2 a bad command line or
+Exit status: 0 done (also after a clean stop on SIGTERM or SIGINT); 130 interrupted
+(SIGINT) before training started; 2 a bad command line or
 config (one line on stderr naming the key); 1 any other error the run foresees (bad
 data, a checkpoint that cannot be loaded, too many non-finite steps), also one line
 (``pretrain.errors``). Anything else is a bug and keeps its traceback.
@@ -36,7 +39,10 @@ COMMANDS = {
     "prepare-data": "prepare_data",
     "plot": "plot",
     "export-hf": "export_hf",
+    "generate": "generate",
     "plan": "plan",
+    "config": "config",
+    "calibrate": "calibrate",
 }
 DEFAULT_COMMAND = "train"
 
@@ -110,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(explicit)
     try:
         return args.run(args)
+    except KeyboardInterrupt:  # Ctrl-C outside training's own stop handling (pretrain.signals)
+        return fail("interrupted (SIGINT)", 130)
     except Exception as e:
         status = _exit_status(e)
         if status is None:

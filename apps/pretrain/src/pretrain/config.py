@@ -26,7 +26,8 @@ from moe_model import MoEConfig
 from moe_model.triton_grouped_mm import MAX_WGRAD_SOURCES
 from moe_mxfp8 import MXFP8Config
 
-from pretrain.config_tree import ConfigError, apply_tree, dump_toml, set_key, to_tree
+from pretrain.config_reference import annotated_toml
+from pretrain.config_tree import ConfigError, apply_tree, set_key
 from pretrain.data.mixture import block_quotas
 from pretrain.data.sources import STDLIB
 from pretrain.presets import PRESETS
@@ -97,6 +98,12 @@ class TrainConfig:
     # replay the microbatches' forward + backward from CUDA graphs captured after the first
     # step (pretrain.graphs); one CUDA rank, not with pipeline or expert parallelism or MXFP8
     cuda_graphs: bool = False
+    # restart a run that aborted for non-finite steps on the same learning rates (it would
+    # return to the same checkpoint; pretrain.divergence)
+    allow_resume_after_divergence: bool = False
+    # seconds a collective waits for a peer before the process group fails it (a hung or
+    # dead rank); generous because a checkpoint load or the first step's compile can be slow
+    collective_timeout_s: float = 600.0
 
 
 @dataclass
@@ -133,6 +140,9 @@ class DataConfig:
     # compare token files with the SHA-256 tokens.json records when opening them; none: when the
     # files total under 10 GB
     verify: bool | None = None
+    # attention stays inside each document of a window (documents end with the data's eos_id);
+    # needs token data with an end-of-text id; not with parallel.pp > 1 or train.cuda_graphs
+    document_mask: bool = False
     val_path: str = ""  # held-out token directory (or .bin) for evaluation; empty: none
 
     def validate(self, where: str = "") -> None:
@@ -159,7 +169,8 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # save every N optimizer steps and at the last one (0: only when stopped early)
+    every: int = 0  # also save every N optimizer steps (0: only at the end and when stopped early)
+    final: bool = True  # save after the last step (train.steps); a stop always saves
     # auto: the latest complete checkpoint under run_dir/checkpoints, if any | none | a step directory
     resume: str = "auto"
     keep_last: int = 2  # complete checkpoints kept (0: all)
@@ -175,7 +186,13 @@ class EvalConfig:
 @dataclass
 class MetricsConfig:
     expert_load_every: int = 10  # record tokens per expert per layer every N steps (0: never)
-    tensorboard: bool = False  # also write TensorBoard events (needs the tensorboard extra)
+    tensorboard: bool = False  # also write TensorBoard events to run_dir/tensorboard (the tensorboard extra)
+    wandb: bool = False  # also log to Weights & Biases (the wandb extra)
+    wandb_project: str | None = None  # W&B project; None: wandb's default
+    wandb_name: str | None = None  # W&B run name; None: wandb's default
+    # online | offline (run_dir/wandb, no network; `wandb sync` uploads it) | auto: wandb's own
+    # settings (WANDB_MODE, wandb login)
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"
 
 
 @dataclass
@@ -210,13 +227,12 @@ class PretrainConfig:
         except ValueError as e:
             raise ConfigError(f"invalid mxfp8 config: {e}") from None
         positive = ["train.steps", "train.seq_len", "train.global_batch", "train.micro_batch",
-                    "train.max_consecutive_skips", "parallel.pp", "parallel.pp_virtual_stages",
+                    "train.max_consecutive_skips", "train.collective_timeout_s", "parallel.pp", "parallel.pp_virtual_stages",
                     "parallel.ep", "parallel.bucket_cap_mb", "parallel.merge_expert_grad_microbatches",
-                    "optim.lr", "optim.muon_lr"]
+                    "optim.lr", "optim.muon_lr", "eval.tokens"]
         non_negative = ["optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay",
                         "optim.grad_clip", "optim.expert_lr_mult", "optim.eps",
                         "checkpoint.every", "checkpoint.keep_last", "metrics.expert_load_every",
-                        "eval.tokens",
                         "seed"]
         for key in positive + non_negative:
             value = self._get(key)
@@ -231,6 +247,9 @@ class PretrainConfig:
             raise ConfigError(f"eval.every must be >= 0 or none, got {self.eval.every}")
         if self.eval.every and not self.data.val_path:
             raise ConfigError(f"eval.every={self.eval.every} needs data.val_path")
+        if self.data.val_path and self.eval.tokens < self.train.seq_len:
+            raise ConfigError(f"eval.tokens={self.eval.tokens} holds no window of "
+                              f"train.seq_len={self.train.seq_len} tokens")
         for key in ("data.seed", "train.stop_after"):
             value = self._get(key)
             if value is not None and value < (0 if key == "data.seed" else 1):
@@ -294,6 +313,13 @@ class PretrainConfig:
             for bad, why in unsupported:
                 if bad:
                     raise ConfigError(f"train.cuda_graphs is not supported with {why}")
+        if self.data.document_mask:
+            if p.pp > 1:
+                raise ConfigError("data.document_mask with parallel.pp > 1 is not supported: the "
+                                  "pipeline passes no document boundaries between its stages")
+            if self.train.cuda_graphs:
+                raise ConfigError("data.document_mask with train.cuda_graphs is not supported: the "
+                                  "document mask is built anew for every batch")
         if not self.checkpoint.resume:
             raise ConfigError("checkpoint.resume must be auto, none or a checkpoint path")
         origin = self.key_sources.get("data.sources")
@@ -399,7 +425,9 @@ def load_config(source: str | None = None, overrides: list[str] | None = None) -
 
 
 def config_toml(cfg: PretrainConfig, layout: Layout | None = None) -> str:
-    """The resolved config as TOML that ``load_config`` reads back to an equal config."""
+    """The resolved config as TOML that ``load_config`` reads back to an equal config: every
+    key with its type, default and description (``pretrain.config_reference``)."""
     header = "resolved pretrain config" + (f"; {layout.describe()}" if layout else "")
-    return dump_toml(to_tree(cfg), header=header)
+    header += "\nevery key: type, default: description (unset optional keys commented out)"
+    return annotated_toml(cfg, header, cfg.key_sources)
 

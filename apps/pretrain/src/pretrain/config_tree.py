@@ -7,10 +7,11 @@ package adds (``int | None``, ``float``, ``bool``, ``Literal[...]``, an ``Enum``
 ``list[int]``, a nested dataclass) is settable from a TOML file or the command
 line the day it lands. Errors are one line and name the dotted key.
 
-TOML is written here rather than with a library because the resolved config is
-written at the start of every run, also on machines where only torch and numpy
-are installed; the tree holds only scalars, lists and tables, so a dozen lines
-cover it.
+TOML values are written here (``toml_value``; the file around them by
+``pretrain.config_reference``) rather than with a library because the resolved
+config is written at the start of every run, also on machines where only torch
+and numpy are installed; the tree holds only scalars, lists and tables, so a
+dozen lines cover it.
 """
 
 from __future__ import annotations
@@ -69,32 +70,38 @@ def _describe(tp: Any) -> str:
 _MISMATCH = object()
 
 
-def coerce(key: str, value: Any, tp: Any) -> Any:
-    """Convert a TOML value or a command-line string to the declared type ``tp``."""
+def coerce(key: str, value: Any, tp: Any, text: bool = True) -> Any:
+    """Convert a command-line string (``text``) or a typed TOML value to the declared type
+    ``tp``. Only command-line text is parsed into numbers and booleans: in a TOML file
+    ``steps = "40"`` is a string, refused where an integer is expected."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         if type(None) in args and (value is None or str(value).lower() in _NONE_WORDS):
             return None
         for arm in (a for a in args if a is not type(None)):
             try:
-                return coerce(key, value, arm)
+                return coerce(key, value, arm, text)
             except ConfigError:
                 pass
         options = [_describe(a) for a in args if a is not type(None)]
         options += ["none"] if type(None) in args else []
         raise ConfigError(f"{key} expects {' or '.join(options)}, got {value!r}")
     if origin in (list, tuple):
-        return _coerce_sequence(key, value, origin, args)
+        return _coerce_sequence(key, value, origin, args, text)
     if dataclasses.is_dataclass(tp):
         return _coerce_table(key, value, tp)
-    result = _coerce_scalar(key, value, tp)
+    result = _coerce_scalar(key, value, tp, text)
     if result is _MISMATCH:
-        raise ConfigError(f"{key} expects {_describe(tp)}, got {value!r}")
+        quoted = " (a quoted string in TOML: write it without quotes)" \
+            if not text and isinstance(value, str) and _coerce_scalar(key, value, tp, True) \
+            is not _MISMATCH else ""
+        raise ConfigError(f"{key} expects {_describe(tp)}, got {value!r}{quoted}")
     return result
 
 
-def _coerce_scalar(key: str, value: Any, tp: Any) -> Any:
-    """``value`` as a ``tp`` scalar, or ``_MISMATCH``."""
+def _coerce_scalar(key: str, value: Any, tp: Any, text: bool) -> Any:
+    """``value`` as a ``tp`` scalar, or ``_MISMATCH`` (strings read as numbers and booleans
+    only when ``text``)."""
     if typing.get_origin(tp) is typing.Literal:
         matches = [c for c in typing.get_args(tp) if value == c or str(value) == str(c)]
         return matches[0] if matches else _MISMATCH
@@ -106,7 +113,8 @@ def _coerce_scalar(key: str, value: Any, tp: Any) -> Any:
     if isinstance(value, bool) or tp is bool:  # bool is an int subclass: never mix them
         if tp is bool and isinstance(value, bool):
             return value
-        if tp is bool and isinstance(value, str) and value.lower() in _TRUE_WORDS + _FALSE_WORDS:
+        if tp is bool and text and isinstance(value, str) and \
+                value.lower() in _TRUE_WORDS + _FALSE_WORDS:
             return value.lower() in _TRUE_WORDS
         return _MISMATCH
     if tp is int and isinstance(value, int):
@@ -115,7 +123,7 @@ def _coerce_scalar(key: str, value: Any, tp: Any) -> Any:
         return float(value)
     if tp is str:
         return value if isinstance(value, str) else _MISMATCH
-    if tp in (int, float) and isinstance(value, str):
+    if tp in (int, float) and text and isinstance(value, str):
         try:
             return tp(value.replace("_", ""))
         except ValueError:
@@ -134,11 +142,11 @@ def _coerce_table(key: str, value: Any, tp: type) -> Any:
     for name, item in value.items():
         if name not in types_:
             raise ConfigError(f"unknown key {name!r} in {key}; it takes {', '.join(types_)}")
-        setattr(obj, name, coerce(f"{key}.{name}", item, types_[name]))
+        setattr(obj, name, coerce(f"{key}.{name}", item, types_[name], text=False))
     return obj
 
 
-def _coerce_sequence(key: str, value: Any, origin: type, args: tuple) -> Any:
+def _coerce_sequence(key: str, value: Any, origin: type, args: tuple, text: bool) -> Any:
     """``list[T]`` / ``tuple[T, ...]`` / ``tuple[A, B]`` from a TOML array or ``a,b`` / ``[a,b]``;
     a list of tables (dataclasses) from a TOML array or its inline text ``[{k = v}, ...]``."""
     if isinstance(value, str) and args and dataclasses.is_dataclass(args[0]):
@@ -148,10 +156,10 @@ def _coerce_sequence(key: str, value: Any, origin: type, args: tuple) -> Any:
             raise ConfigError(f"{key} expects a TOML array of tables such as "
                               f'[{{path = "a", weight = 1}}], got {value!r} ({e})') from None
     if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("[") and text.endswith("]"):
-            text = text[1:-1]
-        value = [part.strip().strip("'\"") for part in text.split(",") if part.strip()]
+        inner = value.strip()
+        if inner.startswith("[") and inner.endswith("]"):
+            inner = inner[1:-1]
+        value = [part.strip().strip("'\"") for part in inner.split(",") if part.strip()]
     if not isinstance(value, (list, tuple)):
         raise ConfigError(f"{key} expects a list, got {value!r}")
     if origin is tuple and args and args[-1] is not Ellipsis:
@@ -160,7 +168,8 @@ def _coerce_sequence(key: str, value: Any, origin: type, args: tuple) -> Any:
         item_types = list(args)
     else:
         item_types = [args[0] if args else Any] * len(value)
-    items = [coerce(f"{key}[{i}]", v, t) for i, (v, t) in enumerate(zip(value, item_types, strict=True))]
+    items = [coerce(f"{key}[{i}]", v, t, text)
+             for i, (v, t) in enumerate(zip(value, item_types, strict=True))]
     return tuple(items) if origin is tuple else items
 
 
@@ -175,8 +184,9 @@ def unknown_key(key: str, root: Any) -> ConfigError:
     return ConfigError(f"unknown config key {key!r}{hint}")
 
 
-def set_key(root: Any, key: str, value: Any) -> None:
-    """Set a dotted key on a dataclass tree, converting ``value`` to the field's type."""
+def set_key(root: Any, key: str, value: Any, text: bool = True) -> None:
+    """Set a dotted key on a dataclass tree, converting ``value`` to the field's type
+    (``text``: a command-line string, see ``coerce``)."""
     parts = key.split(".")
     obj = root
     for i, part in enumerate(parts):
@@ -190,7 +200,7 @@ def set_key(root: Any, key: str, value: Any) -> None:
         if dataclasses.is_dataclass(current):
             example = dataclasses.fields(current)[0].name
             raise ConfigError(f"{key} is a section; set one of its keys, e.g. {key}.{example}")
-        object.__setattr__(obj, part, coerce(key, value, field_types(type(obj))[part]))
+        object.__setattr__(obj, part, coerce(key, value, field_types(type(obj))[part], text))
 
 
 def apply_tree(root: Any, tree: dict[str, Any], prefix: str = "") -> list[str]:
@@ -201,7 +211,7 @@ def apply_tree(root: Any, tree: dict[str, Any], prefix: str = "") -> list[str]:
         if isinstance(value, dict):
             keys += apply_tree(root, value, f"{prefix}{name}.")
         else:
-            set_key(root, prefix + name, value)
+            set_key(root, prefix + name, value, text=False)
             keys.append(prefix + name)
     return keys
 
@@ -251,7 +261,7 @@ def _toml_string(text: str) -> str:
         for c in text) + '"'
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
@@ -265,24 +275,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return _toml_string(value)
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):  # an inline table (an element of a list of tables)
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} ({type(value).__name__}) as TOML")
-
-
-def dump_toml(tree: dict[str, Any], header: str = "") -> str:
-    """Scalars first, then one ``[table]`` per nested mapping (recursively, dotted)."""
-    lines = [f"# {line}" for line in header.splitlines()]
-
-    def table(node: dict[str, Any], name: str) -> None:
-        scalars = {k: v for k, v in node.items() if not isinstance(v, dict)}
-        if name and (scalars or not node):
-            lines.extend(["", f"[{name}]"])
-        lines.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items())
-        for k, v in node.items():
-            if isinstance(v, dict):
-                table(v, f"{name}.{k}" if name else k)
-
-    table(tree, "")
-    return "\n".join(lines).lstrip("\n") + "\n"

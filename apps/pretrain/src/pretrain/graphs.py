@@ -19,12 +19,12 @@ Everything a graph reads or writes from outside stays at a fixed address: the to
 inputs (static buffers the host batches are copied into before each replay), the
 parameters and main gradients (updated in place by the optimizer), the loss and the
 routing statistics (the graphs add them into the running sums ``loss_sum`` and
-``stats_sum``, which the trainer reads and zeroes once per step), the MoE layers'
+``stats_sum``, zeroed at the start of each replay and read by the step after it), the MoE layers'
 running balancing counts (one buffer each, zeroed in place at the step's end).
 
 Capture needs a warmed-up model (Triton autotuning, cuDNN plans and library handles
 exist before it, and the graphs' stream has run the work once), so the trainer runs
-its first step eagerly on ``stream`` and captures after it. Graphs replay what they
+its first step eagerly on ``stream`` and captures after it (``GraphedForwardBackward``). Graphs replay what they
 recorded, so a model that changed since (a hook added or removed, a parameter or buffer
 replaced by another tensor, train/eval switched: ``launch_fingerprint``) must not be
 replayed: the trainer then runs the step eagerly and captures again. What the
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -138,18 +139,104 @@ class MicrobatchGraphs:
 
     def replay(self, batches: Sequence[torch.Tensor]) -> None:
         """Run the step's microbatches (``batches``: token ids on the device, or pinned on
-        the host so the copies do not wait) on the current stream; their loss and
-        statistics are added to the running sums."""
+        the host so the copies do not wait) on the current stream; the running sums are
+        zeroed first and then hold the step's loss and statistics."""
         if self._last is None:
             raise RuntimeError("MicrobatchGraphs.replay before capture")
         expected = self.n_middle * self.unit + self.last_size
         if len(batches) != expected:
             raise ValueError(f"the graphs run {expected} microbatches per step, got {len(batches)}")
+        self.loss_sum.zero_()  # the previous step's sums were read (queued) before this replay
+        self.stats_sum.zero_()
         for index in range(self.n_middle):
             self._middle.replay(batches[index * self.unit:(index + 1) * self.unit])
         self._last.replay(batches[self.n_middle * self.unit:])
 
-    def reset_sums(self) -> None:
-        """Zero the running sums (after the step read them)."""
-        self.loss_sum.zero_()
-        self.stats_sum.zero_()
+
+
+class UnitGraphs(Protocol):
+    """What ``GraphedForwardBackward`` needs of the captured units (``MicrobatchGraphs``;
+    a CPU test substitutes a stand-in that reruns the units' Python instead)."""
+
+    stream: torch.cuda.Stream | None  # where the eager warm-up runs (None: the current one)
+    loss_sum: torch.Tensor
+    stats_sum: torch.Tensor
+
+    @property
+    def captured(self) -> bool: ...
+
+    def match_model(self) -> bool: ...
+
+    def capture(self, run_unit: RunUnit, token_shape: Sequence[int]) -> None: ...
+
+    def replay(self, batches: Sequence[torch.Tensor]) -> None: ...
+
+
+# the trainer's eager forward and backward of a step: (loss sum or None, statistics or None)
+ForwardBackward = Callable[[int], tuple[torch.Tensor | None, torch.Tensor | None]]
+# runs ``tokens`` (one unit) adding loss and statistics into the given running sums
+UnitWork = Callable[[Sequence[torch.Tensor], bool, torch.Tensor, torch.Tensor], None]
+
+
+class GraphedForwardBackward:
+    """A step's forward and backward that replays CUDA graphs once they are captured.
+
+    Wraps the eager ``forward_backward`` callable and stands in for it (the way
+    torchtitan wraps a compiled or graphed callable), so the train step has one line for
+    it whichever runs. Until ``capture`` it runs the eager callable on the graphs' stream
+    (the warm-up a capture needs); after, it replays the units, unless the model no longer
+    matches the capture (``launch_fingerprint``): then it drops the graphs, runs eagerly
+    and can capture again. The caller decides when to capture (``Trainer.fit``: after a
+    step that does not end the run).
+
+    ``unit_work``: one unit's microbatches into running sums; ``host_batches(step)``: the
+    step's token ids on the host; ``new_graphs()``: empty units (``MicrobatchGraphs``);
+    ``after_capture``: what must be undone of the capture's Python (the data-parallel
+    wrapper counts the units' gradients as reduced: a following eager step needs a clean
+    slate, as a replay has); ``mark``: the phase timer's mark (a replay is phase ``graph``).
+    """
+
+    def __init__(self, eager: ForwardBackward, unit_work: UnitWork,
+                 host_batches: Callable[[int], list[torch.Tensor]],
+                 new_graphs: Callable[[], UnitGraphs], token_shape: Sequence[int],
+                 after_capture: Callable[[], None],
+                 mark: Callable[[str], None] = lambda phase: None) -> None:
+        self.eager, self.unit_work, self.host_batches = eager, unit_work, host_batches
+        self.new_graphs, self.token_shape, self.after_capture = new_graphs, token_shape, after_capture
+        self.mark = mark
+        self.graphs = new_graphs()
+
+    @property
+    def captured(self) -> bool:
+        return self.graphs.captured
+
+    def reset(self) -> None:
+        """Drop the captured graphs: the next step runs eagerly and may capture again."""
+        self.graphs = self.new_graphs()
+
+    def __call__(self, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.graphs.captured and not self.graphs.match_model():
+            self.reset()  # the model changed since the capture: eager now, capture after
+        graphs = self.graphs
+        if graphs.captured:
+            self.mark("graph")
+            graphs.replay(self.host_batches(step))
+            return graphs.loss_sum, graphs.stats_sum
+        if graphs.stream is None:
+            return self.eager(step)
+        # the warm-up for a capture: the same work on the stream the graphs are captured on
+        current = torch.cuda.current_stream(graphs.stream.device)
+        graphs.stream.wait_stream(current)
+        with torch.cuda.stream(graphs.stream):
+            result = self.eager(step)
+        current.wait_stream(graphs.stream)
+        return result
+
+    def capture(self) -> None:
+        """Record the units (after an eager step; no kernel runs). No-op once captured."""
+        graphs = self.graphs
+        if graphs.captured:
+            return
+        graphs.capture(lambda tokens, last: self.unit_work(tokens, last, graphs.loss_sum,
+                                                           graphs.stats_sum), self.token_shape)
+        self.after_capture()

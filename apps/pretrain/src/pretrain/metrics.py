@@ -1,11 +1,12 @@
-"""Per-step metrics: pluggable trackers, the JSONL file, and the progress line.
+"""Per-step metrics: pluggable trackers and the JSONL file.
 
 Only the logging rank (the last pipeline stage's DP rank 0) opens trackers and
 prints; the record it receives is already reduced over the ranks. A tracker is
 anything with ``log(record)`` and ``close()``: ``metrics.jsonl`` is always
-written (it is what ``pretrain plot`` and the tests read); TensorBoard is an
-optional extra, imported only when asked for, and its absence costs one line of
-warning rather than the run.
+written (it is what ``pretrain plot`` and the tests read); TensorBoard and
+Weights & Biases are optional extras, imported only when asked for, log the same
+scalars (``scalar_fields``), and their absence costs one line of warning (with
+the command that installs them) rather than the run.
 
 Record fields (one JSON object per optimizer step; absent means not measured):
 ``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s`` (all ranks),
@@ -23,9 +24,13 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TextIO
+
+from pretrain.errors import PretrainError
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -50,18 +55,40 @@ class JsonlTracker:
 
     def __init__(self, run_dir: Path, keep_through: int | None = None) -> None:
         self.path = run_dir / METRICS_FILE
-        if keep_through is not None and self.path.is_file():
-            kept = [line for line in _records(self.path) if json.loads(line)["step"] <= keep_through]
-            tmp = self.path.with_name(METRICS_FILE + ".tmp")  # a crash here keeps the old file
-            tmp.write_text("".join(line + "\n" for line in kept))
-            tmp.replace(self.path)
-        self._file: TextIO = self.path.open("a", buffering=1)
+        with _written(self.path, "opening it"):
+            if keep_through is not None and self.path.is_file():
+                kept = [line for line in _records(self.path)
+                        if json.loads(line)["step"] <= keep_through]
+                tmp = self.path.with_name(METRICS_FILE + ".tmp")  # a crash here keeps the old file
+                tmp.write_text("".join(line + "\n" for line in kept))
+                tmp.replace(self.path)
+            self._file: TextIO = self.path.open("a", buffering=1)
 
     def log(self, record: Mapping[str, Any]) -> None:
-        self._file.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}) + "\n")
+        with _written(self.path, f"writing step {record['step']}"):
+            self._file.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}) + "\n")
 
     def close(self) -> None:
-        self._file.close()
+        with _written(self.path, "closing it"):
+            self._file.close()
+
+
+class MetricsError(PretrainError):
+    """The metrics file cannot be read or written (a full disk, a file that is not text)."""
+
+
+@contextmanager
+def _written(path: Path, doing: str) -> Iterator[None]:
+    """An ``OSError`` (a full disk) or undecodable bytes as one line naming ``path``. The run
+    ends there: the checkpoints before it are intact and the same command resumes."""
+    try:
+        yield
+    except OSError as e:
+        raise MetricsError(f"{path}: {doing} failed: {e.strerror or e}; make room and run the "
+                           "same command again (it resumes from the last checkpoint)") from None
+    except UnicodeDecodeError as e:
+        raise MetricsError(f"{path}: not a metrics file (not UTF-8 text: byte {e.start}); move it "
+                           "away to start a new one") from None
 
 
 def _records(path: Path) -> list[str]:
@@ -82,6 +109,15 @@ def _records(path: Path) -> list[str]:
     return lines
 
 
+def scalar_fields(record: Mapping[str, Any]) -> dict[str, float | int]:
+    """The record's scalars as the trackers log them: every finite number (a flag as 0 or
+    1), without ``step`` (their x axis) and the per-expert lists."""
+    return {key: int(value) if isinstance(value, bool) else value
+            for key, value in record.items()
+            if key != "step" and isinstance(value, (bool, int, float))
+            and (not isinstance(value, float) or math.isfinite(value))}
+
+
 class TensorBoardTracker:
     """Scalar fields as TensorBoard scalars under ``run_dir/tensorboard``; with
     ``keep_through`` (as for the JSONL file), events of later steps are purged."""
@@ -93,56 +129,72 @@ class TensorBoardTracker:
         self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
 
     def log(self, record: Mapping[str, Any]) -> None:
-        step = record["step"]
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._writer.add_scalar(key, value, step)
+        for key, value in scalar_fields(record).items():
+            self._writer.add_scalar(key, value, record["step"])
 
     def close(self) -> None:
         self._writer.close()
 
 
-def open_trackers(run_dir: Path, tensorboard: bool, keep_through: int | None = None) -> list[Tracker]:
-    """The JSONL tracker (see ``keep_through`` there), plus TensorBoard when asked for and installed."""
+# the install commands of the optional trackers: the uv workspace's extra, then pip
+INSTALL_HINTS = {
+    "tensorboard": "uv sync --extra tensorboard, or pip install tensorboard",
+    "wandb": "uv sync --extra wandb, or pip install wandb",
+}
+
+
+def _missing(option: str, package: str) -> None:
+    print(f"pretrain: warning: {option}=true but {package} is not installed "
+          f"(install it: {INSTALL_HINTS[package]}); logging to metrics.jsonl without it",
+          file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class WandbOptions:
+    """``metrics.wandb_project``, ``wandb_name``, ``wandb_mode`` and the run's config tree."""
+
+    project: str | None
+    name: str | None
+    mode: str
+    config: Mapping[str, Any]
+
+
+def open_trackers(run_dir: Path, tensorboard: bool, keep_through: int | None = None,
+                  wandb: WandbOptions | None = None) -> list[Tracker]:
+    """The JSONL tracker (see ``keep_through`` there), plus TensorBoard and Weights & Biases
+    (``pretrain.wandb_tracker``) when asked for and installed."""
     trackers: list[Tracker] = [JsonlTracker(run_dir, keep_through)]
     if tensorboard:
         try:
             trackers.append(TensorBoardTracker(run_dir, keep_through))
         except ImportError:
-            print("pretrain: warning: metrics.tensorboard=true but tensorboard is not installed "
-                  "(pip install 'pretrain[tensorboard]'); logging to metrics.jsonl only",
-                  file=sys.stderr, flush=True)
+            _missing("metrics.tensorboard", "tensorboard")
+    if wandb is not None:
+        from pretrain.wandb_tracker import WandbTracker
+
+        try:
+            trackers.append(WandbTracker(run_dir, wandb.project, wandb.name, wandb.mode,
+                                         wandb.config))
+        except ImportError:
+            _missing("metrics.wandb", "wandb")
     return trackers
 
 
-def progress_line(record: Mapping[str, Any], total_steps: int) -> str:
-    parts = [
-        f"step {record['step']:>5}/{total_steps}",
-        f"loss {record['loss']:.4f}",
-        f"lr {record['lr']:.2e}",
-        f"grad_norm {record['grad_norm']:.3f}",
-        f"tok/s {record['tokens_per_s']:,.0f}",
-    ]
-    if "mfu" in record:
-        parts.append(f"mfu {100 * record['mfu']:.1f}%")
-    if "peak_mem_gib" in record:
-        parts.append(f"mem {record['peak_mem_gib']:.1f} GiB")
-    if record.get("skipped"):
-        parts.append("SKIPPED (non-finite)")
-    return "  ".join(parts)
+def _print(line: str) -> None:
+    print(line, flush=True)
 
 
 class MetricsLog:
-    """Fans each step's record out to the trackers and prints the progress line."""
+    """Fans each step's record out to the trackers (the progress lines are one:
+    ``pretrain.progress``); ``note`` prints a line about the run (above a progress bar:
+    ``Progress.write``)."""
 
-    def __init__(self, trackers: list[Tracker], total_steps: int, echo: bool) -> None:
-        self.trackers, self.total_steps, self.echo = trackers, total_steps, echo
+    def __init__(self, trackers: list[Tracker], note: Callable[[str], None] = _print) -> None:
+        self.trackers, self.note = trackers, note
 
     def write(self, record: Mapping[str, Any]) -> None:
         for tracker in self.trackers:
             tracker.log(record)
-        if self.echo:
-            print(progress_line(record, self.total_steps), flush=True)
 
     def close(self) -> None:
         for tracker in self.trackers:

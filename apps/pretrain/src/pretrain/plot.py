@@ -32,15 +32,23 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise PlotError(f"{path} does not exist (is {run_dir} a run directory?)")
     records = []
-    lines = path.read_text().splitlines()
+    try:
+        lines = path.read_text().splitlines()
+    except UnicodeDecodeError as e:
+        raise PlotError(f"{path}: not a metrics file (not UTF-8 text: byte {e.start})") from None
+    except OSError as e:
+        raise PlotError(f"{path}: cannot be read: {e.strerror}") from None
     for n, line in enumerate(lines, 1):
         if line.strip():
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 if n == len(lines):  # a running run's record, not all written yet
                     break
                 raise PlotError(f"{path}:{n}: not a JSON object") from None
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise PlotError(f"{path}:{n}: not a metrics record (a JSON object with a step)")
+            records.append(record)
     if not records:
         raise PlotError(f"{path} holds no records yet")
     return records

@@ -26,17 +26,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "optim": {"warmup_steps": 2},
         "metrics": {"expert_load_every": 1},
     },
-    # Throughput benchmarks on H200s (issue 10): synthetic tokens, bf16 compute.
+    # Throughput benchmarks on H200s: synthetic tokens, bf16 compute (docs/performance.md).
     "bench-1gpu": {
         "model": _BENCH_MODEL,
         # the microbatches replayed from CUDA graphs: +0.9 to +2.4% on one H200, the device
-        # idle 26 ms per step instead of ~60 (tools/perf_notes.md, fourteenth session)
+        # idle 26 ms per step instead of ~60 (tools/bench_train_step.py --config bench-1gpu
+        # with and without train.cuda_graphs=false)
         "train": {**_BENCH_TRAIN, "cuda_graphs": True},
         "optim": {"warmup_steps": 5},
         "data": {"path": "synthetic"},
-        # four microbatches' expert weight gradients per launch: +3.5% for 7 GiB at 2 (ninth
-        # session), +1.5% more for 14 GiB more at 4 (95.5 of 141 GB; tools/perf_notes.md,
-        # eleventh session); bench-2gpu keeps 1 (not measured there)
+        "checkpoint": {"final": False},  # a throughput measurement keeps no weights
+        # four microbatches' expert weight gradients per launch: +3.5% for 7 GiB at 2, +1.5%
+        # more for 14 GiB more at 4 (95.5 of 141 GB; tools/bench_train_step.py --config
+        # bench-1gpu parallel.merge_expert_grad_microbatches=1|2|4); bench-2gpu keeps 1 (not
+        # measured there)
         "parallel": {"merge_expert_grad_microbatches": 4},
     },
     "bench-2gpu": {
@@ -44,5 +47,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train": _BENCH_TRAIN,
         "optim": {"warmup_steps": 5},
         "data": {"path": "synthetic"},
+        "checkpoint": {"final": False},
     },
 }

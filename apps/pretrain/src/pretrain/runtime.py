@@ -11,15 +11,19 @@ already exists (a test harness made it) is joined and left alone.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from pretrain.config_tree import ConfigError
+from pretrain.errors import PretrainError
+
+T = TypeVar("T")
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE")  # set by torchrun (and by any launcher speaking env://)
 
@@ -41,8 +45,11 @@ def resolve_device(preference: str, local_rank: int) -> torch.device:
 
 
 @contextmanager
-def distributed(device_preference: str, timeout_s: float = 1800.0) -> Iterator[Runtime]:
-    """Join or create the default process group for the run; destroy what was created."""
+def distributed(device_preference: str, timeout_s: float = 600.0) -> Iterator[Runtime]:
+    """Join or create the default process group for the run; destroy what was created.
+
+    ``timeout_s`` (``train.collective_timeout_s``): how long a collective waits for a peer
+    before it fails (a dead or hung rank), in a process group this creates."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_preference, local_rank)
     if device.type == "cuda":
@@ -61,3 +68,23 @@ def distributed(device_preference: str, timeout_s: float = 1800.0) -> Iterator[R
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def decided_on_rank_0(action: Callable[[], T]) -> T | None:
+    """``action()`` on rank 0 (its result there, ``None`` elsewhere); a ``PretrainError`` it
+    raises is raised on every rank, with the same message and exit status (collective)."""
+    result, failure = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = action()
+        except PretrainError as e:
+            failure = e
+    box = [None if failure is None else (str(failure), failure.exit_status)]
+    dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    if box[0] is not None:
+        error = PretrainError(box[0][0])
+        error.exit_status = box[0][1]
+        raise error
+    return result

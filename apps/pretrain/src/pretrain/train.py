@@ -5,84 +5,157 @@
         mesh    = build_mesh(layout)              # PP x DP, EP inside DP
         run_dir = chosen on rank 0, broadcast     # every rank writes to the same place
         trainer = Trainer(cfg, mesh, device)      # data checked, model part built, DDP, optimizer
-        checkpoints: resume (checkpoint.resume), then the logging rank writes
-        run_dir/config.toml and opens the trackers
-        trainer.fit(...) under a SIGTERM flag, saving checkpoints on schedule and on stop
-        close: the checkpointer waits for its last save, the EP transport is released
+        run_dir created and locked (pretrain.run_dir): nothing is written before this
+        checkpoints: a diverged run is not repeated (pretrain.divergence), resume
+        (checkpoint.resume), then the logging rank writes run_dir/config.toml and opens
+        the trackers
+        trainer.fit(...) under a SIGTERM/SIGINT flag, saving checkpoints on schedule, at the
+        end and on stop; the logging rank prints a line per step (pretrain.progress)
+        close: the checkpointer waits for its last save, the lock is released, the EP
+        transport is released; the logging rank prints the summary (pretrain.summary)
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from moe_model import total_params
+from moe_model.hf import check_representable
 
+from pretrain import divergence
 from pretrain.checkpoint import RunCheckpoints
-from pretrain.config import ConfigError, PretrainConfig, config_toml, validate_layout
-from pretrain.data import resolve_vocab_size
+from pretrain.config import PretrainConfig, config_toml, validate_layout
+from pretrain.config_tree import to_tree
+from pretrain.data import document_eos_id, resolve_vocab_size
 from pretrain.mesh import build_mesh
-from pretrain.metrics import MetricsLog, open_trackers
-from pretrain.runtime import distributed
+from pretrain.metrics import METRICS_FILE, MetricsLog, Tracker, WandbOptions, open_trackers
+from pretrain.progress import Progress
+from pretrain.resume_changes import resume_changes
+from pretrain.run_dir import choose_run_dir, held_run_dir
+from pretrain.runtime import decided_on_rank_0, distributed
 from pretrain.signals import StopRequest
+from pretrain.summary import RunFiles, run_summary
 from pretrain.trainer import Trainer
 
 CONFIG_FILE = "config.toml"
 
 
-def _run_dir(cfg: PretrainConfig) -> Path:
-    """``run_dir``, or a new timestamped folder chosen by rank 0 and broadcast."""
-    choice = [cfg.run_dir or str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))]
-    dist.broadcast_object_list(choice, src=0)
-    cfg.run_dir = choice[0]
-    path = Path(cfg.run_dir)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"run_dir={cfg.run_dir!r} is a file, not a directory")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+@contextmanager
+def _divergence_recorded(run_dir: Path, cfg: PretrainConfig, checkpoints: RunCheckpoints) -> Iterator[None]:
+    """Report what a run that did not end cleanly left, refuse to repeat a divergence
+    (``pretrain.divergence``) and record one that aborts the run."""
+    if dist.get_rank() == 0:
+        checkpoints.report_recovery()
+    if cfg.checkpoint.resume == "auto":
+        note = decided_on_rank_0(lambda: divergence.check_restart(
+            run_dir, cfg, checkpoints.checkpointer.latest_step()))
+        if note:
+            print(note, flush=True)
+    try:
+        yield
+    except divergence.TrainingAborted as e:
+        checkpoints.close()  # (the last save commits first)
+        if dist.get_rank() == 0:
+            divergence.record_divergence(run_dir, cfg, e.step, checkpoints.checkpointer.latest_step())
+        raise
+
+
+def warn_if_not_exportable(cfg: PretrainConfig) -> None:
+    """One line on stderr when ``export-hf`` will refuse the model (told now, not after
+    the run)."""
+    try:
+        check_representable(cfg.model)
+    except ValueError as e:
+        print(f"warning: export-hf will not be able to write this model: {e}", file=sys.stderr,
+              flush=True)
 
 
 def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
     """Train per ``cfg`` as one rank of the launcher's world; returns this process's records."""
+    started = time.perf_counter()
     vocab_note = resolve_vocab_size(cfg)  # model.vocab_size from the data, before the model
-    with distributed(cfg.train.device) as rt:
+    document_eos_id(cfg.data)  # data.document_mask on data without documents: before any output
+    # the stop flag outlives the checkpointer and the teardown: a SIGTERM while the last
+    # checkpoint is written waits for it (the process would die with it half written), one
+    # while the process group is taken down leaves a finished run finished; one rank per
+    # host announces it
+    with StopRequest(announce=os.environ.get("LOCAL_RANK", "0") == "0") as stop, \
+            distributed(cfg.train.device, cfg.train.collective_timeout_s) as rt:
         if vocab_note and rt.rank == 0:
             print(vocab_note, flush=True)
         layout = validate_layout(cfg, rt.world_size)
         mesh = build_mesh(layout, rt.device.type)
-        run_dir = _run_dir(cfg)
-        trainer = Trainer(cfg, mesh, rt.device)
+        run_dir = choose_run_dir(cfg)
+        trainer = Trainer(cfg, mesh, rt.device)  # (opens the data)
+        logging = mesh.is_logging_rank
+        last = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+        progress: Progress | None = None
         try:
-            # the stop flag outlives the checkpointer: a SIGTERM while the last checkpoint
-            # is written waits for it (the process would die with it half written)
-            with StopRequest() as stop, RunCheckpoints(run_dir, cfg, layout, trainer) as checkpoints:
+            with held_run_dir(run_dir), \
+                    RunCheckpoints(run_dir, cfg, layout, trainer,
+                                   announce=lambda line: _note(progress, line)) as checkpoints, \
+                    _divergence_recorded(run_dir, cfg, checkpoints):
                 resumed = checkpoints.resume()
                 done = 0 if resumed is None else resumed.step
-                logging = mesh.is_logging_rank
                 if logging:
                     (run_dir / CONFIG_FILE).write_text(config_toml(cfg, layout))
                     print(f"run_dir {run_dir}  device {rt.device}  dtype {str(trainer.dtype)[6:]}  "
                           f"params {total_params(cfg.model):,}  {layout.describe()}", flush=True)
+                    warn_if_not_exportable(cfg)
                     if resumed is not None:
                         saved = resumed.metadata["layout"]
                         print(f"resumed after step {done} (checkpoint.resume="
                               f"{cfg.checkpoint.resume}; saved on world {saved['world_size']} = "
                               f"pp {saved['pp']} x dp {saved['dp']}, ep {saved['ep']})", flush=True)
-                last = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+                        for line in resume_changes(resumed.metadata["config"], cfg, done + 1):
+                            print(line, flush=True)
                 if done >= last:  # (a run sliced by train.stop_after, started again)
                     if logging:
                         option = "train.steps" if last == cfg.train.steps else "train.stop_after"
                         print(f"nothing to train: the checkpoint is at step {done}, "
                               f"{option}={last}", flush=True)
                     return []
-                trackers = open_trackers(run_dir, cfg.metrics.tensorboard, keep_through=done) \
-                    if logging else []
-                log = MetricsLog(trackers, cfg.train.steps, echo=logging)
+                if logging:
+                    progress = Progress(cfg.train.steps, last, start_step=done + 1)
+                log = MetricsLog(_trackers(cfg, run_dir, done, progress), progress.write) \
+                    if progress is not None else MetricsLog([])
                 try:
-                    return trainer.fit(log, stop, checkpoints, start_step=done + 1)
+                    history = trainer.fit(log, stop, checkpoints, start_step=done + 1)
                 finally:
                     log.close()
+            if logging and history:  # (after the checkpointer's close: the last save committed)
+                tensorboard, wandb_dir = run_dir / "tensorboard", run_dir / "wandb"
+                files = RunFiles(run_dir, run_dir / METRICS_FILE, run_dir / CONFIG_FILE,
+                                 None if checkpoints.last_saved is None
+                                 else checkpoints.path(checkpoints.last_saved),
+                                 tensorboard if tensorboard.is_dir() else None,
+                                 wandb_dir if wandb_dir.is_dir() else None)
+                print(run_summary(history, files, cfg.train.steps, trainer.tokens_per_step,
+                                  time.perf_counter() - started), flush=True)
+            return history
         finally:
             trainer.close()
+
+
+def _trackers(cfg: PretrainConfig, run_dir: Path, done: int, progress: Progress) -> list[Tracker]:
+    """The logging rank's trackers: metrics.jsonl, TensorBoard and W&B as configured, then
+    the progress lines."""
+    m = cfg.metrics
+    wandb = WandbOptions(m.wandb_project, m.wandb_name, m.wandb_mode, to_tree(cfg)) \
+        if m.wandb else None
+    return [*open_trackers(run_dir, m.tensorboard, keep_through=done, wandb=wandb), progress]
+
+
+def _note(progress: Progress | None, line: str) -> None:
+    """A line above the progress bar (or printed plainly before or without one)."""
+    if progress is not None:
+        progress.write(line)
+    else:
+        print(line, flush=True)

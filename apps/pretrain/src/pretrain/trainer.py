@@ -3,9 +3,11 @@
 Built once (``pretrain.build``): this rank's part of the model, then
 ``MultiGroupDDP`` (every parameter's gradient reduced with SUM inside its replica
 group: dense -> DP, routed experts -> EP-DP), then the distributed optimizer
-over it, then the MXFP8 caches' refresh hook.
+over it, then the MXFP8 caches' refresh hook; the model is wired once
+(``moe_model.wire_model``: the aux-loss scale, the gradient sink, the DP count
+reducer and the EP dispatchers).
 
-``Trainer.step`` runs, in order (the names are the phase timer's):
+``Trainer.train_step`` runs, in order (the names are the phase timer's):
 
 1. ``forward`` / ``backward``: this rank's microbatches of the global batch, all
    but the last under ``no_sync()``; each loss is the token-loss *sum* times
@@ -25,18 +27,21 @@ over it, then the MXFP8 caches' refresh hook.
    one SUM all-reduce over the world (``pretrain.moe_stats``); the routers' bias
    step (aux-loss-free balancing) from the step's expert load summed over DP,
    once per step, on the device, and not on a skipped step.
+5. ``eval``, on the steps ``fit`` evaluates (every ``eval.every`` steps and the run's
+   last): the held-out windows' loss under the updated weights (``pretrain.evaluate``),
+   forward only, its sum left on the device for the step's read.
 
-With ``train.cuda_graphs`` the first step runs eagerly (on the graphs' stream) and
-the microbatches' forward and backward, with the final ``finish_grad_sync``, are then
-captured in CUDA graphs (``pretrain.graphs``; not after a step that ends the run:
-the last, ``train.stop_after``'s or a stopped one) and
-replayed from the second step on, as one phase ``graph``; the rest of the step runs as
-before.
+With ``train.cuda_graphs`` the step's forward and backward is a
+``pretrain.graphs.GraphedForwardBackward`` in place of the eager one: the first step
+runs eagerly (on the graphs' stream), ``fit`` then captures the microbatches' forward
+and backward, with the final ``finish_grad_sync``, in CUDA graphs (not after a step that
+ends the run: the last, ``train.stop_after``'s or a stopped one), and they are replayed
+from the second step on, as one phase ``graph``; the rest of the step runs as before.
 
 Host synchronisation: none inside the step on GPU (the no-sync transports,
 device-side routing, clipping and skip flag). The one synchronisation per step
-is ``_read``: one copy of the reduced values, the gradient norm, the skip flag and
-(on GPU) the ranks' largest peak memory (a one-element MAX all-reduce queued just
+is at the end of ``train_step``: one copy of the reduced values, the gradient norm, the skip flag,
+the held-out loss sum on an evaluation step and (on GPU) the ranks' largest peak memory (a one-element MAX all-reduce queued just
 before) to the host at the end of the step, which the logging, the skip counter and
 the stop decision need. (``parallel.ep_backend=all_to_all`` adds the host-visible
 split sizes of its all-to-all; ``rowwise`` does not.)
@@ -57,23 +62,24 @@ import torch
 import torch.distributed as dist
 from moe_ddp import DDPConfig, MultiGroupDDP
 from moe_model import (
-    GradientSink,
+    ModelWiring,
+    attended_pairs,
+    documents_from_eos,
     flops_per_token,
     lm_loss_sum,
     param_kind,
-    set_aux_loss_scale,
-    set_count_reducer,
-    set_gradient_sink,
+    wire_model,
 )
 from moe_mxfp8 import refresh_weight_caches
+from moe_optim import StepStats
 from torch import nn
 
 from pretrain.build import build_model_part
 from pretrain.config import ConfigError, PretrainConfig
-from pretrain.data import BatchReader, open_data
-from pretrain.errors import PretrainError
+from pretrain.data import BatchReader, document_eos_id, open_data
+from pretrain.divergence import SkipGuard
 from pretrain.evaluate import Evaluator, eval_every
-from pretrain.graphs import MicrobatchGraphs
+from pretrain.graphs import ForwardBackward, GraphedForwardBackward, MicrobatchGraphs, UnitGraphs
 from pretrain.mesh import ParallelMesh
 from pretrain.metrics import MetricsLog
 from pretrain.moe_stats import StepPacker
@@ -83,10 +89,6 @@ from pretrain.schedule import build_schedule
 from pretrain.signals import StopRequest
 
 PEAK_FLOPS = 989e12  # dense BF16 peak of one H200: the MFU denominator peers use
-
-
-class TrainingAborted(PretrainError, RuntimeError):
-    """The run cannot continue (e.g. too many consecutive non-finite steps)."""
 
 
 class StepCheckpoints(Protocol):
@@ -104,14 +106,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 @dataclass
-class _DeviceStep:
-    """A step's results still on the device."""
+class StepResult:
+    """What ``Trainer.train_step`` returns."""
 
-    reduced: torch.Tensor  # StepPacker layout, summed over the world
-    grad_norm: torch.Tensor
-    skipped: torch.Tensor
-    lr: float
-    val_loss_sum: torch.Tensor | None = None  # held-out token-loss sum, on evaluation steps
+    record: dict[str, Any]  # the step's metrics record (a line of metrics.jsonl)
+    stop: bool  # some rank asked to stop (a signal): the vote summed over the world
 
 
 class _MarkedGradSync:
@@ -142,6 +141,7 @@ class Trainer:
         t, m = cfg.train, cfg.model
         data_seed = cfg.seed if cfg.data.seed is None else cfg.data.seed
         source = open_data(cfg.data, t.seq_len, m.vocab_size, data_seed)
+        self.document_eos = document_eos_id(cfg.data)  # None: attention across documents
         self.data = BatchReader(source, data_seed, t.global_batch, t.micro_batch,
                                 mesh.dp_rank, mesh.layout.dp)
         torch.manual_seed(cfg.seed)
@@ -153,168 +153,184 @@ class Trainer:
                       bucket_cap_mb=cfg.parallel.bucket_cap_mb, min_shard_numel=MIN_SHARD_NUMEL,
                       merge_microbatch_gradients=cfg.parallel.merge_expert_grad_microbatches),
         )
-        if cfg.parallel.fuse_expert_grad_accumulation:
-            self._set_gradient_sink(self.ddp)
         self.optimizer = build_optimizer(self.ddp, cfg.optim, m.n_experts,
                                          mesh.expert_range(m.n_experts).start, device)
         if self.part.mxfp8_layers:
             self.optimizer.register_weights_updated_hook(lambda: refresh_weight_caches(self.model))
             refresh_weight_caches(self.model)
-        if mesh.layout.dp > 1:  # global-batch load balancing counts over every DP rank's tokens
-            set_count_reducer(self.model, self._sum_over_dp)
         self.tokens_per_step = t.global_batch * t.seq_len  # = target tokens of the global batch
         self.loss_scale = 1.0 / self.tokens_per_step
-        set_aux_loss_scale(self.model, self.loss_scale)
+        self.wiring = ModelWiring(
+            aux_loss_scale=self.loss_scale,
+            gradient_sink=self.ddp if cfg.parallel.fuse_expert_grad_accumulation else None,
+            # global-batch load balancing counts over every DP rank's tokens
+            count_reducer=self._sum_over_dp if mesh.layout.dp > 1 else None,
+            dispatchers=self.part.dispatchers,
+        )
+        wire_model(self.model, self.wiring)
         self.schedule = build_schedule(cfg.optim, t.steps)
         self.packer = StepPacker(self.part.moe_layers, m.n_moe_layers, m.n_experts, device)
         self.flops_per_token = flops_per_token(m, t.seq_len)
-        self.eval_every = eval_every(cfg)
-        self.evaluator = Evaluator(cfg, mesh, device, self.part) if self.eval_every else None
-        self.graphs: MicrobatchGraphs | None = None
+        self.forward_backward: ForwardBackward = self.eager_forward_backward
+        self.skips = SkipGuard(t.max_consecutive_skips)  # continued by a resume
+        self.eval_every = eval_every(cfg)  # 0: no held-out evaluation
+        self.evaluator = (Evaluator(cfg, mesh, device, self.part, self.document_eos)
+                          if self.eval_every else None)
         if t.cuda_graphs:
             if device.type != "cuda":
                 raise ConfigError(f"train.cuda_graphs needs a CUDA device, this run uses {device}")
-            self.reset_graphs()
+            self.enable_graphs()
+
+    def enable_graphs(self, new_graphs: Callable[[], UnitGraphs] | None = None) -> None:
+        """Replay the step's forward and backward from CUDA graphs once ``capture_graphs``
+        ran (``train.cuda_graphs``). ``new_graphs``: empty units (default: this run's
+        ``MicrobatchGraphs``; a CPU test passes a stand-in)."""
+        if new_graphs is None:
+            new_graphs = lambda: MicrobatchGraphs(  # noqa: E731
+                self.model, self.data.n_microbatches, self.cfg.parallel.merge_expert_grad_microbatches,
+                self.packer.n_slots * self.packer.width, self.device)
+        self.forward_backward = GraphedForwardBackward(
+            self.eager_forward_backward, self.unit_work, self.host_batches, new_graphs,
+            (self.cfg.train.micro_batch, self.cfg.train.seq_len + 1), after_capture=self.ddp.zero_grad,
+            mark=self._mark)
+
+    @property
+    def graphs(self) -> GraphedForwardBackward | None:
+        """The graphed forward and backward, if this trainer replays CUDA graphs."""
+        fb = self.forward_backward
+        return fb if isinstance(fb, GraphedForwardBackward) else None
+
+    def capture_graphs(self) -> None:
+        """Capture the step's forward and backward (after at least one step; a no-op
+        without graphs or once captured). ``fit`` calls it after a step that does not end
+        the run; a caller stepping on its own (a benchmark) calls it after its warm-up."""
+        if self.graphs is not None:
+            self.graphs.capture()
 
     def reset_graphs(self) -> None:
-        """Drop the captured graphs: the next step runs eagerly and captures them again.
+        """Drop the captured graphs: the next step runs eagerly and ``fit`` captures again.
 
         A step does this itself when the model's hooks, parameter or buffer tensors or
         train/eval flag changed since the capture (``pretrain.graphs.launch_fingerprint``);
         call it after changing anything else a forward reads (a Python attribute). No-op
-        without ``train.cuda_graphs``.
+        without graphs.
         """
-        if self.cfg.train.cuda_graphs:
-            self.graphs = MicrobatchGraphs(
-                self.model, self.data.n_microbatches, self.cfg.parallel.merge_expert_grad_microbatches,
-                self.packer.n_slots * self.packer.width, self.device)
+        if self.graphs is not None:
+            self.graphs.reset()
 
     def close(self) -> None:
         """Release the EP transport (collective) and detach the gradient hooks."""
         self.part.close()
-        self._set_gradient_sink(None)
+        wire_model(self.model, ModelWiring())
         self.ddp.close()
-        self.graphs = None
-
-    def _set_gradient_sink(self, sink: GradientSink | None) -> None:
-        """``sink`` on the model part and on each pipeline stage's view: a view is a shallow
-        copy of the model's root with root attributes of its own (the embedding's sink), and
-        the views are what the schedule runs."""
-        pipeline = self.part.pipeline
-        views = [stage.module for stage in pipeline.stages.stages] if pipeline is not None else []
-        for module in (self.model, *views):
-            set_gradient_sink(module, sink)
+        self.forward_backward = self.eager_forward_backward
 
     # -- the loop ------------------------------------------------------------------
 
     def fit(self, log: MetricsLog, stop: StopRequest, checkpoints: StepCheckpoints | None = None,
             start_step: int = 1) -> list[dict[str, Any]]:
-        """Steps ``start_step..train.steps`` until done or stopped; the records (on every rank)."""
+        """Steps ``start_step..train.steps`` until done or stopped; the records (on every rank).
+
+        The loop alone decides when the run ends (the last step, ``train.stop_after``, an
+        agreed stop request, too many skipped steps in a row) and when graphs are captured
+        (after a step that does not end the run: nothing would replay them)."""
         t = self.cfg.train
-        history, consecutive_skips = [], 0
+        history = []
         for step in range(start_step, t.steps + 1):
-            requested = stop.requested
-            # ``final`` only decides a graph capture, which runs on one rank (config): its
-            # own request is the agreed one there
-            final = requested or step in (t.steps, t.stop_after)
-            record, stop_agreed = self._step(step, requested, final)
+            last = step in (t.steps, t.stop_after)
+            evaluate = self.evaluator is not None and (last or step % self.eval_every == 0)
+            result = self.train_step(step, stop.requested, evaluate)
+            record = result.record
+            reason = stop.describe() if result.stop else \
+                "train.stop_after" if step == t.stop_after else None
+            if reason is not None and self.evaluator is not None and not evaluate:
+                record.update(self._val_record(self.evaluate().cpu()))  # a stop ends the run
             log.write(record)
             history.append(record)
-            reason = stop.describe() if stop_agreed else \
-                "train.stop_after" if step == t.stop_after else None
-            if checkpoints is not None and checkpoints.due(step, reason is not None):
+            self.skips.observe(record)  # raises TrainingAborted at the limit
+            if checkpoints is not None and checkpoints.due(step, reason is not None) \
+                    and self.skips.checkpointable(record):
                 checkpoints.save(step)
-            consecutive_skips = consecutive_skips + 1 if record["skipped"] else 0
-            if consecutive_skips >= t.max_consecutive_skips:
-                raise TrainingAborted(
-                    f"{consecutive_skips} consecutive steps (to step {step}) had a non-finite "
-                    f"gradient norm (loss {record['loss']}, grad_norm {record['grad_norm']}); "
-                    "aborting (train.max_consecutive_skips); lower optim.lr or check the data"
-                )
             if reason is not None:
                 if self.mesh.is_logging_rank:
-                    print(f"stopping after step {step}: {reason}", flush=True)
+                    skipped = " (a skipped step: not checkpointed)" if record["skipped"] else ""
+                    log.note(f"stopping after step {step}: {reason}{skipped}")
                 break
+            if step < t.steps:
+                self.capture_graphs()
         return history
 
-    def step(self, step: int) -> dict[str, Any]:
-        """One optimizer step; its metrics record. (Only ``fit`` stops: a caller stepping
-        on its own, e.g. a benchmark, gets graphs captured after any step but the last.)"""
-        return self._step(step, stop_requested=False, final=step >= self.cfg.train.steps)[0]
-
-    def _step(self, step: int, stop_requested: bool, final: bool) -> tuple[dict[str, Any], bool]:
-        """``final``: the run ends after this step, so no graphs are captured for later ones."""
+    def train_step(self, step: int, stop_requested: bool = False,
+                   evaluate: bool = False) -> StepResult:
+        """One optimizer step: its metrics record, and whether every rank agreed to stop
+        (``stop_requested`` is this rank's vote); ``evaluate``: the record also holds the
+        held-out loss of the updated weights (needs ``data.val_path``). Device work only,
+        but for the one copy to the host at the end."""
         start = time.perf_counter()
-        result = self._run(step, stop_requested, final)
-        if self.evaluator is not None and (final or step % self.eval_every == 0):
-            result.val_loss_sum = self.evaluator.loss_sum(step)
-        return self._read(step, result, start)
+        lr_factor = self.schedule(step)
 
-    # -- phases (device work only) ---------------------------------------------------
+        # forward and backward over this rank's microbatches, ending with the gradient
+        # sync (eagerly, as a pipeline schedule, or replayed from CUDA graphs)
+        loss, routing_stats = self.forward_backward(step)
+
+        # clip and update the FP32 main weights; a non-finite norm skips it on the device
+        self._mark("optimizer")
+        update = self.optimizer.update(lr_factor)
+
+        # the compute weights gathered from the main weights (the MXFP8 caches refresh)
+        self._mark("weight_rebuild")
+        self.optimizer.rebuild_weights()
+
+        # loss, stop vote and routing statistics in one SUM all-reduce over the world; the
+        # routers' bias step from the summed load
+        self._mark("stats")
+        reduced = self.packer.pack(loss, stop_requested, routing_stats)
+        dist.all_reduce(reduced)
+        self._update_router_bias(reduced, update.skipped)
+        self.ddp.zero_grad()
+
+        # the held-out loss of the weights this step made, read with the step's record
+        val_loss_sum = self.evaluate() if evaluate else None
+        self._mark(None)
+
+        # the step's one host synchronisation
+        return self._read(step, reduced, update, self.cfg.optim.lr * lr_factor, start, val_loss_sum)
+
+    def evaluate(self) -> torch.Tensor:
+        """The held-out windows' token-loss sum over the world (``pretrain.evaluate``), left
+        on the device: forward only, no gradient, optimizer state or routing statistic
+        touched, nothing a captured graph reads changed."""
+        if self.evaluator is None:
+            raise ConfigError("evaluating needs data.val_path")
+        self._mark("eval")
+        return self.evaluator.loss_sum()
+
+    # -- forward and backward (device work only) ------------------------------------
 
     def _mark(self, phase: str | None) -> None:
         if self.timer is not None:
             self.timer.mark(phase)
 
-    def _run(self, step: int, stop_requested: bool, final: bool) -> _DeviceStep:
-        lr_factor = self.schedule(step)
-        if self.graphs is not None and self.graphs.captured and not self.graphs.match_model():
-            self.reset_graphs()  # the model changed since the capture: eager now, capture after
-        graphs = self.graphs
-        if graphs is not None and graphs.captured:
-            self._mark("graph")
-            graphs.replay(self._host_batches(step))
-            loss, step_stats = graphs.loss_sum, graphs.stats_sum
-        else:
-            loss, step_stats = self._forward_backward(step), None
-        self._mark("optimizer")
-        stats = self.optimizer.update(lr_factor)
-        self._mark("weight_rebuild")
-        self.optimizer.rebuild_weights()
-        self._mark("stats")
-        reduced = self.packer.pack(loss, stop_requested, step_stats)
-        dist.all_reduce(reduced)
-        self._update_router_bias(reduced, stats.skipped)
-        self.ddp.zero_grad()
-        if graphs is not None:
-            if graphs.captured:
-                graphs.reset_sums()
-            elif not final:  # this step ran eagerly on the graphs' stream
-                graphs.capture(self._run_unit, (self.cfg.train.micro_batch, self.cfg.train.seq_len + 1))
-                # the capture ran the units' Python (no kernels): the data-parallel wrapper
-                # counts their gradients as reduced; a next step that runs eagerly (the
-                # model changed) must start from a clean slate, as a replay does
-                self.ddp.zero_grad()
-        self._mark(None)
-        return _DeviceStep(reduced, stats.grad_norm, stats.skipped, self.cfg.optim.lr * lr_factor)
-
-    def _host_batches(self, step: int) -> list[torch.Tensor]:
+    def host_batches(self, step: int) -> list[torch.Tensor]:
         """``[micro_batch, seq_len + 1]`` token ids of this rank's microbatches, on the host
         (pinned on CUDA, so the copies to the device do not wait for it)."""
         batches = [self.data.microbatch(step, i) for i in range(self.data.n_microbatches)]
         return [b.pin_memory() for b in batches] if self.device.type == "cuda" else batches
 
-    def _forward_backward(self, step: int) -> torch.Tensor | None:
-        """This rank's part of the global loss; ``None`` where no last pipeline stage is held."""
-        batches = [b.to(self.device, non_blocking=True) for b in self._host_batches(step)]
+    def eager_forward_backward(self, step: int) -> tuple[torch.Tensor | None, None]:
+        """This rank's part of the global loss (``None`` where no last pipeline stage is
+        held), gradients synchronised; the routing statistics stay in the layers."""
+        batches = [b.to(self.device, non_blocking=True) for b in self.host_batches(step)]
         pipeline = self.part.pipeline
-        if pipeline is not None:
-            self._mark("pipeline")
-            losses = pipeline.step([b[:, :-1] for b in batches], [b[:, 1:] for b in batches],
-                                   self.loss_scale, grad_sync=_MarkedGradSync(self.ddp, self._mark))
-            return losses.sum() if self.mesh.is_last_stage else None
-        if self.graphs is None:
-            return self._microbatches(batches, finish=True)
-        # warm-up for the capture: the same work on the stream the graphs are captured on
-        stream, current = self.graphs.stream, torch.cuda.current_stream(self.device)
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            loss_sum = self._microbatches(batches, finish=True)
-        current.wait_stream(stream)
-        return loss_sum
+        if pipeline is None:
+            return self.microbatches(batches, finish=True), None
+        self._mark("pipeline")
+        losses = pipeline.step([b[:, :-1] for b in batches], [b[:, 1:] for b in batches],
+                               self.loss_scale, grad_sync=_MarkedGradSync(self.ddp, self._mark))
+        return (losses.sum() if self.mesh.is_last_stage else None), None
 
-    def _microbatches(self, batches: list[torch.Tensor], finish: bool,
-                      loss_sum: torch.Tensor | None = None) -> torch.Tensor:
+    def microbatches(self, batches: Sequence[torch.Tensor], finish: bool,
+                     loss_sum: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of ``batches`` (device token ids), all under ``no_sync()``
         but the last if ``finish``, which then ends with ``finish_grad_sync()``; their loss
         added to ``loss_sum`` (a new zero if ``None``), which is returned."""
@@ -324,7 +340,10 @@ class Trainer:
             sync = finish and index == len(batches) - 1
             with nullcontext() if sync else self.ddp.no_sync():
                 self._mark("forward")
-                loss = lm_loss_sum(self.model(tokens[:, :-1]), tokens[:, 1:]) * self.loss_scale
+                inputs = tokens[:, :-1]
+                documents = (None if self.document_eos is None
+                             else documents_from_eos(inputs, self.document_eos))
+                loss = lm_loss_sum(self.model(inputs, documents=documents), tokens[:, 1:]) * self.loss_scale
                 self._mark("backward")
                 loss.backward()
             loss_sum += loss.detach()
@@ -333,12 +352,12 @@ class Trainer:
             self.ddp.finish_grad_sync()
         return loss_sum
 
-    def _run_unit(self, tokens: Sequence[torch.Tensor], last: bool) -> None:
-        """One captured unit: its microbatches, their loss and statistics into the graphs'
-        running sums."""
-        graphs = self.graphs
-        self._microbatches(list(tokens), finish=last, loss_sum=graphs.loss_sum)
-        graphs.stats_sum.add_(self.packer.stats())
+    def unit_work(self, tokens: Sequence[torch.Tensor], last: bool, loss_sum: torch.Tensor,
+                  stats_sum: torch.Tensor) -> None:
+        """One graph unit: its microbatches, their loss and routing statistics added into
+        the running sums (``last``: the step's final unit, which syncs the gradients)."""
+        self.microbatches(tokens, finish=last, loss_sum=loss_sum)
+        stats_sum.add_(self.packer.stats())
 
     def _update_router_bias(self, reduced: torch.Tensor, skipped: torch.Tensor) -> None:
         """The routers' bias step from the step's load summed over DP; none on a skipped step.
@@ -356,34 +375,51 @@ class Trainer:
 
     # -- the one host synchronisation of a step --------------------------------------------
 
-    def _read(self, step: int, result: _DeviceStep, start: float) -> tuple[dict[str, Any], bool]:
-        tail = [result.grad_norm.reshape(1).double(), result.skipped.reshape(1).double()]
-        if result.val_loss_sum is not None:
-            tail.append(result.val_loss_sum.reshape(1).double())
+    def _read(self, step: int, reduced: torch.Tensor, update: StepStats, lr: float,
+              start: float, val_loss_sum: torch.Tensor | None) -> StepResult:
+        tail = [update.grad_norm.reshape(1).double(), update.skipped.reshape(1).double()]
         if self.device.type == "cuda":
             tail.append(self._peak_memory_bytes())
-        host = torch.cat([result.reduced, *tail]).cpu()
+        if val_loss_sum is not None:
+            tail.append(val_loss_sum.reshape(1).double())
+        host = torch.cat([reduced, *tail]).cpu()
         elapsed = time.perf_counter() - start
-        n = result.reduced.numel()
+        n = reduced.numel()
         values = self.packer.unpack(host[:n])
         record: dict[str, Any] = {
-            "step": step, "loss": values.loss, "lr": result.lr, "grad_norm": host[n].item(),
+            "step": step, "loss": values.loss, "lr": lr, "grad_norm": host[n].item(),
             "tokens_per_s": self.tokens_per_step / elapsed, "step_time_s": elapsed,
             "skipped": bool(host[n + 1].item()),
         }
-        if result.val_loss_sum is not None:
-            tail_at = n + 2
-            n += 1
-            record["val_loss"] = host[tail_at].item() / self.evaluator.n_tokens
-            record["val_ppl"] = math.exp(min(record["val_loss"], 700.0))
         if values.moe is not None:
             every = self.cfg.metrics.expert_load_every
             record.update(values.moe.record(every > 0 and (step == 1 or step % every == 0)))
         if self.device.type == "cuda":
             n_gpus = self.mesh.layout.world_size
-            record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (n_gpus * PEAK_FLOPS)
+            flops = self.flops_per_token if self.document_eos is None else self._masked_flops(step)
+            record["mfu"] = flops * record["tokens_per_s"] / (n_gpus * PEAK_FLOPS)
             record["peak_mem_gib"] = host[n + 2].item() / 2**30
-        return record, values.stop
+        if val_loss_sum is not None:
+            record.update(self._val_record(host[-1]))
+        return StepResult(record, values.stop)
+
+    def _val_record(self, loss_sum: torch.Tensor) -> dict[str, float]:
+        """``val_loss`` (the mean over the held-out targets) and ``val_ppl`` from the sum
+        read to the host."""
+        assert self.evaluator is not None
+        val_loss = loss_sum.item() / self.evaluator.n_tokens
+        return {"val_loss": val_loss, "val_ppl": math.inf if val_loss > 700 else math.exp(val_loss)}
+
+    def _masked_flops(self, step: int) -> float:
+        """FLOPs per token of step ``step`` under the document mask: the attention term
+        scaled by the share of causal pairs the global batch's documents keep (read on the
+        host from the data, no device work)."""
+        t = self.cfg.train
+        ids = self.data.sequence_ids(step, 0, t.global_batch)
+        inputs = torch.from_numpy(self.data.source.read(ids)[:, :-1])
+        kept = int(attended_pairs(documents_from_eos(inputs, self.document_eos)))
+        causal = t.global_batch * t.seq_len * (t.seq_len + 1) // 2
+        return flops_per_token(self.cfg.model, t.seq_len, kept / causal)
 
     def _peak_memory_bytes(self) -> torch.Tensor:
         """The largest rank's peak allocated bytes, as a device tensor: the rank that logs

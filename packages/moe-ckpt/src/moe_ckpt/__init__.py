@@ -19,6 +19,7 @@ from moe_ckpt.errors import (
 )
 from moe_ckpt.hf_export import export_hf
 from moe_ckpt.load import load, open_checkpoint, read_tensor, read_tensors
+from moe_ckpt.lock import DirectoryLock, DirectoryLockedError
 from moe_ckpt.manifest import Manifest, TensorRecord
 from moe_ckpt.save import save
 from moe_ckpt.shards import BoxShardLike, FlatShard, FlatShardLike, Shard, ShardLike
@@ -30,6 +31,8 @@ __all__ = [
     "Checkpointer",
     "CheckpointerConfig",
     "ChecksumError",
+    "DirectoryLock",
+    "DirectoryLockedError",
     "FlatShard",
     "FlatShardLike",
     "IncompleteCheckpointError",

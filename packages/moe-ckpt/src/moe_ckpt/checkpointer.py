@@ -1,5 +1,13 @@
 """Checkpointer: step directories under one root, ``latest``, retention, async saves.
 
+One writer per root: rank 0 holds ``root/writer.lock`` (``moe_ckpt.lock``) from
+construction to ``close``, and a second ``Checkpointer`` on the root raises
+``DirectoryLockedError`` naming the holder (readers that only load use ``load`` or
+``read_tensors``, which take no lock). A step directory without its manifest (a
+checkpoint damaged or copied half) is renamed ``step_N.uncommitted-<id>`` at
+construction and listed in ``set_aside``: it is never loaded, and a save of that
+step does not collide with it.
+
 What the training loop sees: ``save(step, tensors, metadata)`` returns once this
 rank's data is in host memory; the write and the commit run in one background
 thread; the next ``save``, ``load``, ``wait`` or ``close`` waits for them and
@@ -26,15 +34,15 @@ Collectives and threads (why this cannot deadlock with training):
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from moe_ckpt import directory
@@ -42,10 +50,11 @@ from moe_ckpt.comm import Collectives, GroupCollectives, SingleProcess
 from moe_ckpt.errors import CheckpointError, IncompleteCheckpointError, PostCommitError
 from moe_ckpt.host import HostBuffers
 from moe_ckpt.load import load
+from moe_ckpt.lock import DirectoryLock
 from moe_ckpt.manifest import Manifest
 from moe_ckpt.save import PhaseHook, prepare_save, write_and_commit
-from moe_ckpt.shards import ShardLike
 from moe_ckpt.storage import StorageOptions
+from moe_ckpt.tree import StateTree
 
 
 @dataclass(frozen=True)
@@ -85,22 +94,46 @@ class Checkpointer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-ckpt-writer")
         self._pending: tuple[int, Future] | None = None
         self._buffers = HostBuffers()
+        self._lock = DirectoryLock(self.root / directory.LOCK_NAME)
+        self.stale_lock: str | None = None  # rank 0: a lock left by a writer that was killed
+        self.set_aside: list[tuple[Path, Path]] = []  # rank 0: step dirs without a manifest
+        self._open_root()
+
+    def _open_root(self) -> None:
+        """Rank 0 creates the root, takes its writer lock and sets aside uncommitted step
+        directories (a save would collide with one, a load skip it); all ranks raise if it
+        could not (collective)."""
+        error: BaseException | None = None
         if self._comm.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self.stale_lock = self._lock.acquire()
+                self.set_aside = directory.set_aside_uncommitted(self.root)
+            except (OSError, CheckpointError) as e:
+                error = e
+        failure = self._comm.broadcast(None if error is None else str(error))
+        if failure is not None:
+            self.close()
+            if error is not None:
+                raise error
+            raise CheckpointError(f"opening {self.root} failed on rank 0: {failure}")
 
     def save(
         self,
         step: int,
-        tensors: Mapping[str, ShardLike | torch.Tensor],
+        tensors: Mapping[str, StateTree],
         metadata: Mapping[str, Any] | None = None,
         *,
         rank_metadata: Any = None,
         blocking: bool | None = None,
+        keep: Iterable[int] = (),
     ) -> None:
         """Checkpoint ``tensors`` as step ``step`` (collective over all ranks).
 
         Returns after the host snapshot when asynchronous (``blocking`` defaults to
-        ``not config.async_save``); the tensors may then change freely.
+        ``not config.async_save``); the tensors may then change freely. ``keep``: steps
+        that this save's retention leaves in place beyond ``keep_last`` (the last
+        checkpoint known to be good, say).
         """
         self.wait()
         blocking = (not self.config.async_save) if blocking is None else blocking
@@ -115,15 +148,16 @@ class Checkpointer:
             buffers=None if blocking else self._buffers,
             on_phase=self._on_phase,
         )
+        after_commit = functools.partial(self._after_commit, keep=tuple(keep))
         if blocking:
-            write_and_commit(pending, self._after_commit)
+            write_and_commit(pending, after_commit)
         else:
             self._pending = (
                 step,
-                self._executor.submit(write_and_commit, pending, self._after_commit),
+                self._executor.submit(write_and_commit, pending, after_commit),
             )
 
-    def _after_commit(self, final: Path) -> None:
+    def _after_commit(self, final: Path, keep: tuple[int, ...] = ()) -> None:
         """On rank 0, after the commit rename and before any rank's save returns.
 
         A failure here leaves ``final`` committed (``PostCommitError``); the next
@@ -132,7 +166,8 @@ class Checkpointer:
         directory.write_latest(self.root, final)
         self._notify("latest_updated")
         if self.config.keep_last is not None:
-            directory.retain(self.root, self.config.keep_last, protect=final)
+            protect = [final, *(self.root / directory.step_dir_name(k) for k in keep)]
+            directory.retain(self.root, self.config.keep_last, protect=protect)
         directory.clean_transient(self.root)
         self._notify("retained")
 
@@ -170,7 +205,7 @@ class Checkpointer:
         return None if path is None else int(path.name.split("_")[1])
 
     def load(
-        self, targets: Mapping[str, ShardLike | torch.Tensor], step: int | None = None
+        self, targets: Mapping[str, StateTree], step: int | None = None
     ) -> Manifest:
         """Load ``step`` (default: the newest committed checkpoint) into ``targets``.
 
@@ -196,6 +231,7 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            self._lock.release()
             self._executor.shutdown(wait=True)
             if self._group is not None and dist.is_initialized():
                 dist.destroy_process_group(self._group)

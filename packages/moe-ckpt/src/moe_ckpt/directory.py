@@ -5,7 +5,9 @@ Layout of a checkpoint root::
     step_0000001000/               committed: renamed into place, manifest inside
     .step_0000002000.partial-<id>/ being written, or left by a crash: never loaded
     .step_0000000500.deleting-<id>/ being deleted by retention
+    step_0000000500.uncommitted-<id>/ a step directory found without its manifest, set aside
     latest                         name of the last committed checkpoint, for other readers
+    writer.lock                    held by the one process that writes here (moe_ckpt.lock)
 
 Why this way: ``rename(2)`` of a directory is atomic on one filesystem, so a
 checkpoint appears under its final name complete or not at all; the step-named
@@ -31,11 +33,13 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 from moe_ckpt.manifest import MANIFEST_NAME, fsync_dir
 
 LATEST_NAME = "latest"
+LOCK_NAME = "writer.lock"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TRANSIENT_RE = re.compile(r"^\..+\.(partial|deleting|tmp)-[0-9a-f]+$")
 
@@ -79,6 +83,27 @@ def committed_steps(root: Path) -> dict[int, Path]:
     return out
 
 
+def set_aside_uncommitted(root: Path) -> list[tuple[Path, Path]]:
+    """Rename step directories without a manifest out of the way; (old, new) paths.
+
+    A commit renames a directory into place with its manifest inside, so such a
+    directory was never committed by this format: damaged, copied in half, or its
+    manifest removed. It is kept (for whoever wants to look at it) under a name that
+    is neither a step nor transient.
+    """
+    moved = []
+    if not root.is_dir():
+        return moved
+    for entry in sorted(root.iterdir()):
+        if _STEP_RE.match(entry.name) and entry.is_dir() and not is_committed(entry):
+            aside = entry.with_name(f"{entry.name}.uncommitted-{uuid.uuid4().hex[:8]}")
+            os.rename(entry, aside)
+            moved.append((entry, aside))
+    if moved:
+        fsync_dir(root)
+    return moved
+
+
 def write_latest(root: Path, final: Path) -> None:
     """Point ``latest`` at ``final`` for readers that do not list the root."""
     tmp = root / f".{LATEST_NAME}.tmp-{uuid.uuid4().hex}"
@@ -103,20 +128,20 @@ def _remove(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def retain(root: Path, keep_last: int, protect: Path) -> list[Path]:
+def retain(root: Path, keep_last: int, protect: Path | Iterable[Path]) -> list[Path]:
     """Delete committed checkpoints beyond the ``keep_last`` highest steps.
 
-    ``protect`` (the checkpoint just committed) is never deleted, whatever its
-    step. Returns the deleted paths.
+    ``protect`` (the checkpoint just committed, and any others the caller names) is
+    never deleted, whatever its step. Returns the deleted paths.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    keep = protect.resolve()
+    keep = {p.resolve() for p in ([protect] if isinstance(protect, Path) else protect)}
     steps = committed_steps(root)
     removed = []
     for step in sorted(steps)[:-keep_last]:
         path = steps[step]
-        if path.resolve() != keep:
+        if path.resolve() not in keep:
             _remove(path)
             removed.append(path)
     return removed

@@ -45,9 +45,16 @@ def export_hf(
     config: Mapping[str, Any],
     max_shard_bytes: int = 5 * 10**9,
     dtype: torch.dtype = torch.bfloat16,
+    files: Mapping[str, str] | None = None,
 ) -> Path:
     """Write ``model-XXXXX-of-YYYYY.safetensors``, ``model.safetensors.index.json``
-    and ``config.json`` into ``out_dir`` (which must not exist); return its path."""
+    and ``config.json`` into ``out_dir`` (which must not exist); return its path.
+
+    ``files``: more text files for the folder, by plain file name (the tokenizer's,
+    ``generation_config.json``), written with the rest: all or nothing."""
+    for name in files or {}:
+        if not name or Path(name).name != name or name in (".", "..", INDEX_NAME, "config.json"):
+            raise ValueError(f"files: {name!r} must be a plain file name other than the export's own")
     out = Path(out_dir).absolute()
     if out.exists():
         raise FileExistsError(f"export directory {out} already exists")
@@ -64,6 +71,8 @@ def export_hf(
         # this process creates) the shards copy.
         (tmp / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
         file_mode = stat.S_IMODE(os.stat(tmp / "config.json").st_mode)
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
         shard_files, weight_map, total = _write_shards(
             checkpoint_dir, names, convert, dtype, max_shard_bytes, tmp, file_mode
         )

@@ -39,6 +39,7 @@ from moe_ckpt.errors import (
 from moe_ckpt.host import crc32
 from moe_ckpt.manifest import Manifest, PieceRecord, TensorRecord, read_manifest
 from moe_ckpt.shards import Described, Region, ShardLike, describe
+from moe_ckpt.tree import StateTree, fill_values, flatten
 
 
 @dataclass
@@ -125,21 +126,24 @@ def _apply(read: _PieceRead, data: np.ndarray, direct: bool, where: str) -> None
 
 def load(
     checkpoint_dir: str | os.PathLike,
-    targets: Mapping[str, ShardLike | torch.Tensor],
+    targets: Mapping[str, StateTree],
     *,
     max_inflight_bytes: int = 1 << 30,
 ) -> Manifest:
     """Fill each target's ``local`` in place from a committed checkpoint; return its manifest.
 
     Targets are ``ShardLike`` (a box or a flat run of the global tensor) or whole
-    tensors; the stored layout does not matter. Raises ``MissingTensorError``,
+    tensors, in nested mappings if saved so (``moe_ckpt.tree``: plain values there are
+    replaced by the saved ones); the stored layout does not matter. Raises ``MissingTensorError``,
     ``TensorMismatchError`` (global shape or dtype), ``ChecksumError``,
     ``IncompleteCheckpointError`` (not committed, or data missing), each naming the
     tensor or file.
     """
     path = Path(checkpoint_dir)
     manifest = open_checkpoint(path)
-    _load_into(path, manifest, targets, max_inflight_bytes)
+    tensors, _ = flatten(targets)
+    _load_into(path, manifest, tensors, max_inflight_bytes)
+    fill_values(targets, manifest.values, str(path))
     return manifest
 
 

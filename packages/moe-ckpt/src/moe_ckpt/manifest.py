@@ -10,14 +10,20 @@ User metadata (config, data position, RNG state...) is stored as it was at the
 rank.
 
 The manifest is written last into the not-yet-committed directory (temp file,
-fsync, rename), so a directory with a manifest under its final name is complete.
+fsync, rename), so a directory with a manifest under its final name is complete. It
+carries the SHA-256 of its other fields (canonical JSON): an edited or damaged manifest
+is refused, as is one whose step disagrees with its ``step_N`` directory name, and a
+tensor's storage key must be one path part inside the checkpoint (never an absolute
+path or ``..``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,10 +31,20 @@ from typing import Any
 from moe_ckpt.boxes import Box
 from moe_ckpt.dtypes import itemsize
 from moe_ckpt.errors import CheckpointError, IncompleteCheckpointError
+from moe_ckpt.storage import check_key
 
 FORMAT = "moe-ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest carries the SHA-256 of itself; 1 (without) still loads
 MANIFEST_NAME = "manifest.json"
+CHECKSUM_KEY = "sha256"
+_STEP_DIR_RE = re.compile(r"^step_(\d+)$")
+
+
+def _checksum(obj: dict) -> str:
+    """SHA-256 of the manifest's fields but the checksum itself, in a canonical JSON form."""
+    fields = {k: v for k, v in obj.items() if k != CHECKSUM_KEY}
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -73,7 +89,7 @@ class TensorRecord:
     def from_json(name: str, obj: dict) -> TensorRecord:
         return TensorRecord(
             name=name,
-            key=str(obj["key"]),
+            key=check_key(name, str(obj["key"])),
             shape=tuple(int(s) for s in obj["shape"]),
             dtype=str(obj["dtype"]),
             chunk_shape=tuple(int(s) for s in obj["chunk_shape"]),
@@ -92,9 +108,10 @@ class Manifest:
     tensors: dict[str, TensorRecord]
     metadata: dict[str, Any] = field(default_factory=dict)
     rank_metadata: list[Any] = field(default_factory=list)
+    values: dict[str, Any] = field(default_factory=dict)  # non-tensor leaves (moe_ckpt.tree)
 
     def to_json(self) -> dict:
-        return {
+        obj = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "step": self.step,
@@ -102,17 +119,24 @@ class Manifest:
             "world_size": self.world_size,
             "metadata": self.metadata,
             "rank_metadata": self.rank_metadata,
+            "values": self.values,
             "tensors": {name: rec.to_json() for name, rec in self.tensors.items()},
         }
+        return {**obj, CHECKSUM_KEY: _checksum(obj)}
 
     @staticmethod
     def from_json(obj: dict, source: Path) -> Manifest:
         if obj.get("format") != FORMAT:
             raise CheckpointError(f"{source}: not a {FORMAT} manifest")
         version = obj.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in (1, FORMAT_VERSION):
             raise CheckpointError(
                 f"{source}: format_version {version} is not supported (this is version {FORMAT_VERSION})"
+            )
+        if version >= 2 and obj.get(CHECKSUM_KEY) != _checksum(obj):
+            raise CheckpointError(
+                f"{source}: the manifest does not match its {CHECKSUM_KEY} (edited or damaged); "
+                "the checkpoint cannot be trusted"
             )
         try:
             return Manifest(
@@ -122,6 +146,7 @@ class Manifest:
                 tensors={n: TensorRecord.from_json(n, t) for n, t in obj["tensors"].items()},
                 metadata=dict(obj["metadata"]),
                 rank_metadata=list(obj["rank_metadata"]),
+                values=dict(obj.get("values", {})),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{source}: malformed manifest ({e!r})") from e
@@ -177,9 +202,18 @@ def read_manifest(directory: Path) -> Manifest:
         raise IncompleteCheckpointError(
             f"{directory} is not a committed checkpoint: {MANIFEST_NAME} is missing"
         ) from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable manifest ({e})") from e
-    return Manifest.from_json(obj, path)
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: unreadable manifest (not a JSON object)")
+    manifest = Manifest.from_json(obj, path)
+    named = _STEP_DIR_RE.match(Path(directory).name)
+    if named and manifest.step != int(named.group(1)):
+        raise CheckpointError(
+            f"{path}: the manifest's step {manifest.step!r} disagrees with its directory "
+            f"{Path(directory).name}; the checkpoint cannot be trusted"
+        )
+    return manifest
 
 
 def fsync_dir(directory: Path) -> None:

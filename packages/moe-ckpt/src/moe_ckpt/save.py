@@ -48,8 +48,9 @@ from moe_ckpt.errors import CheckpointError, PostCommitError
 from moe_ckpt.host import HostBuffers, crc32, host_views
 from moe_ckpt.manifest import Manifest, PieceRecord, TensorRecord, json_snapshot, write_manifest
 from moe_ckpt.plan import TensorPlan, Write, pieces, plan_tensor
-from moe_ckpt.shards import Described, ShardLike, describe_all
+from moe_ckpt.shards import Described, describe_all
 from moe_ckpt.storage import StorageOptions, array_key
+from moe_ckpt.tree import StateTree, flatten
 
 PhaseHook = Callable[[str], None]
 
@@ -69,6 +70,7 @@ class PendingSave:
     metadata: dict[str, Any]
     rank_metadata: list[Any]
     on_phase: PhaseHook | None
+    values: dict[str, Any]
     error: BaseException | None = None
 
 
@@ -123,7 +125,7 @@ def _gathered_plans(
 
 def prepare_save(
     final: Path,
-    tensors: Mapping[str, ShardLike | torch.Tensor],
+    tensors: Mapping[str, StateTree],
     metadata: Mapping[str, Any] | None,
     *,
     comm: Collectives,
@@ -138,7 +140,10 @@ def prepare_save(
     local_error: BaseException | None = None
     payload: dict[str, tuple] = {}
     described: dict[str, Described] = {}
+    values: dict[str, Any] = {}
     try:
+        tensors, values = flatten(tensors)
+        values = json_snapshot(values, "values")
         metadata = json_snapshot(dict(metadata or {}), "metadata")
         rank_metadata = json_snapshot(rank_metadata, "rank_metadata")
         if comm.rank == 0 and final.exists():
@@ -191,6 +196,7 @@ def prepare_save(
         metadata=metadata,
         rank_metadata=[g[2] for g in gathered],
         on_phase=on_phase,
+        values=values,
         error=local_error,
     )
 
@@ -354,12 +360,13 @@ def _manifest(p: PendingSave, records: list[tuple[str, PieceRecord]]) -> Manifes
         tensors=tensors,
         metadata=p.metadata,
         rank_metadata=p.rank_metadata,
+        values=p.values,
     )
 
 
 def save(
     checkpoint_dir: str | os.PathLike,
-    tensors: Mapping[str, ShardLike | torch.Tensor],
+    tensors: Mapping[str, StateTree],
     metadata: Mapping[str, Any] | None = None,
     *,
     step: int | None = None,

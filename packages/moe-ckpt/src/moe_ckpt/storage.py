@@ -26,6 +26,8 @@ from urllib.parse import quote
 
 import tensorstore as ts
 
+from moe_ckpt.errors import CheckpointError
+
 KvStoreKind = Literal["ocdbt", "file"]
 KVSTORE_KINDS: tuple[str, ...] = ("ocdbt", "file")
 
@@ -67,6 +69,18 @@ def array_key(name: str, kvstore: str | None = None) -> str:
             f"tensor name {name[:60]!r}... is {len(key)} bytes percent-encoded, over the "
             f"{NAME_MAX} of a file name: the 'file' layout cannot store it; use "
             "StorageOptions(kvstore='ocdbt') or a shorter name"
+        )
+    return key
+
+
+def check_key(name: str, key: str) -> str:
+    """``key`` read from a manifest, if it is one path part inside the checkpoint (as
+    ``array_key`` makes them); an absolute path, ``..`` or a separator could read or
+    write outside it."""
+    if key in ("", ".", "..") or "/" in key or "\\" in key or "\0" in key:
+        raise CheckpointError(
+            f"tensor {name!r}: storage key {key!r} is not a name inside the checkpoint "
+            "(an absolute path, '..' or a separator); the manifest cannot be trusted"
         )
     return key
 

@@ -424,6 +424,37 @@ class MultiGroupDDP:
         self._bytes = {}
         self._synced = True
 
+    def set_param_grads(self) -> None:
+        """Point every trainable parameter's ``.grad`` at its reduced main grad, so a
+        ``torch.optim`` optimizer can step on the synchronised gradients.
+
+        Without this call a torch optimizer does nothing: the gradient hooks free
+        ``param.grad`` as they accumulate, so after ``finish_grad_sync()`` every ``.grad``
+        is ``None``. The ``.grad`` set here is a view of the bucket (no copy), valid until
+        ``zero_grad()``, which sets it back to ``None``; call that (not only the optimizer's
+        ``zero_grad``) before the next backward. A torch optimizer keeps whole tensors, so
+        every main grad must be whole and of its parameter's dtype: refused, naming the
+        parameter, after ``no_sync()`` without ``finish_grad_sync()``, for a tensor
+        reduce-scattered in ``"reduce_scatter"`` mode, and for a parameter whose dtype is
+        not ``grad_dtype`` (BF16 weights need FP32 master weights, e.g. moe_optim's).
+        """
+        if not self._synced:
+            raise RuntimeError("set_param_grads() before finish_grad_sync(): the main grads are not reduced")
+        for slot in self._order:
+            if slot.bucket.spec.collective == "reduce_scatter":
+                raise ValueError(
+                    f"parameter {slot.name!r} is reduce-scattered (DDPConfig.mode='reduce_scatter'): "
+                    "this rank holds only its shard; use mode='all_reduce' with a torch optimizer"
+                )
+            if slot.param.dtype != slot.main_grad.dtype:
+                raise ValueError(
+                    f"parameter {slot.name!r} is {slot.param.dtype} but its main grad is "
+                    f"{slot.main_grad.dtype} (DDPConfig.grad_dtype): a torch optimizer needs "
+                    "them equal; keep FP32 master weights (e.g. moe_optim)"
+                )
+        for slot in self._order:
+            slot.param.grad = slot.main_grad
+
     # -- the GradSource --------------------------------------------------------
 
     def __iter__(self) -> Iterator[tuple[str, nn.Parameter, torch.Tensor, dist.ProcessGroup | None]]:

@@ -9,6 +9,7 @@ interop lives in ``moe_model.hf`` (needs the ``hf`` extra).
 
 from moe_model.config import MoEConfig
 from moe_model.dispatch import LocalDispatcher, ReportsDrops, TokenDispatcher
+from moe_model.document_attention import DocumentMask, attended_pairs, documents_from_eos
 from moe_model.experts import (
     ExpertWeightGradient,
     GroupedExperts,
@@ -16,15 +17,11 @@ from moe_model.experts import (
     resolve_backend,
 )
 from moe_model.flops import active_params, flops_per_token, total_params
+from moe_model.generate import generate, next_token
 from moe_model.init import init_weights
+from moe_model.kv_cache import KVCache
 from moe_model.loss import IGNORE_INDEX, lm_loss_sum
-from moe_model.model import (
-    Block,
-    MoETransformer,
-    set_aux_loss_scale,
-    set_count_reducer,
-    set_gradient_sink,
-)
+from moe_model.model import Block, MoETransformer
 from moe_model.moe import CountReducer, MoELayer, attach_aux_loss
 from moe_model.params import (
     EXPERT_DIM,
@@ -36,18 +33,22 @@ from moe_model.params import (
 from moe_model.partition import expert_range, layer_range, partition_
 from moe_model.router import RoutingResult, TopKRouter, load_balancing_loss, router_z_loss
 from moe_model.sink import GradientSink
+from moe_model.wiring import ModelWiring, wire_model
 
 __all__ = [
     "EXPERT_DIM",
     "IGNORE_INDEX",
     "Block",
     "CountReducer",
+    "DocumentMask",
     "ExpertWeightGradient",
+    "KVCache",
     "GradientSink",
     "GroupedExperts",
     "LocalDispatcher",
     "MoEConfig",
     "MoELayer",
+    "ModelWiring",
     "MoETransformer",
     "ReportsDrops",
     "RoutingResult",
@@ -55,22 +56,24 @@ __all__ = [
     "TopKRouter",
     "active_params",
     "attach_aux_loss",
+    "attended_pairs",
+    "documents_from_eos",
     "dense_parameters",
     "expert_parameters",
     "expert_range",
     "flops_per_token",
+    "generate",
     "grouped_mm",
     "init_weights",
     "layer_range",
     "lm_loss_sum",
     "load_balancing_loss",
     "logical_shapes",
+    "next_token",
     "param_kind",
     "partition_",
     "resolve_backend",
     "router_z_loss",
-    "set_aux_loss_scale",
-    "set_count_reducer",
-    "set_gradient_sink",
     "total_params",
+    "wire_model",
 ]

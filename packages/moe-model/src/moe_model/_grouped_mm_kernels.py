@@ -182,12 +182,12 @@ def wgrad_kernel(
     (``piece`` a multiple of ``N``) maps whole output rows instead of single elements, and
     ``ONE_CUT`` (pieces of at least ``BM`` rows) with one division per tile; ``ALIGNED``
     (the host checked that every output row starts on 16 bytes) lets the compiler
-    issue 4-wide atomics, which the index arithmetic would otherwise hide from it.
+    emit 4-wide atomics, which the index arithmetic would otherwise hide from it.
 
     The ``+=`` is a relaxed atomic add of the finished tile, carried out in L2: the
     program never waits for the accumulator's old values (loading them before the
     loop stalled each tile's tensor cores for the FP32 read, ~10% slower at the bench
-    shapes; ``tools/perf_notes.md``, eighth session). Every element belongs to exactly
+    shapes, ``tools/bench_expert_gemms.py gemms --merge 4``). Every element belongs to exactly
     one tile, so each receives one add per launch: the result is deterministic, and
     equal to ``c + sum_s a_(s,g)^T @ b_(s,g)`` rounded once (empty groups add zeros).
 

@@ -139,8 +139,8 @@ def qk_norm_rope_bwd_kernel(
 
 # tile elements per warp: the backward holds about twice the forward's tile-sized arrays
 # per thread, and ran fastest with half the forward's warps (H200, bench-1gpu's q and k:
-# 41 -> 37 and 34 -> 23 us per launch against 8 warps; tools/perf_notes.md, thirteenth
-# session)
+# 41 -> 37 and 34 -> 23 us per launch against 8 warps; the kernels' times in
+# tools/bench_train_step.py --config bench-1gpu --profile)
 _ELEMENTS_PER_WARP = {"forward": 256, "backward": 512}
 
 

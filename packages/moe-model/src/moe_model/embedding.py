@@ -1,12 +1,14 @@
 """Token embedding whose weight gradient may go straight into a gradient sink.
 
-``embed(module, tokens, sink)`` is ``module(tokens)``. With a ``GradientSink`` that accepts
+``Embedding`` is ``nn.Embedding`` with a ``grad_sink`` slot (filled by
+``moe_model.wire_model``). With a ``GradientSink`` that accepts
 the embedding's weight (a data-parallel wrapper's FP32 main grads), on CUDA with Triton,
 the backward adds the gradient of the tokens' rows to the sink's FP32 target
 (``_embedding_kernels``) instead of returning a dense ``[vocab, d_model]`` BF16 gradient
 for the wrapper's hook to add: the rows not seen cost nothing. A tied head (the same
 parameter) must not use it: the head's gradient reaches the parameter through autograd,
-so the model passes no sink then.
+so the model wires no sink into it then. The sink lives on the module (not on the model's
+root), so every view of the model that shares the module (a pipeline stage) shares it.
 """
 
 from __future__ import annotations
@@ -58,5 +60,16 @@ def embed(module: nn.Embedding, tokens: torch.Tensor, sink: GradientSink | None)
              and not module.scale_grad_by_freq and not module.sparse)
     route = sink_route(sink, module.weight) if plain and sink_adds_in_kernel(tokens) else None
     if route is None:
-        return module(tokens)
+        return F.embedding(tokens, module.weight, module.padding_idx, module.max_norm,
+                           module.norm_type, module.scale_grad_by_freq, module.sparse)
     return _EmbeddingIntoSink.apply(tokens, module.weight, route)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` whose weight gradient goes into ``grad_sink`` when one is wired
+    (see ``embed``); the same parameters and state dict as ``nn.Embedding``."""
+
+    grad_sink: GradientSink | None = None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return embed(self, tokens, self.grad_sink)

@@ -24,7 +24,7 @@ both, and their input gradient is one GEMM over the joint reduction
 
 Weight gradients into a sink: a data-parallel wrapper that keeps FP32 main grads may
 be installed as the module's ``grad_sink`` (a ``GradientSink``, e.g. through
-``moe_model.set_gradient_sink``). On CUDA with Triton the weight-gradient GEMMs then
+``moe_model.wire_model``). On CUDA with Triton the weight-gradient GEMMs then
 add their result to the main grad in the kernel's epilogue (FP32, no rounding to the
 compute dtype) instead of returning a BF16 gradient for the wrapper's hook to add:
 that accumulation pass re-read and re-wrote every expert weight's gradient once per
@@ -77,7 +77,7 @@ def resolve_backend(backend: str, x_RK: torch.Tensor, w_EKN: torch.Tensor) -> st
     On a GPU: ``torch._grouped_mm`` where it applies (bf16 on sm_90+, 16-byte
     aligned widths): on H200 at the bench-1gpu MoE shapes it and the Triton kernels
     ran the layer's GEMMs (forward + backward) within 3% of each other, and it costs
-    ~20 us of host time per call against Triton's ~100 us (tools/moe_model_notes.md).
+    ~20 us of host time per call against Triton's ~100 us (tools/bench_expert_gemms.py layer).
     Elsewhere Triton (fp16, pre-Hopper GPUs, odd widths) if installed, else the loop.
     On a CPU: ``torch._grouped_mm`` where its stride rule holds, else the loop.
     """
@@ -232,7 +232,7 @@ def gate_up_pairs(rows: torch.Tensor, backend: str) -> bool:
     """Whether the gate and up projections run as one paired Triton GEMM (``_GateUp``):
     on CUDA with Triton, for the ``auto`` and ``triton`` backends. Measured on H200 at the
     bench MoE shapes against two ``torch._grouped_mm`` calls and the add of their input
-    gradients: see ``tools/moe_model_notes.md``."""
+    gradients: ``tools/bench_expert_gemms.py gate-up``, docs/performance.md."""
     return backend in ("auto", "triton") and rows.is_cuda and triton_available()
 
 

@@ -9,7 +9,10 @@ RMSNorm weights, and either the router + ``top_k`` routed experts + the shared
 experts (MoE blocks) or the dense SwiGLU (the first ``n_dense_layers`` blocks);
 then the final norm. 6 = 2 FLOPs per multiply-add x (forward + 2x backward).
 The second term is causal attention: QK^T and AV cost 2 * 2 * S * H * Dh per
-token forward, halved by the causal mask, times 3 for forward + backward.
+token forward, halved by the causal mask, times 3 for forward + backward. With a
+document mask (``moe_model.document_attention``) it is scaled by the share of the
+causal query-key pairs the mask keeps (``attention_fraction``): a window of many
+short documents does far less attention work.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ def total_params(cfg: MoEConfig) -> int:
     return _params(cfg, cfg.n_experts) + embeddings
 
 
-def flops_per_token(cfg: MoEConfig, seq_len: int) -> int:
-    """Training FLOPs per token: ``6 * active_params + 6 * L * S * H * Dh`` (see module doc)."""
-    return 6 * active_params(cfg) + 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+def flops_per_token(cfg: MoEConfig, seq_len: int, attention_fraction: float = 1.0) -> float:
+    """Training FLOPs per token: ``6 * active_params + 6 * L * S * H * Dh * attention_fraction``
+    (see module doc; ``attention_fraction``: kept over causal query-key pairs, 1 without a
+    document mask)."""
+    attention = 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    return 6 * active_params(cfg) + attention * attention_fraction

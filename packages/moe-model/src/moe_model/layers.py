@@ -16,6 +16,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moe_model._triton_support import triton_available
 from moe_model.config import MoEConfig
+from moe_model.document_attention import DocumentMask
+from moe_model.kv_cache import LayerKV
 from moe_model.linear import Linear, shared_input_linears
 
 
@@ -169,20 +171,47 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, documents: DocumentMask | None = None,
+                cache: LayerKV | None = None, start: int = 0) -> torch.Tensor:
+        """``documents``: attend within documents only (training on packed windows).
+        ``cache``: decoding; ``x`` holds positions ``[start, start + S)``, whose keys and
+        values join the cache's (see ``moe_model.kv_cache``)."""
         B, S, _ = x_BSD.shape
         q, k, v = shared_input_linears(x_BSD, (self.wq, self.wk, self.wv))
         q = q.view(B, S, self.n_heads, self.head_dim)
         k = k.view(B, S, self.n_kv_heads, self.head_dim)
         v = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope_tables(S, self.head_dim, self.rope_theta, x_BSD.device)
+        # a cache's tables span its capacity: one shape for every decoding step
+        table = S if cache is None else cache.keys.shape[2]
+        cos, sin = rope_tables(table, self.head_dim, self.rope_theta, x_BSD.device)
+        if table != S or start:
+            cos, sin = cos[start:start + S], sin[start:start + S]
         q, k = norm_and_rope(q, self.q_norm, cos, sin), norm_and_rope(k, self.k_norm, cos, sin)
+        if documents is not None:
+            out = documents.attend(q, k, v)
+        elif cache is not None:
+            out = self._attend_cached(q, *cache.append(start, k, v), start)
+        else:
+            out = self._sdpa(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+
+    def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        """New queries at ``[start, start + S)`` over keys ``[0, start + S)``: causal with the
+        diagonal shifted by ``start`` (SDPA's ``is_causal`` aligns it to the top left)."""
+        S = q.shape[2]
+        if S == 1:
+            return self._sdpa(q, k, v)
+        if start == 0:
+            return self._sdpa(q, k, v, is_causal=True)
+        positions = torch.arange(start + S, device=q.device)
+        mask = positions[None, :] <= positions[start:, None]
+        return self._sdpa(q, k, v, attn_mask=mask)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **mask: object) -> torch.Tensor:
         priority = sdpa_priority(self.backend, q.device)
         with nullcontext() if priority is None else sdpa_kernel(list(priority), set_priority=True):
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-            )
-        return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+            return F.scaled_dot_product_attention(
+                q, k, v, enable_gqa=self.n_kv_heads != self.n_heads, **mask)
 
 
 def swiglu_reference(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Dense linear layers whose weight gradient may go straight into a gradient sink.
 
 ``Linear`` is ``nn.Linear`` (same parameters, names, initialisation and forward) with a
-``grad_sink`` slot that ``moe_model.set_gradient_sink`` fills. With a sink that accepts
+``grad_sink`` slot that ``moe_model.wire_model`` fills. With a sink that accepts
 the weight (a data-parallel wrapper's FP32 main grads), on CUDA, without a bias and
 outside autocast, the backward adds ``dy^T @ x`` to the sink's FP32 target in one cuBLAS
 GEMM with FP32 output and beta = 1 (``torch.addmm(..., out_dtype=torch.float32)``)

@@ -15,19 +15,20 @@ head shares it under ``head.weight`` and must keep the two copies in sync).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from moe_model.config import MoEConfig
-from moe_model.embedding import embed
-from moe_model.experts import GroupedExperts
+from moe_model.document_attention import DocumentMask
+from moe_model.embedding import Embedding
+from moe_model.kv_cache import KVCache, LayerKV
 from moe_model.layers import Attention, RMSNorm, SwiGLU
 from moe_model.linear import Linear
-from moe_model.moe import CountReducer, MoELayer
+from moe_model.moe import MoELayer
 from moe_model.recompute import recompute_block
-from moe_model.sink import GradientSink
 
 
 class Block(nn.Module):
@@ -41,13 +42,18 @@ class Block(nn.Module):
         )
         self.recompute = cfg.recompute
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, documents: DocumentMask | None = None,
+                cache: LayerKV | None = None, start: int = 0) -> torch.Tensor:
+        """``documents``, ``cache``, ``start``: see ``Attention.forward``."""
         if self.recompute == "none" or not torch.is_grad_enabled():
-            return self._forward(x_BSD)
-        return recompute_block(self._forward, x_BSD, selective=self.recompute == "selective")
+            return self._forward(x_BSD, documents, cache, start)
+        return recompute_block(functools.partial(self._forward, documents=documents), x_BSD,
+                               selective=self.recompute == "selective")
 
-    def _forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        h_BSD, normed_BSD = self.mlp_norm.add_and_norm(x_BSD, self.attn(self.attn_norm(x_BSD)))
+    def _forward(self, x_BSD: torch.Tensor, documents: DocumentMask | None = None,
+                 cache: LayerKV | None = None, start: int = 0) -> torch.Tensor:
+        attended = self.attn(self.attn_norm(x_BSD), documents, cache, start)
+        h_BSD, normed_BSD = self.mlp_norm.add_and_norm(x_BSD, attended)
         return h_BSD + self.mlp(normed_BSD)
 
 
@@ -55,13 +61,12 @@ class MoETransformer(nn.Module):
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed: Embedding | None = Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleDict(
             {str(i): Block(cfg, moe=cfg.is_moe_layer(i)) for i in range(cfg.n_layers)}
         )
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head: nn.Linear | None = Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.embed_grad_sink: GradientSink | None = None  # see set_gradient_sink
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -72,8 +77,17 @@ class MoETransformer(nn.Module):
         if self.config.tie_embeddings and self.embed is not None and self.head is not None:
             self.head.weight = self.embed.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Tokens [B,S] (or hidden [B,S,D] without ``embed``) -> logits [B,S,V] (or hidden)."""
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens [B,S] (or hidden [B,S,D] without ``embed``) -> logits [B,S,V] (or hidden).
+
+        ``cache``: incremental decoding (``moe_model.kv_cache``): ``x`` continues the
+        sequences the cache holds, which then holds ``x`` too.
+        ``documents``: ``[B, S]`` non-decreasing document numbers (``documents_from_eos``);
+        attention then stays inside each document (``moe_model.document_attention``).
+        """
+        if cache is not None and documents is not None:
+            raise ValueError("forward takes a KV cache or document ids, not both")
         if self.embed is not None:
             if x.dim() != 2 or x.is_floating_point():
                 raise ValueError(f"tokens must be an integer [B, S] tensor, got {x.dtype} {tuple(x.shape)}")
@@ -83,15 +97,24 @@ class MoETransformer(nn.Module):
                 bad = x[(x < 0) | (x >= self.config.vocab_size)]
                 if bad.numel():
                     raise ValueError(f"token id {int(bad[0])} is outside [0, vocab_size={self.config.vocab_size})")
-            h = embed(self.embed, x, self.embed_grad_sink)
+            h = self.embed(x)
         else:
             if x.dim() != 3 or not x.is_floating_point() or x.shape[-1] != self.config.d_model:
                 raise ValueError(
                     f"this stage holds no embedding: it takes hidden states [B, S, d_model="
                     f"{self.config.d_model}] (floating point), got {x.dtype} {tuple(x.shape)}")
             h = x
-        for block in self.blocks.values():
-            h = block(h)
+        mask = None if documents is None else DocumentMask(documents)
+        start = 0 if cache is None else cache.length
+        if cache is not None:
+            cache.check_room(x.shape[1])
+            if x.shape[0] != cache.batch:
+                raise ValueError(f"the KV cache holds {cache.batch} sequences, got a batch of {x.shape[0]}")
+        for name, block in self.blocks.items():
+            layer_cache = None if cache is None else cache.layers[int(name)]
+            h = block(h, mask, layer_cache, start)
+        if cache is not None:
+            cache.length = start + x.shape[1]
         if self.norm is not None:
             h = self.norm(h)
         if self.head is not None:
@@ -102,33 +125,3 @@ class MoETransformer(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, MoELayer):
                 yield name, module
-
-
-def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
-    """Weight of the auxiliary losses' gradient: the trainer's token-loss divisor inverse."""
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            module.aux_loss_scale = scale
-
-
-def set_count_reducer(model: nn.Module, reducer: CountReducer | None) -> None:
-    """Install the data-parallel count reduction used by ``global_batch`` load balancing."""
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            module.count_reducer = reducer
-
-
-def set_gradient_sink(model: nn.Module, sink: GradientSink | None) -> None:
-    """Route weight gradients into ``sink`` (``moe_model.sink``): the routed experts'
-    (``moe_model.experts``), the dense linear layers' (``moe_model.linear``) and the untied
-    token embedding's (``moe_model.embedding``). Tied embeddings keep autograd's path for
-    the embedding and the head: their one parameter gets both gradients, summed by autograd."""
-    for module in model.modules():
-        if isinstance(module, GroupedExperts | Linear):
-            module.grad_sink = sink
-    for module in model.modules():
-        if isinstance(module, MoETransformer):
-            tied = module.config.tie_embeddings
-            module.embed_grad_sink = None if tied else sink
-            if tied and isinstance(module.head, Linear):
-                module.head.grad_sink = None

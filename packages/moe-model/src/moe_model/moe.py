@@ -7,7 +7,7 @@ its input unchanged and, in backward, feeds ``aux_loss_scale`` as the gradient o
 the auxiliary loss. The losses therefore reach the router on every pipeline stage
 without being passed between stages, and the caller controls their weight with
 the same divisor it uses for the token loss (the loss is a token *sum*; the
-trainer divides by the global token count, ``set_aux_loss_scale(model, 1/N)``).
+trainer divides by the global token count, ``wire_model(model, ModelWiring(aux_loss_scale=1/N))``).
 
 Load-balancing granularity (what the expert load ``f_e`` is counted over):
 - ``microbatch``: this rank's current microbatch.

@@ -58,12 +58,12 @@ class TileConfig:
     use_tma: bool  # load the rows kernel's operands through tensor descriptors (TMA) where possible
 
 
-# The fastest of tools/bench_moe_layer.py --sweep on H200 (triton 3.6) at the
+# The fastest of tools/bench_expert_gemms.py layer --sweep on H200 (triton 3.6) at the
 # bench-1gpu MoE shapes; CPU runs are the Triton interpreter, where small tiles keep
 # tests fast. The weight gradient has two: its reduction runs over a group's rows, ~1024
 # per expert for one bench-1gpu microbatch, where a short K step with a deep pipeline won;
 # a launch merging microbatches (or an EP rank's larger groups) reduces over several times
-# as many, where K steps of 64 win by ~10% (tools/perf_notes.md, twelfth session).
+# as many, where K steps of 64 win by ~10% (tools/bench_expert_gemms.py gemms --merge 1 / --merge 4).
 _GPU_ROWS = TileConfig(128, 256, 64, 8, 8, 3, True, True)
 _GPU_WGRAD = TileConfig(128, 256, 32, 8, 8, 6, False, False)
 _GPU_WGRAD_LONG = TileConfig(128, 256, 64, 8, 8, 4, False, False)

@@ -10,6 +10,9 @@
   the last stage; the input gradient goes to the previous stage.
 - ``W``: the deferred weight-gradient pass.
 
+``Pipeline.forward_only`` runs microbatches forward only, without gradients (an
+evaluation), outside the schedule.
+
 All of it runs inside ``grad_sync.no_sync()``; ``grad_sync.finish_grad_sync()``
 follows once, so the data-parallel reduction sees every microbatch of every
 local stage. Parameter gradients accumulate through autograd in every schedule
@@ -169,20 +172,26 @@ class Pipeline:
     @torch.no_grad()
     def forward_only(
         self,
-        inputs: Sequence[torch.Tensor] | None,
-        targets: Sequence[torch.Tensor] | None,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
         loss_fn: LossFn | None = None,
-    ) -> torch.Tensor | None:
-        """Forward of every microbatch, no gradients: the sum of ``loss_fn`` (default: the
-        pipeline's) over them on the rank of the last stage, ``None`` elsewhere.
+    ) -> torch.Tensor:
+        """Forward of every microbatch without gradients (an evaluation): the sum of
+        ``loss_fn`` (default: the pipeline's) over them, unscaled, in FP32 on the rank of
+        the last stage and zero elsewhere.
 
-        Any number of microbatches of ``activation_shape``. Each microbatch goes through
-        the stages in order with blocking point-to-point transfers; every rank walks the
-        same (microbatch, stage) order, so each receive meets the send before it.
+        ``inputs``/``targets``: one tensor per microbatch, any number of microbatches of
+        ``activation_shape``, the same count on every rank (only the first / last stage
+        reads them). No schedule: each microbatch goes through the stages in order, with
+        point-to-point transfers between ranks; every rank walks the same (microbatch,
+        stage) order, so each receive meets its send. No parameter, gradient or schedule
+        state is touched.
         """
         loss_fn = loss_fn or self.loss_fn
+        if len(inputs) != len(targets):
+            raise ValueError(f"forward_only needs one target per input, got {len(inputs)} "
+                             f"inputs and {len(targets)} targets")
         n_stages = self.schedule.n_stages
-        count = len(inputs) if inputs is not None else len(targets) if targets is not None else 0
         device = next(self.stages.module.parameters()).device
         total = torch.zeros((), dtype=torch.float32, device=device)
 
@@ -190,24 +199,21 @@ class Pipeline:
             rank = self.schedule.rank_of(stage_index)
             return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
-        for mb in range(count):
-            x: torch.Tensor | None = None
+        for mb in range(len(inputs)):
+            x = inputs[mb]
             for s in range(n_stages):
                 stage = self._by_index.get(s)
                 if stage is None:
                     continue
-                if stage.is_first:
-                    x = inputs[mb]  # type: ignore[index]
-                elif self.schedule.rank_of(s - 1) != self.stages.rank:
+                if not stage.is_first and self.schedule.rank_of(s - 1) != self.stages.rank:
                     x = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=device)
                     dist.recv(x, src=peer(s - 1), group=self.group)
-                y = stage.module(x)
+                x = stage.module(x)
                 if stage.is_last:
-                    total += loss_fn(y, targets[mb])  # type: ignore[index]
+                    total += loss_fn(x, targets[mb]).float()
                 elif self.schedule.rank_of(s + 1) != self.stages.rank:
-                    dist.send(y.contiguous(), dst=peer(s + 1), group=self.group)
-                x = y
-        return total if n_stages - 1 in self._by_index else None
+                    dist.send(x.contiguous(), dst=peer(s + 1), group=self.group)
+        return total
 
     def _forward(self, step: _StepState, stage: Stage, mb: int) -> None:
         s = stage.index

@@ -2,8 +2,13 @@
 
 - ``@pytest.mark.gpu``: needs CUDA; skipped without it.
 - ``@pytest.mark.multigpu(n)``: needs at least ``n`` GPUs (default 2); skipped otherwise.
-- ``@pytest.mark.slow``: too slow for CI's time budget (a scaled-down version runs
-  always); skipped unless ``pytest --run-slow``.
+- ``@pytest.mark.slow``: runs by default; ``pytest -m "not slow"`` is the fast subset.
+- ``@pytest.mark.multiprocess``: starts processes (gloo ranks, torchrun, a subprocess).
+- ``@pytest.mark.interpreter``: runs Triton kernels under the Triton interpreter on CPU
+  (``moe_testing.run_under_triton_interpreter``).
+
+The workspace runs pytest with ``--strict-markers``: a marker not registered here is an
+error, not a silently ignored typo.
 
 Registered through the ``pytest11`` entry point when moe-testing is installed; when
 running from source, pass ``-p moe_testing.pytest_plugin``.
@@ -13,17 +18,18 @@ from __future__ import annotations
 
 import pytest
 
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
+MARKERS = (
+    "slow: longer than ~20 s on 2 CPU cores; deselect with -m 'not slow'",
+    "multiprocess: starts processes (gloo ranks, torchrun or a subprocess); has a timeout",
+    "interpreter: Triton kernels under the Triton interpreter in a subprocess",
+    "gpu: needs a CUDA GPU; skipped without one",
+    "multigpu(n=2): needs at least n CUDA GPUs; skipped with fewer",
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: too slow for CI; runs with --run-slow")
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
-    config.addinivalue_line(
-        "markers", "multigpu(n=2): needs at least n CUDA GPUs; skipped with fewer"
-    )
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
 
 
 def _gpu_count() -> int:
@@ -33,8 +39,6 @@ def _gpu_count() -> int:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.get_closest_marker("slow") is not None and not item.config.getoption("--run-slow"):
-        pytest.skip("slow: run with --run-slow")
     multi = item.get_closest_marker("multigpu")
     if multi is not None:
         need = multi.args[0] if multi.args else multi.kwargs.get("n", 2)

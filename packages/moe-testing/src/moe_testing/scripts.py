@@ -4,12 +4,19 @@ its functions can be tested on the CPU."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
 
 def load_script(path: Path) -> ModuleType:
-    """The module the Python file at ``path`` defines, named after the file."""
+    """The module the Python file at ``path`` defines, named after the file.
+
+    Its directory goes first on ``sys.path``, as ``python path`` puts it: a script imports
+    the modules beside it (the tools' shared ``_bench``) the same way in a test."""
+    folder = str(Path(path).resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {path} as a module")

@@ -4,6 +4,9 @@
     uv run pretrain plan --config bench-2gpu --gpus 2 parallel.ep=2 # the same overrides as a run
     uv run pretrain plan --config my_run.toml --gpus 64 --json      # machine-readable
     uv run pretrain plan --sweep                                    # 12B-1.2T models on 16-512 GPUs
+    uv run pretrain plan --config bench-1gpu --time                 # + predicted step time
+    uv run pretrain plan --config my_run.toml --gpus 64 --gpus-per-node 8 --time --profile p.json
+    uv run pretrain plan --sweep --time                             # layouts ranked by tokens/s
 
 The plan counts, per pipeline rank, the persistent training state tensor by
 tensor with the packages' own layout rules (compute weights, FP32 gradient
@@ -11,7 +14,13 @@ buckets, sharded FP32 main weights and optimizer states, MXFP8 caches), the
 activations the schedule keeps in flight with their transients, the optimizer
 step's buffers, and what lives outside PyTorch's allocator (CUDA context, NCCL,
 the NVSHMEM heap). See ``pretrain.planner`` for how each number is derived and
-``tools/perf_notes.md`` for what has been measured.
+docs/performance.md for what has been measured.
+
+``--time`` adds the predicted step time, tokens/s per GPU and MFU, with what the
+step is made of (compute per kernel class, exposed communication per collective,
+the pipeline bubble), from a calibration profile (``pretrain calibrate``; default:
+the bundled ``h200`` profile, built from recorded figures) and the link table
+(``--link`` overrides a link class).
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import sys
 from pretrain.commands.train import add_config_arguments
 from pretrain.errors import UsageError
 
-HELP = "predict per-GPU memory of a run before renting the GPUs"
+HELP = "predict per-GPU memory (and, with --time, step time) of a run before renting the GPUs"
 
 _SWEEP_COLUMNS = ("gpus", "pp", "dp", "ep", "recompute", "in_flight", "persistent_gib",
                   "activations_gib", "peak_allocated_gib", "device_gib")
@@ -41,6 +50,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--sweep", action="store_true",
                         help="plan the built-in 12B-1.2T model family on 16-512 GPUs instead")
+    parser.add_argument("--time", action="store_true",
+                        help="also predict step time, tokens/s per GPU and MFU (with --sweep: "
+                             "rank the layouts that fit by predicted tokens/s)")
+    parser.add_argument("--profile", default="h200", metavar="P",
+                        help="calibration profile: a JSON file from 'pretrain calibrate' or a "
+                             "bundled name (h200, b200; default: h200)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, metavar="M",
+                        help="GPUs sharing one NVLink node (default: 8)")
+    parser.add_argument("--link", action="append", default=[], metavar="CLASS=ALPHA_US,GBPS",
+                        help="override a link class of the profile (nvlink, network) with "
+                             "alpha-beta figures or a table entry, e.g. network=ib-xdr-800")
+    parser.add_argument("--top", type=int, default=3, metavar="K",
+                        help="with --sweep --time: layouts printed per model and GPU count "
+                             "(default: 3; --json gives all)")
 
 
 def _print_sweep(args: argparse.Namespace) -> None:
@@ -72,13 +95,69 @@ def _print_sweep(args: argparse.Namespace) -> None:
             print("  " + "  ".join(cells) + f"  {'yes' if row['fits'] else 'NO FIT':>9}")
 
 
+_TIME_COLUMNS = ("gpus", "pp", "dp", "ep", "recompute", "device_gib", "step_s",
+                 "tokens_per_s_per_gpu", "mfu", "exposed_comm_s", "bubble_s")
+_TIME_HEADS = ("gpus", "pp", "dp", "ep", "recompute", "GiB", "step s", "tok/s/GPU", "MFU",
+               "comm s", "bubble s")
+
+
+def _print_time_sweep(args: argparse.Namespace, profile: object) -> None:
+    from pretrain import planner
+    from pretrain.planner import summary_row, sweep_time, time_row
+
+    results = sweep_time(profile, planner.FAMILY, planner.GPU_COUNTS,
+                         gpus_per_node=args.gpus_per_node, gpu_gib=args.gpu_gib,
+                         headroom=args.headroom)
+    if args.json:
+        print(json.dumps([
+            {"model": r.member.name, "gpus": r.world, "rank": i + 1,
+             **summary_row(t.plan), **time_row(t.time)}
+            for r in results for i, t in enumerate(r.ranked)], indent=1))
+        return
+    print(f"Predicted step times (profile {profile.name}: {profile.source.split(':')[0]}); "
+          f"predictions, not measurements. {args.gpu_gib:g} GiB GPUs ({args.headroom:.0%} "
+          f"headroom), {args.gpus_per_node} per node; seq 4096, global batch 4 Mi tokens, "
+          "micro batch 1, 1F1B, BF16, capacity factor 1.25.")
+    print(f"Per model and GPU count, the {args.top} fastest layouts that fit (the least "
+          "recompute that fits per pipeline depth and EP), fastest first.")
+    for member in planner.FAMILY:
+        m = member.model
+        print(f"\n{member.name} ({member.report}): d {m.d_model}, {m.n_layers} layers, "
+              f"{m.n_experts} experts top-{m.top_k}, hidden {m.expert_hidden}")
+        print("  " + "  ".join(f"{h:>9}" for h in _TIME_HEADS))
+        for result in (r for r in results if r.member is member):
+            if not result.ranked:
+                print(f"  {result.world:>9}  no layout fits")
+            for t in result.ranked[:args.top]:
+                row = {**summary_row(t.plan), **time_row(t.time)}
+                row["mfu"] = f"{row['mfu']:.1%}"
+                row["tokens_per_s_per_gpu"] = f"{row['tokens_per_s_per_gpu']:,}"
+                print("  " + "  ".join(f"{row[c]!s:>9}" for c in _TIME_COLUMNS))
+
+
+def _profile(args: argparse.Namespace) -> object:
+    from pretrain.planner import load_profile
+    from pretrain.planner.profile import parse_link
+
+    try:
+        profile = load_profile(args.profile)
+        links = dict(parse_link(text) for text in args.link)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return profile.with_links(**links) if links else profile
+
+
 def run(args: argparse.Namespace) -> int:
     """Exit 0 (also when the layout does not fit), 2 on a bad config or flag."""
     from pretrain.planner import H200_GIB
 
+    profile = _profile(args) if args.time else None
     if args.gpu_gib is None:
-        args.gpu_gib = H200_GIB
+        args.gpu_gib = profile.gpu_gib if profile is not None else H200_GIB
     bad = [f"--gpus must be >= 1, got {args.gpus}" if args.gpus < 1 else None,
+           f"--gpus-per-node must be >= 1, got {args.gpus_per_node}"
+           if args.gpus_per_node < 1 else None,
+           f"--top must be >= 1, got {args.top}" if args.top < 1 else None,
            f"--gpu-gib must be a finite positive number, got {args.gpu_gib:g}"
            if not (math.isfinite(args.gpu_gib) and args.gpu_gib > 0) else None,
            f"--headroom must be in [0, 1), got {args.headroom:g}"
@@ -88,7 +167,10 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep:
         if args.config is not None or args.overrides:
             raise UsageError("--sweep plans the built-in family; it takes no --config or overrides")
-        _print_sweep(args)
+        if profile is not None:
+            _print_time_sweep(args, profile)
+        else:
+            _print_sweep(args)
         return 0
     from pretrain.config import load_config
     from pretrain.data import resolve_vocab_size
@@ -102,10 +184,24 @@ def run(args: argparse.Namespace) -> int:
         request = PlanRequest.from_config(cfg, args.gpus, gpu_gib=args.gpu_gib,
                                           headroom=args.headroom)
         plan = plan_memory(request)
+        step = None
+        if profile is not None:
+            from pretrain.planner import predict_step
+
+            step = predict_step(request, profile, args.gpus_per_node,
+                                cuda_graphs=cfg.train.cuda_graphs)
     except ValueError as e:  # moe_pp's ScheduleError is a ValueError too
         raise UsageError(str(e)) from None
     if args.json:
-        print(json.dumps(plan.to_json(), indent=1))
+        out = plan.to_json()
+        if step is not None:
+            out["step_time"] = step.to_json()
+        print(json.dumps(out, indent=1))
     else:
         print(format_plan(plan, f"pretrain plan --config {args.config or 'default'}"))
+        if step is not None:
+            from pretrain.planner import format_step_time
+
+            print()
+            print(format_step_time(step))
     return 0

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 
 from pretrain.presets import PRESETS
 
@@ -30,4 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from pretrain.train import train
 
     train(load_config(args.config, args.overrides))
+    # the run is over (its teardown under train's stop flag): a stop signal from here to
+    # the exit has nothing left to stop, and must not turn a finished run into a killed one
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return 0

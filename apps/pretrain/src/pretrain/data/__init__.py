@@ -32,7 +32,12 @@ from pretrain.data.sources import (
     SyntheticSequences,
     open_source,
 )
-from pretrain.data.training import open_data, resolve_vocab_size, training_data_info
+from pretrain.data.training import (
+    document_eos_id,
+    open_data,
+    resolve_vocab_size,
+    training_data_info,
+)
 
 __all__ = [
     "STDLIB",
@@ -51,6 +56,7 @@ __all__ = [
     "TokenDirInfo",
     "TokenizerRecord",
     "default_workers",
+    "document_eos_id",
     "feistel_permute",
     "open_data",
     "open_source",

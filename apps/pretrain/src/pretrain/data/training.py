@@ -7,6 +7,9 @@
 - ``training_data_info``: the token directory's checked sidecar (the first source's
   for a mixture, whose sources all agree), for what needs the tokenizer or the
   end-of-text id.
+- ``document_eos_id``: the end-of-text id that ``data.document_mask`` splits windows
+  into documents at (the token after it starts a document; ``prepare-data`` ends every
+  document with it, so these are the starts its document index records).
 
 The sources of a mixture must have been written by one tokenizer with one vocabulary
 and one end-of-text id: ids from two tokenizers would mean different text in one model.
@@ -55,6 +58,21 @@ def training_data_info(data: DataConfig) -> TokenDirInfo | None:
     if data.path in (STDLIB, SYNTHETIC):
         return None
     return token_dir_info(data.path, "data.path")
+
+
+def document_eos_id(data: DataConfig) -> int | None:
+    """``data.document_mask``'s end-of-text id; ``None`` when the mask is off. Data without
+    documents (the built-in sources, a sidecar without ``eos_id``) is refused."""
+    if not data.document_mask:
+        return None
+    info = training_data_info(data)
+    if info is None:
+        raise DataError(f"data.document_mask=true needs data with documents; data.path={data.path} "
+                        "has none (write token data with `pretrain prepare-data`)")
+    if info.eos_id is None:
+        raise DataError(f"data.document_mask=true needs data with documents; {info.sidecar} records "
+                        "no eos_id (write it with `pretrain prepare-data`)")
+    return info.eos_id
 
 
 def open_data(data: DataConfig, seq_len: int, vocab_size: int, seed: int) -> SequenceSource:

@@ -44,7 +44,7 @@ GIB = 2**30
 FP32 = 4
 
 # Outside PyTorch's allocator; estimates to be replaced by GPU measurements
-# (tools/perf_notes.md says how).
+# (tools/plan_validate.py compares the plan with the allocator's peak).
 CUDA_CONTEXT = int(0.6 * GIB)  # CUDA 13 context with torch's kernels loaded
 NCCL_PER_GROUP = 256 * 2**20  # buffers of one NCCL communicator of 2-8 NVLink peers
 KERNEL_WORKSPACES = 64 * 2**20  # cuBLAS/cuBLASLt workspaces, allocated through PyTorch

@@ -29,6 +29,8 @@ from moe_model import MoEConfig
 from pretrain.planner.activations import EPBackend
 from pretrain.planner.memory import MemoryPlan, PlanRequest, plan_memory
 from pretrain.planner.persistent import ModelShapes
+from pretrain.planner.profile import Profile
+from pretrain.planner.step_time import StepTime, predict_step
 
 GPU_COUNTS = (16, 32, 64, 128, 256, 512)
 EP_CHOICES = (1, 2, 4, 8, 16, 32)  # EP-MP; an NVLink node holds 8 GPUs
@@ -112,4 +114,46 @@ def sweep(members: tuple[FamilyMember, ...] = FAMILY, gpu_counts: tuple[int, ...
                     break
             if smallest is not None:
                 results.append(SweepResult(member, world, chosen, smallest, tried))
+    return results
+
+
+@dataclass(frozen=True)
+class TimedLayout:
+    plan: MemoryPlan
+    time: StepTime
+    preference: int  # the layout's place in ``candidates``' order (ties go to the earlier)
+
+
+@dataclass(frozen=True)
+class TimeSweepResult:
+    member: FamilyMember
+    world: int
+    ranked: tuple[TimedLayout, ...]  # layouts that fit, fastest first
+    tried: int
+
+
+def sweep_time(profile: Profile, members: tuple[FamilyMember, ...] = FAMILY,
+               gpu_counts: tuple[int, ...] = GPU_COUNTS, gpus_per_node: int = NODE_GPUS,
+               gpu_gib: float = 140.0, headroom: float = 0.10) -> list[TimeSweepResult]:
+    """Every (pipeline depth, EP) of ``candidates`` with the least recompute that fits,
+    ranked by predicted tokens/s (ties: ``candidates``' order, so the ranking is
+    deterministic). More recompute only adds work, so it is tried only where less does
+    not fit."""
+    results = []
+    for member in members:
+        shapes = ModelShapes(member.model)
+        for world in gpu_counts:
+            timed, tried, done = [], 0, set()
+            for index, req in enumerate(candidates(member, world, gpu_gib, headroom)):
+                if (req.pp, req.ep) in done:
+                    continue
+                plan = plan_memory(req, shapes)
+                tried += 1
+                if not plan.fits:
+                    continue
+                done.add((req.pp, req.ep))
+                timed.append(TimedLayout(plan, predict_step(req, profile, gpus_per_node,
+                                                            shapes=shapes), index))
+            timed.sort(key=lambda t: (-t.time.tokens_per_s, t.preference))
+            results.append(TimeSweepResult(member, world, tuple(timed), tried))
     return results

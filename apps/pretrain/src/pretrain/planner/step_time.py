@@ -1,0 +1,487 @@
+"""The time of one optimizer step of a planned layout, from a calibration ``Profile``.
+
+The walk is the memory planner's: the same stages (``ModelShapes.stage_layers``,
+moe_pp's split), the same blocks and rows (``activations``: ``local_rows``,
+``ep_capacity``, each block's tensor inventory), the same held parameters and their
+replica groups (``persistent``). Per pipeline stage and microbatch it adds up:
+
+- expert grouped GEMMs: ``2 R D 3F`` FLOPs forward, twice that backward, over the
+  ``R`` rows this rank's experts run (``T k`` mean rows; under EP the busiest rank
+  gets ``routing_skew`` times the mean), at the profile's rate for ``R / E_local``
+  rows per expert;
+- dense GEMMs (attention projections, router, shared and dense MLPs, LM head),
+  attention (causal), each at its rate;
+- memory-bound kernels: ``MEMORY_PASSES`` times the bytes of the block's tensor
+  inventory (every tensor the planner counts is written once and read about once
+  more by the kernels around it), the LM head's logits three times, a third of it
+  in the forward;
+- gradient accumulation into the FP32 main grads (``_accumulation_bytes``);
+- launches: ``KERNELS_PER_BLOCK`` kernels per block (forward and backward), the
+  device idle ``kernel_gap_us_*`` between two; an eager microbatch also waits for
+  the host when its launches take longer than its kernels;
+- EP token exchange: dispatch and combine forward, their two backward calls, each
+  an all-to-all on the EP-MP group; exposed (the trainer does not overlap them
+  with compute);
+- recompute: ``block`` runs the forward again in the backward, ``selective`` its
+  memory-bound part.
+
+A step is then the microbatches (pp = 1: one after the other; pp > 1: moe_pp's own
+schedule simulated with these costs, whose idle time is the bubble), the
+data-parallel gradient reduction (per replica group and collective, behind the last
+microbatch's backward at pp = 1, where moe_ddp launches buckets as they fill; after the
+schedule at pp > 1, where moe_pp runs everything under ``no_sync``), the optimizer
+(AdamW: ``OPTIMIZER_BYTES`` per owned parameter, memory-bound; Muon adds its
+Newton-Schulz GEMMs), and the weight rebuild (a local cast plus an all-gather of the
+sharded compute weights, exposed).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field, replace
+
+from moe_ddp import is_sharded
+from moe_model import MoEConfig, flops_per_token
+
+from pretrain.optimizer import MIN_SHARD_NUMEL
+from pretrain.planner.activations import Execution, block_inventory, ep_capacity, local_rows
+from pretrain.planner.comm import Fabric, Group
+from pretrain.planner.memory import COMPUTE_BYTES, PlanRequest
+from pretrain.planner.persistent import HeldParam, ModelShapes
+from pretrain.planner.profile import Profile
+
+FP32 = 4
+# Tuned on the kernel census of one bench-1gpu step (tools/kernel_census.py --config
+# bench-1gpu, tools/results/kernel_census_bench-1gpu.json): 28,459 kernels over 8
+# blocks x 32 microbatches (the optimizer's and the head's ~1,000 aside); ~405 ms of
+# memory-bound kernels against 2.1 GB of planned tensors per block and microbatch.
+KERNELS_PER_BLOCK = 107
+KERNELS_PER_EDGE = 12  # embedding, final norm, head, cross-entropy (forward and backward)
+MEMORY_PASSES = 2.0
+# AdamW per owned parameter: FP32 main weight, two moments and gradient read, the
+# three written back (28 B), the gradient norm's read (4 B).
+OPTIMIZER_BYTES = 32
+REBUILD_BYTES = 6  # FP32 main weight read, compute weight written
+UNFUSED_ACCUMULATION_BYTES = 10  # BF16 gradient read, FP32 main grad read and written
+NEWTON_SCHULZ_STEPS = 5
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """Seconds of one microbatch's pass through one stage, per kernel class."""
+
+    expert_gemm: float = 0.0
+    dense_gemm: float = 0.0
+    attention: float = 0.0
+    memory_bound: float = 0.0
+    launch: float = 0.0
+    ep_comm: float = 0.0
+    kernels: int = 0
+
+    @property
+    def device(self) -> float:
+        return (self.expert_gemm + self.dense_gemm + self.attention + self.memory_bound
+                + self.launch + self.ep_comm)
+
+    def __add__(self, other: PassCost) -> PassCost:
+        return PassCost(*(getattr(self, f) + getattr(other, f) for f in _PASS_FIELDS))
+
+    def scaled(self, factor: float) -> PassCost:
+        return PassCost(*(getattr(self, f) * factor for f in _PASS_FIELDS[:-1]),
+                        kernels=round(self.kernels * factor))
+
+
+_PASS_FIELDS = ("expert_gemm", "dense_gemm", "attention", "memory_bound", "launch", "ep_comm",
+                "kernels")
+
+
+@dataclass(frozen=True)
+class StageCost:
+    forward: PassCost
+    backward_input: PassCost  # the whole backward but the weight gradients' GEMMs
+    backward_weight: PassCost  # the weight gradients' GEMMs
+
+    @property
+    def backward(self) -> PassCost:
+        return self.backward_input + self.backward_weight
+
+    @property
+    def total(self) -> PassCost:
+        return self.forward + self.backward
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted step: its time, what it is made of, and the throughput it gives.
+
+    ``step_s = compute_s + exposed_comm_s + bubble_s``; ``compute`` and ``comm`` break
+    those down (seconds per step on the busiest rank); ``comm`` holds each collective's
+    whole time, ``exposed`` the part not hidden behind compute."""
+
+    request: PlanRequest
+    profile: str
+    cuda_graphs: bool
+    gpus_per_node: int
+    step_s: float
+    compute_s: float
+    exposed_comm_s: float
+    bubble_s: float
+    compute: dict[str, float] = field(default_factory=dict)
+    comm: dict[str, float] = field(default_factory=dict)
+    exposed: dict[str, float] = field(default_factory=dict)
+    mfu: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return self.request.global_batch * self.request.seq_len
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_s / self.request.world
+
+    def to_json(self) -> dict:
+        return {"profile": self.profile, "cuda_graphs": self.cuda_graphs,
+                "gpus_per_node": self.gpus_per_node, "step_s": self.step_s,
+                "tokens_per_s": self.tokens_per_s,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
+                "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s,
+                "bubble_s": self.bubble_s, "compute": dict(self.compute),
+                "comm": dict(self.comm), "exposed": dict(self.exposed)}
+
+
+def _gemm_s(flops: float, tflops: float) -> float:
+    return flops / (tflops * 1e12)
+
+
+def expert_rate(profile: Profile, rows_per_expert: float) -> float:
+    """TFLOP/s of the expert GEMMs at ``rows_per_expert`` rows per expert."""
+    m = max(rows_per_expert, 1e-9)
+    return profile.expert_gemm_tflops * m / (m + profile.expert_gemm_half_rows)
+
+
+def remote_reach(n_experts: int, top_k: int, ep: int) -> float:
+    """Mean number of other EP ranks a token's ``top_k`` distinct experts live on
+    (uniform routing: a rank holds none of them with probability C(E-L, k) / C(E, k))."""
+    if ep < 2:
+        return 0.0
+    local = n_experts // ep
+    miss = math.comb(n_experts - local, top_k) / math.comb(n_experts, top_k)
+    return (ep - 1) * (1 - miss)
+
+
+@dataclass(frozen=True)
+class _Setup:
+    req: PlanRequest
+    profile: Profile
+    fabric: Fabric
+    cuda_graphs: bool
+    routing_skew: float
+    ex: Execution
+
+
+def _block_cost(s: _Setup, layer: int) -> StageCost:
+    m, req, p = s.req.model, s.req, s.profile
+    T, D, S = s.ex.tokens, m.d_model, req.seq_len
+    Q, KV = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    dense = 2 * T * D * (2 * Q + 2 * KV)
+    expert = 0.0
+    ep_fwd = ep_bwd = 0.0
+    if m.is_moe_layer(layer):
+        dense += 2 * T * D * m.n_experts + 2 * T * D * 3 * m.shared_hidden_width
+        slots = T * m.top_k
+        if req.ep_backend == "local":
+            rows = float(local_rows(m, T))
+        else:  # what the busiest rank receives, up to its capacity
+            rows = min(slots * (s.routing_skew if req.ep > 1 else 1.0),
+                       float(ep_capacity(m, T, req.ep)))
+        expert = 2 * rows * D * 3 * m.expert_hidden
+        expert_s = _gemm_s(expert, expert_rate(p, rows / (m.n_experts // req.ep)))
+        if req.ep > 1:
+            ep_fwd, ep_bwd = _ep_exchange(s, T)
+    else:
+        dense += 2 * T * D * 3 * m.dense_hidden_width
+        expert_s = 0.0
+    attn = 2 * T * S * m.n_heads * m.head_dim  # causal: QK^T and AV over half the pairs
+    # the rows the kernels touch, not the worst-case receive buffers an EP rank allocates
+    # (the transport's own traffic is the exchange's)
+    inv = block_inventory(m, layer, replace(s.ex, ep=1, ep_backend="local"))
+    mem_s = MEMORY_PASSES * sum(inv.sizes.values()) / (p.memory_gb_per_s * 1e9)
+    fwd = PassCost(expert_gemm=expert_s, dense_gemm=_gemm_s(dense, p.dense_gemm_tflops),
+                   attention=_gemm_s(attn, p.attention_fwd_tflops), memory_bound=mem_s / 3,
+                   ep_comm=ep_fwd, kernels=KERNELS_PER_BLOCK // 3)
+    # backward: input and weight gradients, one GEMM each per forward GEMM
+    grads = PassCost(expert_gemm=expert_s, dense_gemm=_gemm_s(dense, p.dense_gemm_tflops))
+    bwd_in = PassCost(attention=_gemm_s(2.5 * attn, p.attention_bwd_tflops),
+                      memory_bound=2 * mem_s / 3, ep_comm=ep_bwd,
+                      kernels=KERNELS_PER_BLOCK - KERNELS_PER_BLOCK // 3) + grads
+    if m.recompute == "block":
+        bwd_in = bwd_in + fwd
+    elif m.recompute == "selective":
+        bwd_in = bwd_in + PassCost(memory_bound=fwd.memory_bound)
+    return StageCost(fwd, bwd_in, grads)
+
+
+def _ep_exchange(s: _Setup, tokens: int) -> tuple[float, float]:
+    """Seconds of the four EP calls of one MoE layer and microbatch (forward, backward).
+
+    Dispatch sends a token once to each other rank holding one of its experts; the
+    combine returns, summing at the destination, one FP32 partial per such (token,
+    rank), else one row per routed slot; the backward calls move the same rows the
+    other way (the output gradient in the compute dtype, the partials' gradient)."""
+    from pretrain.planner.activations import _sums_at_destination
+
+    m, req = s.req.model, s.req
+    b, D, ep = s.ex.compute_bytes, m.d_model, req.ep
+    reach = remote_reach(m.n_experts, m.top_k, ep) * s.routing_skew
+    remote_slots = tokens * m.top_k * (ep - 1) / ep * s.routing_skew
+    group = Group(ep, 1)
+    eff = s.profile.ep_transport_efficiency
+
+    def call(rows: float, row_bytes: int) -> float:
+        return s.fabric.all_to_all(rows * row_bytes * ep / (ep - 1), group, eff)
+
+    dispatch = call(tokens * reach, b * D)
+    if _sums_at_destination(m, s.ex):
+        combine = call(tokens * reach, FP32 * D)
+        backward = call(tokens * reach, b * D) + call(tokens * reach, FP32 * D)
+    else:
+        combine = call(remote_slots, b * D)
+        backward = 2 * call(remote_slots, b * D)
+    return dispatch + combine, backward
+
+
+def _edge_cost(s: _Setup, first: bool, last: bool) -> StageCost:
+    m, p = s.req.model, s.profile
+    T, D, V, b = s.ex.tokens, m.d_model, m.vocab_size, s.ex.compute_bytes
+    mem = (3 * b * T * D if first else 0) + (3 * b * T * V + 4 * b * T * D if last else 0)
+    head = 2 * T * D * V if last else 0
+    mem_s = mem / (p.memory_gb_per_s * 1e9)
+    kernels = KERNELS_PER_EDGE * (first + last) // 2
+    head_s = _gemm_s(head, p.dense_gemm_tflops)
+    fwd = PassCost(dense_gemm=head_s, memory_bound=mem_s / 3, kernels=kernels // 3)
+    grads = PassCost(dense_gemm=head_s)
+    return StageCost(fwd, PassCost(memory_bound=2 * mem_s / 3, kernels=kernels - kernels // 3)
+                     + grads, grads)
+
+
+def _with_launches(s: _Setup, cost: PassCost) -> PassCost:
+    """The device's idle time between kernels, and an eager pass's wait for the host."""
+    p = s.profile
+    gap = p.kernel_gap_us_graphs if s.cuda_graphs else p.kernel_gap_us_eager
+    launch = cost.kernels * gap * 1e-6
+    if not s.cuda_graphs:
+        host = cost.kernels * p.host_launch_us * 1e-6 + cost.ep_comm
+        launch = max(launch, host - (cost.device - cost.launch))
+    return replace(cost, launch=launch)
+
+
+def stage_costs(s: _Setup, stage_layers: list[tuple[int, ...]]) -> list[StageCost]:
+    n = len(stage_layers)
+    costs = []
+    for index, layers in enumerate(stage_layers):
+        total = _edge_cost(s, index == 0, index == n - 1)
+        for layer in layers:
+            c = _block_cost(s, layer)
+            total = StageCost(total.forward + c.forward, total.backward_input + c.backward_input,
+                              total.backward_weight + c.backward_weight)
+        costs.append(StageCost(_with_launches(s, total.forward),
+                               _with_launches(s, total.backward_input),
+                               _with_launches(s, total.backward_weight)))
+    return costs
+
+
+@functools.lru_cache(maxsize=512)
+def _pipeline_ratio(schedule: str, pp: int, virtual: int, microbatches: int,
+                    f: int, b: int, w: int) -> tuple[float, float]:
+    """(makespan, busiest rank's busy time) of moe_pp's simulated schedule, in ticks."""
+    from moe_pp import Costs, make_schedule, simulate
+
+    timeline = simulate(make_schedule(schedule, pp, virtual, microbatches), Costs(F=f, B=b, W=w))
+    return float(timeline.makespan), float(max(timeline.busy(r) for r in range(pp)))
+
+
+PIPELINE_TICKS = 8  # ticks of the simulated schedule's longest action
+
+
+def pipeline_bubble(schedule: str, pp: int, virtual: int, microbatches: int,
+                    forward: float, backward_input: float, backward_weight: float) -> float:
+    """Idle share of the makespan of moe_pp's schedule simulated with these costs (the
+    longest action quantised to ``PIPELINE_TICKS``); 0 without a pipeline."""
+    if pp < 2:
+        return 0.0
+    split = schedule == "zero_bubble"
+    longest = max(forward, backward_input + (0 if split else backward_weight),
+                  backward_weight if split else 0)
+    tick = longest / PIPELINE_TICKS
+
+    def ticks(x: float) -> int:
+        return max(1, round(x / tick))
+
+    if split:
+        f, b, w = ticks(forward), ticks(backward_input), ticks(backward_weight)
+    else:  # a full backward costs B + W in the simulator
+        full = ticks(backward_input + backward_weight)
+        f, b, w = ticks(forward), max(1, full // 2), max(1, full - full // 2)
+    makespan, busy = _pipeline_ratio(schedule, pp, virtual, microbatches, f, b, w)
+    return 1 - busy / makespan
+
+
+def _owned(p: HeldParam, group: int) -> int:
+    return p.numel // group if group > 1 and is_sharded(p.numel, group, MIN_SHARD_NUMEL) \
+        else p.numel
+
+
+def _grad_sync(s: _Setup, params: list[HeldParam]) -> tuple[float, float, float]:
+    """(reduction seconds, its last bucket's seconds, weight all-gather seconds)."""
+    req = s.req
+    cap = req.bucket_cap_mb * 2**20
+    per_kind: dict[tuple[str, str], float] = {}
+    gather: dict[str, float] = {}
+    for p in params:
+        group = req.dp if p.kind == "dense" else req.dp // req.ep
+        if group < 2:
+            continue
+        sharded = is_sharded(p.numel, group, MIN_SHARD_NUMEL)
+        collective = "reduce_scatter" if req.ddp_mode == "reduce_scatter" and sharded \
+            else "all_reduce"
+        key = (p.kind, collective)
+        per_kind[key] = per_kind.get(key, 0.0) + FP32 * p.numel
+        if sharded:
+            gather[p.kind] = gather.get(p.kind, 0.0) + COMPUTE_BYTES[req.compute_dtype] * p.numel
+    groups = {"dense": Group(req.dp, 1), "expert": Group(req.dp // req.ep, req.ep)}
+    total = last = 0.0
+    for (kind, collective), nbytes in per_kind.items():
+        buckets = max(1, math.ceil(nbytes / cap))
+        run = s.fabric.all_reduce if collective == "all_reduce" else s.fabric.reduce_scatter
+        one = run(nbytes / buckets, groups[kind])
+        total += buckets * one
+        last = max(last, one)
+    gathered = sum(s.fabric.all_gather(n, groups[kind]) for kind, n in gather.items())
+    return total, last, gathered
+
+
+def _optimizer_s(s: _Setup, params: list[HeldParam]) -> tuple[float, float]:
+    """(optimizer seconds, weight rebuild's local seconds) of one rank."""
+    req, p = s.req, s.profile
+    owned = 0
+    ns_flops = 0.0
+    for param in params:
+        group = req.dp if param.kind == "dense" else req.dp // req.ep
+        own = _owned(param, group)
+        owned += own
+        if req.optimizer == "muon" and len(param.shape) >= 2 and not param.name.startswith(
+                ("embed", "head")):
+            rows, cols = param.shape[-2], param.shape[-1]
+            a, c = min(rows, cols), max(rows, cols)
+            batch = own / (rows * cols)
+            ns_flops += batch * NEWTON_SCHULZ_STEPS * (4 * a * a * c + 2 * a ** 3)
+    bw = p.memory_gb_per_s * 1e9
+    optimizer = owned * OPTIMIZER_BYTES / bw + _gemm_s(ns_flops, p.dense_gemm_tflops)
+    return optimizer, owned * REBUILD_BYTES / bw
+
+
+def _accumulation_bytes(req: PlanRequest, params: list[HeldParam]) -> float:
+    """Bytes per microbatch of adding weight gradients to the FP32 main grads.
+
+    Fused (CUDA): the GEMMs read and write the main grad (8 B per element), the expert
+    weight gradients once per ``merge_expert_grads`` microbatches, the embedding only
+    at the rows seen; else a BF16 gradient is added to it by a separate pass."""
+    expert = sum(p.numel for p in params if p.kind == "expert")
+    dense = sum(p.numel for p in params if p.kind == "dense" and not p.name.startswith("embed"))
+    if req.fused_grad_accumulation:
+        return 2 * FP32 * (expert / req.merge_expert_grads + dense)
+    return UNFUSED_ACCUMULATION_BYTES * (expert + dense)
+
+
+def _pp_crossings(req: PlanRequest, gpus_per_node: int) -> int:
+    """Stage boundaries of the first pipeline (ranks 0, dp, 2dp, ...) crossing a node."""
+    ranks = Group(req.pp, req.dp).ranks()
+    return sum(1 for a, b in zip(ranks, ranks[1:], strict=False)
+               if a // gpus_per_node != b // gpus_per_node)
+
+
+def predict_step(req: PlanRequest, profile: Profile, gpus_per_node: int = 8,
+                 cuda_graphs: bool = False, routing_skew: float = 1.0,
+                 shapes: ModelShapes | None = None) -> StepTime:
+    """Predict one optimizer step of ``req`` on GPUs described by ``profile``.
+
+    ``routing_skew``: the busiest EP rank's routed rows over the mean (1: balanced);
+    ``cuda_graphs``: the microbatches replayed from graphs (``train.cuda_graphs``)."""
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
+    if not (math.isfinite(routing_skew) and routing_skew >= 1):
+        raise ValueError(f"routing_skew must be >= 1, got {routing_skew}")
+    m: MoEConfig = req.model
+    shapes = shapes or ModelShapes(m)
+    b = COMPUTE_BYTES[req.compute_dtype]
+    ex = Execution(micro_batch=req.micro_batch, seq_len=req.seq_len, compute_bytes=b,
+                   param_bytes=b, ep=req.ep, ep_backend=req.ep_backend, ep_combine=req.ep_combine,
+                   dense_grads_in_gemm=req.fused_grad_accumulation)
+    fabric = Fabric(profile.links["nvlink"], profile.links["network"], gpus_per_node)
+    s = _Setup(req, profile, fabric, cuda_graphs, routing_skew, ex)
+    stage_layers = shapes.stage_layers(req.pp, req.virtual, req.pp_split, req.seq_len)
+    n_stages = len(stage_layers)
+    costs = stage_costs(s, stage_layers)
+    mb = req.microbatches
+
+    # per pipeline rank: its stages' work per microbatch, and its parameters
+    ranks = []
+    for rank in range(req.pp):
+        own = list(range(rank, n_stages, req.pp))
+        total = PassCost()
+        for st in own:
+            total = total + costs[st].total
+        layers = tuple(layer for st in own for layer in stage_layers[st])
+        params = shapes.held(layers, 0 in own, n_stages - 1 in own, req.ep)
+        total = total + PassCost(memory_bound=_accumulation_bytes(req, params)
+                                 / (profile.memory_gb_per_s * 1e9))
+        ranks.append((total, params, own))
+
+    busiest = max(range(req.pp), key=lambda r: ranks[r][0].device)
+    work, params, own = ranks[busiest]
+    busy = mb * work.device
+    if req.pp > 1:
+        slow = [max(costs[st].forward.device for st in range(n_stages)),
+                max(costs[st].backward_input.device for st in range(n_stages)),
+                max(costs[st].backward_weight.device for st in range(n_stages))]
+        bubble_share = pipeline_bubble(req.schedule, req.pp, req.virtual, mb, *slow)
+        bubble = busy * bubble_share / (1 - bubble_share)
+        crossings = _pp_crossings(req, gpus_per_node)
+        message = b * ex.tokens * m.d_model
+        boundaries = n_stages - 1
+        # the fill and the drain wait on one send per boundary each way; a boundary
+        # between nodes is on the network
+        p2p = 2 * (crossings * fabric.send(message, True)
+                   + (boundaries - crossings) * fabric.send(message, False))
+        sends = mb * (2 * len(own) - (0 in own) - (n_stages - 1 in own))
+        p2p_total = sends * fabric.send(message, crossings > 0)
+    else:
+        bubble = p2p = p2p_total = 0.0
+
+    sync, last_bucket, gather = _grad_sync(s, params)
+    if req.pp == 1:  # buckets launch during the last microbatch's backward
+        sync_exposed = max(last_bucket, sync - costs[0].backward.device) if sync else 0.0
+    else:
+        sync_exposed = sync
+    optimizer, rebuild_local = _optimizer_s(s, params)
+
+    compute = {"expert_gemm": mb * work.expert_gemm, "dense_gemm": mb * work.dense_gemm,
+               "attention": mb * work.attention, "memory_bound": mb * work.memory_bound,
+               "launch_gaps": mb * work.launch, "optimizer": optimizer,
+               "weight_rebuild": rebuild_local}
+    comm = {"ep_all_to_all": mb * work.ep_comm, "dp_grad_sync": sync,
+            "weight_all_gather": gather, "pp_sends": p2p_total}
+    exposed = {"ep_all_to_all": mb * work.ep_comm, "dp_grad_sync": sync_exposed,
+               "weight_all_gather": gather, "pp_sends": p2p}
+    compute_s = sum(compute.values())
+    exposed_s = sum(exposed.values())
+    step = compute_s + exposed_s + bubble
+    tokens = req.global_batch * req.seq_len
+    mfu = flops_per_token(m, req.seq_len) * tokens / step / req.world / (profile.peak_tflops * 1e12)
+    return StepTime(req, profile.name, cuda_graphs, gpus_per_node, step, compute_s, exposed_s,
+                    bubble, compute, comm, exposed, mfu)

@@ -1,0 +1,275 @@
+"""The step-time model: textbook collective volumes, moe_pp's bubbles, FLOPs against
+moe_model's MFU convention, the bundled profile against a recorded step, the ranking,
+and ``pretrain plan --time`` / ``pretrain calibrate`` on the command line (CPU)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import replace
+
+import pytest
+from moe_ddp import sent_bytes
+from moe_model import MoEConfig, flops_per_token
+from moe_pp import Costs, make_schedule, simulate
+from pretrain import planner
+from pretrain.cli import main
+from pretrain.config import load_config
+from pretrain.planner import PlanRequest, load_profile, predict_step
+from pretrain.planner.comm import (
+    Fabric,
+    Group,
+    all_gather_bytes,
+    all_to_all_bytes,
+    reduce_scatter_bytes,
+    ring_all_reduce_bytes,
+)
+from pretrain.planner.profile import Link, Profile, parse_link
+from pretrain.planner.step_time import pipeline_bubble, remote_reach
+from pretrain.planner.sweep import FamilyMember, sweep_time
+
+NBYTES = 3 * 2**20
+
+
+@pytest.mark.parametrize("group", [2, 3, 4, 8, 64])
+def test_collective_volumes_are_the_textbook_ring_volumes(group):
+    assert ring_all_reduce_bytes(NBYTES, group) == pytest.approx(2 * (group - 1) / group * NBYTES)
+    assert reduce_scatter_bytes(NBYTES, group) == pytest.approx((group - 1) / group * NBYTES)
+    assert all_gather_bytes(NBYTES, group) == pytest.approx((group - 1) / group * NBYTES)
+    assert all_to_all_bytes(NBYTES, group) == pytest.approx((group - 1) / group * NBYTES)
+    # moe_ddp's own byte counter (what it compares its modes with) agrees
+    assert ring_all_reduce_bytes(NBYTES, group) == pytest.approx(
+        sent_bytes("all_reduce", NBYTES, group), abs=1)
+    assert reduce_scatter_bytes(NBYTES, group) == pytest.approx(
+        sent_bytes("reduce_scatter", NBYTES, group), abs=1)
+    assert ring_all_reduce_bytes(NBYTES, 1) == reduce_scatter_bytes(NBYTES, 1) == 0
+
+
+NV, NET = Link(alpha_us=3.0, gb_per_s=300.0), Link(alpha_us=11.0, gb_per_s=40.0)
+
+
+def test_collective_times_are_alpha_beta_on_the_link_the_group_uses():
+    fabric = Fabric(NV, NET, gpus_per_node=8)
+    inside, across = Group(8, 1), Group(4, 8)  # ranks 0..7; ranks 0, 8, 16, 24
+    assert fabric.all_reduce(NBYTES, inside) == pytest.approx(
+        14 * 3e-6 + 2 * 7 / 8 * NBYTES / 300e9)
+    assert fabric.reduce_scatter(NBYTES, across) == pytest.approx(
+        3 * 11e-6 + 3 / 4 * NBYTES / 40e9)
+    assert fabric.all_gather(NBYTES, Group(16, 1)) == pytest.approx(
+        15 * 11e-6 + 15 / 16 * NBYTES / 40e9)  # two nodes: the ring is paced by the network
+    # all-to-all over two nodes of 8: 7 peers on NVLink, 8 on the network, at once
+    share = NBYTES / 16
+    assert fabric.all_to_all(NBYTES, Group(16, 1)) == pytest.approx(
+        max(7 * 3e-6 + 7 * share / 300e9, 8 * 11e-6 + 8 * share / 40e9))
+    assert fabric.all_to_all(NBYTES, inside) == pytest.approx(
+        7 * 3e-6 + 7 / 8 * NBYTES / 300e9)
+    assert fabric.all_to_all(NBYTES, inside, efficiency=0.5) == pytest.approx(
+        7 * 3e-6 + 7 / 8 * NBYTES / 150e9)
+
+
+@pytest.mark.parametrize("schedule,pp,virtual,m,f,b,w", [
+    ("1f1b", 4, 1, 8, 2, 2, 2), ("gpipe", 4, 1, 8, 2, 3, 1), ("1f1b", 2, 1, 16, 3, 2, 4),
+    ("1f1b", 4, 2, 8, 2, 2, 2), ("zero_bubble", 4, 1, 8, 2, 2, 2),
+    ("zero_bubble", 3, 1, 6, 4, 3, 3),
+])
+def test_bubble_is_moe_pp_simulators(schedule, pp, virtual, m, f, b, w):
+    sim = simulate(make_schedule(schedule, pp, virtual, m), Costs(F=f, B=b, W=w))
+    expected = max(sim.bubble_fraction(r) for r in range(pp))
+    share = pipeline_bubble(schedule, pp, virtual, m, f * 0.001, b * 0.001, w * 0.001)
+    if schedule == "zero_bubble":
+        assert share == pytest.approx(expected)
+    else:  # a full backward costs B + W; the ticks split it evenly (same sum)
+        half = (b + w) // 2
+        even = simulate(make_schedule(schedule, pp, virtual, m), Costs(F=f, B=half, W=b + w - half))
+        assert share == pytest.approx(max(even.bubble_fraction(r) for r in range(pp)))
+    if schedule in ("1f1b", "gpipe") and virtual == 1:  # the textbook (pp-1) / (m+pp-1)
+        assert share == pytest.approx((pp - 1) / (m + pp - 1))
+
+
+def _flat_profile(rate: float = 500.0) -> Profile:
+    """Every GEMM and attention at one FLOP rate (the backward's 2.5x FLOPs at 2.5/2 of it),
+    nothing else costing time."""
+    return Profile(name="flat", source="test", device="none", peak_tflops=rate,
+                   dense_gemm_tflops=rate, expert_gemm_tflops=rate, expert_gemm_half_rows=0.0,
+                   attention_fwd_tflops=rate, attention_bwd_tflops=1.25 * rate,
+                   memory_gb_per_s=1e12, kernel_gap_us_graphs=0.0, kernel_gap_us_eager=0.0,
+                   host_launch_us=0.0, gpu_gib=140.0,
+                   links={"nvlink": Link(0.0, 1e9), "network": Link(0.0, 1e9)})
+
+
+MODEL = MoEConfig(vocab_size=512, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
+                  n_experts=8, top_k=2, expert_hidden=64, n_shared_experts=1, n_dense_layers=1)
+
+
+def test_gemm_and_attention_time_is_moe_models_mfu_flops():
+    """With every rate equal, GEMMs and attention take flops_per_token x tokens / rate
+    (less the norms' weights, which flops_per_token counts as multiply-adds)."""
+    req = PlanRequest(model=MODEL, world=1, micro_batch=2, seq_len=64, global_batch=6)
+    st = predict_step(req, _flat_profile(), cuda_graphs=True)
+    tokens = 6 * 64
+    norms = MODEL.n_layers * (2 * MODEL.d_model + 2 * MODEL.head_dim) + MODEL.d_model
+    expected = (flops_per_token(MODEL, 64) - 6 * norms) * tokens / 500e12
+    got = sum(st.compute[k] for k in ("expert_gemm", "dense_gemm", "attention"))
+    assert got == pytest.approx(expected, rel=1e-9)
+    assert st.step_s == pytest.approx(st.compute_s + st.exposed_comm_s + st.bubble_s)
+    assert st.tokens_per_s == pytest.approx(tokens / st.step_s)
+
+
+def test_recompute_and_graphs_and_skew_move_the_step_the_right_way():
+    profile = load_profile("h200")
+    base = PlanRequest(model=MODEL, world=2, ep=2, ep_backend="all_to_all", micro_batch=2,
+                       seq_len=64, global_batch=8)
+    st = predict_step(base, profile)
+    assert predict_step(replace(base, model=replace(MODEL, recompute="block")),
+                        profile).step_s > st.step_s
+    assert predict_step(base, profile, cuda_graphs=True).step_s < st.step_s
+    assert predict_step(base, profile, routing_skew=1.5).step_s > st.step_s
+    assert st.exposed["ep_all_to_all"] > 0 and st.exposed["dp_grad_sync"] >= 0
+
+
+def test_remote_reach_is_the_hypergeometric_expectation():
+    assert remote_reach(64, 8, 1) == 0
+    # two ranks of 32 experts: the other rank holds none of 8 distinct experts w.p. C(32,8)/C(64,8)
+    assert remote_reach(64, 8, 2) == pytest.approx(1 - 10518300 / 4426165368)
+    assert remote_reach(8, 1, 8) == pytest.approx(7 / 8)
+
+
+def test_pipeline_bubble_enters_the_step():
+    req = PlanRequest(model=MODEL, world=2, pp=2, micro_batch=1, seq_len=64, global_batch=4)
+    st = predict_step(req, load_profile("h200"))
+    busy = st.step_s - st.bubble_s - st.exposed_comm_s - st.compute["optimizer"] \
+        - st.compute["weight_rebuild"]
+    assert st.bubble_s > 0
+    # 1F1B with 4 microbatches on 2 ranks: about (pp-1)/(m+pp-1) = 1/5 idle (stages differ)
+    assert 0.1 < st.bubble_s / (busy + st.bubble_s) < 0.3
+
+
+def test_bundled_h200_profile_predicts_the_recorded_bench_step():
+    """bench-1gpu replayed from graphs measured 106.1k-106.4k tok/s (docs/performance.md)."""
+    cfg = load_config("bench-1gpu", [])
+    st = predict_step(PlanRequest.from_config(cfg, 1), load_profile("h200"), cuda_graphs=True)
+    assert st.tokens_per_s_per_gpu == pytest.approx(106.1e3, rel=0.10)
+
+
+def test_profiles_load_and_bad_ones_are_named(tmp_path):
+    h200 = load_profile("h200")
+    assert h200.source and h200.device == "NVIDIA H200"  # says where its figures come from
+    assert Profile.from_json(json.loads(json.dumps(h200.to_json()))) == h200
+    assert load_profile("b200").links["nvlink"].gb_per_s > h200.links["nvlink"].gb_per_s
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps({**h200.to_json(), "dense_gemm_tflop": 1}))
+    with pytest.raises(ValueError, match=r"p\.json: unknown key 'dense_gemm_tflop'"):
+        load_profile(bad)
+    bad.write_text(json.dumps({**h200.to_json(), "memory_gb_per_s": -1}))
+    with pytest.raises(ValueError, match="memory_gb_per_s"):
+        load_profile(bad)
+    with pytest.raises(ValueError, match="no profile 'h300'"):
+        load_profile("h300")
+    assert parse_link("network=ib-xdr-800")[1].gb_per_s == 90.0
+    assert parse_link("nvlink=2,100") == ("nvlink", Link(2.0, 100.0))
+    with pytest.raises(ValueError, match="CLASS"):
+        parse_link("nvswitch=2,100")
+
+
+SMALL_FAMILY = (FamilyMember("small-a", replace(MODEL, n_dense_layers=0), "-"),
+                FamilyMember("small-b", replace(MODEL, n_experts=16, n_dense_layers=0), "-"))
+
+
+def test_time_sweep_ranks_by_tokens_per_s_deterministically():
+    profile = load_profile("h200")
+    first = sweep_time(profile, SMALL_FAMILY, (16, 32), gpu_gib=4.0)
+    again = sweep_time(profile, SMALL_FAMILY, (16, 32), gpu_gib=4.0)
+    key = [[(t.plan.request.pp, t.plan.request.ep, t.plan.request.model.recompute)
+            for t in r.ranked] for r in first]
+    assert key == [[(t.plan.request.pp, t.plan.request.ep, t.plan.request.model.recompute)
+                    for t in r.ranked] for r in again]
+    for result in first:
+        assert result.ranked and all(t.plan.fits for t in result.ranked)
+        speeds = [t.time.tokens_per_s for t in result.ranked]
+        assert speeds == sorted(speeds, reverse=True)
+
+
+def test_time_sweep_breaks_ties_by_layout_preference(monkeypatch):
+    sweep_module = importlib.import_module("pretrain.planner.sweep")
+    real = sweep_module.predict_step
+    monkeypatch.setattr(sweep_module, "predict_step", lambda req, *a, **k: replace(
+        real(req, *a, **k), step_s=1.0))
+    result = sweep_time(load_profile("h200"), SMALL_FAMILY[:1], (16,), gpu_gib=4.0)[0]
+    assert [t.preference for t in result.ranked] == sorted(t.preference for t in result.ranked)
+
+
+def test_plan_time_prints_the_prediction_next_to_memory(capsys):
+    assert main(["plan", "--config", "tiny", "--time"]) == 0
+    out = capsys.readouterr().out
+    assert "torch.cuda.max_memory_allocated should read" in out
+    assert "predicted step time (profile h200-recorded; 1 GPU on 1 node of 8" in out
+    assert "tokens/s per GPU, MFU" in out and "pipeline bubble" in out
+    assert main(["plan", "--config", "tiny", "--gpus", "2", "--gpus-per-node", "1", "--time",
+                 "--json", "--link", "network=ib-xdr-800", "parallel.ep=2"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    st = data["step_time"]
+    assert st["gpus_per_node"] == 1 and st["step_s"] == pytest.approx(
+        st["compute_s"] + st["exposed_comm_s"] + st["bubble_s"])
+    assert st["exposed"]["ep_all_to_all"] > 0
+
+
+def test_plan_time_rejects_a_bad_profile_in_one_line(capsys, tmp_path):
+    assert main(["plan", "--config", "tiny", "--time", "--profile", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "x.json does not exist" in err[0]
+    assert main(["plan", "--config", "tiny", "--time", "--link", "network=1"]) == 2
+    assert "--link 'network=1'" in capsys.readouterr().err
+    assert main(["plan", "--config", "tiny", "--time", "--gpus-per-node", "0"]) == 2
+
+
+def test_plan_sweep_time_prints_ranked_layouts(capsys, monkeypatch):
+    monkeypatch.setattr(planner, "FAMILY", SMALL_FAMILY)
+    monkeypatch.setattr(planner, "GPU_COUNTS", (16,))
+    assert main(["plan", "--sweep", "--time", "--gpu-gib", "4", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "predictions, not measurements" in out and "small-b" in out
+    assert main(["plan", "--sweep", "--time", "--gpu-gib", "4", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["model"] for r in rows} == {"small-a", "small-b"}
+    for model in ("small-a", "small-b"):
+        speeds = [r["tokens_per_s_per_gpu"] for r in rows if r["model"] == model]
+        assert speeds == sorted(speeds, reverse=True)
+
+
+def test_expert_rate_fit_recovers_the_curve():
+    from pretrain.planner.calibrate import fit_expert_rate
+
+    rates = [(m, 640.0 * m / (m + 96.0)) for m in (128, 512, 2048)]
+    peak, half = fit_expert_rate(rates)
+    assert peak == pytest.approx(640.0) and half == pytest.approx(96.0)
+    assert fit_expert_rate([(128, 500.0), (512, 480.0)]) == (500.0, 0.0)  # falling: flat fit
+
+
+def test_calibrate_refuses_bad_input_in_one_line(capsys, tmp_path):
+    assert main(["calibrate", "--out", str(tmp_path / "no" / "p.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not exist" in err[0]
+    assert main(["calibrate", "--out", str(tmp_path / "p.json"), "--link", "x=1,2"]) == 2
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.slow
+def test_calibrate_on_cpu_writes_a_profile_plan_reads(capsys, tmp_path):
+    out = tmp_path / "cpu.json"
+    assert main(["calibrate", "--device", "cpu", "--out", str(out), "--link",
+                 "network=ib-xdr-800"]) == 0
+    profile = load_profile(out)
+    assert profile.device == "cpu" and profile.links["network"].gb_per_s == 90.0
+    assert main(["plan", "--config", "tiny", "--time", "--profile", str(out)]) == 0
+    assert "cpu calibrated" in capsys.readouterr().out
+
+
+def test_a_skewed_ep_rank_runs_at_most_its_capacity():
+    """Capacity factor 1.25: the busiest rank's rows stop growing at 1.25x the mean."""
+    model = replace(MODEL, capacity_factor=1.25, n_dense_layers=0)
+    req = PlanRequest(model=model, world=2, ep=2, ep_backend="all_to_all", micro_batch=2,
+                      seq_len=64, global_batch=8)
+    profile = replace(_flat_profile(), expert_gemm_half_rows=0.0)
+    mean, capped, over = (predict_step(req, profile, routing_skew=k).compute["expert_gemm"]
+                          for k in (1.0, 1.25, 2.0))
+    assert capped == pytest.approx(1.25 * mean) and over == pytest.approx(capped)

@@ -1,0 +1,71 @@
+"""What a training loop attaches to a model it runs, in one call.
+
+The model holds no parallelism; a trainer that runs it under data, expert or pipeline
+parallelism plugs four things into its layers: the gradient weight of the auxiliary
+losses (``1 / N``, the token-loss divisor), a gradient sink for the weight gradients
+(``moe_model.sink``), the reduction of the routing counts over data-parallel ranks
+(``global_batch`` load balancing) and a token dispatcher per MoE layer (expert
+parallelism). ``wire_model`` sets all of them from one ``ModelWiring``, so what a model
+runs with is stated in one place; it sets them on the modules that use them (the
+experts, linear layers, embedding and MoE layers), which every view of the model that
+shares those modules (a pipeline stage) sees too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from moe_model.dispatch import TokenDispatcher
+from moe_model.embedding import Embedding
+from moe_model.experts import GroupedExperts
+from moe_model.linear import Linear
+from moe_model.model import MoETransformer
+from moe_model.moe import CountReducer, MoELayer
+from moe_model.sink import GradientSink
+
+
+@dataclass(frozen=True)
+class ModelWiring:
+    """The attachments of a model; the defaults are a model on its own.
+
+    ``aux_loss_scale``: the gradient of each auxiliary loss (``1 / N`` for a token-loss
+    sum divided by ``N``); ``gradient_sink``: where the routed experts', the dense linear
+    layers' and the untied embedding's weight gradients go (tied embeddings keep
+    autograd's path for the embedding and the head: their one parameter gets both
+    gradients, summed by autograd); ``count_reducer``: sums the routing counts over the
+    data-parallel ranks; ``dispatchers``: MoE layer name (as ``named_modules`` of the
+    wired module gives it) -> its dispatcher; layers not named keep theirs.
+    """
+
+    aux_loss_scale: float = 1.0
+    gradient_sink: GradientSink | None = None
+    count_reducer: CountReducer | None = None
+    dispatchers: Mapping[str, TokenDispatcher] = field(default_factory=dict)
+
+
+def wire_model(model: nn.Module, wiring: ModelWiring) -> None:
+    """Attach ``wiring`` to ``model`` (a whole model, a part of one, or a single layer).
+
+    Refuses a dispatcher for a name that is not a MoE layer of ``model``.
+    """
+    modules = dict(model.named_modules())
+    unknown = sorted(n for n in wiring.dispatchers if not isinstance(modules.get(n), MoELayer))
+    if unknown:
+        raise ValueError(f"dispatchers for {unknown}: not MoE layers of the model")
+    tied = {id(m.head) for m in modules.values()
+            if isinstance(m, MoETransformer) and m.config.tie_embeddings and m.head is not None}
+    tied_embeddings = {id(m.embed) for m in modules.values()
+                       if isinstance(m, MoETransformer) and m.config.tie_embeddings}
+    for name, module in modules.items():
+        if isinstance(module, GroupedExperts | Linear):
+            module.grad_sink = None if id(module) in tied else wiring.gradient_sink
+        elif isinstance(module, Embedding):
+            module.grad_sink = None if id(module) in tied_embeddings else wiring.gradient_sink
+        elif isinstance(module, MoELayer):
+            module.aux_loss_scale = wiring.aux_loss_scale
+            module.count_reducer = wiring.count_reducer
+            if name in wiring.dispatchers:
+                module.dispatcher = wiring.dispatchers[name]

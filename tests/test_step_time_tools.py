@@ -1,0 +1,40 @@
+"""The step-time tools' CPU side: validate_step_time's dry run (every shape planned and
+predicted, within an H200) and step_time_table's Markdown (marked as predictions)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from moe_testing import load_script
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def test_validate_step_time_dry_run_predicts_every_shape(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOLS))  # the tool imports bench_train_step beside it
+    tool = load_script(TOOLS / "validate_step_time.py")
+    report = tool.main(["--dry-run", "--out", str(tmp_path / "v.json")])
+    rows = report["rows"]
+    assert {(r["shape"], r["graphs"]) for r in rows} == {
+        (s, g) for s in tool.SHAPES for g in ("on", "off")}
+    for r in rows:
+        assert r["predicted"]["fits"] and r["predicted"]["tokens_per_s"] > 0
+        assert "measured" not in r
+    by = {(r["shape"], r["graphs"]): r["predicted"]["step_ms"] for r in rows}
+    for shape in tool.SHAPES:  # graphs never slower than eager launches
+        assert by[shape, "on"] <= by[shape, "off"]
+    assert (tmp_path / "v.json").exists()
+
+
+@pytest.mark.slow
+def test_step_time_table_marks_its_figures_as_predictions(tmp_path, monkeypatch):
+    tool = load_script(TOOLS / "step_time_table.py")
+    from pretrain.planner import FAMILY
+
+    monkeypatch.setattr(tool, "FAMILY", FAMILY[:1])
+    monkeypatch.setattr(tool, "GPU_COUNTS", (16,))
+    tool.main(["--profiles", "h200", "--markdown", str(tmp_path / "t.md")])
+    text = (tmp_path / "t.md").read_text()
+    assert "not measurements" in text and "profile `h200-recorded`" in text
+    assert "| tiny | 16 |" in text
