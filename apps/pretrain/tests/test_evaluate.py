@@ -273,6 +273,19 @@ def test_validation_data_of_another_tokenizer_or_vocabulary_is_refused(data, tmp
     assert not run.exists()
 
 
+def test_token_files_without_a_tokenizer_record_compare_by_vocabulary(tmp_path):
+    """Files from other tools carry only dtype and vocab_size: both sides ``unknown``."""
+    for name, n in (("train", 2000), ("val", 500)):
+        (tmp_path / name).mkdir()
+        np.random.default_rng(n).integers(0, 300, n, dtype=np.uint16).tofile(tmp_path / name / "a.bin")
+        (tmp_path / name / "tokens.json").write_text('{"dtype": "uint16", "vocab_size": 300}')
+    records = train(load_config("tiny", [f"data.path={tmp_path / 'train'}", "train.steps=1",
+                                         "optim.schedule=constant",
+                                         f"data.val_path={tmp_path / 'val'}", "eval.tokens=64",
+                                         f"run_dir={tmp_path / 'run'}", "checkpoint.final=false"]))
+    assert math.isfinite(records[0]["val_loss"])
+
+
 @pytest.mark.parametrize("args, message", [
     (["eval.every=3"], "eval.every=3 needs data.val_path"),
     (["eval.every=-1"], "eval.every must be >= 0 or none, got -1"),

@@ -54,14 +54,19 @@ def eval_every(cfg: PretrainConfig) -> int:
 
 def check_val_data(cfg: PretrainConfig) -> TokenDirInfo:
     """``data.val_path``'s sidecar, checked to record the training data's tokenizer and
-    vocabulary (token ids of another tokenizer would score text the model never saw)."""
+    vocabulary (token ids of another tokenizer would score text the model never saw).
+
+    Tokenizers compare by SHA-256 when either sidecar records one, else by name (token
+    files from other tools record none: both ``unknown``)."""
     val = token_dir_info(cfg.data.val_path, "data.val_path")
     train = training_data_info(cfg.data)
     if train is None:
         raise ValidationDataError(
             f"data.val_path={cfg.data.val_path!r} needs training data from a token directory "
             f"(data.path or data.sources) to compare tokenizers, not data.path={cfg.data.path!r}")
-    if not val.tokenizer.same_as(train.tokenizer) or val.vocab_size != train.vocab_size:
+    hashed = val.tokenizer.sha256 is not None or train.tokenizer.sha256 is not None
+    same = val.tokenizer.same_as(train.tokenizer) if hashed else val.tokenizer.name == train.tokenizer.name
+    if not same or val.vocab_size != train.vocab_size:
         raise ValidationDataError(
             f"{val.sidecar} (tokenizer {val.tokenizer.name!r}, sha256 {val.tokenizer.sha256}, "
             f"vocab_size {val.vocab_size}) does not match the training data's {train.sidecar} "
