@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from moe_model import documents_from_eos
 from moe_testing import run_distributed
 from pretrain.cli import main
 from pretrain.config import load_config, validate_layout
@@ -46,10 +47,12 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
     """Byte-token directories: training text and held-out text of the same kind."""
     root = tmp_path_factory.mktemp("data")
     (root / "train.txt").write_text(_text(1, 3000))
-    (root / "val.txt").write_text(_text(2, 300))
+    (root / "val").mkdir()
+    for i in range(12):  # documents of about 100 tokens: several in a window
+        (root / "val" / f"{i:02d}.txt").write_text(_text(2 + i, 25))
     prepare_data([root / "train.txt"], root / "train")
-    prepare_data([root / "val.txt"], root / "val")
-    return root / "train", root / "val"
+    prepare_data([root / "val"], root / "val_tokens")
+    return root / "train", root / "val_tokens"
 
 
 def _overrides(data: tuple[Path, Path], *more: str) -> list[str]:
@@ -71,12 +74,15 @@ class _NoStop:
         return ""
 
 
-def _oracle(val_dir: Path, model: torch.nn.Module, n_windows: int) -> float:
-    """Mean next-token cross entropy of the first ``n_windows`` windows, in one forward."""
+def _oracle(val_dir: Path, model: torch.nn.Module, n_windows: int, eos: int | None = None) -> float:
+    """Mean next-token cross entropy of the first ``n_windows`` windows, in one forward
+    (``eos``: attention inside the documents that end with it)."""
     tokens = np.fromfile(val_dir / "part-00000.bin", dtype=np.uint16).astype(np.int64)
     windows = torch.from_numpy(np.stack([tokens[i * SEQ:i * SEQ + SEQ + 1] for i in range(n_windows)]))
+    inputs = windows[:, :-1]
+    documents = None if eos is None else documents_from_eos(inputs, eos)
     with torch.no_grad():
-        logits = model(windows[:, :-1])
+        logits = model(inputs, documents=documents)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(),
                            windows[:, 1:].reshape(-1)).item()
 
@@ -90,13 +96,17 @@ def test_eval_rows_hold_each_window_once_on_every_layout():
         assert (ids[ids < 0] == -1).all()
 
 
-def test_one_process_eval_is_the_plain_models_loss_on_the_first_windows(data):
+@pytest.mark.parametrize("more", [[], ["data.document_mask=true"], ["model.recompute=block"]],
+                         ids=["causal", "document_mask", "recompute"])
+def test_one_process_eval_is_the_plain_models_loss_on_the_first_windows(data, more):
     with distributed("cpu"):
-        trainer = _trainer(_overrides(data))
+        trainer = _trainer(_overrides(data, *more))
         try:
             assert trainer.evaluator.n_windows == N_WINDOWS  # eval.tokens // seq_len
             ours = trainer.evaluate().item() / trainer.evaluator.n_tokens
-            expected = _oracle(data[1], trainer.model, N_WINDOWS)
+            expected = _oracle(data[1], trainer.model, N_WINDOWS, trainer.document_eos)
+            if trainer.document_eos is not None:  # the mask matters on these windows
+                assert abs(_oracle(data[1], trainer.model, N_WINDOWS) - expected) > 1e-3
         finally:
             trainer.close()
     assert ours == pytest.approx(expected, rel=REL)
