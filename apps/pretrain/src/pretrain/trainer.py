@@ -40,10 +40,10 @@ from the second step on, as one phase ``graph``; the rest of the step runs as be
 
 Host synchronisation: none inside the step on GPU (the no-sync transports,
 device-side routing, clipping and skip flag). The one synchronisation per step
-is at the end of ``train_step``: one copy of the reduced values, the gradient norm, the skip flag,
-the held-out loss sum on an evaluation step and (on GPU) the ranks' largest peak memory (a one-element MAX all-reduce queued just
-before) to the host at the end of the step, which the logging, the skip counter and
-the stop decision need. (``parallel.ep_backend=all_to_all`` adds the host-visible
+is at the end of ``train_step``: one copy of the reduced values, the gradient norm, the
+skip flag, the held-out loss sum on an evaluation step and (on GPU) the ranks' largest
+peak memory (a one-element MAX all-reduce queued just before) to the host at the end of
+the step, which the logging, the skip counter and the stop decision need. (``parallel.ep_backend=all_to_all`` adds the host-visible
 split sizes of its all-to-all; ``rowwise`` does not.)
 
 Shape legend: L MoE layers of the model, E experts.
@@ -290,7 +290,10 @@ class Trainer:
         self.ddp.zero_grad()
 
         # the held-out loss of the weights this step made, read with the step's record
-        val_loss_sum = self.evaluate() if evaluate else None
+        val_loss_sum = None
+        if evaluate:
+            self._mark("eval")
+            val_loss_sum = self.evaluate()
         self._mark(None)
 
         # the step's one host synchronisation
@@ -302,7 +305,6 @@ class Trainer:
         touched, nothing a captured graph reads changed."""
         if self.evaluator is None:
             raise ConfigError("evaluating needs data.val_path")
-        self._mark("eval")
         return self.evaluator.loss_sum()
 
     # -- forward and backward (device work only) ------------------------------------
