@@ -43,8 +43,9 @@ device-side routing, clipping and skip flag). The one synchronisation per step
 is at the end of ``train_step``: one copy of the reduced values, the gradient norm, the
 skip flag, the held-out loss sum on an evaluation step and (on GPU) the ranks' largest
 peak memory (a one-element MAX all-reduce queued just before) to the host at the end of
-the step, which the logging, the skip counter and the stop decision need. (``parallel.ep_backend=all_to_all`` adds the host-visible
-split sizes of its all-to-all; ``rowwise`` does not.)
+the step, which the logging, the skip counter and the stop decision need.
+(``parallel.ep_backend=all_to_all`` adds the host-visible split sizes of its
+all-to-all; ``rowwise`` does not.)
 
 Shape legend: L MoE layers of the model, E experts.
 """
