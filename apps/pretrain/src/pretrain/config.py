@@ -179,8 +179,10 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
-    every: int | None = None  # evaluate every N steps and at the end (0: never); None: 10% of the run
-    tokens: int = 1 << 20  # held-out tokens per evaluation (at most data.val_path's)
+    # evaluate data.val_path every N steps and at the run's end (0: never); none: every 10% of
+    # train.steps
+    every: int | None = None
+    tokens: int = 1 << 20  # held-out tokens per evaluation (the first ones; at most data.val_path's)
 
 
 @dataclass
