@@ -6,7 +6,8 @@ losses scaled by the same divisor. Every schedule, PP2 and PP4, with and without
 virtual stages; float32, max relative difference per tensor < 1e-5. The MoE
 load-balancing loss has a nonzero coefficient, and the test first checks that it
 changes the router gradients by far more than the tolerance, so equal router
-gradients prove the auxiliary loss flows through the pipeline.
+gradients prove the auxiliary loss flows through the pipeline. ``forward_only`` (an
+evaluation) against the unsplit model's loss sum under ``no_grad``.
 """
 
 from __future__ import annotations
@@ -190,3 +191,32 @@ def test_zero_bubble_refuses_activation_recompute(recompute):
                                             f"config.recompute='{recompute}'"):
         Pipeline(stages, make_schedule("zero_bubble", 2, 1, N_MICRO), lm_loss_sum,
                  (MICRO_BATCH, SEQ, CFG["d_model"]), torch.float32)
+
+
+def _forward_only() -> dict:
+    """``forward_only`` of more microbatches than the schedule's, with 1 and 2 stages per
+    rank: the unscaled loss sum on the last stage's rank, zero elsewhere, no gradient."""
+    inputs, targets, _ = _batch()
+    inputs, targets = inputs + inputs[:3], targets + targets[:3]  # 7 microbatches, schedule's 4
+    model = _model(1.0)
+    with torch.no_grad():
+        expected = sum(lm_loss_sum(model(x), y).item() for x, y in zip(inputs, targets, strict=True))
+    sums = {}
+    for virtual in VIRTUAL:
+        pipe = build_pipeline(
+            _model(1.0), PipelineConfig(schedule="1f1b", virtual_stages=virtual), N_MICRO,
+            loss_fn=lm_loss_sum, activation_shape=(MICRO_BATCH, SEQ, CFG["d_model"]),
+            activation_dtype=torch.float32,
+        )
+        sums[virtual] = pipe.forward_only(inputs, targets).item()
+        assert all(p.grad is None for p in pipe.module.parameters())
+        dist.barrier()
+    return {"expected": expected, "sums": sums}
+
+
+@pytest.mark.multiprocess
+def test_forward_only_sums_the_unsplit_models_loss():
+    reports = run_distributed(_forward_only, 2, timeout=300)
+    for virtual in VIRTUAL:
+        assert reports[0]["sums"][virtual] == 0.0
+        assert reports[1]["sums"][virtual] == pytest.approx(reports[1]["expected"], rel=TOL)

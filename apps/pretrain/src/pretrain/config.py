@@ -38,6 +38,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DataSource",
+    "EvalConfig",
     "Layout",
     "MetricsConfig",
     "OptimConfig",
@@ -142,6 +143,7 @@ class DataConfig:
     # attention stays inside each document of a window (documents end with the data's eos_id);
     # needs token data with an end-of-text id; not with parallel.pp > 1 or train.cuda_graphs
     document_mask: bool = False
+    val_path: str = ""  # held-out token directory (or .bin) for evaluation; empty: none
 
     def validate(self, where: str = "") -> None:
         """The mixture's settings (``where``: the origin of data.sources, for the message)."""
@@ -179,6 +181,14 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalConfig:
+    # evaluate data.val_path every N steps and at the run's end (0: never); none: every 10% of
+    # train.steps
+    every: int | None = None
+    tokens: int = 1 << 20  # held-out tokens per evaluation (the first ones; at most data.val_path's)
+
+
+@dataclass
 class MetricsConfig:
     expert_load_every: int = 10  # record tokens per expert per layer every N steps (0: never)
     tensorboard: bool = False  # also write TensorBoard events to run_dir/tensorboard (the tensorboard extra)
@@ -207,6 +217,7 @@ class PretrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run_dir: str | None = None  # output folder; None: a new folder under runs/
     seed: int = 0  # seeds initialisation (and the data order unless data.seed is set)
 
@@ -229,7 +240,7 @@ class PretrainConfig:
         positive = ["train.steps", "train.seq_len", "train.global_batch", "train.micro_batch",
                     "train.max_consecutive_skips", "train.collective_timeout_s", "parallel.pp", "parallel.pp_virtual_stages",
                     "parallel.ep", "parallel.bucket_cap_mb", "parallel.merge_expert_grad_microbatches",
-                    "optim.lr", "optim.muon_lr"]
+                    "optim.lr", "optim.muon_lr", "eval.tokens"]
         non_negative = ["optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay",
                         "optim.grad_clip", "optim.expert_lr_mult", "optim.eps",
                         "checkpoint.every", "checkpoint.keep_last", "metrics.expert_load_every",
@@ -243,6 +254,13 @@ class PretrainConfig:
                 raise ConfigError(f"{key} must be {bound}, got {value}")
         if self.seed >= 1 << 64:
             raise ConfigError(f"seed must be below 2**64 (torch's generator seed), got {self.seed}")
+        if self.eval.every is not None and self.eval.every < 0:
+            raise ConfigError(f"eval.every must be >= 0 or none, got {self.eval.every}")
+        if self.eval.every and not self.data.val_path:
+            raise ConfigError(f"eval.every={self.eval.every} needs data.val_path")
+        if self.data.val_path and self.eval.tokens < self.train.seq_len:
+            raise ConfigError(f"eval.tokens={self.eval.tokens} holds no window of "
+                              f"train.seq_len={self.train.seq_len} tokens")
         for key in ("data.seed", "train.stop_after"):
             value = self._get(key)
             if value is not None and value < (0 if key == "data.seed" else 1):

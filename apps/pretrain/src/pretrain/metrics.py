@@ -16,7 +16,9 @@ uniform load gives ``lb_loss`` 1), ``expert_load_imbalance`` (worst layer's
 max/mean tokens per expert), ``dropped_token_rate`` (routed slots
 no expert processed), on GPU ``mfu`` and ``peak_mem_gib``, and at step 1 and
 every ``metrics.expert_load_every`` steps ``expert_load`` (tokens per expert, one
-list per MoE layer). Non-finite floats are written as ``null``.
+list per MoE layer), on evaluation steps (``eval.every`` and the run's last)
+``val_loss`` (mean loss per target token of the held-out windows of
+``data.val_path``) and ``val_ppl`` (its ``exp``). Non-finite floats are written as ``null``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """``pretrain plot RUN_DIR``: loss, throughput and expert load as PNGs beside the metrics.
 
 Reads ``metrics.jsonl`` only, so it works on a finished run, a running one, or a
-copied folder. The expert-load figure has one heatmap per MoE layer (experts
+copied folder. The loss figure holds the training loss and, when the run evaluates
+held-out data (``data.val_path``), the validation loss at its evaluation steps. The expert-load figure has one heatmap per MoE layer (experts
 down, recorded steps across), coloured by each expert's share relative to a
 uniform load on a log2 scale: white is balanced, red overloaded, blue starved,
 which makes a collapsing router visible at a glance. matplotlib is imported
@@ -87,6 +88,10 @@ def _plot_loss(plt: Any, records: list[dict[str, Any]], path: Path) -> None:
                      label=f"mean of {window} steps")
     else:
         ax_loss.plot(steps, loss, color="tab:blue", lw=1.5, marker=".", label="loss")
+    val_steps, val_loss = _series(records, "val_loss")
+    if len(val_loss):
+        ax_loss.plot(val_steps, val_loss, color="tab:orange", lw=1.5, marker="o", ms=4,
+                     label="validation loss (data.val_path)")
     skipped = [r["step"] for r in records if r.get("skipped")]
     for s in skipped:
         ax_loss.axvline(s, color="tab:red", alpha=0.4, lw=1)

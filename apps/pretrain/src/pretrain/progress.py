@@ -31,6 +31,8 @@ def step_numbers(record: Mapping[str, Any]) -> str:
         f"grad_norm {record['grad_norm']:.3f}",
         f"tok/s {record['tokens_per_s']:,.0f}",
     ]
+    if "val_loss" in record:
+        parts.append(f"val_loss {record['val_loss']:.4f}")
     if "mfu" in record:
         parts.append(f"mfu {100 * record['mfu']:.1f}%")
     if "peak_mem_gib" in record:

@@ -27,6 +27,9 @@ reducer and the EP dispatchers).
    one SUM all-reduce over the world (``pretrain.moe_stats``); the routers' bias
    step (aux-loss-free balancing) from the step's expert load summed over DP,
    once per step, on the device, and not on a skipped step.
+5. ``eval``, on the steps ``fit`` evaluates (every ``eval.every`` steps and the run's
+   last): the held-out windows' loss under the updated weights (``pretrain.evaluate``),
+   forward only, its sum left on the device for the step's read.
 
 With ``train.cuda_graphs`` the step's forward and backward is a
 ``pretrain.graphs.GraphedForwardBackward`` in place of the eager one: the first step
@@ -37,17 +40,19 @@ from the second step on, as one phase ``graph``; the rest of the step runs as be
 
 Host synchronisation: none inside the step on GPU (the no-sync transports,
 device-side routing, clipping and skip flag). The one synchronisation per step
-is at the end of ``train_step``: one copy of the reduced values, the gradient norm, the skip flag and
-(on GPU) the ranks' largest peak memory (a one-element MAX all-reduce queued just
-before) to the host at the end of the step, which the logging, the skip counter and
-the stop decision need. (``parallel.ep_backend=all_to_all`` adds the host-visible
-split sizes of its all-to-all; ``rowwise`` does not.)
+is at the end of ``train_step``: one copy of the reduced values, the gradient norm, the
+skip flag, the held-out loss sum on an evaluation step and (on GPU) the ranks' largest
+peak memory (a one-element MAX all-reduce queued just before) to the host at the end of
+the step, which the logging, the skip counter and the stop decision need.
+(``parallel.ep_backend=all_to_all`` adds the host-visible split sizes of its
+all-to-all; ``rowwise`` does not.)
 
 Shape legend: L MoE layers of the model, E experts.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -74,6 +79,7 @@ from pretrain.build import build_model_part
 from pretrain.config import ConfigError, PretrainConfig
 from pretrain.data import BatchReader, document_eos_id, open_data
 from pretrain.divergence import SkipGuard
+from pretrain.evaluate import Evaluator, eval_every
 from pretrain.graphs import GraphedForwardBackward, MicrobatchGraphs, UnitGraphs
 from pretrain.mesh import ParallelMesh
 from pretrain.metrics import MetricsLog
@@ -171,6 +177,9 @@ class Trainer:
         # reference cycle would keep a closed trainer's GPU memory until a gc pass)
         self._graphs: GraphedForwardBackward | None = None
         self.skips = SkipGuard(t.max_consecutive_skips)  # continued by a resume
+        self.eval_every = eval_every(cfg)  # 0: no held-out evaluation
+        self.evaluator = (Evaluator(cfg, mesh, device, self.part, self.document_eos)
+                          if self.eval_every else None)
         if t.cuda_graphs:
             if device.type != "cuda":
                 raise ConfigError(f"train.cuda_graphs needs a CUDA device, this run uses {device}")
@@ -240,12 +249,16 @@ class Trainer:
         t = self.cfg.train
         history = []
         for step in range(start_step, t.steps + 1):
-            result = self.train_step(step, stop.requested)
+            last = step in (t.steps, t.stop_after)
+            evaluate = self.evaluator is not None and (last or step % self.eval_every == 0)
+            result = self.train_step(step, stop.requested, evaluate)
             record = result.record
-            log.write(record)
-            history.append(record)
             reason = stop.describe() if result.stop else \
                 "train.stop_after" if step == t.stop_after else None
+            if reason is not None and self.evaluator is not None and not evaluate:
+                record.update(self._val_record(self.evaluate().cpu()))  # a stop ends the run
+            log.write(record)
+            history.append(record)
             self.skips.observe(record)  # raises TrainingAborted at the limit
             if checkpoints is not None and checkpoints.due(step, reason is not None) \
                     and self.skips.checkpointable(record):
@@ -259,10 +272,12 @@ class Trainer:
                 self.capture_graphs()
         return history
 
-    def train_step(self, step: int, stop_requested: bool = False) -> StepResult:
+    def train_step(self, step: int, stop_requested: bool = False,
+                   evaluate: bool = False) -> StepResult:
         """One optimizer step: its metrics record, and whether every rank agreed to stop
-        (``stop_requested`` is this rank's vote). Device work only, but for the one copy
-        to the host at the end."""
+        (``stop_requested`` is this rank's vote); ``evaluate``: the record also holds the
+        held-out loss of the updated weights (needs ``data.val_path``). Device work only,
+        but for the one copy to the host at the end."""
         start = time.perf_counter()
         lr_factor = self.schedule(step)
 
@@ -285,10 +300,24 @@ class Trainer:
         dist.all_reduce(reduced)
         self._update_router_bias(reduced, update.skipped)
         self.ddp.zero_grad()
+
+        # the held-out loss of the weights this step made, read with the step's record
+        val_loss_sum = None
+        if evaluate:
+            self._mark("eval")
+            val_loss_sum = self.evaluate()
         self._mark(None)
 
         # the step's one host synchronisation
-        return self._read(step, reduced, update, self.cfg.optim.lr * lr_factor, start)
+        return self._read(step, reduced, update, self.cfg.optim.lr * lr_factor, start, val_loss_sum)
+
+    def evaluate(self) -> torch.Tensor:
+        """The held-out windows' token-loss sum over the world (``pretrain.evaluate``), left
+        on the device: forward only, no gradient, optimizer state or routing statistic
+        touched, nothing a captured graph reads changed."""
+        if self.evaluator is None:
+            raise ConfigError("evaluating needs data.val_path")
+        return self.evaluator.loss_sum()
 
     # -- forward and backward (device work only) ------------------------------------
 
@@ -361,10 +390,12 @@ class Trainer:
     # -- the one host synchronisation of a step --------------------------------------------
 
     def _read(self, step: int, reduced: torch.Tensor, update: StepStats, lr: float,
-              start: float) -> StepResult:
+              start: float, val_loss_sum: torch.Tensor | None) -> StepResult:
         tail = [update.grad_norm.reshape(1).double(), update.skipped.reshape(1).double()]
         if self.device.type == "cuda":
             tail.append(self._peak_memory_bytes())
+        if val_loss_sum is not None:
+            tail.append(val_loss_sum.reshape(1).double())
         host = torch.cat([reduced, *tail]).cpu()
         elapsed = time.perf_counter() - start
         n = reduced.numel()
@@ -382,7 +413,16 @@ class Trainer:
             flops = self.flops_per_token if self.document_eos is None else self._masked_flops(step)
             record["mfu"] = flops * record["tokens_per_s"] / (n_gpus * PEAK_FLOPS)
             record["peak_mem_gib"] = host[n + 2].item() / 2**30
+        if val_loss_sum is not None:
+            record.update(self._val_record(host[-1]))
         return StepResult(record, values.stop)
+
+    def _val_record(self, loss_sum: torch.Tensor) -> dict[str, float]:
+        """``val_loss`` (the mean over the held-out targets) and ``val_ppl`` from the sum
+        read to the host."""
+        assert self.evaluator is not None
+        val_loss = loss_sum.item() / self.evaluator.n_tokens
+        return {"val_loss": val_loss, "val_ppl": math.inf if val_loss > 700 else math.exp(val_loss)}
 
     def _masked_flops(self, step: int) -> float:
         """FLOPs per token of step ``step`` under the document mask: the attention term

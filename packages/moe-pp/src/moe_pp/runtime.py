@@ -10,6 +10,9 @@
   the last stage; the input gradient goes to the previous stage.
 - ``W``: the deferred weight-gradient pass.
 
+``Pipeline.forward_only`` runs microbatches forward only, without gradients (an
+evaluation), outside the schedule.
+
 All of it runs inside ``grad_sync.no_sync()``; ``grad_sync.finish_grad_sync()``
 follows once, so the data-parallel reduction sees every microbatch of every
 local stage. Parameter gradients accumulate through autograd in every schedule
@@ -172,6 +175,52 @@ class Pipeline:
         src = dist.get_global_rank(self.group, last_rank) if self.group is not None else last_rank
         dist.broadcast(step.losses, src=src, group=self.group)
         return step.losses
+
+    @torch.no_grad()
+    def forward_only(
+        self,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        loss_fn: LossFn | None = None,
+    ) -> torch.Tensor:
+        """Forward of every microbatch without gradients (an evaluation): the sum of
+        ``loss_fn`` (default: the pipeline's) over them, unscaled, in FP32 on the rank of
+        the last stage and zero elsewhere.
+
+        ``inputs``/``targets``: one tensor per microbatch, any number of microbatches of
+        ``activation_shape``, the same count on every rank (only the first / last stage
+        reads them). No schedule: each microbatch goes through the stages in order, with
+        point-to-point transfers between ranks; every rank walks the same (microbatch,
+        stage) order, so each receive meets its send. No parameter, gradient or schedule
+        state is touched.
+        """
+        loss_fn = loss_fn or self.loss_fn
+        if len(inputs) != len(targets):
+            raise ValueError(f"forward_only needs one target per input, got {len(inputs)} "
+                             f"inputs and {len(targets)} targets")
+        n_stages = self.schedule.n_stages
+        device = next(self.stages.module.parameters()).device
+        total = torch.zeros((), dtype=torch.float32, device=device)
+
+        def peer(stage_index: int) -> int:
+            rank = self.schedule.rank_of(stage_index)
+            return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+        for mb in range(len(inputs)):
+            x = inputs[mb]
+            for s in range(n_stages):
+                stage = self._by_index.get(s)
+                if stage is None:
+                    continue
+                if not stage.is_first and self.schedule.rank_of(s - 1) != self.stages.rank:
+                    x = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=device)
+                    dist.recv(x, src=peer(s - 1), group=self.group)
+                x = stage.module(x)
+                if stage.is_last:
+                    total += loss_fn(x, targets[mb]).float()
+                elif self.schedule.rank_of(s + 1) != self.stages.rank:
+                    dist.send(x.contiguous(), dst=peer(s + 1), group=self.group)
+        return total
 
     def _forward(self, step: _StepState, stage: Stage, mb: int) -> None:
         s = stage.index
