@@ -35,6 +35,40 @@ from moe_mxfp8.swiglu import swiglu, swiglu_backward
 _CARRIED_ATTRS = (bool, int, float, str, type(None))
 
 
+def expert_weights(experts: nn.Module) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
+    """A grouped-experts module's own ``w1``, ``w3``, ``w2`` (matched by structure)."""
+    params = dict(experts.named_parameters(recurse=False))
+    missing = [n for n in ("w1", "w3", "w2") if n not in params]
+    if missing:
+        raise TypeError(
+            f"{type(experts).__name__} has no parameter(s) {missing}; expected w1, w3, w2"
+        )
+    return params["w1"], params["w3"], params["w2"]
+
+
+def carry_attributes(source: nn.Module, target: nn.Module) -> None:
+    """Copy ``source``'s public plain attributes (e.g. the expert range) onto ``target``."""
+    for name, value in vars(source).items():
+        if not name.startswith("_") and name != "training" and isinstance(value, _CARRIED_ATTRS):
+            setattr(target, name, value)
+
+
+def check_expert_rows(module: nn.Module, rows_RD: torch.Tensor, group_offsets: torch.Tensor) -> None:
+    """Refuse rows that are not ``[R, D]`` or offsets that are not int32 ``[E]`` for the
+    module's ``w1 [E, F, D]``, and weight caches older than the weights."""
+    E, D = module.w1.shape[0], module.w1.shape[-1]
+    if rows_RD.dim() != 2 or rows_RD.shape[1] != D:
+        raise ValueError(f"rows must be [R, {D}], got {tuple(rows_RD.shape)}")
+    if group_offsets.shape != (E,) or group_offsets.dtype != torch.int32:
+        raise ValueError(
+            f"group_offsets must be int32 [{E}], got {group_offsets.dtype} "
+            f"{tuple(group_offsets.shape)}"
+        )
+    name = type(module).__name__
+    module.w13_cache.check_fresh(name, (module.w1, module.w3))
+    module.w2_cache.check_fresh(name, (module.w2,))
+
+
 class _MXFP8ExpertsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows_RD: torch.Tensor, offsets_E: torch.Tensor, w1: torch.Tensor,
@@ -118,16 +152,8 @@ class MXFP8GroupedExperts(nn.Module):
         range ``expert_start``/``n_local``) are carried over so code reading them keeps
         working. Narrow expert ranges before converting.
         """
-        params = dict(experts.named_parameters(recurse=False))
-        missing = [n for n in ("w1", "w3", "w2") if n not in params]
-        if missing:
-            raise TypeError(
-                f"{type(experts).__name__} has no parameter(s) {missing}; expected w1, w3, w2"
-            )
-        layer = cls(params["w1"], params["w3"], params["w2"], save_mxfp8_activations)
-        for name, value in vars(experts).items():
-            if not name.startswith("_") and name != "training" and isinstance(value, _CARRIED_ATTRS):
-                setattr(layer, name, value)
+        layer = cls(*expert_weights(experts), save_mxfp8_activations)
+        carry_attributes(experts, layer)
         return layer
 
     def refresh_weight_cache(self, in_place: bool = False) -> None:
@@ -137,17 +163,7 @@ class MXFP8GroupedExperts(nn.Module):
         self.w2_cache.refresh((self.w2,), in_place)
 
     def forward(self, rows_RD: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
-        D = self.w1.shape[-1]
-        if rows_RD.dim() != 2 or rows_RD.shape[1] != D:
-            raise ValueError(f"rows must be [R, {D}], got {tuple(rows_RD.shape)}")
-        if group_offsets.shape != (self.w1.shape[0],) or group_offsets.dtype != torch.int32:
-            raise ValueError(
-                f"group_offsets must be int32 [{self.w1.shape[0]}], got {group_offsets.dtype} "
-                f"{tuple(group_offsets.shape)}"
-            )
-        name = type(self).__name__
-        self.w13_cache.check_fresh(name, (self.w1, self.w3))
-        self.w2_cache.check_fresh(name, (self.w2,))
+        check_expert_rows(self, rows_RD, group_offsets)
         dtype = compute_dtype(rows_RD)
         with torch.autocast(rows_RD.device.type, enabled=False):
             return _MXFP8ExpertsFn.apply(rows_RD.to(dtype), group_offsets, self.w1, self.w3,

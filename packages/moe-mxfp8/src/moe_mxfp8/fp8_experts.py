@@ -49,7 +49,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from moe_mxfp8.cache import WeightCache
-from moe_mxfp8.experts import _CARRIED_ATTRS
+from moe_mxfp8.experts import carry_attributes, check_expert_rows, expert_weights
 from moe_mxfp8.fp8 import FP8Tensor, quantize_fp8
 from moe_mxfp8.fp8_gemm import (
     check_native_widths,
@@ -212,16 +212,8 @@ class FP8GroupedExperts(nn.Module):
         """Take over a grouped-experts module's own ``w1``/``w3``/``w2`` parameters (matched
         by structure), its public plain attributes and its ``grad_sink``, as
         ``MXFP8GroupedExperts.from_module`` does. Narrow expert ranges before converting."""
-        params = dict(experts.named_parameters(recurse=False))
-        missing = [n for n in ("w1", "w3", "w2") if n not in params]
-        if missing:
-            raise TypeError(
-                f"{type(experts).__name__} has no parameter(s) {missing}; expected w1, w3, w2"
-            )
-        layer = cls(params["w1"], params["w3"], params["w2"], recipe, gemm)
-        for name, value in vars(experts).items():
-            if not name.startswith("_") and name != "training" and isinstance(value, _CARRIED_ATTRS):
-                setattr(layer, name, value)
+        layer = cls(*expert_weights(experts), recipe, gemm)
+        carry_attributes(experts, layer)
         layer.grad_sink = getattr(experts, "grad_sink", None)
         return layer
 
@@ -232,24 +224,14 @@ class FP8GroupedExperts(nn.Module):
         self.w2_cache.refresh((self.w2,), in_place)
 
     def forward(self, rows_RD: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
-        D = self.w1.shape[-1]
-        if rows_RD.dim() != 2 or rows_RD.shape[1] != D:
-            raise ValueError(f"rows must be [R, {D}], got {tuple(rows_RD.shape)}")
-        if group_offsets.shape != (self.w1.shape[0],) or group_offsets.dtype != torch.int32:
-            raise ValueError(
-                f"group_offsets must be int32 [{self.w1.shape[0]}], got {group_offsets.dtype} "
-                f"{tuple(group_offsets.shape)}"
-            )
-        name = type(self).__name__
-        self.w13_cache.check_fresh(name, (self.w1, self.w3))
-        self.w2_cache.check_fresh(name, (self.w2,))
+        check_expert_rows(self, rows_RD, group_offsets)
         dtype = compute_dtype(rows_RD)
         if self.gemm == "native":
             if not fp8_native_available(rows_RD.device):
-                raise RuntimeError(f"{name}: gemm='native' needs a CUDA device of compute "
+                raise RuntimeError(f"{type(self).__name__}: gemm='native' needs a CUDA device of compute "
                                    f"capability 9.x; rows are on {rows_RD.device}")
             if dtype != torch.bfloat16:
-                raise ValueError(f"{name}: gemm='native' computes in BF16, got {dtype} rows")
+                raise ValueError(f"{type(self).__name__}: gemm='native' computes in BF16, got {dtype} rows")
         routes = tuple(_sink_route(self.grad_sink, w) for w in (self.w1, self.w3, self.w2))
         with torch.autocast(rows_RD.device.type, enabled=False):
             return _FP8ExpertsFn.apply(rows_RD.to(dtype), group_offsets, self.w1, self.w3,
