@@ -61,14 +61,19 @@ def test_device_busy_merges_overlapping_kernels_and_counts_launch_gaps():
 
 
 def test_methods_whose_layout_refuses_graphs_run_eagerly_and_say_why(tmp_path):
-    """bench-1gpu replays CUDA graphs; EP (a rowwise transport) and FSDP2 cannot, so their
-    rows must say they ran eagerly rather than fail or be compared unlabelled."""
+    """bench-1gpu replays CUDA graphs, and so does EP on the (default) rowwise transport; EP on
+    all_to_all and FSDP2 cannot, so their rows must say they ran eagerly rather than fail or be
+    compared unlabelled."""
     bench = _tool()
-    a = bench.parse_args(["--config", "bench-1gpu", "--methods", "ddp", "ep", "fsdp2"])
     cuda = torch.device("cuda")  # only decides the EP backend; nothing is allocated
+    rowwise = bench.parse_args(["--config", "bench-1gpu", "--methods", "ep"])
+    cfg, why = bench.method_config(rowwise, "ep", cuda, 1, tmp_path)
+    assert cfg.parallel.resolved_ep_backend() == "rowwise" and cfg.train.cuda_graphs and why is None
+    a = bench.parse_args(["--config", "bench-1gpu", "--methods", "ddp", "ep", "fsdp2",
+                          "--ep-backend", "all_to_all"])
     got = {m: bench.method_config(a, m, cuda, 1, tmp_path) for m in a.methods}
     assert got["ddp"][0].train.cuda_graphs and got["ddp"][1] is None
-    assert not got["ep"][0].train.cuda_graphs and "ep_backend=rowwise" in got["ep"][1]
+    assert not got["ep"][0].train.cuda_graphs and "use parallel.ep_backend=rowwise" in got["ep"][1]
     assert not got["fsdp2"][0].train.cuda_graphs and "FSDP2" in got["fsdp2"][1]
     bench.refuse_warmup_before_capture(1, {m: cfg for m, (cfg, _) in got.items()})
     with pytest.raises(SystemExit, match=r"--warmup 0 with train.cuda_graphs \(ddp\)"):

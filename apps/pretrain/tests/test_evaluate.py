@@ -304,3 +304,38 @@ def test_token_files_without_a_tokenizer_record_compare_by_vocabulary(tmp_path):
 ])
 def test_bad_eval_keys_are_one_line_and_exit_2(capsys, args, message):
     assert _one_line_error(capsys, 2, ["--config", "tiny", *args]).endswith(message)
+
+
+def test_eval_prompts_are_completed_at_each_evaluation(data, tmp_path, capsys):
+    """``eval.prompts``: greedy completions at the evaluation steps, in samples.jsonl and
+    printed, equal to moe_model.generate on the final weights at the last one."""
+    run = tmp_path / "run"
+    cfg = load_config("tiny", _overrides(data, "train.steps=4", "eval.every=2", f"run_dir={run}",
+                                         "checkpoint.final=true", "eval.max_new_tokens=5",
+                                         "eval.prompts=the,of a"))
+    train(cfg)
+    lines = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["prompt"]) for x in lines] == [(2, "the"), (2, "of a"), (4, "the"), (4, "of a")]
+    out = capsys.readouterr().out
+    assert f"sample (step 4): 'the' -> {lines[2]['completion']!r}" in out
+    # the last completions are what the final checkpoint's weights generate
+    from moe_model import generate
+    from pretrain.inference import load_checkpoint_model
+    from pretrain.tokenizer_files import data_tokenizer, load_tokenizer
+    loaded = load_checkpoint_model(run / "checkpoints" / "step_0000000004", torch.device("cpu"),
+                                   torch.float32)
+    tok = load_tokenizer(data_tokenizer(cfg.data)["json"], "test")
+    for line in lines[2:]:
+        ids = torch.tensor([tok.encode(line["prompt"]).ids])
+        new = generate(loaded.model, ids, 5)[0].tolist()
+        eos = data_tokenizer(cfg.data).get("eos_id")
+        new = new[:new.index(eos)] if eos in new else new
+        assert line["completion"] == tok.decode(new)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["eval.prompts=hello"], "set data.val_path"),
+])
+def test_eval_prompts_without_evaluations_are_refused(capsys, args, message, tmp_path):
+    err = _one_line_error(capsys, 2, ["--config", "tiny", f"run_dir={tmp_path / 'r'}", *args])
+    assert message in err

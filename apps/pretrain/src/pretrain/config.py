@@ -186,6 +186,10 @@ class EvalConfig:
     # train.steps
     every: int | None = None
     tokens: int = 1 << 20  # held-out tokens per evaluation (the first ones; at most data.val_path's)
+    # prompts the model completes greedily at each evaluation, appended to run_dir/samples.jsonl
+    # and printed (needs data.val_path and the whole model on each rank: parallel.pp=1)
+    prompts: tuple[str, ...] = ()
+    max_new_tokens: int = 32  # tokens each eval.prompts completion adds
 
 
 @dataclass

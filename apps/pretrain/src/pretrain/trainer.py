@@ -57,6 +57,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -86,8 +87,10 @@ from pretrain.metrics import MetricsLog
 from pretrain.moe_stats import StepPacker
 from pretrain.optimizer import MIN_SHARD_NUMEL, build_optimizer
 from pretrain.phases import PhaseTimer
+from pretrain.samples import SAMPLES_FILE, PromptSamples
 from pretrain.schedule import build_schedule
 from pretrain.signals import StopRequest
+from pretrain.tokenizer_files import data_tokenizer
 
 PEAK_FLOPS = 989e12  # dense BF16 peak of one H200: the MFU denominator peers use
 
@@ -180,10 +183,25 @@ class Trainer:
         self.eval_every = eval_every(cfg)  # 0: no held-out evaluation
         self.evaluator = (Evaluator(cfg, mesh, device, self.part, self.document_eos)
                           if self.eval_every else None)
+        self.samples = self._prompt_samples(cfg, mesh)
         if t.cuda_graphs:
             if device.type != "cuda":
                 raise ConfigError(f"train.cuda_graphs needs a CUDA device, this run uses {device}")
             self.enable_graphs()
+
+    def _prompt_samples(self, cfg: PretrainConfig, mesh: ParallelMesh) -> PromptSamples | None:
+        """``eval.prompts`` completed at each evaluation; only the logging rank writes them."""
+        e = cfg.eval
+        if not e.prompts:
+            return None
+        if self.evaluator is None:
+            raise ConfigError("eval.prompts are completed at each evaluation: set data.val_path")
+        if mesh.layout.pp > 1:
+            raise ConfigError("eval.prompts needs the whole model on each rank: parallel.pp=1")
+        if e.max_new_tokens < 1:
+            raise ConfigError(f"eval.max_new_tokens must be >= 1, got {e.max_new_tokens}")
+        path = Path(cfg.run_dir) / SAMPLES_FILE if mesh.is_logging_rank and cfg.run_dir else None
+        return PromptSamples(e.prompts, e.max_new_tokens, data_tokenizer(cfg.data), path)
 
     def enable_graphs(self, new_graphs: Callable[[], UnitGraphs] | None = None) -> None:
         """Replay the step's forward and backward from CUDA graphs once ``capture_graphs``
@@ -257,6 +275,11 @@ class Trainer:
                 "train.stop_after" if step == t.stop_after else None
             if reason is not None and self.evaluator is not None and not evaluate:
                 record.update(self._val_record(self.evaluate().cpu()))  # a stop ends the run
+            if self.samples is not None and "val_loss" in record:
+                for sample in self.samples(self.model, step):  # (every rank generates)
+                    if self.mesh.is_logging_rank:
+                        log.note(f"sample (step {step}): {sample['prompt']!r} -> "
+                                 f"{sample['completion']!r}")
             log.write(record)
             history.append(record)
             self.skips.observe(record)  # raises TrainingAborted at the limit
