@@ -37,19 +37,30 @@ def _bpe_tokenizer(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """prepare-data --tokenizer -> a tiny run -> its last checkpoint."""
+    """prepare-data --tokenizer (training and held-out text) -> a tiny run that evaluates and
+    samples -> its last checkpoint."""
     root = tmp_path_factory.mktemp("path")
     _bpe_tokenizer(root / "bpe.json")
     corpus = root / "corpus.jsonl"
     rng = np.random.default_rng(1)
     corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS, int(n)))}) + "\n"
                               for n in rng.integers(5, 60, 200)))
-    tokens = root / "tokens"
-    assert main(["prepare-data", str(corpus), "--out", str(tokens), "--tokenizer",
-                 str(root / "bpe.json"), "--workers", "1"]) == 0
+    held_out = root / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS, int(n)))}) + "\n"
+                                for n in rng.integers(5, 60, 40)))
+    tokens, val_tokens = root / "tokens", root / "val_tokens"
+    for source, out in ((corpus, tokens), (held_out, val_tokens)):
+        assert main(["prepare-data", str(source), "--out", str(out), "--tokenizer",
+                     str(root / "bpe.json"), "--workers", "1"]) == 0
     run = root / "run"
     assert main(["--config", "tiny", f"run_dir={run}", f"data.path={tokens}", "train.steps=6",
-                 "checkpoint.every=6"]) == 0
+                 "checkpoint.every=6", f"data.val_path={val_tokens}", "eval.every=3",
+                 "eval.tokens=256", "eval.prompts=the city", "eval.max_new_tokens=4"]) == 0
+    evaluated = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                 if "val_loss" in r]
+    assert [r["step"] for r in evaluated] == [3, 6]
+    assert all(np.isfinite(r["val_loss"]) for r in evaluated)
+    assert len((run / "samples.jsonl").read_text().splitlines()) == 2
     return root, run / "checkpoints" / "step_0000000006"
 
 
@@ -101,8 +112,9 @@ print(repr(text))
 
 @pytest.mark.slow  # (a fresh interpreter importing transformers: ~50 s on two loaded cores)
 def test_the_export_works_from_its_folder_alone(trained, tmp_path):
-    """prepare-data --tokenizer -> train -> export-hf -> pipeline, with the data, the run and
-    the tokenizer file removed and the folder moved: nothing outside it is read."""
+    """prepare-data --tokenizer -> train with evaluation -> export-hf -> pipeline, with the
+    data, the run and the tokenizer file moved away and the folder moved: nothing outside it
+    is read."""
     root, checkpoint = trained
     out = tmp_path / "hf"
     assert main(["export-hf", str(checkpoint), str(out)]) == 0
@@ -116,8 +128,14 @@ def test_the_export_works_from_its_folder_alone(trained, tmp_path):
     shutil.rmtree(out)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
-    done = subprocess.run([sys.executable, "-c", PIPELINE, str(alone)], cwd=tmp_path / "elsewhere",
-                          env=env, capture_output=True, text=True, timeout=300)
+    hidden = root.with_name(root.name + "_hidden")  # the corpus, tokens, tokenizer file and run
+    root.rename(hidden)
+    try:
+        done = subprocess.run([sys.executable, "-c", PIPELINE, str(alone)],
+                              cwd=tmp_path / "elsewhere", env=env, capture_output=True, text=True,
+                              timeout=300)
+    finally:
+        hidden.rename(root)
     assert done.returncode == 0, done.stderr[-2000:]
 
 
