@@ -518,6 +518,22 @@ def test_fp8_experts_take_the_gradient_sink_and_match_autograd(tmp_path):
         torch.testing.assert_close(with_sink[name], want, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("recipe, capability", [("fp8_rowwise", "9.x"), ("mxfp8", "10.x")])
+def test_native_low_precision_gemms_without_the_tensor_cores_are_refused(tmp_path, capsys,
+                                                                         recipe, capability):
+    """``mxfp8.gemm=native`` on a device without the tensor cores: one line before anything is
+    built or written, rather than a traceback at the first forward."""
+    run = tmp_path / "run"
+    assert main(["--config", "tiny", f"run_dir={run}", "mxfp8.targets=experts",
+                 f"mxfp8.recipe={recipe}", "mxfp8.gemm=native"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.endswith(f"mxfp8.gemm=native with mxfp8.recipe={recipe} needs a GPU of compute "
+                        f"capability {capability}; this run has train.device=cpu "
+                        "(mxfp8.gemm=emulated runs anywhere)")
+    assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
+
+
 def test_a_closed_trainer_is_freed_without_a_gc_pass(tmp_path):
     """No reference cycle through the trainer: its memory (GPU memory on a GPU) goes when
     the last reference does, not at some later garbage collection."""

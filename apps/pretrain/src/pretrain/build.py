@@ -78,9 +78,31 @@ def _moe_layer_index(name: str, n_dense_layers: int) -> int:
     return int(name.split(".")[1]) - n_dense_layers
 
 
+def refuse_unavailable_native_gemm(cfg: PretrainConfig, device: torch.device) -> None:
+    """``mxfp8.gemm=native`` where this device has no such tensor cores: one line before
+    anything is built, rather than a traceback at the first forward. MXFP8's block-scaled
+    GEMM needs compute capability 10.x, the FP8 recipes' grouped GEMM 9.x; emulation
+    (``mxfp8.gemm=emulated``, the default) runs anywhere."""
+    x = cfg.mxfp8
+    if not x.targets or x.gemm != "native":
+        return
+    from moe_mxfp8 import fp8_native_available, native_mx_available
+
+    mx = x.recipe == "mxfp8"
+    if (native_mx_available if mx else fp8_native_available)(device):
+        return
+    here = (f"{torch.cuda.get_device_name(device)} (compute capability "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
+            if device.type == "cuda" else f"train.device={device.type}")
+    raise ConfigError(f"mxfp8.gemm=native with mxfp8.recipe={x.recipe} needs a GPU of compute "
+                      f"capability {'10.x' if mx else '9.x'}; this run has {here} "
+                      "(mxfp8.gemm=emulated runs anywhere)")
+
+
 def build_model_part(cfg: PretrainConfig, mesh: ParallelMesh, device: torch.device,
                      dtype: torch.dtype) -> ModelPart:
     m, t, p = cfg.model, cfg.train, cfg.parallel
+    refuse_unavailable_native_gemm(cfg, device)
     on_meta = 4 * total_params(m) > META_BUILD_BYTES
     with torch.device("meta" if on_meta else device):
         model = MoETransformer(m)
