@@ -15,11 +15,11 @@ reduce-scatter bucket's owner-major layout); the source is any tensor of
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from typing import Any
 
 import torch
+
+from moe_ddp._triton_support import fused_kernels_enabled, reference_kernels_enabled
 
 _BLOCK = 4096
 _KERNEL = None
@@ -45,29 +45,25 @@ def _kernel() -> Any:
     return _KERNEL
 
 
-@functools.cache
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def _fused_applies(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Runs once per parameter per microbatch: cheap checks only (the spec lookup is cached)."""
-    return (dst.is_cuda and dst.dtype == torch.float32 and src.dtype != dst.dtype
+    return (dst.dtype == torch.float32 and src.dtype != dst.dtype
             and src.is_contiguous() and dst.dim() in (1, 2) and dst.stride(-1) == 1
-            and _triton_available())
+            and fused_kernels_enabled(dst.device))
 
 
 def accumulate_(dst: torch.Tensor, src: torch.Tensor, *, fused: bool | None = None) -> None:
     """``dst += src`` (``src`` read as ``dst``'s shape, row-major); ``dst`` FP32.
 
     ``fused=None`` picks the Triton kernel where it applies (CUDA, mixed dtypes,
-    contiguous rows); ``True``/``False`` force a path (tests).
+    contiguous rows); ``True``/``False`` force a path (tests). ``use_reference_kernels``
+    takes ``add_`` whatever ``fused`` says.
     """
     if src.numel() != dst.numel():
         raise ValueError(f"accumulate_: {src.numel()} source elements for {dst.numel()} destination")
     if fused is None:
         fused = _fused_applies(dst, src)
-    if not fused:
+    if not fused or reference_kernels_enabled():
         dst.add_(src.reshape(dst.shape))
         return
     rows, cols = (1, dst.numel()) if dst.dim() == 1 else dst.shape

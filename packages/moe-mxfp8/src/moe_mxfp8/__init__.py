@@ -17,6 +17,11 @@
   ``MXFP8Config.recipe``; ``FP8RowCodec``: the rowwise FP8 dispatch payload.
 """
 
+from moe_mxfp8._triton_support import (
+    reference_kernels_enabled,
+    triton_available,
+    use_reference_kernels,
+)
 from moe_mxfp8.apply import (
     RECIPES,
     MXFP8Config,
@@ -45,6 +50,9 @@ from moe_mxfp8.gemm import native_mx_available
 from moe_mxfp8.linear import MXFP8Linear
 
 __all__ = [
+    "reference_kernels_enabled",
+    "triton_available",
+    "use_reference_kernels",
     "BLOCK_SIZE",
     "FP8RowCodec",
     "FP8GroupedExperts",

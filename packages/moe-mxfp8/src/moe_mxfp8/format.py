@@ -20,17 +20,19 @@ orientation is ``axis=-2``.
 
 Two implementations with identical bits: a pure-torch reference (any device) and
 Triton kernels (``moe_mxfp8._triton``; CUDA, or CPU under ``TRITON_INTERPRET=1``).
-``backend="auto"`` picks Triton for CUDA tensors when Triton imports.
+``backend="auto"`` picks Triton for CUDA tensors when Triton is installed, and the
+reference under ``use_reference_kernels(True)``.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from moe_mxfp8._triton_support import fused_kernels_enabled, reference_kernels_enabled
 
 BLOCK_SIZE = 32  # elements sharing one scale (OCP MX)
 E4M3_MAX = 448.0  # largest finite E4M3 magnitude
@@ -72,20 +74,16 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
 
 
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def uses_triton(t: torch.Tensor, backend: str) -> bool:
+    """The package's one decision between an op's Triton kernels and its reference:
+    ``triton`` forces the kernels, ``auto`` takes them where ``fused_kernels_enabled``,
+    and ``use_reference_kernels(True)`` overrides both."""
     _check_backend(backend)
+    if reference_kernels_enabled():
+        return False
     if backend == "triton":
         return True
-    return backend == "auto" and t.is_cuda and _triton_importable()
+    return backend == "auto" and fused_kernels_enabled(t.device)
 
 
 def _check_block_size(block_size: int) -> None:
