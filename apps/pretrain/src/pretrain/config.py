@@ -104,6 +104,9 @@ class TrainConfig:
     # seconds a collective waits for a peer before the process group fails it (a hung or
     # dead rank); generous because a checkpoint load or the first step's compile can be slow
     collective_timeout_s: float = 600.0
+    # every package's eager reference instead of its fused kernels, on every device, from
+    # trainer build to close (bisecting a numerical problem; pretrain.reference_kernels)
+    reference_kernels: bool = False
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Device operations of dispatch and combine, each one launch on CUDA.
 
-Every function here has a PyTorch path (CPU, and the reference) and a Triton path
-(CUDA tensors) that compute the same values bit for bit: integer planning, row
+Every function here has a PyTorch path (CPU, the reference, and every device under
+``use_reference_kernels``) and a Triton path (CUDA tensors with Triton installed)
+that compute the same values bit for bit: integer planning, row
 moves, and FP32 products then sums, slot by slot, without fused multiply-add.
 Dispatch and combine do little else between these calls and the transport's puts
 and barriers, so their launch count is small and fixed (a CPU test bounds it).
@@ -16,11 +17,12 @@ from typing import NamedTuple
 import torch
 
 from moe_ep_transport import plan_reference
+from moe_ep_transport._triton_support import fused_kernels_enabled
 from moe_ep_transport.plan_reference import CellPlan, SlotRanks
 
 
 def _on_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda
+    return fused_kernels_enabled(t.device)
 
 
 _constants: dict[tuple, torch.Tensor] = {}
