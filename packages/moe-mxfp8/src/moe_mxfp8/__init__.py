@@ -2,7 +2,7 @@
 
 - ``quantize`` / ``dequantize``: E4M3 data with one E8M0 scale per 32 elements along
   an axis, bit-identical to torchao's MX reference (floor scale rule); pure torch or
-  Triton kernels (``moe_mxfp8._triton``, imported only when used).
+  Triton kernels (``moe_mxfp8._quantize_kernels``, imported only when used).
 - ``MXFP8Linear`` / ``MXFP8GroupedExperts``: drop-in modules holding the original
   parameters, with MXFP8 forward and input-gradient GEMMs (exactly emulated on
   Hopper) and MXFP8 weight caches derived from the weights.

@@ -19,7 +19,7 @@ blocked axis shortened to the block count. Nothing is transposed: "column"
 orientation is ``axis=-2``.
 
 Two implementations with identical bits: a pure-torch reference (any device) and
-Triton kernels (``moe_mxfp8._triton``; CUDA, or CPU under ``TRITON_INTERPRET=1``).
+Triton kernels (``moe_mxfp8._quantize_kernels``; CUDA, or CPU under ``TRITON_INTERPRET=1``).
 ``backend="auto"`` picks Triton for CUDA tensors when Triton is installed, and the
 reference under ``use_reference_kernels(True)``.
 """
@@ -182,7 +182,7 @@ def quantize(
     _check_block_size(block_size)
     axis = _norm_axis(axis, x.dim(), "x")
     if uses_triton(x, backend):
-        from moe_mxfp8._triton import quantize_along
+        from moe_mxfp8._quantize_kernels import quantize_along
 
         return quantize_along(x, axis, block_size)
     return _quantize_torch(x, axis, block_size)
@@ -219,7 +219,7 @@ def dequantize(
     if dtype not in _INPUT_DTYPES:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     if uses_triton(data, backend):
-        from moe_mxfp8._triton import dequantize_along
+        from moe_mxfp8._quantize_kernels import dequantize_along
 
         return dequantize_along(data, scales, axis, block_size, dtype)
     return _dequantize_torch(data, scales, axis, block_size, dtype)
@@ -238,7 +238,7 @@ def quantize_rows_and_cols(
     if x.dim() < 2:
         raise ValueError(f"x must have at least 2 dims for two orientations, got {x.dim()}")
     if uses_triton(x, backend):
-        from moe_mxfp8._triton import quantize_both
+        from moe_mxfp8._quantize_kernels import quantize_both
 
         (rd, rs), (cd, cs) = quantize_both(x, block_size)
     else:
@@ -266,7 +266,7 @@ def quantize_dequantize(
     _check_block_size(block_size)
     axis = x.dim() - 1
     if uses_triton(x, backend):
-        from moe_mxfp8._triton import quantize_dequantize_rows
+        from moe_mxfp8._quantize_kernels import quantize_dequantize_rows
 
         deq, pair = quantize_dequantize_rows(x, dtype, keep_mxfp8, block_size)
     else:
