@@ -38,3 +38,18 @@ def test_call_form_holds_and_context_form_restores():
     assert reference_kernels_enabled()
     use_reference_kernels(False)
     assert not reference_kernels_enabled()
+
+
+@pytest.mark.gpu
+def test_on_gpu_the_switch_launches_no_triton_kernel_and_matches_the_kernel():
+    import moe_ddp
+    from moe_testing import launched_triton_kernels
+
+    src = torch.randn(64, 300, device="cuda").bfloat16()
+    dst = {tag: torch.randn(64, 300, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+           for tag in ("fused", "reference")}
+    assert launched_triton_kernels(lambda: accumulate_(dst["fused"], src), moe_ddp)
+    with use_reference_kernels(True):
+        launched = launched_triton_kernels(lambda: accumulate_(dst["reference"], src), moe_ddp)
+    assert not launched, sorted(launched)
+    assert torch.equal(dst["reference"], dst["fused"])

@@ -1,7 +1,5 @@
 """The reference switch: ``use_reference_kernels(True)`` sends every op to its eager path."""
 
-import importlib
-import pkgutil
 import threading
 
 import moe_model
@@ -9,6 +7,7 @@ import pytest
 import torch
 from moe_model import DocumentMask, resolve_backend, triton_available, use_reference_kernels
 from moe_model._triton_support import fused_kernels_enabled, reference_kernels_enabled
+from moe_testing import launched_triton_kernels, package_triton_kernels
 
 CUDA = torch.device("cuda")  # a device object only: no GPU is touched
 
@@ -55,6 +54,12 @@ def test_document_attention_takes_sdpa_even_when_flex_is_asked():
         assert DocumentMask(ids, kernel="flex").kernel == "sdpa"
 
 
+@pytest.mark.skipif(not triton_available(), reason="needs Triton installed")
+def test_every_kernel_module_is_found_by_name():
+    names = package_triton_kernels(moe_model)
+    assert {"rms_norm_fwd_kernel", "rows_kernel", "wgrad_kernel", "split_bf16_kernel"} <= names
+
+
 def test_backward_threads_see_the_switch():
     seen = []
 
@@ -74,34 +79,19 @@ def test_backward_threads_see_the_switch():
     assert seen and seen[0][1] is True
 
 
-def _package_kernel_names() -> set[str]:
-    import triton
-
-    names = set()
-    for info in pkgutil.iter_modules(moe_model.__path__):
-        if info.name.endswith("_kernels"):
-            module = importlib.import_module(f"moe_model.{info.name}")
-            for obj in vars(module).values():
-                while hasattr(obj, "fn") and not isinstance(obj, triton.runtime.jit.JITFunction):
-                    obj = obj.fn  # autotuner / heuristics wrappers
-                if isinstance(obj, triton.runtime.jit.JITFunction):
-                    names.add(obj.fn.__name__)
-    return names
-
-
 def _step(model, tokens):  # noqa: ANN001, ANN202
-    from torch.profiler import ProfilerActivity, profile
+    out = {}
 
-    model.zero_grad(set_to_none=True)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    def run() -> None:
+        model.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = model(tokens[:, :-1])
-        loss = moe_model.lm_loss_sum(logits, tokens[:, 1:]) / tokens[:, 1:].numel()
-        loss.backward()
-        torch.cuda.synchronize()
-    kernels = {event.key for event in prof.key_averages()}
+        out["loss"] = moe_model.lm_loss_sum(logits, tokens[:, 1:]) / tokens[:, 1:].numel()
+        out["loss"].backward()
+
+    launched = launched_triton_kernels(run, moe_model)
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach().float(), grads, kernels
+    return out["loss"].detach().float(), grads, launched
 
 
 @pytest.mark.gpu
@@ -114,14 +104,11 @@ def test_reference_model_step_matches_fused_and_launches_no_triton_kernel():
     moe_model.init_weights(model, cfg, seed=0)
     tokens = torch.randint(0, cfg.vocab_size, (2, 129), device="cuda",
                            generator=torch.Generator(device="cuda").manual_seed(0))
-    ours = _package_kernel_names()
-
-    fused_loss, fused_grads, fused_kernels = _step(model, tokens)
-    assert fused_kernels & ours, "the fused step should launch this package's Triton kernels"
+    fused_loss, fused_grads, fused_launched = _step(model, tokens)
+    assert fused_launched, "the fused step should launch this package's Triton kernels"
     with use_reference_kernels(True):
-        ref_loss, ref_grads, ref_kernels = _step(model, tokens)
+        ref_loss, ref_grads, launched = _step(model, tokens)
 
-    launched = {k for k in ref_kernels if k in ours or k.startswith("triton_")}
     assert not launched, f"Triton kernels launched under use_reference_kernels: {sorted(launched)}"
     torch.testing.assert_close(ref_loss, fused_loss, rtol=1e-2, atol=1e-3)
     assert fused_grads.keys() == ref_grads.keys()

@@ -46,3 +46,23 @@ def test_call_form_holds_and_context_form_restores():
     use_reference_kernels(False)
     with pytest.raises(TypeError, match="use_reference_kernels takes a bool"):
         use_reference_kernels("yes")
+
+
+@pytest.mark.gpu
+def test_on_gpu_the_switch_launches_no_triton_kernel_and_matches_the_kernels():
+    import moe_mxfp8
+    from moe_mxfp8 import quantize_fp8
+    from moe_testing import launched_triton_kernels
+
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    out = {}
+
+    def run(tag: str) -> None:
+        out[tag] = (*quantize(x, axis=-1), *quantize(x, axis=-2), quantize_fp8(x).data)
+
+    assert launched_triton_kernels(lambda: run("fused"), moe_mxfp8)
+    with use_reference_kernels(True):
+        launched = launched_triton_kernels(lambda: run("reference"), moe_mxfp8)
+    assert not launched, sorted(launched)
+    for got, want in zip(out["reference"], out["fused"], strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
