@@ -20,7 +20,7 @@
    ``[64, 2048, 2048]``, with a device copy of the rows measured in the same run as the
    ceiling; bandwidth counts the bytes a kernel must read and write.
 4. Unless ``--no-tile-sweep``: each quantize kernel under each launch shape of
-   ``TILE_CANDIDATES`` (``moe_mxfp8._triton_fp8._TILES``), checked bit-exact against the
+   ``TILE_CANDIDATES`` (``moe_mxfp8._fp8_kernels._TILES``), checked bit-exact against the
    torch reference first, so that table can be set from one run.
 Prints a table last and writes JSON. Needs a CUDA GPU (compute capability 9.x for the
 native path); ``--help`` works anywhere.
@@ -140,7 +140,7 @@ def bench_gemms(args) -> dict:
     return results
 
 
-# Launch shapes per kernel kind of moe_mxfp8._triton_fp8 (its _TILES): BlockTile(elements,
+# Launch shapes per kernel kind of moe_mxfp8._fp8_kernels (its _TILES): BlockTile(elements,
 # warps) for the block kinds, ColumnTile(rows, cols, warps) for the per-expert columns.
 TILE_CANDIDATES = {
     "rows": [(2048, 4), (4096, 4), (8192, 4), (8192, 8), (16384, 8), (2048, 2)],
@@ -153,7 +153,7 @@ TILE_CANDIDATES = {
 
 def sweep_tiles(args) -> dict:
     import torch
-    from moe_mxfp8 import _triton_fp8, quantize_fp8, quantize_group_columns
+    from moe_mxfp8 import _fp8_kernels, quantize_fp8, quantize_group_columns
 
     rows_n = args.tokens * args.top_k
     x = torch.randn(rows_n, args.d_model, device="cuda", dtype=torch.bfloat16)
@@ -179,7 +179,7 @@ def sweep_tiles(args) -> dict:
         "blocks": (lambda t, b="auto": blocks(t, (128, 128), False, b), w, w[:2], 3 * nw),
         "group_columns": (None, x, tail, 3 * n + 4 * args.experts * args.d_model),
     }
-    default = dict(_triton_fp8._TILES)
+    default = dict(_fp8_kernels._TILES)
     results = {"copy_tb_per_s": copy / 1e12}
     try:
         for kind, candidates in TILE_CANDIDATES.items():
@@ -194,9 +194,9 @@ def sweep_tiles(args) -> dict:
                         else fn(full))
 
             for cand in candidates:
-                tile = (_triton_fp8.ColumnTile if kind == "group_columns" else _triton_fp8.BlockTile)(*cand)
+                tile = (_fp8_kernels.ColumnTile if kind == "group_columns" else _fp8_kernels.BlockTile)(*cand)
                 entry = {"tile": list(cand), "default": tile == default[kind]}
-                _triton_fp8._TILES[kind] = tile  # what the launchers read at every call
+                _fp8_kernels._TILES[kind] = tile  # what the launchers read at every call
                 try:
                     got, ref = check()
                     bad = sum(int((g.view(torch.uint8) != r.view(torch.uint8)).sum())
@@ -209,9 +209,9 @@ def sweep_tiles(args) -> dict:
                 except Exception as e:  # noqa: BLE001 - a candidate that fails is reported
                     entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 results[f"{kind} {cand}"] = entry
-            _triton_fp8._TILES[kind] = default[kind]
+            _fp8_kernels._TILES[kind] = default[kind]
     finally:
-        _triton_fp8._TILES.update(default)
+        _fp8_kernels._TILES.update(default)
     return results
 
 

@@ -70,7 +70,7 @@ def bench_kernels(rows: int, d: int) -> dict:
     return results
 
 
-# Tile(size, warps, steps, stages) candidates per kernel kind of moe_mxfp8._triton (its
+# Tile(size, warps, steps, stages) candidates per kernel kind of moe_mxfp8._quantize_kernels (its
 # _TILES table; see Tile): the current default first, the pre-rewrite shapes ((128, 4)
 # rows, (128, 1) columns, (128, 2) both), and neighbours in each knob.
 TILE_CANDIDATES = {
@@ -98,10 +98,10 @@ def _mismatches(got, ref) -> int:
 
 def sweep_tiles(rows: int, d: int) -> dict:
     """Bandwidth of each kernel kind under each Tile candidate, in the same run, so the
-    table in moe_mxfp8._triton can be set from measurements. Each candidate is first
+    table in moe_mxfp8._quantize_kernels can be set from measurements. Each candidate is first
     checked bit-exact against the torch reference on the first 4096 rows; one that
     fails to compile or to match is reported with the reason, not timed."""
-    from moe_mxfp8 import _triton
+    from moe_mxfp8 import _quantize_kernels
 
     x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
     n = x.numel()
@@ -136,18 +136,18 @@ def sweep_tiles(rows: int, d: int) -> dict:
     }
     out = torch.empty_like(x)
     copy = 4 * n / cuda_time(lambda: out.copy_(x))
-    default = dict(_triton._TILES)
+    default = dict(_quantize_kernels._TILES)
     results = {"copy_tb_per_s": copy / 1e12}
     try:
         for kind, candidates in TILE_CANDIDATES.items():
             fn, nbytes = work[kind]
             ref = flat(fn(head, "torch"))
             for cand in candidates:
-                tile = _triton.Tile(*cand)
+                tile = _quantize_kernels.Tile(*cand)
                 name = (f"{kind} tile={tile.size} warps={tile.warps} steps={tile.steps} "
                         f"stages={tile.stages}")
                 entry = {"tile": list(cand), "default": tile == default[kind]}
-                _triton._TILES[kind] = tile  # what the launchers read at every call
+                _quantize_kernels._TILES[kind] = tile  # what the launchers read at every call
                 try:
                     bad = _mismatches(flat(fn(head)), ref)
                     if bad:
@@ -158,9 +158,9 @@ def sweep_tiles(rows: int, d: int) -> dict:
                 except Exception as e:  # noqa: BLE001 - a candidate that fails is reported
                     entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 results[name] = entry
-            _triton._TILES[kind] = default[kind]
+            _quantize_kernels._TILES[kind] = default[kind]
     finally:
-        _triton._TILES.update(default)
+        _quantize_kernels._TILES.update(default)
     return results
 
 

@@ -157,6 +157,8 @@ def test_toml_file_errors_name_the_key(tmp_path):
      "train.cuda_graphs is not supported with mxfp8.targets"),
     (["train.cuda_graphs=true", "train.device=cpu"],
      "train.cuda_graphs is not supported with train.device=cpu"),
+    (["train.cuda_graphs=true", "train.reference_kernels=true"],
+     "train.cuda_graphs is not supported with train.reference_kernels"),
 ])
 def test_validate_names_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -17,7 +17,8 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _oracle import check_partial_kernels, check_plan_kernels  # noqa: E402
-from moe_ep_transport import kernels, ops  # noqa: E402
+from moe_ep_transport import _transport_kernels as kernels  # noqa: E402
+from moe_ep_transport import ops  # noqa: E402
 from moe_ep_transport.peer_memory import inbox_targets  # noqa: E402
 
 
@@ -153,7 +154,7 @@ def check_combine_grads() -> None:
 def check_scan_blocks() -> None:
     # More blocks than one chunk: the carry between chunks (at 256 Ki slots there are 2048
     # blocks of 128, two chunks of 1024; the plan cases below stay within one chunk).
-    from moe_ep_transport import plan_kernels
+    from moe_ep_transport import _plan_kernels as plan_kernels
 
     hist = torch.randint(0, 9, (37, 5), generator=torch.Generator().manual_seed(4), dtype=torch.int32)
     for chunk in (8, 64):

@@ -109,7 +109,8 @@ def plan_cases():
 
 def check_plan_kernels(device: str) -> None:
     """The Triton plan kernels on ``device`` equal the PyTorch definitions (on CPU) bit for bit."""
-    from moe_ep_transport import plan_kernels, plan_reference
+    from moe_ep_transport import _plan_kernels as plan_kernels
+    from moe_ep_transport import plan_reference
 
     def same(got, want) -> bool:
         return all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
@@ -151,7 +152,8 @@ def check_partial_kernels(device: str, out_dtype: torch.dtype) -> None:
     """The destination-sum kernels (slot table from the receive kernel, partial sums put,
     partials' sum) equal the PyTorch references bit for bit. ``out_dtype`` of the final sum: BF16 on CUDA; FP32 under
     the interpreter (it rounds FP32 -> BF16 towards zero, the GPU to nearest even)."""
-    from moe_ep_transport import kernels, ops
+    from moe_ep_transport import _transport_kernels as kernels
+    from moe_ep_transport import ops
 
     gen = torch.Generator().manual_seed(7)
     M, T_max, k, D, me, C = 3, 5, 4, 70, 1, 24

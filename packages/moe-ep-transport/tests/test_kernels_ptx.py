@@ -14,7 +14,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
-from moe_ep_transport import kernels  # noqa: E402
+from moe_ep_transport import _transport_kernels as kernels  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 _HOPPER = GPUTarget("cuda", 90, 32)
@@ -69,7 +69,7 @@ def test_topk_sum_has_no_fused_multiply_add() -> None:
 
 def test_plan_kernels_compile_for_hopper() -> None:
     """The plan kernels lower for sm_90 at the benchmark's shapes (64 experts, 2 ranks)."""
-    from moe_ep_transport import plan_kernels
+    from moe_ep_transport import _plan_kernels as plan_kernels
 
     _ptx(plan_kernels._rank_slots_kernel,
          {"expert_ptr": "*i64", "rank_ptr": "*i32", "hist_ptr": "*i32", "n_slots": "i32", "n_experts": "i32",

@@ -1,4 +1,4 @@
-"""FP8 kernel cases (moe_mxfp8._triton_fp8, _triton_swiglu), run by
+"""FP8 kernel cases (moe_mxfp8._fp8_kernels, _swiglu_kernels), run by
 test_fp8_triton_interpret.py through ``moe_testing.run_under_triton_interpreter`` (a child
 process with ``TRITON_INTERPRET=1`` set before Triton is imported). Prints one line of
 JSON (case name -> number of mismatching elements, or an error string), then ``ok``."""
@@ -13,12 +13,12 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run by moe_testing.run_under_
 
 import torch  # noqa: E402
 from moe_mxfp8 import quantize_fp8, quantize_group_columns  # noqa: E402
-from moe_mxfp8._triton_swiglu import swiglu_backward as fused_backward  # noqa: E402
-from moe_mxfp8._triton_swiglu import (  # noqa: E402
+from moe_mxfp8._swiglu_kernels import swiglu_backward as fused_backward  # noqa: E402
+from moe_mxfp8._swiglu_kernels import (  # noqa: E402
     swiglu_backward_quantize_rows,
     swiglu_quantize_rows,
 )
-from moe_mxfp8._triton_swiglu import swiglu_forward as fused_forward  # noqa: E402
+from moe_mxfp8._swiglu_kernels import swiglu_forward as fused_forward  # noqa: E402
 from moe_mxfp8.swiglu import swiglu, swiglu_backward  # noqa: E402
 from triton_cases import mismatches, sample  # noqa: E402
 
@@ -59,7 +59,7 @@ def cases():
     def small_tiles():
         """Launch shapes other than the defaults: several rows per program cut by M, column
         tiles cut by N and groups longer than one row tile."""
-        from moe_mxfp8 import _triton_fp8 as k
+        from moe_mxfp8 import _fp8_kernels as k
 
         saved = dict(k._TILES)
         k._TILES.update(rows=k.BlockTile(256, 1), tiles=k.BlockTile(512, 2),

@@ -126,7 +126,7 @@ def cases():
 
 
 # Launch shapes other than the defaults (small, so several programs, loop steps, partial
-# chunks and cut tiles occur): (kind, Tile args) as in moe_mxfp8._triton._TILES; the
+# chunks and cut tiles occur): (kind, Tile args) as in moe_mxfp8._quantize_kernels._TILES; the
 # rows/cols shapes also drive that orientation's dequantize kernel (and rows the qdq one).
 TILE_CASES = [
     ("rows", (64, 1, 3, 2)), ("rows", (32, 2, 2, 1)),
@@ -140,14 +140,14 @@ TILE_SHAPES = [((70, 200), torch.bfloat16), ((2, 96, 128), torch.bfloat16),
 
 
 def tile_cases():
-    from moe_mxfp8 import _triton
+    from moe_mxfp8 import _quantize_kernels
 
     for i, (kind, args) in enumerate(TILE_CASES):
         def run(kind=kind, args=args):
-            saved = dict(_triton._TILES)
+            saved = dict(_quantize_kernels._TILES)
             extra = {"rows": ("qdq", "dequant_rows"), "cols": ("dequant_cols",), "both": ()}[kind]
             for key in (kind, *extra):
-                _triton._TILES[key] = _triton.Tile(*args)
+                _quantize_kernels._TILES[key] = _quantize_kernels.Tile(*args)
             try:
                 total = 0
                 for j, (shape, dtype) in enumerate(TILE_SHAPES):
@@ -171,8 +171,8 @@ def tile_cases():
                         total += mismatches(dg, dr) + mismatches(mg.data, mr.data)
                 return total
             finally:
-                _triton._TILES.clear()
-                _triton._TILES.update(saved)
+                _quantize_kernels._TILES.clear()
+                _quantize_kernels._TILES.update(saved)
 
         yield f"tiles/{kind}/{i}", run
 

@@ -104,6 +104,10 @@ class TrainConfig:
     # seconds a collective waits for a peer before the process group fails it (a hung or
     # dead rank); generous because a checkpoint load or the first step's compile can be slow
     collective_timeout_s: float = 600.0
+    # every package's eager reference instead of its fused kernels, on every device, from
+    # trainer build to close (bisecting a numerical problem; pretrain.reference_kernels);
+    # not with train.cuda_graphs
+    reference_kernels: bool = False
 
 
 @dataclass
@@ -324,6 +328,8 @@ class PretrainConfig:
                 (bool(self.mxfp8.targets), "mxfp8.targets: the MXFP8 weight caches are rebuilt as "
                  "new tensors after every update, which a graph would not see"),
                 (self.train.device == "cpu", "train.device=cpu: CUDA graphs need a GPU"),
+                (self.train.reference_kernels, "train.reference_kernels: the reference expert "
+                 "GEMMs read the expert offsets on the host"),
             ]
             for bad, why in unsupported:
                 if bad:

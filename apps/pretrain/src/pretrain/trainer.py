@@ -87,6 +87,7 @@ from pretrain.metrics import MetricsLog
 from pretrain.moe_stats import StepPacker
 from pretrain.optimizer import MIN_SHARD_NUMEL, build_optimizer
 from pretrain.phases import PhaseTimer
+from pretrain.reference_kernels import reference_kernels
 from pretrain.samples import SAMPLES_FILE, PromptSamples
 from pretrain.schedule import build_schedule
 from pretrain.signals import StopRequest
@@ -140,6 +141,8 @@ class Trainer:
     def __init__(self, cfg: PretrainConfig, mesh: ParallelMesh, device: torch.device,
                  phase_timer: PhaseTimer | None = None) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, device
+        # before anything runs a kernel (the MXFP8 weight caches below); closed by close()
+        self._reference_kernels = reference_kernels(cfg.train.reference_kernels)
         self.dtype = resolve_dtype(cfg.train.compute_dtype, device)
         self.timer = phase_timer
         t, m = cfg.train, cfg.model
@@ -248,12 +251,14 @@ class Trainer:
             self.graphs.reset()
 
     def close(self) -> None:
-        """Release the EP transport (collective) and detach the gradient hooks."""
+        """Release the EP transport (collective), detach the gradient hooks and restore the
+        packages' reference-kernel switches (``train.reference_kernels``)."""
         self.part.close()
         self.wiring = ModelWiring()  # (the count reducer is a bound method of the trainer)
         wire_model(self.model, self.wiring)
         self.ddp.close()
         self._graphs = None  # (it holds the trainer's bound methods)
+        self._reference_kernels.close()
 
     # -- the loop ------------------------------------------------------------------
 

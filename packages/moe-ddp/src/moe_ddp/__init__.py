@@ -8,6 +8,11 @@ yields ``(name, param, main_grad, group)``: the gradient source a distributed
 optimizer consumes.
 """
 
+from moe_ddp._triton_support import (
+    reference_kernels_enabled,
+    triton_available,
+    use_reference_kernels,
+)
 from moe_ddp.ddp import DDPConfig, MultiGroupDDP, ReplicaGroupOf, sent_bytes
 from moe_ddp.layout import ALIGN_NUMEL, BucketSpec, ParamEntry, is_sharded, plan_buckets
 
@@ -20,5 +25,8 @@ __all__ = [
     "ReplicaGroupOf",
     "is_sharded",
     "plan_buckets",
+    "reference_kernels_enabled",
     "sent_bytes",
+    "triton_available",
+    "use_reference_kernels",
 ]

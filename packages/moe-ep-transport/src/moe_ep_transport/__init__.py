@@ -7,6 +7,11 @@ imports the model. Optional GPU dependencies (triton, nvshmem4py) are imported o
 where they are used.
 """
 
+from moe_ep_transport._triton_support import (
+    reference_kernels_enabled,
+    triton_available,
+    use_reference_kernels,
+)
 from moe_ep_transport.codec import RowCodec, bytes_per_row
 from moe_ep_transport.config import EPConfig, OverflowPolicy
 from moe_ep_transport.dispatcher import EPDispatcher, EPHandle, EPOverflowError, make_transport
@@ -32,4 +37,7 @@ __all__ = [
     "Transport",
     "bytes_per_row",
     "make_transport",
+    "reference_kernels_enabled",
+    "triton_available",
+    "use_reference_kernels",
 ]

@@ -310,6 +310,10 @@ def make_transport(
     memory (for tests). The rowwise slabs are sized for rows of ``dtype`` (and the
     codec's packed rows) at ``cfg``'s capacity: pass the dtype of the activations
     given to ``dispatch`` (the default is BF16; wider rows do not fit).
+    ``use_reference_kernels(True)`` sends the rowwise transport's planning and sums to
+    their PyTorch reference, but its peer-memory puts and barriers on CUDA stay Triton
+    kernels (byte copies with no eager counterpart): for a run without them, take
+    ``all_to_all``.
     """
     from moe_ep_transport.transport import AllToAllTransport
 

@@ -151,7 +151,7 @@ class NvshmemPeerMemory:
         inbox_stride: int = 0,
         meta_w_N: torch.Tensor | None = None,
     ) -> None:
-        from moe_ep_transport import kernels
+        from moe_ep_transport import _transport_kernels as kernels
 
         if byte_offset % 16:
             raise ValueError(f"slab offset {byte_offset} is not 16-byte aligned")
@@ -173,7 +173,7 @@ class NvshmemPeerMemory:
         max_tokens: int,
         acc_dtype: torch.dtype,
     ) -> None:
-        from moe_ep_transport import kernels
+        from moe_ep_transport import _transport_kernels as kernels
 
         if acc_dtype != torch.float32:
             raise ValueError(f"NVSHMEM partial sums are float32, got accumulation dtype {acc_dtype}")
@@ -187,7 +187,7 @@ class NvshmemPeerMemory:
     def barrier(self) -> None:
         """A flag barrier through peer pointers (one small kernel; a dispatch + combine
         passes three or four barriers, so their latency counts at small sizes)."""
-        from moe_ep_transport import kernels
+        from moe_ep_transport import _transport_kernels as kernels
 
         kernels.signal_barrier(self._epoch, self._flag_table, self.rank)
 

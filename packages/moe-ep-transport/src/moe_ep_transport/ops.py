@@ -1,7 +1,8 @@
 """Device operations of dispatch and combine, each one launch on CUDA.
 
-Every function here has a PyTorch path (CPU, and the reference) and a Triton path
-(CUDA tensors) that compute the same values bit for bit: integer planning, row
+Every function here has a PyTorch path (CPU, the reference, and every device under
+``use_reference_kernels``) and a Triton path (CUDA tensors with Triton installed)
+that compute the same values bit for bit: integer planning, row
 moves, and FP32 products then sums, slot by slot, without fused multiply-add.
 Dispatch and combine do little else between these calls and the transport's puts
 and barriers, so their launch count is small and fixed (a CPU test bounds it).
@@ -16,11 +17,12 @@ from typing import NamedTuple
 import torch
 
 from moe_ep_transport import plan_reference
+from moe_ep_transport._triton_support import fused_kernels_enabled
 from moe_ep_transport.plan_reference import CellPlan, SlotRanks
 
 
 def _on_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda
+    return fused_kernels_enabled(t.device)
 
 
 _constants: dict[tuple, torch.Tensor] = {}
@@ -73,7 +75,7 @@ def from_words(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def rank_slots(expert_N: torch.Tensor, n_experts: int) -> SlotRanks:
     """Per-block expert counts and ranks of the slots (plan step 1)."""
     if _on_triton(expert_N):
-        from moe_ep_transport import plan_kernels
+        from moe_ep_transport import _plan_kernels as plan_kernels
 
         return plan_kernels.rank_slots(expert_N, n_experts)
     return plan_reference.rank_slots_reference(expert_N, n_experts)
@@ -82,7 +84,7 @@ def rank_slots(expert_N: torch.Tensor, n_experts: int) -> SlotRanks:
 def plan_cells(counts_ME: torch.Tensor, capacity: int, salt: int, rank: int) -> CellPlan:
     """Fair overflow allocation and receive layout from the count matrix (plan step 2)."""
     if _on_triton(counts_ME):
-        from moe_ep_transport import plan_kernels
+        from moe_ep_transport import _plan_kernels as plan_kernels
 
         return plan_kernels.plan_cells(counts_ME, capacity, salt, rank)
     return plan_reference.plan_cells_reference(counts_ME, capacity, salt, rank)
@@ -93,7 +95,7 @@ def plan_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Destination of every slot and source of every receive row (plan step 3)."""
     if _on_triton(expert_N):
-        from moe_ep_transport import plan_kernels
+        from moe_ep_transport import _plan_kernels as plan_kernels
 
         return plan_kernels.plan_rows(expert_N, slots, cells, ep_size, capacity)
     return plan_reference.plan_rows_reference(expert_N, slots, cells, ep_size, capacity)
@@ -129,7 +131,7 @@ def finish_receive(
     if needs_meta and origin_in_C is None:
         raise ValueError("finish_receive: origin_out_C, inbox_stride, slot_rows_out and w_out_C need origin_in_C")
     if _on_triton(out_CW):
-        from moe_ep_transport import kernels
+        from moe_ep_transport import _transport_kernels as kernels
 
         kernels.finish_receive(
             out_CW, inbox_CW, row_src_C, me, origin_in_C, origin_out_C, per_src, inbox_stride,
@@ -211,7 +213,7 @@ def topk_gather_sum(
     the weights).
     """
     if _on_triton(local_CD):
-        from moe_ep_transport import kernels
+        from moe_ep_transport import _transport_kernels as kernels
 
         return kernels.topk_gather_sum(
             inbox_ND, local_CD, dst_rank_N, dst_row_N, me, w_N, top_k, out_dtype, store_rows
@@ -267,7 +269,7 @@ def combine_grads(
     """
     k = w_N.numel() // max(1, g_TD.shape[0])
     if _on_triton(g_TD) and k > 0 and k & (k - 1) == 0:
-        from moe_ep_transport import kernels
+        from moe_ep_transport import _transport_kernels as kernels
 
         return kernels.combine_grads(g_TD, w_N, rows_ND, rows_dtype, scaled, bound)
     return combine_grads_reference(g_TD, w_N, rows_ND, rows_dtype, scaled)
@@ -377,7 +379,7 @@ def sum_partials(
     is not read). Rank order, products none: the same on every backend.
     """
     if _on_triton(partials_QD):
-        from moe_ep_transport import kernels
+        from moe_ep_transport import _transport_kernels as kernels
 
         return kernels.sum_partials(partials_QD, dst_rank_N, n_ranks, max_tokens, top_k, out_dtype)
     return sum_partials_reference(partials_QD, dst_rank_N, n_ranks, max_tokens, top_k, out_dtype)

@@ -19,7 +19,7 @@ only happens under imbalance, where counts change from step to step, which is
 what moves the rotation; identical count matrices give identical drops.
 
 Everything is integer tensor arithmetic on the device: no host synchronisation.
-This module is the PyTorch definition; ``plan_kernels`` computes the same integers
+This module is the PyTorch definition; ``_plan_kernels`` computes the same integers
 in one Triton program on CUDA (the hash constants are shared from here).
 """
 

@@ -7,7 +7,7 @@ expert; a destination receives its cells in the order ``j = l*M + s`` (local
 expert, then source).
 
 The plan is cut into the pieces that need no global synchronisation inside them,
-so that on CUDA each is one Triton program (``plan_kernels``) computing the same
+so that on CUDA each is one Triton program (``_plan_kernels``) computing the same
 integers bit for bit:
 
 1. :func:`rank_slots_reference`: per block of slots, how many slots chose each

@@ -7,6 +7,11 @@ layer ranges (``moe_model.partition``), and layout-independent init. Hugging Fac
 interop lives in ``moe_model.hf`` (needs the ``hf`` extra).
 """
 
+from moe_model._triton_support import (
+    reference_kernels_enabled,
+    triton_available,
+    use_reference_kernels,
+)
 from moe_model.config import MoEConfig
 from moe_model.dispatch import LocalDispatcher, ReportsDrops, TokenDispatcher
 from moe_model.document_attention import DocumentMask, attended_pairs, documents_from_eos
@@ -42,14 +47,14 @@ __all__ = [
     "CountReducer",
     "DocumentMask",
     "ExpertWeightGradient",
-    "KVCache",
     "GradientSink",
     "GroupedExperts",
+    "KVCache",
     "LocalDispatcher",
     "MoEConfig",
     "MoELayer",
-    "ModelWiring",
     "MoETransformer",
+    "ModelWiring",
     "ReportsDrops",
     "RoutingResult",
     "TokenDispatcher",
@@ -57,8 +62,8 @@ __all__ = [
     "active_params",
     "attach_aux_loss",
     "attended_pairs",
-    "documents_from_eos",
     "dense_parameters",
+    "documents_from_eos",
     "expert_parameters",
     "expert_range",
     "flops_per_token",
@@ -72,8 +77,11 @@ __all__ = [
     "next_token",
     "param_kind",
     "partition_",
+    "reference_kernels_enabled",
     "resolve_backend",
     "router_z_loss",
     "total_params",
+    "triton_available",
+    "use_reference_kernels",
     "wire_model",
 ]

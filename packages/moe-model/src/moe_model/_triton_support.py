@@ -1,9 +1,16 @@
-"""One answer to "can the Triton kernels run here?" for every CUDA fast path of the package.
+"""One answer to "do the fused kernels run here?" for every CUDA fast path of the package.
 
 Each fused path (grouped GEMM, RMSNorm, RoPE, SwiGLU, router, dispatch order, combine,
-cross-entropy) takes its Triton kernels for CUDA tensors when Triton is installed, and
-its eager reference path otherwise. The check looks for the package without importing it, so importing
-moe_model never loads Triton.
+cross-entropy, document attention) asks ``fused_kernels_enabled(device)``: its kernels
+for CUDA tensors when Triton is installed and the reference switch is off, its eager
+reference path otherwise. ``triton_available`` looks for the package without importing
+it, so importing moe_model never loads Triton.
+
+``use_reference_kernels(True)`` is the process-wide switch (like
+``torch.backends.cudnn.enabled``) that sends every op of the package to its eager
+reference on every device, to bisect a numerical problem between a kernel and its
+reference. It is a module-level flag, not a context variable, because autograd runs the
+backward on its own threads and the backward must see the same switch as the forward.
 """
 
 from __future__ import annotations
@@ -24,6 +31,48 @@ def triton_available() -> bool:
         return importlib.util.find_spec("triton") is not None
     except ValueError:  # a module entry without a spec (e.g. import blocked in sys.modules)
         return False
+
+
+_reference_kernels = False
+
+
+def fused_kernels_enabled(device: torch.device) -> bool:
+    """Whether the fused (Triton, ``torch._grouped_mm``, flex attention) path of an op runs
+    for tensors on ``device``: a CUDA device, Triton installed, reference switch off."""
+    return device.type == "cuda" and not _reference_kernels and triton_available()
+
+
+def reference_kernels_enabled() -> bool:
+    """Whether ``use_reference_kernels`` currently forces the eager reference paths."""
+    return _reference_kernels
+
+
+class use_reference_kernels:
+    """Force (``True``) or release (``False``) every op's eager reference path, process-wide.
+
+    Takes effect when called, like ``torch.set_grad_enabled``; used as a context manager
+    it restores the previous setting on exit::
+
+        moe_model.use_reference_kernels(True)      # from here on
+        with moe_model.use_reference_kernels(True):  # only inside the block
+            ...
+
+    Explicit backends (``grouped_mm(..., backend="triton")``) give way to it too.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        global _reference_kernels
+        if not isinstance(enabled, bool):
+            raise TypeError(f"use_reference_kernels takes a bool, got {enabled!r}")
+        self.previous = _reference_kernels
+        _reference_kernels = enabled
+
+    def __enter__(self) -> use_reference_kernels:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _reference_kernels
+        _reference_kernels = self.previous
 
 
 def num_sms(device: torch.device) -> int:

@@ -51,7 +51,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from moe_model._triton_support import triton_available
+from moe_model._triton_support import fused_kernels_enabled
 from moe_model.router import count_per_expert
 
 _HASH_MULTIPLIER = 2654435761  # odd, so t -> t * m mod 2^32 is a bijection (Knuth)
@@ -123,7 +123,7 @@ _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _fused(t: torch.Tensor) -> bool:
     """Whether the combine of rows like ``t`` runs the fused Triton kernels."""
-    return t.device.type == "cuda" and t.dtype in _FUSED_DTYPES and triton_available()
+    return t.dtype in _FUSED_DTYPES and fused_kernels_enabled(t.device)
 
 
 class _Combine(torch.autograd.Function):
@@ -178,7 +178,7 @@ def _dropless_layout(
     """``(slot_of_row, row_of_slot, token_of_row, counts, offsets)``: slots expert-major,
     in slot order within an expert (a stable sort by expert id); ``offsets`` int32. On CUDA
     with Triton, the counting sort of ``_dispatch_kernels``."""
-    if expert_ids_Tk.is_cuda and triton_available():
+    if fused_kernels_enabled(expert_ids_Tk.device):
         from moe_model._dispatch_kernels import dropless_layout
 
         return dropless_layout(expert_ids_Tk, n_experts)

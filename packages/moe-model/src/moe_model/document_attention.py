@@ -13,7 +13,8 @@ The mask is built once per forward and shared by every layer. Kernels:
 - ``sdpa``: ``scaled_dot_product_attention`` with a dense boolean ``[B, 1, S, S]``
   mask (any device; what CPU runs): exact, but every tile is computed.
 
-``kernel="auto"`` takes ``flex`` on CUDA and ``sdpa`` elsewhere;
+``kernel="auto"`` takes ``flex`` on CUDA and ``sdpa`` elsewhere or under
+``use_reference_kernels`` (which overrides ``flex`` too);
 ``tools/bench_document_attention.py`` times both at the benchmark shapes.
 FlexAttention is imported at first use, so importing this module never needs it.
 """
@@ -25,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from moe_model._triton_support import fused_kernels_enabled, reference_kernels_enabled
 
 DOCUMENT_KERNELS = ("auto", "flex", "sdpa")
 
@@ -67,8 +70,8 @@ class DocumentMask:
         if document_ids_BS.dim() != 2:
             raise ValueError(f"document ids must be [B, S], got {tuple(document_ids_BS.shape)}")
         self.document_ids = document_ids_BS
-        if kernel == "auto":
-            kernel = "flex" if document_ids_BS.is_cuda else "sdpa"
+        if kernel == "auto" or reference_kernels_enabled():
+            kernel = "flex" if fused_kernels_enabled(document_ids_BS.device) else "sdpa"
         self.kernel = kernel
         B, S = document_ids_BS.shape
         if kernel == "flex":

@@ -44,7 +44,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from moe_model._triton_support import cuda_capability, triton_available
+from moe_model._triton_support import (
+    cuda_capability,
+    fused_kernels_enabled,
+    reference_kernels_enabled,
+)
 from moe_model.backward_needs import grads_needed
 from moe_model.layers import swiglu
 from moe_model.sink import GradientSink, SinkRoute, sink_route, will_run
@@ -80,14 +84,17 @@ def resolve_backend(backend: str, x_RK: torch.Tensor, w_EKN: torch.Tensor) -> st
     ~20 us of host time per call against Triton's ~100 us (tools/bench_expert_gemms.py layer).
     Elsewhere Triton (fp16, pre-Hopper GPUs, odd widths) if installed, else the loop.
     On a CPU: ``torch._grouped_mm`` where its stride rule holds, else the loop.
+    Under ``use_reference_kernels`` the loop, whatever ``backend`` asks for.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown grouped GEMM backend {backend!r}; expected one of {BACKENDS}")
+    if reference_kernels_enabled():
+        return "loop"
     if backend != "auto":
         return backend
     if _fits_grouped_mm(x_RK, w_EKN):
         return "grouped_mm"
-    if x_RK.device.type == "cuda" and triton_available():
+    if fused_kernels_enabled(x_RK.device):
         return "triton"
     return "loop"
 
@@ -112,7 +119,7 @@ def grouped_mm(
 
 def sink_adds_in_kernel(rows: torch.Tensor) -> bool:
     """Whether the weight gradient of rows on this device can go into a sink (Triton epilogue)."""
-    return rows.is_cuda and triton_available()
+    return fused_kernels_enabled(rows.device)
 
 
 WgradSource = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (x, dy, offsets) of one backward
@@ -233,7 +240,7 @@ def gate_up_pairs(rows: torch.Tensor, backend: str) -> bool:
     on CUDA with Triton, for the ``auto`` and ``triton`` backends. Measured on H200 at the
     bench MoE shapes against two ``torch._grouped_mm`` calls and the add of their input
     gradients: ``tools/bench_expert_gemms.py gate-up``, docs/performance.md."""
-    return backend in ("auto", "triton") and rows.is_cuda and triton_available()
+    return backend in ("auto", "triton") and fused_kernels_enabled(rows.device)
 
 
 def gate_up(

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from moe_model._triton_support import triton_available
+from moe_model._triton_support import fused_kernels_enabled
 from moe_model.config import MoEConfig
 from moe_model.document_attention import DocumentMask
 from moe_model.kv_cache import LayerKV
@@ -54,7 +54,7 @@ class RMSNorm(nn.Module):
         return h, self(h)
 
     def _fused_kernels_take(self, x: torch.Tensor) -> bool:
-        if not (x.is_cuda and triton_available()):
+        if not fused_kernels_enabled(x.device):
             return False
         from moe_model import _rms_norm_kernels as k
 
@@ -95,7 +95,7 @@ def apply_rope(x_BHSDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     CUDA inputs take the one-kernel path of ``moe_model._rope_kernels`` (same
     arithmetic); anything else, or without Triton, ``apply_rope_reference``.
     """
-    if x_BHSDh.is_cuda and x_BHSDh.shape[-1] % 2 == 0 and triton_available():
+    if x_BHSDh.shape[-1] % 2 == 0 and fused_kernels_enabled(x_BHSDh.device):
         from moe_model._rope_kernels import FusedRope
 
         return FusedRope.apply(x_BHSDh, cos, sin)
@@ -112,7 +112,7 @@ def norm_and_rope(x_BSHDh: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor
     two apart per attention block and microbatch at bench-1gpu's shapes on an H200);
     anything else runs ``norm`` then ``apply_rope``.
     """
-    if norm is not None and x_BSHDh.is_cuda and triton_available():
+    if norm is not None and fused_kernels_enabled(x_BSHDh.device):
         from moe_model import _qk_norm_rope_kernels as k
 
         if k.applies(x_BSHDh, norm.weight):
@@ -229,7 +229,7 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, rows: torch.Tensor | None = None) -
     rows of ``g`` at or past it are padding, which the kernel path skips (their output
     and gradient are unspecified); the reference computes them anyway.
     """
-    if g.is_cuda and g.shape == u.shape and g.dtype == u.dtype and triton_available():
+    if g.shape == u.shape and g.dtype == u.dtype and fused_kernels_enabled(g.device):
         from moe_model._swiglu_kernels import FusedSwiGLU
 
         return FusedSwiGLU.apply(g, u, rows)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe_model._triton_support import triton_available
+from moe_model._triton_support import fused_kernels_enabled
 
 IGNORE_INDEX = -100
 
@@ -39,7 +39,7 @@ def lm_loss_sum(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Ten
     module docstring)."""
     logits_NV = logits_BSV.reshape(-1, logits_BSV.shape[-1])
     targets_N = targets_BS.reshape(-1)
-    if logits_NV.is_cuda and triton_available():
+    if fused_kernels_enabled(logits_NV.device):
         from moe_model._cross_entropy_kernels import fused_cross_entropy_sum
 
         return fused_cross_entropy_sum(logits_NV, targets_N, IGNORE_INDEX)

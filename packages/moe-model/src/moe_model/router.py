@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moe_model._triton_support import triton_available
+from moe_model._triton_support import fused_kernels_enabled
 from moe_model.backward_needs import grads_needed
 from moe_model.config import MoEConfig
 
@@ -130,7 +130,7 @@ class _RouterLogits(torch.autograd.Function):
         x_TD, w_ED = ctx.saved_tensors
         need_dx, need_dw = grads_needed(ctx)  # one of them in a split (zero-bubble) backward
         n_parts, E = _BF16_PARTS, w_ED.shape[0]
-        if g_TE.is_cuda and triton_available():
+        if fused_kernels_enabled(g_TE.device):
             from moe_model._router_kernels import split_bf16
 
             g_TP = split_bf16(g_TE, n_parts)  # P = 3 * E, in one kernel
@@ -150,7 +150,7 @@ class _RouterLogits(torch.autograd.Function):
 def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     """FP32 ``x @ w^T``: the tensor-core path on a GPU where both are BF16, else FP32
     copies and an FP32 GEMM."""
-    if x_TD.is_cuda and x_TD.dtype == w_ED.dtype == torch.bfloat16:
+    if x_TD.dtype == w_ED.dtype == torch.bfloat16 and fused_kernels_enabled(x_TD.device):
         return _RouterLogits.apply(x_TD, w_ED)
     return x_TD.float() @ w_ED.float().t()
 
@@ -196,7 +196,7 @@ class TopKRouter(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> RoutingResult:
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = router_logits(x_TD, self.weight)
-        if logits_TE.is_cuda and triton_available():
+        if fused_kernels_enabled(logits_TE.device):
             from moe_model._router_kernels import fused_routing
 
             ids_Tk, weights_Tk, counts_E, probs_TE, z_loss = fused_routing(

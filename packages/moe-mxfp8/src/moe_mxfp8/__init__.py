@@ -2,7 +2,7 @@
 
 - ``quantize`` / ``dequantize``: E4M3 data with one E8M0 scale per 32 elements along
   an axis, bit-identical to torchao's MX reference (floor scale rule); pure torch or
-  Triton kernels (``moe_mxfp8._triton``, imported only when used).
+  Triton kernels (``moe_mxfp8._quantize_kernels``, imported only when used).
 - ``MXFP8Linear`` / ``MXFP8GroupedExperts``: drop-in modules holding the original
   parameters, with MXFP8 forward and input-gradient GEMMs (exactly emulated on
   Hopper) and MXFP8 weight caches derived from the weights.
@@ -17,6 +17,11 @@
   ``MXFP8Config.recipe``; ``FP8RowCodec``: the rowwise FP8 dispatch payload.
 """
 
+from moe_mxfp8._triton_support import (
+    reference_kernels_enabled,
+    triton_available,
+    use_reference_kernels,
+)
 from moe_mxfp8.apply import (
     RECIPES,
     MXFP8Config,
@@ -45,6 +50,9 @@ from moe_mxfp8.gemm import native_mx_available
 from moe_mxfp8.linear import MXFP8Linear
 
 __all__ = [
+    "reference_kernels_enabled",
+    "triton_available",
+    "use_reference_kernels",
     "BLOCK_SIZE",
     "FP8RowCodec",
     "FP8GroupedExperts",

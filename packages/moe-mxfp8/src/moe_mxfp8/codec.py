@@ -65,7 +65,7 @@ class MXFP8RowCodec:
         R, D = rows.shape
         packed = torch.empty(R, self.packed_width(D), dtype=torch.uint8, device=rows.device)
         if uses_triton(rows, self.backend):
-            from moe_mxfp8._triton import quantize_rows_into
+            from moe_mxfp8._quantize_kernels import quantize_rows_into
 
             quantize_rows_into(rows, packed[:, :D], packed[:, D:], self.block_size)
         else:
@@ -79,7 +79,7 @@ class MXFP8RowCodec:
             raise ValueError(f"packed must be uint8 [R, W], got {packed.dtype} {tuple(packed.shape)}")
         D = self.row_width(packed.shape[1])
         if uses_triton(packed, self.backend):
-            from moe_mxfp8._triton import dequantize_rows_from
+            from moe_mxfp8._quantize_kernels import dequantize_rows_from
 
             return dequantize_rows_from(packed[:, :D], packed[:, D:], dtype, self.block_size)
         data = packed[:, :D].contiguous().view(torch.float8_e4m3fn)

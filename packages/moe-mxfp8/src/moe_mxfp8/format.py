@@ -19,18 +19,20 @@ blocked axis shortened to the block count. Nothing is transposed: "column"
 orientation is ``axis=-2``.
 
 Two implementations with identical bits: a pure-torch reference (any device) and
-Triton kernels (``moe_mxfp8._triton``; CUDA, or CPU under ``TRITON_INTERPRET=1``).
-``backend="auto"`` picks Triton for CUDA tensors when Triton imports.
+Triton kernels (``moe_mxfp8._quantize_kernels``; CUDA, or CPU under ``TRITON_INTERPRET=1``).
+``backend="auto"`` picks Triton for CUDA tensors when Triton is installed, and the
+reference under ``use_reference_kernels(True)``.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from moe_mxfp8._triton_support import fused_kernels_enabled, reference_kernels_enabled
 
 BLOCK_SIZE = 32  # elements sharing one scale (OCP MX)
 E4M3_MAX = 448.0  # largest finite E4M3 magnitude
@@ -72,20 +74,16 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
 
 
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def uses_triton(t: torch.Tensor, backend: str) -> bool:
+    """The package's one decision between an op's Triton kernels and its reference:
+    ``triton`` forces the kernels, ``auto`` takes them where ``fused_kernels_enabled``,
+    and ``use_reference_kernels(True)`` overrides both."""
     _check_backend(backend)
+    if reference_kernels_enabled():
+        return False
     if backend == "triton":
         return True
-    return backend == "auto" and t.is_cuda and _triton_importable()
+    return backend == "auto" and fused_kernels_enabled(t.device)
 
 
 def _check_block_size(block_size: int) -> None:
@@ -184,7 +182,7 @@ def quantize(
     _check_block_size(block_size)
     axis = _norm_axis(axis, x.dim(), "x")
     if uses_triton(x, backend):
-        from moe_mxfp8._triton import quantize_along
+        from moe_mxfp8._quantize_kernels import quantize_along
 
         return quantize_along(x, axis, block_size)
     return _quantize_torch(x, axis, block_size)
@@ -221,7 +219,7 @@ def dequantize(
     if dtype not in _INPUT_DTYPES:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     if uses_triton(data, backend):
-        from moe_mxfp8._triton import dequantize_along
+        from moe_mxfp8._quantize_kernels import dequantize_along
 
         return dequantize_along(data, scales, axis, block_size, dtype)
     return _dequantize_torch(data, scales, axis, block_size, dtype)
@@ -240,7 +238,7 @@ def quantize_rows_and_cols(
     if x.dim() < 2:
         raise ValueError(f"x must have at least 2 dims for two orientations, got {x.dim()}")
     if uses_triton(x, backend):
-        from moe_mxfp8._triton import quantize_both
+        from moe_mxfp8._quantize_kernels import quantize_both
 
         (rd, rs), (cd, cs) = quantize_both(x, block_size)
     else:
@@ -268,7 +266,7 @@ def quantize_dequantize(
     _check_block_size(block_size)
     axis = x.dim() - 1
     if uses_triton(x, backend):
-        from moe_mxfp8._triton import quantize_dequantize_rows
+        from moe_mxfp8._quantize_kernels import quantize_dequantize_rows
 
         deq, pair = quantize_dequantize_rows(x, dtype, keep_mxfp8, block_size)
     else:

@@ -25,7 +25,7 @@ Power-of-two rounding is exact (the FP32 scale's exponent bits). torchao evaluat
 within about 2**-22 (relative) below a power of two, i.e. when a row's ``amax`` lies
 within that of ``7 * 2**j`` from above: only there torchao's scale is twice ours
 (checked by a test). Bit-identical otherwise, also in the Triton kernels
-(``moe_mxfp8._triton_fp8``), which encode E4M3 without the FP8 conversion instructions.
+(``moe_mxfp8._fp8_kernels``), which encode E4M3 without the FP8 conversion instructions.
 
 Weight-gradient operands are quantized along the tokens of each expert's segment
 (``quantize_group_columns``): per group and column one scale, the result transposed to
@@ -160,7 +160,7 @@ def quantize_fp8(x: torch.Tensor, block: tuple[int, int] = (1, 0), pow2: bool = 
     _check_input(x)
     block = check_block(tuple(block))
     if _use_triton(x, backend):
-        from moe_mxfp8._triton_fp8 import quantize_blocks
+        from moe_mxfp8._fp8_kernels import quantize_blocks
 
         data, scale = quantize_blocks(x, block, pow2)
         return FP8Tensor(data, scale, block)
@@ -196,7 +196,7 @@ def quantize_group_columns(x: torch.Tensor, offsets: torch.Tensor, pow2: bool = 
     padded_ends = padded_group_ends(offsets)
     width = group_columns_width(x.shape[0], offsets.shape[0])
     if _use_triton(x, backend):
-        from moe_mxfp8._triton_fp8 import quantize_group_columns_t
+        from moe_mxfp8._fp8_kernels import quantize_group_columns_t
 
         data_t, scale = quantize_group_columns_t(x, offsets, padded_ends, width, pow2)
     else:

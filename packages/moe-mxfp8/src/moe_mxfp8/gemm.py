@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_mxfp8._triton_support import reference_kernels_enabled
 from moe_mxfp8.format import MXFP8Tensor
 
 
@@ -39,11 +40,12 @@ def _fits_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``torch._grouped_mm`` on CUDA: BF16 with 16-byte aligned row strides.
 
     On CPU it has no tuned kernel (about 30x slower than a per-expert loop on small
-    MoE shapes), and there reading the offsets on the host costs nothing.
+    MoE shapes), and there reading the offsets on the host costs nothing. Under
+    ``use_reference_kernels`` the per-expert loop everywhere.
     """
     size = a.element_size()
     aligned = (a.shape[-1] * size) % 16 == 0 and (b.shape[-1] * size) % 16 == 0
-    return a.is_cuda and a.dtype == torch.bfloat16 and aligned
+    return a.is_cuda and a.dtype == torch.bfloat16 and aligned and not reference_kernels_enabled()
 
 
 def grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """SwiGLU between the experts' GEMMs: ``h = silu(h1) * h3`` of ``h13 = [h1, h3]`` and its
 gradient, computed in FP32 and rounded once to the output dtype.
 
-On CUDA (with Triton) one fused kernel each way (``moe_mxfp8._triton_swiglu``): the
+On CUDA (with Triton) one fused kernel each way (``moe_mxfp8._swiglu_kernels``): the
 unfused torch ops made several passes over ``[R, 2F]`` FP32 temporaries, a few
 milliseconds per layer at the bench shapes, comparable to the FP8 GEMMs themselves.
 Elsewhere the same formulas in torch. The two agree to FP32 rounding of ``exp``.
@@ -23,7 +23,7 @@ from moe_mxfp8.fp8 import FP8Tensor, quantize_fp8
 def swiglu(h13_R2F: torch.Tensor) -> torch.Tensor:
     """``silu(h1) * h3`` in FP32, returned in ``h13``'s dtype."""
     if uses_triton(h13_R2F, "auto"):
-        from moe_mxfp8._triton_swiglu import swiglu_forward
+        from moe_mxfp8._swiglu_kernels import swiglu_forward
 
         return swiglu_forward(h13_R2F)
     h1, h3 = h13_R2F.float().chunk(2, dim=-1)
@@ -33,7 +33,7 @@ def swiglu(h13_R2F: torch.Tensor) -> torch.Tensor:
 def swiglu_backward(h13_R2F: torch.Tensor, dh_RF: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Gradients of ``silu(h1) * h3`` w.r.t. ``[h1, h3]``, computed in FP32, in ``dtype``."""
     if uses_triton(h13_R2F, "auto"):
-        from moe_mxfp8._triton_swiglu import swiglu_backward as fused
+        from moe_mxfp8._swiglu_kernels import swiglu_backward as fused
 
         return fused(h13_R2F, dh_RF, dtype)
     h1, h3 = h13_R2F.float().chunk(2, dim=-1)
@@ -52,7 +52,7 @@ def _fused_rows(h13: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -
 def swiglu_quantized(h13_R2F: torch.Tensor, block: tuple[int, int], pow2: bool) -> FP8Tensor:
     """``quantize_fp8(swiglu(h13), block, pow2)``."""
     if _fused_rows(h13_R2F, block, h13_R2F.dtype):
-        from moe_mxfp8._triton_swiglu import swiglu_quantize_rows
+        from moe_mxfp8._swiglu_kernels import swiglu_quantize_rows
 
         return FP8Tensor(*swiglu_quantize_rows(h13_R2F, pow2), (1, 0))
     return quantize_fp8(swiglu(h13_R2F), block, pow2)
@@ -62,7 +62,7 @@ def swiglu_backward_quantized(h13_R2F: torch.Tensor, dh_RF: torch.Tensor, dtype:
                               block: tuple[int, int], pow2: bool) -> tuple[torch.Tensor, FP8Tensor]:
     """``dh13 = swiglu_backward(h13, dh, dtype)`` and ``quantize_fp8(dh13, block, pow2)``."""
     if _fused_rows(h13_R2F, block, dtype):
-        from moe_mxfp8._triton_swiglu import swiglu_backward_quantize_rows
+        from moe_mxfp8._swiglu_kernels import swiglu_backward_quantize_rows
 
         dh13, data, scale = swiglu_backward_quantize_rows(h13_R2F, dh_RF, pow2)
         return dh13, FP8Tensor(data, scale, (1, 0))

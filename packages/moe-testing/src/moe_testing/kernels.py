@@ -1,5 +1,5 @@
 """Helpers for kernel tests: the Triton interpreter in a subprocess, host-sync checks,
-the bytes autograd saves.
+the bytes autograd saves, the Triton kernels a step launches.
 
 ``TRITON_INTERPRET=1`` must be set before Triton is first imported, and never in
 the test process itself (it would turn every later kernel into interpreted code), so
@@ -8,11 +8,14 @@ interpreter checks live in a small script that runs in a child process.
 
 from __future__ import annotations
 
+import importlib
 import os
+import pkgutil
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 
 def run_under_triton_interpreter(script: str | Path, timeout: float = 240.0) -> str:
@@ -56,3 +59,33 @@ def saved_tensor_bytes(fn: Callable[[], object]) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return total
+
+
+def package_triton_kernels(package: ModuleType) -> set[str]:
+    """Names of the ``@triton.jit`` functions in ``package``'s ``_<op>_kernels`` modules
+    (autotuner and heuristics wrappers unwrapped): the names a profiler shows them by."""
+    from triton.runtime.jit import JITFunction
+
+    names = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name.endswith("_kernels"):
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            for obj in vars(module).values():
+                while hasattr(obj, "fn") and not isinstance(obj, JITFunction):
+                    obj = obj.fn
+                if isinstance(obj, JITFunction):
+                    names.add(obj.fn.__name__)
+    return names
+
+
+def launched_triton_kernels(step: Callable[[], object], *packages: ModuleType) -> set[str]:
+    """Run ``step`` (CUDA) under the profiler; the names of the kernels it launched that are
+    ``packages``' Triton kernels or TorchInductor's generated ones (``triton_*``)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    ours = set().union(*(package_triton_kernels(p) for p in packages))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return {e.key for e in prof.key_averages() if e.key in ours or e.key.startswith("triton_")}

@@ -1,7 +1,7 @@
 """Triton kernels for the scaled E4M3 formats of ``moe_mxfp8.fp8``, bit-identical to its
 torch reference on the GPU and under ``TRITON_INTERPRET=1``.
 
-Imported lazily, like ``moe_mxfp8._triton`` (whose exact E4M3 encoding they share: no
+Imported lazily, like ``moe_mxfp8._quantize_kernels`` (whose exact E4M3 encoding they share: no
 FP8 conversion instruction, whose subnormal and tie handling differs between the
 hardware and the interpreter).
 
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_mxfp8._triton import _bits_view, _e4m3, _load_abs_sign
+from moe_mxfp8._quantize_kernels import _bits_view, _e4m3, _load_abs_sign
 from moe_mxfp8.fp8 import E4M3_MAX, EPS
 
 

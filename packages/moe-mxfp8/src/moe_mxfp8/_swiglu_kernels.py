@@ -8,7 +8,7 @@ forward and ``dh13`` is read once less in the backward.
 
 BF16 results are rounded to nearest-even by integer operations and stored as their bits,
 and the quantizing kernels quantize exactly those BF16 values, so a fused result equals
-the unfused kernels' output quantized by ``moe_mxfp8._triton_fp8``, bit for bit, on the
+the unfused kernels' output quantized by ``moe_mxfp8._fp8_kernels``, bit for bit, on the
 GPU and under ``TRITON_INTERPRET=1`` (all launch with ``enable_fp_fusion=False``: the
 same FP32 roundings in every kernel).
 """
@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_mxfp8._triton import _bits_view, _store_from_f32
-from moe_mxfp8._triton_fp8 import _CONSTS, _encode, _scale
+from moe_mxfp8._fp8_kernels import _CONSTS, _encode, _scale
+from moe_mxfp8._quantize_kernels import _bits_view, _store_from_f32
 
 _ROWS, _COLS = 16, 128
 
