@@ -4,8 +4,9 @@ import moe_ddp
 import moe_ep_transport
 import moe_model
 import moe_mxfp8
+import pytest
 import torch
-from pretrain.config import load_config, validate_layout
+from pretrain.config import ConfigError, load_config, validate_layout
 from pretrain.mesh import build_mesh
 from pretrain.runtime import distributed
 from pretrain.trainer import Trainer
@@ -41,3 +42,12 @@ def test_close_restores_a_switch_that_was_on_before(tmp_path):
         trainer = _trainer(tmp_path, True)
         trainer.close()
         assert _switches() == [True, False, False, False]
+
+
+def test_a_trainer_whose_build_fails_leaves_the_switches_as_it_found_them(tmp_path):
+    cfg = load_config("tiny", [f"run_dir={tmp_path}", "train.reference_kernels=true",
+                               "mxfp8.targets=experts", "mxfp8.recipe=fp8_rowwise",
+                               "mxfp8.gemm=native"])  # refused while building (no FP8 GPU)
+    with distributed("cpu"), pytest.raises(ConfigError, match="mxfp8.gemm=native"):
+        Trainer(cfg, build_mesh(validate_layout(cfg, 1), "cpu"), torch.device("cpu"))
+    assert _switches() == [False] * 4

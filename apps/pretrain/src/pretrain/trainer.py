@@ -141,10 +141,20 @@ class Trainer:
     def __init__(self, cfg: PretrainConfig, mesh: ParallelMesh, device: torch.device,
                  phase_timer: PhaseTimer | None = None) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, device
-        # before anything runs a kernel (the MXFP8 weight caches below); closed by close()
-        self._reference_kernels = reference_kernels(cfg.train.reference_kernels)
-        self.dtype = resolve_dtype(cfg.train.compute_dtype, device)
         self.timer = phase_timer
+        # before anything runs a kernel (the MXFP8 weight caches); closed by close(), or here
+        # when the build fails, so that a failed trainer leaves the process as it found it
+        self._reference_kernels = reference_kernels(cfg.train.reference_kernels)
+        try:
+            self._build(cfg, mesh, device)
+        except BaseException:
+            self._reference_kernels.close()
+            raise
+
+    def _build(self, cfg: PretrainConfig, mesh: ParallelMesh, device: torch.device) -> None:
+        """Data, model part, DDP, optimizer, wiring, evaluation and (``train.cuda_graphs``)
+        graphs of this rank."""
+        self.dtype = resolve_dtype(cfg.train.compute_dtype, device)
         t, m = cfg.train, cfg.model
         data_seed = cfg.seed if cfg.data.seed is None else cfg.data.seed
         source = open_data(cfg.data, t.seq_len, m.vocab_size, data_seed)
