@@ -167,9 +167,9 @@ def transport_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def run_part(cmd: list[str], timeout_s: float) -> tuple[int, bool]:
-    """``(exit status, timed out)`` of ``cmd``, run in a session of its own so that a part
-    past ``timeout_s`` is killed with every process it started (torchrun's ranks)."""
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    """``(exit status, timed out)`` of ``cmd``, run in a process group of its own so that a
+    part past ``timeout_s`` is killed with every process it started (torchrun's ranks)."""
+    proc = subprocess.Popen(cmd, process_group=0)
     try:
         return proc.wait(timeout=timeout_s), False
     except subprocess.TimeoutExpired:
