@@ -1,12 +1,11 @@
 """The reference switch: ``use_reference_kernels(True)`` sends accumulation to ``add_``."""
 
+import moe_ddp
 import pytest
 import torch
-from moe_ddp import triton_available, use_reference_kernels
-from moe_ddp._triton_support import fused_kernels_enabled, reference_kernels_enabled
+from moe_ddp import use_reference_kernels
 from moe_ddp.accumulate import accumulate_
-
-CUDA = torch.device("cuda")  # a device object only: no GPU is touched
+from moe_testing import check_reference_switch
 
 
 @pytest.fixture(autouse=True)
@@ -15,13 +14,8 @@ def _switch_off():
         yield
 
 
-@pytest.mark.skipif(not triton_available(), reason="needs Triton installed")
-def test_switch_sends_cuda_tensors_to_the_reference():
-    assert fused_kernels_enabled(CUDA)
-    with use_reference_kernels(True):
-        assert not fused_kernels_enabled(CUDA)
-    assert fused_kernels_enabled(CUDA)
-    assert not fused_kernels_enabled(torch.device("cpu"))
+def test_the_switch_keeps_the_contract_of_every_package():
+    check_reference_switch(moe_ddp._triton_support)
 
 
 def test_switch_overrides_a_forced_kernel():
@@ -29,15 +23,6 @@ def test_switch_overrides_a_forced_kernel():
     with use_reference_kernels(True):
         accumulate_(dst, src, fused=True)  # a CPU tensor: the kernel would need the interpreter
     torch.testing.assert_close(dst, torch.full((3, 5), 1.5), rtol=0, atol=0)
-
-
-def test_call_form_holds_and_context_form_restores():
-    use_reference_kernels(True)
-    with use_reference_kernels(False):
-        assert not reference_kernels_enabled()
-    assert reference_kernels_enabled()
-    use_reference_kernels(False)
-    assert not reference_kernels_enabled()
 
 
 @pytest.mark.gpu

@@ -6,10 +6,8 @@ import moe_model
 import pytest
 import torch
 from moe_model import DocumentMask, resolve_backend, triton_available, use_reference_kernels
-from moe_model._triton_support import fused_kernels_enabled, reference_kernels_enabled
-from moe_testing import launched_triton_kernels, package_triton_kernels
-
-CUDA = torch.device("cuda")  # a device object only: no GPU is touched
+from moe_model._triton_support import reference_kernels_enabled
+from moe_testing import check_reference_switch, launched_triton_kernels, package_triton_kernels
 
 
 @pytest.fixture(autouse=True)
@@ -18,26 +16,8 @@ def _switch_off():
         yield
 
 
-@pytest.mark.skipif(not triton_available(), reason="needs Triton installed")
-def test_switch_sends_cuda_tensors_to_the_reference():
-    assert fused_kernels_enabled(CUDA)
-    with use_reference_kernels(True):
-        assert not fused_kernels_enabled(CUDA)
-        assert reference_kernels_enabled()
-    assert fused_kernels_enabled(CUDA)
-    assert not fused_kernels_enabled(torch.device("cpu"))
-
-
-def test_call_form_holds_until_released_and_context_form_restores():
-    use_reference_kernels(True)
-    assert reference_kernels_enabled()
-    with use_reference_kernels(False):
-        assert not reference_kernels_enabled()
-    assert reference_kernels_enabled()
-    use_reference_kernels(False)
-    assert not reference_kernels_enabled()
-    with pytest.raises(TypeError, match="use_reference_kernels takes a bool"):
-        use_reference_kernels(1)
+def test_the_switch_keeps_the_contract_of_every_package():
+    check_reference_switch(moe_model._triton_support)
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton", "grouped_mm", "loop"])

@@ -89,3 +89,34 @@ def launched_triton_kernels(step: Callable[[], object], *packages: ModuleType) -
         step()
         torch.cuda.synchronize()
     return {e.key for e in prof.key_averages() if e.key in ours or e.key.startswith("triton_")}
+
+
+def check_reference_switch(support: ModuleType) -> None:
+    """The contract every package's ``_triton_support`` module keeps, checked on CPU.
+
+    ``fused_kernels_enabled`` is never true for a CPU device, true for a CUDA device
+    (a device object only: no GPU is touched) exactly when Triton is installed and the
+    switch is off; ``use_reference_kernels(flag)`` holds when called and restores the
+    previous setting when used as a context manager; it takes only a bool. The switch
+    is left off.
+    """
+    import pytest
+    import torch
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    use, enabled = support.use_reference_kernels, support.reference_kernels_enabled
+    use(False)
+    assert support.fused_kernels_enabled(cuda) == support.triton_available()
+    assert not support.fused_kernels_enabled(cpu)
+    with use(True):
+        assert enabled() and not support.fused_kernels_enabled(cuda)
+    assert not enabled() and support.fused_kernels_enabled(cuda) == support.triton_available()
+    use(True)
+    with use(False):
+        assert not enabled()
+    assert enabled()
+    use(False)
+    assert not enabled()
+    with pytest.raises(TypeError, match="use_reference_kernels takes a bool"):
+        use(1)
+    assert not enabled()
