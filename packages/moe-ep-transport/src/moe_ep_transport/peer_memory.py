@@ -221,11 +221,3 @@ class EmulatedPeerMemory:
 
     def barrier(self) -> None:
         """Nothing to order: every emulated put already completed collectively."""
-
-    def close(self) -> None:
-        """Collective, like the NVSHMEM memory's: every rank reaches it before any tears down.
-
-        Without it a rank that finishes first can destroy the process group while a gloo
-        peer still drains the last exchange, and that peer aborts at exit.
-        """
-        dist.barrier(group=self.group)

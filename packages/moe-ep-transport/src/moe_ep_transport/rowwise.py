@@ -105,7 +105,7 @@ class RowwiseTransport:
         self._count_row_M = torch.full((M,), self.rank, dtype=torch.int64, device=device)
 
     def close(self) -> None:
-        """Release the symmetric buffers (collective: every rank of the EP group calls it)."""
+        """Release the symmetric buffers (collective; NVSHMEM memory only)."""
         close = getattr(self.memory, "close", None)
         if close is not None:
             close()
