@@ -335,6 +335,10 @@ def test_eval_prompts_are_completed_at_each_evaluation(data, tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["eval.prompts=hello"], "set data.val_path"),
+    (["eval.prompts=hello", "data.val_path=x", "eval.every=0"], "set data.val_path (and eval.every > 0)"),
+    (["eval.prompts=hello", "data.val_path=x", "parallel.pp=2"],
+     "eval.prompts needs the whole model on each rank: parallel.pp=1"),
+    (["eval.max_new_tokens=0"], "eval.max_new_tokens must be positive, got 0"),
 ])
 def test_eval_prompts_without_evaluations_are_refused(capsys, args, message, tmp_path):
     err = _one_line_error(capsys, 2, ["--config", "tiny", f"run_dir={tmp_path / 'r'}", *args])

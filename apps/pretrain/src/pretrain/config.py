@@ -248,7 +248,7 @@ class PretrainConfig:
         positive = ["train.steps", "train.seq_len", "train.global_batch", "train.micro_batch",
                     "train.max_consecutive_skips", "train.collective_timeout_s", "parallel.pp", "parallel.pp_virtual_stages",
                     "parallel.ep", "parallel.bucket_cap_mb", "parallel.merge_expert_grad_microbatches",
-                    "optim.lr", "optim.muon_lr", "eval.tokens"]
+                    "optim.lr", "optim.muon_lr", "eval.tokens", "eval.max_new_tokens"]
         non_negative = ["optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay",
                         "optim.grad_clip", "optim.expert_lr_mult", "optim.eps",
                         "checkpoint.every", "checkpoint.keep_last", "metrics.expert_load_every",
@@ -266,6 +266,11 @@ class PretrainConfig:
             raise ConfigError(f"eval.every must be >= 0 or none, got {self.eval.every}")
         if self.eval.every and not self.data.val_path:
             raise ConfigError(f"eval.every={self.eval.every} needs data.val_path")
+        if self.eval.prompts and (not self.data.val_path or self.eval.every == 0):
+            raise ConfigError("eval.prompts are completed at each evaluation: set data.val_path "
+                              "(and eval.every > 0)")
+        if self.eval.prompts and self.parallel.pp > 1:
+            raise ConfigError("eval.prompts needs the whole model on each rank: parallel.pp=1")
         if self.data.val_path and self.eval.tokens < self.train.seq_len:
             raise ConfigError(f"eval.tokens={self.eval.tokens} holds no window of "
                               f"train.seq_len={self.train.seq_len} tokens")

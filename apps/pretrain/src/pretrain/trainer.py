@@ -203,16 +203,11 @@ class Trainer:
             self.enable_graphs()
 
     def _prompt_samples(self, cfg: PretrainConfig, mesh: ParallelMesh) -> PromptSamples | None:
-        """``eval.prompts`` completed at each evaluation; only the logging rank writes them."""
+        """``eval.prompts`` completed at each evaluation (the config checked that there are
+        evaluations and a whole model per rank); only the logging rank writes them."""
         e = cfg.eval
         if not e.prompts:
             return None
-        if self.evaluator is None:
-            raise ConfigError("eval.prompts are completed at each evaluation: set data.val_path")
-        if mesh.layout.pp > 1:
-            raise ConfigError("eval.prompts needs the whole model on each rank: parallel.pp=1")
-        if e.max_new_tokens < 1:
-            raise ConfigError(f"eval.max_new_tokens must be >= 1, got {e.max_new_tokens}")
         path = Path(cfg.run_dir) / SAMPLES_FILE if mesh.is_logging_rank and cfg.run_dir else None
         return PromptSamples(e.prompts, e.max_new_tokens, data_tokenizer(cfg.data), path)
 
