@@ -127,6 +127,28 @@ def test_recompute_and_graphs_and_skew_move_the_step_the_right_way():
     assert st.exposed["ep_all_to_all"] > 0 and st.exposed["dp_grad_sync"] >= 0
 
 
+def test_an_eager_step_takes_the_longer_of_host_and_device_per_microbatch():
+    """Eager, a microbatch lasts max(its kernels x host_launch_us, its device time): the
+    host runs ahead through the forward and the backward together; replayed from graphs,
+    the host costs nothing."""
+    from pretrain.planner.step_time import KERNELS_PER_BLOCK, KERNELS_PER_EDGE
+
+    req = PlanRequest(model=MODEL, world=1, micro_batch=2, seq_len=64, global_batch=6)
+    flat = _flat_profile()
+    graphs = predict_step(req, flat, cuda_graphs=True)
+    kernels = MODEL.n_layers * KERNELS_PER_BLOCK + KERNELS_PER_EDGE
+    device_mb = (graphs.step_s - graphs.compute["optimizer"]
+                 - graphs.compute["weight_rebuild"]) / req.microbatches
+    for host_us in (0.5 * device_mb / kernels * 1e6, 3 * device_mb / kernels * 1e6):
+        profile = replace(flat, host_launch_us=host_us)
+        eager = predict_step(req, profile)
+        assert predict_step(req, profile, cuda_graphs=True).step_s == graphs.step_s
+        waited = max(0.0, kernels * host_us * 1e-6 - device_mb)
+        assert eager.compute["launch_gaps"] == pytest.approx(req.microbatches * waited, rel=1e-6,
+                                                             abs=1e-12)
+        assert eager.step_s == pytest.approx(graphs.step_s + req.microbatches * waited, rel=1e-6)
+
+
 def test_remote_reach_is_the_hypergeometric_expectation():
     assert remote_reach(64, 8, 1) == 0
     # two ranks of 32 experts: the other rank holds none of 8 distinct experts w.p. C(32,8)/C(64,8)

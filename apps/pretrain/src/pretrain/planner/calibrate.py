@@ -6,8 +6,8 @@ step has its own kernels: dense BF16 GEMMs at the step's shapes; the routed expe
 expert, fitted to ``rate(m) = peak * m / (m + half)`` (``1 / rate`` is linear in
 ``1 / m``); causal SDPA forward and backward; a device copy (memory-bound kernels);
 back-to-back tiny kernels replayed from a CUDA graph (the device's gap per kernel);
-the host time of an eager forward and backward of a small model, per block and
-kernel (``host_launch_us``). Links are not measured: they come from
+the host time per launch of the app's eager train step on a small model
+(``host_launch_us``). Links are not measured: they come from
 ``LINK_TABLE`` by device name, or the caller.
 
 On a CPU the same measurements run at tiny sizes (seconds) in FP32: a profile
@@ -16,6 +16,7 @@ for plans of CPU runs and for tests, not a stand-in for a GPU's.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from pretrain.planner.profile import LINK_TABLE, Link, Profile
-from pretrain.planner.step_time import KERNELS_PER_BLOCK
+from pretrain.planner.step_time import KERNELS_PER_BLOCK, KERNELS_PER_EDGE
 
 # Device idle per kernel of an eager step beyond a replayed one: (60 - 26) ms over
 # 28,459 kernels of bench-1gpu (docs/performance.md, the CUDA graphs A/B).
@@ -181,29 +182,64 @@ def graph_gap_us(device: torch.device, kernels: int = 2000) -> float:
     return Timer(device)(graph.replay, 5) / kernels * 1e6
 
 
-def host_launch_us(device: torch.device, dtype: torch.dtype, iters: int = 5) -> float:
-    """Host time of an eager forward and backward of a small model (the device has
-    almost nothing to do), per block and ``KERNELS_PER_BLOCK``."""
-    from moe_model import MoEConfig, MoETransformer, lm_loss_sum
+# The host probe: the app's own eager train step on a model small enough that the
+# device waits on the host (a few microseconds of work per kernel against tens of host
+# time), at two microbatch counts, so that what a microbatch adds is the host's time.
+# On a CPU, smaller still: there the host also does the compute.
+HOST_PROBE_MODEL = ("model.vocab_size=1024", "model.n_layers=4", "model.n_heads=4",
+                    "model.n_kv_heads=2", "model.n_experts=8", "model.top_k=2",
+                    "train.micro_batch=1")
+HOST_PROBE_SIZES = {"cuda": ("model.d_model=256", "model.head_dim=64", "model.expert_hidden=256",
+                             "train.seq_len=256"),
+                    "cpu": ("model.d_model=64", "model.head_dim=16", "model.expert_hidden=64",
+                            "train.seq_len=32")}
+HOST_PROBE_MICROBATCHES = (4, 12)
 
-    cfg = MoEConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2,
-                    head_dim=16, n_experts=8, top_k=2, expert_hidden=64)
-    model = MoETransformer(cfg).to(device, dtype)
-    tokens = torch.randint(0, cfg.vocab_size, (1, 65), device=device)
 
-    def step() -> None:
-        lm_loss_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+def host_launch_us(device: torch.device, iters: int = 3) -> float:
+    """Host time per kernel launch as an eager train step pays it, Python, autograd and
+    the trainer's own bookkeeping included.
 
-    for _ in range(2):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / iters / cfg.n_layers / KERNELS_PER_BLOCK * 1e6
+    The app's ``Trainer`` (the ``bench-1gpu`` preset's options, ``HOST_PROBE_MODEL``'s
+    model at ``HOST_PROBE_SIZES``, ``train.cuda_graphs=false``) runs steps of ``HOST_PROBE_MICROBATCHES``
+    microbatches, the two trainers in turn, each step timed to its one host read; the
+    difference of their fastest steps per microbatch, over the kernels the cost model
+    counts per microbatch (``KERNELS_PER_BLOCK`` per block and ``KERNELS_PER_EDGE``).
+    The difference cancels what a step pays once (optimizer, statistics, the host read).
+    A bare loop of launches would not do: it misses the host work around each kernel
+    that the step's modules do. On a CPU it measures the host and the compute together."""
+    import contextlib
+    import tempfile
+
+    from pretrain.config import load_config, validate_layout
+    from pretrain.mesh import build_mesh
+    from pretrain.runtime import distributed
+    from pretrain.trainer import Trainer
+
+    with (distributed(device.type) as rt, tempfile.TemporaryDirectory() as tmp,
+          contextlib.ExitStack() as stack):
+        trainers = []
+        for microbatches in HOST_PROBE_MICROBATCHES:
+            cfg = load_config("bench-1gpu", [
+                *HOST_PROBE_MODEL, *HOST_PROBE_SIZES[device.type],
+                f"train.global_batch={microbatches}",
+                "train.cuda_graphs=false", f"train.device={device.type}",
+                f"train.steps={iters + 2}", "optim.schedule=constant", "checkpoint.every=0",
+                "metrics.expert_load_every=0", f"run_dir={tmp}/{microbatches}"])
+            mesh = build_mesh(validate_layout(cfg, rt.world_size), device.type)
+            trainers.append(Trainer(cfg, mesh, device))
+            stack.callback(trainers[-1].close)
+        fastest = [math.inf] * len(trainers)
+        for step in range(1, iters + 3):
+            for i, trainer in enumerate(trainers):
+                start = time.perf_counter()
+                trainer.train_step(step)  # ends with the step's one host read
+                if step > 2:  # two warm-up steps
+                    fastest[i] = min(fastest[i], time.perf_counter() - start)
+    (low, high), (short, long) = HOST_PROBE_MICROBATCHES, fastest
+    per_microbatch = max(long - short, 0.0) / (high - low)
+    kernels = cfg.model.n_layers * KERNELS_PER_BLOCK + KERNELS_PER_EDGE
+    return per_microbatch / kernels * 1e6
 
 
 def _by_name(table: dict[str, str | float], device_name: str) -> str | float | None:
@@ -231,7 +267,7 @@ def calibrate(device: torch.device, name: str | None = None,
     bandwidth = memory_gb_per_s(t, s)
     progress("launches")
     gap = graph_gap_us(device)
-    host = host_launch_us(device, dtype)
+    host = host_launch_us(device)
     if cuda:
         gpu_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
         nvlink = _by_name(NVLINK, device_name)

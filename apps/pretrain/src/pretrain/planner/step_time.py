@@ -18,7 +18,8 @@ replica groups (``persistent``). Per pipeline stage and microbatch it adds up:
 - gradient accumulation into the FP32 main grads (``_accumulation_bytes``);
 - launches: ``KERNELS_PER_BLOCK`` kernels per block (forward and backward), the
   device idle ``kernel_gap_us_*`` between two; an eager microbatch also waits for
-  the host when its launches take longer than its kernels;
+  the host when its launches (forward and backward together) take longer than its
+  kernels;
 - EP token exchange: dispatch and combine forward, their two backward calls, each
   an all-to-all on the EP-MP group; exposed (the trainer does not overlap them
   with compute);
@@ -269,15 +270,25 @@ def _edge_cost(s: _Setup, first: bool, last: bool) -> StageCost:
                      + grads, grads)
 
 
-def _with_launches(s: _Setup, cost: PassCost) -> PassCost:
-    """The device's idle time between kernels, and an eager pass's wait for the host."""
+def _with_launches(s: _Setup, cost: StageCost) -> StageCost:
+    """A stage's microbatch with the device's idle time between kernels, and, eager, its
+    wait for the host.
+
+    Eager, nothing holds the host back between the forward and the backward of a
+    microbatch, so its launches run ahead through both: the microbatch takes the longer
+    of the host's time (``host_launch_us`` per kernel, the EP calls' own host waits
+    included) and the device's; the excess is spread over the passes by their kernels."""
     p = s.profile
     gap = p.kernel_gap_us_graphs if s.cuda_graphs else p.kernel_gap_us_eager
-    launch = cost.kernels * gap * 1e-6
-    if not s.cuda_graphs:
-        host = cost.kernels * p.host_launch_us * 1e-6 + cost.ep_comm
-        launch = max(launch, host - (cost.device - cost.launch))
-    return replace(cost, launch=launch)
+    passes = (cost.forward, cost.backward_input, cost.backward_weight)
+    gaps = [c.kernels * gap * 1e-6 for c in passes]
+    kernels = sum(c.kernels for c in passes)
+    if not s.cuda_graphs and kernels:
+        busy = sum(c.device - c.launch for c in passes)
+        host = kernels * p.host_launch_us * 1e-6 + sum(c.ep_comm for c in passes)
+        wait = max(sum(gaps), host - busy)
+        gaps = [wait * c.kernels / kernels for c in passes]
+    return StageCost(*(replace(c, launch=g) for c, g in zip(passes, gaps, strict=True)))
 
 
 def stage_costs(s: _Setup, stage_layers: list[tuple[int, ...]]) -> list[StageCost]:
@@ -289,9 +300,7 @@ def stage_costs(s: _Setup, stage_layers: list[tuple[int, ...]]) -> list[StageCos
             c = _block_cost(s, layer)
             total = StageCost(total.forward + c.forward, total.backward_input + c.backward_input,
                               total.backward_weight + c.backward_weight)
-        costs.append(StageCost(_with_launches(s, total.forward),
-                               _with_launches(s, total.backward_input),
-                               _with_launches(s, total.backward_weight)))
+        costs.append(_with_launches(s, total))
     return costs
 
 
