@@ -193,17 +193,18 @@ HOST_PROBE_SIZES = {"cuda": ("model.d_model=256", "model.head_dim=64", "model.ex
                              "train.seq_len=256"),
                     "cpu": ("model.d_model=64", "model.head_dim=16", "model.expert_hidden=64",
                             "train.seq_len=32")}
-HOST_PROBE_MICROBATCHES = (4, 12)
+HOST_PROBE_MICROBATCHES = (4, 16)
 
 
-def host_launch_us(device: torch.device, iters: int = 3) -> float:
+def host_launch_us(device: torch.device, iters: int = 8) -> float:
     """Host time per kernel launch as an eager train step pays it, Python, autograd and
     the trainer's own bookkeeping included.
 
     The app's ``Trainer`` (the ``bench-1gpu`` preset's options, ``HOST_PROBE_MODEL``'s
     model at ``HOST_PROBE_SIZES``, ``train.cuda_graphs=false``) runs steps of ``HOST_PROBE_MICROBATCHES``
     microbatches, the two trainers in turn, each step timed to its one host read; the
-    difference of their fastest steps per microbatch, over the kernels the cost model
+    difference of their fastest steps (the host's speed wanders by tens of percent from
+    step to step) per microbatch, over the kernels the cost model
     counts per microbatch (``KERNELS_PER_BLOCK`` per block and ``KERNELS_PER_EDGE``).
     The difference cancels what a step pays once (optimizer, statistics, the host read).
     A bare loop of launches would not do: it misses the host work around each kernel
