@@ -2,7 +2,8 @@
 
 ``triton_available`` looks for Triton without importing it (importing moe_ddp never
 loads Triton). ``fused_kernels_enabled(device)`` is what the gradient accumulation
-(``accumulate_``) asks: a CUDA device, Triton installed, reference switch off.
+(``accumulate_``) asks for ``backend="auto"``: a CUDA device, Triton installed, reference
+switch off; ``resolve_backend`` turns ``backend`` into kernel-or-reference.
 
 ``use_reference_kernels(True)`` is the process-wide switch (like
 ``torch.backends.cudnn.enabled``) that sends the package's ops to their eager

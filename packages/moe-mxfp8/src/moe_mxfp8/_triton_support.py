@@ -2,8 +2,8 @@
 
 ``triton_available`` looks for Triton without importing it (importing moe_mxfp8 never
 loads Triton). ``fused_kernels_enabled(device)`` is what every ``backend="auto"`` path
-asks (through ``format.uses_triton``): a CUDA device, Triton installed, reference
-switch off.
+asks: a CUDA device, Triton installed, reference switch off. ``resolve_backend`` is the
+one place every op turns its ``backend`` argument into kernel-or-reference.
 
 ``use_reference_kernels(True)`` is the process-wide switch (like
 ``torch.backends.cudnn.enabled``) that sends every op of the package to its eager
