@@ -2,7 +2,8 @@
 
 ``triton_available`` looks for Triton without importing it (importing moe_ep_transport
 never loads Triton). ``fused_kernels_enabled(device)`` is what every device operation
-of ``ops`` asks: a CUDA device, Triton installed, reference switch off.
+of ``ops`` asks for ``backend="auto"``: a CUDA device, Triton installed, reference switch
+off; ``resolve_backend`` turns an op's ``backend`` into kernel-or-reference.
 
 ``use_reference_kernels(True)`` is the process-wide switch (like
 ``torch.backends.cudnn.enabled``) that sends the planning, row moves and combine sums
