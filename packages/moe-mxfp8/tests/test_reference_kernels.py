@@ -153,3 +153,21 @@ def test_on_gpu_the_switch_launches_no_triton_kernel_and_matches_the_kernels():
     assert not launched, sorted(launched)
     for got, want in zip(out["reference"], out["fused"], strict=True):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_swiglu_references_match_autograd_in_float64():
+    """The swiglu references against an independent oracle: float64 autograd of ``silu(h1) * h3``."""
+    g = torch.Generator().manual_seed(1)
+    h13, dh = torch.randn(5, 2 * 40, generator=g) * 3, torch.randn(5, 40, generator=g)
+    h = h13.double().requires_grad_(True)
+    h1, h3 = h.chunk(2, dim=-1)
+    y = torch.nn.functional.silu(h1) * h3
+    (y * dh.double()).sum().backward()
+    torch.testing.assert_close(swiglu_reference(h13), y.detach().float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(swiglu_backward_reference(h13, dh, torch.float32), h.grad.float(), rtol=1e-5, atol=1e-6)
+    for block, pow2 in (((1, 0), True), ((1, 128), False)):
+        assert _same_bits(swiglu_quantized_reference(h13, block, pow2),
+                          quantize_fp8_reference(swiglu_reference(h13), block, pow2))
+        dh13, q = swiglu_backward_quantized_reference(h13, dh, torch.bfloat16, block, pow2)
+        assert _same_bits(dh13, swiglu_backward_reference(h13, dh, torch.bfloat16))
+        assert _same_bits(q, quantize_fp8_reference(dh13, block, pow2))
