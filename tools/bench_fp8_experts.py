@@ -186,8 +186,8 @@ def sweep_tiles(args) -> dict:
             fn, full, sample, nbytes = work[kind]
 
             def check(kind=kind, fn=fn, sample=sample):
-                return ((columns(sample), columns(sample, "torch")) if kind == "group_columns"
-                        else (fn(sample), fn(sample, "torch")))
+                return ((columns(sample), columns(sample, "reference")) if kind == "group_columns"
+                        else (fn(sample), fn(sample, "reference")))
 
             def timed(kind=kind, fn=fn, full=full):
                 return (quantize_group_columns(full, offsets, True) if kind == "group_columns"

@@ -141,7 +141,7 @@ def sweep_tiles(rows: int, d: int) -> dict:
     try:
         for kind, candidates in TILE_CANDIDATES.items():
             fn, nbytes = work[kind]
-            ref = flat(fn(head, "torch"))
+            ref = flat(fn(head, "reference"))
             for cand in candidates:
                 tile = _quantize_kernels.Tile(*cand)
                 name = (f"{kind} tile={tile.size} warps={tile.warps} steps={tile.steps} "

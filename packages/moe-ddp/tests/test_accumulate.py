@@ -1,4 +1,5 @@
-"""The BF16-into-FP32 accumulation kernel: bit for bit ``add_`` (interpreter on CPU; GPU)."""
+"""The BF16-into-FP32 accumulation kernel: bit for bit ``add_`` (interpreter on CPU; GPU);
+``backend`` picks between it and ``accumulate_reference_``."""
 
 from __future__ import annotations
 
@@ -6,8 +7,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_ddp.accumulate import accumulate_
+from moe_ddp import use_reference_kernels
+from moe_ddp.accumulate import accumulate_, accumulate_reference_
 from moe_testing import run_under_triton_interpreter
+
+
+@pytest.fixture(autouse=True)
+def _switch_off():
+    with use_reference_kernels(False):
+        yield
+
+
+def _operands(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(3, 50, generator=g), (torch.randn(150, generator=g) * 1e-3).bfloat16()
 
 
 @pytest.mark.slow
@@ -16,9 +29,40 @@ def test_accumulate_kernel_under_interpreter_is_add():
     run_under_triton_interpreter(Path(__file__).with_name("_accumulate_interpret_check.py"))
 
 
+def test_reference_is_add():
+    dst, src = _operands()
+    want = dst + src.view(3, 50).float()
+    accumulate_reference_(dst, src)
+    assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_reference_and_auto_on_cpu_are_the_reference(backend):
+    (dst, src), (want, _) = _operands(), _operands()
+    accumulate_(dst, src, backend=backend)
+    accumulate_reference_(want, src)
+    assert torch.equal(dst, want)
+
+
+def test_unknown_backend_is_refused_by_name():
+    dst, src = _operands()
+    with pytest.raises(ValueError, match=r"backend must be one of 'auto', 'triton', 'reference', got 'torch'"):
+        accumulate_(dst, src, backend="torch")
+
+
+def test_triton_on_cpu_outside_the_interpreter_says_why(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    dst, src = _operands()
+    with pytest.raises(RuntimeError, match="backend='triton' runs on CUDA tensors"):
+        accumulate_(dst, src, backend="triton")
+
+
 def test_size_mismatch_is_refused():
     with pytest.raises(ValueError, match="source elements"):
         accumulate_(torch.zeros(4), torch.zeros(5, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="source elements"):
+        accumulate_reference_(torch.zeros(4), torch.zeros(5, dtype=torch.bfloat16))
 
 
 @pytest.mark.gpu

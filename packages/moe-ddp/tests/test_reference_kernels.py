@@ -18,11 +18,23 @@ def test_the_switch_keeps_the_contract_of_every_package():
     check_reference_switch(moe_ddp._triton_support)
 
 
-def test_switch_overrides_a_forced_kernel():
+def test_switch_overrides_a_forced_kernel(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     dst, src = torch.ones(3, 5), torch.full((15,), 0.5, dtype=torch.bfloat16)
     with use_reference_kernels(True):
-        accumulate_(dst, src, fused=True)  # a CPU tensor: the kernel would need the interpreter
+        # A CPU tensor: without the switch the kernel is refused outside the interpreter.
+        accumulate_(dst, src, backend="triton")
     torch.testing.assert_close(dst, torch.full((3, 5), 1.5), rtol=0, atol=0)
+
+
+def test_resolve_backend_is_the_one_decision():
+    resolve, cpu, cuda = moe_ddp._triton_support.resolve_backend, torch.device("cpu"), torch.device("cuda")
+    assert not resolve("reference", cuda) and not resolve("auto", cpu)
+    assert resolve("auto", cuda) == moe_ddp.triton_available()
+    with use_reference_kernels(True):
+        assert not resolve("triton", cuda) and not resolve("auto", cuda)
+    with pytest.raises(ValueError, match="got 'fused'"):
+        resolve("fused", cpu)
 
 
 @pytest.mark.gpu

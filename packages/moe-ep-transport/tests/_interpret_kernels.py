@@ -1,4 +1,5 @@
-"""Run the Triton kernels on CPU tensors under TRITON_INTERPRET=1 and compare with PyTorch.
+"""Run the Triton kernels on CPU tensors under TRITON_INTERPRET=1 and compare with PyTorch:
+each op through ``ops.<op>(..., backend="triton")`` against ``ops.<op>_reference``.
 
 Executed in a subprocess by test_kernels_interpret.py (the variable must be set
 before triton is imported, and must not leak into other tests).
@@ -76,14 +77,14 @@ def check_finish_receive() -> None:
     want, want_origin = out.clone(), torch.zeros(9, dtype=torch.int64)
     ops.finish_receive_reference(want, inbox, row_src, 1, origin_in, want_origin)
     origin = torch.zeros(9, dtype=torch.int64)
-    kernels.finish_receive(out, inbox, row_src, 1, origin_in, origin)
+    ops.finish_receive(out, inbox, row_src, 1, origin_in, origin, backend="triton")
     assert torch.equal(out, want) and torch.equal(origin, want_origin)
-    kernels.finish_receive(out, inbox, row_src, 1)
+    ops.finish_receive(out, inbox, row_src, 1, backend="triton")
     assert torch.equal(out, want)
     # A token inbox of 3 ranks x 3 tokens, slot origins of top-2: row = src * 3 + origin // 2.
     origin_in = torch.randint(0, 6, (9,), generator=gen)
     ops.finish_receive_reference(want, inbox, row_src, 1, origin_in, None, 2, 3)
-    kernels.finish_receive(out, inbox, row_src, 1, origin_in, None, 2, 3)
+    ops.finish_receive(out, inbox, row_src, 1, origin_in, None, 2, 3, backend="triton")
     assert torch.equal(out, want)
     remote = (row_src >= 0) & (row_src != 1)
     assert torch.equal(want[remote], inbox[row_src[remote] * 3 + origin_in[remote] // 2])
@@ -105,11 +106,11 @@ def check_topk_gather_sum() -> None:
         # The sum is compared in its accumulation dtype: the interpreter rounds FP32 -> BF16
         # towards zero where the GPU rounds to nearest even (the GPU test compares BF16 too).
         y_ref, rows_ref = ops.topk_gather_sum_reference(inbox, local, rank, row, me, w, k, wdtype, True)
-        y, rows = kernels.topk_gather_sum(inbox, local, rank, row, me, w, k, wdtype, True)
+        y, rows = ops.topk_gather_sum(inbox, local, rank, row, me, w, k, wdtype, True, backend="triton")
         assert torch.equal(y, y_ref), dtype
         assert torch.equal(rows, rows_ref), dtype
         assert not y.isnan().any()
-        y2, none = kernels.topk_gather_sum(inbox, local, rank, row, me, w, k, wdtype, False)
+        y2, none = ops.topk_gather_sum(inbox, local, rank, row, me, w, k, wdtype, False, backend="triton")
         assert none is None and torch.equal(y2, y_ref)
 
 
@@ -122,15 +123,15 @@ def check_combine_grads() -> None:
         w = torch.rand(T * k, generator=gen).to(wdtype)
         rows = torch.randn(T * k, D, generator=gen).to(rows_dtype)
         want_scaled, want_w = ops.combine_grads_reference(g, w, rows, rows_dtype, True)
-        scaled, grad_w = kernels.combine_grads(g, w, rows, rows_dtype, True)
+        scaled, grad_w = ops.combine_grads(g, w, rows, rows_dtype, True, backend="triton")
         # The interpreter rounds FP32 -> BF16 towards zero (the GPU to nearest even): one BF16 step.
         step = 2.0**-7 if rows_dtype == torch.bfloat16 else 0.0
         assert torch.allclose(scaled.to(wdtype), want_scaled.to(wdtype), rtol=step, atol=0), rows_dtype
         tol = 1e-5 if wdtype == torch.float32 else 1e-12  # sums of D products in another order
         assert torch.allclose(grad_w, want_w, rtol=tol, atol=tol * D), (rows_dtype, (grad_w - want_w).abs().max())
-        only_scaled, none = kernels.combine_grads(g, w, None, rows_dtype, True)
+        only_scaled, none = ops.combine_grads(g, w, None, rows_dtype, True, backend="triton")
         assert none is None and torch.equal(only_scaled, scaled)
-        none, only_w = kernels.combine_grads(g, w, rows, rows_dtype, False)
+        none, only_w = ops.combine_grads(g, w, rows, rows_dtype, False, backend="triton")
         assert none is None and torch.equal(only_w, grad_w)
     # A bound: tokens before it as without one (k = 1, as combine's backward at the
     # destination runs it over a receive buffer); tokens past it never touched: their
@@ -144,10 +145,18 @@ def check_combine_grads() -> None:
     want_scaled, want_w = ops.combine_grads_reference(g[:4], w[:4], rows[:4], torch.float32, True)
     assert torch.equal(scaled[:4], want_scaled) and torch.allclose(grad_w[:4], want_w, rtol=1e-5, atol=1e-4)
     assert (scaled[4:] == 7.0).all() and (grad_w[4:] == 7.0).all(), "a token past the bound was written"
-    bounded, bounded_w = kernels.combine_grads(g, w, rows, torch.float32, True, torch.tensor([4], dtype=torch.int32))
+    bounded, bounded_w = ops.combine_grads(g, w, rows, torch.float32, True, torch.tensor([4], dtype=torch.int32), backend="triton")
     assert torch.equal(bounded[:4], scaled[:4]) and torch.allclose(bounded_w[:4], grad_w[:4], rtol=1e-5, atol=1e-4)
+    # The kernel takes a power-of-two top-k: "auto" takes the reference for another, "triton" says so.
+    g3, w3, rows3 = torch.randn(4, D, generator=gen), torch.rand(12, generator=gen), torch.randn(12, D, generator=gen)
+    try:
+        ops.combine_grads(g3, w3, rows3, torch.float32, True, backend="triton")
+    except ValueError as e:
+        assert "power-of-two top-k, got 3" in str(e), e
+    else:
+        raise AssertionError("combine_grads(backend='triton') took top-k 3")
     # A rank without tokens: empty results, no launch.
-    scaled, grad_w = kernels.combine_grads(torch.zeros(0, D), torch.zeros(0), torch.zeros(0, D), torch.float32, True)
+    scaled, grad_w = ops.combine_grads(torch.zeros(0, D), torch.zeros(0), torch.zeros(0, D), torch.float32, True, backend="triton")
     assert scaled.shape == (0, D) and grad_w.shape == (0,)
 
 
@@ -199,7 +208,7 @@ def check_weights_in_metadata() -> None:
     row_src[dst_row[dst_rank == 1]] = 0
     out, inbox = torch.zeros(C, 4, dtype=torch.int32), torch.zeros(C, 4, dtype=torch.int32)
     got_w, got_origin = torch.full((C,), 9.0), torch.zeros(C, dtype=torch.int64)
-    kernels.finish_receive(out, inbox, row_src, 1, meta1, got_origin, w_out_C=got_w)
+    ops.finish_receive(out, inbox, row_src, 1, meta1, got_origin, w_out_C=got_w, backend="triton")
     want_w, want_origin = torch.full((C,), 9.0), torch.zeros(C, dtype=torch.int64)
     ops.finish_receive_reference(out.clone(), inbox, row_src, 1, meta1, want_origin, w_out_C=want_w)
     assert torch.equal(got_w, want_w) and torch.equal(got_origin[row_src >= 0], want_origin[row_src >= 0])

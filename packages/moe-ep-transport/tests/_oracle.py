@@ -108,9 +108,9 @@ def plan_cases():
 
 
 def check_plan_kernels(device: str) -> None:
-    """The Triton plan kernels on ``device`` equal the PyTorch definitions (on CPU) bit for bit."""
-    from moe_ep_transport import _plan_kernels as plan_kernels
-    from moe_ep_transport import plan_reference
+    """The Triton plan kernels on ``device`` (``ops.<step>(..., backend="triton")``) equal the
+    PyTorch definitions (on CPU) bit for bit."""
+    from moe_ep_transport import ops, plan_reference
 
     def same(got, want) -> bool:
         return all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
@@ -123,18 +123,18 @@ def check_plan_kernels(device: str) -> None:
         slots = [plan_reference.rank_slots_reference(expert_N, E) for expert_N in ids]
         for expert_N, want in zip(ids, slots, strict=True):
             for dtype in (torch.int64, torch.int32):
-                assert same(plan_kernels.rank_slots(expert_N.to(device, dtype), E), want), (M, E, dtype)
+                assert same(ops.rank_slots(expert_N.to(device, dtype), E, backend="triton"), want), (M, E, dtype)
         counts_ME = torch.stack([s.counts_E for s in slots])
         overflowed = False
         for rank in range(M):
             for salt in (0, 7):
                 want_cells = plan_reference.plan_cells_reference(counts_ME, capacity, salt, rank)
-                cells = plan_kernels.plan_cells(counts_ME.to(device), capacity, salt, rank)
+                cells = ops.plan_cells(counts_ME.to(device), capacity, salt, rank, backend="triton")
                 assert same(cells, want_cells), (M, E, rank, salt)
             overflowed |= bool((want_cells.stats_2ME[0] != want_cells.stats_2ME[1]).any())
             want_rows = plan_reference.plan_rows_reference(ids[rank], slots[rank], want_cells, M, capacity)
             on_device = plan_reference.SlotRanks(*(t.to(device) for t in slots[rank]))
-            rows = plan_kernels.plan_rows(ids[rank].to(device), on_device, cells, M, capacity)
+            rows = ops.plan_rows(ids[rank].to(device), on_device, cells, M, capacity, backend="triton")
             assert same(rows, want_rows), (M, E, rank)
         asked_M = counts_ME.view(M, M, E // M).sum((0, 2))
         assert overflowed == bool((asked_M > capacity).any()), (M, E, "drops exactly when over capacity")
@@ -142,10 +142,10 @@ def check_plan_kernels(device: str) -> None:
     assert cases_overflowing >= 2  # the cases exercise the fair drop
     # Ids outside [0, E) are dropped on the device, never addressed.
     bad = torch.tensor([0, 9, -1, 3], device=device)
-    slots = plan_kernels.rank_slots(bad, 8)
+    slots = ops.rank_slots(bad, 8, backend="triton")
     assert int(slots.counts_E.sum()) == 2
-    cells = plan_kernels.plan_cells(slots.counts_E.view(1, 8), 8, 0, 0)
-    assert plan_kernels.plan_rows(bad, slots, cells, 1, 8)[0].tolist() == [0, -1, -1, 0]
+    cells = ops.plan_cells(slots.counts_E.view(1, 8), 8, 0, 0, backend="triton")
+    assert ops.plan_rows(bad, slots, cells, 1, 8, backend="triton")[0].tolist() == [0, -1, -1, 0]
 
 
 def check_partial_kernels(device: str, out_dtype: torch.dtype) -> None:
@@ -172,7 +172,7 @@ def check_partial_kernels(device: str, out_dtype: torch.dtype) -> None:
     # The receive kernel writes the table into whatever memory it gets; readers validate.
     stale = torch.randint(-5, 2 * C, (M * T_max * k,), generator=gen).to(device)
     out, inbox = (torch.zeros(C, 3, dtype=torch.int32, device=device) for _ in range(2))
-    kernels.finish_receive(out, inbox, row_src, me, origin, None, 1, 0, stale, T_max * k)
+    ops.finish_receive(out, inbox, row_src, me, origin, None, 1, 0, stale, T_max * k, backend="triton")
     slots = ops.SlotTable(stale, row_src, origin, T_max * k)
     assert torch.equal(ops.slot_rows_valid(slots, k)[1], ops.slot_rows_valid(clean, k)[1])
     assert torch.equal(ops.slot_rows_valid(clean, k)[1], clean.rows_S.view(-1, k) >= 0)
@@ -200,6 +200,6 @@ def check_partial_kernels(device: str, out_dtype: torch.dtype) -> None:
         reached = (dst_rank.view(T, k) == r).any(1)
         partials[r * T_max : r * T_max + T][~reached] = float("nan")
     want = ops.sum_partials_reference(partials, dst_rank, M, T_max, k, out_dtype)
-    got = kernels.sum_partials(partials, dst_rank, M, T_max, k, out_dtype)
+    got = ops.sum_partials(partials, dst_rank, M, T_max, k, out_dtype, backend="triton")
     assert torch.equal(got, want) and not got.isnan().any()
     assert bool((got[0] == 0).all())

@@ -3,7 +3,8 @@
 The kernels address rows as ``ptr + i * width``; a column slice of a wider expert
 output or weights like ``w[:, ::2]`` once gave wrong sums and weight gradients there
 while the CPU reference was right. Each rank runs the CUDA code path on CPU tensors:
-``ops._on_triton`` is forced and the kernels run under ``TRITON_INTERPRET=1`` (set in
+``ops.resolve_backend`` answers Triton for every ``backend`` the dispatcher passes
+("auto") and the kernels run under ``TRITON_INTERPRET=1`` (set in
 the rank's own process before the kernels are imported, so nothing leaks).
 """
 
@@ -33,7 +34,7 @@ E, K, D = 4, 2, 8
 def _strided_rows_out_and_weights(combine: str) -> None:
     assert "triton" not in sys.modules  # the variable must precede its import
     os.environ["TRITON_INTERPRET"] = "1"
-    ops._on_triton = lambda t: True
+    ops.resolve_backend = lambda backend, device: True
     rank, M = dist.get_rank(), dist.get_world_size()
     L = E // M
     data = make_data([5, 3], E, K, D, torch.float32, seed=3, skew=1.5)

@@ -12,14 +12,16 @@ import traceback
 assert os.environ.get("TRITON_INTERPRET") == "1", "run by moe_testing.run_under_triton_interpreter"
 
 import torch  # noqa: E402
-from moe_mxfp8 import quantize_fp8, quantize_group_columns  # noqa: E402
-from moe_mxfp8._swiglu_kernels import swiglu_backward as fused_backward  # noqa: E402
-from moe_mxfp8._swiglu_kernels import (  # noqa: E402
-    swiglu_backward_quantize_rows,
-    swiglu_quantize_rows,
+from moe_mxfp8 import (  # noqa: E402
+    quantize_fp8,
+    quantize_group_columns,
+    swiglu,
+    swiglu_backward,
+    swiglu_backward_quantized,
+    swiglu_backward_reference,
+    swiglu_quantized,
+    swiglu_reference,
 )
-from moe_mxfp8._swiglu_kernels import swiglu_forward as fused_forward  # noqa: E402
-from moe_mxfp8.swiglu import swiglu, swiglu_backward  # noqa: E402
 from triton_cases import mismatches, sample  # noqa: E402
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -40,7 +42,7 @@ def cases():
             for pow2 in (True, False):
                 def run(shape=shape, dtype=dtype, block=block, pow2=pow2):
                     x = sample(shape, dtype)
-                    got, ref = (quantize_fp8(x, block, pow2, backend=b) for b in ("triton", "torch"))
+                    got, ref = (quantize_fp8(x, block, pow2, backend=b) for b in ("triton", "reference"))
                     return mismatches(got.data, ref.data) + mismatches(got.scale, ref.scale)
 
                 yield f"quantize/{name}/{dname}/pow2={pow2}", run
@@ -50,7 +52,7 @@ def cases():
                 x = sample((70, 100), dtype, seed=1)
                 offsets = torch.tensor(OFFSETS, dtype=torch.int32)
                 (dt, st, et), (dr, sr, er) = (quantize_group_columns(x, offsets, pow2, backend=b)
-                                              for b in ("triton", "torch"))
+                                              for b in ("triton", "reference"))
                 used = int(er[-1])  # columns past the last padded end are unspecified
                 return (mismatches(dt[:, :used], dr[:, :used]) + mismatches(st, sr)
                         + int(not torch.equal(et, er)))
@@ -69,12 +71,12 @@ def cases():
             for shape, block in (((37, 77), (1, 0)), ((40, 300), (1, 128)),
                                  ((130, 200), (128, 128))):
                 x = sample(shape, torch.bfloat16, seed=5)
-                got, ref = (quantize_fp8(x, block, True, backend=b) for b in ("triton", "torch"))
+                got, ref = (quantize_fp8(x, block, True, backend=b) for b in ("triton", "reference"))
                 total += mismatches(got.data, ref.data) + mismatches(got.scale, ref.scale)
             x = sample((70, 100), torch.float32, seed=6)
             offsets = torch.tensor(OFFSETS, dtype=torch.int32)
             (dt, st, _), (dr, sr, er) = (quantize_group_columns(x, offsets, True, backend=b)
-                                         for b in ("triton", "torch"))
+                                         for b in ("triton", "reference"))
             used = int(er[-1])
             return total + mismatches(dt[:, :used], dr[:, :used]) + mismatches(st, sr)
         finally:
@@ -90,35 +92,37 @@ def cases():
             dh = torch.randn(37, 150, generator=g).to(dtype)
             tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
             bad = 0
-            for got, want in ((fused_forward(h13), swiglu(h13)),
-                              (fused_backward(h13, dh, dtype), swiglu_backward(h13, dh, dtype))):
+            for got, want in ((swiglu(h13, backend="triton"), swiglu_reference(h13)),
+                              (swiglu_backward(h13, dh, dtype, backend="triton"),
+                               swiglu_backward_reference(h13, dh, dtype))):
                 close = torch.isclose(got.float(), want.float(), **tol)
                 bad += int((~close).sum()) + int(got.dtype != want.dtype or got.shape != want.shape)
             return bad
 
         yield f"swiglu/{dname}", fused_swiglu
 
-        def swiglu_quantized(dtype=dtype):
-            """The quantizing kernels equal the plain kernels' output quantized, bit for bit."""
+        def quantized_swiglu(dtype=dtype):
+            """The quantizing kernels equal the plain kernels' output quantized, bit for bit;
+            blocks the quantizing kernels do not take go through the plain kernels."""
             g = torch.Generator().manual_seed(3)
             h13 = (torch.randn(37, 2 * 150, generator=g) * 4).to(dtype)
             h13[0] = 0.0  # a zero row
             h13[1, 5] = float("inf")
             dh = torch.randn(37, 150, generator=g).to(dtype)
             total = 0
-            for pow2 in (True, False):
-                data, scale = swiglu_quantize_rows(h13, pow2)
-                ref = quantize_fp8(fused_forward(h13), (1, 0), pow2, backend="triton")
-                total += mismatches(data, ref.data) + mismatches(scale, ref.scale)
-                dh13, data, scale = swiglu_backward_quantize_rows(h13, dh, pow2)
-                plain = fused_backward(h13, dh, dtype)
-                ref = quantize_fp8(plain, (1, 0), pow2, backend="triton")
+            for pow2, block in ((True, (1, 0)), (False, (1, 0)), (False, (1, 128))):
+                got = swiglu_quantized(h13, block, pow2, backend="triton")
+                ref = quantize_fp8(swiglu(h13, backend="triton"), block, pow2, backend="triton")
+                total += mismatches(got.data, ref.data) + mismatches(got.scale, ref.scale)
+                dh13, got = swiglu_backward_quantized(h13, dh, dtype, block, pow2, backend="triton")
+                plain = swiglu_backward(h13, dh, dtype, backend="triton")
+                ref = quantize_fp8(plain, block, pow2, backend="triton")
                 total += mismatches(dh13.view(torch.int16 if dtype == torch.bfloat16 else torch.float32),
                                     plain.view(torch.int16 if dtype == torch.bfloat16 else torch.float32))
-                total += mismatches(data, ref.data) + mismatches(scale, ref.scale)
+                total += mismatches(got.data, ref.data) + mismatches(got.scale, ref.scale)
             return total
 
-        yield f"swiglu_quantized/{dname}", swiglu_quantized
+        yield f"swiglu_quantized/{dname}", quantized_swiglu
 
 
 def main() -> None:

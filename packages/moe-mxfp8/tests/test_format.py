@@ -64,7 +64,7 @@ def adversarial_rows() -> torch.Tensor:
 def test_random_data_over_many_magnitudes_matches_torchao(dtype, axis):
     x = many_magnitudes((64, 96), seed=0).to(dtype) if axis else many_magnitudes((96, 64), 0).t()
     x = x.contiguous().to(dtype)
-    data, scales = quantize(x, axis, backend="torch")
+    data, scales = quantize(x, axis, backend="reference")
     ref_data, ref_scales = torchao_quantize(x, axis)
     assert_same_bits(data, ref_data)
     assert_same_bits(scales, ref_scales)
@@ -73,7 +73,7 @@ def test_random_data_over_many_magnitudes_matches_torchao(dtype, axis):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_adversarial_blocks_match_torchao(dtype):
     x = adversarial_rows().to(dtype)
-    data, scales = quantize(x, backend="torch")
+    data, scales = quantize(x, backend="reference")
     ref_data, ref_scales = torchao_quantize(x)
     assert_same_bits(data, ref_data)
     assert_same_bits(scales, ref_scales)
@@ -87,7 +87,7 @@ def test_dequantize_matches_torchao(dtype):
     x = torch.cat([adversarial_rows(), many_magnitudes((20, 32), seed=2)]).to(dtype)
     ref_data, ref_scales = torchao_quantize(x)
     for out in (torch.float32, torch.bfloat16):
-        ours = dequantize(ref_data, ref_scales, dtype=out, backend="torch")
+        ours = dequantize(ref_data, ref_scales, dtype=out, backend="reference")
         ref = mx.to_dtype(ref_data, ref_scales, torch.float8_e4m3fn, 32, out)
         assert_same_bits(ours, ref)
 
@@ -95,26 +95,26 @@ def test_dequantize_matches_torchao(dtype):
 @pytest.mark.parametrize("shape,axis", [((5, 45), -1), ((3, 7, 33), 1), ((70, 3), 0), ((1,), 0)])
 def test_partial_blocks_are_zero_padded(shape, axis):
     x = many_magnitudes(shape, seed=3) if len(shape) > 1 else torch.tensor([3.0])
-    data, scales = quantize(x, axis, backend="torch")
+    data, scales = quantize(x, axis, backend="reference")
     ref_data, ref_scales = torchao_quantize(x, axis)
     assert data.shape == x.shape
     assert scales.shape[axis] == -(-x.shape[axis] // 32)
     assert_same_bits(data, ref_data)
     assert_same_bits(scales, ref_scales)
-    back = dequantize(data, scales, axis, dtype=torch.float32, backend="torch")
+    back = dequantize(data, scales, axis, dtype=torch.float32, backend="reference")
     assert back.shape == x.shape
 
 
 def test_quantize_dequantize_and_both_orientations_agree_with_quantize():
     x = many_magnitudes((4, 40, 72), seed=4).to(torch.bfloat16)
-    rows, cols = quantize_rows_and_cols(x, backend="torch")
+    rows, cols = quantize_rows_and_cols(x, backend="reference")
     for mx_t, axis in ((rows, 2), (cols, 1)):
-        data, scales = quantize(x, axis, backend="torch")
+        data, scales = quantize(x, axis, backend="reference")
         assert_same_bits(mx_t.data, data)
         assert_same_bits(mx_t.scales, scales)
-    deq, kept = quantize_dequantize(x, torch.bfloat16, keep_mxfp8=True, backend="torch")
+    deq, kept = quantize_dequantize(x, torch.bfloat16, keep_mxfp8=True, backend="reference")
     assert_same_bits(kept.data, rows.data)
-    assert_same_bits(deq, rows.dequantize(torch.bfloat16, backend="torch"))
+    assert_same_bits(deq, rows.dequantize(torch.bfloat16, backend="reference"))
 
 
 def test_every_dequantized_value_is_exact_in_bf16_for_scale_codes_3_to_246():
@@ -130,7 +130,7 @@ def test_every_dequantized_value_is_exact_in_bf16_for_scale_codes_3_to_246():
     assert exact_codes == list(range(3, 247)) + [255]  # 255 is the NaN scale: NaN either way
     # Blocks from quantize() with a finite amax >= 2**-116 get codes in [3, 246].
     x = torch.tensor([[2.0**-116] * 32, [3.3e38] * 32])
-    assert quantize(x, backend="torch")[1].view(torch.uint8).flatten().tolist() == [3, 246]
+    assert quantize(x, backend="reference")[1].view(torch.uint8).flatten().tolist() == [3, 246]
 
 
 def test_bad_inputs_name_the_field():

@@ -54,14 +54,14 @@ def adversarial(rows: int, cols: int, dtype: torch.dtype, seed: int = 0) -> torc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rowwise_matches_torchao(dtype, pow2):
     x = adversarial(48, 200, dtype)
-    q = quantize_fp8(x, (1, 0), pow2, backend="torch")
+    q = quantize_fp8(x, (1, 0), pow2, backend="reference")
     data, scale = torchao_axiswise(x, -1, pow2)
     assert q.scale.shape == (48, 1) and q.data.dtype == E4M3
     assert mismatches(q.scale, scale) == 0
     assert mismatches(q.data, data) == 0
     # columns of a 3-D stack (a weight's transposed copy) are rows of the transpose
     w = adversarial(60, 40, dtype, seed=1).view(3, 20, 40)
-    q = quantize_fp8(w.transpose(-2, -1).contiguous(), (1, 0), pow2, backend="torch")
+    q = quantize_fp8(w.transpose(-2, -1).contiguous(), (1, 0), pow2, backend="reference")
     data, scale = torchao_axiswise(w, -2, pow2)
     assert mismatches(q.data, data.transpose(-2, -1)) == 0
     assert mismatches(q.scale, scale.transpose(-2, -1)) == 0
@@ -69,7 +69,7 @@ def test_rowwise_matches_torchao(dtype, pow2):
 
 def test_non_finite_rows_dequantize_to_nan_and_zero_rows_stay_zero():
     x = adversarial(16, 64, torch.float32)
-    deq = dequantize_fp8(quantize_fp8(x, backend="torch"))
+    deq = dequantize_fp8(quantize_fp8(x, backend="reference"))
     assert deq[3:6].isnan().all()  # a row with inf or NaN: scale 0 or NaN
     assert (deq[[0, 1, 2]] == 0).all()  # zeros and FP32 denormals
     assert (deq[6] == 448.0).all() and deq[7].abs().max() < 3.5e38
@@ -83,7 +83,7 @@ def test_power_of_two_scale_is_rounded_down_exactly_where_torchao_log2_rounds_up
     x = torch.zeros(len(ulps), 8)
     x[:, 0] = amax
     x[:, 1] = 0.5
-    q = quantize_fp8(x, (1, 0), True, backend="torch")
+    q = quantize_fp8(x, (1, 0), True, backend="reference")
     _, scale = torchao_axiswise(x, -1, True)
     exact = (torch.tensor(448.0, dtype=torch.float64) / amax.double()).float()
     assert (q.scale[:, 0] <= exact).all() and (exact < 2 * q.scale[:, 0]).all()
@@ -95,11 +95,11 @@ def test_power_of_two_scale_is_rounded_down_exactly_where_torchao_log2_rounds_up
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_blockwise_matches_torchao_deepseek_reference(dtype):
     x = adversarial(256, 384, dtype, seed=2)
-    q = quantize_fp8(x, (1, 128), pow2=False, backend="torch")
+    q = quantize_fp8(x, (1, 128), pow2=False, backend="reference")
     data, inv_scale = torch_blockwise_scale_act_quant_lhs(x.contiguous())
     assert q.scale.shape == (256, 3)
     assert mismatches(q.data, data) == 0 and mismatches(q.scale.reciprocal(), inv_scale) == 0
-    q = quantize_fp8(x, (128, 128), pow2=False, backend="torch")
+    q = quantize_fp8(x, (128, 128), pow2=False, backend="reference")
     data, inv_scale = torch_blockwise_scale_weight_quant(x.contiguous())
     assert q.scale.shape == (2, 3)
     assert mismatches(q.data, data) == 0 and mismatches(q.scale.reciprocal(), inv_scale) == 0
@@ -107,11 +107,11 @@ def test_blockwise_matches_torchao_deepseek_reference(dtype):
 
 def test_partial_blocks_quantize_as_if_zero_padded():
     x = torch.randn(2, 130, 200)
-    q = quantize_fp8(x, (128, 128), pow2=False, backend="torch")
+    q = quantize_fp8(x, (128, 128), pow2=False, backend="reference")
     assert q.scale.shape == (2, 2, 2) and q.data.shape == x.shape
     padded = torch.zeros(2, 256, 256)
     padded[:, :130, :200] = x
-    ref = quantize_fp8(padded, (128, 128), pow2=False, backend="torch")
+    ref = quantize_fp8(padded, (128, 128), pow2=False, backend="reference")
     assert mismatches(q.scale, ref.scale) == 0
     assert mismatches(q.data, ref.data[:, :130, :200].contiguous()) == 0
 
@@ -120,7 +120,7 @@ def test_partial_blocks_quantize_as_if_zero_padded():
 def test_group_columns_match_torchao_per_expert_and_are_16_aligned(pow2):
     x = adversarial(70, 48, torch.bfloat16, seed=3)
     offsets = torch.tensor([9, 9, 40, 41, 64], dtype=torch.int32)  # an empty expert; rows 64.. pad
-    data_t, scale, ends = quantize_group_columns(x, offsets, pow2, backend="torch")
+    data_t, scale, ends = quantize_group_columns(x, offsets, pow2, backend="reference")
     assert ends.tolist() == [16, 16, 48, 64, 96]
     assert data_t.shape == (48, 80 + 5 * 16) and scale.shape == (5, 48)
     start = slot = 0
@@ -137,7 +137,7 @@ def test_group_columns_match_torchao_per_expert_and_are_16_aligned(pow2):
 def test_dequantize_is_within_e4m3_precision():
     x = torch.randn(64, 256)
     for block, pow2 in (((1, 0), True), ((1, 128), False), ((128, 128), False)):
-        q = quantize_fp8(x, block, pow2, backend="torch")
+        q = quantize_fp8(x, block, pow2, backend="reference")
         assert isinstance(q, FP8Tensor) and q.block == block
         err = (q.dequantize() - x).abs()
         assert (err <= x.abs() * 2**-4 + 2**-9 * x.abs().max()).all(), block
@@ -163,8 +163,8 @@ def test_row_codec_round_trips_like_quantize_and_requantizes_to_the_same_values(
     assert packed.shape == (40, 100) and packed.dtype == torch.uint8
     assert codec.packed_width(2048) == 2052 and codec.bytes_ratio(2048) < 0.502
     decoded = codec.decode(packed, dtype)
-    assert mismatches(decoded.float(), dequantize_fp8(quantize_fp8(x, backend="torch"))) == 0
-    again = dequantize_fp8(quantize_fp8(decoded, backend="torch"))
+    assert mismatches(decoded.float(), dequantize_fp8(quantize_fp8(x, backend="reference"))) == 0
+    again = dequantize_fp8(quantize_fp8(decoded, backend="reference"))
     assert mismatches(again, decoded.float()) == 0
     # a row whose largest code rounds to 224: its scale doubles on re-quantization
     row = torch.tensor([[225.0, 1.0, -3.5]])

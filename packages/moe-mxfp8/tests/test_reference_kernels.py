@@ -1,11 +1,37 @@
-"""The reference switch: ``use_reference_kernels(True)`` sends every op to its eager path."""
+"""``backend`` and the reference switch on every op with a Triton kernel: ``"reference"`` and
+``"auto"`` on CPU are the public ``<op>_reference``; ``use_reference_kernels(True)`` sends every
+op to it, ``backend="triton"`` included; another value is refused by name."""
 
 import moe_mxfp8
 import pytest
 import torch
-from moe_mxfp8 import quantize, use_reference_kernels
+from moe_mxfp8 import (
+    FP8Tensor,
+    MXFP8RowCodec,
+    MXFP8Tensor,
+    dequantize,
+    dequantize_reference,
+    quantize,
+    quantize_dequantize,
+    quantize_dequantize_reference,
+    quantize_fp8,
+    quantize_fp8_reference,
+    quantize_group_columns,
+    quantize_group_columns_reference,
+    quantize_reference,
+    quantize_rows_and_cols,
+    quantize_rows_and_cols_reference,
+    swiglu,
+    swiglu_backward,
+    swiglu_backward_quantized,
+    swiglu_backward_quantized_reference,
+    swiglu_backward_reference,
+    swiglu_quantized,
+    swiglu_quantized_reference,
+    swiglu_reference,
+    use_reference_kernels,
+)
 from moe_mxfp8._triton_support import reference_kernels_enabled
-from moe_mxfp8.format import uses_triton
 from moe_testing import check_reference_switch
 
 
@@ -19,18 +45,94 @@ def test_the_switch_keeps_the_contract_of_every_package():
     check_reference_switch(moe_mxfp8._triton_support)
 
 
-def test_switch_overrides_an_explicit_triton_backend():
-    t = torch.zeros(4, 32)
-    assert uses_triton(t, "triton")
+def _operands() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 96, generator=g) * torch.exp2(torch.randint(-8, 8, (6, 1), generator=g).float())
+    data, scales = quantize_reference(x)
+    return dict(x=x, bf16=x.bfloat16(), data=data, scales=scales, dh=torch.randn(6, 48, generator=g).bfloat16(),
+                offsets=torch.tensor([2, 2, 5], dtype=torch.int32))
+
+
+# op name -> (the op called with a backend, its public reference), on the operands above.
+OPS = {
+    "quantize": (lambda o, b: quantize(o["x"], -2, backend=b), lambda o: quantize_reference(o["x"], -2)),
+    "dequantize": (lambda o, b: dequantize(o["data"], o["scales"], dtype=torch.float32, backend=b),
+                   lambda o: dequantize_reference(o["data"], o["scales"], dtype=torch.float32)),
+    "quantize_rows_and_cols": (lambda o, b: quantize_rows_and_cols(o["bf16"], backend=b),
+                               lambda o: quantize_rows_and_cols_reference(o["bf16"])),
+    "quantize_dequantize": (lambda o, b: quantize_dequantize(o["x"], torch.bfloat16, True, backend=b),
+                            lambda o: quantize_dequantize_reference(o["x"], torch.bfloat16, True)),
+    "quantize_fp8": (lambda o, b: quantize_fp8(o["bf16"], (1, 0), True, backend=b),
+                     lambda o: quantize_fp8_reference(o["bf16"], (1, 0), True)),
+    "quantize_fp8_tiles": (lambda o, b: quantize_fp8(o["x"], (1, 128), False, backend=b),
+                           lambda o: quantize_fp8_reference(o["x"], (1, 128), False)),
+    "quantize_group_columns": (lambda o, b: quantize_group_columns(o["x"], o["offsets"], backend=b),
+                               lambda o: quantize_group_columns_reference(o["x"], o["offsets"])),
+    "swiglu": (lambda o, b: swiglu(o["bf16"], backend=b), lambda o: swiglu_reference(o["bf16"])),
+    "swiglu_backward": (lambda o, b: swiglu_backward(o["bf16"], o["dh"], torch.float32, backend=b),
+                        lambda o: swiglu_backward_reference(o["bf16"], o["dh"], torch.float32)),
+    "swiglu_quantized": (lambda o, b: swiglu_quantized(o["bf16"], (1, 0), True, backend=b),
+                         lambda o: swiglu_quantized_reference(o["bf16"], (1, 0), True)),
+    "swiglu_backward_quantized": (
+        lambda o, b: swiglu_backward_quantized(o["bf16"], o["dh"], torch.bfloat16, (1, 128), False, backend=b),
+        lambda o: swiglu_backward_quantized_reference(o["bf16"], o["dh"], torch.bfloat16, (1, 128), False)),
+}
+
+
+def _bits(result) -> list[torch.Tensor]:
+    """Every tensor of an op's result (tuples, MXFP8Tensor, FP8Tensor), as raw bytes."""
+    if isinstance(result, torch.Tensor):
+        return [result.contiguous().view(torch.uint8)]
+    if isinstance(result, (MXFP8Tensor, FP8Tensor)):
+        return [*_bits(result.data), *_bits(result.scales if isinstance(result, MXFP8Tensor) else result.scale)]
+    return [b for part in result for b in _bits(part)]
+
+
+def _same_bits(got, want) -> bool:
+    got, want = _bits(got), _bits(want)
+    return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_reference_and_auto_on_cpu_are_the_public_reference(name, backend):
+    op, reference = OPS[name]
+    o = _operands()
+    assert _same_bits(op(o, backend), reference(o))
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_unknown_backend_is_refused_by_name(name):
+    with pytest.raises(ValueError, match=r"backend must be one of 'auto', 'triton', 'reference', got 'torch'"):
+        OPS[name][0](_operands(), "torch")
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_switch_overrides_an_explicit_triton_backend(name, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    op, reference = OPS[name]
+    o = _operands()
     with use_reference_kernels(True):
-        assert not uses_triton(t, "triton")
-        assert not uses_triton(t, "auto")
-        # the call takes the reference: no Triton interpreter is needed on CPU
-        x = torch.randn(4, 32)
-        got = quantize(x, axis=-1, backend="triton")
-    want = quantize(x, axis=-1, backend="torch")
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        got = op(o, "triton")  # CPU tensors: without the switch the kernel is refused here
+    assert _same_bits(got, reference(o))
     assert not reference_kernels_enabled()
+
+
+def test_triton_on_cpu_outside_the_interpreter_says_why(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="backend='triton' runs on CUDA tensors"):
+        quantize(torch.zeros(4, 32), backend="triton")
+    with pytest.raises(RuntimeError, match="backend='triton' runs on CUDA tensors"):
+        MXFP8RowCodec(backend="triton").encode(torch.zeros(4, 32))
+
+
+def test_resolve_backend_is_the_one_decision():
+    resolve, cpu, cuda = moe_mxfp8._triton_support.resolve_backend, torch.device("cpu"), torch.device("cuda")
+    assert not resolve("reference", cuda) and not resolve("auto", cpu)
+    assert resolve("auto", cuda) == moe_mxfp8.triton_available()
+    with use_reference_kernels(True):
+        assert not resolve("triton", cuda) and not resolve("auto", cuda)
 
 
 @pytest.mark.gpu
@@ -51,3 +153,21 @@ def test_on_gpu_the_switch_launches_no_triton_kernel_and_matches_the_kernels():
     assert not launched, sorted(launched)
     for got, want in zip(out["reference"], out["fused"], strict=True):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_swiglu_references_match_autograd_in_float64():
+    """The swiglu references against an independent oracle: float64 autograd of ``silu(h1) * h3``."""
+    g = torch.Generator().manual_seed(1)
+    h13, dh = torch.randn(5, 2 * 40, generator=g) * 3, torch.randn(5, 40, generator=g)
+    h = h13.double().requires_grad_(True)
+    h1, h3 = h.chunk(2, dim=-1)
+    y = torch.nn.functional.silu(h1) * h3
+    (y * dh.double()).sum().backward()
+    torch.testing.assert_close(swiglu_reference(h13), y.detach().float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(swiglu_backward_reference(h13, dh, torch.float32), h.grad.float(), rtol=1e-5, atol=1e-6)
+    for block, pow2 in (((1, 0), True), ((1, 128), False)):
+        assert _same_bits(swiglu_quantized_reference(h13, block, pow2),
+                          quantize_fp8_reference(swiglu_reference(h13), block, pow2))
+        dh13, q = swiglu_backward_quantized_reference(h13, dh, torch.bfloat16, block, pow2)
+        assert _same_bits(dh13, swiglu_backward_reference(h13, dh, torch.bfloat16))
+        assert _same_bits(q, quantize_fp8_reference(dh13, block, pow2))

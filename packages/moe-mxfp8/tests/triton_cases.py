@@ -61,20 +61,20 @@ def cases():
             x = sample(shape, dtype)
             for axis in range(len(shape)):
                 def q(x=x, axis=axis):
-                    (d, s), (rd, rs) = quantize(x, axis, backend="triton"), quantize(x, axis, backend="torch")
+                    (d, s), (rd, rs) = quantize(x, axis, backend="triton"), quantize(x, axis, backend="reference")
                     return mismatches(d, rd) + mismatches(s, rs)
 
                 def dq(x=x, axis=axis, dtype=dtype):
-                    d, s = quantize(x, axis, backend="torch")
+                    d, s = quantize(x, axis, backend="reference")
                     return sum(mismatches(dequantize(d, s, axis, dtype=o, backend="triton"),
-                                          dequantize(d, s, axis, dtype=o, backend="torch"))
+                                          dequantize(d, s, axis, dtype=o, backend="reference"))
                                for o in DTYPES.values())
 
                 yield f"quantize/{sname}/{dname}/axis{axis}", q
                 yield f"dequantize/{sname}/{dname}/axis{axis}", dq
 
             def both(x=x):
-                got, ref = quantize_rows_and_cols(x, backend="triton"), quantize_rows_and_cols(x, backend="torch")
+                got, ref = quantize_rows_and_cols(x, backend="triton"), quantize_rows_and_cols(x, backend="reference")
                 return sum(mismatches(getattr(g, f), getattr(r, f))
                            for g, r in zip(got, ref, strict=True) for f in ("data", "scales"))
 
@@ -82,7 +82,7 @@ def cases():
                 total = 0
                 for o in DTYPES.values():
                     (dg, mg), (dr, mr) = (quantize_dequantize(x, o, keep_mxfp8=True, backend=b)
-                                          for b in ("triton", "torch"))
+                                          for b in ("triton", "reference"))
                     total += mismatches(dg, dr) + mismatches(mg.data, mr.data) + mismatches(mg.scales, mr.scales)
                 return total
 
@@ -93,10 +93,10 @@ def cases():
         x = sample((9, 50), torch.bfloat16, seed=1)
         total = 0
         for axis in (0, 1):
-            (d, s), (rd, rs) = (quantize(x, axis, 16, backend=b) for b in ("triton", "torch"))
+            (d, s), (rd, rs) = (quantize(x, axis, 16, backend=b) for b in ("triton", "reference"))
             total += mismatches(d, rd) + mismatches(s, rs)
             total += mismatches(dequantize(d, s, axis, 16, backend="triton"),
-                                dequantize(d, s, axis, 16, backend="torch"))
+                                dequantize(d, s, axis, 16, backend="reference"))
         return total
 
     def codec():
@@ -104,14 +104,14 @@ def cases():
         for D in (64, 70, 2):
             x = sample((13, D), torch.bfloat16, seed=D) if D >= 64 else torch.randn(13, D).bfloat16()
             packed_t = MXFP8RowCodec(backend="triton").encode(x)
-            packed_r = MXFP8RowCodec(backend="torch").encode(x)
+            packed_r = MXFP8RowCodec(backend="reference").encode(x)
             # The data bytes compare as E4M3 (NaN is NaN whatever its sign), scales as bytes.
             total += mismatches(packed_t[:, :D].view(torch.float8_e4m3fn),
                                 packed_r[:, :D].view(torch.float8_e4m3fn))
             total += mismatches(packed_t[:, D:], packed_r[:, D:])
             for o in DTYPES.values():
                 total += mismatches(MXFP8RowCodec(backend="triton").decode(packed_r, o),
-                                    MXFP8RowCodec(backend="torch").decode(packed_r, o))
+                                    MXFP8RowCodec(backend="reference").decode(packed_r, o))
         return total
 
     def empty():
@@ -154,20 +154,20 @@ def tile_cases():
                     x = sample(shape, dtype, seed=j)
                     if kind == "both":
                         got = quantize_rows_and_cols(x, backend="triton")
-                        ref = quantize_rows_and_cols(x, backend="torch")
+                        ref = quantize_rows_and_cols(x, backend="reference")
                         total += sum(mismatches(getattr(g, f), getattr(r, f))
                                      for g, r in zip(got, ref, strict=True)
                                      for f in ("data", "scales"))
                         continue
                     axis = -1 if kind == "rows" else -2
-                    (d, s), (rd, rs) = (quantize(x, axis, backend=b) for b in ("triton", "torch"))
+                    (d, s), (rd, rs) = (quantize(x, axis, backend=b) for b in ("triton", "reference"))
                     total += mismatches(d, rd) + mismatches(s, rs)
                     for o in (torch.bfloat16, torch.float32):
                         total += mismatches(dequantize(rd, rs, axis, dtype=o, backend="triton"),
-                                            dequantize(rd, rs, axis, dtype=o, backend="torch"))
+                                            dequantize(rd, rs, axis, dtype=o, backend="reference"))
                     if kind == "rows":
                         (dg, mg), (dr, mr) = (quantize_dequantize(x, torch.bfloat16, keep_mxfp8=True,
-                                                                  backend=b) for b in ("triton", "torch"))
+                                                                  backend=b) for b in ("triton", "reference"))
                         total += mismatches(dg, dr) + mismatches(mg.data, mr.data)
                 return total
             finally:

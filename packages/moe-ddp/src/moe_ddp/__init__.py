@@ -9,20 +9,27 @@ optimizer consumes.
 """
 
 from moe_ddp._triton_support import (
+    BACKENDS,
+    Backend,
     reference_kernels_enabled,
     triton_available,
     use_reference_kernels,
 )
+from moe_ddp.accumulate import accumulate_, accumulate_reference_
 from moe_ddp.ddp import DDPConfig, MultiGroupDDP, ReplicaGroupOf, sent_bytes
 from moe_ddp.layout import ALIGN_NUMEL, BucketSpec, ParamEntry, is_sharded, plan_buckets
 
 __all__ = [
     "ALIGN_NUMEL",
+    "BACKENDS",
+    "Backend",
     "BucketSpec",
     "DDPConfig",
     "MultiGroupDDP",
     "ParamEntry",
     "ReplicaGroupOf",
+    "accumulate_",
+    "accumulate_reference_",
     "is_sharded",
     "plan_buckets",
     "reference_kernels_enabled",

@@ -18,30 +18,48 @@ from __future__ import annotations
 
 import torch
 
-from moe_ddp._triton_support import fused_kernels_enabled, reference_kernels_enabled
+from moe_ddp._triton_support import Backend, resolve_backend
 
 
-def _fused_applies(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Runs once per parameter per microbatch: cheap checks only (the spec lookup is cached)."""
-    return (dst.dtype == torch.float32 and src.dtype != dst.dtype
-            and src.is_contiguous() and dst.dim() in (1, 2) and dst.stride(-1) == 1
-            and fused_kernels_enabled(dst.device))
+def _kernel_layout(dst: torch.Tensor, src: torch.Tensor) -> str | None:
+    """Why the kernel cannot take these tensors (``None``: it can). Runs once per parameter
+    per microbatch: cheap checks only."""
+    if dst.dtype != torch.float32 or src.dtype == dst.dtype:
+        return f"an FP32 destination and a source of another dtype, got {src.dtype} into {dst.dtype}"
+    if not src.is_contiguous():
+        return "a contiguous source"
+    if dst.dim() not in (1, 2) or dst.stride(-1) != 1:
+        return f"a 1-D or 2-D destination with contiguous rows, got shape {tuple(dst.shape)} strides {dst.stride()}"
+    return None
 
 
-def accumulate_(dst: torch.Tensor, src: torch.Tensor, *, fused: bool | None = None) -> None:
+def accumulate_(dst: torch.Tensor, src: torch.Tensor, *, backend: Backend = "auto") -> None:
     """``dst += src`` (``src`` read as ``dst``'s shape, row-major); ``dst`` FP32.
 
-    ``fused=None`` picks the Triton kernel where it applies (CUDA, mixed dtypes,
-    contiguous rows); ``True``/``False`` force a path (tests). ``use_reference_kernels``
-    takes ``add_`` whatever ``fused`` says.
+    ``backend="auto"`` takes the Triton kernel where ``fused_kernels_enabled`` and the
+    tensors suit it (mixed dtypes, contiguous rows), else :func:`accumulate_reference_`;
+    ``"triton"`` the kernel (``ValueError`` for tensors it cannot take), ``"reference"``
+    the reference. ``use_reference_kernels(True)`` takes the reference whatever
+    ``backend`` says (``moe_ddp._triton_support.resolve_backend``).
     """
     if src.numel() != dst.numel():
         raise ValueError(f"accumulate_: {src.numel()} source elements for {dst.numel()} destination")
-    if fused is None:
-        fused = _fused_applies(dst, src)
-    if not fused or reference_kernels_enabled():
-        dst.add_(src.reshape(dst.shape))
+    fused = resolve_backend(backend, dst.device)
+    if fused:
+        unsuitable = _kernel_layout(dst, src)
+        if unsuitable is not None and backend == "triton":
+            raise ValueError(f"accumulate_(backend='triton') needs {unsuitable}")
+        fused = unsuitable is None
+    if not fused:
+        accumulate_reference_(dst, src)
         return
     from moe_ddp._accumulate_kernels import accumulate
 
     accumulate(dst, src)
+
+
+def accumulate_reference_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.add_(src)`` with ``src`` reshaped to ``dst``: the eager reference of :func:`accumulate_`."""
+    if src.numel() != dst.numel():
+        raise ValueError(f"accumulate_reference_: {src.numel()} source elements for {dst.numel()} destination")
+    dst.add_(src.reshape(dst.shape))

@@ -1,9 +1,13 @@
 """Device operations of dispatch and combine, each one launch on CUDA.
 
-Every function here has a PyTorch path (CPU, the reference, and every device under
-``use_reference_kernels``) and a Triton path (CUDA tensors with Triton installed)
-that compute the same values bit for bit: integer planning, row
-moves, and FP32 products then sums, slot by slot, without fused multiply-add.
+Every op here with a Triton path (CUDA tensors with Triton installed) has a public
+PyTorch reference beside it, ``<op>_reference`` (CPU, and every device under
+``use_reference_kernels``; the plan steps' are defined in ``plan_reference``), computing
+the same values bit for bit: integer planning, row moves, and FP32 products then sums,
+slot by slot, without fused multiply-add. Each op takes ``backend``: ``"auto"`` (the
+kernel where ``fused_kernels_enabled``), ``"triton"`` (the kernel, or a one-line error
+where it cannot run) or ``"reference"``; the reference switch overrides it
+(``_triton_support.resolve_backend``).
 Dispatch and combine do little else between these calls and the transport's puts
 and barriers, so their launch count is small and fixed (a CPU test bounds it).
 
@@ -16,14 +20,14 @@ from typing import NamedTuple
 
 import torch
 
-from moe_ep_transport import plan_reference
-from moe_ep_transport._triton_support import fused_kernels_enabled
-from moe_ep_transport.plan_reference import CellPlan, SlotRanks
-
-
-def _on_triton(t: torch.Tensor) -> bool:
-    return fused_kernels_enabled(t.device)
-
+from moe_ep_transport._triton_support import Backend, resolve_backend
+from moe_ep_transport.plan_reference import (
+    CellPlan,
+    SlotRanks,
+    plan_cells_reference,
+    plan_rows_reference,
+    rank_slots_reference,
+)
 
 _constants: dict[tuple, torch.Tensor] = {}
 
@@ -72,33 +76,37 @@ def from_words(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # --- the routing plan (definitions in plan_reference) ------------------------------
 
 
-def rank_slots(expert_N: torch.Tensor, n_experts: int) -> SlotRanks:
-    """Per-block expert counts and ranks of the slots (plan step 1)."""
-    if _on_triton(expert_N):
+def rank_slots(expert_N: torch.Tensor, n_experts: int, backend: Backend = "auto") -> SlotRanks:
+    """Per-block expert counts and ranks of the slots (plan step 1; :func:`rank_slots_reference`)."""
+    if resolve_backend(backend, expert_N.device):
         from moe_ep_transport import _plan_kernels as plan_kernels
 
         return plan_kernels.rank_slots(expert_N, n_experts)
-    return plan_reference.rank_slots_reference(expert_N, n_experts)
+    return rank_slots_reference(expert_N, n_experts)
 
 
-def plan_cells(counts_ME: torch.Tensor, capacity: int, salt: int, rank: int) -> CellPlan:
-    """Fair overflow allocation and receive layout from the count matrix (plan step 2)."""
-    if _on_triton(counts_ME):
+def plan_cells(counts_ME: torch.Tensor, capacity: int, salt: int, rank: int,
+               backend: Backend = "auto") -> CellPlan:
+    """Fair overflow allocation and receive layout from the count matrix (plan step 2;
+    :func:`plan_cells_reference`)."""
+    if resolve_backend(backend, counts_ME.device):
         from moe_ep_transport import _plan_kernels as plan_kernels
 
         return plan_kernels.plan_cells(counts_ME, capacity, salt, rank)
-    return plan_reference.plan_cells_reference(counts_ME, capacity, salt, rank)
+    return plan_cells_reference(counts_ME, capacity, salt, rank)
 
 
 def plan_rows(
-    expert_N: torch.Tensor, slots: SlotRanks, cells: CellPlan, ep_size: int, capacity: int
+    expert_N: torch.Tensor, slots: SlotRanks, cells: CellPlan, ep_size: int, capacity: int,
+    backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Destination of every slot and source of every receive row (plan step 3)."""
-    if _on_triton(expert_N):
+    """Destination of every slot and source of every receive row (plan step 3;
+    :func:`plan_rows_reference`)."""
+    if resolve_backend(backend, expert_N.device):
         from moe_ep_transport import _plan_kernels as plan_kernels
 
         return plan_kernels.plan_rows(expert_N, slots, cells, ep_size, capacity)
-    return plan_reference.plan_rows_reference(expert_N, slots, cells, ep_size, capacity)
+    return plan_rows_reference(expert_N, slots, cells, ep_size, capacity)
 
 
 # --- row movement and reduction ----------------------------------------------------
@@ -116,6 +124,7 @@ def finish_receive(
     slot_rows_out: torch.Tensor | None = None,
     max_slots: int = 0,
     w_out_C: torch.Tensor | None = None,
+    backend: Backend = "auto",
 ) -> None:
     """Move rows from other ranks out of the symmetric inbox into ``out``; zero the padding.
 
@@ -130,7 +139,7 @@ def finish_receive(
     needs_meta = origin_out_C is not None or inbox_stride > 0 or slot_rows_out is not None or w_out_C is not None
     if needs_meta and origin_in_C is None:
         raise ValueError("finish_receive: origin_out_C, inbox_stride, slot_rows_out and w_out_C need origin_in_C")
-    if _on_triton(out_CW):
+    if resolve_backend(backend, out_CW.device):
         from moe_ep_transport import _transport_kernels as kernels
 
         kernels.finish_receive(
@@ -202,6 +211,7 @@ def topk_gather_sum(
     top_k: int,
     out_dtype: torch.dtype,
     store_rows: bool,
+    backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Weighted top-k sum per token of the rows that came back, in ``w_N``'s dtype.
 
@@ -212,7 +222,7 @@ def topk_gather_sum(
     ``store_rows`` the gathered rows ``[N, D]`` are returned too (for the gradient of
     the weights).
     """
-    if _on_triton(local_CD):
+    if resolve_backend(backend, local_CD.device):
         from moe_ep_transport import _transport_kernels as kernels
 
         return kernels.topk_gather_sum(
@@ -257,6 +267,7 @@ def combine_grads(
     rows_dtype: torch.dtype,
     scaled: bool,
     bound: torch.Tensor | None = None,
+    backend: Backend = "auto",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Combine's backward on this rank: the gradient rows to send back and the weights' gradient.
 
@@ -266,12 +277,17 @@ def combine_grads(
     differs from the reference's, within rounding). ``bound`` (a one-element integer
     device tensor): tokens at or past it are padding whose outputs are unspecified; the
     kernel skips them (a receive buffer sized for the worst case costs what it holds).
+    The kernel takes a power-of-two ``k`` (``backend="auto"`` takes the reference for
+    another; ``"triton"`` refuses it) and no tokens at all.
     """
     k = w_N.numel() // max(1, g_TD.shape[0])
-    if _on_triton(g_TD) and k > 0 and k & (k - 1) == 0:
-        from moe_ep_transport import _transport_kernels as kernels
+    if resolve_backend(backend, g_TD.device):
+        if g_TD.shape[0] == 0 or (k > 0 and k & (k - 1) == 0):  # no tokens: no launch
+            from moe_ep_transport import _transport_kernels as kernels
 
-        return kernels.combine_grads(g_TD, w_N, rows_ND, rows_dtype, scaled, bound)
+            return kernels.combine_grads(g_TD, w_N, rows_ND, rows_dtype, scaled, bound)
+        if backend == "triton":
+            raise ValueError(f"combine_grads(backend='triton') needs a power-of-two top-k, got {k}")
     return combine_grads_reference(g_TD, w_N, rows_ND, rows_dtype, scaled)
 
 
@@ -371,6 +387,7 @@ def sum_partials(
     max_tokens: int,
     top_k: int,
     out_dtype: torch.dtype,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """``y[t] = ((0 + P_0[t]) + P_1[t]) + ...`` over the ranks holding any of token ``t``'s rows.
 
@@ -378,7 +395,7 @@ def sum_partials(
     ``t``; a rank none of the token's kept slots went to contributes nothing (its row
     is not read). Rank order, products none: the same on every backend.
     """
-    if _on_triton(partials_QD):
+    if resolve_backend(backend, partials_QD.device):
         from moe_ep_transport import _transport_kernels as kernels
 
         return kernels.sum_partials(partials_QD, dst_rank_N, n_ranks, max_tokens, top_k, out_dtype)

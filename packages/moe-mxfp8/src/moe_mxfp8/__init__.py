@@ -1,8 +1,9 @@
 """moe_mxfp8: MXFP8 (OCP microscaling) formats, kernels, layers and weight caches.
 
 - ``quantize`` / ``dequantize``: E4M3 data with one E8M0 scale per 32 elements along
-  an axis, bit-identical to torchao's MX reference (floor scale rule); pure torch or
-  Triton kernels (``moe_mxfp8._quantize_kernels``, imported only when used).
+  an axis, bit-identical to torchao's MX reference (floor scale rule); Triton kernels
+  (``moe_mxfp8._quantize_kernels``, imported only when used) or the pure-torch
+  ``<op>_reference`` beside each op, chosen by ``backend="auto" | "triton" | "reference"``.
 - ``MXFP8Linear`` / ``MXFP8GroupedExperts``: drop-in modules holding the original
   parameters, with MXFP8 forward and input-gradient GEMMs (exactly emulated on
   Hopper) and MXFP8 weight caches derived from the weights.
@@ -18,6 +19,8 @@
 """
 
 from moe_mxfp8._triton_support import (
+    BACKENDS,
+    Backend,
     reference_kernels_enabled,
     triton_available,
     use_reference_kernels,
@@ -38,18 +41,41 @@ from moe_mxfp8.format import (
     BLOCK_SIZE,
     MXFP8Tensor,
     dequantize,
+    dequantize_reference,
     quantize,
     quantize_dequantize,
+    quantize_dequantize_reference,
+    quantize_reference,
     quantize_rows_and_cols,
+    quantize_rows_and_cols_reference,
     scale_to_float,
 )
-from moe_mxfp8.fp8 import FP8Tensor, dequantize_fp8, quantize_fp8, quantize_group_columns
+from moe_mxfp8.fp8 import (
+    FP8Tensor,
+    dequantize_fp8,
+    quantize_fp8,
+    quantize_fp8_reference,
+    quantize_group_columns,
+    quantize_group_columns_reference,
+)
 from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8GroupedExperts
 from moe_mxfp8.fp8_gemm import fp8_native_available
 from moe_mxfp8.gemm import native_mx_available
 from moe_mxfp8.linear import MXFP8Linear
+from moe_mxfp8.swiglu import (
+    swiglu,
+    swiglu_backward,
+    swiglu_backward_quantized,
+    swiglu_backward_quantized_reference,
+    swiglu_backward_reference,
+    swiglu_quantized,
+    swiglu_quantized_reference,
+    swiglu_reference,
+)
 
 __all__ = [
+    "BACKENDS",
+    "Backend",
     "reference_kernels_enabled",
     "triton_available",
     "use_reference_kernels",
@@ -62,7 +88,9 @@ __all__ = [
     "dequantize_fp8",
     "fp8_native_available",
     "quantize_fp8",
+    "quantize_fp8_reference",
     "quantize_group_columns",
+    "quantize_group_columns_reference",
     "MXFP8Config",
     "MXFP8GroupedExperts",
     "MXFP8Linear",
@@ -71,13 +99,25 @@ __all__ = [
     "MXFP8WeightCache",
     "apply_mxfp8",
     "dequantize",
+    "dequantize_reference",
     "mxfp8_modules",
     "name_matches",
     "native_mx_available",
     "quantize",
     "quantize_dequantize",
+    "quantize_dequantize_reference",
+    "quantize_reference",
     "quantize_rows_and_cols",
+    "quantize_rows_and_cols_reference",
     "refresh_weight_caches",
     "scale_to_float",
+    "swiglu",
+    "swiglu_backward",
+    "swiglu_backward_quantized",
+    "swiglu_backward_quantized_reference",
+    "swiglu_backward_reference",
+    "swiglu_quantized",
+    "swiglu_quantized_reference",
+    "swiglu_reference",
     "unmatched_targets",
 ]

@@ -2,8 +2,8 @@
 
 ``triton_available`` looks for Triton without importing it (importing moe_mxfp8 never
 loads Triton). ``fused_kernels_enabled(device)`` is what every ``backend="auto"`` path
-asks (through ``format.uses_triton``): a CUDA device, Triton installed, reference
-switch off.
+asks: a CUDA device, Triton installed, reference switch off. ``resolve_backend`` is the
+one place every op turns its ``backend`` argument into kernel-or-reference.
 
 ``use_reference_kernels(True)`` is the process-wide switch (like
 ``torch.backends.cudnn.enabled``) that sends every op of the package to its eager
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+from typing import Literal
 
 import torch
 
@@ -42,6 +44,38 @@ def fused_kernels_enabled(device: torch.device) -> bool:
 def reference_kernels_enabled() -> bool:
     """Whether ``use_reference_kernels`` currently forces the eager reference paths."""
     return _reference_kernels
+
+
+Backend = Literal["auto", "triton", "reference"]
+BACKENDS: tuple[Backend, ...] = ("auto", "triton", "reference")
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (Triton's own ``TRITON_INTERPRET``)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
+
+
+def resolve_backend(backend: Backend, device: torch.device) -> bool:
+    """The package's one decision: whether an op called with ``backend`` on ``device``
+    tensors runs its Triton kernel (``True``) or its eager reference (``False``).
+
+    ``"auto"``: the kernel where ``fused_kernels_enabled(device)``; ``"reference"``: the
+    reference; ``"triton"``: the kernel, or ``RuntimeError`` where it cannot run (Triton
+    not installed; a non-CUDA device outside Triton's interpreter). The reference switch
+    overrides every choice, ``"triton"`` included. Any other value: ``ValueError``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    if _reference_kernels or backend == "reference":
+        return False
+    if backend == "auto":
+        return fused_kernels_enabled(device)
+    if not triton_available():
+        raise RuntimeError("backend='triton' needs Triton, which is not installed")
+    if device.type != "cuda" and not _interpreting():
+        raise RuntimeError(f"backend='triton' runs on CUDA tensors (elsewhere only under "
+                           f"TRITON_INTERPRET=1), got {device.type} tensors")
+    return True
 
 
 class use_reference_kernels:

@@ -24,13 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_mxfp8.format import (
-    BLOCK_SIZE,
-    dequantize,
-    n_blocks,
-    quantize,
-    uses_triton,
-)
+from moe_mxfp8._triton_support import Backend, resolve_backend
+from moe_mxfp8.format import BLOCK_SIZE, dequantize_reference, n_blocks, quantize_reference
 from moe_mxfp8.fp8 import FP8Tensor, dequantize_fp8, quantize_fp8
 
 
@@ -39,7 +34,7 @@ class MXFP8RowCodec:
 
     block_size = BLOCK_SIZE
 
-    def __init__(self, backend: str = "auto") -> None:
+    def __init__(self, backend: Backend = "auto") -> None:
         self.backend = backend
 
     def packed_width(self, d: int) -> int:
@@ -64,12 +59,12 @@ class MXFP8RowCodec:
             raise ValueError(f"rows must be [R, D], got {tuple(rows.shape)}")
         R, D = rows.shape
         packed = torch.empty(R, self.packed_width(D), dtype=torch.uint8, device=rows.device)
-        if uses_triton(rows, self.backend):
+        if resolve_backend(self.backend, rows.device):
             from moe_mxfp8._quantize_kernels import quantize_rows_into
 
             quantize_rows_into(rows, packed[:, :D], packed[:, D:], self.block_size)
         else:
-            data, scales = quantize(rows, -1, self.block_size, backend="torch")
+            data, scales = quantize_reference(rows, -1, self.block_size)
             packed[:, :D] = data.view(torch.uint8)
             packed[:, D:] = scales.view(torch.uint8)
         return packed
@@ -78,13 +73,13 @@ class MXFP8RowCodec:
         if packed.dim() != 2 or packed.dtype != torch.uint8:
             raise ValueError(f"packed must be uint8 [R, W], got {packed.dtype} {tuple(packed.shape)}")
         D = self.row_width(packed.shape[1])
-        if uses_triton(packed, self.backend):
+        if resolve_backend(self.backend, packed.device):
             from moe_mxfp8._quantize_kernels import dequantize_rows_from
 
             return dequantize_rows_from(packed[:, :D], packed[:, D:], dtype, self.block_size)
         data = packed[:, :D].contiguous().view(torch.float8_e4m3fn)
         scales = packed[:, D:].contiguous().view(torch.float8_e8m0fnu)
-        return dequantize(data, scales, -1, self.block_size, dtype, backend="torch")
+        return dequantize_reference(data, scales, -1, self.block_size, dtype)
 
 
 class FP8RowCodec:

@@ -18,10 +18,11 @@ Layout: ``data`` has the input's shape (contiguous); ``scales`` has it too, with
 blocked axis shortened to the block count. Nothing is transposed: "column"
 orientation is ``axis=-2``.
 
-Two implementations with identical bits: a pure-torch reference (any device) and
-Triton kernels (``moe_mxfp8._quantize_kernels``; CUDA, or CPU under ``TRITON_INTERPRET=1``).
-``backend="auto"`` picks Triton for CUDA tensors when Triton is installed, and the
-reference under ``use_reference_kernels(True)``.
+Two implementations with identical bits: a pure-torch reference (``<op>_reference``,
+any device) and Triton kernels (``moe_mxfp8._quantize_kernels``; CUDA, or CPU under
+``TRITON_INTERPRET=1``). ``backend="auto"`` picks Triton for CUDA tensors when Triton is
+installed, ``"triton"`` / ``"reference"`` force one, and ``use_reference_kernels(True)``
+takes the reference whatever ``backend`` says (``_triton_support.resolve_backend``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moe_mxfp8._triton_support import fused_kernels_enabled, reference_kernels_enabled
+from moe_mxfp8._triton_support import Backend, resolve_backend
 
 BLOCK_SIZE = 32  # elements sharing one scale (OCP MX)
 E4M3_MAX = 448.0  # largest finite E4M3 magnitude
@@ -45,7 +46,6 @@ _F32_NAN_BITS = 0x7FC00000
 _F32_2POW_M127_BITS = 0x00400000  # 2**-127, an FP32 denormal
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -65,25 +65,8 @@ class MXFP8Tensor:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scales.numel()
 
-    def dequantize(self, dtype: torch.dtype = torch.bfloat16, backend: str = "auto") -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16, backend: Backend = "auto") -> torch.Tensor:
         return dequantize(self.data, self.scales, self.axis, self.block_size, dtype, backend)
-
-
-def _check_backend(backend: str) -> None:
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-
-
-def uses_triton(t: torch.Tensor, backend: str) -> bool:
-    """The package's one decision between an op's Triton kernels and its reference:
-    ``triton`` forces the kernels, ``auto`` takes them where ``fused_kernels_enabled``,
-    and ``use_reference_kernels(True)`` overrides both."""
-    _check_backend(backend)
-    if reference_kernels_enabled():
-        return False
-    if backend == "triton":
-        return True
-    return backend == "auto" and fused_kernels_enabled(t.device)
 
 
 def _check_block_size(block_size: int) -> None:
@@ -134,58 +117,11 @@ def scale_to_float(scales: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def _quantize_torch(x: torch.Tensor, axis: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x_last = x.movedim(axis, -1).to(torch.float32)
-    n = x_last.shape[-1]
-    nb = n_blocks(n, block_size)
-    x_last = F.pad(x_last, (0, nb * block_size - n))
-    blocks = x_last.reshape(*x_last.shape[:-1], nb, block_size)
-    # On non-negative FP32 bit patterns integer order is float order, with NaN above
-    # inf: one integer max finds amax and detects NaN without float comparisons.
-    amax_bits = (blocks.view(torch.int32) & _F32_ABS).amax(-1)
-    scale = _scale_from_amax_bits(amax_bits)
-    scaled = blocks * _reciprocal_from_scale(scale).unsqueeze(-1)
-    data = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)  # clamp keeps NaN
-    data = data.reshape(*x_last.shape[:-1], nb * block_size)[..., :n]
-    data = data.movedim(-1, axis).contiguous()
-    scales = scale.to(torch.uint8).view(torch.float8_e8m0fnu).movedim(-1, axis).contiguous()
-    return data, scales
-
-
-def _dequantize_torch(
-    data: torch.Tensor, scales: torch.Tensor, axis: int, block_size: int, dtype: torch.dtype
-) -> torch.Tensor:
-    n = data.shape[axis]
-    scale_full = scale_to_float(scales).repeat_interleave(block_size, dim=axis).narrow(axis, 0, n)
-    return (data.to(torch.float32) * scale_full).to(dtype)
-
-
-# --- public API -----------------------------------------------------------------------
-
-
 def _check_input(x: torch.Tensor, name: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _INPUT_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
-
-
-def quantize(
-    x: torch.Tensor, axis: int = -1, block_size: int = BLOCK_SIZE, backend: str = "auto"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP8-quantize ``x`` with blocks along ``axis``.
-
-    Returns ``(data float8_e4m3fn, scales float8_e8m0fnu)``; see the module notes for
-    the scale rule, special values and partial blocks.
-    """
-    _check_input(x, "x")
-    _check_block_size(block_size)
-    axis = _norm_axis(axis, x.dim(), "x")
-    if uses_triton(x, backend):
-        from moe_mxfp8._quantize_kernels import quantize_along
-
-        return quantize_along(x, axis, block_size)
-    return _quantize_torch(x, axis, block_size)
 
 
 def _check_pair(data: torch.Tensor, scales: torch.Tensor, axis: int, block_size: int) -> int:
@@ -206,44 +142,132 @@ def _check_pair(data: torch.Tensor, scales: torch.Tensor, axis: int, block_size:
     return axis
 
 
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in _INPUT_DTYPES:
+        raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+
+
+def _check_matrix(x: torch.Tensor, block_size: int) -> None:
+    _check_input(x, "x")
+    _check_block_size(block_size)
+    if x.dim() < 2:
+        raise ValueError(f"x must have at least 2 dims for two orientations, got {x.dim()}")
+
+
+def quantize_reference(
+    x: torch.Tensor, axis: int = -1, block_size: int = BLOCK_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager reference of :func:`quantize` (any device): the same contract and bits."""
+    _check_input(x, "x")
+    _check_block_size(block_size)
+    axis = _norm_axis(axis, x.dim(), "x")
+    x_last = x.movedim(axis, -1).to(torch.float32)
+    n = x_last.shape[-1]
+    nb = n_blocks(n, block_size)
+    x_last = F.pad(x_last, (0, nb * block_size - n))
+    blocks = x_last.reshape(*x_last.shape[:-1], nb, block_size)
+    # On non-negative FP32 bit patterns integer order is float order, with NaN above
+    # inf: one integer max finds amax and detects NaN without float comparisons.
+    amax_bits = (blocks.view(torch.int32) & _F32_ABS).amax(-1)
+    scale = _scale_from_amax_bits(amax_bits)
+    scaled = blocks * _reciprocal_from_scale(scale).unsqueeze(-1)
+    data = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)  # clamp keeps NaN
+    data = data.reshape(*x_last.shape[:-1], nb * block_size)[..., :n]
+    data = data.movedim(-1, axis).contiguous()
+    scales = scale.to(torch.uint8).view(torch.float8_e8m0fnu).movedim(-1, axis).contiguous()
+    return data, scales
+
+
+def dequantize_reference(
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    axis: int = -1,
+    block_size: int = BLOCK_SIZE,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The eager reference of :func:`dequantize` (any device): the same contract and bits."""
+    axis = _check_pair(data, scales, axis, block_size)
+    _check_dtype(dtype)
+    n = data.shape[axis]
+    scale_full = scale_to_float(scales).repeat_interleave(block_size, dim=axis).narrow(axis, 0, n)
+    return (data.to(torch.float32) * scale_full).to(dtype)
+
+
+def quantize_rows_and_cols_reference(
+    x: torch.Tensor, block_size: int = BLOCK_SIZE
+) -> tuple[MXFP8Tensor, MXFP8Tensor]:
+    """The eager reference of :func:`quantize_rows_and_cols`: two :func:`quantize_reference` calls."""
+    _check_matrix(x, block_size)
+    rows, cols = x.dim() - 1, x.dim() - 2
+    return (MXFP8Tensor(*quantize_reference(x, rows, block_size), rows, block_size),
+            MXFP8Tensor(*quantize_reference(x, cols, block_size), cols, block_size))
+
+
+def quantize_dequantize_reference(
+    x: torch.Tensor, dtype: torch.dtype, keep_mxfp8: bool = False, block_size: int = BLOCK_SIZE
+) -> tuple[torch.Tensor, MXFP8Tensor | None]:
+    """The eager reference of :func:`quantize_dequantize`: quantize, then dequantize, along -1."""
+    _check_input(x, "x")
+    _check_block_size(block_size)
+    axis = x.dim() - 1
+    data, scales = quantize_reference(x, axis, block_size)
+    deq = dequantize_reference(data, scales, axis, block_size, dtype)
+    return deq, (MXFP8Tensor(data, scales, axis, block_size) if keep_mxfp8 else None)
+
+
+# --- public API -----------------------------------------------------------------------
+
+
+def quantize(
+    x: torch.Tensor, axis: int = -1, block_size: int = BLOCK_SIZE, backend: Backend = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8-quantize ``x`` with blocks along ``axis``.
+
+    Returns ``(data float8_e4m3fn, scales float8_e8m0fnu)``; see the module notes for
+    the scale rule, special values and partial blocks, and for ``backend``.
+    """
+    _check_input(x, "x")
+    _check_block_size(block_size)
+    axis = _norm_axis(axis, x.dim(), "x")
+    if resolve_backend(backend, x.device):
+        from moe_mxfp8._quantize_kernels import quantize_along
+
+        return quantize_along(x, axis, block_size)
+    return quantize_reference(x, axis, block_size)
+
+
 def dequantize(
     data: torch.Tensor,
     scales: torch.Tensor,
     axis: int = -1,
     block_size: int = BLOCK_SIZE,
     dtype: torch.dtype = torch.bfloat16,
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """``data * 2**(scale-127)`` computed exactly in FP32, then rounded once to ``dtype``."""
     axis = _check_pair(data, scales, axis, block_size)
-    if dtype not in _INPUT_DTYPES:
-        raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-    if uses_triton(data, backend):
+    _check_dtype(dtype)
+    if resolve_backend(backend, data.device):
         from moe_mxfp8._quantize_kernels import dequantize_along
 
         return dequantize_along(data, scales, axis, block_size, dtype)
-    return _dequantize_torch(data, scales, axis, block_size, dtype)
+    return dequantize_reference(data, scales, axis, block_size, dtype)
 
 
 def quantize_rows_and_cols(
-    x: torch.Tensor, block_size: int = BLOCK_SIZE, backend: str = "auto"
+    x: torch.Tensor, block_size: int = BLOCK_SIZE, backend: Backend = "auto"
 ) -> tuple[MXFP8Tensor, MXFP8Tensor]:
     """Both orientations of a matrix (or a stack of them): blocks along -1 and along -2.
 
     The Triton path reads ``x`` once for both; weight caches need both because the
     forward GEMM reduces over the last dim and the input-gradient GEMM over dim -2.
     """
-    _check_input(x, "x")
-    _check_block_size(block_size)
-    if x.dim() < 2:
-        raise ValueError(f"x must have at least 2 dims for two orientations, got {x.dim()}")
-    if uses_triton(x, backend):
-        from moe_mxfp8._quantize_kernels import quantize_both
+    _check_matrix(x, block_size)
+    if not resolve_backend(backend, x.device):
+        return quantize_rows_and_cols_reference(x, block_size)
+    from moe_mxfp8._quantize_kernels import quantize_both
 
-        (rd, rs), (cd, cs) = quantize_both(x, block_size)
-    else:
-        rd, rs = _quantize_torch(x, x.dim() - 1, block_size)
-        cd, cs = _quantize_torch(x, x.dim() - 2, block_size)
+    (rd, rs), (cd, cs) = quantize_both(x, block_size)
     return (
         MXFP8Tensor(rd, rs, x.dim() - 1, block_size),
         MXFP8Tensor(cd, cs, x.dim() - 2, block_size),
@@ -255,7 +279,7 @@ def quantize_dequantize(
     dtype: torch.dtype,
     keep_mxfp8: bool = False,
     block_size: int = BLOCK_SIZE,
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> tuple[torch.Tensor, MXFP8Tensor | None]:
     """Quantize along the last dim and return the dequantized values (one pass on GPU).
 
@@ -264,15 +288,12 @@ def quantize_dequantize(
     """
     _check_input(x, "x")
     _check_block_size(block_size)
-    axis = x.dim() - 1
-    if uses_triton(x, backend):
-        from moe_mxfp8._quantize_kernels import quantize_dequantize_rows
+    if not resolve_backend(backend, x.device):
+        return quantize_dequantize_reference(x, dtype, keep_mxfp8, block_size)
+    from moe_mxfp8._quantize_kernels import quantize_dequantize_rows
 
-        deq, pair = quantize_dequantize_rows(x, dtype, keep_mxfp8, block_size)
-    else:
-        data, scales = _quantize_torch(x, axis, block_size)
-        deq = _dequantize_torch(data, scales, axis, block_size, dtype)
-        pair = (data, scales) if keep_mxfp8 else None
+    axis = x.dim() - 1
+    deq, pair = quantize_dequantize_rows(x, dtype, keep_mxfp8, block_size)
     mx = MXFP8Tensor(pair[0], pair[1], axis, block_size) if pair is not None else None
     return deq, mx
 

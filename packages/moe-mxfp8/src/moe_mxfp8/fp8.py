@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moe_mxfp8._triton_support import Backend, resolve_backend
+
 E4M3_MAX = 448.0
 EPS = 1e-12  # torchao's amax floor
 GROUP_ALIGN = 16  # FP8 grouped GEMMs over tokens: each group starts at a multiple of this
@@ -80,12 +82,12 @@ def _check_input(x: torch.Tensor) -> None:
         raise ValueError(f"x must be [..., M, N], got {x.dim()} dims")
 
 
-def _use_triton(x: torch.Tensor, backend: str) -> bool:
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
-    from moe_mxfp8.format import uses_triton
-
-    return uses_triton(x, backend)
+def _check_columns_input(x: torch.Tensor, offsets: torch.Tensor) -> None:
+    _check_input(x)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [R, N], got {tuple(x.shape)}")
+    if offsets.dim() != 1 or offsets.dtype != torch.int32:
+        raise ValueError(f"offsets must be int32 [E], got {offsets.dtype} {tuple(offsets.shape)}")
 
 
 # --- pure-torch reference -------------------------------------------------------------
@@ -114,7 +116,10 @@ def _blocks_view(x: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tensor, int, 
     return padded.reshape(*x.shape[:-2], mb, bm, nb, bn), mb * bm, nb * bn
 
 
-def _quantize_torch(x: torch.Tensor, block: tuple[int, int], pow2: bool) -> FP8Tensor:
+def quantize_fp8_reference(x: torch.Tensor, block: tuple[int, int] = (1, 0), pow2: bool = True) -> FP8Tensor:
+    """The eager reference of :func:`quantize_fp8` (any device): the same contract and bits."""
+    _check_input(x)
+    block = check_block(tuple(block))
     bm, bn = block
     M, N = x.shape[-2:]
     blocks, Mp, Np = _blocks_view(x, bm, bn)
@@ -135,8 +140,13 @@ def dequantize_fp8(t: FP8Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
     return (t.data.float() * inv).to(dtype)
 
 
-def _group_columns_torch(x: torch.Tensor, offsets: torch.Tensor, padded_ends: torch.Tensor,
-                         rows_out: int, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_group_columns_reference(x: torch.Tensor, offsets: torch.Tensor, pow2: bool = True
+                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The eager reference of :func:`quantize_group_columns` (any device; reads the offsets
+    on the host): the same contract and bits."""
+    _check_columns_input(x, offsets)
+    padded_ends = padded_group_ends(offsets)
+    rows_out = group_columns_width(x.shape[0], offsets.shape[0])
     N = x.shape[1]
     data_t = torch.zeros(N, rows_out, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(offsets.shape[0], N, dtype=torch.float32, device=x.device)
@@ -148,23 +158,27 @@ def _group_columns_torch(x: torch.Tensor, offsets: torch.Tensor, padded_ends: to
         scale[e] = scale_from_amax(amax, pow2)
         data_t[:, padded_start:padded_start + end - start] = to_e4m3(seg * scale[e]).t()
         start, padded_start = end, padded_end
-    return data_t, scale
+    return data_t, scale, padded_ends
 
 
 # --- public API -----------------------------------------------------------------------
 
 
 def quantize_fp8(x: torch.Tensor, block: tuple[int, int] = (1, 0), pow2: bool = True,
-                 backend: str = "auto") -> FP8Tensor:
-    """Quantize ``x [..., M, N]`` with one scale per ``block`` (see the module notes)."""
+                 backend: Backend = "auto") -> FP8Tensor:
+    """Quantize ``x [..., M, N]`` with one scale per ``block`` (see the module notes).
+
+    ``backend``: ``"auto"`` (the Triton kernel where ``fused_kernels_enabled``),
+    ``"triton"`` or ``"reference"`` (:func:`quantize_fp8_reference`); the reference
+    switch takes the reference whatever it says."""
     _check_input(x)
     block = check_block(tuple(block))
-    if _use_triton(x, backend):
+    if resolve_backend(backend, x.device):
         from moe_mxfp8._fp8_kernels import quantize_blocks
 
         data, scale = quantize_blocks(x, block, pow2)
         return FP8Tensor(data, scale, block)
-    return _quantize_torch(x, block, pow2)
+    return quantize_fp8_reference(x, block, pow2)
 
 
 def padded_group_ends(offsets: torch.Tensor, align: int = GROUP_ALIGN) -> torch.Tensor:
@@ -179,26 +193,23 @@ def group_columns_width(rows: int, n_groups: int, align: int = GROUP_ALIGN) -> i
 
 
 def quantize_group_columns(x: torch.Tensor, offsets: torch.Tensor, pow2: bool = True,
-                           backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           backend: Backend = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per expert segment and column of ``x [R, N]``: one scale over the segment's rows.
 
     Returns ``data_t [N, W]`` (E4M3, ``x``'s segments transposed, each starting at a
     multiple of 16, zeros between; ``W = group_columns_width(R, E)``; columns past the
     last padded end are unspecified), ``scale [E, N]``
     and the padded group ends ``[E]`` int32. Rows past ``offsets[-1]`` are ignored; an
-    empty group's scales are those of a zero block. Offsets stay on the device.
+    empty group's scales are those of a zero block. Offsets stay on the device (on the
+    Triton path; :func:`quantize_group_columns_reference` reads them). ``backend`` as
+    :func:`quantize_fp8`'s.
     """
-    _check_input(x)
-    if x.dim() != 2:
-        raise ValueError(f"x must be [R, N], got {tuple(x.shape)}")
-    if offsets.dim() != 1 or offsets.dtype != torch.int32:
-        raise ValueError(f"offsets must be int32 [E], got {offsets.dtype} {tuple(offsets.shape)}")
+    _check_columns_input(x, offsets)
+    if not resolve_backend(backend, x.device):
+        return quantize_group_columns_reference(x, offsets, pow2)
+    from moe_mxfp8._fp8_kernels import quantize_group_columns_t
+
     padded_ends = padded_group_ends(offsets)
     width = group_columns_width(x.shape[0], offsets.shape[0])
-    if _use_triton(x, backend):
-        from moe_mxfp8._fp8_kernels import quantize_group_columns_t
-
-        data_t, scale = quantize_group_columns_t(x, offsets, padded_ends, width, pow2)
-    else:
-        data_t, scale = _group_columns_torch(x, offsets, padded_ends, width, pow2)
+    data_t, scale = quantize_group_columns_t(x, offsets, padded_ends, width, pow2)
     return data_t, scale, padded_ends

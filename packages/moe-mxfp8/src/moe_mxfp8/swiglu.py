@@ -4,7 +4,10 @@ gradient, computed in FP32 and rounded once to the output dtype.
 On CUDA (with Triton) one fused kernel each way (``moe_mxfp8._swiglu_kernels``): the
 unfused torch ops made several passes over ``[R, 2F]`` FP32 temporaries, a few
 milliseconds per layer at the bench shapes, comparable to the FP8 GEMMs themselves.
-Elsewhere the same formulas in torch. The two agree to FP32 rounding of ``exp``.
+Elsewhere the same formulas in torch (``<op>_reference``). The two agree to FP32
+rounding of ``exp``. ``backend`` as everywhere in the package: ``"auto"`` (the kernels
+where ``fused_kernels_enabled``), ``"triton"``, ``"reference"``; the reference switch
+takes the reference whatever it says.
 
 ``swiglu_quantized`` / ``swiglu_backward_quantized``: the result also quantized to E4M3
 (``quantize_fp8``); for rowwise blocks on CUDA in the same kernel (whole rows per
@@ -16,26 +19,37 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe_mxfp8.format import uses_triton
-from moe_mxfp8.fp8 import FP8Tensor, quantize_fp8
+from moe_mxfp8._triton_support import Backend, resolve_backend
+from moe_mxfp8.fp8 import FP8Tensor, quantize_fp8, quantize_fp8_reference
 
 
-def swiglu(h13_R2F: torch.Tensor) -> torch.Tensor:
+def swiglu(h13_R2F: torch.Tensor, backend: Backend = "auto") -> torch.Tensor:
     """``silu(h1) * h3`` in FP32, returned in ``h13``'s dtype."""
-    if uses_triton(h13_R2F, "auto"):
+    if resolve_backend(backend, h13_R2F.device):
         from moe_mxfp8._swiglu_kernels import swiglu_forward
 
         return swiglu_forward(h13_R2F)
+    return swiglu_reference(h13_R2F)
+
+
+def swiglu_reference(h13_R2F: torch.Tensor) -> torch.Tensor:
+    """The eager reference of :func:`swiglu`."""
     h1, h3 = h13_R2F.float().chunk(2, dim=-1)
     return (F.silu(h1) * h3).to(h13_R2F.dtype)
 
 
-def swiglu_backward(h13_R2F: torch.Tensor, dh_RF: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def swiglu_backward(h13_R2F: torch.Tensor, dh_RF: torch.Tensor, dtype: torch.dtype,
+                    backend: Backend = "auto") -> torch.Tensor:
     """Gradients of ``silu(h1) * h3`` w.r.t. ``[h1, h3]``, computed in FP32, in ``dtype``."""
-    if uses_triton(h13_R2F, "auto"):
+    if resolve_backend(backend, h13_R2F.device):
         from moe_mxfp8._swiglu_kernels import swiglu_backward as fused
 
         return fused(h13_R2F, dh_RF, dtype)
+    return swiglu_backward_reference(h13_R2F, dh_RF, dtype)
+
+
+def swiglu_backward_reference(h13_R2F: torch.Tensor, dh_RF: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The eager reference of :func:`swiglu_backward`."""
     h1, h3 = h13_R2F.float().chunk(2, dim=-1)
     dh = dh_RF.float()
     sig = torch.sigmoid(h1)
@@ -44,27 +58,45 @@ def swiglu_backward(h13_R2F: torch.Tensor, dh_RF: torch.Tensor, dtype: torch.dty
     return torch.cat([dh1, dh3], dim=-1).to(dtype)
 
 
-def _fused_rows(h13: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> bool:
-    return (tuple(block) == (1, 0) and dtype == h13.dtype
-            and dtype in (torch.bfloat16, torch.float32) and uses_triton(h13, "auto"))
+def _rows_kernel_applies(h13: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether the quantizing kernels take this call (else the unfused kernels, then ``quantize_fp8``)."""
+    return tuple(block) == (1, 0) and dtype == h13.dtype and dtype in (torch.bfloat16, torch.float32)
 
 
-def swiglu_quantized(h13_R2F: torch.Tensor, block: tuple[int, int], pow2: bool) -> FP8Tensor:
+def swiglu_quantized(h13_R2F: torch.Tensor, block: tuple[int, int], pow2: bool,
+                     backend: Backend = "auto") -> FP8Tensor:
     """``quantize_fp8(swiglu(h13), block, pow2)``."""
-    if _fused_rows(h13_R2F, block, h13_R2F.dtype):
+    if not resolve_backend(backend, h13_R2F.device):
+        return swiglu_quantized_reference(h13_R2F, block, pow2)
+    if _rows_kernel_applies(h13_R2F, block, h13_R2F.dtype):
         from moe_mxfp8._swiglu_kernels import swiglu_quantize_rows
 
         return FP8Tensor(*swiglu_quantize_rows(h13_R2F, pow2), (1, 0))
-    return quantize_fp8(swiglu(h13_R2F), block, pow2)
+    return quantize_fp8(swiglu(h13_R2F, backend), block, pow2, backend)
+
+
+def swiglu_quantized_reference(h13_R2F: torch.Tensor, block: tuple[int, int], pow2: bool) -> FP8Tensor:
+    """The eager reference of :func:`swiglu_quantized`."""
+    return quantize_fp8_reference(swiglu_reference(h13_R2F), block, pow2)
 
 
 def swiglu_backward_quantized(h13_R2F: torch.Tensor, dh_RF: torch.Tensor, dtype: torch.dtype,
-                              block: tuple[int, int], pow2: bool) -> tuple[torch.Tensor, FP8Tensor]:
+                              block: tuple[int, int], pow2: bool,
+                              backend: Backend = "auto") -> tuple[torch.Tensor, FP8Tensor]:
     """``dh13 = swiglu_backward(h13, dh, dtype)`` and ``quantize_fp8(dh13, block, pow2)``."""
-    if _fused_rows(h13_R2F, block, dtype):
+    if not resolve_backend(backend, h13_R2F.device):
+        return swiglu_backward_quantized_reference(h13_R2F, dh_RF, dtype, block, pow2)
+    if _rows_kernel_applies(h13_R2F, block, dtype):
         from moe_mxfp8._swiglu_kernels import swiglu_backward_quantize_rows
 
         dh13, data, scale = swiglu_backward_quantize_rows(h13_R2F, dh_RF, pow2)
         return dh13, FP8Tensor(data, scale, (1, 0))
-    dh13 = swiglu_backward(h13_R2F, dh_RF, dtype)
-    return dh13, quantize_fp8(dh13, block, pow2)
+    dh13 = swiglu_backward(h13_R2F, dh_RF, dtype, backend)
+    return dh13, quantize_fp8(dh13, block, pow2, backend)
+
+
+def swiglu_backward_quantized_reference(h13_R2F: torch.Tensor, dh_RF: torch.Tensor, dtype: torch.dtype,
+                                        block: tuple[int, int], pow2: bool) -> tuple[torch.Tensor, FP8Tensor]:
+    """The eager reference of :func:`swiglu_backward_quantized`."""
+    dh13 = swiglu_backward_reference(h13_R2F, dh_RF, dtype)
+    return dh13, quantize_fp8_reference(dh13, block, pow2)
