@@ -10,7 +10,7 @@ import torch
 from _wgrad_sink_interpret_check import DictSink, close  # the script's folder is on sys.path
 from moe_model import experts
 from moe_model.experts import GroupedExperts, gate_up, grouped_mm_loop
-from moe_model.triton_grouped_mm import TileConfig, rows_mm_split2, rows_mm_sum2
+from moe_model._grouped_mm_launch import TileConfig, rows_mm_split2, rows_mm_sum2
 
 E, N = 5, 40
 OFFSETS = torch.tensor([7, 7, 20, 41, 41], dtype=torch.int32)  # experts 1 and 4 empty

@@ -6,7 +6,7 @@ import itertools
 
 import torch
 from moe_model.experts import grouped_mm_loop
-from moe_model.triton_grouped_mm import TileConfig, rows_mm, triton_grouped_mm, wgrad_mm
+from moe_model._grouped_mm_launch import TileConfig, rows_mm, triton_grouped_mm, wgrad_mm
 
 
 def close(a, b, what):

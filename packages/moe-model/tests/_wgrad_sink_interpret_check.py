@@ -11,7 +11,7 @@ from moe_model.experts import (
     grouped_mm_into_sink,
     grouped_mm_loop,
 )
-from moe_model.triton_grouped_mm import TileConfig, wgrad_accumulate_
+from moe_model._grouped_mm_launch import TileConfig, wgrad_accumulate_
 
 
 def close(a, b, what):

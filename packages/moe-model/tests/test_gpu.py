@@ -199,7 +199,7 @@ def test_merged_weight_gradient_with_operands_far_apart():
     first batch's): each offset fits in int32, their differences do not, so the kernel's
     pointer jumps between batches must be int64. Empty experts, a batch with one expert
     only and padding rows past a batch's last group included."""
-    from moe_model.triton_grouped_mm import wgrad_accumulate_
+    from moe_model._grouped_mm_launch import wgrad_accumulate_
 
     E, D, F, R = 4, 256, 128, 512
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -45,7 +45,7 @@ def test_triton_kernels_under_interpreter():
 
 def test_gpu_tile_configs_fit_shared_memory_for_fp32():
     """The tuned bf16 tiles overflowed an H200's shared memory with fp32 operands."""
-    from moe_model.triton_grouped_mm import _SHARED_MEMORY_BUDGET, default_config
+    from moe_model._grouped_mm_launch import _SHARED_MEMORY_BUDGET, default_config
 
     cuda = torch.device("cuda")
     for kind in ("rows", "wgrad", "wgrad_long"):
@@ -66,7 +66,7 @@ def test_weight_gradient_tiles_follow_the_reduction_length(monkeypatch, rows_per
     microbatches, an EP rank's larger groups) takes the long-reduction tiles, shorter ones
     the short tiles (tuned apart: tools/bench_expert_gemms.py gemms --merge 1 / --merge 4)."""
     pytest.importorskip("triton")
-    from moe_model import triton_grouped_mm as tgm
+    from moe_model import _grouped_mm_launch as tgm
 
     chosen, launched = [], []
     monkeypatch.setattr(tgm, "default_config", lambda k, device, dtype=None: chosen.append(k) or tgm._CPU)

@@ -12,7 +12,7 @@ range a rank holds.
 
 Grouped GEMM backends (``grouped_mm(..., backend=)``), all reading device-side offsets:
 - ``grouped_mm``: ``torch._grouped_mm`` (CUTLASS on sm_90+; needs 16-byte aligned strides).
-- ``triton``: this package's Triton kernels (``moe_model.triton_grouped_mm``).
+- ``triton``: this package's Triton kernels (``moe_model._grouped_mm_launch``).
 - ``loop``: one matmul per expert; the reference. It reads the offsets on the host
   (a synchronisation), so on a GPU ``auto`` falls back to it only without Triton.
 - ``auto``: the fastest safe one for the device and dtype (see ``resolve_backend``).
@@ -111,7 +111,7 @@ def grouped_mm(
     if backend == "grouped_mm":
         return torch._grouped_mm(x_RK, w_EKN, offs=offsets)
     if backend == "triton":
-        from moe_model.triton_grouped_mm import triton_grouped_mm
+        from moe_model._grouped_mm_launch import triton_grouped_mm
 
         return triton_grouped_mm(x_RK, w_EKN, offsets)
     return grouped_mm_loop(x_RK, w_EKN, offsets)
@@ -146,7 +146,7 @@ class ExpertWeightGradient:
 
     def merged(self, other: object) -> ExpertWeightGradient | None:
         """One gradient adding both, or ``None`` where one launch cannot take them."""
-        from moe_model.triton_grouped_mm import MAX_WGRAD_SOURCES
+        from moe_model._grouped_mm_launch import MAX_WGRAD_SOURCES
 
         if (not isinstance(other, ExpertWeightGradient)
                 or len(self.sources) + len(other.sources) > MAX_WGRAD_SOURCES
@@ -155,7 +155,7 @@ class ExpertWeightGradient:
         return ExpertWeightGradient(self.sources + other.sources, self.like, self.versions + other.versions)
 
     def __call__(self, target: torch.Tensor) -> None:
-        from moe_model.triton_grouped_mm import wgrad_accumulate_
+        from moe_model._grouped_mm_launch import wgrad_accumulate_
 
         now = tuple(t._version for src in self.sources for t in src[:2])
         if now != self.versions:
@@ -208,7 +208,7 @@ class _GateUp(torch.autograd.Function):
     def forward(ctx: Any, x_RD: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
                 offsets: torch.Tensor, routes: tuple[SinkRoute | None, SinkRoute | None],
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        from moe_model.triton_grouped_mm import triton_grouped_mm_split2
+        from moe_model._grouped_mm_launch import triton_grouped_mm_split2
 
         w1c, w3c = w1_EFD.to(x_RD.dtype), w3_EFD.to(x_RD.dtype)
         ctx.save_for_backward(x_RD, w1c, w3c, offsets)
@@ -217,7 +217,7 @@ class _GateUp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dg_RF: torch.Tensor, du_RF: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        from moe_model.triton_grouped_mm import rows_mm_sum2, wgrad_mm
+        from moe_model._grouped_mm_launch import rows_mm_sum2, wgrad_mm
 
         x_RD, w1c, w3c, offsets = ctx.saved_tensors
         need = grads_needed(ctx)
