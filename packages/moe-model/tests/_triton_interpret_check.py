@@ -5,8 +5,8 @@ CPU against the per-expert loop, forward and both gradients."""
 import itertools
 
 import torch
-from moe_model.experts import grouped_mm_loop
 from moe_model._grouped_mm_launch import TileConfig, rows_mm, triton_grouped_mm, wgrad_mm
+from moe_model.experts import grouped_mm_reference
 
 
 def close(a, b, what):
@@ -23,7 +23,7 @@ def main():
         store = torch.randn(*((E, N, K) if k_contiguous else (E, K, N)), generator=g, requires_grad=True)
         w = store.transpose(1, 2) if k_contiguous else store
         dy = torch.randn(R, N, generator=g)
-        ref = grouped_mm_loop(x, w, offsets)
+        ref = grouped_mm_reference(x, w, offsets)
         ref_dx, ref_dw = torch.autograd.grad(ref[:valid], (x, store), dy[:valid])
         tag = f"K={K} k_contiguous={k_contiguous}"
         # the differentiable custom op, default (CPU) tiles

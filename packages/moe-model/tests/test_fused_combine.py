@@ -7,10 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_model import LocalDispatcher, dispatch
+from moe_model import LocalDispatcher, use_reference_kernels
 from moe_testing import assert_no_host_sync, run_under_triton_interpreter
-
-_fused_gate = dispatch._fused
 
 
 @pytest.mark.slow
@@ -22,7 +20,6 @@ def test_fused_kernels_under_interpreter():
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 def test_cpu_path_needs_no_triton(monkeypatch, capacity_factor):
     monkeypatch.setitem(sys.modules, "triton", None)  # any `import triton` now fails
-    assert not _fused_gate(torch.zeros(1)) and not _fused_gate(torch.zeros(1, dtype=torch.bfloat16))
     x = torch.randn(6, 8, requires_grad=True)
     w = torch.rand(6, 2, requires_grad=True)
     disp = LocalDispatcher(3, capacity_factor)
@@ -62,9 +59,8 @@ def test_fused_combine_matches_torch_on_gpu(monkeypatch, capacity_factor):
     x, ids, weights, dy = _gpu_inputs(T, k, D, E, capacity_factor)
     disp = LocalDispatcher(E, capacity_factor)
     (y, dx, dw, d_rows), h = _step(disp, x, ids, weights, dy)
-    monkeypatch.setattr(dispatch, "_fused", lambda t: False)
-    (ry, rdx, rdw, rd_rows), _ = _step(disp, x, ids, weights, dy)
-    monkeypatch.setattr(dispatch, "_fused", _fused_gate)
+    with use_reference_kernels(True):
+        (ry, rdx, rdw, rd_rows), _ = _step(disp, x, ids, weights, dy)
     if capacity_factor is not None:
         assert (h.kept_of_slot == 0).any() and not h.valid_rows.all()
         assert (d_rows[~h.valid_rows] == 0).all()

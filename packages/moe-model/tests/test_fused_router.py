@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from moe_model import MoEConfig, TopKRouter, load_balancing_loss
-from moe_model.router import RoutingResult, _route_eager, count_per_expert, router_logits
+from moe_model.router import RoutingResult, count_per_expert, route_top_k_reference, router_logits
 from moe_testing import assert_no_host_sync, run_under_triton_interpreter
 
 
@@ -28,7 +28,7 @@ def test_cpu_logits_take_the_eager_path(score):
         r.expert_bias.normal_()
     x = torch.randn(12, 16)
     out = r(x)
-    ref = _route_eager(router_logits(x, r.weight), score, 2, True, r.expert_bias)
+    ref = route_top_k_reference(router_logits(x, r.weight), score, 2, True, r.expert_bias)
     assert out.probs.grad_fn.name() == ref.probs.grad_fn.name() != "FusedRoutingBackward"
     for field in ("expert_ids", "weights", "tokens_per_expert", "probs", "z_loss"):
         assert torch.equal(getattr(out, field), getattr(ref, field)), field
@@ -66,7 +66,7 @@ def test_fused_router_on_gpu_matches_eager_without_host_sync(score, with_bias):
     def fused(lg):
         return RoutingResult(*fused_routing(lg, bias, k, sigmoid, True))
 
-    eager, eager_grad = _routing_and_grad(lambda lg: _route_eager(lg, score, k, True, bias), logits, upstream)
+    eager, eager_grad = _routing_and_grad(lambda lg: route_top_k_reference(lg, score, k, True, bias), logits, upstream)
     runs = []
 
     def step():

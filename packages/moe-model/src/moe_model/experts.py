@@ -13,7 +13,7 @@ range a rank holds.
 Grouped GEMM backends (``grouped_mm(..., backend=)``), all reading device-side offsets:
 - ``grouped_mm``: ``torch._grouped_mm`` (CUTLASS on sm_90+; needs 16-byte aligned strides).
 - ``triton``: this package's Triton kernels (``moe_model._grouped_mm_launch``).
-- ``loop``: one matmul per expert; the reference. It reads the offsets on the host
+- ``loop``: one matmul per expert, ``grouped_mm_reference``. It reads the offsets on the host
   (a synchronisation), so on a GPU ``auto`` falls back to it only without Triton.
 - ``auto``: the fastest safe one for the device and dtype (see ``resolve_backend``).
 
@@ -48,6 +48,7 @@ from moe_model._triton_support import (
     cuda_capability,
     fused_kernels_enabled,
     reference_kernels_enabled,
+    require_triton,
 )
 from moe_model.backward_needs import grads_needed
 from moe_model.layers import swiglu
@@ -56,7 +57,7 @@ from moe_model.sink import GradientSink, SinkRoute, sink_route, will_run
 BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 
 
-def grouped_mm_loop(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_mm_reference(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Reference: one matmul per expert; rows past ``offsets[-1]`` come out zero."""
     ends = offsets.tolist()
     sizes = [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
@@ -113,8 +114,9 @@ def grouped_mm(
     if backend == "triton":
         from moe_model._grouped_mm_launch import triton_grouped_mm
 
+        require_triton("grouped_mm", x_RK.device)
         return triton_grouped_mm(x_RK, w_EKN, offsets)
-    return grouped_mm_loop(x_RK, w_EKN, offsets)
+    return grouped_mm_reference(x_RK, w_EKN, offsets)
 
 
 def sink_adds_in_kernel(rows: torch.Tensor) -> bool:
