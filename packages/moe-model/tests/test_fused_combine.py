@@ -8,7 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 from moe_model import LocalDispatcher, use_reference_kernels
+from moe_model.dispatch import (
+    combine_backward,
+    combine_backward_reference,
+    dropless_layout,
+    dropless_layout_reference,
+    weighted_gather_sum,
+    weighted_gather_sum_reference,
+)
 from moe_testing import assert_no_host_sync, run_under_triton_interpreter
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _backend_api import check_backend_api  # noqa: E402
 
 
 @pytest.mark.slow
@@ -88,3 +99,41 @@ def test_fused_dispatch_combine_has_no_host_sync(capacity_factor):
     x, ids, weights, dy = _gpu_inputs(8192, 8, 2048, 64, capacity_factor)
     disp = LocalDispatcher(64, capacity_factor)
     assert_no_host_sync(lambda: _step(disp, x, ids, weights, dy))
+
+
+def _routed(capacity_factor, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    T, k, E, D = 7, 2, 4, 12
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    x = torch.randn(T, D, generator=g).to(dtype)
+    _, _, h = LocalDispatcher(E, capacity_factor).dispatch(x, ids)
+    return g, ids, h, T, k, D
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_weighted_gather_sum_backends(capacity_factor, weighted):
+    _, _, h, T, k, D = _routed(capacity_factor)
+
+    def make():
+        rows = torch.randn(h.token_of_row.shape[0], D, generator=torch.Generator().manual_seed(1))
+        weights = torch.rand(T * k, generator=torch.Generator().manual_seed(2)).requires_grad_() if weighted else None
+        return rows.bfloat16().requires_grad_(), h.row_of_slot, T, weights, h.kept_of_slot
+
+    check_backend_api(weighted_gather_sum, weighted_gather_sum_reference, make)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_combine_backward_backends(capacity_factor):
+    g, _, h, T, k, D = _routed(capacity_factor)
+    R = h.token_of_row.shape[0]
+    w_S = torch.rand(T * k, generator=g)
+    if h.kept_of_slot is not None:
+        w_S = w_S * h.kept_of_slot
+    dy, rows_out = torch.randn(T, D, generator=g).bfloat16(), torch.randn(R, D, generator=g).bfloat16()
+    check_backend_api(combine_backward, combine_backward_reference, lambda: (dy, rows_out, w_S, h))
+
+
+def test_dropless_layout_backends():
+    _, ids, *_ = _routed(None)
+    check_backend_api(dropless_layout, dropless_layout_reference, lambda: (ids, 4))

@@ -2,12 +2,22 @@
 Triton interpreter on CPU (a subprocess, see ``_rms_norm_interpret_check.py``), and on a
 GPU at the training shapes."""
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from moe_model.layers import RMSNorm, rms_norm_reference
+from moe_model.layers import (
+    RMSNorm,
+    add_rms_norm,
+    add_rms_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
 from moe_testing import assert_no_host_sync, run_under_triton_interpreter
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _backend_api import check_backend_api  # noqa: E402
 
 
 def test_cpu_forward_is_the_reference():
@@ -149,3 +159,20 @@ def test_fused_add_and_norm_matches_the_two_apart_without_host_sync():
     for name, a, b in zip(("h", "y", "dx", "dbranch", "dweight"), together, apart, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert_no_host_sync(lambda: _add_then_norm(norm, x, branch, dh, dy, True))
+
+
+def _norm_args(dtype, branch=False):
+    def make():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(3, 5, 96, generator=g).to(dtype).requires_grad_()
+        w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype).requires_grad_()
+        if not branch:
+            return x, w, 1e-6
+        return x, torch.randn(3, 5, 96, generator=g).to(dtype).requires_grad_(), w, 1e-6
+    return make
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_backends(dtype):
+    check_backend_api(rms_norm, rms_norm_reference, _norm_args(dtype))
+    check_backend_api(add_rms_norm, add_rms_norm_reference, _norm_args(dtype, branch=True))
