@@ -10,13 +10,19 @@ two runs bit-identical; the split of the logits' gradient into BF16 parts."""
 import itertools
 
 import torch
-from moe_model._router_kernels import fused_routing, split_bf16
-from moe_model.router import load_balancing_loss, route_top_k_reference
+from moe_model._router_kernels import split_bf16
+from moe_model.router import load_balancing_loss, route_top_k, route_top_k_reference
 
 # (T, E, k): a partial last program of 8 rows, several programs, k = E, k = 1, E = 2,
 # a non-power-of-two E with k = E, the largest supported E, no tokens
 SHAPES = ((37, 6, 2), (130, 64, 8), (5, 8, 8), (19, 16, 1), (11, 2, 1), (9, 3, 3), (10, 256, 8), (0, 8, 2))
 FWD_TOL = {"rtol": 1e-6, "atol": 1e-12}
+
+
+def fused_routing(logits, bias, k, sigmoid, norm):
+    """``route_top_k(..., backend="triton")`` as the kernel entry's tuple."""
+    r = route_top_k(logits, "sigmoid" if sigmoid else "softmax", k, norm, bias, backend="triton")
+    return r.expert_ids, r.weights, r.tokens_per_expert, r.probs, r.z_loss
 
 
 def routes(logits, bias, k, score, norm):
