@@ -11,8 +11,6 @@ from moe_model import LocalDispatcher, use_reference_kernels
 from moe_model.dispatch import (
     combine_backward,
     combine_backward_reference,
-    dropless_layout,
-    dropless_layout_reference,
     weighted_gather_sum,
     weighted_gather_sum_reference,
 )
@@ -132,8 +130,3 @@ def test_combine_backward_backends(capacity_factor):
         w_S = w_S * h.kept_of_slot
     dy, rows_out = torch.randn(T, D, generator=g).bfloat16(), torch.randn(R, D, generator=g).bfloat16()
     check_backend_api(combine_backward, combine_backward_reference, lambda: (dy, rows_out, w_S, h))
-
-
-def test_dropless_layout_backends():
-    _, ids, *_ = _routed(None)
-    check_backend_api(dropless_layout, dropless_layout_reference, lambda: (ids, 4))

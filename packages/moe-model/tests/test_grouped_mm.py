@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_model import grouped_mm, resolve_backend
+from moe_model import grouped_mm, grouped_mm_reference, resolve_backend, use_reference_kernels
 from moe_testing import run_under_triton_interpreter
 
 
@@ -35,6 +35,22 @@ def test_auto_backend_on_cpu():
     assert resolve_backend("auto", torch.randn(4, 3), torch.randn(2, 3, 4)) == "loop"  # 12-byte rows
     with pytest.raises(ValueError, match="backend"):
         resolve_backend("cublas", x, w)
+
+
+def test_grouped_mm_public_api_on_cpu():
+    """``backend="loop"`` is ``grouped_mm_reference`` exactly; ``"triton"`` on CPU outside the
+    interpreter fails with one line, and gives way to ``use_reference_kernels(True)``."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 8, generator=g), torch.randn(2, 8, 4, generator=g)
+    offsets = torch.tensor([2, 6], dtype=torch.int32)
+    want = grouped_mm_reference(x, w, offsets)
+    assert torch.equal(grouped_mm(x, w, offsets, "loop"), want)
+    with pytest.raises(RuntimeError, match="grouped_mm: backend='triton' needs"):
+        grouped_mm(x, w, offsets, "triton")
+    with use_reference_kernels(True):
+        assert torch.equal(grouped_mm(x, w, offsets, "triton"), want)
+    with pytest.raises(ValueError, match="unknown grouped GEMM backend 'cublas'"):
+        grouped_mm(x, w, offsets, "cublas")
 
 
 @pytest.mark.slow
