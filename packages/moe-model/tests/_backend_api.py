@@ -6,7 +6,8 @@ by the ``_*_interpret_check.py`` scripts under the Triton interpreter).
 what ``op_reference(...)`` gives, forward and gradients; an unknown backend raises a
 ``ValueError`` naming it and the choices; ``backend="triton"`` on CPU outside the
 interpreter fails with one line; under ``use_reference_kernels(True)`` it gives the
-reference instead.
+reference instead, and so does ``"auto"`` even where the kernels would run (a CUDA device
+is stood in for by making ``fused_kernels_enabled`` say yes).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import dataclasses
 import re
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
-from moe_model import KERNEL_BACKENDS, use_reference_kernels
+from moe_model import KERNEL_BACKENDS, _triton_support, use_reference_kernels
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -64,6 +66,9 @@ def check_backend_api(op: Callable[..., Any], reference: Callable[..., Any], mak
         with pytest.raises(RuntimeError, match="backend='triton' needs"):
             op(*make_args(), backend="triton")
         with use_reference_kernels(True):
-            got = _run(op, make_args, out, backend="triton")
-    for g, w in zip(got, want, strict=True):
-        assert torch.equal(g, w), "backend='triton' under use_reference_kernels(True) is not the reference"
+            under_switch = {"triton": _run(op, make_args, out, backend="triton")}
+            with mock.patch.object(_triton_support, "fused_kernels_enabled", lambda device: True):
+                under_switch["auto"] = _run(op, make_args, out, backend="auto")
+    for backend, got in under_switch.items():
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), f"backend={backend!r} under use_reference_kernels(True) is not the reference"
