@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moe_model._grouped_mm_launch import MAX_WGRAD_SOURCES
 from moe_model._triton_support import (
     cuda_capability,
     fused_kernels_enabled,
@@ -148,8 +149,6 @@ class ExpertWeightGradient:
 
     def merged(self, other: object) -> ExpertWeightGradient | None:
         """One gradient adding both, or ``None`` where one launch cannot take them."""
-        from moe_model._grouped_mm_launch import MAX_WGRAD_SOURCES
-
         if (not isinstance(other, ExpertWeightGradient)
                 or len(self.sources) + len(other.sources) > MAX_WGRAD_SOURCES
                 or other.like.shape != self.like.shape or other.like.stride() != self.like.stride()):
