@@ -67,7 +67,7 @@ layer's six GEMM shapes is timed as:
   the row GEMMs; the weight-gradient GEMMs have no such form, their K is per group);
 - ``bmm``: cuBLAS batched matmul over 64 equal groups (perfect balance, one launch);
 - ``grouped_mm``: ``torch._grouped_mm`` with the balanced offsets;
-- ``triton``: this project's grouped kernels (``moe_model.triton_grouped_mm``).
+- ``triton``: this project's grouped kernels (``moe_model._grouped_mm_launch``).
 
 The layer runs each shape's FLOPs once or twice (gate and up share shapes), so its
 expert-GEMM rate is the FLOP-weighted harmonic mean over the nine GEMMs; the table
@@ -105,7 +105,7 @@ from moe_ddp.accumulate import accumulate_
 from moe_model import MoEConfig, MoELayer, grouped_mm, init_weights
 from moe_model.experts import GroupedExperts
 from moe_model.router import RoutingResult, count_per_expert
-from moe_model.triton_grouped_mm import (
+from moe_model._grouped_mm_launch import (
     TileConfig,
     default_config,
     rows_mm,

@@ -52,16 +52,16 @@ def test_merged_expert_weight_gradients_train_like_unmerged(tmp_path, monkeypatc
     """Two and four microbatches' expert weight gradients per launch (five microbatches per
     step: a merged window, then what is left of it and the synchronised last one) give the
     losses of one launch per microbatch, in FP32; the launches do merge that many."""
-    from moe_model import triton_grouped_mm
+    from moe_model import _grouped_mm_launch
 
-    launch = triton_grouped_mm.wgrad_accumulate_
+    launch = _grouped_mm_launch.wgrad_accumulate_
     batches_per_launch: list[int] = []
 
     def counted(*args, more=(), **kwargs):
         batches_per_launch.append(1 + len(more))
         return launch(*args, more=more, **kwargs)
 
-    monkeypatch.setattr(triton_grouped_mm, "wgrad_accumulate_", counted)
+    monkeypatch.setattr(_grouped_mm_launch, "wgrad_accumulate_", counted)
     common = ["train.device=cuda", "train.compute_dtype=float32", "train.global_batch=10", "train.steps=6"]
     runs, widest = {}, {}
     for n in (1, 2, 4):

@@ -1,15 +1,17 @@
 """Run by test_fused_combine.py in a subprocess with TRITON_INTERPRET=1 (set before Triton
 is imported, and never in the test process itself): the fused combine kernels on CPU
-against the torch reference path of the local dispatcher, forward and all gradients."""
+against the torch reference path of the local dispatcher, forward and all gradients: the
+dispatcher's combine and gather run the public ``weighted_gather_sum`` and
+``combine_backward`` with ``backend="triton"``, against their ``"auto"`` (on CPU, the
+reference) selves."""
+
+import functools
 
 import torch
 from moe_model import LocalDispatcher, _combine_kernels, dispatch
 
-_reference_gate = dispatch._fused
-
-
-def _fused_on_cpu(t):
-    return t.dtype in dispatch._FUSED_DTYPES
+_PUBLIC_OPS = ("weighted_gather_sum", "combine_backward")
+_AUTO = {name: getattr(dispatch, name) for name in _PUBLIC_OPS}
 
 
 def _ids(T, E, k, g, skew):
@@ -21,7 +23,8 @@ def _ids(T, E, k, g, skew):
 
 
 def _run(disp, x, ids, w, dy, fused):
-    dispatch._fused = _fused_on_cpu if fused else _reference_gate
+    for name, op in _AUTO.items():
+        setattr(dispatch, name, functools.partial(op, backend="triton") if fused else op)
     try:
         rows, offsets, h = disp.dispatch(x, ids)
         R, D = rows.shape
@@ -31,7 +34,8 @@ def _run(disp, x, ids, w, dy, fused):
         y = disp.combine(rows * scale + bias, w, h)
         dx, dw, d_rows = torch.autograd.grad(y, (x, w, bias), dy)
     finally:
-        dispatch._fused = _reference_gate
+        for name, op in _AUTO.items():
+            setattr(dispatch, name, op)
     return (y, dx, dw, d_rows), h
 
 

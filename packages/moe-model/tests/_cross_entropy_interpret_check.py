@@ -1,6 +1,7 @@
 """Run by test_fused_cross_entropy.py in a subprocess with TRITON_INTERPRET=1 (set before
 Triton is imported, and never in the test process itself): the fused cross-entropy
-kernels on CPU against ``F.cross_entropy`` on FP32 logits, loss and gradient."""
+kernels on CPU against ``F.cross_entropy`` on FP32 logits, loss and gradient; and the
+public ``lm_loss_sum(..., backend="triton")`` against ``lm_loss_sum_reference``."""
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,7 @@ from moe_model._cross_entropy_kernels import (
     cross_entropy_forward,
     fused_cross_entropy_sum,
 )
+from moe_model.loss import lm_loss_sum, lm_loss_sum_reference
 
 
 def reference(logits, targets, scale):
@@ -86,7 +88,26 @@ def main():
         assert rows[1].isnan() and rows[2].isnan() and rows[[0, 3, 4, 5]].isfinite().all()
         grad = cross_entropy_backward(logits, bad, m, ls, torch.tensor(1.0), config=cfg)
         assert grad[1:3].isnan().all() and grad[[0, 3, 4, 5]].isfinite().all()
+    check_public_op(g)
     print("ok")
+
+
+def check_public_op(g):
+    """``lm_loss_sum(..., backend="triton")`` (default tiles, [B, S, V] logits) against
+    ``lm_loss_sum_reference``, with the tolerances above."""
+    for dtype in (torch.float32, torch.bfloat16):
+        logits, targets = make_case(g, 8, 100, dtype)
+        logits_BSV, targets_BS = logits.detach().view(2, 4, 100).requires_grad_(), targets.view(2, 4)
+        loss = lm_loss_sum(logits_BSV, targets_BS, backend="triton")
+        assert loss.grad_fn.name() == "_FusedCrossEntropySumBackward", loss.grad_fn.name()
+        (grad,) = torch.autograd.grad(loss, logits_BSV)
+        ref = lm_loss_sum_reference(logits_BSV, targets_BS)
+        (ref_grad,) = torch.autograd.grad(ref, logits_BSV)
+        torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-6, atol=0)
+        if dtype == torch.float32:
+            torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-12)
+        else:  # the reference's BF16 gradient is the FP32 one rounded: up to one BF16 step
+            torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=2**-7, atol=1e-30)
 
 
 if __name__ == "__main__":

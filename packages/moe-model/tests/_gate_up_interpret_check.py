@@ -9,8 +9,8 @@ import itertools
 import torch
 from _wgrad_sink_interpret_check import DictSink, close  # the script's folder is on sys.path
 from moe_model import experts
-from moe_model.experts import GroupedExperts, gate_up, grouped_mm_loop
-from moe_model.triton_grouped_mm import TileConfig, rows_mm_split2, rows_mm_sum2
+from moe_model._grouped_mm_launch import TileConfig, rows_mm_split2, rows_mm_sum2
+from moe_model.experts import GroupedExperts, gate_up, grouped_mm_reference
 
 E, N = 5, 40
 OFFSETS = torch.tensor([7, 7, 20, 41, 41], dtype=torch.int32)  # experts 1 and 4 empty
@@ -23,8 +23,8 @@ def check_kernels(g):
         shape = (E, N, K) if k_contiguous else (E, K, N)
         s0, s1 = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
         w0, w1 = (s.transpose(1, 2) if k_contiguous else s for s in (s0, s1))
-        y0, y1 = grouped_mm_loop(x0, w0, OFFSETS), grouped_mm_loop(x0, w1, OFFSETS)
-        both = y0 + grouped_mm_loop(x1, w1, OFFSETS)
+        y0, y1 = grouped_mm_reference(x0, w0, OFFSETS), grouped_mm_reference(x0, w1, OFFSETS)
+        both = y0 + grouped_mm_reference(x1, w1, OFFSETS)
         for persistent, tma in itertools.product((False, True), repeat=2):
             cfg = TileConfig(16, 16, 16, 2, 1, 1, persistent, tma)
             tag = f"K={K} k_contiguous={k_contiguous} {cfg}"
@@ -45,8 +45,8 @@ def check_kernels(g):
 
 def reference(x, w1, w3, dg, du):
     """g, u and the gradients of <g, dg> + <u, du> through the per-expert loop."""
-    g_ = grouped_mm_loop(x, w1.transpose(1, 2), OFFSETS)
-    u_ = grouped_mm_loop(x, w3.transpose(1, 2), OFFSETS)
+    g_ = grouped_mm_reference(x, w1.transpose(1, 2), OFFSETS)
+    u_ = grouped_mm_reference(x, w3.transpose(1, 2), OFFSETS)
     grads = torch.autograd.grad((g_[:VALID] * dg[:VALID]).sum() + (u_[:VALID] * du[:VALID]).sum(), (x, w1, w3))
     return g_, u_, grads
 

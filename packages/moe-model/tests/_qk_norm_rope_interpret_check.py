@@ -6,24 +6,29 @@ the output gradient as attention's backward gives it (a transposed view) or cont
 
 import torch
 from _rms_norm_interpret_check import _round_bf16_to_nearest_even, close
-from moe_model._qk_norm_rope_kernels import QKNormRope
-from moe_model._rms_norm_kernels import rms_norm
-from moe_model._rope_kernels import FusedRope
-from moe_model.layers import RMSNorm, apply_rope_reference, rope_tables
+from moe_model.layers import (
+    RMSNorm,
+    apply_rope,
+    apply_rope_reference,
+    qk_norm_rope,
+    rms_norm,
+    rms_norm_reference,
+    rope_tables,
+)
 
 EPS = 1e-6
 
 
 def fused(x, w, cos, sin, g):
     x, w = x.detach().requires_grad_(), w.detach().clone().requires_grad_()
-    out = QKNormRope.apply(x, w, EPS, cos, sin)
+    out = qk_norm_rope(x, w, EPS, cos, sin, backend="triton").transpose(1, 2)
     out.backward(g)
     return out.detach(), x.grad, w.grad
 
 
 def two_kernels(x, w, cos, sin, g):
     x, w = x.detach().requires_grad_(), w.detach().clone().requires_grad_()
-    out = FusedRope.apply(rms_norm(x, w, EPS).transpose(1, 2), cos, sin).transpose(1, 2)
+    out = apply_rope(rms_norm(x, w, EPS, backend="triton").transpose(1, 2), cos, sin, backend="triton").transpose(1, 2)
     out.backward(g)
     return out.detach(), x.grad, w.grad
 
@@ -32,7 +37,7 @@ def eager(x, w, cos, sin, g):
     norm = RMSNorm(x.shape[-1], EPS)
     norm.weight = torch.nn.Parameter(w.detach().clone())
     x = x.detach().requires_grad_()
-    out = apply_rope_reference(norm.forward_reference(x).transpose(1, 2), cos, sin).transpose(1, 2)
+    out = apply_rope_reference(rms_norm_reference(x, norm.weight, norm.eps).transpose(1, 2), cos, sin).transpose(1, 2)
     out.backward(g)
     return out.detach(), x.grad, norm.weight.grad
 

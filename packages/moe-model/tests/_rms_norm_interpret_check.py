@@ -1,6 +1,6 @@
 """Run by test_fused_rms_norm.py in a subprocess with TRITON_INTERPRET=1 (set before Triton
 is imported, and never in the test process itself): the fused RMSNorm kernels on CPU
-against ``RMSNorm.forward_reference`` (the code every non-CUDA input runs), forward,
+against ``rms_norm_reference`` (the code every non-CUDA input runs), forward,
 dx and dweight, over dtypes, widths, odd row counts, strided views and recompute; and the
 residual add fused into it (``add_rms_norm``) against the add and the norm apart.
 
@@ -9,13 +9,20 @@ The interpreter rounds FP32 -> BF16 by truncation where a GPU rounds to nearest 
 kernels' rounding can be compared with torch's bit for bit.
 """
 
+import functools
+
 import numpy as np
 import torch
 import triton.language as tl
-from moe_model._rms_norm_kernels import _rows_layout, add_rms_norm, rms_norm
-from moe_model.layers import RMSNorm
+from moe_model import layers
+from moe_model._rms_norm_kernels import _rows_layout
+from moe_model.layers import RMSNorm, rms_norm_reference
 from moe_model.recompute import recompute_block
 from triton.runtime import interpreter
+
+# the public ops, made to run their kernels
+rms_norm = functools.partial(layers.rms_norm, backend="triton")
+add_rms_norm = functools.partial(layers.add_rms_norm, backend="triton")
 
 EPS = 1e-6
 
@@ -53,7 +60,7 @@ def reference(x, w, dy):
     norm = RMSNorm(x.shape[-1], EPS)
     norm.weight = torch.nn.Parameter(w.detach().clone())
     xr = x.detach().clone().requires_grad_()
-    y = norm.forward_reference(xr)
+    y = rms_norm_reference(xr, norm.weight, norm.eps)
     y.backward(dy)
     return y.detach(), xr.grad, norm.weight.grad
 

@@ -1,5 +1,5 @@
 """Run by test_fused_router.py in a subprocess with TRITON_INTERPRET=1 (set before Triton
-is imported): the fused router kernels on CPU against the eager ``_route_eager``, for
+is imported): the fused router kernels on CPU against the eager ``route_top_k_reference``, for
 softmax and sigmoid scores, with and without a selection bias and top-k normalisation,
 at sizes that leave a partial last program (and none at all): ids and counts identical,
 weights, probabilities and z-loss within a few FP32 ulps, the logits' gradient from
@@ -10,8 +10,8 @@ two runs bit-identical; the split of the logits' gradient into BF16 parts."""
 import itertools
 
 import torch
-from moe_model._router_kernels import fused_routing, split_bf16
-from moe_model.router import _route_eager, load_balancing_loss
+from moe_model._router_kernels import split_bf16
+from moe_model.router import load_balancing_loss, route_top_k, route_top_k_reference
 
 # (T, E, k): a partial last program of 8 rows, several programs, k = E, k = 1, E = 2,
 # a non-power-of-two E with k = E, the largest supported E, no tokens
@@ -19,10 +19,16 @@ SHAPES = ((37, 6, 2), (130, 64, 8), (5, 8, 8), (19, 16, 1), (11, 2, 1), (9, 3, 3
 FWD_TOL = {"rtol": 1e-6, "atol": 1e-12}
 
 
+def fused_routing(logits, bias, k, sigmoid, norm):
+    """``route_top_k(..., backend="triton")`` as the kernel entry's tuple."""
+    r = route_top_k(logits, "sigmoid" if sigmoid else "softmax", k, norm, bias, backend="triton")
+    return r.expert_ids, r.weights, r.tokens_per_expert, r.probs, r.z_loss
+
+
 def routes(logits, bias, k, score, norm):
     """(fused, eager) routing of the same logits."""
     fused = fused_routing(logits, bias, k, score == "sigmoid", norm)
-    eager = _route_eager(logits, score, k, norm, bias)
+    eager = route_top_k_reference(logits, score, k, norm, bias)
     return fused, (eager.expert_ids, eager.weights, eager.tokens_per_expert, eager.probs, eager.z_loss)
 
 

@@ -12,9 +12,9 @@ else), and every gradient is bit for bit the full backward's.
 
 import torch
 from _wgrad_sink_interpret_check import DictSink  # the script's folder is on sys.path
+from moe_model import _grouped_mm_launch as tgm
 from moe_model import _qk_norm_rope_kernels as qk_module
 from moe_model import _rms_norm_kernels as norm_module
-from moe_model import triton_grouped_mm as tgm
 from moe_model.experts import gate_up
 from moe_model.layers import rope_tables
 

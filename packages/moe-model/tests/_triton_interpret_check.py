@@ -1,12 +1,13 @@
 """Run by test_grouped_mm.py in a subprocess with TRITON_INTERPRET=1 (set before Triton
 is imported, and never in the test process itself): the Triton grouped GEMM kernels on
-CPU against the per-expert loop, forward and both gradients."""
+CPU against the per-expert loop (``grouped_mm_reference``), forward and both gradients,
+through ``grouped_mm(..., backend="triton")``."""
 
 import itertools
 
 import torch
-from moe_model.experts import grouped_mm_loop
-from moe_model.triton_grouped_mm import TileConfig, rows_mm, triton_grouped_mm, wgrad_mm
+from moe_model._grouped_mm_launch import TileConfig, rows_mm, wgrad_mm
+from moe_model.experts import grouped_mm, grouped_mm_reference
 
 
 def close(a, b, what):
@@ -23,11 +24,11 @@ def main():
         store = torch.randn(*((E, N, K) if k_contiguous else (E, K, N)), generator=g, requires_grad=True)
         w = store.transpose(1, 2) if k_contiguous else store
         dy = torch.randn(R, N, generator=g)
-        ref = grouped_mm_loop(x, w, offsets)
+        ref = grouped_mm_reference(x, w, offsets)
         ref_dx, ref_dw = torch.autograd.grad(ref[:valid], (x, store), dy[:valid])
         tag = f"K={K} k_contiguous={k_contiguous}"
-        # the differentiable custom op, default (CPU) tiles
-        out = triton_grouped_mm(x, w, offsets)
+        # the public op on the differentiable custom op, default (CPU) tiles
+        out = grouped_mm(x, w, offsets, backend="triton")
         dx, dw = torch.autograd.grad(out[:valid], (x, store), dy[:valid])
         close(out[:valid], ref[:valid], f"forward {tag}")
         close(dx[:valid], ref_dx[:valid], f"dx {tag}")

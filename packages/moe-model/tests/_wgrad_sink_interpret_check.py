@@ -5,13 +5,13 @@ GroupedExperts module, two microbatches merged into one launch), on CPU."""
 
 import torch
 from moe_model import experts
+from moe_model._grouped_mm_launch import TileConfig, wgrad_accumulate_
 from moe_model.experts import (
     ExpertWeightGradient,
     GroupedExperts,
     grouped_mm_into_sink,
-    grouped_mm_loop,
+    grouped_mm_reference,
 )
-from moe_model.triton_grouped_mm import TileConfig, wgrad_accumulate_
 
 
 def close(a, b, what):
@@ -34,7 +34,7 @@ class DictSink:
 
 def reference(x, store, offsets, valid, dy, k_contiguous):
     w = store.transpose(1, 2) if k_contiguous else store
-    out = grouped_mm_loop(x, w, offsets)
+    out = grouped_mm_reference(x, w, offsets)
     return torch.autograd.grad(out[:valid], (x, store), dy[:valid])
 
 

@@ -4,12 +4,20 @@ on a GPU against autograd without a host sync."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from moe_model.embedding import embed
+from moe_model.embedding import (
+    embed,
+    embedding_grad_accumulate_,
+    embedding_grad_accumulate_reference_,
+)
 from moe_testing import assert_no_host_sync, run_under_triton_interpreter
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _backend_api import check_backend_api  # noqa: E402
 
 
 class _Sink:
@@ -72,3 +80,20 @@ def test_embedding_sink_at_bench_vocabulary_matches_autograd(owner_major):
     got = sink.targets[module.weight].reshape(V, D)
     torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-6)
     assert ((got - want).abs() <= 2**-8 * magnitude + 1e-6).all()
+
+
+@pytest.mark.parametrize("owner_major", [False, True])
+def test_embedding_grad_accumulate_backends(owner_major):
+    V, D = 11, 6
+
+    def make():
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, V, (3, 5), generator=g)
+        dy = torch.randn(3, 5, D, generator=g).bfloat16()
+        start = torch.randn(V * D, generator=g)
+        target = torch.zeros(2, V * D // 2 + 4)[:, : V * D // 2] if owner_major else torch.zeros(V * D)
+        target.copy_(start.view(target.shape))
+        return target, tokens, dy, V
+
+    check_backend_api(embedding_grad_accumulate_, embedding_grad_accumulate_reference_, make,
+                      out=lambda result, args: args[0])

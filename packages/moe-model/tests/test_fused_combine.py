@@ -7,10 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_model import LocalDispatcher, dispatch
+from moe_model import LocalDispatcher, use_reference_kernels
+from moe_model.dispatch import (
+    combine_backward,
+    combine_backward_reference,
+    weighted_gather_sum,
+    weighted_gather_sum_reference,
+)
 from moe_testing import assert_no_host_sync, run_under_triton_interpreter
 
-_fused_gate = dispatch._fused
+sys.path.insert(0, str(Path(__file__).parent))
+from _backend_api import check_backend_api  # noqa: E402
 
 
 @pytest.mark.slow
@@ -22,7 +29,6 @@ def test_fused_kernels_under_interpreter():
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 def test_cpu_path_needs_no_triton(monkeypatch, capacity_factor):
     monkeypatch.setitem(sys.modules, "triton", None)  # any `import triton` now fails
-    assert not _fused_gate(torch.zeros(1)) and not _fused_gate(torch.zeros(1, dtype=torch.bfloat16))
     x = torch.randn(6, 8, requires_grad=True)
     w = torch.rand(6, 2, requires_grad=True)
     disp = LocalDispatcher(3, capacity_factor)
@@ -62,9 +68,8 @@ def test_fused_combine_matches_torch_on_gpu(monkeypatch, capacity_factor):
     x, ids, weights, dy = _gpu_inputs(T, k, D, E, capacity_factor)
     disp = LocalDispatcher(E, capacity_factor)
     (y, dx, dw, d_rows), h = _step(disp, x, ids, weights, dy)
-    monkeypatch.setattr(dispatch, "_fused", lambda t: False)
-    (ry, rdx, rdw, rd_rows), _ = _step(disp, x, ids, weights, dy)
-    monkeypatch.setattr(dispatch, "_fused", _fused_gate)
+    with use_reference_kernels(True):
+        (ry, rdx, rdw, rd_rows), _ = _step(disp, x, ids, weights, dy)
     if capacity_factor is not None:
         assert (h.kept_of_slot == 0).any() and not h.valid_rows.all()
         assert (d_rows[~h.valid_rows] == 0).all()
@@ -92,3 +97,36 @@ def test_fused_dispatch_combine_has_no_host_sync(capacity_factor):
     x, ids, weights, dy = _gpu_inputs(8192, 8, 2048, 64, capacity_factor)
     disp = LocalDispatcher(64, capacity_factor)
     assert_no_host_sync(lambda: _step(disp, x, ids, weights, dy))
+
+
+def _routed(capacity_factor, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    T, k, E, D = 7, 2, 4, 12
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    x = torch.randn(T, D, generator=g).to(dtype)
+    _, _, h = LocalDispatcher(E, capacity_factor).dispatch(x, ids)
+    return g, ids, h, T, k, D
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_weighted_gather_sum_backends(capacity_factor, weighted):
+    _, _, h, T, k, D = _routed(capacity_factor)
+
+    def make():
+        rows = torch.randn(h.token_of_row.shape[0], D, generator=torch.Generator().manual_seed(1))
+        weights = torch.rand(T * k, generator=torch.Generator().manual_seed(2)).requires_grad_() if weighted else None
+        return rows.bfloat16().requires_grad_(), h.row_of_slot, T, weights, h.kept_of_slot
+
+    check_backend_api(weighted_gather_sum, weighted_gather_sum_reference, make)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_combine_backward_backends(capacity_factor):
+    g, _, h, T, k, D = _routed(capacity_factor)
+    R = h.token_of_row.shape[0]
+    w_S = torch.rand(T * k, generator=g)
+    if h.kept_of_slot is not None:
+        w_S = w_S * h.kept_of_slot
+    dy, rows_out = torch.randn(T, D, generator=g).bfloat16(), torch.randn(R, D, generator=g).bfloat16()
+    check_backend_api(combine_backward, combine_backward_reference, lambda: (dy, rows_out, w_S, h))

@@ -9,8 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from moe_model import IGNORE_INDEX, lm_loss_sum
+from moe_model import IGNORE_INDEX, lm_loss_sum, lm_loss_sum_reference
 from moe_testing import assert_no_host_sync, run_under_triton_interpreter
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _backend_api import check_backend_api  # noqa: E402
 
 
 def test_cpu_path_is_the_reference_call():
@@ -79,3 +82,14 @@ def test_cuda_path_at_real_vocabulary():
 
     assert_no_host_sync(step)
     assert logits.grad.isfinite().all()
+
+
+def test_lm_loss_sum_backends():
+    def make():
+        g = torch.Generator().manual_seed(0)
+        logits = torch.randn(2, 5, 11, generator=g).bfloat16().requires_grad_()
+        targets = torch.randint(0, 11, (2, 5), generator=g)
+        targets[0, 1] = IGNORE_INDEX
+        return logits, targets
+
+    check_backend_api(lm_loss_sum, lm_loss_sum_reference, make)

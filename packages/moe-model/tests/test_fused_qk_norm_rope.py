@@ -3,12 +3,16 @@ at the bench presets' attention shapes against the two kernels it replaces."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from moe_model.layers import rope_tables
+from moe_model.layers import qk_norm_rope, qk_norm_rope_reference, rope_tables
 from moe_testing import assert_no_host_sync, run_under_triton_interpreter
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _backend_api import check_backend_api  # noqa: E402
 
 
 @pytest.mark.slow
@@ -58,3 +62,15 @@ def test_fused_qk_norm_rope_on_gpu_matches_the_two_kernels_without_host_sync(hea
         if name != "dw":
             same = (a == b).float().mean().item()
             assert same > 0.99, f"{name}: {same:.4f} of the elements bitwise equal"
+
+
+def test_qk_norm_rope_backends():
+    cos, sin = rope_tables(7, 16, 10000.0, torch.device("cpu"))
+
+    def make():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 7, 3, 16, generator=g).bfloat16().requires_grad_()
+        w = (1 + 0.1 * torch.randn(16, generator=g)).bfloat16().requires_grad_()
+        return x, w, 1e-6, cos, sin
+
+    check_backend_api(qk_norm_rope, qk_norm_rope_reference, make)

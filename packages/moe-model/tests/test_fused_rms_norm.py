@@ -1,13 +1,23 @@
-"""Fused RMSNorm (Triton) against the reference ``RMSNorm.forward_reference``: under the
+"""Fused RMSNorm (Triton) against the reference ``rms_norm_reference``: under the
 Triton interpreter on CPU (a subprocess, see ``_rms_norm_interpret_check.py``), and on a
 GPU at the training shapes."""
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from moe_model.layers import RMSNorm
+from moe_model.layers import (
+    RMSNorm,
+    add_rms_norm,
+    add_rms_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
 from moe_testing import assert_no_host_sync, run_under_triton_interpreter
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _backend_api import check_backend_api  # noqa: E402
 
 
 def test_cpu_forward_is_the_reference():
@@ -20,7 +30,7 @@ def test_cpu_forward_is_the_reference():
         x = torch.randn(3, 5, 96, generator=g).to(dtype)
         x32 = x.float()
         want = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
-        assert torch.equal(norm(x), want) and torch.equal(norm.forward_reference(x), want)
+        assert torch.equal(norm(x), want) and torch.equal(rms_norm_reference(x, norm.weight, norm.eps), want)
 
 
 @pytest.mark.slow
@@ -30,9 +40,9 @@ def test_rms_norm_kernels_under_interpreter():
 
 
 def _fused_and_reference(norm, x, dy):
-    """(y, dx, dweight) of ``norm`` (fused on CUDA) and of ``norm.forward_reference``."""
+    """(y, dx, dweight) of ``norm`` (fused on CUDA) and of ``rms_norm_reference``."""
     out = []
-    for fn in (norm, norm.forward_reference):
+    for fn in (norm, lambda t: rms_norm_reference(t, norm.weight, norm.eps)):
         xg = x.detach().requires_grad_()
         norm.weight.grad = None
         y = fn(xg)
@@ -149,3 +159,20 @@ def test_fused_add_and_norm_matches_the_two_apart_without_host_sync():
     for name, a, b in zip(("h", "y", "dx", "dbranch", "dweight"), together, apart, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert_no_host_sync(lambda: _add_then_norm(norm, x, branch, dh, dy, True))
+
+
+def _norm_args(dtype, branch=False):
+    def make():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(3, 5, 96, generator=g).to(dtype).requires_grad_()
+        w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype).requires_grad_()
+        if not branch:
+            return x, w, 1e-6
+        return x, torch.randn(3, 5, 96, generator=g).to(dtype).requires_grad_(), w, 1e-6
+    return make
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_backends(dtype):
+    check_backend_api(rms_norm, rms_norm_reference, _norm_args(dtype))
+    check_backend_api(add_rms_norm, add_rms_norm_reference, _norm_args(dtype, branch=True))

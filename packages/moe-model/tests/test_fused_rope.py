@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from moe_model.layers import apply_rope_reference, rope_tables
+from moe_model.layers import apply_rope, apply_rope_reference, rope_tables
 from moe_testing import run_under_triton_interpreter
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _backend_api import check_backend_api  # noqa: E402
 
 
 @pytest.mark.slow
@@ -43,3 +47,13 @@ def test_fused_rope_on_gpu_is_the_fp32_rotation_rounded_once_without_host_sync()
     half_step = 2.0**-8 + 2.0**-20
     torch.testing.assert_close(out.float(), ref, rtol=half_step, atol=1e-6)
     torch.testing.assert_close(dx.float(), ref_dx, rtol=half_step, atol=1e-6)
+
+
+def test_apply_rope_backends():
+    cos, sin = rope_tables(7, 16, 10000.0, torch.device("cpu"))
+
+    def make():
+        x = torch.randn(2, 3, 7, 16, generator=torch.Generator().manual_seed(0)).bfloat16().requires_grad_()
+        return x, cos, sin
+
+    check_backend_api(apply_rope, apply_rope_reference, make)

@@ -4,13 +4,24 @@ the bench shape against the eager path on the same tensors."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from moe_model import MoEConfig, TopKRouter, load_balancing_loss
-from moe_model.router import RoutingResult, _route_eager, count_per_expert, router_logits
+from moe_model.router import (
+    RoutingResult,
+    count_per_expert,
+    route_top_k,
+    route_top_k_reference,
+    router_logits,
+    router_logits_reference,
+)
 from moe_testing import assert_no_host_sync, run_under_triton_interpreter
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _backend_api import check_backend_api  # noqa: E402
 
 
 @pytest.mark.slow
@@ -28,7 +39,7 @@ def test_cpu_logits_take_the_eager_path(score):
         r.expert_bias.normal_()
     x = torch.randn(12, 16)
     out = r(x)
-    ref = _route_eager(router_logits(x, r.weight), score, 2, True, r.expert_bias)
+    ref = route_top_k_reference(router_logits(x, r.weight), score, 2, True, r.expert_bias)
     assert out.probs.grad_fn.name() == ref.probs.grad_fn.name() != "FusedRoutingBackward"
     for field in ("expert_ids", "weights", "tokens_per_expert", "probs", "z_loss"):
         assert torch.equal(getattr(out, field), getattr(ref, field)), field
@@ -66,7 +77,7 @@ def test_fused_router_on_gpu_matches_eager_without_host_sync(score, with_bias):
     def fused(lg):
         return RoutingResult(*fused_routing(lg, bias, k, sigmoid, True))
 
-    eager, eager_grad = _routing_and_grad(lambda lg: _route_eager(lg, score, k, True, bias), logits, upstream)
+    eager, eager_grad = _routing_and_grad(lambda lg: route_top_k_reference(lg, score, k, True, bias), logits, upstream)
     runs = []
 
     def step():
@@ -100,3 +111,23 @@ def test_fused_router_on_gpu_matches_eager_without_host_sync(score, with_bias):
         r.weight.normal_(generator=gen)
     out = r(torch.randn(64, 256, device="cuda", generator=gen).bfloat16())
     assert out.weights.grad_fn.name() == "FusedRoutingBackward"
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_route_top_k_backends(score):
+    def make():
+        g = torch.Generator().manual_seed(0)
+        logits = torch.randn(10, 6, generator=g).requires_grad_()
+        bias = torch.randn(6, generator=g) if score == "sigmoid" else None
+        return logits, score, 2, True, bias
+
+    check_backend_api(route_top_k, route_top_k_reference, make)
+
+
+def test_router_logits_backends():
+    def make():
+        g = torch.Generator().manual_seed(0)
+        return (torch.randn(10, 16, generator=g).bfloat16().requires_grad_(),
+                torch.randn(6, 16, generator=g).bfloat16().requires_grad_())
+
+    check_backend_api(router_logits, router_logits_reference, make)

@@ -3,12 +3,16 @@ bench-1gpu expert shape."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from moe_model.layers import swiglu, swiglu_reference
 from moe_testing import assert_no_host_sync, run_under_triton_interpreter
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _backend_api import check_backend_api  # noqa: E402
 
 
 @pytest.mark.slow
@@ -46,3 +50,14 @@ def test_fused_swiglu_on_gpu_matches_fp32_without_host_sync():
     # plus slack for the GPU's exp differing from the CPU's in the last FP32 bits
     for got, want in zip((results["out"], *results["grads"]), exact, strict=True):
         torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-6)
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_swiglu_backends(bounded):
+    def make():
+        g = torch.Generator().manual_seed(0)
+        gate = (torch.randn(9, 24, generator=g) * 3).bfloat16().requires_grad_()
+        up = torch.randn(9, 24, generator=g).bfloat16().requires_grad_()
+        return (gate, up, torch.tensor([5])) if bounded else (gate, up)
+
+    check_backend_api(swiglu, swiglu_reference, make)

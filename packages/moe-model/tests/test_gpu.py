@@ -3,7 +3,7 @@
 import pytest
 import torch
 from moe_model import MoEConfig, MoELayer, MoETransformer, grouped_mm, init_weights, lm_loss_sum
-from moe_model.experts import grouped_mm_loop
+from moe_model.experts import grouped_mm_reference
 from moe_testing import assert_no_host_sync
 
 pytestmark = pytest.mark.gpu
@@ -65,7 +65,7 @@ def test_triton_matches_reference_at_real_widths(k_contiguous):
     dy = torch.randn(R, N, device="cuda", generator=g).bfloat16()
     out = grouped_mm(x, w, offsets, "triton")
     dx, dw = torch.autograd.grad(out[:valid], (x, store), dy[:valid])
-    ref = grouped_mm_loop(x.float(), w.float(), offsets)
+    ref = grouped_mm_reference(x.float(), w.float(), offsets)
     rdx, rdw = torch.autograd.grad(ref[:valid], (x, store), dy[:valid].float())
     torch.testing.assert_close(out[:valid].float(), ref[:valid], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(dx[:valid].float(), rdx[:valid].float(), rtol=2e-2, atol=5e-2)
@@ -90,8 +90,8 @@ def test_paired_gate_up_matches_reference_at_real_widths():
     dg, du = (torch.randn(R, F, device="cuda", generator=g).bfloat16() for _ in range(2))
     gg, uu = gate_up(x, w1, w3, offsets, None)
     dx, dw1, dw3 = torch.autograd.grad((gg[:valid], uu[:valid]), (x, w1, w3), (dg[:valid], du[:valid]))
-    rg = grouped_mm_loop(x.float(), w1.float().transpose(1, 2), offsets)
-    ru = grouped_mm_loop(x.float(), w3.float().transpose(1, 2), offsets)
+    rg = grouped_mm_reference(x.float(), w1.float().transpose(1, 2), offsets)
+    ru = grouped_mm_reference(x.float(), w3.float().transpose(1, 2), offsets)
     rdx, rdw1, rdw3 = torch.autograd.grad((rg[:valid], ru[:valid]), (x, w1, w3),
                                           (dg[:valid].float(), du[:valid].float()))
     for got, want, tol in ((gg[:valid], rg[:valid], 2e-2), (uu[:valid], ru[:valid], 2e-2),
@@ -199,7 +199,7 @@ def test_merged_weight_gradient_with_operands_far_apart():
     first batch's): each offset fits in int32, their differences do not, so the kernel's
     pointer jumps between batches must be int64. Empty experts, a batch with one expert
     only and padding rows past a batch's last group included."""
-    from moe_model.triton_grouped_mm import wgrad_accumulate_
+    from moe_model._grouped_mm_launch import wgrad_accumulate_
 
     E, D, F, R = 4, 256, 128, 512
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_model import grouped_mm, resolve_backend
+from moe_model import grouped_mm, grouped_mm_reference, resolve_backend, use_reference_kernels
 from moe_testing import run_under_triton_interpreter
 
 
@@ -37,6 +37,22 @@ def test_auto_backend_on_cpu():
         resolve_backend("cublas", x, w)
 
 
+def test_grouped_mm_public_api_on_cpu():
+    """``backend="loop"`` is ``grouped_mm_reference`` exactly; ``"triton"`` on CPU outside the
+    interpreter fails with one line, and gives way to ``use_reference_kernels(True)``."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 8, generator=g), torch.randn(2, 8, 4, generator=g)
+    offsets = torch.tensor([2, 6], dtype=torch.int32)
+    want = grouped_mm_reference(x, w, offsets)
+    assert torch.equal(grouped_mm(x, w, offsets, "loop"), want)
+    with pytest.raises(RuntimeError, match="grouped_mm: backend='triton' needs"):
+        grouped_mm(x, w, offsets, "triton")
+    with use_reference_kernels(True):
+        assert torch.equal(grouped_mm(x, w, offsets, "triton"), want)
+    with pytest.raises(ValueError, match="unknown grouped GEMM backend 'cublas'"):
+        grouped_mm(x, w, offsets, "cublas")
+
+
 @pytest.mark.slow
 @pytest.mark.interpreter
 def test_triton_kernels_under_interpreter():
@@ -45,7 +61,7 @@ def test_triton_kernels_under_interpreter():
 
 def test_gpu_tile_configs_fit_shared_memory_for_fp32():
     """The tuned bf16 tiles overflowed an H200's shared memory with fp32 operands."""
-    from moe_model.triton_grouped_mm import _SHARED_MEMORY_BUDGET, default_config
+    from moe_model._grouped_mm_launch import _SHARED_MEMORY_BUDGET, default_config
 
     cuda = torch.device("cuda")
     for kind in ("rows", "wgrad", "wgrad_long"):
@@ -66,7 +82,7 @@ def test_weight_gradient_tiles_follow_the_reduction_length(monkeypatch, rows_per
     microbatches, an EP rank's larger groups) takes the long-reduction tiles, shorter ones
     the short tiles (tuned apart: tools/bench_expert_gemms.py gemms --merge 1 / --merge 4)."""
     pytest.importorskip("triton")
-    from moe_model import triton_grouped_mm as tgm
+    from moe_model import _grouped_mm_launch as tgm
 
     chosen, launched = [], []
     monkeypatch.setattr(tgm, "default_config", lambda k, device, dtype=None: chosen.append(k) or tgm._CPU)

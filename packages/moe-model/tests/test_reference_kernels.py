@@ -1,5 +1,6 @@
 """The reference switch: ``use_reference_kernels(True)`` sends every op to its eager path."""
 
+import inspect
 import threading
 
 import moe_model
@@ -18,6 +19,26 @@ def _switch_off():
 
 def test_the_switch_keeps_the_contract_of_every_package():
     check_reference_switch(moe_model._triton_support)
+
+
+def _reference_name(op: str) -> str:
+    return op[:-1] + "_reference_" if op.endswith("_") else op + "_reference"
+
+
+def test_every_public_op_with_a_backend_has_its_reference_beside_it():
+    """The kernel convention: ``<op>(..., backend="auto")`` and ``<op>_reference`` (same
+    parameters, no backend) in the same module, both exported."""
+    ops = [name for name in moe_model.__all__ if inspect.isfunction(getattr(moe_model, name))
+           and list(inspect.signature(getattr(moe_model, name)).parameters)[-1:] == ["backend"]]
+    assert {"rms_norm", "swiglu", "route_top_k", "lm_loss_sum", "weighted_gather_sum", "grouped_mm"} <= set(ops)
+    for name in ops:
+        op = getattr(moe_model, name)
+        params = dict(inspect.signature(op).parameters)
+        assert params.pop("backend").default == "auto", name
+        assert _reference_name(name) in moe_model.__all__, f"{name} has no exported {_reference_name(name)}"
+        reference = getattr(moe_model, _reference_name(name))
+        assert reference.__module__ == op.__module__, f"{name}: reference in {reference.__module__}"
+        assert list(inspect.signature(reference).parameters) == list(params), name
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton", "grouped_mm", "loop"])

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from moe_model import MoEConfig
-from moe_model.triton_grouped_mm import MAX_WGRAD_SOURCES
+from moe_model.experts import MAX_WGRAD_SOURCES
 from moe_mxfp8 import MXFP8Config
 
 from pretrain.config_reference import annotated_toml

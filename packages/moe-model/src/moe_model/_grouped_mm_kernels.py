@@ -1,4 +1,4 @@
-"""Triton kernels of the grouped GEMM (imported lazily by ``moe_model.triton_grouped_mm``,
+"""Triton kernels of the grouped GEMM (imported lazily by ``moe_model._grouped_mm_launch``,
 whose docstring describes them). Importing this module requires Triton."""
 
 import triton

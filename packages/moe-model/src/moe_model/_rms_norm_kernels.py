@@ -2,7 +2,7 @@
 
 Importing this module requires Triton; ``moe_model.layers.RMSNorm`` imports it lazily,
 only for CUDA inputs. ``rms_norm(x, weight, eps)`` computes what the reference
-``RMSNorm.forward_reference`` computes, with its rounding:
+``moe_model.layers.rms_norm_reference`` computes, with its rounding:
 
     x32 = x.float(); rstd = rsqrt(mean(x32^2) + eps)      # FP32
     n = (x32 * rstd).to(x.dtype)                           # rounded to x's dtype

@@ -1,7 +1,7 @@
 """The router's work after the logits (scores, top-k, weight normalisation, per-expert
 counts, z-loss) in one Triton kernel forward and one backward, for CUDA tensors.
 
-The eager form (``moe_model.router._route_eager``) is a chain of small kernels on a
+The eager form (``moe_model.router.route_top_k_reference``) is a chain of small kernels on a
 [tokens, experts] tile: softmax or sigmoid, top-k, the normalisation, the count
 (zeros, ones, ``scatter_add_``), ``logsumexp`` (nine kernels), square and sum; its
 backward about fifteen more. At 256 router calls per training step that was a large
@@ -156,7 +156,7 @@ def _launch_shape(n_tokens: int, n_experts: int, device: torch.device) -> tuple[
 
 class FusedRouting(torch.autograd.Function):
     """Routing of FP32 logits ``[T, E]``: ``(ids [T, k] int64, weights [T, k], counts [E]
-    int64, probs [T, E], z_loss)``, as ``moe_model.router._route_eager``. Gradients flow
+    int64, probs [T, E], z_loss)``, as ``moe_model.router.route_top_k_reference``. Gradients flow
     to the logits from the weights, the probabilities and the z-loss (any may be unused);
     ``bias`` (``[E]`` FP32 or ``None``) only moves the selection."""
 

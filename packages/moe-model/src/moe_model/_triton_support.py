@@ -1,5 +1,11 @@
 """One answer to "do the fused kernels run here?" for every CUDA fast path of the package.
 
+Every fused op is public as ``<op>(..., backend="auto")`` beside its eager
+``<op>_reference(...)`` (same arguments, no backend) in the module that owns it, and
+picks between them in one call, ``use_fused``: ``"auto"`` takes the kernels where
+``fused_kernels_enabled(device)`` holds and the op applies to the inputs, ``"triton"``
+insists on them (an error says why they cannot run), ``"reference"`` takes the eager code.
+
 Each fused path (grouped GEMM, RMSNorm, RoPE, SwiGLU, router, dispatch order, combine,
 cross-entropy, document attention) asks ``fused_kernels_enabled(device)``: its kernels
 for CUDA tensors when Triton is installed and the reference switch is off, its eager
@@ -17,8 +23,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
+from typing import Literal
 
 import torch
+
+Backend = Literal["auto", "triton", "reference"]
+KERNEL_BACKENDS: tuple[Backend, ...] = ("auto", "triton", "reference")
 
 # Streaming multiprocessors assumed for a CPU tensor: the kernels then run in the
 # Triton interpreter (tests), where a few programs exercise the multi-program paths.
@@ -73,6 +84,46 @@ class use_reference_kernels:
     def __exit__(self, *exc: object) -> None:
         global _reference_kernels
         _reference_kernels = self.previous
+
+
+def use_fused(op: str, backend: str, device: torch.device,
+              unfit: Callable[[], str | None] | None = None) -> bool:
+    """Whether ``op`` runs its fused kernels (``True``) or its eager reference (``False``).
+
+    ``unfit`` (called only when the kernels could run) says why these inputs do not suit
+    them (``None``: they do). ``"auto"``: the kernels where ``fused_kernels_enabled(device)``
+    and the inputs suit them; ``"triton"``: the kernels, or an error naming what is missing
+    (CPU tensors run them only under the Triton interpreter); ``"reference"``: the eager
+    code. Under ``use_reference_kernels(True)`` every backend takes the reference.
+    """
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"{op}: unknown backend {backend!r}; expected one of {KERNEL_BACKENDS}")
+    if backend == "reference" or _reference_kernels:
+        return False
+    if backend == "auto":
+        return fused_kernels_enabled(device) and (unfit is None or unfit() is None)
+    require_triton(op, device)
+    why = unfit() if unfit is not None else None
+    if why is not None:
+        raise ValueError(f"{op}: backend='triton' does not apply: {why}")
+    return True
+
+
+def require_triton(op: str, device: torch.device) -> None:
+    """Raise, naming ``op``, unless Triton kernels can run on ``device``: Triton installed,
+    and a CUDA device or a CPU under the Triton interpreter (``TRITON_INTERPRET=1``)."""
+    if not triton_available():
+        raise RuntimeError(f"{op}: backend='triton' needs Triton, which is not installed")
+    if device.type != "cuda" and not _interpreting(device):
+        raise RuntimeError(f"{op}: backend='triton' needs CUDA tensors (or CPU tensors under the "
+                           f"Triton interpreter, TRITON_INTERPRET=1), got tensors on {device}")
+
+
+def _interpreting(device: torch.device) -> bool:
+    """Whether Triton runs kernels on ``device`` (a CPU) in its interpreter."""
+    import triton.knobs
+
+    return device.type == "cpu" and bool(triton.knobs.runtime.interpret)
 
 
 def num_sms(device: torch.device) -> int:

@@ -51,7 +51,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from moe_model._triton_support import fused_kernels_enabled
+from moe_model._triton_support import Backend, use_fused
 from moe_model.router import count_per_expert
 
 _HASH_MULTIPLIER = 2654435761  # odd, so t -> t * m mod 2^32 is a bijection (Knuth)
@@ -103,27 +103,93 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, d_rows_RD: torch.Tensor) -> tuple[torch.Tensor, None]:
         h: LocalDispatchHandle = ctx.handle
-        if _fused(d_rows_RD):
-            from moe_model._combine_kernels import weighted_gather_sum
-
-            return weighted_gather_sum(d_rows_RD, h.row_of_slot, h.n_tokens, None, h.kept_of_slot), None
-        d_slots = d_rows_RD.index_select(0, h.row_of_slot).view(h.n_tokens, -1, d_rows_RD.shape[1])
-        if h.kept_of_slot is not None:
-            d_slots = d_slots * h.kept_of_slot.view(h.n_tokens, -1, 1).to(d_slots.dtype)
-        return d_slots.sum(1), None
+        return weighted_gather_sum(d_rows_RD, h.row_of_slot, h.n_tokens, None, h.kept_of_slot), None
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-# ------------------------------------------------------------ fused (Triton) combine
+# ------------------------------------------------------------ combine and its gradients
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _fused(t: torch.Tensor) -> bool:
-    """Whether the combine of rows like ``t`` runs the fused Triton kernels."""
-    return t.dtype in _FUSED_DTYPES and fused_kernels_enabled(t.device)
+def _unfit_dtype(t: torch.Tensor) -> str | None:
+    return None if t.dtype in _FUSED_DTYPES else f"{t.dtype} rows (the kernels take {_FUSED_DTYPES})"
+
+
+def weighted_gather_sum_reference(
+    rows_RD: torch.Tensor, row_of_slot_S: torch.Tensor, n_tokens: int,
+    weights_S: torch.Tensor | None = None, kept_S: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``y[t] = sum_j w[t*k+j] * kept[t*k+j] * rows[row_of_slot[t*k+j]]`` in eager PyTorch,
+    in ``rows``' dtype. With ``weights_S`` (the combine) the sum runs in at least FP32 (one
+    batched GEMM); without (the dispatch gather's backward) in ``rows``' dtype. ``kept_S``
+    (``[T*k]``, 1 kept / 0 dropped) and the weights default to ones."""
+    T = n_tokens
+    k = row_of_slot_S.shape[0] // max(T, 1)
+    g_TkD = rows_RD.index_select(0, row_of_slot_S).view(T, k, rows_RD.shape[1])
+    if weights_S is None:
+        if kept_S is not None:
+            g_TkD = g_TkD * kept_S.view(T, k, 1).to(g_TkD.dtype)
+        return g_TkD.sum(1)
+    acc = _accumulation_dtype(rows_RD.dtype)
+    w_S = weights_S.reshape(-1).to(acc)
+    if kept_S is not None:
+        w_S = w_S * kept_S.to(acc)
+    return torch.bmm(w_S.view(T, 1, k), g_TkD.to(acc)).view(T, -1).to(rows_RD.dtype)
+
+
+def weighted_gather_sum(
+    rows_RD: torch.Tensor, row_of_slot_S: torch.Tensor, n_tokens: int,
+    weights_S: torch.Tensor | None = None, kept_S: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """``weighted_gather_sum_reference``'s sum; the fused path (float rows) is one Triton
+    kernel (``_combine_kernels``) accumulating in FP32 that reads each token's ``k`` rows
+    once and writes ``y`` once, without atomics."""
+    if use_fused("weighted_gather_sum", backend, rows_RD.device, lambda: _unfit_dtype(rows_RD)):
+        from moe_model import _combine_kernels as k
+
+        return k.weighted_gather_sum(rows_RD, row_of_slot_S, n_tokens, weights_S, kept_S)
+    return weighted_gather_sum_reference(rows_RD, row_of_slot_S, n_tokens, weights_S, kept_S)
+
+
+def combine_backward_reference(
+    dy_TD: torch.Tensor, rows_out_RD: torch.Tensor, w_S: torch.Tensor, h: LocalDispatchHandle,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d_rows, d_weights)`` of ``y[t] = sum_j w_S[t*k+j] * rows_out[row_of_slot[t*k+j]]``
+    (``w_S`` the slot weights in at least FP32, already multiplied by ``h.kept_of_slot``), in
+    eager PyTorch: ``d_rows`` ``[R, D]`` in ``rows_out``'s dtype (zero for padding rows),
+    ``d_weights`` ``[T, k]`` in ``w_S``'s dtype (zero for dropped slots)."""
+    T, D = dy_TD.shape
+    k = w_S.shape[0] // max(T, 1)
+    dy32_TD = dy_TD.to(w_S.dtype)
+    d_rows = dy32_TD.index_select(0, h.token_of_row) * w_S.index_select(0, h.slot_of_row)[:, None]
+    if h.valid_rows is not None:
+        d_rows = torch.where(h.valid_rows[:, None], d_rows, 0.0)
+    g_TkD = rows_out_RD.index_select(0, h.row_of_slot).view(T, k, D)
+    d_weights_Tk = torch.bmm(g_TkD.to(w_S.dtype), dy32_TD.unsqueeze(-1)).view(T, k)
+    if h.kept_of_slot is not None:
+        d_weights_Tk = d_weights_Tk * h.kept_of_slot.view(T, k).to(w_S.dtype)
+    return d_rows.to(rows_out_RD.dtype), d_weights_Tk
+
+
+def combine_backward(
+    dy_TD: torch.Tensor, rows_out_RD: torch.Tensor, w_S: torch.Tensor, h: LocalDispatchHandle,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``combine_backward_reference``'s gradients (``d_weights`` FP32 on the fused path); the
+    fused path (float rows) is one Triton kernel (``_combine_kernels``) that reads
+    ``rows_out`` and ``dy`` once and writes ``d_rows`` once, routing-weight gradients
+    reduced in the same pass."""
+    if use_fused("combine_backward", backend, rows_out_RD.device, lambda: _unfit_dtype(rows_out_RD)):
+        from moe_model import _combine_kernels as k
+
+        return k.combine_backward(
+            dy_TD, rows_out_RD, h.row_of_slot, w_S, h.kept_of_slot, rows_out_RD.shape[0],
+            zero_fill=h.kept_of_slot is not None or h.valid_rows is not None)
+    return combine_backward_reference(dy_TD, rows_out_RD, w_S, h)
 
 
 class _Combine(torch.autograd.Function):
@@ -133,68 +199,47 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows_out_RD: torch.Tensor, weights_Tk: torch.Tensor,
                 h: LocalDispatchHandle) -> torch.Tensor:
-        T, k = weights_Tk.shape
+        T = weights_Tk.shape[0]
         acc = _accumulation_dtype(rows_out_RD.dtype)
         w_S = weights_Tk.reshape(-1).to(acc)
         if h.kept_of_slot is not None:
             w_S = w_S * h.kept_of_slot.to(acc)
         ctx.save_for_backward(rows_out_RD, w_S)
         ctx.handle, ctx.weights_dtype = h, weights_Tk.dtype
-        if _fused(rows_out_RD):
-            from moe_model._combine_kernels import weighted_gather_sum
-
-            return weighted_gather_sum(rows_out_RD, h.row_of_slot, T, w_S, h.kept_of_slot)
-        g_TkD = rows_out_RD.index_select(0, h.row_of_slot).view(T, k, -1)
-        y_TD = torch.bmm(w_S.view(T, 1, k), g_TkD.to(acc)).view(T, -1)
-        return y_TD.to(rows_out_RD.dtype)
+        return weighted_gather_sum(rows_out_RD, h.row_of_slot, T, w_S, h.kept_of_slot)
 
     @staticmethod
     def backward(ctx: Any, dy_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         rows_out_RD, w_S = ctx.saved_tensors
-        h: LocalDispatchHandle = ctx.handle
-        T, D = dy_TD.shape
-        k = w_S.shape[0] // T
-        if _fused(rows_out_RD):
-            from moe_model._combine_kernels import combine_backward
-
-            d_rows, d_weights_Tk = combine_backward(
-                dy_TD, rows_out_RD, h.row_of_slot, w_S, h.kept_of_slot, rows_out_RD.shape[0],
-                zero_fill=h.kept_of_slot is not None or h.valid_rows is not None)
-            return d_rows, d_weights_Tk.to(ctx.weights_dtype), None
-        dy32_TD = dy_TD.to(w_S.dtype)
-        d_rows = dy32_TD.index_select(0, h.token_of_row) * w_S.index_select(0, h.slot_of_row)[:, None]
-        if h.valid_rows is not None:
-            d_rows = torch.where(h.valid_rows[:, None], d_rows, 0.0)
-        g_TkD = rows_out_RD.index_select(0, h.row_of_slot).view(T, k, D)
-        d_weights_Tk = torch.bmm(g_TkD.to(w_S.dtype), dy32_TD.unsqueeze(-1)).view(T, k)
-        if h.kept_of_slot is not None:
-            d_weights_Tk = d_weights_Tk * h.kept_of_slot.view(T, k).to(w_S.dtype)
-        return d_rows.to(rows_out_RD.dtype), d_weights_Tk.to(ctx.weights_dtype), None
+        d_rows, d_weights_Tk = combine_backward(dy_TD, rows_out_RD, w_S, ctx.handle)
+        return d_rows, d_weights_Tk.to(ctx.weights_dtype), None
 
 
-def _dropless_layout(
+def dropless_layout_reference(
     expert_ids_Tk: torch.Tensor, n_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(slot_of_row, row_of_slot, token_of_row, counts, offsets)``: slots expert-major,
-    in slot order within an expert (a stable sort by expert id); ``offsets`` int32. On CUDA
-    with Triton, the counting sort of ``_dispatch_kernels``."""
-    if fused_kernels_enabled(expert_ids_Tk.device):
-        from moe_model._dispatch_kernels import dropless_layout
-
-        return dropless_layout(expert_ids_Tk, n_experts)
-    return sorted_layout(expert_ids_Tk, n_experts)
-
-
-def sorted_layout(
-    expert_ids_Tk: torch.Tensor, n_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``_dropless_layout`` by a stable ``argsort``: the reference (and the CPU path)."""
+    in slot order within an expert, by a stable ``argsort``; ``slot_of_row``,
+    ``row_of_slot``, ``token_of_row`` int64 ``[T*k]``, ``counts`` int64 ``[E]``, ``offsets``
+    their int32 cumulative sum."""
     k = expert_ids_Tk.shape[1]
     e_S = expert_ids_Tk.reshape(-1)
     counts_E = count_per_expert(e_S, n_experts)
     order_R = torch.argsort(e_S, stable=True)  # row r holds slot order_R[r]
     row_of_slot = torch.empty_like(order_R).scatter_(0, order_R, torch.arange(e_S.numel(), device=e_S.device))
     return order_R, row_of_slot, order_R // k, counts_E, counts_E.cumsum(0).to(torch.int32)
+
+
+def dropless_layout(
+    expert_ids_Tk: torch.Tensor, n_experts: int, backend: Backend = "auto"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dropless_layout_reference``'s layout, bit for bit; the fused path is the counting
+    sort of ``_dispatch_kernels`` (two Triton kernels)."""
+    if use_fused("dropless_layout", backend, expert_ids_Tk.device):
+        from moe_model import _dispatch_kernels as k
+
+        return k.dropless_layout(expert_ids_Tk, n_experts)
+    return dropless_layout_reference(expert_ids_Tk, n_experts)
 
 
 class LocalDispatcher:
@@ -222,7 +267,7 @@ class LocalDispatcher:
         T, k = expert_ids_Tk.shape
         S, E, dev = T * k, self.n_experts, x_TD.device
         if self.capacity_factor is None:
-            slot_of_row, row_of_slot, token_of_row, counts_E, offsets = _dropless_layout(expert_ids_Tk, E)
+            slot_of_row, row_of_slot, token_of_row, counts_E, offsets = dropless_layout(expert_ids_Tk, E)
             handle = LocalDispatchHandle(
                 token_of_row=token_of_row, slot_of_row=slot_of_row, row_of_slot=row_of_slot,
                 kept_of_slot=None, valid_rows=None, dropped_per_expert=torch.zeros_like(counts_E),

@@ -19,8 +19,38 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_model._triton_support import Backend, use_fused
 from moe_model.experts import sink_adds_in_kernel
-from moe_model.sink import GradientSink, SinkRoute, sink_route, will_run
+from moe_model.sink import GradientSink, SinkRoute, accumulator_layout, sink_route, will_run
+
+
+def embedding_grad_accumulate_reference_(target: torch.Tensor, tokens: torch.Tensor, dy: torch.Tensor,
+                                         vocab: int) -> None:
+    """``target += dW`` for the ``[vocab, D]`` embedding whose output gradient is ``dy [..., D]``
+    at token ids ``tokens [...]`` (in ``[0, vocab)``), in eager PyTorch: ``dW`` summed in FP32
+    by ``index_add_``, then added once. ``target`` is FP32 and holds the weight's elements in
+    storage order: 1-D, or ``[rows, cols]`` with contiguous rows read row by row
+    (``moe_model.sink.accumulator_layout``)."""
+    D = dy.shape[-1]
+    accumulator_layout(target, vocab * D, "embedding gradient")
+    if dy.shape[:-1] != tokens.shape:
+        raise ValueError(f"embedding gradient: dy {tuple(dy.shape)} does not match tokens {tuple(tokens.shape)}")
+    dw = torch.zeros(vocab, D, dtype=torch.float32, device=dy.device).index_add_(
+        0, tokens.reshape(-1), dy.reshape(-1, D).float())
+    target.add_(dw.view(target.shape))
+
+
+def embedding_grad_accumulate_(target: torch.Tensor, tokens: torch.Tensor, dy: torch.Tensor, vocab: int,
+                               backend: Backend = "auto") -> None:
+    """``embedding_grad_accumulate_reference_``'s update; the fused path is one Triton kernel
+    (``_embedding_kernels``) that sums each token id's gradient rows in FP32, in token order,
+    and adds the sum to the target's row once: no dense ``dW``, no atomics."""
+    if use_fused("embedding_grad_accumulate_", backend, dy.device):
+        from moe_model import _embedding_kernels as k
+
+        k.embedding_grad_accumulate_(target, tokens, dy, vocab)
+        return
+    embedding_grad_accumulate_reference_(target, tokens, dy, vocab)
 
 
 class EmbeddingGradient:
@@ -31,8 +61,6 @@ class EmbeddingGradient:
         self.tokens, self.dy, self.vocab = tokens, dy, vocab
 
     def __call__(self, target: torch.Tensor) -> None:
-        from moe_model._embedding_kernels import embedding_grad_accumulate_
-
         embedding_grad_accumulate_(target, self.tokens, self.dy, self.vocab)
 
 

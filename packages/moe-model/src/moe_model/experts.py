@@ -12,8 +12,8 @@ range a rank holds.
 
 Grouped GEMM backends (``grouped_mm(..., backend=)``), all reading device-side offsets:
 - ``grouped_mm``: ``torch._grouped_mm`` (CUTLASS on sm_90+; needs 16-byte aligned strides).
-- ``triton``: this package's Triton kernels (``moe_model.triton_grouped_mm``).
-- ``loop``: one matmul per expert; the reference. It reads the offsets on the host
+- ``triton``: this package's Triton kernels (``moe_model._grouped_mm_launch``).
+- ``loop``: one matmul per expert, ``grouped_mm_reference``. It reads the offsets on the host
   (a synchronisation), so on a GPU ``auto`` falls back to it only without Triton.
 - ``auto``: the fastest safe one for the device and dtype (see ``resolve_backend``).
 
@@ -44,10 +44,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from moe_model._grouped_mm_launch import MAX_WGRAD_SOURCES
 from moe_model._triton_support import (
     cuda_capability,
     fused_kernels_enabled,
     reference_kernels_enabled,
+    require_triton,
 )
 from moe_model.backward_needs import grads_needed
 from moe_model.layers import swiglu
@@ -56,7 +58,7 @@ from moe_model.sink import GradientSink, SinkRoute, sink_route, will_run
 BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 
 
-def grouped_mm_loop(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_mm_reference(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Reference: one matmul per expert; rows past ``offsets[-1]`` come out zero."""
     ends = offsets.tolist()
     sizes = [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
@@ -111,10 +113,11 @@ def grouped_mm(
     if backend == "grouped_mm":
         return torch._grouped_mm(x_RK, w_EKN, offs=offsets)
     if backend == "triton":
-        from moe_model.triton_grouped_mm import triton_grouped_mm
+        from moe_model._grouped_mm_launch import triton_grouped_mm
 
+        require_triton("grouped_mm", x_RK.device)
         return triton_grouped_mm(x_RK, w_EKN, offsets)
-    return grouped_mm_loop(x_RK, w_EKN, offsets)
+    return grouped_mm_reference(x_RK, w_EKN, offsets)
 
 
 def sink_adds_in_kernel(rows: torch.Tensor) -> bool:
@@ -146,8 +149,6 @@ class ExpertWeightGradient:
 
     def merged(self, other: object) -> ExpertWeightGradient | None:
         """One gradient adding both, or ``None`` where one launch cannot take them."""
-        from moe_model.triton_grouped_mm import MAX_WGRAD_SOURCES
-
         if (not isinstance(other, ExpertWeightGradient)
                 or len(self.sources) + len(other.sources) > MAX_WGRAD_SOURCES
                 or other.like.shape != self.like.shape or other.like.stride() != self.like.stride()):
@@ -155,7 +156,7 @@ class ExpertWeightGradient:
         return ExpertWeightGradient(self.sources + other.sources, self.like, self.versions + other.versions)
 
     def __call__(self, target: torch.Tensor) -> None:
-        from moe_model.triton_grouped_mm import wgrad_accumulate_
+        from moe_model._grouped_mm_launch import wgrad_accumulate_
 
         now = tuple(t._version for src in self.sources for t in src[:2])
         if now != self.versions:
@@ -208,7 +209,7 @@ class _GateUp(torch.autograd.Function):
     def forward(ctx: Any, x_RD: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
                 offsets: torch.Tensor, routes: tuple[SinkRoute | None, SinkRoute | None],
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        from moe_model.triton_grouped_mm import triton_grouped_mm_split2
+        from moe_model._grouped_mm_launch import triton_grouped_mm_split2
 
         w1c, w3c = w1_EFD.to(x_RD.dtype), w3_EFD.to(x_RD.dtype)
         ctx.save_for_backward(x_RD, w1c, w3c, offsets)
@@ -217,7 +218,7 @@ class _GateUp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dg_RF: torch.Tensor, du_RF: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        from moe_model.triton_grouped_mm import rows_mm_sum2, wgrad_mm
+        from moe_model._grouped_mm_launch import rows_mm_sum2, wgrad_mm
 
         x_RD, w1c, w3c, offsets = ctx.saved_tensors
         need = grads_needed(ctx)

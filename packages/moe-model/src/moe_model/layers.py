@@ -14,20 +14,74 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from moe_model._triton_support import fused_kernels_enabled
+from moe_model._triton_support import Backend, use_fused
 from moe_model.config import MoEConfig
 from moe_model.document_attention import DocumentMask
 from moe_model.kv_cache import LayerKV
 from moe_model.linear import Linear, shared_input_linears
 
 
-class RMSNorm(nn.Module):
-    """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dimension.
+def _rms_norm_unfit(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    from moe_model import _rms_norm_kernels as k
 
-    CUDA inputs go through the fused Triton kernels of ``moe_model._rms_norm_kernels``
-    (same rounding, imported at first use); anything else, or where Triton does not
-    import, through ``forward_reference``.
-    """
+    if x.dtype not in k.FLOAT_DTYPES or weight.dtype not in k.FLOAT_DTYPES:
+        return f"x ({x.dtype}) and weight ({weight.dtype}) must be one of {k.FLOAT_DTYPES}"
+    if weight.device != x.device:
+        return f"weight is on {weight.device}, x on {x.device}"
+    if not 0 < x.shape[-1] <= k.MAX_D:
+        return f"the normalised width {x.shape[-1]} is outside 1..{k.MAX_D}"
+    return None
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dimension, in
+    eager PyTorch: normalised in FP32 whatever the compute dtype, as the HF reference does."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: Backend = "auto") -> torch.Tensor:
+    """``rms_norm_reference``'s result, through the fused kernels of
+    ``moe_model._rms_norm_kernels`` (same rounding; float rows up to ``MAX_D`` wide) where
+    ``backend`` picks them (``_triton_support.use_fused``)."""
+    if use_fused("rms_norm", backend, x.device, lambda: _rms_norm_unfit(x, weight)):
+        from moe_model import _rms_norm_kernels as k
+
+        return k.rms_norm(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def add_rms_norm_reference(x: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, rms_norm_reference(h))`` for ``h = x + branch``."""
+    h = x + branch
+    return h, rms_norm_reference(h, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor, eps: float,
+                 backend: Backend = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, rms_norm(h))`` for ``h = x + branch``: a residual connection and the norm that
+    reads it. The fused path is one kernel each way (the add inside the norm's forward, and
+    h's two gradients summed inside the norm's backward: two passes over ``[T, D]`` and two
+    launches fewer per call), with the same roundings as apart; where ``x`` and ``branch``
+    differ in shape, dtype or device the add runs apart and ``rms_norm`` decides alone."""
+
+    def unfit() -> str | None:
+        if (branch.shape, branch.dtype, branch.device) != (x.shape, x.dtype, x.device):
+            return f"branch {tuple(branch.shape)} {branch.dtype} differs from x {tuple(x.shape)} {x.dtype}"
+        return _rms_norm_unfit(x, weight)
+
+    if use_fused("add_rms_norm", backend, x.device, unfit):
+        from moe_model import _rms_norm_kernels as k
+
+        return k.add_rms_norm(x, branch, weight, eps)
+    h = x + branch
+    return h, rms_norm(h, weight, eps, backend)
+
+
+class RMSNorm(nn.Module):
+    """``rms_norm`` with a learned weight (ones at init) over the last dimension."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -35,38 +89,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fused_kernels_take(x):
-            from moe_model import _rms_norm_kernels as k
-
-            return k.rms_norm(x, self.weight, self.eps)
-        return self.forward_reference(x)
+        return rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(h, self(h))`` for ``h = x + branch``: a residual connection and the norm
-        that reads it. On CUDA one kernel each way (the add inside the norm's forward, and
-        h's two gradients summed inside the norm's backward: two passes over ``[T, D]``
-        and two launches fewer per call), with the same roundings as apart."""
-        if (branch.shape, branch.dtype, branch.device) == (x.shape, x.dtype, x.device) and self._fused_kernels_take(x):
-            from moe_model import _rms_norm_kernels as k
-
-            return k.add_rms_norm(x, branch, self.weight, self.eps)
-        h = x + branch
-        return h, self(h)
-
-    def _fused_kernels_take(self, x: torch.Tensor) -> bool:
-        if not fused_kernels_enabled(x.device):
-            return False
-        from moe_model import _rms_norm_kernels as k
-
-        w = self.weight
-        return (x.dtype in k.FLOAT_DTYPES and w.dtype in k.FLOAT_DTYPES and w.device == x.device
-                and 0 < x.shape[-1] <= k.MAX_D)
-
-    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in FP32 whatever the compute dtype, as the HF reference does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        """``(h, self(h))`` for ``h = x + branch`` (``add_rms_norm``)."""
+        return add_rms_norm(x, branch, self.weight, self.eps)
 
 
 @functools.lru_cache(maxsize=16)
@@ -89,44 +116,65 @@ def rope_tables(
         return emb.cos(), emb.sin()
 
 
-def apply_rope(x_BHSDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE in FP32, rounded once to x's dtype.
+def apply_rope_reference(x_BHSDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in FP32, rounded once to x's dtype, in eager PyTorch."""
+    half = x_BHSDh.shape[-1] // 2
+    x1, x2 = x_BHSDh[..., :half], x_BHSDh[..., half:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x_BHSDh.float() * cos + rotated.float() * sin).to(x_BHSDh.dtype)
 
-    CUDA inputs take the one-kernel path of ``moe_model._rope_kernels`` (same
-    arithmetic); anything else, or without Triton, ``apply_rope_reference``.
-    """
-    if x_BHSDh.shape[-1] % 2 == 0 and fused_kernels_enabled(x_BHSDh.device):
+
+def apply_rope(x_BHSDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               backend: Backend = "auto") -> torch.Tensor:
+    """``apply_rope_reference``'s result; the fused path (an even head dim) is the one
+    kernel each way of ``moe_model._rope_kernels`` (same arithmetic)."""
+
+    def unfit() -> str | None:
+        return None if x_BHSDh.shape[-1] % 2 == 0 else f"head dim {x_BHSDh.shape[-1]} is odd"
+
+    if use_fused("apply_rope", backend, x_BHSDh.device, unfit):
         from moe_model._rope_kernels import FusedRope
 
         return FusedRope.apply(x_BHSDh, cos, sin)
     return apply_rope_reference(x_BHSDh, cos, sin)
 
 
-def norm_and_rope(x_BSHDh: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor,
-                  sin: torch.Tensor) -> torch.Tensor:
-    """QK-norm (when ``norm`` is given) and RoPE of query or key heads ``[B, S, H, Dh]``,
-    returned as ``[B, H, S, Dh]`` (a transposed view of ``[B, S, H, Dh]`` memory).
+def qk_norm_rope_reference(x_BSHDh: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                           sin: torch.Tensor) -> torch.Tensor:
+    """RMSNorm of each head vector of ``[B, S, H, Dh]`` then RoPE, returned as ``[B, H, S, Dh]``
+    (a transposed view of ``[B, S, H, Dh]`` memory), in eager PyTorch."""
+    return apply_rope_reference(rms_norm_reference(x_BSHDh, weight, eps).transpose(1, 2), cos, sin)
 
-    CUDA inputs with a norm take one kernel each way (``moe_model._qk_norm_rope_kernels``:
-    the two kernels' arithmetic, each head vector read and written once; 215 us of the
-    two apart per attention block and microbatch at bench-1gpu's shapes on an H200);
-    anything else runs ``norm`` then ``apply_rope``.
-    """
-    if norm is not None and fused_kernels_enabled(x_BSHDh.device):
+
+def qk_norm_rope(x_BSHDh: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                 sin: torch.Tensor, backend: Backend = "auto") -> torch.Tensor:
+    """``qk_norm_rope_reference``'s result. The fused path is one kernel each way
+    (``moe_model._qk_norm_rope_kernels``: the two kernels' arithmetic, each head vector read
+    and written once; 215 us of the two apart per attention block and microbatch at
+    bench-1gpu's shapes on an H200); where it does not apply, ``rms_norm`` then ``apply_rope``
+    (each deciding for itself)."""
+
+    def unfit() -> str | None:
         from moe_model import _qk_norm_rope_kernels as k
 
-        if k.applies(x_BSHDh, norm.weight):
-            return k.QKNormRope.apply(x_BSHDh, norm.weight, norm.eps, cos, sin).transpose(1, 2)
+        if k.applies(x_BSHDh, weight):
+            return None
+        return f"x {tuple(x_BSHDh.shape)} {x_BSHDh.dtype} with weight {weight.dtype} does not suit the kernel"
+
+    if use_fused("qk_norm_rope", backend, x_BSHDh.device, unfit):
+        from moe_model import _qk_norm_rope_kernels as k
+
+        return k.QKNormRope.apply(x_BSHDh, weight, eps, cos, sin).transpose(1, 2)
+    return apply_rope(rms_norm(x_BSHDh, weight, eps, backend).transpose(1, 2), cos, sin, backend)
+
+
+def norm_and_rope(x_BSHDh: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """QK-norm (when ``norm`` is given, ``qk_norm_rope``) and RoPE of query or key heads
+    ``[B, S, H, Dh]``, returned as ``[B, H, S, Dh]``."""
     if norm is not None:
-        x_BSHDh = norm(x_BSHDh)
+        return qk_norm_rope(x_BSHDh, norm.weight, norm.eps, cos, sin)
     return apply_rope(x_BSHDh.transpose(1, 2), cos, sin)
-
-
-def apply_rope_reference(x_BHSDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x_BHSDh.shape[-1] // 2
-    x1, x2 = x_BHSDh[..., :half], x_BHSDh[..., half:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x_BHSDh.float() * cos + rotated.float() * sin).to(x_BHSDh.dtype)
 
 
 # Every SDPA backend; the chosen one moves to the front. The priority list names all of
@@ -214,26 +262,33 @@ class Attention(nn.Module):
                 q, k, v, enable_gqa=self.n_kv_heads != self.n_heads, **mask)
 
 
-def swiglu_reference(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``silu(g) * u`` in eager PyTorch (two roundings to the inputs' dtype)."""
+def swiglu_reference(g: torch.Tensor, u: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(g) * u`` in eager PyTorch (two roundings to the inputs' dtype); computes
+    every row, ``rows`` or not."""
     return F.silu(g) * u
 
 
-def swiglu(g: torch.Tensor, u: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu(g: torch.Tensor, u: torch.Tensor, rows: torch.Tensor | None = None,
+           backend: Backend = "auto") -> torch.Tensor:
     """SwiGLU's gating ``silu(g) * u``.
 
-    CUDA inputs of one shape and dtype take the one-kernel-each-way path of
+    The fused path (``g`` and ``u`` of one shape and dtype) is one kernel each way of
     ``moe_model._swiglu_kernels`` (FP32 inside, one rounding, g and u kept for the
-    backward instead of three tensors); anything else, or without Triton,
-    ``swiglu_reference``. ``rows`` (a one-element integer device tensor, optional):
-    rows of ``g`` at or past it are padding, which the kernel path skips (their output
-    and gradient are unspecified); the reference computes them anyway.
+    backward instead of three tensors). ``rows`` (a one-element integer device tensor,
+    optional): rows of ``g`` at or past it are padding, which the kernel path skips (their
+    output and gradient are unspecified); the reference computes them anyway.
     """
-    if g.shape == u.shape and g.dtype == u.dtype and fused_kernels_enabled(g.device):
+
+    def unfit() -> str | None:
+        if g.shape == u.shape and g.dtype == u.dtype:
+            return None
+        return f"g {tuple(g.shape)} {g.dtype} and u {tuple(u.shape)} {u.dtype} differ"
+
+    if use_fused("swiglu", backend, g.device, unfit):
         from moe_model._swiglu_kernels import FusedSwiGLU
 
         return FusedSwiGLU.apply(g, u, rows)
-    return swiglu_reference(g, u)
+    return swiglu_reference(g, u, rows)
 
 
 class SwiGLU(nn.Module):

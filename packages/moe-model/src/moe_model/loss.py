@@ -27,25 +27,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe_model._triton_support import fused_kernels_enabled
+from moe_model._triton_support import Backend, use_fused
 
 IGNORE_INDEX = -100
 
 
-def lm_loss_sum(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropies in FP32; ``IGNORE_INDEX`` targets count zero.
-
-    Fused Triton kernels on CUDA, the plain ``F.cross_entropy`` call elsewhere (see the
-    module docstring)."""
-    logits_NV = logits_BSV.reshape(-1, logits_BSV.shape[-1])
-    targets_N = targets_BS.reshape(-1)
-    if fused_kernels_enabled(logits_NV.device):
-        from moe_model._cross_entropy_kernels import fused_cross_entropy_sum
-
-        return fused_cross_entropy_sum(logits_NV, targets_N, IGNORE_INDEX)
+def lm_loss_sum_reference(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropies in FP32 (``IGNORE_INDEX`` targets count zero): the
+    plain ``F.cross_entropy`` call over an FP32 copy of the logits."""
     return F.cross_entropy(
-        logits_NV.float(),
-        targets_N,
+        logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(),
+        targets_BS.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+
+
+def lm_loss_sum(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, backend: Backend = "auto") -> torch.Tensor:
+    """``lm_loss_sum_reference``'s loss; the fused path is the Triton cross-entropy of
+    ``_cross_entropy_kernels`` (see the module docstring)."""
+    if use_fused("lm_loss_sum", backend, logits_BSV.device):
+        from moe_model._cross_entropy_kernels import fused_cross_entropy_sum
+
+        return fused_cross_entropy_sum(logits_BSV.reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1),
+                                       IGNORE_INDEX)
+    return lm_loss_sum_reference(logits_BSV, targets_BS)

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-import moe_model.triton_grouped_mm  # noqa: F401 - registers torch.ops.moe_model.triton_grouped_mm
+import moe_model._grouped_mm_launch  # noqa: F401 - registers torch.ops.moe_model.triton_grouped_mm
 
 _state = threading.local()  # backward (and so recompute) may run on an autograd thread
 

@@ -15,7 +15,7 @@ Shape legend: T tokens, D d_model, E experts (all, not local), k top_k.
   the host), so nothing here waits for the device.
 - Everything after the logits (scores, top-k, weights, counts, z-loss) runs for CUDA
   logits as one Triton kernel forward and one backward (``_router_kernels``, three
-  launches and one instead of ~20 and ~15); ``_route_eager`` is the path elsewhere.
+  launches and one instead of ~20 and ~15); ``route_top_k_reference`` is the path elsewhere.
 - Logits: FP32 ``x @ w^T``. With BF16 ``x`` and ``w`` on a GPU (``router_logits``) the
   products are exact in FP32 already, so a tensor-core GEMM with FP32 output gives the
   FP32 result without FP32 copies of ``x`` and ``w``; the backward splits the FP32 logit
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moe_model._triton_support import fused_kernels_enabled
+from moe_model._triton_support import Backend, fused_kernels_enabled, use_fused
 from moe_model.backward_needs import grads_needed
 from moe_model.config import MoEConfig
 
@@ -147,18 +147,32 @@ class _RouterLogits(torch.autograd.Function):
         return dx, dw
 
 
-def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
-    """FP32 ``x @ w^T``: the tensor-core path on a GPU where both are BF16, else FP32
-    copies and an FP32 GEMM."""
-    if x_TD.dtype == w_ED.dtype == torch.bfloat16 and fused_kernels_enabled(x_TD.device):
-        return _RouterLogits.apply(x_TD, w_ED)
+def router_logits_reference(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    """FP32 ``x @ w^T`` through FP32 copies of ``x`` and ``w`` and an FP32 GEMM."""
     return x_TD.float() @ w_ED.float().t()
 
 
-def _route_eager(logits_TE: torch.Tensor, score: str, top_k: int, norm_topk: bool,
-                 expert_bias: torch.Tensor | None) -> RoutingResult:
-    """Scores, selection, weights, counts and z-loss of FP32 logits in eager PyTorch: the
-    path off CUDA (or without Triton), and the reference of ``_router_kernels``."""
+def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor, backend: Backend = "auto") -> torch.Tensor:
+    """FP32 ``x @ w^T``; the fused path (BF16 ``x`` and ``w``) is ``_RouterLogits``, the
+    tensor-core GEMM with FP32 output (see the module docstring)."""
+
+    def unfit() -> str | None:
+        if x_TD.dtype == w_ED.dtype == torch.bfloat16:
+            return None
+        return f"x ({x_TD.dtype}) and w ({w_ED.dtype}) must both be torch.bfloat16"
+
+    if use_fused("router_logits", backend, x_TD.device, unfit):
+        return _RouterLogits.apply(x_TD, w_ED)
+    return router_logits_reference(x_TD, w_ED)
+
+
+def route_top_k_reference(logits_TE: torch.Tensor, score: str, top_k: int, norm_topk: bool,
+                          expert_bias: torch.Tensor | None) -> RoutingResult:
+    """Scores, selection, weights, counts and z-loss of FP32 logits in eager PyTorch.
+
+    ``score``: ``"softmax"`` or ``"sigmoid"``; ``norm_topk``: the chosen weights summed to
+    one per token; ``expert_bias`` (``[E]`` or ``None``): added to the scores for the
+    selection only."""
     if score == "softmax":
         scores_TE = probs_TE = logits_TE.softmax(dim=-1)
     else:
@@ -180,6 +194,19 @@ def _route_eager(logits_TE: torch.Tensor, score: str, top_k: int, norm_topk: boo
     )
 
 
+def route_top_k(logits_TE: torch.Tensor, score: str, top_k: int, norm_topk: bool,
+                expert_bias: torch.Tensor | None, backend: Backend = "auto") -> RoutingResult:
+    """``route_top_k_reference``'s routing; the fused path is one Triton kernel forward and
+    one backward (``_router_kernels``)."""
+    if use_fused("route_top_k", backend, logits_TE.device):
+        from moe_model._router_kernels import fused_routing
+
+        ids_Tk, weights_Tk, counts_E, probs_TE, z_loss = fused_routing(
+            logits_TE, expert_bias, top_k, score == "sigmoid", norm_topk)
+        return RoutingResult(ids_Tk, weights_Tk, counts_E, probs_TE, z_loss)
+    return route_top_k_reference(logits_TE, score, top_k, norm_topk, expert_bias)
+
+
 class TopKRouter(nn.Module):
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
@@ -196,13 +223,7 @@ class TopKRouter(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> RoutingResult:
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = router_logits(x_TD, self.weight)
-        if fused_kernels_enabled(logits_TE.device):
-            from moe_model._router_kernels import fused_routing
-
-            ids_Tk, weights_Tk, counts_E, probs_TE, z_loss = fused_routing(
-                logits_TE, self.expert_bias, self.top_k, self.score == "sigmoid", self.norm_topk)
-            return RoutingResult(ids_Tk, weights_Tk, counts_E, probs_TE, z_loss)
-        return _route_eager(logits_TE, self.score, self.top_k, self.norm_topk, self.expert_bias)
+        return route_top_k(logits_TE, self.score, self.top_k, self.norm_topk, self.expert_bias)
 
     @torch.no_grad()
     def update_bias(self, counts_E: torch.Tensor) -> None:
