@@ -103,8 +103,6 @@ import torch
 from _bench import matmul_ceiling_tflops, time_ms
 from moe_ddp.accumulate import accumulate_
 from moe_model import MoEConfig, MoELayer, grouped_mm, init_weights
-from moe_model.experts import GroupedExperts
-from moe_model.router import RoutingResult, count_per_expert
 from moe_model._grouped_mm_launch import (
     TileConfig,
     default_config,
@@ -115,6 +113,8 @@ from moe_model._grouped_mm_launch import (
     wgrad_accumulate_,
     wgrad_mm,
 )
+from moe_model.experts import GroupedExperts
+from moe_model.router import RoutingResult, count_per_expert
 
 PEAK = 989.0  # TFLOP/s, dense bf16 peak used for MFU
 BACKENDS = ("grouped_mm", "triton", "loop")
