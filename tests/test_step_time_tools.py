@@ -16,15 +16,27 @@ def test_validate_step_time_dry_run_predicts_every_shape(tmp_path, monkeypatch):
     tool = load_script(TOOLS / "validate_step_time.py")
     report = tool.main(["--dry-run", "--out", str(tmp_path / "v.json")])
     rows = report["rows"]
-    assert {(r["shape"], r["graphs"]) for r in rows} == {
+    assert {(r["case"], r["graphs"]) for r in rows} == {
         (s, g) for s in tool.SHAPES for g in ("on", "off")}
     for r in rows:
         assert r["predicted"]["fits"] and r["predicted"]["tokens_per_s"] > 0
         assert "measured" not in r
-    by = {(r["shape"], r["graphs"]): r["predicted"]["step_ms"] for r in rows}
+    by = {(r["case"], r["graphs"]): r["predicted"]["step_ms"] for r in rows}
     for shape in tool.SHAPES:  # graphs never slower than eager launches
         assert by[shape, "on"] <= by[shape, "off"]
     assert (tmp_path / "v.json").exists()
+
+
+def test_validate_step_time_dry_run_predicts_the_two_gpu_layouts(monkeypatch):
+    """On two GPUs the cases are bench-2gpu's DP2, EP2 and PP2, each planned as the
+    benchmark builds it: EP2 exchanges tokens, PP2 has a bubble, DP2 neither."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    tool = load_script(TOOLS / "validate_step_time.py")
+    rows = {r["case"]: r["predicted"] for r in tool.main(["--dry-run", "--world", "2"])["rows"]}
+    assert set(rows) == {"dp2", "ep2", "pp2"}
+    assert all(p["fits"] and p["tokens_per_s"] > 0 and not p["cuda_graphs"] for p in rows.values())
+    assert rows["ep2"]["exposed_comm_ms"] > rows["dp2"]["exposed_comm_ms"]
+    assert rows["pp2"]["bubble_ms"] > 0 == rows["dp2"]["bubble_ms"] == rows["ep2"]["bubble_ms"]
 
 
 @pytest.mark.slow

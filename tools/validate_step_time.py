@@ -1,17 +1,22 @@
-"""Step-time predictions against measured steps on one GPU.
+"""Step-time predictions against measured steps, on one GPU or on two.
 
     # one H200 (< 8 min): calibrate, then bench-1gpu and three shapes no preset names,
     # each with and without CUDA graphs, through the app's own Trainer
     tools/from_source.sh python3 tools/validate_step_time.py \\
         --profile-out $OUT/h200.json --out $OUT/validate_step_time.json
-    # CPU: the shapes, their plans and predictions from a profile, nothing measured
-    uv run python tools/validate_step_time.py --dry-run --profile h200
+    # two H200s, after the one-GPU run (its profile; links from the profile's table):
+    # bench-2gpu as DP2, EP2 (rowwise transport) and PP2
+    tools/from_source.sh python3 -m torch.distributed.run --nproc-per-node 2 \\
+        tools/validate_step_time.py --profile $OUT/h200.json --out $OUT/validate_2gpu.json
+    # CPU: the cases, their plans and predictions from a profile, nothing measured
+    uv run python tools/validate_step_time.py --dry-run --profile h200 [--world 2]
 
 The measurement is ``tools/bench_train_step.py``'s (``run_method``: warm-up steps,
 then timed ``Trainer.step`` calls, model routing). The prediction is ``pretrain plan
 --time``'s (``predict_step``) for the same config, from the profile calibrated at the
-start of the run (or ``--profile``). Prints a table and writes JSON: the profile,
-and per shape and graphs on/off the predicted and measured step and tokens/s.
+start of the run (or ``--profile``; required on more than one GPU, where the host probe
+of the calibration would run on every rank). Prints a table and writes JSON (rank 0):
+the profile, and per case the predicted and measured step and tokens/s.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import json
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +45,46 @@ SHAPES: dict[str, list[str]] = {
                       "train.global_batch=32"],
 }
 GRAPHS = {"on": "train.cuda_graphs=true", "off": "train.cuda_graphs=false"}
+# Two GPUs: bench-2gpu (eager, as its preset runs) in each layout, and the bench
+# method that builds it.
+LAYOUTS: dict[str, tuple[str, list[str]]] = {
+    "dp2": ("ddp", []),
+    "ep2": ("ep", []),  # the method sets parallel.ep and the rowwise transport
+    "pp2": ("ddp", ["parallel.pp=2"]),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration: a shape on one GPU, or a layout on two."""
+
+    name: str
+    graphs: str  # "on" | "off" | "preset"
+    config: str
+    overrides: tuple[str, ...]
+    method: str  # tools/bench_train_step.py's method
+
+    def load(self) -> Any:
+        from pretrain.config import load_config
+
+        return load_config(self.config, [*self.overrides, *self.method_overrides()])
+
+    def method_overrides(self) -> list[str]:
+        """What ``bench_train_step.method_config`` adds for the method (EP), so that the
+        prediction sees the layout the measurement runs."""
+        if self.method != "ep":
+            return []
+        return [f"parallel.ep={int(self.name[-1])}", "parallel.ep_backend=rowwise"]
+
+
+def cases(world: int, shapes: list[str], graphs: list[str]) -> list[Case]:
+    if world == 1:
+        return [Case(shape, g, "bench-1gpu", (*SHAPES[shape], GRAPHS[g]), "ddp")
+                for shape in shapes for g in graphs]
+    if world == 2:
+        return [Case(name, "preset", "bench-2gpu", tuple(extra), method)
+                for name, (method, extra) in LAYOUTS.items()]
+    raise SystemExit(f"validate_step_time measures one or two GPUs, not {world}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,50 +98,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--dry-run", action="store_true",
-                   help="print the shapes and their predictions; measure nothing (CPU)")
+                   help="print the cases and their predictions; measure nothing (CPU)")
+    p.add_argument("--world", type=int, default=1,
+                   help="with --dry-run: the GPU count whose cases to predict (1 or 2)")
     p.add_argument("--out", type=Path, default=None, help="JSON file")
     return p.parse_args(argv)
 
 
-def shape_config(shape: str, graphs: str) -> Any:
-    from pretrain.config import load_config
-
-    return load_config("bench-1gpu", [*SHAPES[shape], GRAPHS[graphs]])
-
-
-def predict(cfg: Any, profile: Any) -> dict[str, Any]:
+def predict(cfg: Any, profile: Any, world: int) -> dict[str, Any]:
     from pretrain.planner import PlanRequest, plan_memory, predict_step
 
-    request = PlanRequest.from_config(cfg, 1, gpu_gib=profile.gpu_gib)
+    request = PlanRequest.from_config(cfg, world, gpu_gib=profile.gpu_gib)
     st = predict_step(request, profile, cuda_graphs=cfg.train.cuda_graphs)
     plan = plan_memory(request)
     return {"step_ms": st.step_s * 1e3, "tokens_per_s": st.tokens_per_s, "mfu": st.mfu,
             "planned_peak_gib": plan.worst.peak_allocated / 2**30, "fits": plan.fits,
-            "breakdown_ms": {k: v * 1e3 for k, v in st.compute.items()}}
+            "cuda_graphs": cfg.train.cuda_graphs,
+            "breakdown_ms": {k: v * 1e3 for k, v in st.compute.items()},
+            "exposed_comm_ms": st.exposed_comm_s * 1e3, "bubble_ms": st.bubble_s * 1e3}
 
 
-def measure(cfg: Any, shape: str, graphs: str, a: argparse.Namespace, device: torch.device,
+def measure(case: Case, a: argparse.Namespace, device: torch.device, world: int,
             run_dir: Path) -> dict[str, Any]:
-    """``bench_train_step``'s measurement of ``cfg`` (ddp on one rank, model routing)."""
+    """``bench_train_step``'s measurement of ``case`` (model routing)."""
     import bench_train_step as bench
 
-    args = bench.parse_args([*SHAPES[shape], GRAPHS[graphs], "--config", "bench-1gpu",
-                             "--routing", "model", "--warmup", str(a.warmup),
-                             "--steps", str(a.steps)])
-    cfg, why = bench.method_config(args, "ddp", device, 1, run_dir / f"{shape}-{graphs}")
-    if why is not None:
-        raise SystemExit(f"{shape}: CUDA graphs refused ({why})")
-    row = bench.run_method(args, "ddp", cfg, device, 1)[0]
+    args = bench.parse_args([*case.overrides, "--config", case.config, "--routing", "model",
+                             "--warmup", str(a.warmup), "--steps", str(a.steps)])
+    cfg, why = bench.method_config(args, case.method, device, world,
+                                   run_dir / f"{case.name}-{case.graphs}")
+    if why is not None and case.graphs == "on":
+        raise SystemExit(f"{case.name}: CUDA graphs refused ({why})")
+    row = bench.run_method(args, case.method, cfg, device, world)[0]
     return {"step_ms": row["step_ms"], "tokens_per_s": row["tokens_per_s"], "mfu": row["mfu"],
-            "peak_gib": row["peak_mem_gib"], "phase_ms": row["phase_ms"]}
+            "peak_gib": row["peak_mem_gib"], "phase_ms": row["phase_ms"],
+            "cuda_graphs": row["cuda_graphs"]}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = ("shape", "graphs", "pred ms", "meas ms", "pred tok/s", "meas tok/s", "error")
+    head = ("case", "graphs", "pred ms", "meas ms", "pred tok/s", "meas tok/s", "error")
     print(" ".join(f"{h:>13}" for h in head))
     for r in rows:
         p, m = r["predicted"], r.get("measured")
-        cells = [r["shape"], r["graphs"], f"{p['step_ms']:.1f}",
+        cells = [r["case"], r["graphs"], f"{p['step_ms']:.1f}",
                  f"{m['step_ms']:.1f}" if m else "-", f"{p['tokens_per_s']:,.0f}",
                  f"{m['tokens_per_s']:,.0f}" if m else "-",
                  f"{r['error']:+.1%}" if m else "-"]
@@ -109,40 +154,49 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from pretrain.runtime import distributed
 
     started = time.time()
-    report: dict[str, Any] = {"shapes": {s: SHAPES[s] for s in a.shapes}, "rows": []}
+    report: dict[str, Any] = {"rows": []}
     if a.dry_run:
         profile = load_profile(a.profile or "h200")
         report["profile"] = profile.to_json()
-        for shape in a.shapes:
-            for graphs in a.graphs:
-                report["rows"].append({"shape": shape, "graphs": graphs,
-                                       "predicted": predict(shape_config(shape, graphs), profile)})
+        for case in cases(a.world, a.shapes, a.graphs):
+            report["rows"].append({"case": case.name, "graphs": case.graphs,
+                                   "overrides": list(case.overrides),
+                                   "predicted": predict(case.load(), profile, a.world)})
         print_table(report["rows"])
     else:
         if not torch.cuda.is_available():
             raise SystemExit("validate_step_time measures on a CUDA GPU; --dry-run runs on CPU")
         with distributed("cuda") as rt, tempfile.TemporaryDirectory() as tmp:
+            if rt.world_size > 1 and not a.profile:
+                raise SystemExit("on more than one GPU, pass --profile (the one-GPU run's "
+                                 "--profile-out)")
+            lead = rt.rank == 0
             profile = load_profile(a.profile) if a.profile else calibrate(rt.device)
             report["profile"] = profile.to_json()
             report["device"] = torch.cuda.get_device_name(rt.device)
+            report["world"] = rt.world_size
             report["calibrate_s"] = time.time() - started
-            if a.profile_out is not None:
+            if a.profile_out is not None and lead:
                 a.profile_out.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
-            for shape in a.shapes:
-                for graphs in a.graphs:
-                    cfg = shape_config(shape, graphs)
-                    row = {"shape": shape, "graphs": graphs, "predicted": predict(cfg, profile),
-                           "measured": measure(cfg, shape, graphs, a, rt.device, Path(tmp))}
-                    row["error"] = (row["predicted"]["tokens_per_s"]
-                                    / row["measured"]["tokens_per_s"] - 1)
-                    report["rows"].append(row)
-                    torch.cuda.empty_cache()
-                    if a.out is not None:  # after every row: a later failure keeps the rest
-                        a.out.parent.mkdir(parents=True, exist_ok=True)
-                        a.out.write_text(json.dumps(report, indent=2))
+            for case in cases(rt.world_size, a.shapes, a.graphs):
+                cfg = case.load()
+                row = {"case": case.name, "graphs": case.graphs, "overrides": list(case.overrides),
+                       "predicted": predict(cfg, profile, rt.world_size),
+                       "measured": measure(case, a, rt.device, rt.world_size, Path(tmp))}
+                row["error"] = (row["predicted"]["tokens_per_s"]
+                                / row["measured"]["tokens_per_s"] - 1)
+                report["rows"].append(row)
+                torch.cuda.empty_cache()
+                if a.out is not None and lead:  # after every row: a later failure keeps the rest
+                    a.out.parent.mkdir(parents=True, exist_ok=True)
+                    a.out.write_text(json.dumps(report, indent=2))
+                if lead:
                     print_table(report["rows"][-1:])
-            print()
-            print_table(report["rows"])
+            if lead:
+                print()
+                print_table(report["rows"])
+            else:
+                return report
     report["wall_s"] = time.time() - started
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
