@@ -153,8 +153,8 @@ def test_toml_file_errors_name_the_key(tmp_path):
     (["train.cuda_graphs=true", "parallel.ep=2", "parallel.ep_backend=all_to_all"],
      "train.cuda_graphs is not supported with parallel.ep=2 / ep_backend=all_to_all: the "
      "all_to_all transport reads its split sizes on the host"),
-    (["train.cuda_graphs=true", "mxfp8.targets=experts"],
-     "train.cuda_graphs is not supported with mxfp8.targets"),
+    (["train.cuda_graphs=true", "mxfp8.targets=experts", "mxfp8.recipe=fp8_rowwise"],
+     "train.cuda_graphs is not supported with mxfp8.recipe=fp8_rowwise and mxfp8.gemm=emulated"),
     (["train.cuda_graphs=true", "train.device=cpu"],
      "train.cuda_graphs is not supported with train.device=cpu"),
     (["train.cuda_graphs=true", "train.reference_kernels=true"],
@@ -205,6 +205,15 @@ def test_cuda_graphs_take_several_data_parallel_ranks(ddp_mode):
 def test_cuda_graphs_take_expert_parallelism_on_the_rowwise_transport():
     cfg = load_config("tiny", ["train.cuda_graphs=true", "parallel.ep=2", "parallel.ep_backend=rowwise"])
     assert validate_layout(cfg, 4).ep_dp == 2
+
+
+@pytest.mark.parametrize("recipe, gemm", [("mxfp8", "emulated"), ("fp8_rowwise", "native"),
+                                          ("fp8_rowwise_gw_hp", "native")])
+def test_cuda_graphs_take_low_precision_experts_without_host_reads(recipe, gemm):
+    # The weight caches refresh in place; emulated MXFP8 runs torch._grouped_mm on CUDA.
+    cfg = load_config("tiny", ["train.cuda_graphs=true", "mxfp8.targets=experts",
+                               f"mxfp8.recipe={recipe}", f"mxfp8.gemm={gemm}"])
+    assert cfg.train.cuda_graphs and cfg.mxfp8.recipe == recipe
 
 
 def test_layout_derives_dp_and_ep_dp():

@@ -173,8 +173,10 @@ class Trainer:
         self.optimizer = build_optimizer(self.ddp, cfg.optim, m.n_experts,
                                          mesh.expert_range(m.n_experts).start, device)
         if self.part.mxfp8_layers:
-            model = self.model  # (not self: the optimizer would hold the trainer)
-            self.optimizer.register_weights_updated_hook(lambda: refresh_weight_caches(model))
+            # replayed graphs read the caches where they were captured: refresh in place
+            model, in_place = self.model, t.cuda_graphs  # (not self: the optimizer would hold the trainer)
+            self.optimizer.register_weights_updated_hook(
+                lambda: refresh_weight_caches(model, in_place=in_place))
             refresh_weight_caches(self.model)
         self.tokens_per_step = t.global_batch * t.seq_len  # = target tokens of the global batch
         self.loss_scale = 1.0 / self.tokens_per_step
