@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import moe_ddp
 import pytest
 import torch
 from moe_ddp import use_reference_kernels
 from moe_ddp.accumulate import accumulate_, accumulate_reference_
-from moe_testing import run_under_triton_interpreter
+from moe_testing import check_backend_api, run_under_triton_interpreter
 
 
 @pytest.fixture(autouse=True)
@@ -36,26 +37,9 @@ def test_reference_is_add():
     assert torch.equal(dst, want)
 
 
-@pytest.mark.parametrize("backend", ["reference", "auto"])
-def test_reference_and_auto_on_cpu_are_the_reference(backend):
-    (dst, src), (want, _) = _operands(), _operands()
-    accumulate_(dst, src, backend=backend)
-    accumulate_reference_(want, src)
-    assert torch.equal(dst, want)
-
-
-def test_unknown_backend_is_refused_by_name():
-    dst, src = _operands()
-    with pytest.raises(ValueError, match=r"backend must be one of 'auto', 'triton', 'reference', got 'torch'"):
-        accumulate_(dst, src, backend="torch")
-
-
-def test_triton_on_cpu_outside_the_interpreter_says_why(monkeypatch):
-    pytest.importorskip("triton")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    dst, src = _operands()
-    with pytest.raises(RuntimeError, match="backend='triton' runs on CUDA tensors"):
-        accumulate_(dst, src, backend="triton")
+def test_accumulate_keeps_the_backend_contract():
+    check_backend_api(moe_ddp._triton_support, accumulate_, accumulate_reference_, _operands,
+                      out=lambda result, args: args[0])  # in place: what it wrote
 
 
 def test_size_mismatch_is_refused():

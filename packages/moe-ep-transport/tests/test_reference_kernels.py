@@ -7,7 +7,7 @@ import moe_ep_transport
 import pytest
 import torch
 from moe_ep_transport import ops, use_reference_kernels
-from moe_testing import check_reference_switch
+from moe_testing import check_backend_api, check_reference_switch
 
 
 @pytest.fixture(autouse=True)
@@ -78,43 +78,11 @@ OPS = {
 }
 
 
-def _same(got, want) -> bool:
-    if isinstance(got, torch.Tensor) or isinstance(want, torch.Tensor):
-        return isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and torch.equal(got, want)
-    if got is None or want is None:
-        return got is want
-    return len(got) == len(want) and all(_same(a, b) for a, b in zip(got, want, strict=True))
-
-
 @pytest.mark.parametrize("name", sorted(OPS))
-@pytest.mark.parametrize("backend", ["reference", "auto"])
-def test_reference_and_auto_on_cpu_are_the_public_reference(name, backend):
+def test_every_op_keeps_the_backend_contract(name):
     op, reference = OPS[name]
-    o = _operands()
-    assert _same(op(o, backend), reference(o))
-
-
-@pytest.mark.parametrize("name", sorted(OPS))
-def test_unknown_backend_is_refused_by_name(name):
-    with pytest.raises(ValueError, match=r"backend must be one of 'auto', 'triton', 'reference', got 'torch'"):
-        OPS[name][0](_operands(), "torch")
-
-
-@pytest.mark.parametrize("name", sorted(OPS))
-def test_switch_overrides_an_explicit_triton_backend(name, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    op, reference = OPS[name]
-    o = _operands()
-    with use_reference_kernels(True):
-        got = op(o, "triton")  # CPU tensors: without the switch the kernel is refused here
-    assert _same(got, reference(o))
-
-
-def test_triton_on_cpu_outside_the_interpreter_says_why(monkeypatch):
-    pytest.importorskip("triton")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(RuntimeError, match="backend='triton' runs on CUDA tensors"):
-        OPS["rank_slots"][0](_operands(), "triton")
+    check_backend_api(moe_ep_transport._triton_support, lambda o, backend: op(o, backend), reference,
+                      lambda: (_operands(),))
 
 
 def test_resolve_backend_is_the_one_decision():

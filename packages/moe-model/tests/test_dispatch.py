@@ -1,16 +1,19 @@
 """Local dispatch: dropless and capacity-limited, gradients, and the fairness of the drop policy."""
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from moe_model import GroupedExperts, LocalDispatcher, ReportsDrops, TokenDispatcher, dispatch
+from moe_model import (
+    GroupedExperts,
+    LocalDispatcher,
+    ReportsDrops,
+    TokenDispatcher,
+    _triton_support,
+    dispatch,
+)
 from moe_model.dispatch import dropless_layout, dropless_layout_reference
-from moe_testing import assert_no_host_sync, run_under_triton_interpreter
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _backend_api import check_backend_api  # noqa: E402
+from moe_testing import assert_no_host_sync, check_backend_api, run_under_triton_interpreter
 
 
 def dense_reference(x, ids, weights, experts, kept=None):
@@ -158,4 +161,4 @@ def test_counting_sort_layout_on_gpu_matches_stable_argsort_without_host_sync():
 
 def test_dropless_layout_backends():
     ids = torch.stack([torch.randperm(4, generator=torch.Generator().manual_seed(t))[:2] for t in range(7)])
-    check_backend_api(dropless_layout, dropless_layout_reference, lambda: (ids, 4))
+    check_backend_api(_triton_support, dropless_layout, dropless_layout_reference, lambda: (ids, 4))

@@ -4,20 +4,17 @@ on a GPU against autograd without a host sync."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from moe_model import _triton_support
 from moe_model.embedding import (
     embed,
     embedding_grad_accumulate_,
     embedding_grad_accumulate_reference_,
 )
-from moe_testing import assert_no_host_sync, run_under_triton_interpreter
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _backend_api import check_backend_api  # noqa: E402
+from moe_testing import assert_no_host_sync, check_backend_api, run_under_triton_interpreter
 
 
 class _Sink:
@@ -95,5 +92,5 @@ def test_embedding_grad_accumulate_backends(owner_major):
         target.copy_(start.view(target.shape))
         return target, tokens, dy, V
 
-    check_backend_api(embedding_grad_accumulate_, embedding_grad_accumulate_reference_, make,
+    check_backend_api(_triton_support, embedding_grad_accumulate_, embedding_grad_accumulate_reference_, make,
                       out=lambda result, args: args[0])

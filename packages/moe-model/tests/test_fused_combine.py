@@ -7,17 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_model import LocalDispatcher, use_reference_kernels
+from moe_model import LocalDispatcher, _triton_support, use_reference_kernels
 from moe_model.dispatch import (
     combine_backward,
     combine_backward_reference,
     weighted_gather_sum,
     weighted_gather_sum_reference,
 )
-from moe_testing import assert_no_host_sync, run_under_triton_interpreter
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _backend_api import check_backend_api  # noqa: E402
+from moe_testing import assert_no_host_sync, check_backend_api, run_under_triton_interpreter
 
 
 @pytest.mark.slow
@@ -118,7 +115,7 @@ def test_weighted_gather_sum_backends(capacity_factor, weighted):
         weights = torch.rand(T * k, generator=torch.Generator().manual_seed(2)).requires_grad_() if weighted else None
         return rows.bfloat16().requires_grad_(), h.row_of_slot, T, weights, h.kept_of_slot
 
-    check_backend_api(weighted_gather_sum, weighted_gather_sum_reference, make)
+    check_backend_api(_triton_support, weighted_gather_sum, weighted_gather_sum_reference, make)
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.75])
@@ -129,4 +126,4 @@ def test_combine_backward_backends(capacity_factor):
     if h.kept_of_slot is not None:
         w_S = w_S * h.kept_of_slot
     dy, rows_out = torch.randn(T, D, generator=g).bfloat16(), torch.randn(R, D, generator=g).bfloat16()
-    check_backend_api(combine_backward, combine_backward_reference, lambda: (dy, rows_out, w_S, h))
+    check_backend_api(_triton_support, combine_backward, combine_backward_reference, lambda: (dy, rows_out, w_S, h))

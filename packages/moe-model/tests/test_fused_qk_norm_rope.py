@@ -3,16 +3,13 @@ at the bench presets' attention shapes against the two kernels it replaces."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from moe_model import _triton_support
 from moe_model.layers import qk_norm_rope, qk_norm_rope_reference, rope_tables
-from moe_testing import assert_no_host_sync, run_under_triton_interpreter
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _backend_api import check_backend_api  # noqa: E402
+from moe_testing import assert_no_host_sync, check_backend_api, run_under_triton_interpreter
 
 
 @pytest.mark.slow
@@ -73,4 +70,4 @@ def test_qk_norm_rope_backends():
         w = (1 + 0.1 * torch.randn(16, generator=g)).bfloat16().requires_grad_()
         return x, w, 1e-6, cos, sin
 
-    check_backend_api(qk_norm_rope, qk_norm_rope_reference, make)
+    check_backend_api(_triton_support, qk_norm_rope, qk_norm_rope_reference, make)

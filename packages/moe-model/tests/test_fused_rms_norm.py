@@ -2,11 +2,11 @@
 Triton interpreter on CPU (a subprocess, see ``_rms_norm_interpret_check.py``), and on a
 GPU at the training shapes."""
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from moe_model import _triton_support
 from moe_model.layers import (
     RMSNorm,
     add_rms_norm,
@@ -14,10 +14,7 @@ from moe_model.layers import (
     rms_norm,
     rms_norm_reference,
 )
-from moe_testing import assert_no_host_sync, run_under_triton_interpreter
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _backend_api import check_backend_api  # noqa: E402
+from moe_testing import assert_no_host_sync, check_backend_api, run_under_triton_interpreter
 
 
 def test_cpu_forward_is_the_reference():
@@ -174,5 +171,5 @@ def _norm_args(dtype, branch=False):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_backends(dtype):
-    check_backend_api(rms_norm, rms_norm_reference, _norm_args(dtype))
-    check_backend_api(add_rms_norm, add_rms_norm_reference, _norm_args(dtype, branch=True))
+    check_backend_api(_triton_support, rms_norm, rms_norm_reference, _norm_args(dtype))
+    check_backend_api(_triton_support, add_rms_norm, add_rms_norm_reference, _norm_args(dtype, branch=True))

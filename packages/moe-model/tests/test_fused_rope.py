@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from moe_model import _triton_support
 from moe_model.layers import apply_rope, apply_rope_reference, rope_tables
-from moe_testing import run_under_triton_interpreter
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _backend_api import check_backend_api  # noqa: E402
+from moe_testing import check_backend_api, run_under_triton_interpreter
 
 
 @pytest.mark.slow
@@ -56,4 +53,4 @@ def test_apply_rope_backends():
         x = torch.randn(2, 3, 7, 16, generator=torch.Generator().manual_seed(0)).bfloat16().requires_grad_()
         return x, cos, sin
 
-    check_backend_api(apply_rope, apply_rope_reference, make)
+    check_backend_api(_triton_support, apply_rope, apply_rope_reference, make)

@@ -4,12 +4,11 @@ the bench shape against the eager path on the same tensors."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from moe_model import MoEConfig, TopKRouter, load_balancing_loss
+from moe_model import MoEConfig, TopKRouter, _triton_support, load_balancing_loss
 from moe_model.router import (
     RoutingResult,
     count_per_expert,
@@ -18,10 +17,7 @@ from moe_model.router import (
     router_logits,
     router_logits_reference,
 )
-from moe_testing import assert_no_host_sync, run_under_triton_interpreter
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _backend_api import check_backend_api  # noqa: E402
+from moe_testing import assert_no_host_sync, check_backend_api, run_under_triton_interpreter
 
 
 @pytest.mark.slow
@@ -121,7 +117,7 @@ def test_route_top_k_backends(score):
         bias = torch.randn(6, generator=g) if score == "sigmoid" else None
         return logits, score, 2, True, bias
 
-    check_backend_api(route_top_k, route_top_k_reference, make)
+    check_backend_api(_triton_support, route_top_k, route_top_k_reference, make)
 
 
 def test_router_logits_backends():
@@ -130,4 +126,4 @@ def test_router_logits_backends():
         return (torch.randn(10, 16, generator=g).bfloat16().requires_grad_(),
                 torch.randn(6, 16, generator=g).bfloat16().requires_grad_())
 
-    check_backend_api(router_logits, router_logits_reference, make)
+    check_backend_api(_triton_support, router_logits, router_logits_reference, make)

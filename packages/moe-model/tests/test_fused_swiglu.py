@@ -3,16 +3,13 @@ bench-1gpu expert shape."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from moe_model import _triton_support
 from moe_model.layers import swiglu, swiglu_reference
-from moe_testing import assert_no_host_sync, run_under_triton_interpreter
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _backend_api import check_backend_api  # noqa: E402
+from moe_testing import assert_no_host_sync, check_backend_api, run_under_triton_interpreter
 
 
 @pytest.mark.slow
@@ -60,4 +57,4 @@ def test_swiglu_backends(bounded):
         up = torch.randn(9, 24, generator=g).bfloat16().requires_grad_()
         return (gate, up, torch.tensor([5])) if bounded else (gate, up)
 
-    check_backend_api(swiglu, swiglu_reference, make)
+    check_backend_api(_triton_support, swiglu, swiglu_reference, make)

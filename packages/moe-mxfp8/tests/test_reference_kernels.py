@@ -6,9 +6,7 @@ import moe_mxfp8
 import pytest
 import torch
 from moe_mxfp8 import (
-    FP8Tensor,
     MXFP8RowCodec,
-    MXFP8Tensor,
     dequantize,
     dequantize_reference,
     quantize,
@@ -31,8 +29,7 @@ from moe_mxfp8 import (
     swiglu_reference,
     use_reference_kernels,
 )
-from moe_mxfp8._triton_support import reference_kernels_enabled
-from moe_testing import check_reference_switch
+from moe_testing import check_backend_api, check_reference_switch, same_bits
 
 
 @pytest.fixture(autouse=True)
@@ -79,51 +76,17 @@ OPS = {
 }
 
 
-def _bits(result) -> list[torch.Tensor]:
-    """Every tensor of an op's result (tuples, MXFP8Tensor, FP8Tensor), as raw bytes."""
-    if isinstance(result, torch.Tensor):
-        return [result.contiguous().view(torch.uint8)]
-    if isinstance(result, (MXFP8Tensor, FP8Tensor)):
-        return [*_bits(result.data), *_bits(result.scales if isinstance(result, MXFP8Tensor) else result.scale)]
-    return [b for part in result for b in _bits(part)]
-
-
-def _same_bits(got, want) -> bool:
-    got, want = _bits(got), _bits(want)
-    return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-
-
 @pytest.mark.parametrize("name", sorted(OPS))
-@pytest.mark.parametrize("backend", ["reference", "auto"])
-def test_reference_and_auto_on_cpu_are_the_public_reference(name, backend):
+def test_every_op_keeps_the_backend_contract(name):
     op, reference = OPS[name]
-    o = _operands()
-    assert _same_bits(op(o, backend), reference(o))
+    check_backend_api(moe_mxfp8._triton_support, lambda o, backend: op(o, backend), reference,
+                      lambda: (_operands(),))
 
 
-@pytest.mark.parametrize("name", sorted(OPS))
-def test_unknown_backend_is_refused_by_name(name):
-    with pytest.raises(ValueError, match=r"backend must be one of 'auto', 'triton', 'reference', got 'torch'"):
-        OPS[name][0](_operands(), "torch")
-
-
-@pytest.mark.parametrize("name", sorted(OPS))
-def test_switch_overrides_an_explicit_triton_backend(name, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    op, reference = OPS[name]
-    o = _operands()
-    with use_reference_kernels(True):
-        got = op(o, "triton")  # CPU tensors: without the switch the kernel is refused here
-    assert _same_bits(got, reference(o))
-    assert not reference_kernels_enabled()
-
-
-def test_triton_on_cpu_outside_the_interpreter_says_why(monkeypatch):
+def test_a_codec_asked_for_triton_on_cpu_says_why(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(RuntimeError, match="backend='triton' runs on CUDA tensors"):
-        quantize(torch.zeros(4, 32), backend="triton")
-    with pytest.raises(RuntimeError, match="backend='triton' runs on CUDA tensors"):
+    with pytest.raises(RuntimeError, match="backend='triton' needs CUDA tensors"):
         MXFP8RowCodec(backend="triton").encode(torch.zeros(4, 32))
 
 
@@ -166,8 +129,8 @@ def test_swiglu_references_match_autograd_in_float64():
     torch.testing.assert_close(swiglu_reference(h13), y.detach().float(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(swiglu_backward_reference(h13, dh, torch.float32), h.grad.float(), rtol=1e-5, atol=1e-6)
     for block, pow2 in (((1, 0), True), ((1, 128), False)):
-        assert _same_bits(swiglu_quantized_reference(h13, block, pow2),
+        assert same_bits(swiglu_quantized_reference(h13, block, pow2),
                           quantize_fp8_reference(swiglu_reference(h13), block, pow2))
         dh13, q = swiglu_backward_quantized_reference(h13, dh, torch.bfloat16, block, pow2)
-        assert _same_bits(dh13, swiglu_backward_reference(h13, dh, torch.bfloat16))
-        assert _same_bits(q, quantize_fp8_reference(dh13, block, pow2))
+        assert same_bits(dh13, swiglu_backward_reference(h13, dh, torch.bfloat16))
+        assert same_bits(q, quantize_fp8_reference(dh13, block, pow2))

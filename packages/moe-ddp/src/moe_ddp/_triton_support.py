@@ -71,8 +71,8 @@ def resolve_backend(backend: Backend, device: torch.device) -> bool:
     if not triton_available():
         raise RuntimeError("backend='triton' needs Triton, which is not installed")
     if device.type != "cuda" and not _interpreting():
-        raise RuntimeError(f"backend='triton' runs on CUDA tensors (elsewhere only under "
-                           f"TRITON_INTERPRET=1), got {device.type} tensors")
+        raise RuntimeError(f"backend='triton' needs CUDA tensors (or CPU tensors under the Triton "
+                           f"interpreter, TRITON_INTERPRET=1), got {device.type} tensors")
     return True
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from collections.abc import Callable
 from typing import Literal
 
@@ -97,7 +98,8 @@ def use_fused(op: str, backend: str, device: torch.device,
     code. Under ``use_reference_kernels(True)`` every backend takes the reference.
     """
     if backend not in KERNEL_BACKENDS:
-        raise ValueError(f"{op}: unknown backend {backend!r}; expected one of {KERNEL_BACKENDS}")
+        raise ValueError(f"{op}: backend must be one of {', '.join(map(repr, KERNEL_BACKENDS))}, "
+                         f"got {backend!r}")
     if backend == "reference" or _reference_kernels:
         return False
     if backend == "auto":
@@ -114,16 +116,15 @@ def require_triton(op: str, device: torch.device) -> None:
     and a CUDA device or a CPU under the Triton interpreter (``TRITON_INTERPRET=1``)."""
     if not triton_available():
         raise RuntimeError(f"{op}: backend='triton' needs Triton, which is not installed")
-    if device.type != "cuda" and not _interpreting(device):
+    if device.type != "cuda" and not _interpreting():
         raise RuntimeError(f"{op}: backend='triton' needs CUDA tensors (or CPU tensors under the "
-                           f"Triton interpreter, TRITON_INTERPRET=1), got tensors on {device}")
+                           f"Triton interpreter, TRITON_INTERPRET=1), got {device.type} tensors")
 
 
-def _interpreting(device: torch.device) -> bool:
-    """Whether Triton runs kernels on ``device`` (a CPU) in its interpreter."""
-    import triton.knobs
-
-    return device.type == "cpu" and bool(triton.knobs.runtime.interpret)
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (Triton's own ``TRITON_INTERPRET``,
+    read as Triton reads it, without importing Triton)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
 
 
 def num_sms(device: torch.device) -> int:

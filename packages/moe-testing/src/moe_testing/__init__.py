@@ -10,15 +10,17 @@ runtime requirement).
 from moe_testing.distributed import DistributedTestError, run_distributed
 from moe_testing.kernels import (
            assert_no_host_sync,
+           check_backend_api,
            check_reference_switch,
            launched_triton_kernels,
            package_triton_kernels,
            run_under_triton_interpreter,
+           same_bits,
            saved_tensor_bytes,
 )
 from moe_testing.scripts import load_script
 
-__all__ = ["DistributedTestError", "assert_no_host_sync", "check_reference_switch",
+__all__ = ["DistributedTestError", "assert_no_host_sync", "check_backend_api", "check_reference_switch",
            "launched_triton_kernels", "load_script",
-           "package_triton_kernels", "run_distributed", "run_under_triton_interpreter",
+           "package_triton_kernels", "run_distributed", "run_under_triton_interpreter", "same_bits",
            "saved_tensor_bytes"]

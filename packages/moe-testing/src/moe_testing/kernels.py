@@ -1,5 +1,6 @@
 """Helpers for kernel tests: the Triton interpreter in a subprocess, host-sync checks,
-the bytes autograd saves, the Triton kernels a step launches.
+the bytes autograd saves, the Triton kernels a step launches, and the contracts every
+package's kernel switch and public ops keep.
 
 ``TRITON_INTERPRET=1`` must be set before Triton is first imported, and never in
 the test process itself (it would turn every later kernel into interpreted code), so
@@ -8,6 +9,7 @@ interpreter checks live in a small script that runs in a child process.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import pkgutil
@@ -16,6 +18,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+from unittest import mock
 
 
 def run_under_triton_interpreter(script: str | Path, timeout: float = 240.0) -> str:
@@ -120,3 +124,100 @@ def check_reference_switch(support: ModuleType) -> None:
     with pytest.raises(TypeError, match="use_reference_kernels takes a bool"):
         use(1)
     assert not enabled()
+
+
+def _tensors(value: Any) -> list[Any]:
+    """Every tensor of an op's result, in order: tensors, and those inside tuples, lists,
+    dataclasses and plain objects (a quantised tensor's data and scales)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    elif hasattr(value, "__dict__") and not isinstance(value, type):
+        value = list(vars(value).values())
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _bits_equal(a: Any, b: Any) -> bool:
+    """Same dtype, shape and bytes (NaNs and FP8 included)."""
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.detach().reshape(-1).contiguous().view(torch.uint8),
+                       b.detach().reshape(-1).contiguous().view(torch.uint8))
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """Whether two op results hold the same tensors bit for bit (dtype, shape and bytes;
+    NaNs and FP8 included), walking tuples, lists, dataclasses and objects alike."""
+    x, y = _tensors(a), _tensors(b)
+    return len(x) == len(y) and all(_bits_equal(p, q) for p, q in zip(x, y, strict=True))
+
+
+def _outputs_and_grads(op: Callable[..., Any], make_args: Callable[[], tuple],
+                       out: Callable[[Any, tuple], Any], **backend: str) -> list[Any]:
+    """The op's output tensors (``out(result, args)``) and the gradients of a fixed
+    function of them with respect to the arguments that require one."""
+    import torch
+
+    args = make_args()
+    outputs = _tensors(out(op(*args, **backend), args))
+    inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    differentiable = [o for o in outputs if o.requires_grad]
+    if not inputs or not differentiable:
+        return [o.detach() for o in outputs]
+    loss = sum((o.double() * torch.linspace(-1, 1, o.numel(), dtype=torch.float64).view(o.shape)).sum()
+               for o in differentiable)
+    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    return [o.detach() for o in outputs] + [g for g in grads if g is not None]
+
+
+def check_backend_api(support: ModuleType, op: Callable[..., Any], reference: Callable[..., Any],
+                      make_args: Callable[[], tuple],
+                      out: Callable[[Any, tuple], Any] = lambda result, args: result) -> None:
+    """The public-op contract of the kernel convention, checked on CPU (no kernel runs).
+
+    ``op(*args, backend=...)`` is a package's public op, ``reference(*args)`` its
+    ``<op>_reference``, ``support`` the package's ``_triton_support`` module, ``make_args``
+    fresh arguments per call (an in-place op names what it wrote through ``out``). Checked:
+    ``"reference"`` and ``"auto"`` give exactly the reference's tensors, forward and
+    gradients; an unknown backend is a ``ValueError`` naming it and the three choices;
+    ``"triton"`` on CPU outside the Triton interpreter is a ``RuntimeError`` saying what it
+    needs; under ``use_reference_kernels(True)`` ``"triton"`` gives the reference, and so
+    does ``"auto"`` even where the kernels would run (``fused_kernels_enabled`` made to say
+    yes, as on a GPU).
+    """
+    import pytest
+
+    switch = support.use_reference_kernels
+    with switch(False), mock.patch.dict(os.environ):
+        os.environ.pop("TRITON_INTERPRET", None)
+        want = _outputs_and_grads(reference, make_args, out)
+        assert want, "the op gave no tensor to compare"
+        for backend in ("reference", "auto"):
+            got = _outputs_and_grads(op, make_args, out, backend=backend)
+            assert len(got) == len(want), f"backend={backend!r}: {len(got)} tensors, the reference {len(want)}"
+            assert all(_bits_equal(g, w) for g, w in zip(got, want, strict=True)), (
+                f"backend={backend!r} differs from the reference")
+        with pytest.raises(ValueError, match="backend must be one of 'auto', 'triton', 'reference', "
+                                             "got 'cuda'"):
+            op(*make_args(), backend="cuda")
+        if support.triton_available():
+            with pytest.raises(RuntimeError, match="backend='triton' needs CUDA tensors"):
+                op(*make_args(), backend="triton")
+        with switch(True):
+            try:
+                under_switch = {"triton": _outputs_and_grads(op, make_args, out, backend="triton")}
+            except RuntimeError as e:  # the kernel was asked for despite the switch
+                raise AssertionError("backend='triton' under use_reference_kernels(True) did not "
+                                     f"take the reference: {e}") from e
+            with mock.patch.object(support, "fused_kernels_enabled", lambda device: True):
+                under_switch["auto"] = _outputs_and_grads(op, make_args, out, backend="auto")
+    for backend, got in under_switch.items():
+        assert len(got) == len(want) and all(_bits_equal(g, w) for g, w in zip(got, want, strict=True)), (
+            f"backend={backend!r} under use_reference_kernels(True) is not the reference")
