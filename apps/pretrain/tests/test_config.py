@@ -141,6 +141,9 @@ def test_toml_file_errors_name_the_key(tmp_path):
     (["train.stop_after=0"], "train.stop_after must be positive or none, got 0"),
     (["optim.warmup_steps=4"], "train.steps=4 must exceed optim.warmup_steps=4"),
     (["parallel.ep_payload=mxfp8"], "parallel.ep_payload=mxfp8 needs expert parallelism"),
+    (["parallel.ep_payload=fp8_rowwise", "parallel.ep_backend=local"],
+     "parallel.ep_payload=fp8_rowwise needs expert parallelism: parallel.ep > 1 or an "
+     "all_to_all or rowwise parallel.ep_backend"),
     (["mxfp8.gemm=fast"], "invalid mxfp8 config: MXFP8Config.gemm must be one of"),
     (["parallel.pp=2", "model.tie_embeddings=true"], "model.tie_embeddings with parallel.pp > 1"),
     (["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "model.recompute=block"],
@@ -172,6 +175,42 @@ def test_validate_names_the_field(overrides, message):
 ])
 def test_recompute_is_refused_only_under_a_zero_bubble_pipeline(overrides):
     load_config("tiny", overrides)
+
+
+EP_TRANSPORT = ["parallel.ep_backend=all_to_all"]  # an EP transport on one rank: a payload applies
+
+
+@pytest.mark.parametrize("payload, targets, recipe, refused", [
+    ("fp8_rowwise", "experts", "fp8_rowwise", False),
+    ("fp8_rowwise", "experts", "fp8_rowwise_gw_hp", False),
+    ("fp8_rowwise", "experts", "mxfp8", True),
+    ("fp8_rowwise", "blocks.1.mlp.experts", "fp8_blockwise", True),
+    ("fp8_rowwise", "attn.w?", "mxfp8", False),  # the experts stay in the compute dtype
+    ("fp8_rowwise", "", "mxfp8", False),
+    ("mxfp8", "experts", "mxfp8", False),
+    ("mxfp8", "experts", "fp8_rowwise", True),
+    ("mxfp8", "experts", "fp8_blockwise", True),
+    ("compute", "experts", "fp8_blockwise", False),
+])
+def test_quantized_payload_needs_experts_that_compute_on_its_values(payload, targets, recipe, refused):
+    overrides = [*EP_TRANSPORT, f"parallel.ep_payload={payload}", f"mxfp8.targets={targets}",
+                 f"mxfp8.recipe={recipe}"]
+    if not refused:
+        assert load_config("tiny", overrides).parallel.ep_payload == payload
+        return
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", overrides)
+    assert str(e.value) == (
+        f"parallel.ep_payload={payload} into experts of mxfp8.recipe={recipe} would round the "
+        f"dispatched rows twice; with that payload use mxfp8.recipe "
+        f"{'mxfp8' if payload == 'mxfp8' else 'fp8_rowwise or fp8_rowwise_gw_hp'}, or "
+        "parallel.ep_payload=compute")
+
+
+def test_the_quantized_experts_of_dense_leading_layers_do_not_count():
+    """Only MoE layers have routed experts: a glob naming a dense block's index matches none."""
+    load_config("tiny", [*EP_TRANSPORT, "parallel.ep_payload=fp8_rowwise", "model.n_dense_layers=1",
+                         "mxfp8.targets=blocks.0.*"])
 
 
 @pytest.mark.parametrize("world, overrides, message", [

@@ -267,8 +267,10 @@ EP2 = ["parallel.ep=2", "parallel.ep_backend=rowwise"]
 @pytest.mark.parametrize("extra", [
     ["parallel.ddp_mode=all_reduce"], ["parallel.ddp_mode=reduce_scatter"],
     EP2, [*EP2, "parallel.ep_combine=destination"], [*EP2, "model.n_layers=1"],
-    [*EP2, "model.recompute=block"],
-], ids=["dp2-all-reduce", "dp2-reduce-scatter", "ep2", "ep2-dst", "ep2-one-layer", "ep2-recompute"])
+    [*EP2, "model.recompute=block"], [*EP2, "parallel.ep_payload=fp8_rowwise"],
+    [*EP2, "parallel.ep_payload=mxfp8"],
+], ids=["dp2-all-reduce", "dp2-reduce-scatter", "ep2", "ep2-dst", "ep2-one-layer", "ep2-recompute",
+        "ep2-fp8-payload", "ep2-mxfp8-payload"])
 def test_steps_replayed_from_cuda_graphs_on_two_ranks_equal_eager_steps(extra):
     """Five microbatches per rank (two middle units, a last one holding the gradient
     reductions over NCCL), the balancing counts all-reduced in every forward; with EP2 the
@@ -294,6 +296,7 @@ def _two_ranks_graphed_syncs(extra: list[str]) -> list[str]:
 
 @pytest.mark.multiprocess
 @pytest.mark.multigpu(2)
-@pytest.mark.parametrize("extra", [[], EP2], ids=["dp2", "ep2"])
+@pytest.mark.parametrize("extra", [[], EP2, [*EP2, "parallel.ep_payload=fp8_rowwise"]],
+                         ids=["dp2", "ep2", "ep2-fp8-payload"])
 def test_a_step_replayed_from_cuda_graphs_on_two_ranks_does_not_sync_the_host(extra):
     assert run_distributed(_two_ranks_graphed_syncs, 2, extra, backend="nccl", timeout=300) == [[], []]

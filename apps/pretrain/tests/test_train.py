@@ -344,6 +344,8 @@ def test_mxfp8_attention_projections_beside_the_dense_sink_route(tmp_path, monke
     (["train.seq_len=1000000000"], 1, "fewer than one sequence of train.seq_len + 1"),
     (["checkpoint.resume=/no/such/checkpoint"], 1, "/no/such/checkpoint is not a checkpoint"),
     (["parallel.ep_payload=mxfp8"], 2, "parallel.ep_payload=mxfp8 needs expert parallelism"),
+    (["parallel.ep_backend=all_to_all", "parallel.ep_payload=fp8_rowwise", "mxfp8.targets=experts"], 2,
+     "parallel.ep_payload=fp8_rowwise into experts of mxfp8.recipe=mxfp8 would round"),
 ])
 def test_bad_runs_exit_with_one_line(tmp_path, capsys, overrides, status, message):
     assert main(["--config", "tiny", f"run_dir={tmp_path}", *overrides]) == status

@@ -35,11 +35,11 @@ from moe_model import (
     lm_loss_sum,
     total_params,
 )
-from moe_mxfp8 import MXFP8RowCodec, apply_mxfp8, unmatched_targets
+from moe_mxfp8 import apply_mxfp8, unmatched_targets
 from moe_pp import Pipeline, PipelineConfig, build_pipeline
 from torch import nn
 
-from pretrain.config import ConfigError, PretrainConfig
+from pretrain.config import EP_PAYLOAD_CODECS, ConfigError, PretrainConfig
 from pretrain.mesh import ParallelMesh
 
 _ROOT_CHILDREN = ("embed", "norm", "head")
@@ -145,7 +145,7 @@ def build_model_part(cfg: PretrainConfig, mesh: ParallelMesh, device: torch.devi
         ep_cfg = EPConfig(n_experts=m.n_experts, top_k=m.top_k,
                           max_tokens=t.micro_batch * t.seq_len, d_model=m.d_model,
                           capacity_factor=m.capacity_factor, combine=p.ep_combine)
-        codec = MXFP8RowCodec() if p.ep_payload == "mxfp8" else None
+        codec = EP_PAYLOAD_CODECS[p.ep_payload]() if p.ep_payload != "compute" else None
         transport = make_transport(backend, ep_cfg, mesh.ep_mp_group, device=device, dtype=dtype,
                                    codec=codec)
         dispatchers = {name: EPDispatcher(ep_cfg, transport, codec=codec, seed=index)

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal
 
 from moe_model import MoEConfig
 from moe_model.experts import MAX_WGRAD_SOURCES
-from moe_mxfp8 import MXFP8Config
+from moe_mxfp8 import FP8RowCodec, MXFP8Config, MXFP8RowCodec, name_matches
 
 from pretrain.config_reference import annotated_toml
 from pretrain.config_tree import ConfigError, apply_tree, set_key
@@ -33,6 +33,7 @@ from pretrain.data.sources import STDLIB
 from pretrain.presets import PRESETS
 
 __all__ = [
+    "EP_PAYLOAD_CODECS",
     "PRESETS",
     "CheckpointConfig",
     "ConfigError",
@@ -51,6 +52,10 @@ __all__ = [
 ]
 
 
+# parallel.ep_payload -> the moe_ep_transport RowCodec that encodes it ("compute": none)
+EP_PAYLOAD_CODECS: dict[str, type[MXFP8RowCodec] | type[FP8RowCodec]] = {
+    "mxfp8": MXFP8RowCodec, "fp8_rowwise": FP8RowCodec}
+
 
 @dataclass
 class ParallelConfig:
@@ -62,7 +67,12 @@ class ParallelConfig:
     # EP token transport: local (no EP) | all_to_all (gloo/NCCL) | rowwise (NVSHMEM puts on GPU,
     # emulated peer memory on CPU); auto: local when ep == 1, else all_to_all
     ep_backend: Literal["auto", "local", "all_to_all", "rowwise"] = "auto"
-    ep_payload: Literal["compute", "mxfp8"] = "compute"  # dispatched rows: compute dtype or MXFP8
+    # the forward dispatch's rows, encoded once per token at its source: the compute dtype |
+    # E4M3 with a power-of-two scale per 32 values | E4M3 with one power-of-two FP32 scale per
+    # row (d_model + 4 bytes); gradients and the combine travel in the compute dtype (straight
+    # through); quantized experts (mxfp8.targets) need the payload their mxfp8.recipe computes
+    # on exactly (mxfp8 for mxfp8; fp8_rowwise for fp8_rowwise and fp8_rowwise_gw_hp)
+    ep_payload: Literal["compute", "mxfp8", "fp8_rowwise"] = "compute"
     # where the EP combine sums a token's top-k contributions (moe_ep_transport.EPConfig.combine):
     # auto | source | destination
     ep_combine: Literal["auto", "source", "destination"] = "auto"
@@ -296,11 +306,8 @@ class PretrainConfig:
                 f"parallel.ep_backend=local keeps every expert on its rank; parallel.ep={p.ep} "
                 "needs all_to_all or rowwise"
             )
-        if p.ep_payload == "mxfp8" and p.resolved_ep_backend() == "local":
-            raise ConfigError(
-                "parallel.ep_payload=mxfp8 needs expert parallelism: parallel.ep > 1 or an "
-                "all_to_all or rowwise parallel.ep_backend"
-            )
+        if p.ep_payload != "compute":
+            self._check_ep_payload()
         if self.model.tie_embeddings and p.pp > 1:
             raise ConfigError(
                 "model.tie_embeddings with parallel.pp > 1 is not supported: the embedding and the "
@@ -352,6 +359,26 @@ class PretrainConfig:
             raise ConfigError("checkpoint.resume must be auto, none or a checkpoint path")
         origin = self.key_sources.get("data.sources")
         self.data.validate(f" ({origin})" if origin else "")
+
+    def _check_ep_payload(self) -> None:
+        """A quantized dispatch payload needs a transport that encodes it, and experts that
+        compute on the values it carries (a recipe outside the codec's ``exact_recipes``
+        would round every dispatched row a second time)."""
+        p, m, x = self.parallel, self.model, self.mxfp8
+        if p.resolved_ep_backend() == "local":
+            raise ConfigError(
+                f"parallel.ep_payload={p.ep_payload} needs expert parallelism: parallel.ep > 1 "
+                "or an all_to_all or rowwise parallel.ep_backend"
+            )
+        exact = EP_PAYLOAD_CODECS[p.ep_payload].exact_recipes
+        quantized_experts = any(name_matches(f"blocks.{i}.mlp.experts", t)
+                                for i in range(m.n_dense_layers, m.n_layers) for t in x.targets)
+        if quantized_experts and x.recipe not in exact:
+            raise ConfigError(
+                f"parallel.ep_payload={p.ep_payload} into experts of mxfp8.recipe={x.recipe} "
+                f"would round the dispatched rows twice; with that payload use mxfp8.recipe "
+                f"{' or '.join(exact)}, or parallel.ep_payload=compute"
+            )
 
     def _get(self, key: str) -> Any:
         obj: Any = self

@@ -18,6 +18,13 @@ scale per row): ``W = D + 4`` bytes, the data then the scale's bytes (2052 for D
 sender's FP8 values again (the row's largest code is in [224, 448], so the power-of-two
 scale comes back unchanged or doubled, with the codes doubled: both exact), so the
 receiving FP8 experts compute on what was sent.
+
+Each codec's ``exact_recipes`` names the ``MXFP8Config.recipe`` values whose activation
+quantization maps its decoded rows to themselves: experts of those recipes compute on
+the sent values. Any other recipe rounds them a second time: MXFP8's floor rule
+saturates a 32-block whose largest rowwise code has mantissa 1.875 (e.g. 240 -> 480 >
+448), the rowwise recipes push an MXFP8 row's small blocks into subnormals, and
+``fp8_blockwise``'s non-power-of-two tile scales round both.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ class MXFP8RowCodec:
     """Encodes ``[R, D]`` rows into ``uint8[R, D + ceil(D/32)]`` and back."""
 
     block_size = BLOCK_SIZE
+    exact_recipes = ("mxfp8",)
 
     def __init__(self, backend: Backend = "auto") -> None:
         self.backend = backend
@@ -86,6 +94,7 @@ class FP8RowCodec:
     """Encodes ``[R, D]`` rows into ``uint8[R, D + 4]`` (E4M3 data, FP32 row scale) and back."""
 
     scale_bytes = 4
+    exact_recipes = ("fp8_rowwise", "fp8_rowwise_gw_hp")
 
     def packed_width(self, d: int) -> int:
         """Bytes per encoded row of width ``d`` (data, then the scale)."""
