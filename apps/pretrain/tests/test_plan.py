@@ -201,6 +201,42 @@ def test_fp8_expert_microbatch_matches_measurement(recipe):
     assert planned.bwd_peak == pytest.approx(backward_peak, rel=0.01)
 
 
+@pytest.mark.slow
+@pytest.mark.interpreter
+@pytest.mark.multiprocess
+def test_fp8_expert_backward_on_the_gpu_path_matches_measurement():
+    """The FP8 experts as they run on an H200 (Triton kernels, native grouped GEMMs where the
+    recipe has them, the weight gradients into a sink), measured on CPU in a child process
+    (plan_fp8_backward_case.py: the kernels under the Triton interpreter, the GEMMs by their
+    outputs): what the forward leaves for the backward and the backward's high-water mark
+    above what it starts with, exactly as planned for CUDA."""
+    from pathlib import Path
+
+    from moe_testing import run_under_triton_interpreter
+
+    out = run_under_triton_interpreter(Path(__file__).with_name("plan_fp8_backward_case.py"),
+                                       timeout=300)
+    measured = json.loads(out.strip().splitlines()[-2])
+    shape = measured.pop("shape")
+    m = replace(_config(*LOW_PRECISION).model, n_experts=shape["experts"])
+    assert (m.d_model, m.expert_hidden, m.top_k) == (shape["d_model"], shape["hidden"], 2)
+    assert set(measured) == set(FP8_RECIPES)
+    for recipe, (held, backward_peak) in measured.items():
+        gemm = "native" if FP8_RECIPES[recipe].native else "emulated"
+        ex = Execution(1, shape["rows"] // m.top_k, mxfp8_expert_layers=frozenset({0}),
+                       mxfp8_recipe=recipe, mxfp8_gemm=gemm, expert_grad_sink=True,
+                       dense_grads_in_gemm=True)
+        inv = block_inventory(m, 0, ex)
+        own = {n for n in inv.saved if n.startswith("experts.") and n != "experts.out"}
+        # the layer's own moments, without what exists before its backward (what it saved,
+        # its output gradient, the block's)
+        ahead = {"grad_out", "experts.dy_down"}
+        planned = max(inv.bytes((mo.temps | mo.wgrad) - ahead)
+                      for mo in inv.bwd_moments if "experts.dy_q" in mo.temps)
+        assert (recipe, held) == (recipe, inv.bytes(own))
+        assert (recipe, backward_peak) == (recipe, planned)
+
+
 def _measure_trainer(overrides: list[str], world: int) -> dict[str, float]:
     """Build the app's trainer and run two steps under ``LiveBytes``; what it allocated."""
     cfg = _config(*overrides)

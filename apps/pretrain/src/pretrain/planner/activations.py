@@ -529,8 +529,9 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
     GEMM and dw2's (with h recomputed): recipes with FP8 weight gradients
     (``FP8Recipe.fp8_wgrad``) quantize both operands per expert and column into E4M3
     copies transposed to ``[width, group_columns_width(R, E)]`` with FP32 scales (and
-    their reciprocals, the native GEMM's arguments; emulated, FP32 widenings of the
-    copies and an FP32 result), the others run BF16 grouped GEMMs; then, with the sink,
+    their reciprocals, the native GEMM's arguments) and int32 padded group ends
+    (emulated: FP32 widenings of the copies and an FP32 result), the others run BF16
+    grouped GEMMs; then, with the sink,
     the gate's and the up projection's gradients, strided slices of dw13, copied one at
     a time to be added flat. Split: the function is one node (its output gradient is
     captured), and its whole backward replays in the weight pass."""
@@ -564,7 +565,7 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
         if not recipe.fp8_wgrad:
             return set()
         width = group_columns_width(R, E)
-        nbytes = (n + k) * width + 2 * FP32 * E * (n + k)
+        nbytes = (n + k) * width + 2 * FP32 * E * (n + k) + 2 * OFFSET * E  # + padded ends
         if emulated:
             nbytes += FP32 * ((n + k) * width + E * n * k)
         inv.add(name, nbytes)
