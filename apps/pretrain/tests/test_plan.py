@@ -420,6 +420,24 @@ def test_plan_follows_the_compute_dtype():
         replace(auto, compute_dtype="float16")
 
 
+def test_plan_command_names_the_recipe_and_refuses_a_bad_one(capsys):
+    """The table names the low-precision recipe and GEMM; its caches and the request are in
+    the JSON; a request with a recipe moe_mxfp8 does not have, or a combination it refuses,
+    is refused naming the field."""
+    fp8 = ["mxfp8.targets=[experts]", "mxfp8.recipe=fp8_blockwise", "train.cuda_graphs=false"]
+    assert plan_command(["--config", "bench-1gpu", *fp8]) == 0
+    out = capsys.readouterr().out
+    assert "fp8_blockwise (emulated): experts" in out and "low-precision weight caches" in out
+    assert plan_command(["--config", "bench-1gpu", "--json", *fp8]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["request"]["mxfp8_recipe"] == "fp8_blockwise" and plan["ranks"][0]["mxfp8_caches"] > 0
+    request = PlanRequest.from_config(_config(*LOW_PRECISION), 1)
+    with pytest.raises(ValueError, match="PlanRequest: MXFP8Config.recipe must be one of"):
+        replace(request, mxfp8_recipe="fp9")
+    with pytest.raises(ValueError, match="save_mxfp8_activations applies to recipe mxfp8"):
+        replace(request, mxfp8_recipe="fp8_rowwise", mxfp8_save_activations=True)
+
+
 def test_plan_command_rejects_bad_input(capsys):
     assert plan_command(["--config", "bench-1gpu", "--gpus", "3"]) == 2
     assert "not divisible" in capsys.readouterr().err
@@ -499,10 +517,18 @@ GPU_CASE = ["train.device=cuda", "data.path=synthetic", "model.vocab_size=32768"
             "optim.schedule=constant"]
 
 
+def _fp8_case(recipe: str) -> list[str]:
+    """FP8 experts of ``recipe`` on its native grouped GEMMs where it has them (sm_90)."""
+    gemm = "native" if FP8_RECIPES[recipe].native else "emulated"
+    return ["mxfp8.targets=[experts]", f"mxfp8.recipe={recipe}", f"mxfp8.gemm={gemm}"]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("recompute", ["none", "selective"])
-def test_plan_within_ten_percent_of_max_memory_allocated(recompute):
-    cfg = load_config("tiny", [*GPU_CASE, f"model.recompute={recompute}"])
+@pytest.mark.parametrize("case", ["none", "selective", *FP8_RECIPES])
+def test_plan_within_ten_percent_of_max_memory_allocated(case):
+    """Recompute none or selective; FP8 experts of each recipe (without recompute)."""
+    overrides = _fp8_case(case) if case in FP8_RECIPES else [f"model.recompute={case}"]
+    cfg = load_config("tiny", [*GPU_CASE, *overrides])
     device = torch.device("cuda", torch.cuda.current_device())
     with distributed("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
