@@ -431,6 +431,8 @@ def test_plan_command_names_the_recipe_and_refuses_a_bad_one(capsys):
     assert plan_command(["--config", "bench-1gpu", "--json", *fp8]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["request"]["mxfp8_recipe"] == "fp8_blockwise" and plan["ranks"][0]["mxfp8_caches"] > 0
+    # bench-1gpu merges 4 microbatches' expert gradients: the FP8 experts' sink adds at once
+    assert plan["request"]["merge_expert_grads"] == 4 and plan["ranks"][0]["merged_grads_held"] == 0
     request = PlanRequest.from_config(_config(*LOW_PRECISION), 1)
     with pytest.raises(ValueError, match="PlanRequest: MXFP8Config.recipe must be one of"):
         replace(request, mxfp8_recipe="fp9")
