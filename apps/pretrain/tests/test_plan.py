@@ -7,7 +7,10 @@ peaks of a microbatch are compared per configuration; the persistent state of a
 rank (parameters, FP32 buckets, optimizer shards) and the whole step's peak on 1
 and 2 gloo ranks (DP, EP, PP, AdamW and Muon). On CPU nothing runs CUDA's flash
 attention, so the planner is asked for its CPU kernel variant; what only a GPU
-can show is left to the GPU tests and tools/plan_validate.py.
+can show is left to the GPU tests and tools/plan_validate.py. Low-precision experts:
+every recipe's weight caches and the FP8 experts' saved tensors byte for byte against
+the converted modules, and their backward on the GPU path (Triton kernels under the
+interpreter, native GEMMs by their outputs) against the plan for CUDA.
 """
 
 from __future__ import annotations
