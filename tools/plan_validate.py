@@ -1,7 +1,8 @@
 """`pretrain plan` against the memory the app actually uses, per rank.
 
     # one H200 (each case in its own process: NCCL/NVSHMEM state does not carry over)
-    for c in base selective muon; do tools/from_source.sh python3 tools/plan_validate.py \\
+    for c in base selective muon mxfp8 fp8_rowwise fp8_rowwise_gw_hp fp8_blockwise; do
+        tools/from_source.sh python3 tools/plan_validate.py \\
         --config bench-1gpu --case $c --out $OUT/plan_1gpu_$c.json; done
     # two H200s
     for c in dp ep pp; do tools/from_source.sh python3 -m torch.distributed.run \\
@@ -11,8 +12,10 @@
     uv run python tools/plan_validate.py --config tiny --device cpu --case base
 
 A case is a set of overrides on the config (``--case``, plus any KEY=VALUE; printed
-first and kept in the JSON). The ``ep``, ``pp`` and ``mxfp8`` cases turn
+first and kept in the JSON). The ``ep``, ``pp`` and low-precision cases turn
 ``train.cuda_graphs`` off, which those layouts refuse (``bench-1gpu`` has it on). The
+FP8 cases (``moe_mxfp8.FP8_RECIPES``) run the routed experts on the recipe's native
+grouped GEMMs on CUDA where it has them (``mxfp8.gemm=native``), emulated otherwise. The
 app's own ``Trainer`` is built and runs ``--steps`` optimizer steps; measured per
 rank: ``torch.cuda.max_memory_allocated`` (what the plan's "peak allocated"
 predicts; the target is within 10%), ``max_memory_reserved`` (peak allocated plus
@@ -34,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from moe_mxfp8 import FP8_RECIPES
 from pretrain.config import load_config, validate_layout
 from pretrain.mesh import build_mesh
 from pretrain.planner import PlanRequest, plan_memory
@@ -52,6 +56,8 @@ CASES: dict[str, list[str]] = {
     "ep": ["parallel.ep=2", EAGER],  # rowwise on CUDA, all_to_all on CPU (below)
     "pp": ["parallel.pp=2", EAGER],
     "mxfp8": ["mxfp8.targets=[experts]", EAGER],
+    **{recipe: ["mxfp8.targets=[experts]", f"mxfp8.recipe={recipe}", EAGER]
+       for recipe in FP8_RECIPES},
 }
 TARGET = 0.10
 
@@ -110,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.case == "ep":
             backend = "rowwise" if rt.device.type == "cuda" else "all_to_all"
             overrides.append(f"parallel.ep_backend={backend}")
+        if args.case in FP8_RECIPES and FP8_RECIPES[args.case].native and rt.device.type == "cuda":
+            overrides.append("mxfp8.gemm=native")
         cfg = load_config(args.config, overrides)
         if rt.rank == 0:
             graphs = "on" if cfg.train.cuda_graphs else "off"
@@ -143,11 +151,11 @@ def main(argv: list[str] | None = None) -> None:
             args.out.write_text(json.dumps({"config": args.config, "overrides": overrides,
                                             "cuda_graphs": cfg.train.cuda_graphs,
                                             "plan": plan.to_json(), "ranks": rows}, indent=1))
-        print(f"{'case':>10} {'rank':>4} {'planned':>12} {'measured':>12} {'error':>7}"
+        print(f"{'case':>17} {'rank':>4} {'planned':>12} {'measured':>12} {'error':>7}"
               + ("    reserved plan / measured     device plan / measured"
                  if rt.device.type == "cuda" else ""))
         for r in rows:
-            line = (f"{r['case']:>10} {r['rank']:>4} {_size(r['predicted_peak_allocated']):>12} "
+            line = (f"{r['case']:>17} {r['rank']:>4} {_size(r['predicted_peak_allocated']):>12} "
                     f"{_size(r['measured_peak_allocated']):>12} {r['error']:+7.1%}")
             if rt.device.type == "cuda":
                 for key in ("reserved", "device"):

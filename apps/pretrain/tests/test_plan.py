@@ -7,7 +7,10 @@ peaks of a microbatch are compared per configuration; the persistent state of a
 rank (parameters, FP32 buckets, optimizer shards) and the whole step's peak on 1
 and 2 gloo ranks (DP, EP, PP, AdamW and Muon). On CPU nothing runs CUDA's flash
 attention, so the planner is asked for its CPU kernel variant; what only a GPU
-can show is left to the GPU tests and tools/plan_validate.py.
+can show is left to the GPU tests and tools/plan_validate.py. Low-precision experts:
+every recipe's weight caches and the FP8 experts' saved tensors byte for byte against
+the converted modules, and their backward on the GPU path (Triton kernels under the
+interpreter, native GEMMs by their outputs) against the plan for CUDA.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ import pytest
 import torch
 from moe_ddp import MultiGroupDDP
 from moe_model import lm_loss_sum
+from moe_mxfp8 import FP8_RECIPES, RECIPES, FP8GroupedExperts, mxfp8_modules
 from moe_testing import run_distributed
 from pretrain.build import build_model_part
 from pretrain.cli import main
 from pretrain.config import load_config, validate_layout
 from pretrain.mesh import build_mesh
 from pretrain.planner import FAMILY, PlanRequest, plan_memory, sweep
-from pretrain.planner.activations import Execution
+from pretrain.planner.activations import Execution, block_inventory, local_rows
 from pretrain.planner.measure import LiveBytes
 from pretrain.planner.memory import KERNEL_WORKSPACES
 from pretrain.planner.pipeline import rank_activations
@@ -70,13 +74,18 @@ def _measure_microbatch(cfg) -> tuple[int, int, int]:
 
 def _planned_microbatch(cfg) -> StageMemory:
     m = cfg.model
+    return stage_memory(m, range(m.n_layers), True, True, _planned_execution(cfg))
+
+
+def _planned_execution(cfg) -> Execution:
+    m = cfg.model
     mxfp8 = frozenset(range(m.n_layers)) if "experts" in cfg.mxfp8.targets else frozenset()
     b = 4 if cfg.train.compute_dtype == "float32" else 2
-    ex = Execution(cfg.train.micro_batch, cfg.train.seq_len, compute_bytes=b, param_bytes=b,
-                   ep_backend=cfg.parallel.resolved_ep_backend(), kernels="cpu",
-                   mxfp8_expert_layers=mxfp8,
-                   mxfp8_save_activations=cfg.mxfp8.save_mxfp8_activations)
-    return stage_memory(m, range(m.n_layers), True, True, ex)
+    return Execution(cfg.train.micro_batch, cfg.train.seq_len, compute_bytes=b, param_bytes=b,
+                     ep_backend=cfg.parallel.resolved_ep_backend(), kernels="cpu",
+                     mxfp8_expert_layers=mxfp8,
+                     mxfp8_save_activations=cfg.mxfp8.save_mxfp8_activations,
+                     mxfp8_recipe=cfg.mxfp8.recipe, mxfp8_gemm=cfg.mxfp8.gemm)
 
 
 WIDE_VOCAB = ["model.vocab_size=8192", "train.seq_len=8", "train.micro_batch=1", "train.global_batch=1"]
@@ -128,6 +137,109 @@ def test_mxfp8_expert_activations_held_match_measurement(save):
     assert _planned_microbatch(cfg).held == pytest.approx(held, rel=0.01)
 
 
+# Expert hidden 192: gate and up are 384 wide, the down projection 192, so 128x128 weight
+# blocks and 1x128 activation tiles end in partial ones.
+LOW_PRECISION = ["mxfp8.targets=[experts]", "model.expert_hidden=192"]
+
+
+def _part_and_cache_bytes(cfg):
+    """The app's model part on CPU and the bytes of every storage its weight caches hold."""
+    with distributed("cpu"):
+        part = build_model_part(cfg, build_mesh(validate_layout(cfg, 1), "cpu"),
+                                torch.device("cpu"), torch.bfloat16)
+    storages = {}
+    for _, module in mxfp8_modules(part.module):
+        for cache in (module.w13_cache, module.w2_cache):
+            for copy in (cache.rows, cache.cols):
+                for t in vars(copy).values():
+                    if isinstance(t, torch.Tensor):
+                        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return part, sum(storages.values())
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_planned_weight_caches_are_what_the_converted_experts_hold(recipe):
+    """Every recipe's caches (MXFP8's two orientations; an FP8 recipe's weight and its
+    transpose, scaled per row or per 128x128 block), byte for byte."""
+    cfg = _config(*LOW_PRECISION, f"mxfp8.recipe={recipe}")
+    _, held = _part_and_cache_bytes(cfg)
+    assert plan_memory(PlanRequest.from_config(cfg, 1), kernels="cpu").ranks[0].mxfp8_caches == held
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_planned_fp8_expert_saved_tensors_are_what_autograd_keeps(recipe):
+    """What the FP8 experts' function saves for the backward (the rows and their offsets,
+    which the plan counts as the dispatcher's, and what it names the experts'), exactly."""
+    cfg = _config(*LOW_PRECISION, f"mxfp8.recipe={recipe}")
+    part, _ = _part_and_cache_bytes(cfg)
+    experts = part.module.get_submodule("blocks.0.mlp.experts")
+    assert isinstance(experts, FP8GroupedExperts) and experts.recipe_name == recipe
+    m, t = cfg.model, cfg.train
+    rows = local_rows(m, t.micro_batch * t.seq_len)
+    x = torch.randn(rows, m.d_model, dtype=torch.bfloat16, requires_grad=True)
+    offsets = torch.linspace(rows / m.n_experts, rows, m.n_experts).round().to(torch.int32)
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        experts(x, offsets)
+    inv = block_inventory(m, 0, _planned_execution(cfg))
+    own = {n for n in inv.saved if n.startswith("experts.") and n != "experts.out"}  # out: the combine's
+    assert sum(saved.values()) == inv.bytes(own | {"dispatch.rows", "dispatch.offsets"})
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_fp8_expert_microbatch_matches_measurement(recipe):
+    """Held bytes and the backward's high-water mark of a microbatch with FP8 experts, the
+    emulated GEMMs' FP32 operands included (the forward's CPU temporaries come from the
+    reference quantizer and are not planned)."""
+    cfg = _config(*LOW_PRECISION, f"mxfp8.recipe={recipe}")
+    held, _, backward_peak = _measure_microbatch(cfg)
+    planned = _planned_microbatch(cfg)
+    assert planned.held == pytest.approx(held, rel=0.01)
+    assert planned.bwd_peak == pytest.approx(backward_peak, rel=0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.interpreter
+@pytest.mark.multiprocess
+def test_fp8_expert_backward_on_the_gpu_path_matches_measurement():
+    """The FP8 experts as they run on an H200 (Triton kernels, native grouped GEMMs where the
+    recipe has them, the weight gradients into a sink), measured on CPU in a child process
+    (plan_fp8_backward_case.py: the kernels under the Triton interpreter, the GEMMs by their
+    outputs): what the forward leaves for the backward and the backward's high-water mark
+    above what it starts with, exactly as planned for CUDA."""
+    from pathlib import Path
+
+    from moe_testing import run_under_triton_interpreter
+
+    out = run_under_triton_interpreter(Path(__file__).with_name("plan_fp8_backward_case.py"),
+                                       timeout=300)
+    measured = json.loads(out.strip().splitlines()[-2])
+    shape = measured.pop("shape")
+    m = replace(_config(*LOW_PRECISION).model, n_experts=shape["experts"])
+    assert (m.d_model, m.expert_hidden, m.top_k) == (shape["d_model"], shape["hidden"], 2)
+    assert set(measured) == set(FP8_RECIPES)
+    for recipe, (held, backward_peak) in measured.items():
+        gemm = "native" if FP8_RECIPES[recipe].native else "emulated"
+        ex = Execution(1, shape["rows"] // m.top_k, mxfp8_expert_layers=frozenset({0}),
+                       mxfp8_recipe=recipe, mxfp8_gemm=gemm, expert_grad_sink=True,
+                       dense_grads_in_gemm=True)
+        inv = block_inventory(m, 0, ex)
+        own = {n for n in inv.saved if n.startswith("experts.") and n != "experts.out"}
+        # the layer's own moments, without what exists before its backward (what it saved,
+        # its output gradient, the block's)
+        ahead = {"grad_out", "experts.dy_down"}
+        planned = max(inv.bytes((mo.temps | mo.wgrad) - ahead)
+                      for mo in inv.bwd_moments if "experts.dy_q" in mo.temps)
+        assert (recipe, held) == (recipe, inv.bytes(own))
+        assert (recipe, backward_peak) == (recipe, planned)
+
+
 def _measure_trainer(overrides: list[str], world: int) -> dict[str, float]:
     """Build the app's trainer and run two steps under ``LiveBytes``; what it allocated."""
     cfg = _config(*overrides)
@@ -177,6 +289,10 @@ ONE_PROCESS = {
     "float32": ["train.compute_dtype=float32"],  # FP32 compute weights and activations
     "tied_wide_vocab": [*WIDE_VOCAB, "model.tie_embeddings=true"],
     "all_to_all_ep1": ["parallel.ep_backend=all_to_all"],  # the EP transport on one rank
+    # FP8 experts handing their weight gradients to the trainer's sink; with FP8 weight
+    # gradients (rowwise) or BF16 ones (blockwise)
+    "fp8_rowwise": [*LOW_PRECISION, "mxfp8.recipe=fp8_rowwise"],
+    "fp8_blockwise": [*LOW_PRECISION, "mxfp8.recipe=fp8_blockwise"],
 }
 
 
@@ -307,6 +423,26 @@ def test_plan_follows_the_compute_dtype():
         replace(auto, compute_dtype="float16")
 
 
+def test_plan_command_names_the_recipe_and_refuses_a_bad_one(capsys):
+    """The table names the low-precision recipe and GEMM; its caches and the request are in
+    the JSON; a request with a recipe moe_mxfp8 does not have, or a combination it refuses,
+    is refused naming the field."""
+    fp8 = ["mxfp8.targets=[experts]", "mxfp8.recipe=fp8_blockwise", "train.cuda_graphs=false"]
+    assert plan_command(["--config", "bench-1gpu", *fp8]) == 0
+    out = capsys.readouterr().out
+    assert "fp8_blockwise (emulated): experts" in out and "low-precision weight caches" in out
+    assert plan_command(["--config", "bench-1gpu", "--json", *fp8]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["request"]["mxfp8_recipe"] == "fp8_blockwise" and plan["ranks"][0]["mxfp8_caches"] > 0
+    # bench-1gpu merges 4 microbatches' expert gradients: the FP8 experts' sink adds at once
+    assert plan["request"]["merge_expert_grads"] == 4 and plan["ranks"][0]["merged_grads_held"] == 0
+    request = PlanRequest.from_config(_config(*LOW_PRECISION), 1)
+    with pytest.raises(ValueError, match="PlanRequest: MXFP8Config.recipe must be one of"):
+        replace(request, mxfp8_recipe="fp9")
+    with pytest.raises(ValueError, match="save_mxfp8_activations applies to recipe mxfp8"):
+        replace(request, mxfp8_recipe="fp8_rowwise", mxfp8_save_activations=True)
+
+
 def test_plan_command_rejects_bad_input(capsys):
     assert plan_command(["--config", "bench-1gpu", "--gpus", "3"]) == 2
     assert "not divisible" in capsys.readouterr().err
@@ -386,10 +522,18 @@ GPU_CASE = ["train.device=cuda", "data.path=synthetic", "model.vocab_size=32768"
             "optim.schedule=constant"]
 
 
+def _fp8_case(recipe: str) -> list[str]:
+    """FP8 experts of ``recipe`` on its native grouped GEMMs where it has them (sm_90)."""
+    gemm = "native" if FP8_RECIPES[recipe].native else "emulated"
+    return ["mxfp8.targets=[experts]", f"mxfp8.recipe={recipe}", f"mxfp8.gemm={gemm}"]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("recompute", ["none", "selective"])
-def test_plan_within_ten_percent_of_max_memory_allocated(recompute):
-    cfg = load_config("tiny", [*GPU_CASE, f"model.recompute={recompute}"])
+@pytest.mark.parametrize("case", ["none", "selective", *FP8_RECIPES])
+def test_plan_within_ten_percent_of_max_memory_allocated(case):
+    """Recompute none or selective; FP8 experts of each recipe (without recompute)."""
+    overrides = _fp8_case(case) if case in FP8_RECIPES else [f"model.recompute={case}"]
+    cfg = load_config("tiny", [*GPU_CASE, *overrides])
     device = torch.device("cuda", torch.cuda.current_device())
     with distributed("cuda"):
         torch.cuda.reset_peak_memory_stats(device)

@@ -35,6 +35,7 @@ group's columns at a 16-byte aligned address), padding zero.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,15 @@ class FP8Tensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_fp8(self, dtype)
+
+
+def fp8_nbytes(shape: tuple[int, ...], block: tuple[int, int]) -> int:
+    """Bytes of the ``FP8Tensor`` :func:`quantize_fp8` makes of a ``shape`` tensor (its
+    ``nbytes``): one byte per element, one FP32 scale per ``block`` (partial blocks count)."""
+    bm, bn = check_block(tuple(block))
+    *lead, M, N = shape
+    n_scales = math.prod(lead) * -(-M // bm) * (1 if bn == 0 else -(-N // bn))
+    return math.prod(shape) + 4 * n_scales
 
 
 def check_block(block: tuple[int, int]) -> tuple[int, int]:

@@ -75,6 +75,11 @@ class Execution:
     ep_combine: str = "auto"  # where the EP combine sums (moe_ep_transport.EPConfig.combine)
     mxfp8_expert_layers: frozenset[int] = frozenset()  # layers whose experts run moe_mxfp8's GEMMs
     mxfp8_save_activations: bool = False  # MXFP8 layers keep their saved tensors in MXFP8
+    mxfp8_recipe: str = "mxfp8"  # moe_mxfp8.MXFP8Config.recipe of those layers
+    mxfp8_gemm: str = "emulated"  # moe_mxfp8.MXFP8Config.gemm: emulated | native
+    # the trainer wires moe_model's gradient sink (parallel.fuse_grad_accumulation): FP8
+    # experts hand it their weight gradients on every device
+    expert_grad_sink: bool = False
     kernels: Kernels = "cuda"
     # dense weight gradients added to the FP32 main grads by the GEMM itself (moe_model's
     # gradient sink: CUDA with parallel.fuse_grad_accumulation): no BF16 [out, in]
@@ -442,7 +447,7 @@ def _ep_dispatch(inv: Inventory, cfg: MoEConfig, ex: Execution, C: int) -> None:
 def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool,
              out_saved: bool) -> None:
     """SwiGLU over R rows: BF16 grouped GEMMs, or moe_mxfp8's (keeps rows and h13, or
-    their MXFP8 forms with ``save_mxfp8_activations``). The output is kept when the
+    their MXFP8 forms with ``save_mxfp8_activations``; FP8 recipes: ``_fp8_experts``). The output is kept when the
     combine keeps it (``out_saved``: the local dispatcher's, the EP combine summing at the
     destination; summing at the source it keeps its gathered copy). The backward's high-water mark
     is at the SwiGLU's gradient. The BF16 path has no weight gradient alive then: each
@@ -461,7 +466,8 @@ def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool,
     E_local = cfg.n_experts // ex.ep
     inv.add("experts.out", b * R * D, *(("saved",) if out_saved else ()), "selective", "fwd_live")
     inv.add("experts.dy_down", b * R * D)
-    if mxfp8 or not ex.dense_grads_in_gemm:  # else the sink adds it in the GEMM's epilogue
+    if (mxfp8 and ex.mxfp8_recipe == "mxfp8") or (not mxfp8 and not ex.dense_grads_in_gemm):
+        # else the sink adds it in the GEMM's epilogue (FP8: see _fp8_experts)
         inv.add("experts.dw", b * E_local * F * D)
     # By the SwiGLU's gradient, the down projection's backward has freed its input h
     # and the output gradient; the combine's backward has freed what it kept.
@@ -484,6 +490,9 @@ def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool,
                               b * R * D, ex.kernels != "cuda", dw, set(), split_only=True)
         return
     inv.selective.discard("experts.out")  # one custom function: nothing inside is cached
+    if ex.mxfp8_recipe != "mxfp8":
+        _fp8_experts(inv, cfg, ex, R, freed)
+        return
     if ex.mxfp8_save_activations:
         inv.saved.discard("dispatch.rows")
         inv.add("experts.rows_mx", mxfp8_nbytes((R, D)), "saved")
@@ -496,6 +505,80 @@ def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool,
     inv.add("experts.d_h", b * R * F)
     replay = {"experts.d_h", "experts.swiglu_grad32", "experts.dw"}
     inv.moment(freed, {"grad_out", *replay}, replay, captured={"experts.dy_down"})
+
+
+def _emulated_gemm(R: int, K: int, N: int, E: int, b: int) -> int:
+    """Peak bytes inside ``moe_mxfp8.fp8_gemm.fp8_grouped_mm``'s emulation of ``[R, K] @
+    [E, N, K]^T``, its result in the compute dtype included: ``dequantize_fp8`` makes each
+    operand FP32 through two FP32 temporaries of its size (the data widened, the scales
+    spread), the FP32 product [R, N] is then rounded to the compute dtype. One expert's
+    FP32 product at a time is left out (a segment of the rows, small beside these)."""
+    rounded = b * R * N if b != FP32 else 0
+    return max(3 * FP32 * R * K, FP32 * R * K + 3 * FP32 * E * N * K,
+               FP32 * (R * K + E * N * K + R * N) + rounded)
+
+
+def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: set[str]) -> None:
+    """moe_mxfp8.FP8GroupedExperts (every FP8 recipe): one autograd function that saves the
+    rows (the dispatcher's tensor) and h13 [R, 2F] in the compute dtype and recomputes h.
+
+    Its backward keeps every result until it returns: dy's FP8 form, dh [R, F], dh13 [R, 2F]
+    and its FP8 form (the recipe's activation blocks, ``moe_mxfp8.fp8.fp8_nbytes``), the
+    input gradient [R, D], dw13 [E, 2F, D], dw2 [E, D, F]. Moments, in order: the two
+    input-gradient GEMMs (emulated: ``_emulated_gemm``'s FP32 operands and product); dw13's
+    GEMM and dw2's (with h recomputed): recipes with FP8 weight gradients
+    (``FP8Recipe.fp8_wgrad``) quantize both operands per expert and column into E4M3
+    copies transposed to ``[width, group_columns_width(R, E)]`` with FP32 scales (and
+    their reciprocals, the native GEMM's arguments) and int32 padded group ends
+    (emulated: FP32 widenings of the copies and an FP32 result), the others run BF16
+    grouped GEMMs; then, with the sink, the gate's and the up projection's gradients,
+    strided slices of dw13, copied one at a time to be added flat. Split: the function
+    is one node (its output gradient is captured), and its whole backward replays in the
+    weight pass. Checked on CPU against the module run as on an H200 (test_plan.py)."""
+    from moe_mxfp8 import FP8_RECIPES
+    from moe_mxfp8.fp8 import fp8_nbytes, group_columns_width
+
+    D, F, b = cfg.d_model, cfg.expert_hidden, ex.compute_bytes
+    E = cfg.n_experts // ex.ep
+    recipe = FP8_RECIPES[ex.mxfp8_recipe]
+    emulated = ex.mxfp8_gemm != "native"
+    inv.add("experts.h13", b * R * 2 * F, "saved")
+    inv.add("experts.dy_q", fp8_nbytes((R, D), recipe.act_block))
+    inv.add("experts.d_h", b * R * F)
+    inv.add("experts.dh13", b * R * 2 * F)
+    inv.add("experts.dh13_q", fp8_nbytes((R, 2 * F), recipe.act_block))
+    inv.add("experts.drows", b * R * D)
+    inv.add("experts.dw13", b * E * 2 * F * D)
+    inv.add("experts.h", b * R * F)  # recomputed: dw2's operand
+    inv.add("experts.dw2", b * E * D * F)
+    dy = {"grad_out", "experts.dy_down", "experts.dy_q"}
+    captured = {"experts.dy_down"}
+    if emulated:
+        inv.add("experts.gemm_dh", _emulated_gemm(R, D, F, E, b))
+        inv.add("experts.gemm_drows", _emulated_gemm(R, 2 * F, D, E, b))
+        inv.moment(freed, dy | {"experts.gemm_dh"}, captured=captured)
+        inv.moment(freed, dy | {"experts.d_h", "experts.dh13", "experts.dh13_q",
+                                "experts.gemm_drows"})
+    inputs = dy | {"experts.d_h", "experts.dh13", "experts.dh13_q", "experts.drows"}
+
+    def operands(name: str, n: int, k: int) -> set[str]:
+        if not recipe.fp8_wgrad:
+            return set()
+        width = group_columns_width(R, E)
+        nbytes = (n + k) * width + 2 * FP32 * E * (n + k) + 2 * OFFSET * E  # + padded ends
+        if emulated:
+            nbytes += FP32 * ((n + k) * width + E * n * k)
+        inv.add(name, nbytes)
+        return {name}
+
+    wgrad13 = {"experts.dw13", *operands("experts.wgrad13_operands", 2 * F, D)}
+    inv.moment(freed, inputs, wgrad13, captured=captured)
+    wgrad2 = {"experts.dw13", "experts.h", "experts.dw2",
+              *operands("experts.wgrad2_operands", D, F)}
+    inv.moment(freed, inputs, wgrad2)
+    if ex.expert_grad_sink:
+        inv.add("experts.dw_flat", b * E * F * D)
+        inv.moment(freed, inputs, {"experts.dw13", "experts.dw2", "experts.dw_flat"})
 
 
 def merged_wgrad_operands(cfg: MoEConfig, layers: Iterable[int], ex: Execution, R: int) -> int:

@@ -75,6 +75,8 @@ class PlanRequest:
     ep_combine: str = "auto"  # moe_ep_transport.EPConfig.combine
     mxfp8_targets: tuple[str, ...] = ()
     mxfp8_save_activations: bool = False
+    mxfp8_recipe: str = "mxfp8"  # moe_mxfp8.MXFP8Config.recipe: mxfp8 | fp8_rowwise | ...
+    mxfp8_gemm: str = "emulated"  # moe_mxfp8.MXFP8Config.gemm: emulated | native
     compute_dtype: str = "bfloat16"  # bfloat16 | float32: compute weights and activations
     merge_expert_grads: int = 1  # microbatches' expert weight gradients added in one launch
     fused_grad_accumulation: bool = True  # parallel.fuse_grad_accumulation (CUDA kernels)
@@ -109,12 +111,23 @@ class PlanRequest:
         if self.pp > 1 and self.schedule == "zero_bubble" and self.model.recompute != "none":
             raise ValueError(f"the zero_bubble schedule does not run with recompute="
                              f"{self.model.recompute!r} (moe_pp refuses it)")
+        self._check_low_precision()
         if self.optimizer not in ("adamw", "muon"):
             raise ValueError(f"optimizer must be adamw or muon, got {self.optimizer!r}")
         if not 0 <= self.headroom < 1:
             raise ValueError(f"headroom must be in [0, 1), got {self.headroom}")
         if not (math.isfinite(self.gpu_gib) and self.gpu_gib > 0):
             raise ValueError(f"gpu_gib must be a finite positive number, got {self.gpu_gib}")
+
+    def _check_low_precision(self) -> None:
+        """The ``mxfp8`` fields as ``moe_mxfp8.MXFP8Config`` accepts them."""
+        from moe_mxfp8 import MXFP8Config
+
+        try:
+            MXFP8Config(targets=self.mxfp8_targets, recipe=self.mxfp8_recipe, gemm=self.mxfp8_gemm,
+                        save_mxfp8_activations=self.mxfp8_save_activations)
+        except ValueError as e:
+            raise ValueError(f"PlanRequest: {e}") from None
 
     @property
     def dp(self) -> int:
@@ -145,6 +158,7 @@ class PlanRequest:
                    ep_backend=_ep_backend(p.resolved_ep_backend()), ep_combine=p.ep_combine,
                    mxfp8_targets=tuple(cfg.mxfp8.targets),
                    mxfp8_save_activations=cfg.mxfp8.save_mxfp8_activations,
+                   mxfp8_recipe=cfg.mxfp8.recipe, mxfp8_gemm=cfg.mxfp8.gemm,
                    merge_expert_grads=p.merge_expert_grad_microbatches if p.fuse_grad_accumulation else 1,
                    fused_grad_accumulation=p.fuse_grad_accumulation,
                    **planner)  # type: ignore[arg-type]
@@ -272,12 +286,14 @@ def plan_memory(req: PlanRequest, shapes: ModelShapes | None = None,
             layer for layer in range(m.n_layers)
             if any(name_matches(f"blocks.{layer}.mlp.experts", t) for t in req.mxfp8_targets)),
         mxfp8_save_activations=req.mxfp8_save_activations,
+        mxfp8_recipe=req.mxfp8_recipe, mxfp8_gemm=req.mxfp8_gemm,
+        expert_grad_sink=req.fused_grad_accumulation,
         kernels=kernels,  # type: ignore[arg-type]
         dense_grads_in_gemm=req.fused_grad_accumulation and kernels == "cuda",
     )
     state_layout = StateLayout(dp=req.dp, ep=req.ep, ddp_mode=req.ddp_mode, param_bytes=b,
                                bucket_cap_mb=req.bucket_cap_mb, optimizer=req.optimizer,
-                               mxfp8_targets=req.mxfp8_targets)
+                               mxfp8_targets=req.mxfp8_targets, mxfp8_recipe=req.mxfp8_recipe)
     stage_layers = shapes.stage_layers(req.pp, req.virtual, req.pp_split, req.seq_len)
     n_stages = len(stage_layers)
     # rows the experts run on: the local dispatcher's (capacity applied), or what one rank

@@ -13,7 +13,9 @@ tensor):
   size and at least ``min_shard_numel``), else every replica keeps all of it;
   AdamW keeps two moments, Muon one momentum; which tensor gets which is the app's
   own policy (``pretrain.optimizer.param_rules``, resolved by moe_optim);
-- MXFP8 weight caches of targeted modules (both orientations, data plus scales).
+- low-precision weight caches of targeted modules (``moe_mxfp8``'s recipes): MXFP8
+  (both orientations, data plus E8M0 scales), or an FP8 recipe's E4M3 copy and its
+  transpose with FP32 scales per row or 128x128 block.
 
 Replica groups: dense parameters replicate over DP, routed experts over EP-DP.
 Under ``reduce_scatter`` a sharded tensor's gradient bucket still has the whole
@@ -56,7 +58,7 @@ class PersistentMemory:
     weights: int  # compute weights (and persistent buffers)
     grads: int  # FP32 gradient buckets
     optimizer: int  # FP32 main weights, moments/momentum, step counter, norm weights
-    mxfp8_caches: int  # derived MXFP8 weight copies
+    mxfp8_caches: int  # derived low-precision weight copies (MXFP8 or an FP8 recipe's)
     bookkeeping: int  # per-step routing statistics
     n_params: int  # parameters this rank holds (its parts)
     largest_gather_chunk: int  # bytes of the largest compute-weight rebuild chunk
@@ -80,6 +82,7 @@ class StateLayout:
     optimizer: str = "adamw"  # adamw | muon
     param_bytes: int = 2
     mxfp8_targets: tuple[str, ...] = ()  # module-name globs (moe_mxfp8.MXFP8Config.targets)
+    mxfp8_recipe: str = "mxfp8"  # moe_mxfp8.MXFP8Config.recipe: mxfp8 | an FP8 recipe
 
     @property
     def ep_dp(self) -> int:
@@ -133,17 +136,24 @@ class ModelShapes:
         return held
 
 
-def _mxfp8_cache_bytes(cfg: MoEConfig, params: list[HeldParam], targets: tuple[str, ...]) -> int:
-    """Both orientations (rows: blocked along the last dim, cols: along the one before)
-    of every targeted linear's weight and of each targeted expert stack (gate and up
-    share one [E, 2F, D] cache)."""
+def _mxfp8_cache_bytes(params: list[HeldParam], targets: tuple[str, ...], recipe: str) -> int:
+    """The weight caches of every targeted linear's weight and of each targeted expert
+    stack (gate and up share one [E, 2F, D] cache). MXFP8: both orientations (rows:
+    blocked along the last dim, cols: along the one before). An FP8 recipe
+    (``moe_mxfp8.fp8_experts.FP8WeightCache``, experts only): the weight and its
+    contiguous transpose, each scaled by the recipe's weight block along its last dim."""
     if not targets:
         return 0
-    from moe_mxfp8 import name_matches
+    from moe_mxfp8 import FP8_RECIPES, name_matches
     from moe_mxfp8.format import mxfp8_nbytes
+    from moe_mxfp8.fp8 import fp8_nbytes
 
     def both(shape: tuple[int, ...]) -> int:
-        return mxfp8_nbytes(shape, axis=-1) + mxfp8_nbytes(shape, axis=-2)
+        if recipe == "mxfp8":
+            return mxfp8_nbytes(shape, axis=-1) + mxfp8_nbytes(shape, axis=-2)
+        block = FP8_RECIPES[recipe].weight_block
+        transposed = (*shape[:-2], shape[-1], shape[-2])
+        return fp8_nbytes(shape, block) + fp8_nbytes(transposed, block)
 
     total = 0
     for p in params:
@@ -155,7 +165,7 @@ def _mxfp8_cache_bytes(cfg: MoEConfig, params: list[HeldParam], targets: tuple[s
                 total += both((p.shape[0], 2 * p.shape[1], p.shape[2]))
             elif leaf == "w2":
                 total += both(p.shape)
-        elif len(p.shape) == 2 and not module.endswith(("embed", "router")):
+        elif recipe == "mxfp8" and len(p.shape) == 2 and not module.endswith(("embed", "router")):
             total += both(p.shape)
     return total
 
@@ -247,7 +257,7 @@ def persistent_memory(cfg: MoEConfig, params: list[HeldParam],
     bookkeeping = n_moe * (2 * INDEX * cfg.n_experts + 2 * FP32 + INDEX)
     return PersistentMemory(
         weights=weights, grads=grads, optimizer=optimizer,
-        mxfp8_caches=_mxfp8_cache_bytes(cfg, params, state.mxfp8_targets),
+        mxfp8_caches=_mxfp8_cache_bytes(params, state.mxfp8_targets, state.mxfp8_recipe),
         bookkeeping=bookkeeping, n_params=sum(p.numel for p in params),
         largest_gather_chunk=largest_chunk, muon_owned=muon_owned, muon_exchanged=muon_exchanged,
         muon_largest_batch=max(muon_batches.values(), default=0),

@@ -8,7 +8,7 @@ _ROWS: tuple[tuple[str, str], ...] = (
     ("compute weights (BF16)", "weights"),
     ("FP32 gradient buckets", "grads"),
     ("FP32 main + optimizer states", "optimizer"),
-    ("MXFP8 weight caches", "mxfp8_caches"),
+    ("low-precision weight caches", "mxfp8_caches"),
     ("routing statistics", "bookkeeping"),
     ("activations, schedule peak", "activations_peak"),
     ("  of which merged expert grads", "merged_grads_held"),
@@ -47,7 +47,8 @@ def format_plan(plan: MemoryPlan, title: str) -> str:
         f"expert hidden {m.expert_hidden})",
         _layout(plan),
         f"expert rows per MoE layer and microbatch: {plan.capacity_rows:,}"
-        + (f"; MXFP8: {', '.join(r.mxfp8_targets)}" if r.mxfp8_targets else ""),
+        + (f"; {r.mxfp8_recipe} ({r.mxfp8_gemm}): {', '.join(r.mxfp8_targets)}"
+           if r.mxfp8_targets else ""),
         "",
     ]
     ranks = plan.ranks
@@ -77,7 +78,8 @@ def summary_row(plan: MemoryPlan) -> dict[str, object]:
     r, w = plan.request, plan.worst
     return {
         "gpus": r.world, "pp": r.pp, "dp": r.dp, "ep": r.ep, "recompute": r.model.recompute,
-        "mxfp8": ",".join(r.mxfp8_targets) or "-", "micro_batch": r.micro_batch,
+        "mxfp8": f"{r.mxfp8_recipe}:{','.join(r.mxfp8_targets)}" if r.mxfp8_targets else "-",
+        "micro_batch": r.micro_batch,
         "in_flight": w.in_flight, "persistent_gib": round(w.persistent / GIB, 1),
         "activations_gib": round(w.activations_peak / GIB, 1),
         "peak_allocated_gib": round(w.peak_allocated / GIB, 1),

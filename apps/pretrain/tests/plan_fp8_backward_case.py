@@ -1,0 +1,103 @@
+"""What the FP8 experts' backward allocates on the GPU path, measured on CPU.
+
+Run by ``test_plan.py`` in a child process with ``TRITON_INTERPRET=1`` (set before Triton
+is imported, see ``moe_testing.run_under_triton_interpreter``): moe_mxfp8's Triton
+kernels run in the interpreter as they would on CUDA (quantization, fused SwiGLU), and
+the native GEMMs, which exist only on a GPU, are stood in for by their output
+allocations (``torch._scaled_grouped_mm`` and ``torch._grouped_mm`` write one tensor
+each). The layer hands its weight gradients to a gradient sink, as in the trainer.
+
+Prints one JSON line ``{"shape": {...}, recipe: [held after the forward, backward
+high-water mark above what was live when it started]}`` and ``ok``; bytes from
+``pretrain.planner.measure.LiveBytes``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+
+import torch
+from moe_mxfp8 import FP8_RECIPES, FP8GroupedExperts, fp8_experts, gemm
+from moe_mxfp8 import _triton_support as triton_support
+from pretrain.planner.measure import LiveBytes
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run by moe_testing.run_under_triton_interpreter"
+
+# test_plan.py's LOW_PRECISION model: d_model 128, expert hidden 192, 8 experts, and the
+# 2 x 64 tokens of a microbatch routed top-2 (R = 256 rows)
+SHAPE = {"rows": 768, "d_model": 128, "hidden": 192, "experts": 8}
+
+
+def _scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum):
+    """The native FP8 GEMM's output: [R, N] from [R, K] x [E, K, N], [E, N, K] over tokens."""
+    shape = (a.shape[0], b.shape[-1]) if b.dim() == 3 else (offs.shape[0], a.shape[0], b.shape[1])
+    return torch.zeros(shape, dtype=out_dtype)
+
+
+def _grouped_mm(a, b, offs):
+    """The BF16 grouped GEMM's output (weight gradients: [E, N, K] from [N, R] x [R, K])."""
+    shape = (a.shape[0], b.shape[-1]) if b.dim() == 3 else (offs.shape[0], a.shape[0], b.shape[1])
+    return torch.zeros(shape, dtype=a.dtype)
+
+
+class _Sink:
+    """Takes every weight's gradient into an FP32 flat accumulator, as moe_ddp does."""
+
+    def __init__(self, params: tuple[torch.nn.Parameter, ...]) -> None:
+        self.targets = {id(p): torch.zeros(p.numel()) for p in params}
+
+    def accepts(self, param: torch.nn.Parameter) -> bool:
+        return id(param) in self.targets
+
+    def add_gradient(self, param: torch.nn.Parameter, add) -> None:
+        add(self.targets[id(param)])
+
+
+def measure(recipe: str) -> list[int]:
+    R, D, F, E = (SHAPE[k] for k in ("rows", "d_model", "hidden", "experts"))
+    torch.manual_seed(0)
+    w1, w3, w2 = (torch.nn.Parameter(torch.randn(*s, dtype=torch.bfloat16) / 8)
+                  for s in ((E, F, D), (E, F, D), (E, D, F)))
+    native = FP8_RECIPES[recipe].native
+    layer = FP8GroupedExperts(w1, w3, w2, recipe, "native" if native else "emulated")
+    layer.grad_sink = _Sink((w1, w3, w2))
+    x = torch.randn(R, D, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(R, D, dtype=torch.bfloat16)
+    offsets = torch.linspace(R / E, R, E).round().to(torch.int32)
+    with LiveBytes() as live:
+        y = layer(x, offsets)
+        held = live.live - y.untyped_storage().nbytes()
+        start = live.live
+        live.reset_peak()
+        torch.autograd.backward(y, dy)
+        return [held, live.peak - start]
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    triton_support.fused_kernels_enabled = lambda device: True  # the kernels, as on CUDA
+    fp8_experts.fp8_native_available = lambda device: True
+    gemm._fits_grouped_mm = lambda a, b: True
+    torch._scaled_grouped_mm = _scaled_grouped_mm
+    torch._grouped_mm = _grouped_mm
+    from triton.runtime.interpreter import GridExecutor
+
+    launch = GridExecutor.__call__
+
+    def launch_and_collect(self, *args, **kwargs):
+        """A launch, then a collection: the interpreter leaves reference cycles that hold
+        the kernel's tensor arguments, which a compiled kernel's launch does not."""
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            gc.collect()
+
+    GridExecutor.__call__ = launch_and_collect
+    print(json.dumps({"shape": SHAPE, **{r: measure(r) for r in FP8_RECIPES}}))
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
