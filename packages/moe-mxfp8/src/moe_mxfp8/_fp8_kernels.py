@@ -106,15 +106,14 @@ def _group_columns_amax_kernel(
     ``split`` is a runtime argument: the rows an EP rank receives change from step to
     step, and a compile-time one would compile the kernel again for each."""
     pid_n, e, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # (Triton types each name once per function: no "_" twice with two types)
-    start, end, _pad_start, _pad_end = _expert_slice(offs_ptr, pends_ptr, e)
+    start, end, _, _ = _expert_slice(offs_ptr, pends_ptr, e)
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < N
     amax = tl.zeros([BN], tl.uint32)
     for r0 in range(start + s * BR, end, split * BR):
         rows = (r0 + tl.arange(0, BR)).to(tl.int64)
         mask = (rows < end)[:, None] & col_ok[None, :]
-        abs_bits, _sign = _load_abs_sign(x_ptr + rows[:, None] * sx_m + cols[None, :], mask, IN_BF16)
+        abs_bits, _ = _load_abs_sign(x_ptr + rows[:, None] * sx_m + cols[None, :], mask, IN_BF16)
         amax = tl.maximum(amax, tl.max(abs_bits, axis=0))
     # |x| bit patterns are below 2^31: their int32 order is their uint32 order
     tl.atomic_max(amax_ptr + e.to(tl.int64) * N + cols, amax.to(tl.int32, bitcast=True),
