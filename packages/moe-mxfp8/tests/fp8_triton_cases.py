@@ -60,13 +60,12 @@ def cases():
             yield f"group_columns/{dname}/pow2={pow2}", group
     def small_tiles():
         """Launch shapes other than the defaults: several rows per program cut by M, column
-        tiles cut by N, groups longer than one row tile and split over two programs."""
+        tiles cut by N and groups longer than one row tile."""
         from moe_mxfp8 import _fp8_kernels as k
 
         saved = dict(k._TILES)
         k._TILES.update(rows=k.BlockTile(256, 1), tiles=k.BlockTile(512, 2),
-                        blocks=k.BlockTile(128 * 128, 4),
-                        group_columns=k.ColumnTile(8, 32, 1, 1))  # two programs per expert
+                        blocks=k.BlockTile(128 * 128, 4), group_columns=k.ColumnTile(16, 32, 1))
         try:
             total = 0
             for shape, block in (((37, 77), (1, 0)), ((40, 300), (1, 128)),

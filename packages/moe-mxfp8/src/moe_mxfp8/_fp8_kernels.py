@@ -8,10 +8,10 @@ hardware and the interpreter).
 - ``quantize_blocks``: one program per tile of ``[B, M, N]``: ``ROWS`` rows by one scale
   block (a whole row, 128 columns, or a 128x128 block); amax is an integer max over
   ``|x|`` bit patterns (NaN sorts above inf).
-- ``quantize_group_columns_t``: two kernels over (column strip, expert, row split): the
-  column amax of each expert (an atomic max of FP32 bit patterns), then the scale,
-  encode and transposed write of the strip into the expert's 16-aligned slot of
-  ``[N, W]`` (zeros in the padding). Offsets are read on the device.
+- ``quantize_group_columns_t``: one program per (expert, column strip): a pass over the
+  expert's rows for the column amax, a second that scales, encodes and writes the strip
+  transposed into the expert's 16-aligned slot of ``[N, W]`` (zeros in the padding).
+  Offsets are read on the device.
 
 Exactness: the scale is ``448 / amax`` divided in FP64 (IEEE on the GPU: ``div.rn.f64``)
 and rounded once to FP32; the ``1e-12`` floor is applied by comparing FP32 bit patterns
@@ -86,59 +86,27 @@ def _quantize_blocks_kernel(
 
 
 @triton.jit
-def _expert_slice(offs_ptr, pends_ptr, e):
-    """Rows ``[start, end)`` of expert ``e`` and its padded slots ``[p_start, p_end)``."""
+def _group_columns_kernel(
+    x_ptr, sx_m, offs_ptr, pends_ptr, d_ptr, sd_n, s_ptr, N,
+    BR: tl.constexpr, BN: tl.constexpr, POW2: tl.constexpr, IN_BF16: tl.constexpr,
+    EPS_BITS: tl.constexpr, SCALE_AT_EPS: tl.constexpr,
+):
+    pid_n, e = tl.program_id(0), tl.program_id(1)
     start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
     end = tl.load(offs_ptr + e)
     p_start = tl.load(pends_ptr + e - 1, mask=e > 0, other=0)
     p_end = tl.load(pends_ptr + e)
-    return start, end, p_start, p_end
-
-
-@triton.jit
-def _group_columns_amax_kernel(
-    x_ptr, sx_m, offs_ptr, pends_ptr, amax_ptr, N, split,
-    BR: tl.constexpr, BN: tl.constexpr, IN_BF16: tl.constexpr,
-):
-    """Column amax (FP32 bits) of one expert's row tiles ``s, s + split, ...`` (of BR
-    rows), folded into ``amax [E, N]`` by an atomic max: the max of bit patterns is exact
-    in any order, and ``split`` programs per expert and strip keep the device busy.
-    ``split`` is a runtime argument: the rows an EP rank receives change from step to
-    step, and a compile-time one would compile the kernel again for each."""
-    pid_n, e, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end, _, _ = _expert_slice(offs_ptr, pends_ptr, e)
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < N
     amax = tl.zeros([BN], tl.uint32)
-    for r0 in range(start + s * BR, end, split * BR):
+    for r0 in range(start, end, BR):
         rows = (r0 + tl.arange(0, BR)).to(tl.int64)
         mask = (rows < end)[:, None] & col_ok[None, :]
         abs_bits, _ = _load_abs_sign(x_ptr + rows[:, None] * sx_m + cols[None, :], mask, IN_BF16)
         amax = tl.maximum(amax, tl.max(abs_bits, axis=0))
-    # |x| bit patterns are below 2^31: their int32 order is their uint32 order
-    tl.atomic_max(amax_ptr + e.to(tl.int64) * N + cols, amax.to(tl.int32, bitcast=True),
-                  mask=col_ok)
-
-
-@triton.jit
-def _group_columns_encode_kernel(
-    x_ptr, sx_m, offs_ptr, pends_ptr, amax_ptr, d_ptr, sd_n, s_ptr, N, split,
-    BR: tl.constexpr, BN: tl.constexpr, POW2: tl.constexpr,
-    IN_BF16: tl.constexpr, EPS_BITS: tl.constexpr, SCALE_AT_EPS: tl.constexpr,
-):
-    """Scale, encode and write transposed one expert's padded slot tiles ``s, s + split,
-    ...`` (of BR slots) into its 16-aligned slot range of ``[N, W]`` (zeros in the
-    padding); the first of the ``split`` programs also writes the expert's FP32 column
-    scales."""
-    pid_n, e, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end, p_start, p_end = _expert_slice(offs_ptr, pends_ptr, e)
-    cols = pid_n * BN + tl.arange(0, BN)
-    col_ok = cols < N
-    amax = tl.load(amax_ptr + e.to(tl.int64) * N + cols, mask=col_ok, other=0)
-    scale = _scale(amax.to(tl.uint32, bitcast=True), POW2, EPS_BITS, SCALE_AT_EPS)
-    if s == 0:
-        tl.store(s_ptr + e.to(tl.int64) * N + cols, scale, mask=col_ok)
-    for p0 in range(p_start + s * BR, p_end, split * BR):
+    scale = _scale(amax, POW2, EPS_BITS, SCALE_AT_EPS)
+    tl.store(s_ptr + e.to(tl.int64) * N + cols, scale, mask=col_ok)
+    for p0 in range(p_start, p_end, BR):
         slots = (p0 + tl.arange(0, BR)).to(tl.int64)
         rows = start + slots - p_start
         mask = (rows < end)[:, None] & col_ok[None, :]
@@ -162,14 +130,11 @@ class BlockTile:
 
 @dataclass(frozen=True)
 class ColumnTile:
-    """Launch shape of ``quantize_group_columns_t``: ``rows`` x ``cols`` tiles, ``warps``;
-    each program walks about ``row_tiles`` row tiles of its expert at the mean rows per
-    expert (the rows split over that many programs per expert and column strip)."""
+    """Launch shape of ``quantize_group_columns_t``: ``rows`` x ``cols`` tiles, ``warps``."""
 
     rows: int
     cols: int
     warps: int
-    row_tiles: int
 
 
 # Untuned first choices (no GPU measurement yet): tools/bench_fp8_experts.py measures the
@@ -178,7 +143,7 @@ _TILES: dict[str, BlockTile | ColumnTile] = {
     "rows": BlockTile(4096, 4),  # one scale per row
     "tiles": BlockTile(4096, 4),  # 1x128
     "blocks": BlockTile(128 * 128, 8),  # 128x128
-    "group_columns": ColumnTile(64, 64, 4, 4),
+    "group_columns": ColumnTile(64, 64, 4),
 }
 
 
@@ -214,12 +179,7 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], pow2: bool
 
 def quantize_group_columns_t(x: torch.Tensor, offsets: torch.Tensor, padded_ends: torch.Tensor,
                              width: int, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """See ``moe_mxfp8.fp8.quantize_group_columns``; returns ``(data_t [N, width], scale [E, N])``.
-
-    Two passes, as the scale of a column needs all its rows before any is encoded: the
-    column amax (``_group_columns_amax_kernel``), then the encode
-    (``_group_columns_encode_kernel``); both split each expert's rows over programs by the
-    mean rows per expert, known on the host, while the offsets stay on the device."""
+    """See ``moe_mxfp8.fp8.quantize_group_columns``; returns ``(data_t [N, width], scale [E, N])``."""
     x = x.contiguous()
     R, N = x.shape
     E = offsets.shape[0]
@@ -227,18 +187,9 @@ def quantize_group_columns_t(x: torch.Tensor, offsets: torch.Tensor, padded_ends
     scale = torch.empty(E, N, dtype=torch.float32, device=x.device)
     if N and E:
         tile = _TILES["group_columns"]
-        split = max(1, -(-R // (E * tile.rows * tile.row_tiles)))
-        amax = torch.zeros(E, N, dtype=torch.int32, device=x.device)
-        grid = (triton.cdiv(N, tile.cols), E, split)
-        bits = _bits_view(x)
-        in_bf16 = x.dtype == torch.bfloat16
-        _group_columns_amax_kernel[grid](
-            bits, x.stride(0), offsets, padded_ends, amax, N, split,
-            BR=tile.rows, BN=tile.cols, IN_BF16=in_bf16, num_warps=tile.warps,
-        )
-        _group_columns_encode_kernel[grid](
-            bits, x.stride(0), offsets, padded_ends, amax, data_t, data_t.stride(0), scale, N,
-            split, BR=tile.rows, BN=tile.cols, POW2=pow2, IN_BF16=in_bf16,
+        _group_columns_kernel[(triton.cdiv(N, tile.cols), E)](
+            _bits_view(x), x.stride(0), offsets, padded_ends, data_t, data_t.stride(0), scale, N,
+            BR=tile.rows, BN=tile.cols, POW2=pow2, IN_BF16=x.dtype == torch.bfloat16,
             num_warps=tile.warps, enable_fp_fusion=False, **_CONSTS,
         )
     return data_t.view(torch.float8_e4m3fn), scale
