@@ -137,13 +137,17 @@ class ColumnTile:
     warps: int
 
 
-# Untuned first choices (no GPU measurement yet): tools/bench_fp8_experts.py measures the
-# candidates of its TILE_CANDIDATES on the bench shapes, each checked bit-exact first.
+# Tuned on one H200 at the bench shapes (rows [131072, 2048] BF16, weight [64, 2048, 2048],
+# Zipf group offsets) by tools/bench_fp8_experts.py's tile sweep, which checks each
+# candidate bit-exact first (docs/performance.md, FP8 experts): rows 3.24 TB/s at
+# (2048, 2) against 3.04 at (4096, 4); 128x128 blocks 2.30 at 4 warps against 1.96 at 8;
+# per-expert columns 0.93 at (128, 64, 8) against 0.77 at (64, 64, 4); 1x128 tiles best as
+# they were.
 _TILES: dict[str, BlockTile | ColumnTile] = {
-    "rows": BlockTile(4096, 4),  # one scale per row
+    "rows": BlockTile(2048, 2),  # one scale per row
     "tiles": BlockTile(4096, 4),  # 1x128
-    "blocks": BlockTile(128 * 128, 8),  # 128x128
-    "group_columns": ColumnTile(64, 64, 4),
+    "blocks": BlockTile(128 * 128, 4),  # 128x128
+    "group_columns": ColumnTile(128, 64, 8),
 }
 
 
