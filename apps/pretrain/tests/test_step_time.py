@@ -149,6 +149,32 @@ def test_an_eager_step_takes_the_longer_of_host_and_device_per_microbatch():
         assert eager.step_s == pytest.approx(graphs.step_s + req.microbatches * waited, rel=1e-6)
 
 
+@pytest.mark.parametrize("payload", ["mxfp8", "fp8_rowwise"])
+def test_a_quantised_dispatch_payload_sends_its_packed_rows(payload):
+    """The forward dispatch moves the codec's packed rows (scales included); the combine
+    and both backward calls stay in the compute dtype, so the step saves exactly the
+    dispatch's difference in bytes, over the link's bandwidth."""
+    from pretrain.config import EP_PAYLOAD_CODECS
+    from pretrain.planner.step_time import remote_reach
+
+    gb_per_s = 100.0
+    profile = replace(_flat_profile(), links={"nvlink": Link(0.0, gb_per_s),
+                                             "network": Link(0.0, gb_per_s)},
+                      ep_transport_efficiency=1.0)
+    base = PlanRequest(model=MODEL, world=2, ep=2, ep_backend="all_to_all", micro_batch=2,
+                       seq_len=64, global_batch=8)
+    ep = {p: predict_step(replace(base, ep_payload=p), profile).comm["ep_all_to_all"]
+          for p in ("compute", payload)}
+    tokens = base.micro_batch * base.seq_len
+    rows = tokens * remote_reach(MODEL.n_experts, MODEL.top_k, base.ep)  # sent to the other rank
+    saved_per_row = 2 * MODEL.d_model - EP_PAYLOAD_CODECS[payload]().packed_width(MODEL.d_model)
+    moe_layers = MODEL.n_layers - MODEL.n_dense_layers
+    saved = base.microbatches * moe_layers * rows * saved_per_row / (gb_per_s * 1e9)
+    assert saved > 0 and ep["compute"] - ep[payload] == pytest.approx(saved, rel=1e-9)
+    with pytest.raises(ValueError, match="needs an EP transport"):
+        PlanRequest(model=MODEL, world=1, ep_payload=payload)
+
+
 def test_remote_reach_is_the_hypergeometric_expectation():
     assert remote_reach(64, 8, 1) == 0
     # two ranks of 32 experts: the other rank holds none of 8 distinct experts w.p. C(32,8)/C(64,8)

@@ -73,6 +73,7 @@ class PlanRequest:
     optimizer: str = "adamw"
     ep_backend: EPBackend = "local"
     ep_combine: str = "auto"  # moe_ep_transport.EPConfig.combine
+    ep_payload: str = "compute"  # parallel.ep_payload: what the forward dispatch sends
     mxfp8_targets: tuple[str, ...] = ()
     mxfp8_save_activations: bool = False
     mxfp8_recipe: str = "mxfp8"  # moe_mxfp8.MXFP8Config.recipe: mxfp8 | fp8_rowwise | ...
@@ -108,6 +109,15 @@ class PlanRequest:
                              f"{self.pp * self.virtual} stages")
         if self.ep > 1 and self.ep_backend == "local":  # a transport also runs on one rank
             raise ValueError(f"ep_backend='local' does not go with ep={self.ep}")
+        if self.ep_payload != "compute":
+            from pretrain.config import EP_PAYLOAD_CODECS
+
+            if self.ep_payload not in EP_PAYLOAD_CODECS:
+                raise ValueError(f"PlanRequest.ep_payload must be compute or one of "
+                                 f"{', '.join(EP_PAYLOAD_CODECS)}, got {self.ep_payload!r}")
+            if self.ep_backend == "local":
+                raise ValueError(f"ep_payload={self.ep_payload!r} needs an EP transport "
+                                 "(ep_backend='local' dispatches nothing)")
         if self.pp > 1 and self.schedule == "zero_bubble" and self.model.recompute != "none":
             raise ValueError(f"the zero_bubble schedule does not run with recompute="
                              f"{self.model.recompute!r} (moe_pp refuses it)")
@@ -156,7 +166,7 @@ class PlanRequest:
                    global_batch=cfg.train.global_batch, ddp_mode=p.ddp_mode,
                    bucket_cap_mb=p.bucket_cap_mb, optimizer=cfg.optim.name,
                    ep_backend=_ep_backend(p.resolved_ep_backend()), ep_combine=p.ep_combine,
-                   mxfp8_targets=tuple(cfg.mxfp8.targets),
+                   ep_payload=p.ep_payload, mxfp8_targets=tuple(cfg.mxfp8.targets),
                    mxfp8_save_activations=cfg.mxfp8.save_mxfp8_activations,
                    mxfp8_recipe=cfg.mxfp8.recipe, mxfp8_gemm=cfg.mxfp8.gemm,
                    merge_expert_grads=p.merge_expert_grad_microbatches if p.fuse_grad_accumulation else 1,

@@ -230,8 +230,8 @@ def _block_cost(s: _Setup, layer: int) -> StageCost:
 def _ep_exchange(s: _Setup, tokens: int) -> tuple[float, float]:
     """Seconds of the four EP calls of one MoE layer and microbatch (forward, backward).
 
-    Dispatch sends a token once to each other rank holding one of its experts; the
-    combine returns, summing at the destination, one FP32 partial per such (token,
+    Dispatch sends a token once to each other rank holding one of its experts (in
+    ``parallel.ep_payload``'s packed rows when it quantises them); the combine returns, summing at the destination, one FP32 partial per such (token,
     rank), else one row per routed slot; the backward calls move the same rows the
     other way (the output gradient in the compute dtype, the partials' gradient)."""
     from pretrain.planner.activations import _sums_at_destination
@@ -246,7 +246,7 @@ def _ep_exchange(s: _Setup, tokens: int) -> tuple[float, float]:
     def call(rows: float, row_bytes: int) -> float:
         return s.fabric.all_to_all(rows * row_bytes * ep / (ep - 1), group, eff)
 
-    dispatch = call(tokens * reach, b * D)
+    dispatch = call(tokens * reach, _dispatch_row_bytes(req.ep_payload, D, b))
     if _sums_at_destination(m, s.ex):
         combine = call(tokens * reach, FP32 * D)
         backward = call(tokens * reach, b * D) + call(tokens * reach, FP32 * D)
@@ -254,6 +254,17 @@ def _ep_exchange(s: _Setup, tokens: int) -> tuple[float, float]:
         combine = call(remote_slots, b * D)
         backward = 2 * call(remote_slots, b * D)
     return dispatch + combine, backward
+
+
+def _dispatch_row_bytes(payload: str, d_model: int, compute_bytes: int) -> int:
+    """Bytes of one row the forward dispatch sends: the compute dtype's, or the packed
+    width of ``parallel.ep_payload``'s codec (its scales included). The backward calls
+    and the combine always move the compute dtype."""
+    if payload == "compute":
+        return compute_bytes * d_model
+    from pretrain.config import EP_PAYLOAD_CODECS
+
+    return EP_PAYLOAD_CODECS[payload]().packed_width(d_model)
 
 
 def _edge_cost(s: _Setup, first: bool, last: bool) -> StageCost:
