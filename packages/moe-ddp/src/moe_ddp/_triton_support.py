@@ -10,6 +10,10 @@ switch off; ``resolve_backend`` turns ``backend`` into kernel-or-reference.
 reference (``add_``) on every device, to bisect a numerical problem between a kernel
 and its reference. It is a module-level flag, not a context variable, because autograd
 runs the backward (where gradients are accumulated) on its own threads.
+
+Each package keeps its own copy of this module, word for word where the packages agree,
+because each installs and runs alone; ``moe_testing.check_reference_switch`` and
+``check_backend_api`` hold every copy to the same contract.
 """
 
 from __future__ import annotations

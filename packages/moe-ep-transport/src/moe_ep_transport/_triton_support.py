@@ -13,6 +13,10 @@ barriers (NVSHMEM on CUDA) have no eager CUDA counterpart and stay outside the s
 they copy bytes and compute nothing. It is a module-level flag, not a context
 variable, because autograd runs the backward (the combine's and dispatch's reverse
 moves) on its own threads.
+
+Each package keeps its own copy of this module, word for word where the packages agree,
+because each installs and runs alone; ``moe_testing.check_reference_switch`` and
+``check_backend_api`` hold every copy to the same contract.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ numerical problem between a kernel and its reference. The native scaled GEMMs
 (``gemm="native"``, ``native_mx_mm``) are opted into by configuration and stay outside
 it. It is a module-level flag, not a context variable, because autograd runs the
 backward on its own threads and the backward must see the same switch as the forward.
+
+Each package keeps its own copy of this module, word for word where the packages agree,
+because each installs and runs alone; ``moe_testing.check_reference_switch`` and
+``check_backend_api`` hold every copy to the same contract.
 """
 
 from __future__ import annotations
