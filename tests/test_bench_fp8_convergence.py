@@ -35,11 +35,12 @@ def test_fp8_convergence_reports_resumed_curves_and_their_differences(tmp_path, 
         assert json.loads(out.read_text()) == first
         with pytest.raises(SystemExit, match="not empty; add --resume"):
             bench.main(args)  # nothing overwritten without --resume
-        second = bench.main([*args, "--resume"])
+        second = bench.main([*args, "--resume", "--plot", str(tmp_path / "conv.png")])
     finally:
         torch.set_num_threads(threads)
     assert json.loads(out.read_text()) == second
     assert not first["complete"] and second["complete"]
+    assert (tmp_path / "conv.png").read_bytes()[:4] == b"\x89PNG"
     assert first["data"]["train_files"] > 0 and first["data"]["held_out_files"] > 0
 
     for name in ("bf16", "fp8_rowwise"):

@@ -1,9 +1,9 @@
 """FP8 experts against BF16 on real text: loss curves, held-out loss and the 1% target.
 
-    # one H200, resumable in calls of under 10 minutes: the same command again continues
-    # every recipe's run from its last checkpoint until --steps (the JSON and the plot
-    # hold the curves so far after every call; the run root must survive between calls)
-    tools/from_source.sh python3 tools/bench_fp8_convergence.py --resume --chunk-steps 1000 \\
+    # one H200, in chunks: the same command again continues every recipe's run from its
+    # last checkpoint until --steps (the JSON and the plot hold the curves so far after
+    # every call; the run root must still be there for the next call)
+    tools/from_source.sh python3 tools/bench_fp8_convergence.py --resume --chunk-steps 700 \\
         --run-root runs/fp8_convergence --out $OUT/fp8_convergence.json \\
         --plot $OUT/fp8_convergence.png
     # CPU smoke run (tests/test_bench_fp8_convergence.py runs one like it)
@@ -27,14 +27,14 @@ file (5%) held out, so the held-out loss scores files the model never trained on
 (about 4 epochs of the rest in 2,000 steps). ``--corpus`` names other text, ``--data``
 / ``--val-data`` prepared token directories.
 
-GPU time, an estimate: 6 x 143M active parameters + attention = 0.96 GFLOP per token;
-at bench-1gpu's measured model FLOP rate (106.4k tokens/s x 4.56 GFLOP per token = 485
-TFLOP/s, docs/performance.md) that is ~505k tokens/s, 4.3 minutes per recipe for 2,000
-steps of 64 Ki tokens, ~13 minutes for the three default recipes, plus about 2 held-out
-evaluations of 1 Mi tokens per 100 steps, the checkpoints and the start of each run.
-A smaller model keeps less of the GPU busy, so count on 15 to 20 minutes: with
-``--chunk-steps 1000`` each call stays under 10 minutes. The tool prints its own
-estimate before training.
+GPU time, an estimate (not measured): 6 x 143M active parameters + attention = 0.96
+GFLOP per token; at bench-1gpu's measured model FLOP rate (106.4k tokens/s x 4.56 GFLOP
+per token = 485 TFLOP/s, docs/performance.md) that is ~505k tokens/s: 4.3 minutes per
+recipe for 2,000 steps of 64 Ki tokens, 13 minutes for the three default recipes, plus
+an evaluation of 1 Mi held-out tokens every 100 steps, the checkpoints, preparing the
+data (once) and the start of each run. A smaller model keeps less of the GPU busy, so
+count on 15 to 20 minutes in all; ``--chunk-steps 700`` makes three calls of about 5 to
+7 minutes each. The tool prints its own estimate for each call before training.
 
 Chunks: ``--chunk-steps N`` trains each recipe at most N more steps per call
 (``train.stop_after``, which checkpoints), recipe after recipe, so after every call
@@ -66,10 +66,11 @@ from moe_ckpt.directory import committed_steps
 from moe_model import active_params, flops_per_token, total_params
 from pretrain.checkpoint import CHECKPOINT_DIR
 from pretrain.config import PretrainConfig, load_config
-from pretrain.data import default_workers, prepare_data, token_dir_info
+from pretrain.data import prepare_data, token_dir_info
 from pretrain.data.files import SIDECAR, UNFINISHED_MARKER
 from pretrain.data.sources import stdlib_sources
 from pretrain.data.training import VOCAB_MULTIPLE
+from pretrain.errors import PretrainError
 from pretrain.metrics import METRICS_FILE
 from pretrain.plot import read_metrics
 from pretrain.train import train
@@ -88,7 +89,6 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
         "model.n_layers=4", "model.n_experts=16", "model.top_k=4",
         "train.seq_len=2048", "train.global_batch=32", "train.micro_batch=8",
         "optim.lr=1e-3", "optim.warmup_steps=100", "optim.schedule=cosine",
-        "parallel.merge_expert_grad_microbatches=1",
     ]),
 }
 DEFAULT_CONFIG = "fp8-conv-450m"
@@ -177,7 +177,7 @@ def _prepared(directory: Path, files: list[Path]) -> Path:
     """``directory`` as a byte-token directory of ``files``; kept when a finished one is there."""
     if (directory / SIDECAR).is_file() and not (directory / UNFINISHED_MARKER).exists():
         return directory
-    done = prepare_data(files, directory, workers=min(default_workers(), 8))
+    done = prepare_data(files, directory)  # bytes: one process keeps up
     print(f"wrote {done.n_tokens:,} tokens of {done.n_documents:,} files to {directory}",
           flush=True)
     return directory
@@ -334,8 +334,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for ax in (ax_loss, ax_val, ax_diff):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{report['config']}: {report['params']['total']/1e6:.0f}M parameters, "
-                 f"{report['params']['active']/1e6:.0f}M active")
+    fig.suptitle(f"{report['config']}: {report['params']['total']:,} parameters, "
+                 f"{report['params']['active']:,} active; experts' GEMMs {report['gemm']} "
+                 f"(FP8 recipes); {report['gpu'] or 'CPU'}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -344,24 +345,35 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 @dataclass
 class Plan:
+    """A recipe's run in this call: from step ``done`` to ``target`` with ``cfg``."""
+
     recipe: str
     done: int
     target: int
+    cfg: PretrainConfig
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
+    try:
+        return run(a)
+    except PretrainError as e:  # a bad config, data or run directory: one line
+        raise SystemExit(f"bench_fp8_convergence: error: {e}") from None
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
     if not a.resume and a.run_root.exists() and any(a.run_root.iterdir()):
         raise SystemExit(f"bench_fp8_convergence: error: --run-root {a.run_root} is not empty; "
                          "add --resume to continue its runs, or name a new one")
     a.run_root.mkdir(parents=True, exist_ok=True)
     data, val, data_info = resolve_data(a)
     plans = []
-    for recipe in a.recipes:
+    for recipe in a.recipes:  # every config checked before any training
         done = steps_done(a.run_root / recipe)
-        target = a.steps if a.chunk_steps == 0 else min(a.steps, done + a.chunk_steps)
-        plans.append(Plan(recipe, done, max(target, done)))
-    cfg = recipe_config(a, BASELINE, data, val, None)
+        target = max(done, a.steps if a.chunk_steps == 0 else min(a.steps, done + a.chunk_steps))
+        stop_after = None if target == a.steps else target
+        plans.append(Plan(recipe, done, target, recipe_config(a, recipe, data, val, stop_after)))
+    cfg = plans[0].cfg
     params = {"total": total_params(cfg.model), "active": active_params(cfg.model)}
     todo = sum(p.target - p.done for p in plans)
     print(f"{a.config}: {params['total']:,} parameters, {params['active']:,} active; "
@@ -377,8 +389,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stopped = False
     for plan in plans:
         if plan.target > plan.done and not stopped:
-            stop_after = None if plan.target == a.steps else plan.target
-            train(recipe_config(a, plan.recipe, data, val, stop_after))
+            train(plan.cfg)
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
