@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shutil
 import statistics
 import sys
 from dataclasses import dataclass
@@ -353,6 +354,15 @@ class Plan:
     cfg: PretrainConfig
 
 
+def plan_run(a: argparse.Namespace, recipe: str, data: str, val: str | None) -> Plan:
+    """The recipe's run in this call: to ``--steps``, or ``--chunk-steps`` past its last
+    checkpoint (``train.stop_after``)."""
+    done = steps_done(a.run_root / recipe)
+    target = max(done, a.steps if a.chunk_steps == 0 else min(a.steps, done + a.chunk_steps))
+    stop_after = None if target == a.steps else target
+    return Plan(recipe, done, target, recipe_config(a, recipe, data, val, stop_after))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     try:
@@ -365,14 +375,15 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if not a.resume and a.run_root.exists() and any(a.run_root.iterdir()):
         raise SystemExit(f"bench_fp8_convergence: error: --run-root {a.run_root} is not empty; "
                          "add --resume to continue its runs, or name a new one")
+    new_root = not a.run_root.exists()
     a.run_root.mkdir(parents=True, exist_ok=True)
-    data, val, data_info = resolve_data(a)
-    plans = []
-    for recipe in a.recipes:  # every config checked before any training
-        done = steps_done(a.run_root / recipe)
-        target = max(done, a.steps if a.chunk_steps == 0 else min(a.steps, done + a.chunk_steps))
-        stop_after = None if target == a.steps else target
-        plans.append(Plan(recipe, done, target, recipe_config(a, recipe, data, val, stop_after)))
+    try:
+        data, val, data_info = resolve_data(a)
+        plans = [plan_run(a, recipe, data, val) for recipe in a.recipes]  # all checked first
+    except BaseException:
+        if new_root:  # a config refused: leave no half-made run root behind
+            shutil.rmtree(a.run_root)
+        raise
     cfg = plans[0].cfg
     params = {"total": total_params(cfg.model), "active": active_params(cfg.model)}
     todo = sum(p.target - p.done for p in plans)
