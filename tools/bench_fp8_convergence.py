@@ -1,9 +1,9 @@
 """FP8 experts against BF16 on real text: loss curves, held-out loss and the 1% target.
 
-    # one H200, in chunks: the same command again continues every recipe's run from its
+    # one H200, in chunks of 500 steps: the same command again continues every recipe's run from its
     # last checkpoint until --steps (the JSON and the plot hold the curves so far after
     # every call; the run root must still be there for the next call)
-    tools/from_source.sh python3 tools/bench_fp8_convergence.py --resume --chunk-steps 700 \\
+    tools/from_source.sh python3 tools/bench_fp8_convergence.py --resume --chunk-steps 500 \\
         --run-root runs/fp8_convergence --out $OUT/fp8_convergence.json \\
         --plot $OUT/fp8_convergence.png
     # CPU smoke run (tests/test_bench_fp8_convergence.py runs one like it)
@@ -29,12 +29,14 @@ file (5%) held out, so the held-out loss scores files the model never trained on
 
 GPU time, an estimate (not measured): 6 x 143M active parameters + attention = 0.96
 GFLOP per token; at bench-1gpu's measured model FLOP rate (106.4k tokens/s x 4.56 GFLOP
-per token = 485 TFLOP/s, docs/performance.md) that is ~505k tokens/s: 4.3 minutes per
-recipe for 2,000 steps of 64 Ki tokens, 13 minutes for the three default recipes, plus
-an evaluation of 1 Mi held-out tokens every 100 steps, the checkpoints, preparing the
-data (once) and the start of each run. A smaller model keeps less of the GPU busy, so
-count on 15 to 20 minutes in all; ``--chunk-steps 700`` makes three calls of about 5 to
-7 minutes each. The tool prints its own estimate for each call before training.
+per token = 485 TFLOP/s, docs/performance.md) that is ~505k tokens/s: 4.3 minutes for
+2,000 steps of 64 Ki tokens with BF16 experts, 5.5 with FP8 experts (the bench-1gpu step
+with native ``fp8_rowwise_gw_hp`` experts runs at 0.78x BF16's), 15.4 minutes for the
+three default recipes, plus an evaluation of 1 Mi held-out tokens every 100 steps, the
+checkpoints, preparing the data (once, under a second) and the start of each run. A
+smaller model keeps less of the GPU busy, so count on 20 to 25 minutes in all;
+``--chunk-steps 500`` makes four calls of about 5 to 7 minutes each. The tool prints its
+own estimate for each call before training.
 
 Chunks: ``--chunk-steps N`` trains each recipe at most N more steps per call
 (``train.stop_after``, which checkpoints), recipe after recipe, so after every call
@@ -69,6 +71,7 @@ from pretrain.checkpoint import CHECKPOINT_DIR
 from pretrain.config import PretrainConfig, load_config
 from pretrain.data import prepare_data, token_dir_info
 from pretrain.data.files import SIDECAR, UNFINISHED_MARKER
+from pretrain.data.inputs import expand_inputs
 from pretrain.data.sources import stdlib_sources
 from pretrain.data.training import VOCAB_MULTIPLE
 from pretrain.errors import PretrainError
@@ -83,6 +86,10 @@ HELD_OUT_EVERY = 20  # every 20th corpus file (sorted order) is held out: 5%
 # bench-1gpu's model FLOP rate on one H200: 106.4k tokens/s x 4.5615 GFLOP per token
 # (docs/performance.md, `tools/bench_train_step.py --config bench-1gpu`); for the estimate
 REFERENCE_FLOPS_PER_S = 106.4e3 * 4.5615e9
+# the bench-1gpu step with native fp8_rowwise_gw_hp experts against BF16's: 83,467 / 106,973
+# tokens/s (docs/performance.md, `tools/bench_train_step.py --config bench-1gpu ...
+# mxfp8.targets=experts mxfp8.recipe=fp8_rowwise_gw_hp mxfp8.gemm=native`); for the estimate
+FP8_STEP_RATIO = 0.78
 
 # Named configs: a preset and the overrides on top of it.
 CONFIGS: dict[str, tuple[str, list[str]]] = {
@@ -116,8 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "most 5%% of --steps)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus", nargs="+", default=None, metavar="PATH",
-                   help="text files or folders split into training and held-out files and "
-                        "written as byte tokens (default: the standard-library sources)")
+                   help="text files, folders or globs (as prepare-data reads them) split into "
+                        "training and held-out files, written as byte tokens (default: the "
+                        "standard-library sources)")
     p.add_argument("--data", default=None, help="a prepared token directory to train on")
     p.add_argument("--val-data", default=None, help="with --data: a held-out token directory")
     p.add_argument("--run-root", type=Path, default=Path("runs/fp8_convergence"))
@@ -127,6 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, help="PNG file")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     a = p.parse_args(argv)
+    if len(set(a.recipes)) != len(a.recipes):
+        p.error(f"--recipes names a recipe twice: {' '.join(a.recipes)}")
     if BASELINE not in a.recipes:
         p.error(f"--recipes must include {BASELINE}, the reference")
     if a.steps < 1 or a.chunk_steps < 0 or a.checkpoint_every < 0:
@@ -159,19 +169,8 @@ def split_corpus(files: list[Path]) -> tuple[list[Path], list[Path]]:
 
 
 def corpus_files(paths: list[str] | None) -> list[Path]:
-    if paths is None:
-        return stdlib_sources()
-    files: list[Path] = []
-    for given in paths:
-        path = Path(given)
-        if path.is_dir():
-            files += sorted(f for f in path.rglob("*") if f.is_file()
-                            and not any(part.startswith(".") for part in f.relative_to(path).parts))
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise SystemExit(f"bench_fp8_convergence: error: --corpus {given!r} does not exist")
-    return files
+    """The corpus files, in ``prepare-data``'s order (``pretrain.data.inputs``)."""
+    return stdlib_sources() if paths is None else [f.path for f in expand_inputs(paths)]
 
 
 def _prepared(directory: Path, files: list[Path]) -> Path:
@@ -235,11 +234,12 @@ def steps_done(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
-def estimate_minutes(cfg: PretrainConfig, steps: int) -> float:
-    """GPU minutes of ``steps`` steps at bench-1gpu's measured model FLOP rate (an estimate)."""
+def estimate_minutes(cfg: PretrainConfig, steps: int, recipe: str) -> float:
+    """GPU minutes of ``steps`` steps of ``recipe`` at bench-1gpu's measured model FLOP rate
+    (slowed by its measured FP8 step ratio for an FP8 recipe): an estimate."""
     t = cfg.train
     flops = flops_per_token(cfg.model, t.seq_len) * t.global_batch * t.seq_len * steps
-    return flops / REFERENCE_FLOPS_PER_S / 60
+    return flops / REFERENCE_FLOPS_PER_S / 60 / (1.0 if recipe == BASELINE else FP8_STEP_RATIO)
 
 
 # -- report ----------------------------------------------------------------------------
@@ -387,10 +387,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     cfg = plans[0].cfg
     params = {"total": total_params(cfg.model), "active": active_params(cfg.model)}
     todo = sum(p.target - p.done for p in plans)
+    minutes = sum(estimate_minutes(p.cfg, p.target - p.done, p.recipe) for p in plans)
     print(f"{a.config}: {params['total']:,} parameters, {params['active']:,} active; "
           f"{todo} steps to train in this call over {len(plans)} recipes, about "
-          f"{estimate_minutes(cfg, todo):.1f} GPU minutes at bench-1gpu's FLOP rate (an estimate)",
-          flush=True)
+          f"{minutes:.1f} GPU minutes at bench-1gpu's FLOP rate (an estimate)", flush=True)
     report: dict[str, Any] = {
         "config": a.config, "overrides": a.overrides, "steps": a.steps, "seed": a.seed,
         "gemm": a.gemm, "tail": a.tail, "target_rel_diff": TARGET_REL_DIFF,
