@@ -1,0 +1,83 @@
+"""tools/bench_fp8_convergence.py on the CPU: BF16 and emulated FP8-rowwise experts on a
+tiny model, trained in two chunks and then on for more steps, its report recomputed from
+its own curves."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+from moe_testing import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "bench_fp8_convergence.py"
+CORPUS = ROOT / "packages" / "moe-model" / "src"  # real text: ~35 Python files
+STEPS, CHUNK, MORE, TAIL = 6, 3, 8, 2
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fp8_convergence_reports_resumed_curves_and_their_differences(tmp_path, capsys):
+    bench = load_script(TOOL)
+    root, out = tmp_path / "runs", tmp_path / "conv.json"
+    args = ["--config", "tiny", "--recipes", "bf16", "fp8_rowwise", "--gemm", "emulated",
+            "--device", "cpu", "--steps", str(STEPS), "--chunk-steps", str(CHUNK),
+            "--eval-every", "2", "--tail", str(TAIL), "--corpus", str(CORPUS),
+            "--run-root", str(root), "--out", str(out), "eval.tokens=128"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a second thread only adds contention
+    try:
+        first = bench.main(args)
+        assert json.loads(out.read_text()) == first
+        with pytest.raises(SystemExit, match="not empty; add --resume"):
+            bench.main(args)  # nothing overwritten without --resume
+        second = bench.main([*args, "--resume"])
+        # train on: more steps (the runs' schedule now spans them)
+        third = bench.main([*args, "--resume", "--steps", str(MORE), "--chunk-steps", "0",
+                            "--plot", str(tmp_path / "conv.png")])
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads(out.read_text()) == third
+    assert not first["complete"] and second["complete"] and third["complete"]
+    assert (tmp_path / "conv.png").read_bytes()[:4] == b"\x89PNG"
+    assert first["data"]["train_files"] > 0 and first["data"]["held_out_files"] > 0
+
+    for name in ("bf16", "fp8_rowwise"):
+        curves = [r["recipes"][name] for r in (first, second, third)]
+        # one record per step, every call continuing the one before unchanged
+        for curve, last in zip(curves, (CHUNK, STEPS, MORE), strict=True):
+            assert [p["step"] for p in curve["loss"]] == list(range(1, last + 1))
+        assert curves[1]["loss"][:CHUNK] == curves[0]["loss"]
+        assert curves[2]["loss"][:STEPS] == curves[1]["loss"]
+        assert [r["loss"] for r in _records(root / name)] == [p["loss"] for p in curves[2]["loss"]]
+        # held-out loss at every eval.every-th step, at the chunk's stop and at each end
+        assert [v["step"] for v in curves[2]["val_loss"]] == [2, 3, 4, 6, 8]
+        assert curves[2]["val_loss"][:4] == curves[1]["val_loss"]
+        assert curves[2]["tokens_per_s"] > 0
+
+    # the report's figures, recomputed from its curves
+    runs = third["recipes"]
+    final = {n: statistics.fmean(p["loss"] for p in r["loss"][-TAIL:]) for n, r in runs.items()}
+    val = {n: r["val_loss"][-1]["val_loss"] for n, r in runs.items()}
+    for name, r in runs.items():
+        assert r["final_loss"] == pytest.approx(final[name], rel=1e-12)
+        assert r["final_val_loss"] == val[name]
+        assert r["rel_diff_loss"] == pytest.approx((final[name] - final["bf16"]) / final["bf16"],
+                                                   rel=1e-12, abs=1e-15)
+        assert r["rel_diff_val_loss"] == pytest.approx((val[name] - val["bf16"]) / val["bf16"],
+                                                       rel=1e-12, abs=1e-15)
+        assert r["pass"] == (abs(r["rel_diff_loss"]) <= bench.TARGET_REL_DIFF
+                             and abs(r["rel_diff_val_loss"]) <= bench.TARGET_REL_DIFF)
+    assert third["summary"]["tail_steps"] == [MORE - TAIL + 1, MORE]
+
+    # the recipe really applied: FP8 experts round differently from the first step on
+    bf16, fp8 = ([p["loss"] for p in runs[n]["loss"]] for n in ("bf16", "fp8_rowwise"))
+    assert all(a != b for a, b in zip(bf16, fp8, strict=True))
+    assert max(abs(a - b) / a for a, b in zip(bf16, fp8, strict=True)) < 0.01
+    table = capsys.readouterr().out.strip().splitlines()
+    assert table[-2].split()[0] == "bf16" and table[-1].split()[0] == "fp8_rowwise"
