@@ -4,6 +4,7 @@ mistyped command, --version, and a --help that answers without loading torch."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -61,3 +62,19 @@ def test_explicit_train_command_equals_the_default(tmp_path):
     assert main([*common, f"run_dir={tmp_path / 'b'}"]) == 0
     a, b = ((tmp_path / d / "metrics.jsonl").read_text().splitlines() for d in "ab")
     assert [json.loads(x)["loss"] for x in a] == [json.loads(x)["loss"] for x in b]
+
+
+@pytest.mark.parametrize("world, teardown", [("1", True), ("2", False)])
+def test_a_rank_of_several_ends_its_process_without_the_teardown(world, teardown):
+    """As the command on one rank of several, main() exits with the command's status and
+    skips the interpreter's teardown (an atexit hook does not run); on one rank it returns."""
+    script = ("import atexit, sys\n"
+              "atexit.register(lambda: print('teardown ran', flush=True))\n"
+              "from pretrain.cli import main\n"
+              "sys.argv = ['pretrain', 'no-such-command']\n"
+              "sys.exit(main())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "WORLD_SIZE": world})
+    assert done.returncode == 2, done.stderr
+    assert ("teardown ran" in done.stdout) == teardown
+    assert "no-such-command" in done.stderr  # the command's own message still got out
