@@ -49,7 +49,7 @@ GRAPHS = {"on": "train.cuda_graphs=true", "off": "train.cuda_graphs=false"}
 # method that builds it.
 LAYOUTS: dict[str, tuple[str, list[str]]] = {
     "dp2": ("ddp", []),
-    "ep2": ("ep", []),  # the method sets parallel.ep and the rowwise transport
+    "ep2": ("ep", []),  # the method sets parallel.ep=2 and the rowwise transport
     "pp2": ("ddp", ["parallel.pp=2"]),
 }
 
@@ -64,17 +64,18 @@ class Case:
     overrides: tuple[str, ...]
     method: str  # tools/bench_train_step.py's method
 
-    def load(self) -> Any:
-        from pretrain.config import load_config
+    def bench_config(self, a: argparse.Namespace, device: torch.device, world: int,
+                     run_dir: Path) -> tuple[argparse.Namespace, Any, str | None]:
+        """``bench_train_step``'s arguments and config for this case, and why it turned
+        the graphs off (``None``: as configured): the one config both the prediction and
+        the measurement read (``device`` only by its type: a dry run names CUDA)."""
+        import bench_train_step as bench
 
-        return load_config(self.config, [*self.overrides, *self.method_overrides()])
-
-    def method_overrides(self) -> list[str]:
-        """What ``bench_train_step.method_config`` adds for the method (EP), so that the
-        prediction sees the layout the measurement runs."""
-        if self.method != "ep":
-            return []
-        return [f"parallel.ep={int(self.name[-1])}", "parallel.ep_backend=rowwise"]
+        args = bench.parse_args([*self.overrides, "--config", self.config, "--routing", "model",
+                                 "--warmup", str(a.warmup), "--steps", str(a.steps)])
+        cfg, why = bench.method_config(args, self.method, device, world,
+                                       run_dir / f"{self.name}-{self.graphs}")
+        return args, cfg, why
 
 
 def cases(world: int, shapes: list[str], graphs: list[str]) -> list[Case]:
@@ -118,15 +119,11 @@ def predict(cfg: Any, profile: Any, world: int) -> dict[str, Any]:
             "exposed_comm_ms": st.exposed_comm_s * 1e3, "bubble_ms": st.bubble_s * 1e3}
 
 
-def measure(case: Case, a: argparse.Namespace, device: torch.device, world: int,
-            run_dir: Path) -> dict[str, Any]:
+def measure(case: Case, args: argparse.Namespace, cfg: Any, why: str | None,
+            device: torch.device, world: int) -> dict[str, Any]:
     """``bench_train_step``'s measurement of ``case`` (model routing)."""
     import bench_train_step as bench
 
-    args = bench.parse_args([*case.overrides, "--config", case.config, "--routing", "model",
-                             "--warmup", str(a.warmup), "--steps", str(a.steps)])
-    cfg, why = bench.method_config(args, case.method, device, world,
-                                   run_dir / f"{case.name}-{case.graphs}")
     if why is not None and case.graphs == "on":
         raise SystemExit(f"{case.name}: CUDA graphs refused ({why})")
     row = bench.run_method(args, case.method, cfg, device, world)[0]
@@ -159,9 +156,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         profile = load_profile(a.profile or "h200")
         report["profile"] = profile.to_json()
         for case in cases(a.world, a.shapes, a.graphs):
+            _, cfg, _ = case.bench_config(a, torch.device("cuda"), a.world, Path("dry-run"))
             report["rows"].append({"case": case.name, "graphs": case.graphs,
                                    "overrides": list(case.overrides),
-                                   "predicted": predict(case.load(), profile, a.world)})
+                                   "predicted": predict(cfg, profile, a.world)})
         print_table(report["rows"])
     else:
         if not torch.cuda.is_available():
@@ -179,10 +177,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if a.profile_out is not None and lead:
                 a.profile_out.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
             for case in cases(rt.world_size, a.shapes, a.graphs):
-                cfg = case.load()
+                args, cfg, why = case.bench_config(a, rt.device, rt.world_size, Path(tmp))
                 row = {"case": case.name, "graphs": case.graphs, "overrides": list(case.overrides),
                        "predicted": predict(cfg, profile, rt.world_size),
-                       "measured": measure(case, a, rt.device, rt.world_size, Path(tmp))}
+                       "measured": measure(case, args, cfg, why, rt.device, rt.world_size)}
                 row["error"] = (row["predicted"]["tokens_per_s"]
                                 / row["measured"]["tokens_per_s"] - 1)
                 report["rows"].append(row)
