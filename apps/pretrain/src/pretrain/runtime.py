@@ -10,7 +10,6 @@ already exists (a test harness made it) is joined and left alone.
 
 from __future__ import annotations
 
-import gc
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -68,11 +67,6 @@ def distributed(device_preference: str, timeout_s: float = 600.0) -> Iterator[Ru
         yield Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device)
     finally:
         if created and dist.is_initialized():
-            # A finished run leaves its trainer in reference cycles that hold the process
-            # groups; freed only at interpreter exit, a gloo group then aborts the process
-            # now and then ("terminate called without an active exception"). Free them while
-            # the groups are still whole.
-            gc.collect()
             dist.destroy_process_group()
 
 
