@@ -14,8 +14,9 @@
    outputs are compared with BF16's (relative error in norm).
 2. The grouped GEMMs alone (the candidates side by side, balanced routing): BF16
    ``torch._grouped_mm`` against FP8 ``torch._scaled_grouped_mm`` with FP32 promotion
-   (``use_fast_accum=False``, what the layer uses) and with fast accumulation, on the
-   forward (2d x 3d) and weight-gradient (2d x 2d) shapes of the gate/up projection.
+   (``use_fast_accum=False``, the layer's backward GEMMs by default) and with fast
+   accumulation (the layer's forward GEMMs by default, ``MXFP8Config.fp8_fast_accum``), on
+   the forward (2d x 3d) and weight-gradient (2d x 2d) shapes of the gate/up projection.
 3. Quantize kernels on the dispatched rows ``[131072, 2048]`` BF16 and the gate/up weight
    ``[64, 2048, 2048]``, with a device copy of the rows measured in the same run as the
    ceiling; bandwidth counts the bytes a kernel must read and write.
