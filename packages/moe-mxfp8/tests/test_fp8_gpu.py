@@ -1,17 +1,27 @@
 """FP8 on a GPU at real sizes: kernels bit-exact vs the torch reference; the native grouped
 GEMMs (torch._scaled_grouped_mm, sm_90) against the exact emulation; no host sync."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from moe_mxfp8 import (
     FP8GroupedExperts,
     FP8RowCodec,
+    decode_fp8_rows,
+    decode_fp8_rows_reference,
+    encode_fp8_rows,
+    encode_fp8_rows_reference,
     fp8_native_available,
     quantize_fp8,
     quantize_group_columns,
 )
 from moe_mxfp8.fp8_gemm import fp8_grouped_mm, fp8_grouped_wgrad
 from moe_testing import assert_no_host_sync
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fp8_codec_cases import adversarial_packed, adversarial_rows  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +43,7 @@ def sample(shape, dtype, seed=0):
 
 
 def mismatches(a, b):
-    as_int = {1: torch.uint8, 4: torch.int32}[a.element_size()]
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
     both_nan = a.float().isnan() & b.float().isnan()
     return int(((a.view(as_int) != b.view(as_int)) & ~both_nan).sum())
 
@@ -100,6 +110,25 @@ def test_row_codec_on_gpu_matches_the_cpu_encoding():
     assert mismatches(packed[:, :2048].view(torch.float8_e4m3fn).cpu(),
                       ref[:, :2048].view(torch.float8_e4m3fn)) == 0
     assert mismatches(codec.decode(packed, torch.float32).cpu(), codec.decode(ref, torch.float32)) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_row_codec_kernels_bit_exact_at_real_and_adversarial_rows(dtype):
+    """One kernel each way against the reference on the same GPU: rows at the dispatch
+    width and odd ones, the adversarial rows and packed bytes of the interpreter cases."""
+    rows = [sample((4096, 2048), dtype), sample((1000, 7168), dtype, seed=1), sample((333, 77), dtype, seed=2),
+            adversarial_rows(dtype).cuda()]
+    for x in rows:
+        D = x.shape[1]
+        got, ref = encode_fp8_rows(x, backend="auto"), encode_fp8_rows_reference(x)
+        assert mismatches(got[:, :D].view(torch.float8_e4m3fn), ref[:, :D].view(torch.float8_e4m3fn)) == 0
+        assert mismatches(got[:, D:].contiguous().view(torch.float32),
+                          ref[:, D:].contiguous().view(torch.float32)) == 0
+    for packed in [encode_fp8_rows_reference(x) for x in rows] + [adversarial_packed().cuda(),
+                                                                   adversarial_packed(2048).cuda()]:
+        for out in (torch.bfloat16, torch.float32, torch.float16):
+            got, ref = decode_fp8_rows(packed, out, backend="auto"), decode_fp8_rows_reference(packed, out)
+            assert mismatches(got, ref) == 0, (tuple(packed.shape), out)
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
