@@ -9,7 +9,9 @@
    Zipf(1.0) over the experts, the busy ones not the low ids). Layers:
    ``moe_model.GroupedExperts`` in BF16 (the model's own, its default backend),
    ``FP8GroupedExperts`` fp8_rowwise and fp8_rowwise_gw_hp (BF16 weight gradients) with
-   the native GEMMs (``torch._scaled_grouped_mm``), and fp8_blockwise, emulated (dequantize + FP32 matmuls per expert; no native grouped
+   the native GEMMs (``torch._scaled_grouped_mm``; the default accumulation, fast in the
+   forward only, and fp8_rowwise also with every GEMM fast, torchao's grouped MoE choice,
+   and with none), and fp8_blockwise, emulated (dequantize + FP32 matmuls per expert; no native grouped
    GEMM) unless ``--no-blockwise``. BF16 compute weights everywhere; the FP8 layers'
    outputs are compared with BF16's (relative error in norm).
 2. The grouped GEMMs alone (the candidates side by side, balanced routing): BF16
@@ -66,6 +68,7 @@ def bench_layers(args, routing: str) -> dict:
     import torch
     from moe_model import GroupedExperts
     from moe_mxfp8 import FP8GroupedExperts
+    from moe_mxfp8.fp8_gemm import FP8_GEMM_ROLES
 
     torch.manual_seed(0)
     bf16 = GroupedExperts(args.experts, args.d_model, args.hidden).cuda()
@@ -79,6 +82,9 @@ def bench_layers(args, routing: str) -> dict:
     layers = {"bf16": bf16}
     for recipe in ("fp8_rowwise", "fp8_rowwise_gw_hp"):
         layers[recipe] = FP8GroupedExperts.from_module(bf16, recipe, "native")
+    for name, roles in (("all", FP8_GEMM_ROLES), ("none", ())):
+        layers[f"fp8_rowwise fast:{name}"] = FP8GroupedExperts.from_module(bf16, "fp8_rowwise", "native",
+                                                                           fast_accum=roles)
     if args.blockwise:
         layers["fp8_blockwise (emulated)"] = FP8GroupedExperts.from_module(bf16, "fp8_blockwise")
     flops = 3 * 2 * rows_n * args.d_model * args.hidden * 3  # forward + 2x backward, three GEMMs
