@@ -73,7 +73,9 @@ def _decode_rows_kernel(
 
 @dataclass(frozen=True)
 class RowTile:
-    """Launch shape: about ``elements`` per program (whole rows, at least one), ``warps``."""
+    """Launch shape: about ``elements`` per program (whole rows, at least one) on ``warps``
+    warps; a row wider than ``elements`` gets proportionally more warps (up to 16), so a
+    thread holds about as many elements at any width."""
 
     elements: int
     warps: int
@@ -92,7 +94,8 @@ def _launch(kind: str, M: int, D: int) -> tuple[tuple[int], dict]:
     tile = _TILES[kind]
     width = triton.next_power_of_2(D)
     rows = max(1, tile.elements // width)
-    return (triton.cdiv(M, rows),), dict(ROWS=rows, BN=width, num_warps=tile.warps)
+    warps = min(16, tile.warps * max(1, width // tile.elements))
+    return (triton.cdiv(M, rows),), dict(ROWS=rows, BN=width, num_warps=warps)
 
 
 def _row_strided(t: torch.Tensor) -> torch.Tensor:
