@@ -34,6 +34,7 @@ from moe_ep_transport import ops
 from moe_ep_transport.codec import RowCodec
 from moe_ep_transport.config import EPConfig
 from moe_ep_transport.overflow import HASH_PRIME
+from moe_ep_transport.pipeline import ExpertsFn, PipelinedHandle, run_pipelined
 from moe_ep_transport.plan import RoutePlan, plan_routes
 from moe_ep_transport.telemetry import EPTelemetry
 from moe_ep_transport.transport import Transport
@@ -246,15 +247,30 @@ class EPDispatcher:
             handle.weights, handle.weights_version = weights, _version(weights)
         return rows_CD, plan.group_offsets_L, handle
 
-    def dropped_per_expert(self, handle: EPHandle) -> torch.Tensor:
+    def dropped_per_expert(self, handle: EPHandle | PipelinedHandle) -> torch.Tensor:
         """[E] int64: the slots *this rank* routed that their destination dropped.
 
         This rank's row of the route plan, so summing over the ranks of the EP group
         counts every dropped slot once (the telemetry, in contrast, is the same on
         every rank of the group). Satisfies ``moe_model.ReportsDrops`` structurally.
+        A pipelined call's handle sums its chunks'.
         """
+        if isinstance(handle, PipelinedHandle):
+            return handle.dropped_per_expert()
         plan = handle.plan
         return plan.counts_ME[plan.rank] - plan.kept_ME[plan.rank]
+
+    def run_experts(
+        self, x_TD: torch.Tensor, expert_ids_Tk: torch.Tensor, weights_Tk: torch.Tensor, experts: ExpertsFn
+    ) -> tuple[torch.Tensor, EPHandle | PipelinedHandle]:
+        """``combine(experts(*dispatch(x, ids, weights)[:2]), weights, handle)`` and the handle(s):
+        moe_model's ``PipelinesExperts``. With ``EPConfig.overlap_chunks == 1`` exactly those
+        three calls; with more, chunks pipelined over two CUDA streams
+        (:mod:`moe_ep_transport.pipeline`), each chunk a call of at most ``max_tokens``."""
+        if self.cfg.overlap_chunks == 1:
+            rows, offsets, handle = self.dispatch(x_TD, expert_ids_Tk, weights_Tk)
+            return self.combine(experts(rows, offsets), weights_Tk, handle), handle
+        return run_pipelined(self, x_TD, expert_ids_Tk, weights_Tk, experts, self.cfg.overlap_chunks)
 
     def combine(self, rows_out_CD: torch.Tensor, weights_Tk: torch.Tensor, handle: EPHandle) -> torch.Tensor:
         plan = handle.plan

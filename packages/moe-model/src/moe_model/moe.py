@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from moe_model.config import MoEConfig
-from moe_model.dispatch import LocalDispatcher, ReportsDrops, TokenDispatcher
+from moe_model.dispatch import LocalDispatcher, PipelinesExperts, ReportsDrops, TokenDispatcher
 from moe_model.experts import GroupedExperts
 from moe_model.layers import SwiGLU
 from moe_model.recompute import is_recomputing
@@ -118,10 +118,13 @@ class MoELayer(nn.Module):
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         routing = self.router(x_TD)
-        rows, offsets, handle = self.dispatcher.dispatch(
-            x_TD.to(_compute_dtype(x_TD)), routing.expert_ids, routing.weights)
-        rows_out = self.experts(rows, offsets)
-        y_TD = self.dispatcher.combine(rows_out, routing.weights, handle)
+        x_compute = x_TD.to(_compute_dtype(x_TD))
+        if isinstance(self.dispatcher, PipelinesExperts):  # it schedules the experts itself
+            y_TD, handle = self.dispatcher.run_experts(
+                x_compute, routing.expert_ids, routing.weights, self.experts)
+        else:
+            rows, offsets, handle = self.dispatcher.dispatch(x_compute, routing.expert_ids, routing.weights)
+            y_TD = self.dispatcher.combine(self.experts(rows, offsets), routing.weights, handle)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
         training = self.training and torch.is_grad_enabled()  # counts toward the step
