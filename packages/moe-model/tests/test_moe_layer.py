@@ -313,3 +313,55 @@ def test_a_dispatcher_that_pipelines_the_experts_runs_them():
     (want_dx,) = torch.autograd.grad((want * want).sum(), x_TD)
     assert torch.equal(y.view(-1, cfg.d_model), want) and torch.equal(dx.view(-1, cfg.d_model), want_dx)
     assert torch.equal(stats["dropped_per_expert"], dropped) and int(dropped.sum()) > 0
+
+
+class _RecordingSink:
+    def __init__(self) -> None:
+        self.got = []
+
+    def accepts(self, param) -> bool:
+        return True
+
+    def add_gradient(self, param, add) -> None:
+        self.got.append((param, add))
+
+
+def test_a_pipelining_dispatcher_delivers_each_expert_weight_gradient_once():
+    """The experts called once per chunk: the sink they capture holds each weight's gradients
+    until every call's has come, then hands the layer's sink one (merged where it can)."""
+    from moe_model.experts import ExpertWeightGradient
+    from moe_model.sink import MergingSink
+
+    cfg, layer, x = layer_and_input()
+    sink = _RecordingSink()
+    layer.experts.grad_sink = sink
+    seen = []
+
+    class Spy(_TwoHalves):
+        def run_experts(self, x, expert_ids, weights, experts):
+            out = super().run_experts(x, expert_ids, weights, experts)
+            seen.append(layer.experts.grad_sink)  # what the experts' calls captured
+            return out
+
+    wire_model(layer, ModelWiring(gradient_sink=sink, dispatchers={"": Spy(LocalDispatcher(cfg.n_experts))}))
+    layer(x)
+    (merging,) = seen
+    assert isinstance(merging, MergingSink) and merging.sink is sink and merging.uses == 2
+    assert layer.experts.grad_sink is sink  # restored after the forward
+    w = layer.experts.w1
+    rows = torch.zeros(4, cfg.d_model)
+    parts = [ExpertWeightGradient(((rows, torch.zeros(4, cfg.expert_hidden), torch.tensor([4])),), w)
+             for _ in range(2)]
+    merging.add_gradient(w, parts[0])
+    assert sink.got == []  # held: one use's gradient of two
+    merging.add_gradient(w, parts[1])
+    ((param, add),) = sink.got
+    assert param is w and isinstance(add, ExpertWeightGradient) and len(add.sources) == 2
+    # gradients that do not merge are added one after another, in one delivery
+    merging = MergingSink(sink)
+    merging.uses = 2
+    added = []
+    merging.add_gradient(w, lambda target: added.append(1))
+    merging.add_gradient(w, lambda target: added.append(2))
+    sink.got[-1][1](torch.zeros(1))
+    assert len(sink.got) == 2 and added == [1, 2]
