@@ -9,7 +9,10 @@ the device) and a handle; ``combine(rows_out[C,D], weights[T,k], handle)`` retur
 ``y[T,D] = sum_j weights[t,j] * expert_output(t,j)`` accumulated in FP32 in slot
 order. Both are autograd functions: dispatch's backward is a combine of the row
 gradients with unit weights, combine's backward a dispatch of ``weights * grad_y``
-plus the gradient of the weights.
+plus the gradient of the weights. ``run_experts(x, expert_ids, weights, experts)`` runs
+dispatch -> experts -> combine in one call (moe_model's ``PipelinesExperts``): in
+``EPConfig.overlap_chunks`` token chunks pipelined over two CUDA streams
+(:mod:`moe_ep_transport.pipeline`), or, with one chunk, as the three plain calls.
 
 Overflow (a destination asked for more than C rows): with ``overflow="drop"`` the
 rows chosen by :mod:`moe_ep_transport.overflow` are dropped; their weights count as
