@@ -170,6 +170,39 @@ def _pipelined(dispatcher: EPDispatcher, x, ids, w, g, scale) -> dict:
     return dict(y=y.detach(), dx=x.grad, dw=w.grad)
 
 
+def _backward_streams(dispatcher: EPDispatcher, inputs: list) -> tuple[set, set]:
+    """The CUDA streams the transport's and the experts' backward ops ran on (each should be
+    its forward op's: the communication stream, the caller's)."""
+    x, ids, w, g, scale = inputs
+    transport, seen_transport, seen_experts = dispatcher.transport, set(), set()
+    for name in ("send", "gather_sum", "reduce_back", "send_back"):
+        method = getattr(transport, name)
+
+        def logged(*args, _method=method, **kwargs):
+            seen_transport.add(torch.cuda.current_stream().cuda_stream)
+            return _method(*args, **kwargs)
+
+        setattr(transport, name, logged)
+
+    class Experts(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, rows, offsets):
+            return _experts(rows, scale, offsets)
+
+        @staticmethod
+        def backward(ctx, grad):  # only its stream matters here, not its value
+            seen_experts.add(torch.cuda.current_stream().cuda_stream)
+            return grad, None
+
+    x = x.clone().requires_grad_(True)
+    y, _ = dispatcher.run_experts(x, ids, w, Experts.apply)
+    seen_transport.clear()  # the forward's calls
+    (y.float() * g).sum().backward()
+    for name in ("send", "gather_sum", "reduce_back", "send_back"):
+        delattr(transport, name)
+    return seen_transport, seen_experts
+
+
 def _forward_replays(dispatcher: EPDispatcher, inputs: list, want_y: torch.Tensor) -> bool:
     """``run_experts``' forward captured in a CUDA graph (inside ``replayable()``) replays to ``want_y``."""
     x, ids, w, _, scale = inputs
@@ -200,7 +233,8 @@ def _pipeline_equals_unsplit(cases: list[tuple[int, int | None]]) -> list:
     """``run_experts`` in each ``(chunks, comm_sms)`` of ``cases`` equals the unsplit call bit
     for bit, forward and backward (the toy expert computes each row alone); warmed up, it
     runs without a host synchronisation; its forward replays from a CUDA graph (the two
-    streams fork from and join the captured one)."""
+    streams fork from and join the captured one); its backward runs the transport on the
+    communication stream and the experts on the caller's (autograd's stream rule)."""
     from moe_ep_transport import nvshmem_memory
 
     rank = dist.get_rank()
@@ -225,6 +259,11 @@ def _pipeline_equals_unsplit(cases: list[tuple[int, int | None]]) -> list:
         finally:
             torch.cuda.set_sync_debug_mode(0)
         replayed = _forward_replays(dispatcher, inputs, want["y"])
+        transport_streams, experts_streams = _backward_streams(dispatcher, inputs)
+        from moe_ep_transport.pipeline import comm_stream
+
+        same &= transport_streams == {comm_stream(device, comm_sms).cuda_stream}
+        same &= experts_streams == {torch.cuda.current_stream().cuda_stream}
         transport.close()
         report.append((chunks, comm_sms, same, replayed))
     nvshmem_memory.finalize()
@@ -238,7 +277,7 @@ def test_pipelined_run_experts_equals_unsplit_bit_for_bit(cases) -> None:
     # 3 chunks do not divide T; (2, 16): the communication stream bounded to 16 SMs
     for report in run_distributed(_pipeline_equals_unsplit, 2, cases, backend="nccl", timeout=300):
         for chunks, comm_sms, same, replayed in report:
-            assert same, (chunks, comm_sms, "eager forward and backward")
+            assert same, (chunks, comm_sms, "eager forward and backward, the backward's streams")
             assert replayed, (chunks, comm_sms, "forward replayed from a CUDA graph")
 
 

@@ -154,3 +154,68 @@ def _too_many_tokens() -> str:
 def test_more_tokens_than_the_chunks_hold_is_refused() -> None:
     (message,) = run_distributed(_too_many_tokens, 1, timeout=60)
     assert "9 tokens" in message and "overlap_chunks" in message and "max_tokens=4" in message
+
+
+def _backward_order(chunks: int) -> list[str]:
+    """The order autograd runs the pipeline's backward ops in (one rank)."""
+    from moe_ep_transport import dispatcher as dispatcher_module
+
+    log: list[str] = []
+    originals = {}
+    for name, function in (("D", dispatcher_module._Dispatch), ("C", dispatcher_module._Combine)):
+        originals[function] = function.backward
+
+        def logged(ctx, *grads, _backward=function.backward, _name=name):
+            log.append(f"{_name}{ctx.route.chunk}'")
+            return _backward(ctx, *grads)
+
+        function.backward = staticmethod(logged)
+
+    class Experts(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, rows, chunk):
+            ctx.chunk = chunk
+            return rows * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            log.append(f"X{ctx.chunk}'")
+            return grad * 2, None
+
+    try:
+        cfg = EPConfig(E, K, 4, D, capacity_factor=None, overlap_chunks=chunks)
+        dispatcher = EPDispatcher(cfg, make_transport("all_to_all", cfg))
+        T = 4 * chunks
+        x = torch.randn(T, D, requires_grad=True)
+        calls = iter(range(chunks))
+        open_route = dispatcher.transport.open_route
+        opened = iter(range(chunks))
+
+        def tagged(plan):
+            route = open_route(plan)
+            route.chunk = next(opened)
+            return route
+
+        dispatcher.transport.open_route = tagged
+        y, _ = dispatcher.run_experts(x, torch.randint(0, E, (T, K)), torch.rand(T, K, requires_grad=True),
+                                      lambda rows, offsets: Experts.apply(rows, next(calls)))
+        y.sum().backward()
+    finally:
+        for function, backward in originals.items():
+            function.backward = backward
+    return log
+
+
+@pytest.mark.multiprocess
+def test_the_backward_runs_in_the_pipelines_order() -> None:
+    """Autograd takes ready ops highest sequence number first, so the forward's issue order
+    makes each chunk's combine backward run before the previous chunk's expert backward is
+    needed and each dispatch backward after its chunk's experts (the schedule the two
+    streams overlap; on CUDA each op runs on its forward op's stream)."""
+    two, four = run_distributed(_backward_order_both, 1, timeout=60)[0]
+    assert two == ["C1'", "X1'", "C0'", "X0'", "D1'", "D0'"]
+    assert four == ["C3'", "X3'", "C2'", "X2'", "C1'", "D3'", "X1'", "C0'", "D2'", "X0'", "D1'", "D0'"]
+
+
+def _backward_order_both() -> tuple[list[str], list[str]]:
+    return _backward_order(2), _backward_order(4)
