@@ -152,6 +152,8 @@ def test_toml_file_errors_name_the_key(tmp_path):
     (["parallel.ep=2", "parallel.ep_comm_sms=16"], "parallel.ep_comm_sms=16 bounds the SMs of the EP "
      "communication stream: a positive count, with parallel.ep_overlap_chunks > 1"),
     (["parallel.ep=2", "parallel.ep_overlap_chunks=2", "parallel.ep_comm_sms=0"], "parallel.ep_comm_sms=0"),
+    (["parallel.ep=2", "parallel.ep_overlap_chunks=2", "parallel.ep_comm_sms=16", "train.device=cpu"],
+     "parallel.ep_comm_sms=16 bounds a CUDA stream's SMs: train.device=cpu has none"),
     (["mxfp8.gemm=fast"], "invalid mxfp8 config: MXFP8Config.gemm must be one of"),
     (["parallel.pp=2", "model.tie_embeddings=true"], "model.tie_embeddings with parallel.pp > 1"),
     (["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "model.recompute=block"],

@@ -390,6 +390,9 @@ class PretrainConfig:
                 f"parallel.ep_comm_sms={p.ep_comm_sms} bounds the SMs of the EP communication "
                 "stream: a positive count, with parallel.ep_overlap_chunks > 1"
             )
+        if p.ep_comm_sms is not None and t.device == "cpu":
+            raise ConfigError(f"parallel.ep_comm_sms={p.ep_comm_sms} bounds a CUDA stream's SMs: "
+                              "train.device=cpu has none")
 
     def _check_ep_payload(self) -> None:
         """A quantized dispatch payload needs a transport that encodes it, and experts that
