@@ -42,12 +42,14 @@ communication stream waiting for the compute stream and ends with the reverse, s
 is a fork and join: a CUDA graph captures it as it captures one stream.
 
 What each chunk computes is the unsplit layer's, token by token: combine sums a
-token's ``k`` contributions in the same FP32 order whichever tokens share its call, and
-the expert GEMMs compute each row alone, so ``y``, the inputs' and the routing
-weights' gradients are bit for bit the unsplit ones (the GEMM kernels give a row the
-same result whatever the other rows: checked on CPU in FP64 and FP32). The expert
-weights' gradients are sums over the chunks' rows, added chunk by chunk (autograd
-accumulates the ``n`` uses of a weight): the same terms in another order. Routing
+token's ``k`` contributions in the same FP32 order whichever tokens share its call, so
+where the experts compute each row alone (the Triton grouped GEMM: a row's dot products
+run over ``K`` in the same blocks whatever rows surround it) ``y``, the inputs' and the
+routing weights' gradients are bit for bit the unsplit ones; a CPU BLAS matmul picks its
+kernel by the row count and moves the last bits. The expert weights' gradients are
+sums over the chunks' rows, added chunk by chunk (autograd, or one merged
+weight-gradient launch over the chunks' rows into a gradient sink: moe_model's
+``MergingSink``): the same terms in another order. Routing
 counts and the load-balancing losses are the router's, before dispatch: unchanged.
 Drops: each chunk is a call with its own capacity (``EPConfig.max_tokens`` is the
 chunk's bound, so the layer's rows and buffers stay those of one unsplit call), so
