@@ -16,7 +16,9 @@ from moe_model._triton_support import (
 )
 from moe_model.config import MoEConfig
 from moe_model.dispatch import (
+    ExpertsFn,
     LocalDispatcher,
+    PipelinesExperts,
     ReportsDrops,
     TokenDispatcher,
     combine_backward,
@@ -82,6 +84,7 @@ __all__ = [
     "DocumentMask",
     "EXPERT_DIM",
     "ExpertWeightGradient",
+    "ExpertsFn",
     "GradientSink",
     "GroupedExperts",
     "IGNORE_INDEX",
@@ -92,6 +95,7 @@ __all__ = [
     "MoELayer",
     "MoETransformer",
     "ModelWiring",
+    "PipelinesExperts",
     "ReportsDrops",
     "RoutingResult",
     "TokenDispatcher",
