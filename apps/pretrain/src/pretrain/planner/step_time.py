@@ -345,6 +345,25 @@ def pipelined_layer_s(first: float, work: list[float], last: float, share: float
             chunk, running = chunk + 1, False
 
 
+def fit_comm_sm_share(comm_s: float, experts_s: float, pipelined_s: float, chunks: int) -> float:
+    """The ``Profile.ep_comm_sm_share`` under which ``pipelined_layer_s`` gives a measured
+    pipelined layer: a row of ``tools/bench_ep_overlap.py`` (``comm_ms``: the ``chunks``
+    dispatch + combine calls alone; ``comp_ms``: the chunks' expert GEMMs alone;
+    ``pipelined_ms``), dispatch and combine taken as equal halves (the bench's source
+    combine moves the same rows back). Clamped to [0, 1] where the measurement lies
+    outside what any share gives; bisection (the makespan grows with the share)."""
+    call, work = comm_s / (2 * chunks), [experts_s / chunks] * chunks
+    lo, hi = 0.0, 1.0
+    if pipelined_s <= pipelined_layer_s(call, work, call, lo):
+        return lo
+    if pipelined_s >= pipelined_layer_s(call, work, call, hi):
+        return hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if pipelined_layer_s(call, work, call, mid) < pipelined_s else (lo, mid)
+    return (lo + hi) / 2
+
+
 @dataclass(frozen=True)
 class _EPCalls:
     """Seconds of one MoE layer's four EP calls for a number of tokens."""
