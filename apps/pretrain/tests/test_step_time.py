@@ -211,6 +211,12 @@ def test_profiles_load_and_bad_ones_are_named(tmp_path):
     bad.write_text(json.dumps({**h200.to_json(), "memory_gb_per_s": -1}))
     with pytest.raises(ValueError, match="memory_gb_per_s"):
         load_profile(bad)
+    bad.write_text(json.dumps({**h200.to_json(), "sm_count": 0}))
+    with pytest.raises(ValueError, match="sm_count must be an integer >= 1"):
+        load_profile(bad)
+    bad.write_text(json.dumps({**h200.to_json(), "ep_comm_sm_share": 1.5}))
+    with pytest.raises(ValueError, match=r"ep_comm_sm_share must be in \[0, 1\]"):
+        load_profile(bad)
     with pytest.raises(ValueError, match="no profile 'h300'"):
         load_profile("h300")
     assert parse_link("network=ib-xdr-800")[1].gb_per_s == 90.0

@@ -132,7 +132,8 @@ class StepTime:
 
     ``step_s = compute_s + exposed_comm_s + bubble_s``; ``compute`` and ``comm`` break
     those down (seconds per step on the busiest rank); ``comm`` holds each collective's
-    whole time, ``exposed`` the part not hidden behind compute."""
+    whole time, ``exposed`` the part not hidden behind compute (EP with chunks: what the
+    pipelined layers take beyond their expert GEMMs, the GEMMs' SM loss included)."""
 
     request: PlanRequest
     profile: str
@@ -433,7 +434,8 @@ def _with_launches(s: _Setup, cost: StageCost) -> StageCost:
     Eager, nothing holds the host back between the forward and the backward of a
     microbatch, so its launches run ahead through both: the microbatch takes the longer
     of the host's time (``host_launch_us`` per kernel, the EP calls' own host waits
-    included) and the device's; the excess is spread over the passes by their kernels."""
+    included: their exposed part, what the compute stream waits for) and the device's;
+    the excess is spread over the passes by their kernels."""
     p = s.profile
     gap = p.kernel_gap_us_graphs if s.cuda_graphs else p.kernel_gap_us_eager
     passes = (cost.forward, cost.backward_input, cost.backward_weight)
