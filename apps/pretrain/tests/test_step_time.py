@@ -451,6 +451,9 @@ def test_plan_time_reports_the_hidden_ep_time(capsys):
                  "parallel.ep_backend=rowwise", "parallel.ep_overlap_chunks=2"]) == 0
     st = json.loads(capsys.readouterr().out)["step_time"]
     assert 0 < st["exposed"]["ep_all_to_all"] < st["comm"]["ep_all_to_all"]
+    assert main(["plan", "--config", "tiny", "--gpus", "2", "--time", "parallel.ep=2",
+                 "parallel.ep_backend=rowwise", "parallel.ep_overlap_chunks=2"]) == 0
+    assert "EP dispatch/combine, 2 chunks" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fused,ratio", [(False, 3 * 2 * 1.5 / 6), (True, (2 * 2 * 1.5 + 2) / 6)])
