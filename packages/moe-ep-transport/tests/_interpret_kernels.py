@@ -68,6 +68,25 @@ def check_put_rows() -> None:
                     assert torch.equal(rank_N[live], want_rank[live]) and torch.equal(at_N[live], want_at[live])
 
 
+def check_put_rows_clears() -> None:
+    # clear_N zeroes this rank's own rows where it is negative, in the put's launch; a put
+    # of no rows still clears.
+    gen = torch.Generator().manual_seed(8)
+    offset, W = 64, 5
+    for n_put in (6, 0):
+        slabs = [torch.full((offset + 10 * W * 4,), 7, dtype=torch.uint8) for _ in range(2)]
+        table = torch.tensor([s.data_ptr() for s in slabs])
+        src = torch.randint(0, 99, (n_put, W), generator=gen, dtype=torch.int32)
+        dst_rank, dst_row = torch.tensor([0, 1, 1, 0, 1, 1])[:n_put], torch.tensor([9, 2, 3, 8, 0, 1])[:n_put]
+        clear = torch.tensor([-1, 0, 1, -1, -1, 1, 1, 1, -1, 1])
+        want = [s.clone() for s in slabs]
+        for i in range(n_put):
+            want[int(dst_rank[i])][offset:].view(torch.int32).view(10, W)[dst_row[i]] = src[i]
+        want[1][offset:].view(torch.int32).view(10, W)[clear < 0] = 0
+        kernels.put_rows(src, dst_rank, dst_row, table, byte_offset=offset, me=1, clear_N=clear)
+        assert all(torch.equal(a, b) for a, b in zip(slabs, want, strict=True)), n_put
+
+
 def check_finish_receive() -> None:
     gen = torch.Generator().manual_seed(1)
     out = torch.randint(0, 9, (9, 33), generator=gen, dtype=torch.int32)
@@ -299,6 +318,7 @@ def check_any_strides() -> None:
 
 if __name__ == "__main__":
     check_put_rows()
+    check_put_rows_clears()
     check_weights_in_metadata()
     check_finish_receive()
     check_topk_gather_sum()

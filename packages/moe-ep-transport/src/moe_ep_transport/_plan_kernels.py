@@ -61,9 +61,9 @@ def _cumsum_blocks_kernel(hist_ptr, cum_ptr, n_blocks, n_experts, CHUNK: tl.cons
 
 
 @triton.jit
-def _plan_cells_kernel(counts_ptr, stats_ptr, table_ptr, recv_ptr, offsets_ptr,
+def _plan_cells_kernel(counts_ptr, stats_ptr, table_ptr, recv_ptr, offsets_ptr, sum_ptr,
                        capacity, salt, me, n_ranks, n_experts,
-                       M_P: tl.constexpr, E_P: tl.constexpr):
+                       M_P: tl.constexpr, E_P: tl.constexpr, ACCUMULATE: tl.constexpr):
     # One program; element (r, j) is destination r's cell j = l*M + s (its receive order).
     M = n_ranks
     E = n_experts
@@ -99,6 +99,9 @@ def _plan_cells_kernel(counts_ptr, stats_ptr, table_ptr, recv_ptr, offsets_ptr,
 
     tl.store(stats_ptr + flat, c, mask=live)
     tl.store(stats_ptr + M * E + flat, kept, mask=live)
+    if ACCUMULATE:  # the running telemetry (one program: a plain read-add-write)
+        tl.store(sum_ptr + flat, tl.load(sum_ptr + flat, mask=live, other=0) + c, mask=live)
+        tl.store(sum_ptr + M * E + flat, tl.load(sum_ptr + M * E + flat, mask=live, other=0) + kept, mask=live)
     mine = live & (s == me)
     start = _mix(_mix(_mix(_START, seed), s), g) % tl.maximum(c, 1)
     tl.store(table_ptr + g, c, mask=mine)
@@ -169,7 +172,8 @@ def scan_blocks(hist_BE: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     return cum_BE
 
 
-def plan_cells(counts_ME: torch.Tensor, capacity: int, salt: int, rank: int) -> CellPlan:
+def plan_cells(counts_ME: torch.Tensor, capacity: int, salt: int, rank: int,
+               stats_sum_2ME: torch.Tensor | None = None) -> CellPlan:
     M, E = counts_ME.shape
     device = counts_ME.device
     cells = CellPlan(
@@ -178,9 +182,13 @@ def plan_cells(counts_ME: torch.Tensor, capacity: int, salt: int, rank: int) -> 
         torch.empty(2, E, dtype=torch.int64, device=device),
         torch.empty(E // M, dtype=torch.int32, device=device),
     )
+    if stats_sum_2ME is not None and (stats_sum_2ME.dtype != torch.int64 or not stats_sum_2ME.is_contiguous()):
+        raise ValueError(f"plan_cells: stats_sum_2ME must be contiguous int64 (written in place), got "
+                         f"{stats_sum_2ME.dtype} with strides {stats_sum_2ME.stride()}")
     _plan_cells_kernel[(1,)](
-        counts_ME.contiguous(), *cells, capacity, salt % overflow.HASH_PRIME, rank, M, E,
-        M_P=next_power_of_2(M), E_P=next_power_of_2(E), num_warps=4,
+        counts_ME.contiguous(), *cells, stats_sum_2ME if stats_sum_2ME is not None else cells.stats_2ME,
+        capacity, salt % overflow.HASH_PRIME, rank, M, E,
+        M_P=next_power_of_2(M), E_P=next_power_of_2(E), ACCUMULATE=stats_sum_2ME is not None, num_warps=4,
     )
     return cells
 

@@ -28,13 +28,34 @@ _MAX_BLOCK_W = 1024  # elements of one row chunk (4 KiB of 32-bit words)
 
 
 @triton.jit
+def _clear_rows(src_ptr, table_ptr, byte_offset, me, clear_ptr, n_clear, width, block,
+                BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    rows = block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < n_clear
+    zero = live & (tl.load(clear_ptr + rows, mask=live, other=0) < 0)
+    own = tl.load(table_ptr + me) + byte_offset
+    dst = tl.multiple_of(own.to(tl.pointer_type(src_ptr.dtype.element_ty)), 16) + rows * width
+    for c0 in range(0, width, BLOCK_W):
+        cols = c0 + tl.arange(0, BLOCK_W)
+        m = zero[:, None] & (cols < width)[None, :]
+        tl.store(dst[:, None] + cols[None, :], tl.zeros([BLOCK_R, BLOCK_W], dtype=src_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _put_rows_kernel(
     src_ptr, dst_rank_ptr, dst_row_ptr, table_ptr, byte_offset, local_addr, me,
-    meta_src_ptr, meta_w_ptr, n_rows, width, inbox_stride,
+    meta_src_ptr, meta_w_ptr, n_rows, width, inbox_stride, clear_ptr, n_clear, put_programs,
     PER_SRC: tl.constexpr, DEDUP: tl.constexpr, HAS_LOCAL: tl.constexpr, SKIP_LOCAL: tl.constexpr,
-    HAS_META: tl.constexpr, HAS_META_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    HAS_META: tl.constexpr, HAS_META_W: tl.constexpr, CLEAR: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    pid = tl.program_id(0)
+    if CLEAR:
+        if pid >= put_programs:  # the programs past the put zero this rank's own cleared rows
+            _clear_rows(src_ptr, table_ptr, byte_offset, me, clear_ptr, n_clear, width, pid - put_programs,
+                        BLOCK_R, BLOCK_W)
+            return
+    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rank = tl.load(dst_rank_ptr + rows, mask=rows < n_rows, other=-1)
     ok = rank >= 0
     if SKIP_LOCAL:
@@ -260,6 +281,7 @@ def put_rows(
     meta_N: torch.Tensor | None = None,
     inbox_stride: int = 0,
     meta_w_N: torch.Tensor | None = None,
+    clear_N: torch.Tensor | None = None,
 ) -> None:
     """Row ``dst_row[i]`` at ``table[dst_rank[i]] + byte_offset`` becomes ``src[i // per_src]``.
 
@@ -270,25 +292,33 @@ def put_rows(
     slab's start. With ``inbox_stride=S > 0`` a row for another rank goes there once
     per source row, to row ``me * S + i // per_src`` (its token inbox), not ``dst_row``.
     With ``meta_w_N`` (float32), the metadata is ``ops.pack_meta(meta, meta_w)``.
+    With ``clear_N`` (integers), row ``i`` at ``table[me] + byte_offset`` is zeroed where
+    ``clear_N[i] < 0``, in the same launch (rows no put writes, e.g. the dropped slots a
+    return leaves empty).
     """
     if local_dst is not None and skip_local:
         raise ValueError("put_rows: local_dst and skip_local exclude each other")
+    if clear_N is not None and me < 0:
+        raise ValueError("put_rows: clear_N zeroes rows of rank `me`, which must be given")
     _check_written("put_rows: local_dst", local_dst)
     n = dst_rank_N.numel()
-    if n == 0:
+    n_clear = clear_N.numel() if clear_N is not None else 0
+    if n == 0 and n_clear == 0:
         return
     width = src_SW.shape[1]
     dst_row_N = dst_row_N.contiguous()
     block_r = 4
-    _put_rows_kernel[(triton.cdiv(n, block_r),)](
+    put_programs = triton.cdiv(n, block_r)
+    _put_rows_kernel[(put_programs + triton.cdiv(n_clear, block_r),)](
         src_SW.contiguous(), dst_rank_N.contiguous(), dst_row_N, table_M.contiguous(), byte_offset,
         local_dst.data_ptr() if local_dst is not None else 0, me,
         meta_N.contiguous() if meta_N is not None else dst_row_N,
         meta_w_N.contiguous() if meta_w_N is not None else dst_row_N,
-        n, width, inbox_stride,
+        n, width, inbox_stride, clear_N.contiguous() if clear_N is not None else dst_row_N, n_clear,
+        put_programs,
         PER_SRC=per_src, DEDUP=inbox_stride > 0, HAS_LOCAL=local_dst is not None, SKIP_LOCAL=skip_local,
-        HAS_META=meta_N is not None, HAS_META_W=meta_w_N is not None, BLOCK_R=block_r,
-        BLOCK_W=_block_w(width), num_warps=8,
+        HAS_META=meta_N is not None, HAS_META_W=meta_w_N is not None, CLEAR=clear_N is not None,
+        BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
     )
 
 

@@ -232,11 +232,10 @@ class EPDispatcher:
         counts_ME = self.transport.exchange_counts(slots.counts_E)
         plan = plan_routes(
             expert_N, slots, counts_ME, rank=self.rank, top_k=self.cfg.top_k, capacity=self.capacity,
-            salt=self._salt,
+            salt=self._salt, stats_sum_2ME=self.telemetry.running_sum(*counts_ME.shape, counts_ME.device),
         )
         if self.cfg.overflow == "error":
             self._raise_on_overflow(plan)
-        self.telemetry.record(plan)
         route = self.transport.open_route(plan)
         stage = weights is not None and self.sums_at_destination(x_TD.dtype, torch.float32)
         w_N = weights.detach().reshape(-1).to(torch.float32) if stage else None

@@ -150,6 +150,7 @@ class NvshmemPeerMemory:
         meta_N: torch.Tensor | None = None,
         inbox_stride: int = 0,
         meta_w_N: torch.Tensor | None = None,
+        clear_N: torch.Tensor | None = None,
     ) -> None:
         from moe_ep_transport import _transport_kernels as kernels
 
@@ -158,7 +159,7 @@ class NvshmemPeerMemory:
         kernels.put_rows(
             src_RW, dst_rank_N, dst_row_N, self._tables[slab], per_src=per_src,
             byte_offset=byte_offset, me=self.rank, local_dst=local_dst, skip_local=skip_local,
-            meta_N=meta_N, inbox_stride=inbox_stride, meta_w_N=meta_w_N,
+            meta_N=meta_N, inbox_stride=inbox_stride, meta_w_N=meta_w_N, clear_N=clear_N,
         )
 
     def put_partial_sums(

@@ -86,14 +86,15 @@ def rank_slots(expert_N: torch.Tensor, n_experts: int, backend: Backend = "auto"
 
 
 def plan_cells(counts_ME: torch.Tensor, capacity: int, salt: int, rank: int,
-               backend: Backend = "auto") -> CellPlan:
+               stats_sum_2ME: torch.Tensor | None = None, backend: Backend = "auto") -> CellPlan:
     """Fair overflow allocation and receive layout from the count matrix (plan step 2;
-    :func:`plan_cells_reference`)."""
+    :func:`plan_cells_reference`); with ``stats_sum_2ME``, its stats are added to that
+    running sum in the same launch (the telemetry)."""
     if resolve_backend(backend, counts_ME.device):
         from moe_ep_transport import _plan_kernels as plan_kernels
 
-        return plan_kernels.plan_cells(counts_ME, capacity, salt, rank)
-    return plan_cells_reference(counts_ME, capacity, salt, rank)
+        return plan_kernels.plan_cells(counts_ME, capacity, salt, rank, stats_sum_2ME)
+    return plan_cells_reference(counts_ME, capacity, salt, rank, stats_sum_2ME)
 
 
 def plan_rows(

@@ -47,6 +47,7 @@ class PeerMemory(Protocol):
         meta_N: torch.Tensor | None = None,
         inbox_stride: int = 0,
         meta_w_N: torch.Tensor | None = None,
+        clear_N: torch.Tensor | None = None,
     ) -> None:
         """Write ``src[i // per_src]`` into row ``dst_row[i]`` of rank ``dst_rank[i]``'s slab.
 
@@ -57,6 +58,8 @@ class PeerMemory(Protocol):
         ``ops.pack_meta(meta_N, meta_w_N)`` (the slot's weight travels with its index).
         With ``inbox_stride=S > 0`` rows for other ranks travel once per source row
         instead (see :func:`inbox_targets`).
+        With ``clear_N``, this rank's own rows ``i`` from ``byte_offset`` are zeroed
+        where ``clear_N[i] < 0`` (rows no put writes; same launch).
         Collective: every rank calls it; completion is only guaranteed after
         :meth:`barrier`. One kernel launch on the GPU.
         """
@@ -158,6 +161,7 @@ class EmulatedPeerMemory:
         meta_N: torch.Tensor | None = None,
         inbox_stride: int = 0,
         meta_w_N: torch.Tensor | None = None,
+        clear_N: torch.Tensor | None = None,
     ) -> None:
         if local_dst is not None and skip_local:
             raise ValueError("put_rows: local_dst and skip_local exclude each other")
@@ -197,6 +201,8 @@ class EmulatedPeerMemory:
                 meta_N = ops.pack_meta(meta_N, meta_w_N)
             meta_inbox = self._slabs[slab][: self.slab_bytes // 8 * 8].view(torch.int64)
             deliver(dst_rank_N, dst_row_N, meta_N, lambda s: meta_inbox)
+        if clear_N is not None:
+            inbox[: clear_N.numel()][clear_N < 0] = 0
 
     def put_partial_sums(
         self,

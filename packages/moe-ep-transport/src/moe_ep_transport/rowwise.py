@@ -274,8 +274,9 @@ class RowwiseTransport:
         n, W = plan.dst_rank_N.numel(), rows_CW.shape[1]
         self._check_fits(self.max_slots * W * rows_CW.element_size(), "a row return")
         slab = self._next_slab()
-        # Every row, this rank's own included, lands at its slot index in its source's slab.
-        self.memory.put_rows(slab, 0, rows_CW.contiguous(), plan.row_src_C, route.origin_C)
+        # Every row, this rank's own included, lands at its slot index in its source's slab;
+        # the same launch zeroes the dropped slots' rows (nobody sends them).
+        self.memory.put_rows(slab, 0, rows_CW.contiguous(), plan.row_src_C, route.origin_C,
+                             clear_N=plan.dst_rank_N)
         self.memory.barrier()
-        back = slab_view(self.memory.slab(slab), 0, rows_CW.dtype, W)[:n]
-        return back.masked_fill(plan.dst_rank_N.unsqueeze(1) < 0, 0)  # dropped slots: nobody wrote them
+        return slab_view(self.memory.slab(slab), 0, rows_CW.dtype, W)[:n].clone()  # the slab is scratch
