@@ -1,39 +1,36 @@
-"""Count what dispatch and combine launch on the fused (Triton) path, per direction, on CPU.
+"""Count what dispatch and combine launch on the GPU path, per direction, on CPU.
 
-Each gloo rank runs the rowwise transport with every ``ops`` device function on its
-Triton kernel under ``TRITON_INTERPRET=1`` (``fused_kernels_enabled`` patched to true
-for CPU tensors, so ``backend="auto"`` takes the kernel as on CUDA). A *launch* is:
+EP ranks run as threads (:mod:`_thread_peers`): the rowwise transport's put kernels,
+and every ``ops`` device function on its Triton kernel, run under the interpreter
+(``TRITON_INTERPRET=1``) exactly as they launch on CUDA. A *launch* is:
 
-- a Triton kernel launch (``InterpretedFunction.run``: one grid, the CUDA launch);
-- a peer-memory put or barrier (``EmulatedPeerMemory`` emulates them with gloo
-  all-gathers; on CUDA each is one kernel: ``_PEER_LAUNCHES``);
+- a Triton kernel launch (``InterpretedFunction.run``: one grid, one CUDA launch);
+- a barrier (a ``threading.Barrier`` here, one flag kernel on CUDA: ``_PEER_LAUNCHES``);
 - any other aten op that computes (not a view, not an allocation without a fill),
   outside those calls: each is one CUDA launch.
 
-Host calls (Python and C function calls outside kernels and peer-memory calls) measure
-the Python work of issuing a call. Directions: ``dispatch`` and ``combine`` forward in
-a training step, then their backward (``combine_backward`` runs first), and a no-grad
-``dispatch`` + ``combine`` (``no_grad``).
+Host calls (Python and C function calls outside kernels and barriers) measure the
+Python work of issuing a call. Directions: ``dispatch`` and ``combine`` forward in a
+training step, then their backward (``combine_backward`` runs first), and a no-grad
+``dispatch`` + ``combine`` (``no_grad``). Rank 0 is counted.
 
-``python tests/_launch_counter.py --ranks 2 --experts 8`` prints the table.
+``TRITON_INTERPRET=1 python tests/_launch_counter.py --ranks 2 --experts 8`` prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-# GPU launches of a peer-memory call (put kernel, flag barrier kernel).
-_PEER_LAUNCHES = {"put_rows": 1, "put_partial_sums": 1, "barrier": 1}
+# GPU launches of a peer-memory call that is no Triton launch here (the flag barrier kernel).
+_PEER_LAUNCHES = {"barrier": 1}
 # Aten ops that launch nothing: views, metadata, allocations without a fill.
 _NO_LAUNCH = {
     "view", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "slice", "select", "unsqueeze",
@@ -85,67 +82,79 @@ class LaunchCounter(TorchDispatchMode):
                     peer=dict(peer), aten=dict(aten), host_calls=self.host_calls[phase])
 
 
-def count_directions(combine: str, n_experts: int, tokens: int = 12, top_k: int = 2) -> dict[str, dict]:
-    """On every rank of the default gloo group: the launches of each direction (module docstring)."""
-    os.environ["TRITON_INTERPRET"] = "1"
-    if "triton" in sys.modules and not sys.modules["triton"].runtime.interpreter.interpreter_builder:
-        raise RuntimeError("triton was imported before TRITON_INTERPRET was set")
+def count_directions(combine: str, n_experts: int, ranks: int, tokens: int = 12, top_k: int = 2) -> dict[str, dict]:
+    """Rank 0's launches of each direction (module docstring), ``ranks`` rank threads."""
+    import threading
+
     import triton.runtime.interpreter as interpreter
-
     from _oracle import make_data
-    from moe_ep_transport import EPConfig, EPDispatcher, _triton_support, make_transport
+    from _thread_peers import ThreadPeerMemory, ThreadPeers, kernels_on_cpu
 
-    _triton_support.fused_kernels_enabled = lambda device: not _triton_support.reference_kernels_enabled()
-    rank, M = dist.get_rank(), dist.get_world_size()
-    E, K, D = n_experts, top_k, 16
+    from moe_ep_transport import EPConfig, EPDispatcher
+    from moe_ep_transport.rowwise import RowwiseTransport, slab_bytes_for
+
+    kernels_on_cpu()
+    E, K, D, M = n_experts, top_k, 16, ranks
     cfg = EPConfig(E, K, tokens, D, capacity_factor=1.0, combine=combine)
-    transport = make_transport("rowwise", cfg, dtype=torch.float32)
-    dispatcher = EPDispatcher(cfg, transport)
+    peers = ThreadPeers(M, slab_bytes_for(cfg, M, D * 4))
     data = make_data([tokens] * M, E, K, D, torch.float32, seed=3, skew=1.0)
-    x, ids, w, g = data.x[rank], data.ids[rank], data.w[rank], data.g[rank]
     counter = LaunchCounter()
+    counting = threading.get_ident()  # set by rank 0's thread
 
-    def phase(name: str):
-        def switch(*_: object) -> None:
-            counter.phase = name
-        return switch
+    def rank_main(rank: int) -> dict[str, dict] | None:
+        nonlocal counting
+        memory = ThreadPeerMemory(peers, rank)
+        dispatcher = EPDispatcher(cfg, RowwiseTransport(memory, cfg))
+        x, ids, w, g = data.x[rank], data.ids[rank], data.w[rank], data.g[rank]
 
-    def training() -> None:  # as the MoE layer calls them: the weights are given to dispatch too
-        xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
-        counter.phase = "dispatch"
-        rows, _, handle = dispatcher.dispatch(xg, ids, wg)
-        rows.register_hook(phase("dispatch_backward"))  # combine's backward has returned
-        counter.phase = "combine"
-        y = dispatcher.combine(rows, wg, handle)
-        y.register_hook(phase("combine_backward"))
-        y.backward(g)
-        counter.phase = "none"
-        with torch.no_grad():
-            counter.phase = "no_grad"
-            rows, _, handle = dispatcher.dispatch(x, ids, w)
-            dispatcher.combine(rows, w, handle)
-        counter.phase = "none"
+        def phase(name: str):
+            def switch(*_: object) -> None:
+                counter.phase = name
+            return switch if rank == 0 else (lambda *_: None)
 
-    training()  # warm-up: cached index tensors, the telemetry's sums
-    run = interpreter.InterpretedFunction.run
-    memory = transport.memory
-    interpreter.InterpretedFunction.run = lambda self, *a, **k: counter.wrap(
-        counter.triton, self.fn.__name__, run)(self, *a, **k)
-    for name in _PEER_LAUNCHES:
-        setattr(memory, name, counter.wrap(counter.peer, name, getattr(type(memory), name).__get__(memory)))
-    try:
+        def training() -> None:  # as the MoE layer calls them: the weights are given to dispatch too
+            xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+            phase("dispatch")()
+            rows, _, handle = dispatcher.dispatch(xg, ids, wg)
+            rows.register_hook(phase("dispatch_backward"))  # combine's backward has returned
+            phase("combine")()
+            y = dispatcher.combine(rows, wg, handle)
+            y.register_hook(phase("combine_backward"))
+            y.backward(g)
+            with torch.no_grad():
+                phase("no_grad")()
+                rows, _, handle = dispatcher.dispatch(x, ids, w)
+                dispatcher.combine(rows, w, handle)
+            phase("none")()
+
+        if rank != 0:
+            training()
+            training()
+            return None
+        with LaunchCounter():  # warm-up: cached index tensors, the telemetry's sums, the mode's one-off set-up
+            training()
+        counting = threading.get_ident()
+        memory.barrier = counter.wrap(counter.peer, "barrier", memory.barrier)
         with counter:
             sys.setprofile(counter.profile)
             try:
                 training()
             finally:
                 sys.setprofile(None)
+        return {d: counter.summary(d) for d in DIRECTIONS}
+
+    run = interpreter.InterpretedFunction.run
+
+    def counted_run(self, *args, **kwargs):
+        if threading.get_ident() != counting:
+            return run(self, *args, **kwargs)
+        return counter.wrap(counter.triton, self.fn.__name__, run)(self, *args, **kwargs)
+
+    interpreter.InterpretedFunction.run = counted_run
+    try:
+        return peers.run(rank_main)[0]
     finally:
         interpreter.InterpretedFunction.run = run
-        for name in _PEER_LAUNCHES:
-            delattr(memory, name)
-    transport.close()
-    return {d: counter.summary(d) for d in DIRECTIONS}
 
 
 def _table(counts: dict[str, dict]) -> str:
@@ -159,8 +168,6 @@ def _table(counts: dict[str, dict]) -> str:
 
 
 def main() -> None:
-    from moe_testing import run_distributed
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--experts", type=int, default=8)
@@ -168,9 +175,8 @@ def main() -> None:
                         default=["source", "destination"])
     args = parser.parse_args()
     for combine in args.combine:
-        out = run_distributed(count_directions, args.ranks, combine, args.experts, timeout=300)
         print(f"EP{args.ranks}, {args.experts} experts, combine summing at the {combine} (rank 0):")
-        print(_table(out[0]))
+        print(_table(count_directions(combine, args.experts, args.ranks)))
 
 
 if __name__ == "__main__":
