@@ -187,6 +187,16 @@ def check_scan_blocks() -> None:
     hist = torch.randint(0, 9, (37, 5), generator=torch.Generator().manual_seed(4), dtype=torch.int32)
     for chunk in (8, 64):
         assert torch.equal(plan_kernels.scan_blocks(hist, chunk), hist.cumsum(0, dtype=torch.int32)), chunk
+    # Publishing: the totals land in row `me` of an int32 [M, E] table at each rank's address.
+    for M, me in ((3, 1), (1, 0)):
+        slabs = [torch.full((32 + M * 5 * 4,), 7, dtype=torch.uint8) for _ in range(M)]
+        want = [s.clone() for s in slabs]
+        for w in want:
+            w[32:].view(torch.int32).view(M, 5)[me] = hist.sum(0, dtype=torch.int32)
+        table = torch.tensor([s.data_ptr() for s in slabs])
+        cum = plan_kernels.scan_blocks(hist, 8, plan_kernels.CountPublish(table, 32, me))
+        assert torch.equal(cum, hist.cumsum(0, dtype=torch.int32))
+        assert all(torch.equal(a, b) for a, b in zip(slabs, want, strict=True)), (M, me)
 
 
 def check_signal_barrier() -> None:

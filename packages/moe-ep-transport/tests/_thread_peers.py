@@ -91,6 +91,9 @@ class ThreadPeerMemory:
     def slab(self, index: int) -> torch.Tensor:
         return self.peers.slabs[self.rank][index]
 
+    def peer_table(self, index: int) -> torch.Tensor:
+        return self.peers.tables[index]
+
     def put_rows(self, slab: int, byte_offset: int, src_RW: torch.Tensor, dst_rank_N: torch.Tensor,
                  dst_row_N: torch.Tensor, **kwargs: Any) -> None:
         kernels.put_rows(src_RW, dst_rank_N, dst_row_N, self.peers.tables[slab], byte_offset=byte_offset,

@@ -245,7 +245,7 @@ class _NoCountExchange:
 
     rank, world_size = 0, 1
 
-    def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+    def count_slots(self, expert_N: torch.Tensor, n_experts: int) -> tuple:
         raise AssertionError("dispatch ran the count exchange (a collective) before rejecting its inputs")
 
 

@@ -12,6 +12,8 @@ nowhere (the CPU path raises). The kernels never address memory with them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -47,7 +49,8 @@ def _rank_slots_kernel(expert_ptr, rank_ptr, hist_ptr, n_slots, n_experts,
 
 
 @triton.jit
-def _cumsum_blocks_kernel(hist_ptr, cum_ptr, n_blocks, n_experts, CHUNK: tl.constexpr):
+def _cumsum_blocks_kernel(hist_ptr, cum_ptr, n_blocks, n_experts, table_ptr, byte_offset, me, n_ranks,
+                          CHUNK: tl.constexpr, PUBLISH: tl.constexpr, M_P: tl.constexpr):
     # Program e scans column e of hist[B, E] over the blocks, CHUNK blocks at a time with a
     # carry (torch's dim-0 scan of the narrow [B, E] took 0.36 ms at 256 Ki slots).
     e = tl.program_id(0)
@@ -58,6 +61,12 @@ def _cumsum_blocks_kernel(hist_ptr, cum_ptr, n_blocks, n_experts, CHUNK: tl.cons
         h = tl.load(hist_ptr + b * n_experts + e, mask=live, other=0)
         tl.store(cum_ptr + b * n_experts + e, tl.cumsum(h, axis=0) + carry, mask=live)
         carry += tl.sum(h, axis=0)
+    if PUBLISH:  # the count exchange's put: the total into int32 [M, E] row `me` of every rank's slab
+        r = tl.arange(0, M_P)
+        peer = r < n_ranks
+        slab = tl.load(table_ptr + r, mask=peer, other=0) + byte_offset
+        counts = slab.to(tl.pointer_type(tl.int32)) + me * n_experts + e
+        tl.store(counts, tl.zeros([M_P], dtype=tl.int32) + carry, mask=peer)
 
 
 @triton.jit
@@ -149,7 +158,16 @@ def _plan_rows_kernel(expert_ptr, rank_in_block_ptr, cum_ptr, table_ptr, recv_en
     tl.store(row_src_ptr + rows, tl.where(cell < E, cell % n_ranks, -1), mask=rows < n_rows)
 
 
-def rank_slots(expert_N: torch.Tensor, n_experts: int) -> SlotRanks:
+class CountPublish(NamedTuple):
+    """Where the block scan also stores this rank's counts: int32 row ``me`` of an ``[M, E]``
+    table at ``table_M[r] + byte_offset`` of every rank ``r`` (peer addresses)."""
+
+    table_M: torch.Tensor
+    byte_offset: int
+    me: int
+
+
+def rank_slots(expert_N: torch.Tensor, n_experts: int, publish: CountPublish | None = None) -> SlotRanks:
     n = expert_N.numel()
     block = slot_block(n_experts)
     n_blocks = max(1, triton.cdiv(n, block))
@@ -159,15 +177,21 @@ def rank_slots(expert_N: torch.Tensor, n_experts: int) -> SlotRanks:
         expert_N.contiguous(), rank_N, hist_BE, n, n_experts,
         BLOCK_S=block, E_P=next_power_of_2(n_experts), num_warps=4,
     )
-    return SlotRanks(rank_N, scan_blocks(hist_BE))
+    return SlotRanks(rank_N, scan_blocks(hist_BE, publish=publish))
 
 
-def scan_blocks(hist_BE: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """``hist_BE.cumsum(0)`` (int32) in one launch, ``chunk`` blocks per step of each column."""
+def scan_blocks(hist_BE: torch.Tensor, chunk: int = 1024, publish: CountPublish | None = None) -> torch.Tensor:
+    """``hist_BE.cumsum(0)`` (int32) in one launch, ``chunk`` blocks per step of each column;
+    with ``publish``, the totals (last row) are stored into every rank too, in the same launch."""
     n_blocks, n_experts = hist_BE.shape
     cum_BE = torch.empty_like(hist_BE)
+    table = publish.table_M.contiguous() if publish is not None else cum_BE
+    n_ranks = table.numel() if publish is not None else 1
     _cumsum_blocks_kernel[(n_experts,)](
-        hist_BE, cum_BE, n_blocks, n_experts, CHUNK=min(chunk, next_power_of_2(n_blocks)), num_warps=4,
+        hist_BE, cum_BE, n_blocks, n_experts, table, publish.byte_offset if publish else 0,
+        publish.me if publish else 0, n_ranks,
+        CHUNK=min(chunk, next_power_of_2(n_blocks)), PUBLISH=publish is not None,
+        M_P=max(2, next_power_of_2(n_ranks)), num_warps=4,
     )
     return cum_BE
 

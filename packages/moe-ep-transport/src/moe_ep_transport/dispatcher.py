@@ -228,8 +228,7 @@ class EPDispatcher:
         """
         self._check_inputs(x_TD, expert_ids_Tk, weights)
         expert_N = expert_ids_Tk.reshape(-1)  # any integer dtype: the plan kernels read it as is
-        slots = ops.rank_slots(expert_N, self.cfg.n_experts)
-        counts_ME = self.transport.exchange_counts(slots.counts_E)
+        slots, counts_ME = self.transport.count_slots(expert_N, self.cfg.n_experts)
         plan = plan_routes(
             expert_N, slots, counts_ME, rank=self.rank, top_k=self.cfg.top_k, capacity=self.capacity,
             salt=self._salt, stats_sum_2ME=self.telemetry.running_sum(*counts_ME.shape, counts_ME.device),

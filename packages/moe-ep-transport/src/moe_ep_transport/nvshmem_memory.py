@@ -136,6 +136,9 @@ class NvshmemPeerMemory:
     def slab(self, index: int) -> torch.Tensor:
         return self._slabs[index]
 
+    def peer_table(self, index: int) -> torch.Tensor:
+        return self._tables[index]
+
     def put_rows(
         self,
         slab: int,

@@ -77,7 +77,10 @@ def from_words(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def rank_slots(expert_N: torch.Tensor, n_experts: int, backend: Backend = "auto") -> SlotRanks:
-    """Per-block expert counts and ranks of the slots (plan step 1; :func:`rank_slots_reference`)."""
+    """Per-block expert counts and ranks of the slots (plan step 1; :func:`rank_slots_reference`).
+
+    The rowwise transport's ``count_slots`` fuses the count exchange's put into the kernel's
+    block scan (``_plan_kernels.rank_slots(publish=...)``) where it runs the kernels."""
     if resolve_backend(backend, expert_N.device):
         from moe_ep_transport import _plan_kernels as plan_kernels
 

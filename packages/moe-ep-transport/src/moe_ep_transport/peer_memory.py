@@ -33,6 +33,11 @@ class PeerMemory(Protocol):
         """This rank's slab ``index`` (uint8 ``[slab_bytes]``)."""
         ...
 
+    def peer_table(self, index: int) -> torch.Tensor | None:
+        """int64 addresses of every rank's slab ``index``, through which a kernel stores into
+        peers (on the device), or None where peers are not reachable by address."""
+        ...
+
     def put_rows(
         self,
         slab: int,
@@ -139,6 +144,10 @@ class EmulatedPeerMemory:
 
     def slab(self, index: int) -> torch.Tensor:
         return self._slabs[index]
+
+    def peer_table(self, index: int) -> None:
+        """Other processes' slabs have no address here."""
+        return None
 
     def _all_gather(self, t: torch.Tensor, n_max: int) -> list[torch.Tensor]:
         padded = t.new_zeros((n_max, *t.shape[1:]))

@@ -42,10 +42,12 @@ from dataclasses import dataclass
 import torch
 
 from moe_ep_transport import ops
+from moe_ep_transport._triton_support import resolve_backend
 from moe_ep_transport.config import EPConfig
 from moe_ep_transport.peer_memory import N_SLABS, PeerMemory, slab_view
 from moe_ep_transport.plan import RoutePlan
-from moe_ep_transport.transport import check_send
+from moe_ep_transport.plan_reference import SlotRanks
+from moe_ep_transport.transport import check_send, count_then_exchange
 
 _ALIGN = 256
 
@@ -158,6 +160,22 @@ class RowwiseTransport:
         )
         self.memory.barrier()
         return slab_view(self.memory.slab(slab), 0, torch.int32, E)[:M]
+
+    def count_slots(self, expert_N: torch.Tensor, n_experts: int) -> tuple[SlotRanks, torch.Tensor]:
+        """The slot ranks and every rank's counts (``transport.Transport``). Where the plan runs
+        its kernels and the peers' slabs have addresses, the block scan of ``rank_slots``
+        stores the counts into every peer itself: no put of their own."""
+        table = self.memory.peer_table(self._phase % N_SLABS)
+        if table is None or not resolve_backend("auto", expert_N.device):
+            return count_then_exchange(self, expert_N, n_experts)
+        from moe_ep_transport import _plan_kernels as plan_kernels
+
+        M = self.world_size
+        self._check_fits(M * n_experts * 4, "the count exchange")
+        slab = self._next_slab()
+        slots = plan_kernels.rank_slots(expert_N, n_experts, plan_kernels.CountPublish(table, 0, self.rank))
+        self.memory.barrier()
+        return slots, slab_view(self.memory.slab(slab), 0, torch.int32, n_experts)[:M]
 
     @property
     def sends_tokens_once(self) -> bool:

@@ -5,6 +5,9 @@ backend computes identically; it decides nothing about the layout. Four steps:
 
 - ``exchange_counts(counts_E) -> counts_ME``: every rank learns every rank's counts
   (int32 in, int32 or int64 out; valid until the transport's next call).
+- ``count_slots(expert_N, E) -> (slots, counts_ME)``: ``ops.rank_slots`` then
+  ``exchange_counts`` (:func:`count_then_exchange`); the rowwise transport stores the
+  counts into its peers from the slot-ranking kernel itself (one launch fewer).
 - ``open_route(plan) -> route``: per-call state (splits, permutations, origins).
 - ``send(route, src_RW, per_src) -> out_CW``: row ``src[i // per_src]`` of slot
   ``i`` lands at ``out[dst_row[i]]`` on ``dst_rank[i]``; padding rows are zero; a
@@ -40,6 +43,7 @@ import torch.distributed as dist
 
 from moe_ep_transport import ops
 from moe_ep_transport.plan import RoutePlan
+from moe_ep_transport.plan_reference import SlotRanks
 
 
 def check_send(plan: RoutePlan, src_RW: torch.Tensor, per_src: int) -> None:
@@ -53,11 +57,20 @@ def check_send(plan: RoutePlan, src_RW: torch.Tensor, per_src: int) -> None:
         )
 
 
+def count_then_exchange(transport: Transport, expert_N: torch.Tensor, n_experts: int
+                        ) -> tuple[SlotRanks, torch.Tensor]:
+    """``count_slots`` in two steps: the slot ranks, then the count exchange."""
+    slots = ops.rank_slots(expert_N, n_experts)
+    return slots, transport.exchange_counts(slots.counts_E)
+
+
 class Transport(Protocol):
     rank: int
     world_size: int
 
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor: ...
+
+    def count_slots(self, expert_N: torch.Tensor, n_experts: int) -> tuple[SlotRanks, torch.Tensor]: ...
 
     def open_route(self, plan: RoutePlan) -> Any: ...
 
@@ -120,6 +133,9 @@ class AllToAllTransport:
         counts_ME = counts_E.new_empty(self.world_size * counts_E.numel())
         dist.all_gather_into_tensor(counts_ME, counts_E.contiguous(), group=self.group)
         return counts_ME.view(self.world_size, -1)
+
+    def count_slots(self, expert_N: torch.Tensor, n_experts: int) -> tuple[SlotRanks, torch.Tensor]:
+        return count_then_exchange(self, expert_N, n_experts)
 
     def open_route(self, plan: RoutePlan) -> AllToAllRoute:
         M, E = plan.kept_ME.shape
