@@ -37,19 +37,22 @@ def _count(ptx: str, op: str) -> int:
 _PUT_SIGNATURE = {
     "src_ptr": "*i32", "dst_rank_ptr": "*i64", "dst_row_ptr": "*i64",
     "table_ptr": "*i64", "byte_offset": "i32", "local_addr": "i64", "me": "i32", "meta_src_ptr": "*i64", "meta_w_ptr": "*fp32",
-    "n_rows": "i32", "width": "i32", "inbox_stride": "i32", "PER_SRC": "constexpr", "DEDUP": "constexpr",
+    "n_rows": "i32", "width": "i32", "inbox_stride": "i32", "clear_ptr": "*i64", "n_clear": "i32",
+    "put_programs": "i32", "PER_SRC": "constexpr", "DEDUP": "constexpr",
     "HAS_LOCAL": "constexpr", "SKIP_LOCAL": "constexpr", "HAS_META": "constexpr", "HAS_META_W": "constexpr",
-    "BLOCK_R": "constexpr",
+    "CLEAR": "constexpr", "BLOCK_R": "constexpr",
     "BLOCK_W": "constexpr",
 }
 
 
-@pytest.mark.parametrize("local,skip,meta,dedup", [(True, False, True, True), (False, True, False, False)])
+@pytest.mark.parametrize("local,skip,meta,dedup,clear", [(True, False, True, True, False),
+                                                         (False, True, False, False, False),
+                                                         (False, False, False, False, True)])
 def test_put_rows_stores_128_bit_vectors_through_peer_pointers(
-    local: bool, skip: bool, meta: bool, dedup: bool
+    local: bool, skip: bool, meta: bool, dedup: bool, clear: bool
 ) -> None:
     consts = {"HAS_LOCAL": local, "SKIP_LOCAL": skip, "HAS_META": meta, "BLOCK_R": 4, "BLOCK_W": 1024,
-              "PER_SRC": 8 if dedup else 1, "DEDUP": dedup, "HAS_META_W": meta}
+              "PER_SRC": 8 if dedup else 1, "DEDUP": dedup, "HAS_META_W": meta, "CLEAR": clear}
     ptx = _ptx(kernels._put_rows_kernel, _PUT_SIGNATURE, consts, aligned=("width", "byte_offset", "local_addr"),
                num_warps=8)
     assert _count(ptx, "st.global.v4.b32") > 0 and _count(ptx, "st.global.b32") == 0
@@ -77,9 +80,14 @@ def test_plan_kernels_compile_for_hopper() -> None:
          {"BLOCK_S": 128, "E_P": 64}, aligned=(), num_warps=4)
     _ptx(plan_kernels._plan_cells_kernel,
          {"counts_ptr": "*i32", "stats_ptr": "*i64", "table_ptr": "*i64", "recv_ptr": "*i64",
-          "offsets_ptr": "*i32", "capacity": "i32", "salt": "i32", "me": "i32", "n_ranks": "i32",
-          "n_experts": "i32", "M_P": "constexpr", "E_P": "constexpr"},
-         {"M_P": 2, "E_P": 64}, aligned=(), num_warps=4)
+          "offsets_ptr": "*i32", "sum_ptr": "*i64", "capacity": "i32", "salt": "i32", "me": "i32",
+          "n_ranks": "i32", "n_experts": "i32", "M_P": "constexpr", "E_P": "constexpr", "ACCUMULATE": "constexpr"},
+         {"M_P": 2, "E_P": 64, "ACCUMULATE": True}, aligned=(), num_warps=4)
+    _ptx(plan_kernels._cumsum_blocks_kernel,
+         {"hist_ptr": "*i32", "cum_ptr": "*i32", "n_blocks": "i32", "n_experts": "i32", "table_ptr": "*i64",
+          "byte_offset": "i32", "me": "i32", "n_ranks": "i32", "CHUNK": "constexpr", "PUBLISH": "constexpr",
+          "M_P": "constexpr"},
+         {"CHUNK": 1024, "PUBLISH": True, "M_P": 2}, aligned=(), num_warps=4)
     _ptx(plan_kernels._plan_rows_kernel,
          {"expert_ptr": "*i64", "rank_in_block_ptr": "*i32", "cum_ptr": "*i32", "table_ptr": "*i64",
           "recv_end_ptr": "*i64", "dst_rank_ptr": "*i64", "dst_row_ptr": "*i64", "row_src_ptr": "*i64",
