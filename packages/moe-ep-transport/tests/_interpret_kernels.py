@@ -213,6 +213,21 @@ def check_signal_barrier() -> None:
     assert int(epoch) == 2 and [int(f[1]) for f in flags] == [2, 2, 2]
 
 
+def check_plan_cells_passes_the_barrier() -> None:
+    # The cell kernel with a wait: the flag barrier first (rank 1 of 3, the others already
+    # announced it), the cells as without; the reference path launches the barrier alone.
+    counts_ME = torch.randint(0, 9, (3, 6), generator=torch.Generator().manual_seed(9), dtype=torch.int32)
+    want = ops.plan_cells_reference(counts_ME, 10, 3, 1)
+    for backend in ("triton", "reference"):
+        flags = [torch.zeros(3, dtype=torch.int64) for _ in range(3)]
+        flags[1][0] = flags[1][2] = 5
+        epoch = torch.tensor([4])
+        wait = ops.PeerWait(epoch, torch.tensor([f.data_ptr() for f in flags]), 1)
+        cells = ops.plan_cells(counts_ME, 10, 3, 1, wait=wait, backend=backend)
+        assert all(torch.equal(a, b) for a, b in zip(cells, want, strict=True)), backend
+        assert int(epoch) == 5 and [int(f[1]) for f in flags] == [5, 5, 5], backend
+
+
 def check_weights_in_metadata() -> None:
     # A slot's weight rides in the high half of its metadata; the receive kernel unpacks
     # the slot index and the weight (zero for padding rows).
@@ -336,6 +351,7 @@ if __name__ == "__main__":
     check_any_strides()
     check_scan_blocks()
     check_signal_barrier()
+    check_plan_cells_passes_the_barrier()
     check_plan_kernels("cpu")
     check_partial_kernels("cpu", torch.float32)
     print("kernels ok")

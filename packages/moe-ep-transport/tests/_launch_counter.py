@@ -29,8 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-# GPU launches of a peer-memory call that is no Triton launch here (the flag barrier kernel).
-_PEER_LAUNCHES = {"barrier": 1}
+# GPU launches of a peer-memory call that is no Triton launch here: the flag barrier kernel,
+# and none for a barrier the next kernel passes (``PeerMemory.deferred_barrier``).
+_PEER_LAUNCHES = {"barrier": 1, "deferred_barrier": 0}
 # Aten ops that launch nothing: views, metadata, allocations without a fill.
 _NO_LAUNCH = {
     "view", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "slice", "select", "unsqueeze",
@@ -134,7 +135,8 @@ def count_directions(combine: str, n_experts: int, ranks: int, tokens: int = 12,
         with LaunchCounter():  # warm-up: cached index tensors, the telemetry's sums, the mode's one-off set-up
             training()
         counting = threading.get_ident()
-        memory.barrier = counter.wrap(counter.peer, "barrier", memory.barrier)
+        for name in _PEER_LAUNCHES:
+            setattr(memory, name, counter.wrap(counter.peer, name, getattr(memory, name)))
         with counter:
             sys.setprofile(counter.profile)
             try:

@@ -106,3 +106,8 @@ class ThreadPeerMemory:
 
     def barrier(self) -> None:
         self.peers.barrier.wait()
+
+    def deferred_barrier(self) -> None:
+        """Passed here, at once (kernels cannot spin while launches take turns); on NVSHMEM the
+        next kernel passes it (no launch of its own)."""
+        self.peers.barrier.wait()

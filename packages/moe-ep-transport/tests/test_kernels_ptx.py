@@ -78,11 +78,14 @@ def test_plan_kernels_compile_for_hopper() -> None:
          {"expert_ptr": "*i64", "rank_ptr": "*i32", "hist_ptr": "*i32", "n_slots": "i32", "n_experts": "i32",
           "BLOCK_S": "constexpr", "E_P": "constexpr"},
          {"BLOCK_S": 128, "E_P": 64}, aligned=(), num_warps=4)
-    _ptx(plan_kernels._plan_cells_kernel,
-         {"counts_ptr": "*i32", "stats_ptr": "*i64", "table_ptr": "*i64", "recv_ptr": "*i64",
-          "offsets_ptr": "*i32", "sum_ptr": "*i64", "capacity": "i32", "salt": "i32", "me": "i32",
-          "n_ranks": "i32", "n_experts": "i32", "M_P": "constexpr", "E_P": "constexpr", "ACCUMULATE": "constexpr"},
-         {"M_P": 2, "E_P": 64, "ACCUMULATE": True}, aligned=(), num_warps=4)
+    cells = _ptx(plan_kernels._plan_cells_kernel,
+                 {"counts_ptr": "*i32", "stats_ptr": "*i64", "table_ptr": "*i64", "recv_ptr": "*i64",
+                  "offsets_ptr": "*i32", "sum_ptr": "*i64", "capacity": "i32", "salt": "i32", "me": "i32",
+                  "n_ranks": "i32", "n_experts": "i32", "epoch_ptr": "*i64", "flag_table_ptr": "*i64",
+                  "M_P": "constexpr", "E_P": "constexpr", "ACCUMULATE": "constexpr", "WAIT": "constexpr",
+                  "FLAGS_P": "constexpr"},
+                 {"M_P": 2, "E_P": 64, "ACCUMULATE": True, "WAIT": True, "FLAGS_P": 2}, aligned=(), num_warps=4)
+    _assert_system_scope_barrier(cells)  # the count exchange's barrier, passed by the cell kernel
     _ptx(plan_kernels._cumsum_blocks_kernel,
          {"hist_ptr": "*i32", "cum_ptr": "*i32", "n_blocks": "i32", "n_experts": "i32", "table_ptr": "*i64",
           "byte_offset": "i32", "me": "i32", "n_ranks": "i32", "CHUNK": "constexpr", "PUBLISH": "constexpr",
@@ -101,6 +104,10 @@ def test_signal_barrier_orders_at_system_scope() -> None:
     ptx = _ptx(kernels._signal_barrier_kernel,
                {"epoch_ptr": "*i64", "flag_table_ptr": "*i64", "me": "i32", "n_ranks": "i32", "M_P": "constexpr"},
                {"M_P": 2}, aligned=(), num_warps=1)
+    _assert_system_scope_barrier(ptx)
+
+
+def _assert_system_scope_barrier(ptx: str) -> None:
     atoms = re.findall(r"atom\.[\w.]+", ptx)
     assert any("release" in a and "sys" in a and "exch" in a for a in atoms), atoms
     assert any("acquire" in a and "sys" in a and "add" in a for a in atoms), atoms

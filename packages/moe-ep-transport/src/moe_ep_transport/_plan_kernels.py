@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 
 from moe_ep_transport import overflow
+from moe_ep_transport._transport_kernels import peer_barrier
+from moe_ep_transport.ops import PeerWait
 from moe_ep_transport.plan_reference import CellPlan, SlotRanks, next_power_of_2, slot_block
 
 _PRIME = tl.constexpr(overflow.HASH_PRIME)
@@ -71,9 +73,12 @@ def _cumsum_blocks_kernel(hist_ptr, cum_ptr, n_blocks, n_experts, table_ptr, byt
 
 @triton.jit
 def _plan_cells_kernel(counts_ptr, stats_ptr, table_ptr, recv_ptr, offsets_ptr, sum_ptr,
-                       capacity, salt, me, n_ranks, n_experts,
-                       M_P: tl.constexpr, E_P: tl.constexpr, ACCUMULATE: tl.constexpr):
+                       capacity, salt, me, n_ranks, n_experts, epoch_ptr, flag_table_ptr,
+                       M_P: tl.constexpr, E_P: tl.constexpr, ACCUMULATE: tl.constexpr, WAIT: tl.constexpr,
+                       FLAGS_P: tl.constexpr):
     # One program; element (r, j) is destination r's cell j = l*M + s (its receive order).
+    if WAIT:  # the count exchange's barrier (the counts are in this rank's slab after it)
+        peer_barrier(epoch_ptr, flag_table_ptr, me, n_ranks, FLAGS_P)
     M = n_ranks
     E = n_experts
     zero = tl.zeros([M_P, E_P], dtype=tl.int64)
@@ -83,7 +88,7 @@ def _plan_cells_kernel(counts_ptr, stats_ptr, table_ptr, recv_ptr, offsets_ptr, 
     g = r * (E // M) + j // M
     live = (r < M) & (j < E)
     flat = s * E + g  # index in [source, expert] order
-    c = tl.load(counts_ptr + flat, mask=live, other=0).to(tl.int64)
+    c = tl.load(counts_ptr + flat, mask=live, other=0, volatile=WAIT).to(tl.int64)  # peers stored them
 
     # overflow.counts_seed
     terms = tl.where(live, (c % _PRIME) * _mix(_mix(_START, flat), salt) % _PRIME, 0)
@@ -197,7 +202,7 @@ def scan_blocks(hist_BE: torch.Tensor, chunk: int = 1024, publish: CountPublish 
 
 
 def plan_cells(counts_ME: torch.Tensor, capacity: int, salt: int, rank: int,
-               stats_sum_2ME: torch.Tensor | None = None) -> CellPlan:
+               stats_sum_2ME: torch.Tensor | None = None, wait: PeerWait | None = None) -> CellPlan:
     M, E = counts_ME.shape
     device = counts_ME.device
     cells = CellPlan(
@@ -212,7 +217,9 @@ def plan_cells(counts_ME: torch.Tensor, capacity: int, salt: int, rank: int,
     _plan_cells_kernel[(1,)](
         counts_ME.contiguous(), *cells, stats_sum_2ME if stats_sum_2ME is not None else cells.stats_2ME,
         capacity, salt % overflow.HASH_PRIME, rank, M, E,
-        M_P=next_power_of_2(M), E_P=next_power_of_2(E), ACCUMULATE=stats_sum_2ME is not None, num_warps=4,
+        wait.epoch_1 if wait is not None else counts_ME, wait.flag_table_M.contiguous() if wait is not None else counts_ME,
+        M_P=next_power_of_2(M), E_P=next_power_of_2(E), ACCUMULATE=stats_sum_2ME is not None,
+        WAIT=wait is not None, FLAGS_P=max(2, next_power_of_2(M)), num_warps=4,
     )
     return cells
 

@@ -186,6 +186,19 @@ def _combine_grads_kernel(
 
 @triton.jit
 def _signal_barrier_kernel(epoch_ptr, flag_table_ptr, me, n_ranks, M_P: tl.constexpr):
+    _barrier(epoch_ptr, flag_table_ptr, me, n_ranks, M_P)
+
+
+@triton.jit
+def peer_barrier(epoch_ptr, flag_table_ptr, me, n_ranks, M_P: tl.constexpr):
+    """The flag barrier inside a single-program kernel, before it reads what peers put
+    (:func:`signal_barrier`; ``ops.PeerWait``)."""
+    _barrier(epoch_ptr, flag_table_ptr, me, n_ranks, M_P)
+    tl.debug_barrier()  # every thread of the program reads after the spin's acquire
+
+
+@triton.jit
+def _barrier(epoch_ptr, flag_table_ptr, me, n_ranks, M_P: tl.constexpr):
     # One program: bump this rank's epoch, store it into slot `me` of every rank's flags
     # (release at system scope: the puts of earlier kernels are visible before the flag),
     # then spin until every rank's flag here reached the epoch (acquire).

@@ -34,7 +34,7 @@ from moe_ep_transport import ops
 from moe_ep_transport.codec import RowCodec
 from moe_ep_transport.config import EPConfig
 from moe_ep_transport.overflow import HASH_PRIME
-from moe_ep_transport.plan import RoutePlan, plan_routes
+from moe_ep_transport.plan import RoutePlan
 from moe_ep_transport.telemetry import EPTelemetry
 from moe_ep_transport.transport import Transport
 
@@ -228,10 +228,9 @@ class EPDispatcher:
         """
         self._check_inputs(x_TD, expert_ids_Tk, weights)
         expert_N = expert_ids_Tk.reshape(-1)  # any integer dtype: the plan kernels read it as is
-        slots, counts_ME = self.transport.count_slots(expert_N, self.cfg.n_experts)
-        plan = plan_routes(
-            expert_N, slots, counts_ME, rank=self.rank, top_k=self.cfg.top_k, capacity=self.capacity,
-            salt=self._salt, stats_sum_2ME=self.telemetry.running_sum(*counts_ME.shape, counts_ME.device),
+        plan = self.transport.plan_routes(
+            expert_N, self.cfg.n_experts, top_k=self.cfg.top_k, capacity=self.capacity, salt=self._salt,
+            stats_sum_2ME=self.telemetry.running_sum(self.ep_size, self.cfg.n_experts, x_TD.device),
         )
         if self.cfg.overflow == "error":
             self._raise_on_overflow(plan)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe_ep_transport.ops import SlotTable
+from moe_ep_transport.ops import PeerWait, SlotTable
 from moe_ep_transport.peer_memory import N_SLABS
 
 _HEAP_MARGIN = 256 << 20  # NVSHMEM's own symmetric state (barriers, teams) lives on the heap too
@@ -194,6 +194,10 @@ class NvshmemPeerMemory:
         from moe_ep_transport import _transport_kernels as kernels
 
         kernels.signal_barrier(self._epoch, self._flag_table, self.rank)
+
+    def deferred_barrier(self) -> PeerWait:
+        """:meth:`barrier`'s flag wait, for the next kernel to run first (``ops.PeerWait``)."""
+        return PeerWait(self._epoch, self._flag_table, self.rank)
 
     def close(self) -> None:
         """Free the slabs (collective). The memory is unusable afterwards."""

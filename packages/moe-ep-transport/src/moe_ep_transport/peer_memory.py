@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from moe_ep_transport.ops import SlotTable
+from moe_ep_transport.ops import PeerWait, SlotTable
 
 N_SLABS = 2
 
@@ -93,6 +93,11 @@ class PeerMemory(Protocol):
 
     def barrier(self) -> None:
         """Stream-ordered barrier: every rank's earlier puts are visible after it."""
+        ...
+
+    def deferred_barrier(self) -> PeerWait | None:
+        """A :meth:`barrier` that the caller's next kernel performs before it reads (pass it as
+        that op's ``wait``: one launch fewer), or None where the barrier is already passed."""
         ...
 
 
@@ -236,3 +241,7 @@ class EmulatedPeerMemory:
 
     def barrier(self) -> None:
         """Nothing to order: every emulated put already completed collectively."""
+
+    def deferred_barrier(self) -> None:
+        """Nothing to wait for (:meth:`barrier`)."""
+        return None

@@ -73,16 +73,18 @@ def plan_routes(
     capacity: int,
     salt: int,
     stats_sum_2ME: torch.Tensor | None = None,
+    wait: ops.PeerWait | None = None,
 ) -> RoutePlan:
     """Destination (rank, row) of every slot of this rank, and this rank's receive layout.
 
     ``slots = ops.rank_slots(expert_N, E)``; ``counts_ME`` stacks every rank's
     ``slots.counts_E`` (the count exchange); ``salt`` varies the overflow priorities
     per layer; ``stats_sum_2ME`` (int64 ``[2, M, E]``), a running sum the plan adds its
-    ``stats_2ME`` to, in its own launch (:class:`~moe_ep_transport.telemetry.EPTelemetry`).
+    ``stats_2ME`` to, in its own launch (:class:`~moe_ep_transport.telemetry.EPTelemetry`);
+    ``wait``: the count exchange's barrier, still to pass (the cell kernel passes it first).
     """
     M, E = counts_ME.shape
-    cells = ops.plan_cells(counts_ME, capacity, salt, rank, stats_sum_2ME)
+    cells = ops.plan_cells(counts_ME, capacity, salt, rank, stats_sum_2ME, wait)
     dst_rank_N, dst_row_N, row_src_C = ops.plan_rows(expert_N, slots, cells, M, capacity)
     return RoutePlan(
         rank=rank,

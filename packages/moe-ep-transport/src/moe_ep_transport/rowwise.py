@@ -45,9 +45,8 @@ from moe_ep_transport import ops
 from moe_ep_transport._triton_support import resolve_backend
 from moe_ep_transport.config import EPConfig
 from moe_ep_transport.peer_memory import N_SLABS, PeerMemory, slab_view
-from moe_ep_transport.plan import RoutePlan
-from moe_ep_transport.plan_reference import SlotRanks
-from moe_ep_transport.transport import check_send, count_then_exchange
+from moe_ep_transport.plan import RoutePlan, plan_routes
+from moe_ep_transport.transport import check_send
 
 _ALIGN = 256
 
@@ -155,27 +154,40 @@ class RowwiseTransport:
         M, E = self.world_size, counts_E.numel()
         self._check_fits(M * E * 4, "the count exchange")
         slab = self._next_slab()
-        self.memory.put_rows(
-            slab, 0, counts_E.to(torch.int32).view(1, E), self._count_rank_M, self._count_row_M, per_src=M,
-        )
+        self._put_counts(slab, counts_E)
         self.memory.barrier()
         return slab_view(self.memory.slab(slab), 0, torch.int32, E)[:M]
 
-    def count_slots(self, expert_N: torch.Tensor, n_experts: int) -> tuple[SlotRanks, torch.Tensor]:
-        """The slot ranks and every rank's counts (``transport.Transport``). Where the plan runs
-        its kernels and the peers' slabs have addresses, the block scan of ``rank_slots``
-        stores the counts into every peer itself: no put of their own."""
-        table = self.memory.peer_table(self._phase % N_SLABS)
-        if table is None or not resolve_backend("auto", expert_N.device):
-            return count_then_exchange(self, expert_N, n_experts)
-        from moe_ep_transport import _plan_kernels as plan_kernels
+    def _put_counts(self, slab: int, counts_E: torch.Tensor) -> None:
+        """Row ``rank`` of the int32 ``[M, E]`` count table at the start of every rank's slab."""
+        M, E = self.world_size, counts_E.numel()
+        self.memory.put_rows(
+            slab, 0, counts_E.to(torch.int32).view(1, E), self._count_rank_M, self._count_row_M, per_src=M,
+        )
 
-        M = self.world_size
-        self._check_fits(M * n_experts * 4, "the count exchange")
+    def plan_routes(
+        self, expert_N: torch.Tensor, n_experts: int, *, top_k: int, capacity: int, salt: int,
+        stats_sum_2ME: torch.Tensor | None = None,
+    ) -> RoutePlan:
+        """The call's plan (``transport.Transport``), the count exchange folded into its kernels:
+        where the plan runs its kernels and the peers' slabs have addresses (NVSHMEM), the
+        block scan of ``rank_slots`` stores the counts into every peer (no put of their own),
+        and the cell kernel passes the barrier before it reads them (no barrier launch)."""
+        M, E = self.world_size, n_experts
+        self._check_fits(M * E * 4, "the count exchange")
         slab = self._next_slab()
-        slots = plan_kernels.rank_slots(expert_N, n_experts, plan_kernels.CountPublish(table, 0, self.rank))
-        self.memory.barrier()
-        return slots, slab_view(self.memory.slab(slab), 0, torch.int32, n_experts)[:M]
+        table = self.memory.peer_table(slab)
+        if table is not None and resolve_backend("auto", expert_N.device):
+            from moe_ep_transport import _plan_kernels as plan_kernels
+
+            slots = plan_kernels.rank_slots(expert_N, E, plan_kernels.CountPublish(table, 0, self.rank))
+        else:
+            slots = ops.rank_slots(expert_N, E)
+            self._put_counts(slab, slots.counts_E)
+        wait = self.memory.deferred_barrier()
+        counts_ME = slab_view(self.memory.slab(slab), 0, torch.int32, E)[:M]
+        return plan_routes(expert_N, slots, counts_ME, rank=self.rank, top_k=top_k, capacity=capacity,
+                           salt=salt, stats_sum_2ME=stats_sum_2ME, wait=wait)
 
     @property
     def sends_tokens_once(self) -> bool:

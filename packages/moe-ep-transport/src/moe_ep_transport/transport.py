@@ -5,9 +5,12 @@ backend computes identically; it decides nothing about the layout. Four steps:
 
 - ``exchange_counts(counts_E) -> counts_ME``: every rank learns every rank's counts
   (int32 in, int32 or int64 out; valid until the transport's next call).
-- ``count_slots(expert_N, E) -> (slots, counts_ME)``: ``ops.rank_slots`` then
-  ``exchange_counts`` (:func:`count_then_exchange`); the rowwise transport stores the
-  counts into its peers from the slot-ranking kernel itself (one launch fewer).
+- ``plan_routes(expert_N, E, top_k=, capacity=, salt=, stats_sum_2ME=) -> plan``: the
+  call's :class:`~moe_ep_transport.plan.RoutePlan`: ``ops.rank_slots``,
+  ``exchange_counts``, :func:`~moe_ep_transport.plan.plan_routes`
+  (:func:`count_and_plan`). The rowwise transport fuses the count exchange into the
+  plan's kernels: the slot-ranking kernel stores the counts into the peers, the cell
+  kernel passes the barrier (two launches fewer).
 - ``open_route(plan) -> route``: per-call state (splits, permutations, origins).
 - ``send(route, src_RW, per_src) -> out_CW``: row ``src[i // per_src]`` of slot
   ``i`` lands at ``out[dst_row[i]]`` on ``dst_rank[i]``; padding rows are zero; a
@@ -42,8 +45,7 @@ import torch
 import torch.distributed as dist
 
 from moe_ep_transport import ops
-from moe_ep_transport.plan import RoutePlan
-from moe_ep_transport.plan_reference import SlotRanks
+from moe_ep_transport.plan import RoutePlan, plan_routes
 
 
 def check_send(plan: RoutePlan, src_RW: torch.Tensor, per_src: int) -> None:
@@ -57,11 +59,15 @@ def check_send(plan: RoutePlan, src_RW: torch.Tensor, per_src: int) -> None:
         )
 
 
-def count_then_exchange(transport: Transport, expert_N: torch.Tensor, n_experts: int
-                        ) -> tuple[SlotRanks, torch.Tensor]:
-    """``count_slots`` in two steps: the slot ranks, then the count exchange."""
+def count_and_plan(
+    transport: Transport, expert_N: torch.Tensor, n_experts: int, *, top_k: int, capacity: int, salt: int,
+    stats_sum_2ME: torch.Tensor | None = None,
+) -> RoutePlan:
+    """``Transport.plan_routes`` step by step: the slot ranks, the count exchange, the plan."""
     slots = ops.rank_slots(expert_N, n_experts)
-    return slots, transport.exchange_counts(slots.counts_E)
+    counts_ME = transport.exchange_counts(slots.counts_E)
+    return plan_routes(expert_N, slots, counts_ME, rank=transport.rank, top_k=top_k, capacity=capacity,
+                       salt=salt, stats_sum_2ME=stats_sum_2ME)
 
 
 class Transport(Protocol):
@@ -70,7 +76,10 @@ class Transport(Protocol):
 
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor: ...
 
-    def count_slots(self, expert_N: torch.Tensor, n_experts: int) -> tuple[SlotRanks, torch.Tensor]: ...
+    def plan_routes(
+        self, expert_N: torch.Tensor, n_experts: int, *, top_k: int, capacity: int, salt: int,
+        stats_sum_2ME: torch.Tensor | None = None,
+    ) -> RoutePlan: ...
 
     def open_route(self, plan: RoutePlan) -> Any: ...
 
@@ -134,8 +143,12 @@ class AllToAllTransport:
         dist.all_gather_into_tensor(counts_ME, counts_E.contiguous(), group=self.group)
         return counts_ME.view(self.world_size, -1)
 
-    def count_slots(self, expert_N: torch.Tensor, n_experts: int) -> tuple[SlotRanks, torch.Tensor]:
-        return count_then_exchange(self, expert_N, n_experts)
+    def plan_routes(
+        self, expert_N: torch.Tensor, n_experts: int, *, top_k: int, capacity: int, salt: int,
+        stats_sum_2ME: torch.Tensor | None = None,
+    ) -> RoutePlan:
+        return count_and_plan(self, expert_N, n_experts, top_k=top_k, capacity=capacity, salt=salt,
+                              stats_sum_2ME=stats_sum_2ME)
 
     def open_route(self, plan: RoutePlan) -> AllToAllRoute:
         M, E = plan.kept_ME.shape
