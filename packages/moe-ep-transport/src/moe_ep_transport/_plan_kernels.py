@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from moe_ep_transport import overflow
-from moe_ep_transport._transport_kernels import peer_barrier
+from moe_ep_transport._kernel_parts import peer_barrier, receive_source, slot_destination
 from moe_ep_transport.ops import PeerWait
 from moe_ep_transport.plan_reference import CellPlan, SlotRanks, next_power_of_2, slot_block
 
@@ -134,33 +134,15 @@ def _plan_rows_kernel(expert_ptr, rank_in_block_ptr, cum_ptr, table_ptr, recv_en
                       n_slots, n_rows, n_ranks, n_experts,
                       BLOCK: tl.constexpr, E_P: tl.constexpr):
     # Program b plans slot block b (the block of _rank_slots_kernel) and receive rows [b*BLOCK, ...).
-    b = tl.program_id(0)
-    E = n_experts
-    slot = b * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = slot < n_slots
-    expert = tl.load(expert_ptr + slot, mask=live, other=-1).to(tl.int64)
-    ok = live & (expert >= 0) & (expert < E)
-    q = tl.load(rank_in_block_ptr + slot, mask=ok, other=0).to(tl.int64)
-    earlier = tl.load(cum_ptr + tl.maximum(b - 1, 0) * E + expert, mask=ok, other=0).to(tl.int64)
-    q += tl.where(b > 0, earlier, 0)
-    size = tl.maximum(tl.load(table_ptr + expert, mask=ok, other=1), 1)
-    drop = tl.load(table_ptr + E + expert, mask=ok, other=0)
-    start = tl.load(table_ptr + 2 * E + expert, mask=ok, other=0)
-    base = tl.load(table_ptr + 3 * E + expert, mask=ok, other=0)
-    # overflow.dropped_window; q - start lies in (-size, size)
-    offset = q - start
-    dropped = tl.where(offset < 0, offset + size, offset) < drop
-    first = tl.minimum(drop, size - start)
-    preceding = tl.minimum(q, drop - first) + tl.minimum(tl.maximum(offset, 0), first)
-    keep = ok & ~dropped
-    tl.store(dst_rank_ptr + slot, tl.where(keep, expert // (E // n_ranks), -1), mask=live)
-    tl.store(dst_row_ptr + slot, tl.where(keep, base + q - preceding, 0), mask=live)
-
-    rows = b * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, E_P)
-    ends = tl.load(recv_end_ptr + cols, mask=cols < E, other=n_rows)
-    cell = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int64), axis=1)
-    tl.store(row_src_ptr + rows, tl.where(cell < E, cell % n_ranks, -1), mask=rows < n_rows)
+    rank, row = slot_destination(expert_ptr, rank_in_block_ptr, cum_ptr, table_ptr, slot, live, n_ranks,
+                                 n_experts, BLOCK)
+    tl.store(dst_rank_ptr + slot, rank, mask=live)
+    tl.store(dst_row_ptr + slot, row, mask=live)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    source = receive_source(recv_end_ptr, rows, n_rows, n_ranks, n_experts, E_P)
+    tl.store(row_src_ptr + rows, source, mask=rows < n_rows)
 
 
 class CountPublish(NamedTuple):

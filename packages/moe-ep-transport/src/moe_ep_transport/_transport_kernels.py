@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_ep_transport._kernel_parts import barrier
 from moe_ep_transport.ops import SlotTable
 
 _MAX_BLOCK_W = 1024  # elements of one row chunk (4 KiB of 32-bit words)
@@ -186,35 +187,7 @@ def _combine_grads_kernel(
 
 @triton.jit
 def _signal_barrier_kernel(epoch_ptr, flag_table_ptr, me, n_ranks, M_P: tl.constexpr):
-    _barrier(epoch_ptr, flag_table_ptr, me, n_ranks, M_P)
-
-
-@triton.jit
-def peer_barrier(epoch_ptr, flag_table_ptr, me, n_ranks, M_P: tl.constexpr):
-    """The flag barrier inside a single-program kernel, before it reads what peers put
-    (:func:`signal_barrier`; ``ops.PeerWait``)."""
-    _barrier(epoch_ptr, flag_table_ptr, me, n_ranks, M_P)
-    tl.debug_barrier()  # every thread of the program reads after the spin's acquire
-
-
-@triton.jit
-def _barrier(epoch_ptr, flag_table_ptr, me, n_ranks, M_P: tl.constexpr):
-    # One program: bump this rank's epoch, store it into slot `me` of every rank's flags
-    # (release at system scope: the puts of earlier kernels are visible before the flag),
-    # then spin until every rank's flag here reached the epoch (acquire).
-    epoch = tl.load(epoch_ptr) + 1
-    tl.store(epoch_ptr, epoch)
-    r = tl.arange(0, M_P)
-    live = r < n_ranks
-    peer_flags = tl.load(flag_table_ptr + r, mask=live, other=0).to(tl.pointer_type(tl.int64))
-    tl.atomic_xchg(peer_flags + me, tl.zeros([M_P], dtype=tl.int64) + epoch, mask=live, sem="release",
-                   scope="sys")
-    my_flags = tl.load(flag_table_ptr + me).to(tl.pointer_type(tl.int64))
-    waiting = 1
-    while waiting > 0:
-        seen = tl.atomic_add(my_flags + r, tl.zeros([M_P], dtype=tl.int64), mask=live, sem="acquire",
-                             scope="sys")
-        waiting = tl.sum((live & (seen < epoch)).to(tl.int32), axis=0)
+    barrier(epoch_ptr, flag_table_ptr, me, n_ranks, M_P)
 
 
 @triton.jit
