@@ -1,4 +1,4 @@
-"""Triton kernels of the routing plan: three launches instead of a hundred small ops.
+"""Triton kernels of the routing plan: four launches instead of a hundred small ops.
 
 Each kernel computes exactly the integers of its PyTorch definition in
 :mod:`moe_ep_transport.plan_reference` (shape legend there); tests compare them

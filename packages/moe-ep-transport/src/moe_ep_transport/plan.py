@@ -10,9 +10,10 @@ order. The layout needs only the count matrix ``counts_ME[s, g]`` (rows source
 ``s`` routes to expert ``g``), which every rank holds after the count exchange, so
 each source computes the destination row of each of its slots by itself.
 
-The plan takes three device launches on CUDA (:mod:`moe_ep_transport.plan_reference`
-defines the steps): slot ranks before the count exchange, the cell tables and the
-per-row destinations after it.
+The plan takes four device launches on CUDA (:mod:`moe_ep_transport.plan_reference`
+defines the steps): slot ranks (per block, then the block scan) before the count
+exchange, the cell tables and the per-row destinations after it. The rowwise transport
+folds the last into its first send's kernels (``defer_rows``).
 """
 
 from __future__ import annotations

@@ -22,9 +22,13 @@ reading its own rows straight from the expert output. Putting (not fetching)
 saves copying the expert output into a symmetric buffer first, and stores travel
 faster than loads over NVLink.
 
-Every step is one launch (a put, a barrier, a kernel of :mod:`moe_ep_transport.ops`);
-index tensors that do not change between calls are built once. Sizes are static:
-capacity C rows to receive, T_max*k slots to return.
+Every step is one launch (a put, a barrier, a kernel of :mod:`moe_ep_transport.ops`),
+and on CUDA the dispatch folds steps (1) and (2) into the plan's kernels: the slot
+ranking's block scan stores the counts into the peers, the cell kernel passes the
+barrier, the token put plans each slot's destination and the receive kernel each row's
+source (:meth:`RowwiseTransport.plan_routes`): six launches per dispatch. Index tensors
+that do not change between calls are built once. Sizes are static: capacity C rows to
+receive, T_max*k slots to return.
 
 Consecutive phases use different slabs, chosen by a counter on the host. A CUDA graph
 replays the slabs its capture chose, so calls captured in a graph run inside
