@@ -121,6 +121,31 @@ def check_planning_puts() -> None:
         assert torch.equal(a, b)
 
 
+def check_receive_grads() -> None:
+    # One pass = finish_receive, then combine_grads with one slot per row: the row gradients
+    # bit for bit (a -0.0 gradient included), the weights' within rounding; padding unset.
+    gen = torch.Generator().manual_seed(11)
+    C, D, me, T = 9, 33, 1, 3
+    row_src = torch.tensor([0, 1, 1, 2, 0, 2, -1, -1, 0])
+    origin = torch.randint(0, 2 * T, (C,), generator=gen)
+    for stride in (0, T):
+        inbox = torch.randn(max(C, 3 * T), D, generator=gen)
+        inbox[:, 0] = -0.0
+        local = torch.randn(C, D, generator=gen)
+        w = torch.rand(C, generator=gen)
+        rows = torch.randn(C, D, generator=gen)
+        g = local.clone()
+        ops.finish_receive_reference(g, inbox, row_src, me, origin, None, 2, stride)
+        want_scaled, want_w = ops.combine_grads_reference(g, w, rows, torch.float32, True)
+        scaled, grad_w = kernels.receive_grads(local, inbox, row_src, origin, me, w, rows, True, 2, stride)
+        valid = row_src >= 0
+        assert torch.equal(scaled[valid], want_scaled[valid]), stride
+        assert torch.equal(scaled[valid].signbit(), want_scaled[valid].signbit()), stride
+        assert torch.allclose(grad_w[valid], want_w[valid], rtol=1e-5, atol=1e-5), stride
+        only_w = kernels.receive_grads(local, inbox, row_src, origin, me, w, rows, False, 2, stride)
+        assert only_w[0] is None and torch.equal(only_w[1][valid], grad_w[valid])
+
+
 def check_finish_receive() -> None:
     gen = torch.Generator().manual_seed(1)
     out = torch.randint(0, 9, (9, 33), generator=gen, dtype=torch.int32)
@@ -379,6 +404,7 @@ if __name__ == "__main__":
     check_put_rows()
     check_put_rows_clears()
     check_planning_puts()
+    check_receive_grads()
     check_weights_in_metadata()
     check_finish_receive()
     check_topk_gather_sum()

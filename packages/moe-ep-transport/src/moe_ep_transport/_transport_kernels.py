@@ -150,6 +150,45 @@ def _finish_receive_kernel(
 
 
 @triton.jit
+def _receive_grads_kernel(
+    local_ptr, inbox_ptr, row_src_ptr, origin_ptr, w_ptr, rows_ptr, scaled_ptr, grad_w_ptr, me, n_rows, width,
+    inbox_stride, PER_SRC: tl.constexpr, DEDUP: tl.constexpr, SCALED: tl.constexpr, GRAD_W: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    # finish_receive's addressing and combine_grads' arithmetic (k = 1) in one pass: each
+    # receive row's gradient g comes from the inbox (another rank) or from `local` (this
+    # rank's own rows, put there); padding rows move no memory (their results are unset).
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < n_rows
+    src = tl.load(row_src_ptr + rows, mask=live, other=-1)
+    valid = src >= 0
+    remote = valid & (src != me)
+    local = valid & (src == me)
+    if DEDUP:
+        origin = tl.load(origin_ptr + rows, mask=remote, other=0) & 0xFFFFFFFF
+        at = tl.where(remote, src * inbox_stride + origin // PER_SRC, 0)  # the token inbox row
+    else:
+        at = rows
+    acc_dtype = w_ptr.dtype.element_ty
+    w = tl.load(w_ptr + rows, mask=valid, other=0.0)
+    dots = tl.zeros([BLOCK_R], dtype=acc_dtype)
+    for c0 in range(0, width, BLOCK_W):
+        cols = c0 + tl.arange(0, BLOCK_W)
+        cm = (cols < width)[None, :]
+        g_in = tl.load(inbox_ptr + at[:, None] * width + cols[None, :], mask=remote[:, None] & cm, other=0.0)
+        g_own = tl.load(local_ptr + rows[:, None] * width + cols[None, :], mask=local[:, None] & cm, other=0.0)
+        g = tl.where(remote[:, None], g_in, g_own).to(acc_dtype)  # a select keeps -0.0 (a sum would not)
+        at_row = rows[:, None] * width + cols[None, :]
+        if SCALED:
+            tl.store(scaled_ptr + at_row, (g * w[:, None]).to(scaled_ptr.dtype.element_ty), mask=valid[:, None] & cm)
+        if GRAD_W:
+            x = tl.load(rows_ptr + at_row, mask=valid[:, None] & cm, other=0.0).to(acc_dtype)
+            dots += tl.sum(x * g, axis=1)
+    if GRAD_W:
+        tl.store(grad_w_ptr + rows, dots, mask=valid)
+
+
+@triton.jit
 def _topk_gather_sum_kernel(
     inbox_ptr, local_ptr, dst_rank_ptr, dst_row_ptr, w_ptr, y_ptr, rows_out_ptr, me, width,
     K: tl.constexpr, STORE_ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -530,3 +569,40 @@ def sum_partials(
         BLOCK_W=block_w, num_warps=4, enable_fp_fusion=False,
     )
     return y
+
+
+def receive_grads(
+    local_CD: torch.Tensor,
+    inbox_RD: torch.Tensor,
+    row_src_C: torch.Tensor,
+    origin_C: torch.Tensor,
+    me: int,
+    w_C: torch.Tensor,
+    rows_CD: torch.Tensor | None,
+    scaled: bool,
+    per_src: int = 1,
+    inbox_stride: int = 0,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """:func:`finish_receive` then :func:`combine_grads` (one slot per row) in one launch.
+
+    Receive row ``c``'s gradient ``g`` is ``local[c]`` (its source is this rank) or the
+    inbox row of :func:`finish_receive`; returns ``(w_C * g).to(local's dtype)`` per row
+    (``scaled``) and ``<rows_CD[c], g>`` (with ``rows_CD``), in ``w_C``'s dtype. Padding
+    rows (source -1) are left unset in both.
+    """
+    C, width = local_CD.shape
+    scaled_CD = torch.empty_like(local_CD) if scaled else None
+    grad_w_C = torch.empty(C, dtype=w_C.dtype, device=w_C.device) if rows_CD is not None else None
+    if C == 0 or (scaled_CD is None and grad_w_C is None):
+        return scaled_CD, grad_w_C
+    block_r = 4
+    rows_CD = rows_CD.contiguous() if rows_CD is not None else None
+    placeholder = scaled_CD if scaled_CD is not None else rows_CD
+    _receive_grads_kernel[(triton.cdiv(C, block_r),)](
+        local_CD.contiguous(), inbox_RD.contiguous(), row_src_C.contiguous(), origin_C.contiguous(),
+        w_C.contiguous(), rows_CD if rows_CD is not None else placeholder, placeholder,
+        grad_w_C if grad_w_C is not None else w_C, me, C, width, inbox_stride,
+        PER_SRC=per_src, DEDUP=inbox_stride > 0, SCALED=scaled, GRAD_W=rows_CD is not None,
+        BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
+    )
+    return scaled_CD, grad_w_C

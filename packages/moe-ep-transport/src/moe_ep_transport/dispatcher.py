@@ -142,15 +142,10 @@ class _Combine(torch.autograd.Function):
         w_C, rows_CD = ctx.saved_tensors
         plan, transport = ctx.route.plan, ctx.dispatcher.transport
         need_rows, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_TD = grad_TD.to(ctx.rows_dtype)
-        g_CD = ops.from_words(transport.send(ctx.route, ops.as_words(grad_TD), plan.top_k), ctx.rows_dtype)
-        # One receive row per "token" (k = 1); rows past the last expert's end are padding
-        # (the buffer is sized for the worst case): skipped, their results unspecified,
-        # read by nobody (the expert GEMMs stop at the offsets, send_back skips them).
-        grad_rows, grad_w_C = ops.combine_grads(
-            g_CD, w_C, rows_CD if need_w else None, ctx.rows_dtype, scaled=need_rows,
-            bound=plan.group_offsets_L[-1:],
-        )
+        # Padding rows' results are unspecified, read by nobody (the expert GEMMs stop at the
+        # offsets, send_back skips them).
+        grad_rows, grad_w_C = transport.send_grads(
+            ctx.route, grad_TD.to(ctx.rows_dtype), w_C, rows_CD if need_w else None, scaled=need_rows)
         grad_w = None
         if need_w:
             back = transport.send_back(ctx.route, ops.as_words(grad_w_C.view(-1, 1)))

@@ -50,7 +50,7 @@ from moe_ep_transport._triton_support import resolve_backend
 from moe_ep_transport.config import EPConfig
 from moe_ep_transport.peer_memory import N_SLABS, PeerMemory, slab_view
 from moe_ep_transport.plan import RoutePlan, plan_routes
-from moe_ep_transport.transport import check_send
+from moe_ep_transport.transport import check_send, send_then_grads
 
 _ALIGN = 256
 
@@ -319,6 +319,31 @@ class RowwiseTransport:
         self.memory.barrier()
         partials_QD = slab_view(self.memory.slab(slab), 0, acc_dtype, D)[: M * T_max]
         return ops.sum_partials(partials_QD, plan.dst_rank_N, M, T_max, plan.top_k, rows_CD.dtype)
+
+    def send_grads(
+        self, route: RowwiseRoute, grad_TD: torch.Tensor, w_C: torch.Tensor, rows_CD: torch.Tensor | None,
+        scaled: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``transport.Transport.send_grads``: on the kernel path the receive kernel computes the
+        row and weight gradients as it reads the token gradients (no receive of their own)."""
+        plan = route.plan
+        if route.origin_C is None or not resolve_backend("auto", grad_TD.device):
+            return send_then_grads(self, route, grad_TD, w_C, rows_CD, scaled)
+        words = ops.as_words(grad_TD)
+        check_send(plan, words, plan.top_k)
+        C, W = self.capacity, words.shape[1]
+        self._check_fits(self._meta_bytes + C * W * words.element_size(), "a row send")
+        stride = self.max_tokens if self.sends_tokens_once else 0
+        slab = self._next_slab()
+        local = words.new_empty(C, W)  # the rows this rank sends itself
+        self.memory.put_rows(slab, self._meta_bytes, words, plan.dst_rank_N, plan.dst_row_N, per_src=plan.top_k,
+                             local_dst=local, inbox_stride=stride)
+        self.memory.barrier()
+        inbox = slab_view(self.memory.slab(slab), self._meta_bytes, grad_TD.dtype, grad_TD.shape[1])
+        from moe_ep_transport import _transport_kernels as kernels
+
+        return kernels.receive_grads(ops.from_words(local, grad_TD.dtype), inbox, plan.row_src_C, route.origin_C,
+                                     self.rank, w_C, rows_CD, scaled, plan.top_k, stride)
 
     def send_back(self, route: RowwiseRoute, rows_CW: torch.Tensor) -> torch.Tensor:
         plan = route.plan

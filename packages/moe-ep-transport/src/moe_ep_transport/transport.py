@@ -28,6 +28,11 @@ backend computes identically; it decides nothing about the layout. Four steps:
   of each token (``ops.partial_sums_reference``, weights ``w_C`` per receive row or
   unit), one partial per token travels back, the source sums them in rank order
   (``ops.sum_partials``); ``y`` has the rows' dtype.
+- ``send_grads(route, grad_TD, w_C, rows_CD, scaled) -> (grad_rows_CD, grad_w_C)``:
+  combine's backward at the destinations: ``grad_TD`` travels like a token send, then
+  each receive row's gradient and its weight's gradient (``ops.combine_grads`` over the
+  receive rows; :func:`send_then_grads`); the rowwise transport's receive kernel computes
+  them as it reads the rows (one launch fewer). Padding rows: unset.
 - ``send_back(route, rows_CW) -> back_NW``: receive row ``c`` returns to slot
   ``origin`` of its source, unreduced (e.g. one value per row); dropped slots zero.
 
@@ -70,6 +75,18 @@ def count_and_plan(
                        salt=salt, stats_sum_2ME=stats_sum_2ME)
 
 
+def send_then_grads(
+    transport: Transport, route: Any, grad_TD: torch.Tensor, w_C: torch.Tensor, rows_CD: torch.Tensor | None,
+    scaled: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``Transport.send_grads`` in two steps: the send, then ``ops.combine_grads``."""
+    plan = route.plan
+    g_CD = ops.from_words(transport.send(route, ops.as_words(grad_TD), plan.top_k), grad_TD.dtype)
+    # One receive row per "token" (k = 1); rows past the last expert's end are padding
+    # (the buffer is sized for the worst case): skipped, their results unspecified.
+    return ops.combine_grads(g_CD, w_C, rows_CD, grad_TD.dtype, scaled=scaled, bound=plan.group_offsets_L[-1:])
+
+
 class Transport(Protocol):
     rank: int
     world_size: int
@@ -95,6 +112,10 @@ class Transport(Protocol):
     def reduce_back(
         self, route: Any, rows_CD: torch.Tensor, w_C: torch.Tensor | None, acc_dtype: torch.dtype
     ) -> torch.Tensor: ...
+
+    def send_grads(
+        self, route: Any, grad_TD: torch.Tensor, w_C: torch.Tensor, rows_CD: torch.Tensor | None, scaled: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]: ...
 
     def send_back(self, route: Any, rows_CW: torch.Tensor) -> torch.Tensor: ...
 
@@ -196,6 +217,12 @@ class AllToAllTransport:
             ops.from_words(back, rows_CD.dtype), rows_CD, plan.dst_rank_N, plan.dst_row_N,
             self.rank, w_N, plan.top_k, rows_CD.dtype, store_rows,
         )
+
+    def send_grads(
+        self, route: AllToAllRoute, grad_TD: torch.Tensor, w_C: torch.Tensor, rows_CD: torch.Tensor | None,
+        scaled: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return send_then_grads(self, route, grad_TD, w_C, rows_CD, scaled)
 
     def send_back(self, route: AllToAllRoute, rows_CW: torch.Tensor) -> torch.Tensor:
         payload = rows_CW.contiguous().index_select(0, route.recv_pos)
