@@ -130,13 +130,15 @@ def test_destination_sum_kernels_lower_for_hopper() -> None:
          {"partials_ptr": "*fp32", "dst_rank_ptr": "*i64", "y_ptr": "*bf16", "n_ranks": "i32",
           "max_tokens": "i32", "width": "i32", "K": "constexpr", "BLOCK_W": "constexpr"},
          {"K": 8, "BLOCK_W": 1024}, num_warps=4, enable_fp_fusion=False)
-    _ptx(kernels._receive_grads_kernel,
-         {"local_ptr": "*bf16", "inbox_ptr": "*bf16", "row_src_ptr": "*i64", "origin_ptr": "*i64", "w_ptr": "*fp32",
-          "rows_ptr": "*bf16", "scaled_ptr": "*bf16", "grad_w_ptr": "*fp32", "me": "i32", "n_rows": "i32",
-          "width": "i32", "inbox_stride": "i32", "PER_SRC": "constexpr", "DEDUP": "constexpr",
-          "SCALED": "constexpr", "GRAD_W": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
-         {"PER_SRC": 8, "DEDUP": True, "SCALED": True, "GRAD_W": True, "BLOCK_R": 4, "BLOCK_W": 1024},
-         num_warps=8)
+    _ptx(kernels._combine_grads_kernel,  # combine's backward reading the received token gradients
+         {"g_ptr": "*bf16", "w_ptr": "*fp32", "rows_ptr": "*bf16", "scaled_ptr": "*bf16", "grad_w_ptr": "*fp32",
+          "width": "i32", "bound_ptr": "*fp32", "inbox_ptr": "*bf16", "row_src_ptr": "*i64", "origin_ptr": "*i64",
+          "me": "i32", "inbox_stride": "i32", "K": "constexpr", "SCALED": "constexpr", "GRAD_W": "constexpr",
+          "BLOCK_W": "constexpr", "HAS_BOUND": "constexpr", "RECEIVE": "constexpr", "PER_SRC": "constexpr",
+          "DEDUP": "constexpr"},
+         {"K": 1, "SCALED": True, "GRAD_W": True, "BLOCK_W": 1024, "HAS_BOUND": False, "RECEIVE": True,
+          "PER_SRC": 8, "DEDUP": True},
+         num_warps=4)
     _ptx(kernels._finish_receive_kernel,
          {"out_ptr": "*i32", "inbox_ptr": "*i32", "row_src_ptr": "*i64", "origin_in_ptr": "*i64",
           "origin_out_ptr": "*i64", "slot_rows_ptr": "*i64", "w_out_ptr": "*fp32", "max_slots": "i32", "me": "i32",

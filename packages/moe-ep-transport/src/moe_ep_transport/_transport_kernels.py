@@ -150,45 +150,6 @@ def _finish_receive_kernel(
 
 
 @triton.jit
-def _receive_grads_kernel(
-    local_ptr, inbox_ptr, row_src_ptr, origin_ptr, w_ptr, rows_ptr, scaled_ptr, grad_w_ptr, me, n_rows, width,
-    inbox_stride, PER_SRC: tl.constexpr, DEDUP: tl.constexpr, SCALED: tl.constexpr, GRAD_W: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
-):
-    # finish_receive's addressing and combine_grads' arithmetic (k = 1) in one pass: each
-    # receive row's gradient g comes from the inbox (another rank) or from `local` (this
-    # rank's own rows, put there); padding rows move no memory (their results are unset).
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    live = rows < n_rows
-    src = tl.load(row_src_ptr + rows, mask=live, other=-1)
-    valid = src >= 0
-    remote = valid & (src != me)
-    local = valid & (src == me)
-    if DEDUP:
-        origin = tl.load(origin_ptr + rows, mask=remote, other=0) & 0xFFFFFFFF
-        at = tl.where(remote, src * inbox_stride + origin // PER_SRC, 0)  # the token inbox row
-    else:
-        at = rows
-    acc_dtype = w_ptr.dtype.element_ty
-    w = tl.load(w_ptr + rows, mask=valid, other=0.0)
-    dots = tl.zeros([BLOCK_R], dtype=acc_dtype)
-    for c0 in range(0, width, BLOCK_W):
-        cols = c0 + tl.arange(0, BLOCK_W)
-        cm = (cols < width)[None, :]
-        g_in = tl.load(inbox_ptr + at[:, None] * width + cols[None, :], mask=remote[:, None] & cm, other=0.0)
-        g_own = tl.load(local_ptr + rows[:, None] * width + cols[None, :], mask=local[:, None] & cm, other=0.0)
-        g = tl.where(remote[:, None], g_in, g_own).to(acc_dtype)  # a select keeps -0.0 (a sum would not)
-        at_row = rows[:, None] * width + cols[None, :]
-        if SCALED:
-            tl.store(scaled_ptr + at_row, (g * w[:, None]).to(scaled_ptr.dtype.element_ty), mask=valid[:, None] & cm)
-        if GRAD_W:
-            x = tl.load(rows_ptr + at_row, mask=valid[:, None] & cm, other=0.0).to(acc_dtype)
-            dots += tl.sum(x * g, axis=1)
-    if GRAD_W:
-        tl.store(grad_w_ptr + rows, dots, mask=valid)
-
-
-@triton.jit
 def _topk_gather_sum_kernel(
     inbox_ptr, local_ptr, dst_rank_ptr, dst_row_ptr, w_ptr, y_ptr, rows_out_ptr, me, width,
     K: tl.constexpr, STORE_ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -215,8 +176,9 @@ def _topk_gather_sum_kernel(
 @triton.jit
 def _combine_grads_kernel(
     g_ptr, w_ptr, rows_ptr, scaled_ptr, grad_w_ptr, width, bound_ptr,
+    inbox_ptr, row_src_ptr, origin_ptr, me, inbox_stride,
     K: tl.constexpr, SCALED: tl.constexpr, GRAD_W: tl.constexpr, BLOCK_W: tl.constexpr,
-    HAS_BOUND: tl.constexpr,
+    HAS_BOUND: tl.constexpr, RECEIVE: tl.constexpr, PER_SRC: tl.constexpr, DEDUP: tl.constexpr,
 ):
     # Program t: the token's k scaled gradient rows and the k weight gradients, reading
     # the token's gradient once (eager PyTorch materialises two [T, k, D] FP32 tensors).
@@ -230,12 +192,24 @@ def _combine_grads_kernel(
         end = tl.load(bound_ptr).to(tl.int64)
         live = (t + slots) < end + slots  # a per-slot vector (a scalar mask trips the interpreter)
         limit = tl.where(t < end, width, 0)
+    g_row = g_ptr + t * width
+    if RECEIVE:  # K = 1 over receive rows: finish_receive's addressing, g_ptr holds this rank's own rows
+        src = tl.load(row_src_ptr + t)
+        remote = (src >= 0) & (src != me)
+        if DEDUP:
+            origin = tl.load(origin_ptr + t) & 0xFFFFFFFF
+            inbox_row = tl.where(remote, src * inbox_stride + origin // PER_SRC, 0)  # the token inbox row
+        else:
+            inbox_row = t
+        g_row = tl.where(remote, inbox_ptr + inbox_row * width, g_row)
+        live = (src + slots) >= slots  # padding rows (source -1) move no memory, results unset
+        limit = tl.where(src >= 0, width, 0)
     w = tl.load(w_ptr + t * K + slots, mask=live, other=0.0)
     dots = tl.zeros([K], dtype=acc_dtype)
     for c0 in range(0, width, BLOCK_W):
         cols = c0 + tl.arange(0, BLOCK_W)
         cm = cols < limit
-        g = tl.load(g_ptr + t * width + cols, mask=cm, other=0.0).to(acc_dtype)
+        g = tl.load(g_row + cols, mask=cm, other=0.0).to(acc_dtype)
         at = (t * K + slots)[:, None] * width + cols[None, :]
         m = cm[None, :] & (slots < K)[:, None]
         if SCALED:
@@ -441,6 +415,8 @@ def combine_grads(
     rows_dtype: torch.dtype,
     scaled: bool,
     bound: torch.Tensor | None = None,
+    receive: tuple | None = None,
+    per_src: int = 1,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(w * g).to(rows_dtype)`` per slot and ``<rows, g>`` per slot, in ``w``'s dtype.
 
@@ -460,10 +436,10 @@ def combine_grads(
     _combine_grads_kernel[(T,)](
         g_TD.contiguous(), w_N, rows_ND if rows_ND is not None else placeholder,
         placeholder, grad_w_N if grad_w_N is not None else w_N, width,
-        bound if bound is not None else w_N,
+        bound if bound is not None else w_N, *(receive if receive is not None else (w_N, w_N, w_N, 0, 0)),
         K=K, SCALED=scaled, GRAD_W=rows_ND is not None,
         BLOCK_W=min(triton.next_power_of_2(max(width, 1)), max(64, 4096 // K)), HAS_BOUND=bound is not None,
-        num_warps=4,
+        RECEIVE=receive is not None, PER_SRC=per_src, DEDUP=receive is not None and receive[-1] > 0, num_warps=4,
     )
     return scaled_ND, grad_w_N
 
@@ -587,22 +563,9 @@ def receive_grads(
 
     Receive row ``c``'s gradient ``g`` is ``local[c]`` (its source is this rank) or the
     inbox row of :func:`finish_receive`; returns ``(w_C * g).to(local's dtype)`` per row
-    (``scaled``) and ``<rows_CD[c], g>`` (with ``rows_CD``), in ``w_C``'s dtype. Padding
-    rows (source -1) are left unset in both.
+    (``scaled``) and ``<rows_CD[c], g>`` (with ``rows_CD``), in ``w_C``'s dtype: the same
+    program as :func:`combine_grads` over the received rows, so the same bits. Padding rows
+    (source -1) are left unset in both.
     """
-    C, width = local_CD.shape
-    scaled_CD = torch.empty_like(local_CD) if scaled else None
-    grad_w_C = torch.empty(C, dtype=w_C.dtype, device=w_C.device) if rows_CD is not None else None
-    if C == 0 or (scaled_CD is None and grad_w_C is None):
-        return scaled_CD, grad_w_C
-    block_r = 4
-    rows_CD = rows_CD.contiguous() if rows_CD is not None else None
-    placeholder = scaled_CD if scaled_CD is not None else rows_CD
-    _receive_grads_kernel[(triton.cdiv(C, block_r),)](
-        local_CD.contiguous(), inbox_RD.contiguous(), row_src_C.contiguous(), origin_C.contiguous(),
-        w_C.contiguous(), rows_CD if rows_CD is not None else placeholder, placeholder,
-        grad_w_C if grad_w_C is not None else w_C, me, C, width, inbox_stride,
-        PER_SRC=per_src, DEDUP=inbox_stride > 0, SCALED=scaled, GRAD_W=rows_CD is not None,
-        BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
-    )
-    return scaled_CD, grad_w_C
+    receive = (inbox_RD.contiguous(), row_src_C.contiguous(), origin_C.contiguous(), me, inbox_stride)
+    return combine_grads(local_CD, w_C, rows_CD, local_CD.dtype, scaled, receive=receive, per_src=per_src)
