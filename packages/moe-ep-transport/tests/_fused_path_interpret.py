@@ -19,7 +19,6 @@ assert os.environ.get("TRITON_INTERPRET") == "1"
 sys.path.insert(0, str(Path(__file__).parent))
 from _oracle import experts, make_data  # noqa: E402
 from _thread_peers import ThreadPeerMemory, ThreadPeers, kernels_on_cpu  # noqa: E402
-
 from moe_ep_transport import EPConfig, EPDispatcher, use_reference_kernels  # noqa: E402
 from moe_ep_transport.rowwise import RowwiseTransport, slab_bytes_for  # noqa: E402
 

@@ -90,7 +90,6 @@ def count_directions(combine: str, n_experts: int, ranks: int, tokens: int = 12,
     import triton.runtime.interpreter as interpreter
     from _oracle import make_data
     from _thread_peers import ThreadPeerMemory, ThreadPeers, kernels_on_cpu
-
     from moe_ep_transport import EPConfig, EPDispatcher
     from moe_ep_transport.rowwise import RowwiseTransport, slab_bytes_for
 

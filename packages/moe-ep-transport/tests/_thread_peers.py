@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
 from moe_ep_transport import _transport_kernels as kernels
 from moe_ep_transport.ops import SlotTable
 from moe_ep_transport.peer_memory import N_SLABS
@@ -26,7 +25,6 @@ _LAUNCH_LOCK = threading.Lock()
 def kernels_on_cpu() -> None:
     """Run every ``ops`` Triton kernel for CPU tensors (``backend="auto"`` as on CUDA), one launch at a time."""
     import triton.runtime.interpreter as interpreter
-
     from moe_ep_transport import _triton_support
 
     _triton_support.fused_kernels_enabled = lambda device: not _triton_support.reference_kernels_enabled()
