@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -30,12 +31,21 @@ def test_parts_follow_the_options(tmp_path):
     bench = _tool()
     out = tmp_path / "ep.json"
     parts = bench.commands(bench.parse_args(["--out", str(out)]))
+    assert list(parts) == ["train_graphs", "train_graphs_overlap2", "train_graphs_overlap4", "train_eager",
+                           "train_eager_overlap2", "train_eager_overlap4", "transport"]
+    overlap_cmd = parts["train_eager_overlap4"][0]
+    assert "parallel.ep_overlap_chunks=4" in overlap_cmd and "train.cuda_graphs=false" in overlap_cmd
+    assert overlap_cmd[overlap_cmd.index("--methods") + 1:overlap_cmd.index("--routing")] == ["ep"]
+    assert not any(c.startswith("parallel.ep_comm_sms") for c in overlap_cmd)
+    parts = bench.commands(bench.parse_args(["--out", str(out), "--overlap-chunks", "3", "--comm-sms", "24"]))
+    assert "parallel.ep_comm_sms=24" in parts["train_graphs_overlap3"][0]
+    parts = bench.commands(bench.parse_args(["--out", str(out), "--overlap-chunks", "none"]))
     assert list(parts) == ["train_graphs", "train_eager", "transport"]
     train_cmd, train_json = parts["train_graphs"]
     assert "train.cuda_graphs=true" in train_cmd and train_json.parent == tmp_path
     assert train_cmd[train_cmd.index("--nproc-per-node") + 1] == "2"
     parts = bench.commands(bench.parse_args(["--out", str(out), "--graphs", "off", "--tests",
-                                             "--skip", "transport"]))
+                                             "--skip", "transport", "--overlap-chunks", "none"]))
     assert list(parts) == ["train_eager", "tests"]
     assert "train.cuda_graphs=false" in parts["train_eager"][0]
     assert parts["tests"][0][:3] == [sys.executable, "-m", "pytest"]
@@ -58,6 +68,9 @@ def test_a_part_past_its_timeout_is_killed_with_its_children(tmp_path):
     (["--gpus", "1"], "needs at least 2"),
     (["--skip", "train", "--skip", "transport"], "leaves nothing to run"),
     (["--part-timeout", "0"], "positive seconds expected"),
+    (["--overlap-chunks", "1,2"], "2 or more chunks"),
+    (["--overlap-chunks", "two"], "comma-separated integers or 'none'"),
+    (["--overlap-chunks", "none", "--comm-sms", "8"], "for the --overlap-chunks runs"),
 ])
 def test_bad_options_name_the_option(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -92,3 +105,32 @@ def test_transport_checks_use_the_graph_replay_and_the_size_targets():
     checks = _tool().transport_checks({"rows": rows})
     assert [(c["tokens"], c["backend"], c["met"]) for c in checks] == [
         (512, "rowwise:graph", True), (1024, "rowwise:graph", False), (65536, "rowwise:graph", False)]
+
+
+def test_overlap_checks_compare_with_dp_and_unsplit_ep_of_the_same_mode():
+    base = {"runs": [_run("ddp", "model", 40_000, 0.43), _run("ep", "model", 38_000, 0.41)]}
+    report = {"runs": [_run("ep", "model", 43_000, 0.46), _run("ep", "zipf", 41_000, 0.44)]}
+    checks = {c["routing"]: c for c in _tool().overlap_checks(report, base, "eager", 2)}
+    assert checks["model"]["met"] and checks["model"]["over_dp"] == pytest.approx(1.075)
+    assert checks["model"]["over_ep"] == pytest.approx(43 / 38) and checks["model"]["chunks"] == 2
+    assert checks["zipf"]["over_dp"] is None and not checks["zipf"]["met"]  # no DP run to compare
+    assert all(c["over_dp"] is None for c in _tool().overlap_checks(report, None, "graphs", 4))
+
+
+def test_main_checks_each_overlap_run_against_its_modes_dp_and_ep(tmp_path, monkeypatch, capsys):
+    bench = _tool()
+    reports = {
+        "train_eager": {"runs": [_run("ddp", "model", 40_000, 0.43), _run("ep", "model", 38_000, 0.41)]},
+        "train_eager_overlap2": {"runs": [_run("ep", "model", 42_800, 0.46)]},
+    }
+    parts = {}
+    for name, report in reports.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(report))
+        parts[name] = (["true"], path)
+    monkeypatch.setattr(bench, "commands", lambda a: parts)
+    monkeypatch.setattr(bench, "run_part", lambda cmd, timeout_s: (0, False))
+    result = bench.main(["--out", str(tmp_path / "ep.json"), "--graphs", "off"])
+    (check,) = result["overlap_eager_checks"]
+    assert check["chunks"] == 2 and check["over_dp"] == pytest.approx(1.07) and check["met"]
+    assert "EP in 2 chunks 42,800 tok/s/GPU = 1.070x DP, 1.126x EP unsplit" in capsys.readouterr().out

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from moe_testing import load_script
+from pretrain.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "bench_fp8_convergence.py"
@@ -46,6 +47,10 @@ def test_fp8_convergence_reports_resumed_curves_and_their_differences(tmp_path, 
     assert not first["complete"] and second["complete"] and third["complete"]
     assert (tmp_path / "conv.png").read_bytes()[:4] == b"\x89PNG"
     assert first["data"]["train_files"] > 0 and first["data"]["held_out_files"] > 0
+    data_tokens = bench.open_token_files(first["data"]["data"], 512, verify=False).n_tokens
+    tiny = load_config("tiny").train
+    assert first["data"]["epochs"] == pytest.approx(
+        STEPS * tiny.global_batch * tiny.seq_len / data_tokens, rel=1e-12)
 
     for name in ("bf16", "fp8_rowwise"):
         curves = [r["recipes"][name] for r in (first, second, third)]
@@ -81,3 +86,16 @@ def test_fp8_convergence_reports_resumed_curves_and_their_differences(tmp_path, 
     assert max(abs(a - b) / a for a, b in zip(bf16, fp8, strict=True)) < 0.01
     table = capsys.readouterr().out.strip().splitlines()
     assert table[-2].split()[0] == "bf16" and table[-1].split()[0] == "fp8_rowwise"
+
+
+def test_fp8_convergence_refuses_to_repeat_its_training_data(tmp_path):
+    """More steps than the text holds would compare how fast the recipes memorise: refused
+    in one line before anything trains, and nothing is left under the new run root."""
+    bench = load_script(TOOL)
+    root = tmp_path / "runs"
+    args = ["--config", "tiny", "--recipes", "bf16", "--device", "cpu", "--steps", "2000",
+            "--corpus", str(CORPUS), "--run-root", str(root)]
+    with pytest.raises(SystemExit, match=r"2000 steps would read the training data [0-9.]+ "
+                                         r"times: .* or --allow-repeat"):
+        bench.main(args)
+    assert not root.exists()

@@ -11,6 +11,10 @@ It runs, one after the other on the GPUs of this host (``torch.distributed.run``
    ``off`` runs one of them; a failure of the graphed run leaves the eager one): EP
    tokens/s per GPU over DP's on the same commit and in the same mode (target >= 1.05x
    for every routing) and both MFUs (target >= 42%);
+   EP2 again with each MoE layer's transport pipelined under its expert GEMMs
+   (``parallel.ep_overlap_chunks`` of ``--overlap-chunks``, 2 and 4 by default; with
+   ``--comm-sms`` the communication stream bounded to that many SMs): its tokens/s per
+   GPU over DP2's and over the unsplit EP2's, in the same mode;
 2. ``tools/bench_ep_transport.py --graphs`` from 512 to 64k tokens per rank,
    balanced and Zipf routing: the rowwise transport over a bare NCCL
    ``all_to_all_single`` (targets: >= 1.0x at every size, >= 1.5x at 16-64 MiB of
@@ -29,9 +33,12 @@ fails is recorded with its exit status and the rest still runs; one that runs pa
 processes and recorded as timed out.
 
 Duration with the defaults (estimated from bench-2gpu's 2.7-2.8 s steps on two H200s,
-``docs/performance.md``): 2 modes x 2 methods x 3 routings x 6 steps plus four model
-builds and six captures for part 1, about a minute for part 2: 5 to 6 minutes;
-``--graphs on`` about 3.
+``docs/performance.md``): 2 modes x 4 runs (DP2, EP2, EP2 in 2 and in 4 chunks) x 3
+routings x 6 steps plus eight model builds and twelve captures for part 1, about a
+minute for part 2: 10 to 12 minutes. Within ten minutes a call: ``--graphs on`` or
+``--graphs off`` (5 to 6 each), or the overlap alone against DP2 and EP2 in one mode:
+
+    tools/from_source.sh python3 tools/bench_ep_2gpu.py --skip transport --graphs off --out $OUT/ep_2gpu_overlap.json
 """
 
 from __future__ import annotations
@@ -68,6 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tests", action="store_true",
                    help="also run the two-GPU tests of CUDA-graph steps (several minutes: on their "
                         "own, with --skip train --skip transport --part-timeout 580)")
+    p.add_argument("--overlap-chunks", default="2,4",
+                   help="EP2 runs with parallel.ep_overlap_chunks of each, comma-separated "
+                        "('none': no overlap runs)")
+    p.add_argument("--comm-sms", type=int, default=None,
+                   help="parallel.ep_comm_sms of the overlap runs (default: every SM)")
     p.add_argument("--tokens", default="512,1024,2048,4096,8192,16384,32768,65536",
                    help="transport sizes, tokens per rank, comma-separated")
     p.add_argument("--transport-routing", default="balanced,zipf")
@@ -91,6 +103,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--tokens {a.tokens!r}: comma-separated integers expected")
     if not sizes or min(sizes) < 1:
         p.error(f"--tokens {a.tokens!r}: positive sizes expected")
+    try:
+        a.overlap = [] if a.overlap_chunks == "none" else [int(c) for c in a.overlap_chunks.split(",")]
+    except ValueError:
+        p.error(f"--overlap-chunks {a.overlap_chunks!r}: comma-separated integers or 'none' expected")
+    if any(c < 2 for c in a.overlap):
+        p.error(f"--overlap-chunks {a.overlap_chunks!r}: 2 or more chunks (1 is the EP2 run itself)")
+    if a.comm_sms is not None and (a.comm_sms < 1 or not a.overlap):
+        p.error(f"--comm-sms {a.comm_sms}: a positive SM count, for the --overlap-chunks runs")
     bad = set(a.transport_routing.split(",")) - {"balanced", "random", "zipf"}
     if bad:
         p.error(f"--transport-routing: unknown routing {sorted(bad)} (balanced, random, zipf)")
@@ -112,6 +132,13 @@ def commands(a: argparse.Namespace) -> dict[str, tuple[list[str], Path]]:
                 [*run, str(TOOLS / "bench_train_step.py"), graphs, "--config", a.config,
                  "--methods", "ddp", "ep", "--routing", *ROUTINGS, "--steps", str(a.steps),
                  "--warmup", str(a.warmup), "--out", str(path)], path)
+            for chunks in a.overlap:
+                path = a.out.with_name(f"{a.out.stem}_train_step_{mode}_overlap{chunks}.json")
+                sms = [] if a.comm_sms is None else [f"parallel.ep_comm_sms={a.comm_sms}"]
+                parts[f"train_{mode}_overlap{chunks}"] = (
+                    [*run, str(TOOLS / "bench_train_step.py"), graphs, f"parallel.ep_overlap_chunks={chunks}",
+                     *sms, "--config", a.config, "--methods", "ep", "--routing", *ROUTINGS,
+                     "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", str(path)], path)
     if "transport" not in a.skip:
         path = a.out.with_name(a.out.stem + "_transport.json")
         parts["transport"] = ([*run, str(TOOLS / "bench_ep_transport.py"), "--graphs", "--tokens", a.tokens,
@@ -141,6 +168,25 @@ def train_checks(report: dict[str, Any], mode: str) -> list[dict[str, Any]]:
                            ep_tokens_per_s_per_gpu=ep["tokens_per_s_per_gpu"], ep_over_dp=ratio,
                            dp_mfu=dp["mfu"], ep_mfu=ep["mfu"],
                            met=ratio >= EP_OVER_DP and min(dp["mfu"] or 0, ep["mfu"] or 0) >= MFU))
+    return checks
+
+
+def overlap_checks(report: dict[str, Any], base: dict[str, Any] | None, mode: str,
+                   chunks: int) -> list[dict[str, Any]]:
+    """EP2 in ``chunks`` pipelined chunks over DP2 and over the unsplit EP2 of ``base`` (the
+    same mode's DP/EP report; ``None`` where that part left none), per routing; the target
+    is EP2's (>= 1.05x DP2, both MFUs >= 42%)."""
+    by = {(r["method"], r["routing"]): r for r in (base or {}).get("runs", [])}
+    checks = []
+    for r in report["runs"]:
+        dp, ep = by.get(("ddp", r["routing"])), by.get(("ep", r["routing"]))
+        over_dp = r["tokens_per_s_per_gpu"] / dp["tokens_per_s_per_gpu"] if dp else None
+        checks.append(dict(mode=mode, routing=r["routing"], chunks=chunks, cuda_graphs=r.get("cuda_graphs"),
+                           tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"], mfu=r["mfu"],
+                           over_dp=over_dp,
+                           over_ep=r["tokens_per_s_per_gpu"] / ep["tokens_per_s_per_gpu"] if ep else None,
+                           met=over_dp is not None and over_dp >= EP_OVER_DP
+                           and min(dp["mfu"] or 0, r["mfu"] or 0) >= MFU))
     return checks
 
 
@@ -190,6 +236,12 @@ def print_summary(result: dict[str, Any]) -> None:
               f"{c['dp_tokens_per_s_per_gpu']:,.0f} tok/s/GPU = {c['ep_over_dp']:.3f}x (>= {EP_OVER_DP}), "
               f"MFU EP {c['ep_mfu'] or 0:.1%} DP {c['dp_mfu'] or 0:.1%} (>= {MFU:.0%}): "
               f"{'met' if c['met'] else 'NOT met'}")
+    for c in [c for name in GRAPH_MODES["both"] for c in result.get(f"overlap_{name}_checks", [])]:
+        vs_dp = f"{c['over_dp']:.3f}x DP" if c["over_dp"] is not None else "no DP run"
+        vs_ep = f"{c['over_ep']:.3f}x EP unsplit" if c["over_ep"] is not None else "no EP run"
+        print(f"train {c['mode']:>6} {c['routing']:>8}: EP in {c['chunks']} chunks "
+              f"{c['tokens_per_s_per_gpu']:,.0f} tok/s/GPU = {vs_dp}, {vs_ep}, MFU {c['mfu'] or 0:.1%}: "
+              f"{'met' if c['met'] else 'NOT met'}")
     for c in result.get("transport_checks", []):
         print(f"transport {c['tokens']:>6} {c['routing']:>8} {c['payload_mib']:>7.1f} MiB: "
               f"{c['x_nccl']:.2f}x NCCL (>= {c['want_x_nccl']}), {c['pct_put_ceiling']:.0f}% put: "
@@ -208,7 +260,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report = json.loads(json_path.read_text())
         result["parts"][name] = {"command": cmd, "returncode": code, "timed_out": timed_out,
                                  "report": report, "file": str(json_path)}
-        if report is not None and name.startswith("train_"):
+        if report is not None and "_overlap" in name:
+            mode, chunks = name.removeprefix("train_").split("_overlap")
+            base = result["parts"].get(f"train_{mode}", {}).get("report")
+            result.setdefault(f"overlap_{mode}_checks", []).extend(
+                overlap_checks(report, base, mode, int(chunks)))
+        elif report is not None and name.startswith("train_"):
             result[f"{name}_checks"] = train_checks(report, name.removeprefix("train_"))
         elif report is not None and name == "transport":
             result["transport_checks"] = transport_checks(report)

@@ -2,25 +2,30 @@
 
     tools/from_source.sh torchrun --nproc-per-node 2 tools/bench_ep_overlap.py --out $OUT/ep_overlap.json
     tools/from_source.sh torchrun --nproc-per-node 2 tools/bench_ep_overlap.py --graphs --out $OUT/ep_overlap_graphs.json
+    # the SM split: the communication stream bounded to 16, 32 or 48 SMs (EPConfig.comm_sms)
+    tools/from_source.sh torchrun --nproc-per-node 2 tools/bench_ep_overlap.py --comm-sms none,16,32,48 --out $OUT/ep_overlap_sms.json
 
-One MoE layer's forward at the bench-2gpu shape (8k tokens per rank, d_model 2048,
-64 experts over two ranks, top-8, expert hidden 1024, the rowwise NVSHMEM transport),
-no autograd, eager mode as training runs it:
+One MoE layer at the bench-2gpu shape (8k tokens per rank, d_model 2048, 64 experts
+over two ranks, top-8, expert hidden 1024, the rowwise NVSHMEM transport), eager mode
+as training runs it:
 
 - host vs device time of dispatch + combine. Both are measured with the GPU held busy
   by a sleep kernel ahead, so the host is ahead of the device as in a training step
   (where it stays 18-90 ms ahead: `min_host_lead_ms` of `bench_train_step.py`): the device times are what a step
   pays, the host time is the launch cost alone;
 - the layer split into 1, 2 or 4 token chunks, run sequentially on one stream and
-  pipelined (chunk ``c + 1``'s dispatch and chunk ``c - 1``'s combine on a second,
-  high-priority stream while chunk ``c``'s experts run): the schedule a
-  dispatch/compute overlap would use, timed end to end. ``comm`` and ``comp`` are the
-  transport and the expert GEMMs alone.
+  pipelined by ``EPDispatcher.run_experts`` with ``EPConfig.overlap_chunks`` (chunk
+  ``c + 1``'s dispatch and chunk ``c - 1``'s combine on a high-priority communication
+  stream while chunk ``c``'s experts run; ``moe_ep_transport.pipeline``): the forward
+  with no autograd, and (eager only) forward + backward, timed end to end. ``comm`` and
+  ``comp`` are the transport and the expert GEMMs alone. Each chunked layer's transport
+  is sized for one chunk (``max_tokens = T / chunks``), as the app builds it.
 
-With ``--graphs`` every device time comes from a CUDA graph of the variant (captured
-inside the transport's ``replayable()``, so replays alternate its slabs): no launch gap
-is left in them, only the device's own costs (per-chunk plans and barriers, SMs shared
-by the puts and the GEMMs). The host time stays that of eager calls.
+With ``--graphs`` every forward device time comes from a CUDA graph of the variant
+(captured inside the transport's ``replayable()``, so replays alternate its slabs): no
+launch gap is left in them, only the device's own costs (per-chunk plans and barriers,
+SMs shared by the puts and the GEMMs). The host time stays that of eager calls; the
+forward + backward variants are left out.
 
 The table prints each variant against the unsplit sequential layer (today's schedule).
 """
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -67,17 +73,19 @@ def replayed(fn: Callable[[], object], transport) -> Callable[[], None]:
     return graph.replay
 
 
-def measure(n: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: GroupedExperts,
-            side: torch.cuda.Stream, device: torch.device, graphs: bool = False) -> dict[str, float]:
-    """The variants of one layer forward split into ``n`` token chunks (device times from
-    CUDA graphs with ``graphs``)."""
+def measure(n: int, comm_sms: int | None, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+            experts: GroupedExperts, device: torch.device, graphs: bool = False) -> dict[str, float]:
+    """The variants of one layer split into ``n`` token chunks, the pipeline's communication
+    stream bounded to ``comm_sms`` SMs (device times from CUDA graphs with ``graphs``)."""
     T = x.shape[0]
-    cfg = EPConfig(E, K, T // n, D)
+    cfg = EPConfig(E, K, math.ceil(T / n), D, overlap_chunks=n, comm_sms=comm_sms)
     transport = make_transport("rowwise", cfg, device=device)
     ep = EPDispatcher(cfg, transport)
-    chunks = list(zip(x.split(T // n), ids.split(T // n), w.split(T // n), strict=True))
+    chunks = list(zip(x.tensor_split(n), ids.tensor_split(n), w.tensor_split(n), strict=True))
     with torch.no_grad():
         rows0, offs0, _ = ep.dispatch(*chunks[0])
+    x_grad = x.detach().requires_grad_(True)
+    g = torch.randn_like(x)
 
     @torch.no_grad()
     def comm() -> None:
@@ -90,37 +98,35 @@ def measure(n: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts
         for _ in chunks:
             experts(rows0, offs0)
 
+    def sequential_layer(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        ys = []
+        for xc, (_, ic, wc) in zip(xs, chunks, strict=True):
+            rows, offs, handle = ep.dispatch(xc, ic, wc)
+            ys.append(ep.combine(experts(rows, offs), wc, handle))
+        return ys
+
     @torch.no_grad()
     def sequential() -> None:
-        for xc, ic, wc in chunks:
-            rows, offs, handle = ep.dispatch(xc, ic, wc)
-            ep.combine(experts(rows, offs), wc, handle)
+        sequential_layer([c[0] for c in chunks])
 
     @torch.no_grad()
     def pipelined() -> None:
-        main_stream = torch.cuda.current_stream()
-        ready = main_stream.record_event()
-        sent, arrived = [], []
-        with torch.cuda.stream(side):
-            side.wait_event(ready)
-            for chunk in chunks:
-                sent.append(ep.dispatch(*chunk))
-                arrived.append(side.record_event())
-        for (rows, offs, handle), event, (_, _, wc) in zip(sent, arrived, chunks, strict=True):
-            main_stream.wait_event(event)
-            out = experts(rows, offs)
-            done = main_stream.record_event()
-            with torch.cuda.stream(side):
-                side.wait_event(done)
-                ep.combine(out, wc, handle)
-        main_stream.wait_stream(side)
+        ep.run_experts(x, ids, w, experts)
+
+    def sequential_train() -> None:
+        torch.cat(sequential_layer(list(x_grad.tensor_split(n)))).backward(g)
+
+    def pipelined_train() -> None:
+        ep.run_experts(x_grad, ids, w, experts)[0].backward(g)
 
     def timed(fn: Callable[[], object]) -> float:
         return device_ms(replayed(fn, transport) if graphs else fn)
 
-    row = {"chunks": n, "graphs": graphs, "comm_ms": timed(comm), "comm_host_ms": host_ms(comm),
-           "comp_ms": timed(comp), "sequential_ms": timed(sequential),
+    row = {"chunks": n, "comm_sms": comm_sms, "graphs": graphs, "comm_ms": timed(comm),
+           "comm_host_ms": host_ms(comm), "comp_ms": timed(comp), "sequential_ms": timed(sequential),
            "pipelined_ms": timed(pipelined)}
+    if not graphs:
+        row.update(sequential_train_ms=device_ms(sequential_train), pipelined_train_ms=device_ms(pipelined_train))
     transport.close()
     return row
 
@@ -130,8 +136,12 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     parser.add_argument("--chunks", default="1,2,4")
-    parser.add_argument("--graphs", action="store_true", help="device times from CUDA graph replays")
+    parser.add_argument("--comm-sms", default="none",
+                        help="SM bounds of the communication stream to sweep ('none': every SM), "
+                             "comma-separated; the unsplit layer runs once")
+    parser.add_argument("--graphs", action="store_true", help="forward device times from CUDA graph replays")
     args = parser.parse_args()
+    sms_list = [None if v == "none" else int(v) for v in args.comm_sms.split(",")]
     device = init_nccl()
     rank, world = dist.get_rank(), dist.get_world_size()
     T = args.tokens
@@ -145,24 +155,28 @@ def main() -> None:
         for p in experts.parameters():
             p.normal_(0, 0.02)
     experts = experts.to(torch.bfloat16)
-    side = torch.cuda.Stream(priority=-1)
     results = []
     for n in (int(c) for c in args.chunks.split(",")):
-        results.append(measure(n, x, ids, w, experts, side, device, args.graphs))
-        if rank == 0:
-            print(json.dumps(results[-1]), flush=True)
+        for sms in sms_list if n > 1 else [None]:
+            results.append(measure(n, sms, x, ids, w, experts, device, args.graphs))
+            if rank == 0:
+                print(json.dumps(results[-1]), flush=True)
     if rank == 0:
-        base = results[0]["sequential_ms"]
+        base = results[0]
         Path(args.out).write_text(json.dumps({"tokens_per_rank": T, "ranks": world, "results": results},
                                              indent=1))
         how = "from CUDA graphs" if args.graphs else "eager, host ahead"
-        print(f"\nms per MoE layer forward, {T} tokens per rank, {world} ranks (slower rank, {how})")
-        print("| chunks | transport (device) | transport (host) | experts | sequential | pipelined "
-              "| pipelined vs unsplit |")
-        print("|---|---|---|---|---|---|---|")
+        print(f"\nms per MoE layer, {T} tokens per rank, {world} ranks (slower rank, {how})")
+        print("| chunks | comm SMs | transport (device) | transport (host) | experts | sequential | pipelined "
+              "| pipelined vs unsplit | fwd+bwd sequential | fwd+bwd pipelined | fwd+bwd vs unsplit |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in results:
-            print(f"| {r['chunks']} | {r['comm_ms']:.3f} | {r['comm_host_ms']:.3f} | {r['comp_ms']:.3f} | "
-                  f"{r['sequential_ms']:.3f} | {r['pipelined_ms']:.3f} | {base / r['pipelined_ms']:.2f}x |")
+            train = ("| - | - | - |" if args.graphs else
+                     f"| {r['sequential_train_ms']:.3f} | {r['pipelined_train_ms']:.3f} | "
+                     f"{base['sequential_train_ms'] / r['pipelined_train_ms']:.2f}x |")
+            print(f"| {r['chunks']} | {r['comm_sms'] or 'all'} | {r['comm_ms']:.3f} | {r['comm_host_ms']:.3f} | "
+                  f"{r['comp_ms']:.3f} | {r['sequential_ms']:.3f} | {r['pipelined_ms']:.3f} | "
+                  f"{base['sequential_ms'] / r['pipelined_ms']:.2f}x {train}")
     nvshmem_memory.finalize()
     dist.destroy_process_group()
 

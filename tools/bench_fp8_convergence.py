@@ -20,12 +20,15 @@ mxfp8.gemm=<--gemm>``. Each recipe's run directory is ``<run-root>/<recipe>``; i
 The default config, ``fp8-conv-450m``, is ``bench-1gpu``'s shapes (d_model 2048, 16
 heads, expert hidden 1024) with 4 layers of 16 experts, top-4: 446M parameters, 143M
 active, 64 Ki tokens per step (32 x 2048), AdamW at 1e-3 (not tuned), 100 warm-up
-steps, cosine to 0.1 over 2,000 steps. Its data is real text: the embedded corpus (this
-interpreter's standard-library sources, about 31 MB) written as byte tokens by the
+steps, cosine to 0.1 over 2,000 steps. Its data is real text: this interpreter's Python
+sources, the standard library's and the installed packages' (``python_sources``; beside
+torch 2.11 and its dependencies about 430M byte tokens) written as byte tokens by the
 app's ``prepare-data`` (``pretrain.data.prepare_data``), every ``HELD_OUT_EVERY``-th
-file (5%) held out, so the held-out loss scores files the model never trained on
-(about 4 epochs of the rest in 2,000 steps). ``--corpus`` names other text, ``--data``
-/ ``--val-data`` prepared token directories.
+file (5%) held out, so the held-out loss scores files the model never trained on.
+2,000 steps read 131M tokens, under one pass; a run that would read its training data
+more than once is refused (``--allow-repeat`` to run it anyway): repeated data turns the
+comparison into one of memorisation. ``--corpus`` names other text, ``--data`` /
+``--val-data`` prepared token directories.
 
 GPU time, an estimate (not measured): 6 x 143M active parameters + attention = 0.96
 GFLOP per token; at bench-1gpu's measured model FLOP rate (106.4k tokens/s x 4.56 GFLOP
@@ -57,9 +60,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import statistics
 import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,7 +75,7 @@ from moe_model import active_params, flops_per_token, total_params
 from pretrain.checkpoint import CHECKPOINT_DIR
 from pretrain.config import PretrainConfig, load_config
 from pretrain.data import prepare_data, token_dir_info
-from pretrain.data.files import SIDECAR, UNFINISHED_MARKER
+from pretrain.data.files import SIDECAR, UNFINISHED_MARKER, open_token_files
 from pretrain.data.inputs import expand_inputs
 from pretrain.data.sources import stdlib_sources
 from pretrain.data.training import VOCAB_MULTIPLE
@@ -125,9 +130,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus", nargs="+", default=None, metavar="PATH",
                    help="text files, folders or globs (as prepare-data reads them) split into "
                         "training and held-out files, written as byte tokens (default: the "
-                        "standard-library sources)")
+                        "Python sources of this interpreter: standard library and installed "
+                        "packages)")
     p.add_argument("--data", default=None, help="a prepared token directory to train on")
     p.add_argument("--val-data", default=None, help="with --data: a held-out token directory")
+    p.add_argument("--allow-repeat", action="store_true",
+                   help="train even when --steps read the training data more than once")
     p.add_argument("--run-root", type=Path, default=Path("runs/fp8_convergence"))
     p.add_argument("--resume", action="store_true",
                    help="continue the runs under --run-root (or start them there)")
@@ -168,9 +176,28 @@ def split_corpus(files: list[Path]) -> tuple[list[Path], list[Path]]:
     return kept, held
 
 
+def python_sources() -> list[Path]:
+    """This interpreter's Python sources: the standard library's ``.py`` files, then those of
+    the installed packages (``purelib`` / ``platlib``), each sorted by path. The standard
+    library alone (10M byte tokens) is far too little: 2,000 steps of 64 Ki tokens would
+    repeat it 13 times, and the curves would then compare how fast each recipe memorises."""
+    files = stdlib_sources()
+    for root in sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")}):
+        for directory, subdirs, names in os.walk(root):
+            subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
+            files += [Path(directory, n) for n in sorted(names) if n.endswith(".py")]
+    return files
+
+
 def corpus_files(paths: list[str] | None) -> list[Path]:
     """The corpus files, in ``prepare-data``'s order (``pretrain.data.inputs``)."""
-    return stdlib_sources() if paths is None else [f.path for f in expand_inputs(paths)]
+    return python_sources() if paths is None else [f.path for f in expand_inputs(paths)]
+
+
+def training_epochs(cfg: PretrainConfig, steps: int) -> float:
+    """How many times ``steps`` steps read the training data (``data.path``) over."""
+    tokens = open_token_files(cfg.data.path, cfg.model.vocab_size, verify=False).n_tokens
+    return steps * cfg.train.global_batch * cfg.train.seq_len / max(tokens, 1)
 
 
 def _prepared(directory: Path, files: list[Path]) -> Path:
@@ -191,8 +218,8 @@ def resolve_data(a: argparse.Namespace) -> tuple[str, str | None, dict[str, Any]
     root = a.run_root / "data"
     data = _prepared(root / "train", train_files)
     held = _prepared(root / "held_out", held_files)
-    source = "the standard-library sources of Python " + sys.version.split()[0] \
-        if a.corpus is None else f"{a.corpus}"
+    source = "the Python sources (standard library and installed packages) of Python " \
+        + sys.version.split()[0] if a.corpus is None else f"{a.corpus}"
     return str(data), str(held), {"corpus": source, "train_files": len(train_files),
                                   "held_out_files": len(held_files), "held_out_every": HELD_OUT_EVERY,
                                   "data": str(data), "val_data": str(held)}
@@ -386,6 +413,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(a.run_root)
         raise
     cfg = plans[0].cfg
+    epochs = training_epochs(cfg, a.steps)
+    if epochs > 1 and not a.allow_repeat:
+        if new_root:
+            shutil.rmtree(a.run_root)
+        raise SystemExit(
+            f"bench_fp8_convergence: error: {a.steps} steps would read the training data "
+            f"{epochs:.1f} times: the curves would compare memorisation; give more text "
+            "(--corpus, --data), fewer --steps, or --allow-repeat")
     params = {"total": total_params(cfg.model), "active": active_params(cfg.model)}
     todo = sum(p.target - p.done for p in plans)
     minutes = sum(estimate_minutes(p.cfg, p.target - p.done, p.recipe) for p in plans)
@@ -395,7 +430,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "config": a.config, "overrides": a.overrides, "steps": a.steps, "seed": a.seed,
         "gemm": a.gemm, "tail": a.tail, "target_rel_diff": TARGET_REL_DIFF,
-        "params": params, "data": data_info, "gpu": torch.cuda.get_device_name()
+        "params": params, "data": {**data_info, "epochs": epochs}, "gpu": torch.cuda.get_device_name()
         if a.device != "cpu" and torch.cuda.is_available() else None,
         "torch": torch.__version__, "recipes": {}, "complete": False, "summary": {}}
     stopped = False

@@ -9,19 +9,26 @@
    Zipf(1.0) over the experts, the busy ones not the low ids). Layers:
    ``moe_model.GroupedExperts`` in BF16 (the model's own, its default backend),
    ``FP8GroupedExperts`` fp8_rowwise and fp8_rowwise_gw_hp (BF16 weight gradients) with
-   the native GEMMs (``torch._scaled_grouped_mm``), and fp8_blockwise, emulated (dequantize + FP32 matmuls per expert; no native grouped
+   the native GEMMs (``torch._scaled_grouped_mm``; the default accumulation, fast in the
+   forward only, and fp8_rowwise also with every GEMM fast, torchao's grouped MoE choice,
+   and with none), and fp8_blockwise, emulated (dequantize + FP32 matmuls per expert; no native grouped
    GEMM) unless ``--no-blockwise``. BF16 compute weights everywhere; the FP8 layers'
    outputs are compared with BF16's (relative error in norm).
 2. The grouped GEMMs alone (the candidates side by side, balanced routing): BF16
    ``torch._grouped_mm`` against FP8 ``torch._scaled_grouped_mm`` with FP32 promotion
-   (``use_fast_accum=False``, what the layer uses) and with fast accumulation, on the
-   forward (2d x 3d) and weight-gradient (2d x 2d) shapes of the gate/up projection.
+   (``use_fast_accum=False``, the layer's backward GEMMs by default) and with fast
+   accumulation (the layer's forward GEMMs by default, ``MXFP8Config.fp8_fast_accum``), on
+   the forward (2d x 3d) and weight-gradient (2d x 2d) shapes of the gate/up projection.
 3. Quantize kernels on the dispatched rows ``[131072, 2048]`` BF16 and the gate/up weight
-   ``[64, 2048, 2048]``, with a device copy of the rows measured in the same run as the
-   ceiling; bandwidth counts the bytes a kernel must read and write.
-4. Unless ``--no-tile-sweep``: each quantize kernel under each launch shape of
-   ``TILE_CANDIDATES`` (``moe_mxfp8._fp8_kernels._TILES``), checked bit-exact against the
-   torch reference first, so that table can be set from one run.
+   ``[64, 2048, 2048]``, and the FP8 row codec's kernels (``encode_fp8_rows``: BF16 rows to
+   packed ``uint8[R, D + 4]``; ``decode_fp8_rows``: packed to BF16), each beside its
+   reference on the same GPU (several torch passes), with a device copy of the rows
+   measured in the same run as the ceiling; bandwidth counts the bytes a kernel must read
+   and write.
+4. Unless ``--no-tile-sweep``: each of those kernels under each launch shape of
+   ``TILE_CANDIDATES`` (``moe_mxfp8._fp8_kernels._TILES``) and ``CODEC_TILE_CANDIDATES``
+   (``moe_mxfp8._fp8_codec_kernels._TILES``), checked bit-exact against the torch
+   reference first, so those tables can be set from one run.
 Prints a table last and writes JSON. Needs a CUDA GPU (compute capability 9.x for the
 native path); ``--help`` works anywhere.
 """
@@ -61,6 +68,7 @@ def bench_layers(args, routing: str) -> dict:
     import torch
     from moe_model import GroupedExperts
     from moe_mxfp8 import FP8GroupedExperts
+    from moe_mxfp8.fp8_gemm import FP8_GEMM_ROLES
 
     torch.manual_seed(0)
     bf16 = GroupedExperts(args.experts, args.d_model, args.hidden).cuda()
@@ -74,6 +82,9 @@ def bench_layers(args, routing: str) -> dict:
     layers = {"bf16": bf16}
     for recipe in ("fp8_rowwise", "fp8_rowwise_gw_hp"):
         layers[recipe] = FP8GroupedExperts.from_module(bf16, recipe, "native")
+    for name, roles in (("all", FP8_GEMM_ROLES), ("none", ())):
+        layers[f"fp8_rowwise fast:{name}"] = FP8GroupedExperts.from_module(bf16, "fp8_rowwise", "native",
+                                                                           fast_accum=roles)
     if args.blockwise:
         layers["fp8_blockwise (emulated)"] = FP8GroupedExperts.from_module(bf16, "fp8_blockwise")
     flops = 3 * 2 * rows_n * args.d_model * args.hidden * 3  # forward + 2x backward, three GEMMs
@@ -148,11 +159,23 @@ TILE_CANDIDATES = {
     "blocks": [(16384, 4), (16384, 8), (16384, 16)],
     "group_columns": [(128, 64, 8), (64, 64, 4), (64, 128, 4), (32, 64, 4), (128, 128, 8)],
 }
+# moe_mxfp8._fp8_codec_kernels._TILES: RowTile(elements, warps).
+CODEC_TILE_CANDIDATES = {
+    "encode": [(2048, 2), (2048, 4), (1024, 1), (1024, 2), (4096, 4), (8192, 8)],
+    "decode": [(2048, 2), (2048, 4), (1024, 1), (1024, 2), (4096, 4), (8192, 8)],
+}
 
 
 def sweep_tiles(args) -> dict:
     import torch
-    from moe_mxfp8 import _fp8_kernels, quantize_fp8, quantize_group_columns
+    from moe_mxfp8 import (
+        _fp8_codec_kernels,
+        _fp8_kernels,
+        decode_fp8_rows,
+        encode_fp8_rows,
+        quantize_fp8,
+        quantize_group_columns,
+    )
 
     rows_n = args.tokens * args.top_k
     x = torch.randn(rows_n, args.d_model, device="cuda", dtype=torch.bfloat16)
@@ -172,17 +195,24 @@ def sweep_tiles(args) -> dict:
 
     head = x[:4096]
     tail = x[int(offsets[-9]):int(offsets[-1])]  # the last 8 experts' rows, for the check
+    packed = encode_fp8_rows(x)
     work = {
         "rows": (lambda t, b="auto": blocks(t, (1, 0), True, b), x, head, 3 * n + 4 * rows_n),
         "tiles": (lambda t, b="auto": blocks(t, (1, 128), False, b), x, head, 3 * n + n // 32),
         "blocks": (lambda t, b="auto": blocks(t, (128, 128), False, b), w, w[:2], 3 * nw),
         "group_columns": (None, x, tail, 3 * n + 4 * args.experts * args.d_model),
+        "encode": (lambda t, b="auto": [encode_fp8_rows(t, b)], x, head, 3 * n + 4 * rows_n),
+        "decode": (lambda t, b="auto": [decode_fp8_rows(t, torch.bfloat16, b)], packed, packed[:4096],
+                   3 * n + 4 * rows_n),
     }
-    default = dict(_fp8_kernels._TILES)
+    defaults = {_fp8_kernels: dict(_fp8_kernels._TILES), _fp8_codec_kernels: dict(_fp8_codec_kernels._TILES)}
+    groups = [(_fp8_kernels, kind, cands) for kind, cands in TILE_CANDIDATES.items()]
+    groups += [(_fp8_codec_kernels, kind, cands) for kind, cands in CODEC_TILE_CANDIDATES.items()]
     results = {"copy_tb_per_s": copy / 1e12}
     try:
-        for kind, candidates in TILE_CANDIDATES.items():
+        for module, kind, candidates in groups:
             fn, full, sample, nbytes = work[kind]
+            default = defaults[module]
 
             def check(kind=kind, fn=fn, sample=sample):
                 return ((columns(sample), columns(sample, "reference")) if kind == "group_columns"
@@ -193,9 +223,11 @@ def sweep_tiles(args) -> dict:
                         else fn(full))
 
             for cand in candidates:
-                tile = (_fp8_kernels.ColumnTile if kind == "group_columns" else _fp8_kernels.BlockTile)(*cand)
+                tile_cls = (_fp8_codec_kernels.RowTile if module is _fp8_codec_kernels
+                            else _fp8_kernels.ColumnTile if kind == "group_columns" else _fp8_kernels.BlockTile)
+                tile = tile_cls(*cand)
                 entry = {"tile": list(cand), "default": tile == default[kind]}
-                _fp8_kernels._TILES[kind] = tile  # what the launchers read at every call
+                module._TILES[kind] = tile  # what the launchers read at every call
                 try:
                     got, ref = check()
                     bad = sum(int((g.view(torch.uint8) != r.view(torch.uint8)).sum())
@@ -208,15 +240,23 @@ def sweep_tiles(args) -> dict:
                 except Exception as e:  # noqa: BLE001 - a candidate that fails is reported
                     entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 results[f"{kind} {cand}"] = entry
-            _fp8_kernels._TILES[kind] = default[kind]
+            module._TILES[kind] = default[kind]
     finally:
-        _fp8_kernels._TILES.update(default)
+        for module, default in defaults.items():
+            module._TILES.update(default)
     return results
 
 
 def bench_kernels(args) -> dict:
     import torch
-    from moe_mxfp8 import quantize_fp8, quantize_group_columns
+    from moe_mxfp8 import (
+        decode_fp8_rows,
+        decode_fp8_rows_reference,
+        encode_fp8_rows,
+        encode_fp8_rows_reference,
+        quantize_fp8,
+        quantize_group_columns,
+    )
 
     rows_n = args.tokens * args.top_k
     x = torch.randn(rows_n, args.d_model, device="cuda", dtype=torch.bfloat16)
@@ -224,6 +264,7 @@ def bench_kernels(args) -> dict:
     offsets = routed_offsets("zipf", args.tokens, args.experts, args.top_k)
     n, nw = x.numel(), w.numel()
     out = torch.empty_like(x)
+    packed = encode_fp8_rows(x)
     cases = {
         "device copy (ceiling)": (lambda: out.copy_(x), 4 * n),
         "rowwise rows [R, D]": (lambda: quantize_fp8(x, (1, 0), True), 3 * n + 4 * rows_n),
@@ -232,6 +273,12 @@ def bench_kernels(args) -> dict:
             lambda: quantize_group_columns(x, offsets, True), 3 * n + 4 * args.experts * args.d_model),
         "rowwise weight [E, 2F, D]": (lambda: quantize_fp8(w, (1, 0), True), 3 * nw),
         "128x128 weight [E, 2F, D]": (lambda: quantize_fp8(w, (128, 128), False), 3 * nw),
+        # the row codec: BF16 rows <-> packed uint8 [R, D + 4], the kernel and the reference
+        "row codec encode [R, D]": (lambda: encode_fp8_rows(x), 3 * n + 4 * rows_n),
+        "row codec encode, reference": (lambda: encode_fp8_rows_reference(x), 3 * n + 4 * rows_n),
+        "row codec decode to BF16 [R, D]": (lambda: decode_fp8_rows(packed, torch.bfloat16), 3 * n + 4 * rows_n),
+        "row codec decode, reference": (lambda: decode_fp8_rows_reference(packed, torch.bfloat16),
+                                        3 * n + 4 * rows_n),
     }
     results = {}
     for name, (fn, nbytes) in cases.items():

@@ -144,6 +144,16 @@ def test_toml_file_errors_name_the_key(tmp_path):
     (["parallel.ep_payload=fp8_rowwise", "parallel.ep_backend=local"],
      "parallel.ep_payload=fp8_rowwise needs expert parallelism: parallel.ep > 1 or an "
      "all_to_all or rowwise parallel.ep_backend"),
+    (["parallel.ep_overlap_chunks=0"], "parallel.ep_overlap_chunks must be positive, got 0"),
+    (["parallel.ep_overlap_chunks=2"], "parallel.ep_overlap_chunks=2 overlaps the EP transport with "
+     "the experts: it needs parallel.ep > 1 or an all_to_all or rowwise parallel.ep_backend"),
+    (["parallel.ep=2", "parallel.ep_overlap_chunks=1025", "train.micro_batch=4", "train.seq_len=256"],
+     "parallel.ep_overlap_chunks=1025 exceeds the 1024 tokens of a microbatch"),
+    (["parallel.ep=2", "parallel.ep_comm_sms=16"], "parallel.ep_comm_sms=16 bounds the SMs of the EP "
+     "communication stream: a positive count, with parallel.ep_overlap_chunks > 1"),
+    (["parallel.ep=2", "parallel.ep_overlap_chunks=2", "parallel.ep_comm_sms=0"], "parallel.ep_comm_sms=0"),
+    (["parallel.ep=2", "parallel.ep_overlap_chunks=2", "parallel.ep_comm_sms=16", "train.device=cpu"],
+     "parallel.ep_comm_sms=16 bounds a CUDA stream's SMs: train.device=cpu has none"),
     (["mxfp8.gemm=fast"], "invalid mxfp8 config: MXFP8Config.gemm must be one of"),
     (["parallel.pp=2", "model.tie_embeddings=true"], "model.tie_embeddings with parallel.pp > 1"),
     (["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "model.recompute=block"],

@@ -82,7 +82,8 @@ def test_dp2_and_ep2_over_nccl_match_one_gpu(tmp_path):
     common = ["--config", "tiny", "train.device=cuda", "train.compute_dtype=float32"]
     single = train(load_config(common[1], [*common[2:], f"run_dir={tmp_path / 'one'}"]))
     ep2 = ["parallel.ep=2", "parallel.ep_backend=rowwise"]
-    for name, extra in (("dp2", []), ("ep2", ep2), ("ep2-dst", [*ep2, "parallel.ep_combine=destination"])):
+    for name, extra in (("dp2", []), ("ep2", ep2), ("ep2-dst", [*ep2, "parallel.ep_combine=destination"]),
+                        ("ep2-overlap3", [*ep2, "parallel.ep_overlap_chunks=3"])):
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
              "-m", "pretrain", *common, *extra, f"run_dir={tmp_path / name}"],
@@ -268,14 +269,15 @@ EP2 = ["parallel.ep=2", "parallel.ep_backend=rowwise"]
     ["parallel.ddp_mode=all_reduce"], ["parallel.ddp_mode=reduce_scatter"],
     EP2, [*EP2, "parallel.ep_combine=destination"], [*EP2, "model.n_layers=1"],
     [*EP2, "model.recompute=block"], [*EP2, "parallel.ep_payload=fp8_rowwise"],
-    [*EP2, "parallel.ep_payload=mxfp8"],
+    [*EP2, "parallel.ep_payload=mxfp8"], [*EP2, "parallel.ep_overlap_chunks=2"],
 ], ids=["dp2-all-reduce", "dp2-reduce-scatter", "ep2", "ep2-dst", "ep2-one-layer", "ep2-recompute",
-        "ep2-fp8-payload", "ep2-mxfp8-payload"])
+        "ep2-fp8-payload", "ep2-mxfp8-payload", "ep2-overlap2"])
 def test_steps_replayed_from_cuda_graphs_on_two_ranks_equal_eager_steps(extra):
     """Five microbatches per rank (two middle units, a last one holding the gradient
     reductions over NCCL), the balancing counts all-reduced in every forward; with EP2 the
     NVSHMEM puts and flag barriers in every unit (one MoE layer: units of an odd number of
-    exchanges, rounded up; recompute: the dispatches run again in the backward). The same losses, norms, loads and weights as eager steps, bit
+    exchanges, rounded up; recompute: the dispatches run again in the backward; overlap:
+    two token chunks per layer on two streams, forward and backward captured across them). The same losses, norms, loads and weights as eager steps, bit
     for bit (a sum of two is exact in any order)."""
     common = [*NO_SYNC, "train.global_batch=20", "parallel.merge_expert_grad_microbatches=2", *extra]
     # one process per run: a process joins one NVSHMEM job
@@ -296,7 +298,8 @@ def _two_ranks_graphed_syncs(extra: list[str]) -> list[str]:
 
 @pytest.mark.multiprocess
 @pytest.mark.multigpu(2)
-@pytest.mark.parametrize("extra", [[], EP2, [*EP2, "parallel.ep_payload=fp8_rowwise"]],
-                         ids=["dp2", "ep2", "ep2-fp8-payload"])
+@pytest.mark.parametrize("extra", [[], EP2, [*EP2, "parallel.ep_payload=fp8_rowwise"],
+                                   [*EP2, "parallel.ep_overlap_chunks=2"]],
+                         ids=["dp2", "ep2", "ep2-fp8-payload", "ep2-overlap2"])
 def test_a_step_replayed_from_cuda_graphs_on_two_ranks_does_not_sync_the_host(extra):
     assert run_distributed(_two_ranks_graphed_syncs, 2, extra, backend="nccl", timeout=300) == [[], []]

@@ -6,7 +6,9 @@ parameter names, and the data order only on the step. The ``tiny`` preset's
 microbatches (2 sequences) are the same on 1, 2 and 4 data-parallel ranks, so even
 the per-microbatch load-balancing loss matches; router bias updates and the z-loss
 are on. Global-batch load balancing matches when every rank runs one microbatch
-(the EP2 run, against a one-process run of one microbatch).
+(the EP2 run, against a one-process run of one microbatch), also with each MoE layer's
+tokens in 3 pipelined chunks (``parallel.ep_overlap_chunks``: 128 tokens in chunks of 43,
+43 and 42).
 
 Resume: a DP2 run stops after its step-2 checkpoint (``train.stop_after``: the
 process ends as if killed right after the commit, and steps 3-4 never run); runs
@@ -101,7 +103,10 @@ def test_dp2_resumes_its_own_checkpoint(dp2_stopped, references):
      "world 4 = pp 2 x dp 2 (dp = ep 1 x ep_dp 2); microbatches per rank: 2"),
     (4, ["parallel.ep=2", "parallel.ep_backend=rowwise", "parallel.ep_combine=destination"], "micro",
      "world 4 = pp 1 x dp 4 (dp = ep 2 x ep_dp 2); microbatches per rank: 1"),
-], ids=["ep2", "pp2", "dp2xpp2", "ep2xdp2"])
+    (2, ["parallel.ep=2", "parallel.ep_backend=rowwise", "parallel.ep_overlap_chunks=3",
+         "train.micro_batch=4", *ONE_MICROBATCH], "global",
+     "world 2 = pp 1 x dp 2 (dp = ep 2 x ep_dp 1); microbatches per rank: 1"),
+], ids=["ep2", "pp2", "dp2xpp2", "ep2xdp2", "ep2-overlap3"])
 def test_layouts_match_one_process(tmp_path, references, n_procs, overrides, reference, layout):
     proc = _pretrain(n_procs, [*overrides, f"run_dir={tmp_path}"])
     assert layout in proc.stdout

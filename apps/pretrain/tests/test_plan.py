@@ -586,9 +586,10 @@ def test_head_weight_gradient_into_the_main_grad_is_not_planned_as_a_bf16_tensor
     assert not request.fused_grad_accumulation and PlanRequest.from_config(load_config("bench-1gpu"), 1).fused_grad_accumulation
 
 
-def _transport_slab_bytes(compute_dtype: str) -> int:
+def _transport_slab_bytes(compute_dtype: str, *overrides: str) -> int:
     """The slab size the EP2 rowwise transport allocates for the ``tiny`` preset (gloo)."""
-    cfg = _config("parallel.ep=2", "parallel.ep_backend=rowwise", f"train.compute_dtype={compute_dtype}")
+    cfg = _config("parallel.ep=2", "parallel.ep_backend=rowwise", f"train.compute_dtype={compute_dtype}",
+                  *overrides)
     with distributed("cpu") as rt:
         mesh = build_mesh(validate_layout(cfg, rt.world_size), "cpu")
         part = build_model_part(cfg, mesh, rt.device, getattr(torch, compute_dtype))
@@ -599,14 +600,17 @@ def _transport_slab_bytes(compute_dtype: str) -> int:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("compute_dtype", ["bfloat16", "float32"])
-def test_the_planned_nvshmem_heap_is_what_the_transport_allocates(compute_dtype):
-    """Rows of the compute dtype: float32 rows are twice as wide as bfloat16 ones."""
+@pytest.mark.parametrize("compute_dtype, overrides", [
+    ("bfloat16", []), ("float32", []), ("bfloat16", ["parallel.ep_overlap_chunks=3"])])
+def test_the_planned_nvshmem_heap_is_what_the_transport_allocates(compute_dtype, overrides):
+    """Rows of the compute dtype: float32 rows are twice as wide as bfloat16 ones; a transport
+    pipelined in chunks is sized for one chunk's tokens."""
     from moe_ep_transport.peer_memory import N_SLABS
     from pretrain.planner.memory import NVSHMEM_HEAP_MARGIN
 
-    slab = run_distributed(_transport_slab_bytes, 2, compute_dtype, timeout=120)[0]
-    cfg = _config("parallel.ep=2", "parallel.ep_backend=rowwise", f"train.compute_dtype={compute_dtype}")
+    slab = run_distributed(_transport_slab_bytes, 2, compute_dtype, *overrides, timeout=120)[0]
+    cfg = _config("parallel.ep=2", "parallel.ep_backend=rowwise", f"train.compute_dtype={compute_dtype}",
+                  *overrides)
     planned = plan_memory(PlanRequest.from_config(cfg, 2)).ranks[0].nvshmem_heap
     assert planned == N_SLABS * slab + NVSHMEM_HEAP_MARGIN
 

@@ -1,5 +1,5 @@
 """GPU tests: NVSHMEM rowwise == all-to-all bit for bit, no host sync, CUDA graph replay,
-overflow, kernels.
+overflow, kernels, the two-stream pipeline of ``run_experts``.
 
 Run on two GPUs with nvshmem4py installed:
     tools/from_source.sh python3 -m pytest -p moe_testing.pytest_plugin \
@@ -8,6 +8,7 @@ Run on two GPUs with nvshmem4py installed:
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -159,6 +160,125 @@ def _graph_replay() -> bool:
 @pytest.mark.multigpu(2)
 def test_rowwise_dispatch_combine_replays_from_a_cuda_graph() -> None:
     assert run_distributed(_graph_replay, 2, backend="nccl", timeout=300) == [True, True]
+
+
+def _pipelined(dispatcher: EPDispatcher, x, ids, w, g, scale) -> dict:
+    x = x.clone().requires_grad_(True)
+    w = w.clone().requires_grad_(True)
+    y, _ = dispatcher.run_experts(x, ids, w, lambda rows, offsets: _experts(rows, scale, offsets))
+    (y.float() * g).sum().backward()
+    return dict(y=y.detach(), dx=x.grad, dw=w.grad)
+
+
+def _backward_streams(dispatcher: EPDispatcher, inputs: list) -> tuple[set, set]:
+    """The CUDA streams the transport's and the experts' backward ops ran on (each should be
+    its forward op's: the communication stream, the caller's)."""
+    x, ids, w, g, scale = inputs
+    transport, seen_transport, seen_experts = dispatcher.transport, set(), set()
+    for name in ("send", "gather_sum", "reduce_back", "send_back"):
+        method = getattr(transport, name)
+
+        def logged(*args, _method=method, **kwargs):
+            seen_transport.add(torch.cuda.current_stream().cuda_stream)
+            return _method(*args, **kwargs)
+
+        setattr(transport, name, logged)
+
+    class Experts(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, rows, offsets):
+            return _experts(rows, scale, offsets)
+
+        @staticmethod
+        def backward(ctx, grad):  # only its stream matters here, not its value
+            seen_experts.add(torch.cuda.current_stream().cuda_stream)
+            return grad, None
+
+    x = x.clone().requires_grad_(True)
+    y, _ = dispatcher.run_experts(x, ids, w, Experts.apply)
+    seen_transport.clear()  # the forward's calls
+    (y.float() * g).sum().backward()
+    for name in ("send", "gather_sum", "reduce_back", "send_back"):
+        delattr(transport, name)
+    return seen_transport, seen_experts
+
+
+def _forward_replays(dispatcher: EPDispatcher, inputs: list, want_y: torch.Tensor) -> bool:
+    """``run_experts``' forward captured in a CUDA graph (inside ``replayable()``) replays to ``want_y``."""
+    x, ids, w, _, scale = inputs
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            return dispatcher.run_experts(x, ids, w, lambda rows, offsets: _experts(rows, scale, offsets))[0]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"), dispatcher.transport.replayable():
+        y = forward()
+    replayed = True
+    for _ in range(2):
+        y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed &= torch.equal(y, want_y)
+    return replayed
+
+
+def _pipeline_equals_unsplit(cases: list[tuple[int, int | None]]) -> list:
+    """``run_experts`` in each ``(chunks, comm_sms)`` of ``cases`` equals the unsplit call bit
+    for bit, forward and backward (the toy expert computes each row alone); warmed up, it
+    runs without a host synchronisation; its forward replays from a CUDA graph (the two
+    streams fork from and join the captured one); its backward runs the transport on the
+    communication stream and the experts on the caller's (autograd's stream rule)."""
+    from moe_ep_transport import nvshmem_memory
+
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device())
+    inputs = _inputs(rank, 1.0, device)
+    unsplit_cfg = EPConfig(E, K, T, D, capacity_factor=None)
+    transport = make_transport("rowwise", unsplit_cfg, device=device)
+    want = _pipelined(EPDispatcher(unsplit_cfg, transport), *inputs)
+    transport.close()
+    report = []
+    for chunks, comm_sms in cases:
+        cfg = EPConfig(E, K, math.ceil(T / chunks), D, capacity_factor=None, overlap_chunks=chunks,
+                       comm_sms=comm_sms)
+        transport = make_transport("rowwise", cfg, device=device)
+        dispatcher = EPDispatcher(cfg, transport)
+        got = _pipelined(dispatcher, *inputs)
+        same = all(torch.equal(got[key], want[key]) for key in want)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _pipelined(dispatcher, *inputs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        replayed = _forward_replays(dispatcher, inputs, want["y"])
+        transport_streams, experts_streams = _backward_streams(dispatcher, inputs)
+        from moe_ep_transport.pipeline import comm_stream
+
+        same &= transport_streams == {comm_stream(device, comm_sms).cuda_stream}
+        same &= experts_streams == {torch.cuda.current_stream().cuda_stream}
+        transport.close()
+        report.append((chunks, comm_sms, same, replayed))
+    nvshmem_memory.finalize()
+    return report
+
+
+@pytest.mark.multiprocess
+@pytest.mark.multigpu(2)
+@pytest.mark.parametrize("cases", [[(2, None), (3, None)], [(2, 16)]], ids=["streams", "green-context"])
+def test_pipelined_run_experts_equals_unsplit_bit_for_bit(cases) -> None:
+    # 3 chunks do not divide T; (2, 16): the communication stream bounded to 16 SMs
+    for report in run_distributed(_pipeline_equals_unsplit, 2, cases, backend="nccl", timeout=300):
+        for chunks, comm_sms, same, replayed in report:
+            assert same, (chunks, comm_sms, "eager forward and backward, the backward's streams")
+            assert replayed, (chunks, comm_sms, "forward replayed from a CUDA graph")
 
 
 def _overflow_error() -> list:

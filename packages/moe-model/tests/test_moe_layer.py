@@ -5,10 +5,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from moe_model import (
+    LocalDispatcher,
     ModelWiring,
     MoEConfig,
     MoELayer,
     MoETransformer,
+    PipelinesExperts,
     init_weights,
     lm_loss_sum,
     load_balancing_loss,
@@ -259,3 +261,107 @@ def test_an_evaluation_forward_between_steps_leaves_the_next_step_alone(granular
     assert stats.keys() == want_stats.keys()
     for key in want_stats:
         assert torch.equal(stats[key], want_stats[key]), key
+
+
+class _TwoHalves:
+    """A ``PipelinesExperts`` stand-in: a local dispatcher's calls, the tokens in two halves."""
+
+    def __init__(self, local: LocalDispatcher) -> None:
+        self.local, self.calls = local, 0
+
+    def dispatch(self, x, expert_ids, weights=None):
+        return self.local.dispatch(x, expert_ids, weights)
+
+    def combine(self, rows_out, weights, handle):
+        return self.local.combine(rows_out, weights, handle)
+
+    def run_experts(self, x, expert_ids, weights, experts):
+        self.calls += 1
+        ys, handles = [], []
+        for xc, ic, wc in zip(x.tensor_split(2), expert_ids.tensor_split(2), weights.tensor_split(2), strict=True):
+            rows, offsets, handle = self.local.dispatch(xc, ic, wc)
+            ys.append(self.local.combine(experts(rows, offsets), wc, handle))
+            handles.append(handle)
+        return torch.cat(ys), handles
+
+    def dropped_per_expert(self, handles):
+        return sum(h.dropped_per_expert for h in handles)
+
+
+def test_a_dispatcher_that_pipelines_the_experts_runs_them():
+    """The layer hands the experts to a ``PipelinesExperts`` dispatcher and reports the drops
+    of the handle it returns; the result is the local dispatch of each half."""
+    cfg, layer, x = layer_and_input(capacity_factor=1.0, lb_loss_coef=0.0, z_loss_coef=0.0)
+    stand_in = _TwoHalves(LocalDispatcher(cfg.n_experts, cfg.capacity_factor))
+    assert isinstance(stand_in, PipelinesExperts) and not isinstance(layer.dispatcher, PipelinesExperts)
+    wire_model(layer, ModelWiring(dispatchers={"": stand_in}))
+    x = x.requires_grad_(True)
+    y = layer(x)
+    (dx,) = torch.autograd.grad((y * y).sum(), x)
+    assert stand_in.calls == 1
+    stats = layer.pop_step_stats()
+    # by hand: each half through the local dispatcher (its own capacity) and the experts
+    x_TD = x.detach().view(-1, cfg.d_model).requires_grad_(True)
+    routing = layer.router(x_TD)
+    ys, dropped = [], 0
+    for xc, ic, wc in zip(x_TD.tensor_split(2), routing.expert_ids.tensor_split(2),
+                          routing.weights.tensor_split(2), strict=True):
+        rows, offsets, handle = stand_in.local.dispatch(xc, ic, wc)
+        ys.append(stand_in.local.combine(layer.experts(rows, offsets), wc, handle))
+        dropped = dropped + handle.dropped_per_expert
+    want = torch.cat(ys)
+    (want_dx,) = torch.autograd.grad((want * want).sum(), x_TD)
+    assert torch.equal(y.view(-1, cfg.d_model), want) and torch.equal(dx.view(-1, cfg.d_model), want_dx)
+    assert torch.equal(stats["dropped_per_expert"], dropped) and int(dropped.sum()) > 0
+
+
+class _RecordingSink:
+    def __init__(self) -> None:
+        self.got = []
+
+    def accepts(self, param) -> bool:
+        return True
+
+    def add_gradient(self, param, add) -> None:
+        self.got.append((param, add))
+
+
+def test_a_pipelining_dispatcher_delivers_each_expert_weight_gradient_once():
+    """The experts called once per chunk: the sink they capture holds each weight's gradients
+    until every call's has come, then hands the layer's sink one (merged where it can)."""
+    from moe_model.experts import ExpertWeightGradient
+    from moe_model.sink import MergingSink
+
+    cfg, layer, x = layer_and_input()
+    sink = _RecordingSink()
+    layer.experts.grad_sink = sink
+    seen = []
+
+    class Spy(_TwoHalves):
+        def run_experts(self, x, expert_ids, weights, experts):
+            out = super().run_experts(x, expert_ids, weights, experts)
+            seen.append(layer.experts.grad_sink)  # what the experts' calls captured
+            return out
+
+    wire_model(layer, ModelWiring(gradient_sink=sink, dispatchers={"": Spy(LocalDispatcher(cfg.n_experts))}))
+    layer(x)
+    (merging,) = seen
+    assert isinstance(merging, MergingSink) and merging.sink is sink and merging.uses == 2
+    assert layer.experts.grad_sink is sink  # restored after the forward
+    w = layer.experts.w1
+    rows = torch.zeros(4, cfg.d_model)
+    parts = [ExpertWeightGradient(((rows, torch.zeros(4, cfg.expert_hidden), torch.tensor([4])),), w)
+             for _ in range(2)]
+    merging.add_gradient(w, parts[0])
+    assert sink.got == []  # held: one use's gradient of two
+    merging.add_gradient(w, parts[1])
+    ((param, add),) = sink.got
+    assert param is w and isinstance(add, ExpertWeightGradient) and len(add.sources) == 2
+    # gradients that do not merge are added one after another, in one delivery
+    merging = MergingSink(sink)
+    merging.uses = 2
+    added = []
+    merging.add_gradient(w, lambda target: added.append(1))
+    merging.add_gradient(w, lambda target: added.append(2))
+    sink.got[-1][1](torch.zeros(1))
+    assert len(sink.got) == 2 and added == [1, 2]

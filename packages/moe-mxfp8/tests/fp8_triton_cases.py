@@ -1,4 +1,4 @@
-"""FP8 kernel cases (moe_mxfp8._fp8_kernels, _swiglu_kernels), run by
+"""FP8 kernel cases (moe_mxfp8._fp8_kernels, _fp8_codec_kernels, _swiglu_kernels), run by
 test_fp8_triton_interpret.py through ``moe_testing.run_under_triton_interpreter`` (a child
 process with ``TRITON_INTERPRET=1`` set before Triton is imported). Prints one line of
 JSON (case name -> number of mismatching elements, or an error string), then ``ok``."""
@@ -12,7 +12,12 @@ import traceback
 assert os.environ.get("TRITON_INTERPRET") == "1", "run by moe_testing.run_under_triton_interpreter"
 
 import torch  # noqa: E402
+from fp8_codec_cases import CODEC_WIDTHS, adversarial_packed, adversarial_rows  # noqa: E402
 from moe_mxfp8 import (  # noqa: E402
+    decode_fp8_rows,
+    decode_fp8_rows_reference,
+    encode_fp8_rows,
+    encode_fp8_rows_reference,
     quantize_fp8,
     quantize_group_columns,
     swiglu,
@@ -58,6 +63,34 @@ def cases():
                         + int(not torch.equal(et, er)))
 
             yield f"group_columns/{dname}/pow2={pow2}", group
+    for dname, dtype in DTYPES.items():
+        def codec_encode(dtype=dtype):
+            total = 0
+            for x in [sample((37, 77), dtype, seed=9), sample((33, 64), dtype, seed=10),
+                      torch.randn(5, 1).to(dtype), adversarial_rows(dtype)]:
+                D = x.shape[1]
+                got, ref = encode_fp8_rows(x, backend="triton"), encode_fp8_rows_reference(x)
+                total += mismatches(got[:, :D].view(torch.float8_e4m3fn), ref[:, :D].view(torch.float8_e4m3fn))
+                total += mismatches(got[:, D:].contiguous().view(torch.float32),
+                                    ref[:, D:].contiguous().view(torch.float32))
+            return total
+
+        def codec_decode(dtype=dtype):
+            total = 0
+            packs = [encode_fp8_rows_reference(sample((37, D), dtype, seed=D)) if D > 1
+                     else encode_fp8_rows_reference(torch.randn(5, 1).to(dtype)) for D in CODEC_WIDTHS]
+            wide = torch.zeros(16, 100, dtype=torch.uint8)
+            wide[:, :68] = adversarial_packed()
+            packs += [adversarial_packed(), adversarial_packed(5), wide[:, :68]]  # the last: row stride 100
+            for packed in packs:
+                for out in DTYPES.values():
+                    total += mismatches(decode_fp8_rows(packed, out, backend="triton"),
+                                        decode_fp8_rows_reference(packed, out))
+            return total
+
+        yield f"codec/encode/{dname}", codec_encode
+        yield f"codec/decode/{dname}", codec_decode
+
     def small_tiles():
         """Launch shapes other than the defaults: several rows per program cut by M, column
         tiles cut by N and groups longer than one row tile."""
@@ -78,7 +111,23 @@ def cases():
             (dt, st, _), (dr, sr, er) = (quantize_group_columns(x, offsets, True, backend=b)
                                          for b in ("triton", "reference"))
             used = int(er[-1])
-            return total + mismatches(dt[:, :used], dr[:, :used]) + mismatches(st, sr)
+            total += mismatches(dt[:, :used], dr[:, :used]) + mismatches(st, sr)
+            from moe_mxfp8 import _fp8_codec_kernels as c
+
+            saved_codec = dict(c._TILES)
+            c._TILES.update(encode=c.RowTile(256, 1), decode=c.RowTile(512, 2))
+            try:  # several rows per program, the last program cut by R
+                x = sample((37, 77), torch.bfloat16, seed=8)
+                got, ref = encode_fp8_rows(x, backend="triton"), encode_fp8_rows_reference(x)
+                total += mismatches(got[:, :77].view(torch.float8_e4m3fn), ref[:, :77].view(torch.float8_e4m3fn))
+                total += mismatches(got[:, 77:].contiguous().view(torch.float32),
+                                    ref[:, 77:].contiguous().view(torch.float32))
+                total += mismatches(decode_fp8_rows(ref, torch.bfloat16, backend="triton"),
+                                    decode_fp8_rows_reference(ref, torch.bfloat16))
+            finally:
+                c._TILES.clear()
+                c._TILES.update(saved_codec)
+            return total
         finally:
             k._TILES.clear()
             k._TILES.update(saved)

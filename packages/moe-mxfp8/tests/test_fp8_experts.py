@@ -258,16 +258,52 @@ def test_bad_recipe_settings_are_refused_with_the_field():
         layer(torch.randn(4, 32), torch.tensor([2, 4]))
 
 
+@pytest.mark.parametrize(("recipe", "torchao_recipe"), [("fp8_rowwise", "rowwise"),
+                                                      ("fp8_rowwise_gw_hp", "rowwise_with_gw_hp")])
+def test_default_fast_accumulation_is_torchaos_per_gemm_choice(recipe, torchao_recipe):
+    """Each GEMM role accumulates as torchao's float8 recipe of the same name configures it."""
+    from torchao.float8.config import Float8LinearConfig
+
+    config = Float8LinearConfig.from_recipe_name(torchao_recipe)
+    torchao_fast = {role for role in ("output", "grad_input", "grad_weight")
+                    if getattr(config, f"gemm_config_{role}").use_fast_accum}
+    assert torchao_fast == {"output"}  # what the FAST_ACCUM_CALLS cases above spell out
+    assert FP8GroupedExperts.from_module(ToyExperts(2, 32, 16), recipe).fast_accum == torchao_fast
+    assert set(MXFP8Config(recipe=recipe).fp8_fast_accum) == torchao_fast
+
+
+def test_fast_accumulation_settings_are_checked_and_reach_the_layers():
+    for bad, match in ((("out",), "distinct GEMM roles"), (("output", "output"), "distinct GEMM roles"),
+                       ("output", "tuple of GEMM roles")):
+        with pytest.raises(ValueError, match=f"MXFP8Config.fp8_fast_accum.*{match}"):
+            MXFP8Config(recipe="fp8_rowwise", fp8_fast_accum=bad)
+    with pytest.raises(ValueError, match="fp8_fast_accum: recipe fp8_rowwise_gw_hp computes the weight"):
+        MXFP8Config(recipe="fp8_rowwise_gw_hp", fp8_fast_accum=("grad_weight",))
+    with pytest.raises(ValueError, match="fp8_fast_accum applies to the FP8 recipes, not mxfp8"):
+        MXFP8Config(fp8_fast_accum=())
+    with pytest.raises(ValueError, match="fast_accum must list distinct"):
+        FP8GroupedExperts.from_module(ToyExperts(2, 32, 16), fast_accum=("forward",))
+    assert FP8GroupedExperts.from_module(ToyExperts(2, 32, 16)).fast_accum == {"output"}
+    model = nn.ModuleDict({"experts": ToyExperts(2, 32, 16)})
+    apply_mxfp8(model, MXFP8Config(recipe="fp8_rowwise", fp8_fast_accum=("grad_input", "grad_weight")))
+    assert model["experts"].fast_accum == {"grad_input", "grad_weight"}
+    assert "fast_accum=grad_input,grad_weight" in repr(model["experts"])
+
+
 def stand_in_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtype=None,
-                               use_fast_accum=False):
+                               use_fast_accum=False, calls=None):
     """``torch._scaled_grouped_mm``'s contract on CPU (rowwise FP32 scales; torch's meta
     checks and the sm_90 kernel's group-alignment asserts), for checking the arguments the
-    native path builds without a GPU."""
+    native path builds without a GPU; appends ``(form, use_fast_accum)`` to ``calls``
+    (form ``rows`` for 2d x 3d, ``tokens`` for 2d x 2d)."""
+    if calls is not None:
+        calls.append(("rows" if mat_b.dim() == 3 else "tokens", use_fast_accum))
+    assert type(use_fast_accum) is bool
     assert mat_a.dtype == mat_b.dtype == torch.float8_e4m3fn
     assert mat_a.stride(-1) == 1 and mat_a.stride(-2) > 1, "mat_a must be row-major"
     assert mat_b.stride(-2) == 1 and mat_b.stride(-1) > 1, "mat_b must be column-major"
     assert scale_a.dtype == scale_b.dtype == torch.float32 and scale_a.is_contiguous()
-    assert out_dtype == torch.bfloat16 and offs.dtype == torch.int32 and not use_fast_accum
+    assert out_dtype == torch.bfloat16 and offs.dtype == torch.int32
     a, b = mat_a.float(), mat_b.float()
     ends = offs.tolist()
     starts = [0, *ends[:-1]]
@@ -290,19 +326,41 @@ def stand_in_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=None, out_dt
     return out.to(out_dtype)
 
 
-@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
-def test_native_path_arguments_against_a_stand_in_gemm(recipe, monkeypatch):
-    """The native path's operands, transposes, scales and padded offsets, through a CPU
-    stand-in for torch._scaled_grouped_mm: equal to the emulation up to accumulation order."""
+# (recipe, fast_accum or None for the default) -> the native GEMM calls of one forward and
+# backward in order (forward h13, y; backward dh, drows; weight gradients w13, w2) with the
+# accumulation each asks for. Default: torchao's float8 rowwise per-GEMM configs (output fast,
+# grad_input and grad_weight in FP32).
+FAST_ACCUM_CALLS = {
+    ("fp8_rowwise", None): [("rows", True)] * 2 + [("rows", False)] * 2 + [("tokens", False)] * 2,
+    ("fp8_rowwise_gw_hp", None): [("rows", True)] * 2 + [("rows", False)] * 2,
+    ("fp8_rowwise", ()): [("rows", False)] * 4 + [("tokens", False)] * 2,
+    ("fp8_rowwise", ("grad_input",)): [("rows", False)] * 2 + [("rows", True)] * 2 + [("tokens", False)] * 2,
+    ("fp8_rowwise", ("grad_weight", "output", "grad_input")): [("rows", True)] * 4 + [("tokens", True)] * 2,
+}
+
+
+@pytest.mark.parametrize(("recipe", "fast_accum"), list(FAST_ACCUM_CALLS),
+                         ids=[f"{r}-{'default' if f is None else '+'.join(f) or 'none'}"
+                              for r, f in FAST_ACCUM_CALLS])
+def test_native_path_arguments_against_a_stand_in_gemm(recipe, fast_accum, monkeypatch):
+    """The native path's operands, transposes, scales, padded offsets and per-GEMM
+    accumulation, through a CPU stand-in for torch._scaled_grouped_mm: equal to the
+    emulation up to accumulation order (the stand-in computes in FP32 whatever
+    ``use_fast_accum`` says, as the emulation)."""
+    import functools
+
     import moe_mxfp8.fp8_experts as fp8_experts
 
     experts = ToyExperts(5, 64, 48)
     for p in experts.parameters():
         p.data = p.data.bfloat16()
     emulated = FP8GroupedExperts.from_module(experts, recipe)
-    monkeypatch.setattr(torch, "_scaled_grouped_mm", stand_in_scaled_grouped_mm, raising=False)
+    calls: list[tuple[str, bool]] = []
+    monkeypatch.setattr(torch, "_scaled_grouped_mm",
+                        functools.partial(stand_in_scaled_grouped_mm, calls=calls), raising=False)
     monkeypatch.setattr(fp8_experts, "fp8_native_available", lambda device: True)
-    native = FP8GroupedExperts.from_module(experts, recipe, gemm="native")
+    native = FP8GroupedExperts.from_module(
+        experts, recipe, gemm="native", **({} if fast_accum is None else {"fast_accum": fast_accum}))
     offsets = torch.tensor([7, 7, 30, 31, 50], dtype=torch.int32)  # uneven, an empty expert
     g = torch.Generator().manual_seed(7)
     rows = torch.randn(53, 64, generator=g).bfloat16().requires_grad_()  # 3 padding rows
@@ -315,3 +373,4 @@ def test_native_path_arguments_against_a_stand_in_gemm(recipe, monkeypatch):
         got = got[:50] if got.shape == rows.shape else got
         want = want[:50] if want.shape == rows.shape else want
         torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-4)
+    assert calls == FAST_ACCUM_CALLS[recipe, fast_accum]

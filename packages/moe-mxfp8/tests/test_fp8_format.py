@@ -171,3 +171,16 @@ def test_row_codec_round_trips_like_quantize_and_requantizes_to_the_same_values(
     assert quantize_fp8(codec.decode(codec.encode(row), torch.float32)).scale.item() == 2.0
     with pytest.raises(ValueError, match="packed width"):
         codec.decode(torch.zeros(2, 4, dtype=torch.uint8), dtype)
+
+
+def test_row_codec_bad_input_names_the_argument():
+    codec = FP8RowCodec()
+    for bad in (torch.zeros(8), torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 3, 4)):
+        with pytest.raises(ValueError, match=r"rows must be float32, bfloat16 or float16 \[R, D\]"):
+            codec.encode(bad)
+    with pytest.raises(ValueError, match="positive width"):
+        codec.encode(torch.zeros(2, 0))
+    with pytest.raises(ValueError, match=r"packed must be uint8 \[R, W\], got torch.int8"):
+        codec.decode(torch.zeros(2, 8, dtype=torch.int8), torch.float32)
+    with pytest.raises(ValueError, match="dtype must be float32, bfloat16 or float16, got torch.int32"):
+        codec.decode(torch.zeros(2, 8, dtype=torch.uint8), torch.int32)

@@ -1,5 +1,7 @@
 """FP8 Triton kernels under TRITON_INTERPRET=1, bit-exact against the torch reference
-(the fused SwiGLU kernels: to FP32 rounding of ``exp``).
+(the fused SwiGLU kernels: to FP32 rounding of ``exp``); the FP8 row codec's kernels also
+at adversarial rows and packed bytes (zeros, max magnitudes, subnormal and non-finite
+scales).
 
 As test_triton_interpret.py: the cases run in one child process (fp8_triton_cases.py)
 so the interpreter setting never reaches this process; each case is its own test.
@@ -29,6 +31,7 @@ def _case_names() -> list[str]:
             names += [f"quantize/{name}/{dname}/pow2={p}" for p in (True, False)]
     for dname in ("f32", "bf16", "f16"):
         names += [f"group_columns/{dname}/pow2={p}" for p in (True, False)]
+    names += [f"codec/{way}/{dname}" for dname in ("f32", "bf16", "f16") for way in ("encode", "decode")]
     return names + ["small_tiles"] + [f"{k}/{d}" for k in ("swiglu", "swiglu_quantized")
                                       for d in ("f32", "bf16")]
 

@@ -6,9 +6,14 @@ import moe_mxfp8
 import pytest
 import torch
 from moe_mxfp8 import (
+    FP8RowCodec,
     MXFP8RowCodec,
+    decode_fp8_rows,
+    decode_fp8_rows_reference,
     dequantize,
     dequantize_reference,
+    encode_fp8_rows,
+    encode_fp8_rows_reference,
     quantize,
     quantize_dequantize,
     quantize_dequantize_reference,
@@ -47,7 +52,7 @@ def _operands() -> dict[str, torch.Tensor]:
     x = torch.randn(6, 96, generator=g) * torch.exp2(torch.randint(-8, 8, (6, 1), generator=g).float())
     data, scales = quantize_reference(x)
     return dict(x=x, bf16=x.bfloat16(), data=data, scales=scales, dh=torch.randn(6, 48, generator=g).bfloat16(),
-                offsets=torch.tensor([2, 2, 5], dtype=torch.int32))
+                offsets=torch.tensor([2, 2, 5], dtype=torch.int32), packed=encode_fp8_rows_reference(x))
 
 
 # op name -> (the op called with a backend, its public reference), on the operands above.
@@ -65,6 +70,10 @@ OPS = {
                            lambda o: quantize_fp8_reference(o["x"], (1, 128), False)),
     "quantize_group_columns": (lambda o, b: quantize_group_columns(o["x"], o["offsets"], backend=b),
                                lambda o: quantize_group_columns_reference(o["x"], o["offsets"])),
+    "encode_fp8_rows": (lambda o, b: encode_fp8_rows(o["bf16"], backend=b),
+                        lambda o: encode_fp8_rows_reference(o["bf16"])),
+    "decode_fp8_rows": (lambda o, b: decode_fp8_rows(o["packed"], torch.bfloat16, backend=b),
+                        lambda o: decode_fp8_rows_reference(o["packed"], torch.bfloat16)),
     "swiglu": (lambda o, b: swiglu(o["bf16"], backend=b), lambda o: swiglu_reference(o["bf16"])),
     "swiglu_backward": (lambda o, b: swiglu_backward(o["bf16"], o["dh"], torch.float32, backend=b),
                         lambda o: swiglu_backward_reference(o["bf16"], o["dh"], torch.float32)),
@@ -83,11 +92,14 @@ def test_every_op_keeps_the_backend_contract(name):
                       lambda: (_operands(),))
 
 
-def test_a_codec_asked_for_triton_on_cpu_says_why(monkeypatch):
+@pytest.mark.parametrize("codec", [MXFP8RowCodec, FP8RowCodec])
+def test_a_codec_asked_for_triton_on_cpu_says_why(codec, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="backend='triton' needs CUDA tensors"):
-        MXFP8RowCodec(backend="triton").encode(torch.zeros(4, 32))
+        codec(backend="triton").encode(torch.zeros(4, 32))
+    with pytest.raises(RuntimeError, match="backend='triton' needs CUDA tensors"):
+        codec(backend="triton").decode(codec(backend="reference").encode(torch.zeros(4, 32)), torch.float32)
 
 
 def test_resolve_backend_is_the_one_decision():

@@ -142,9 +142,11 @@ def build_model_part(cfg: PretrainConfig, mesh: ParallelMesh, device: torch.devi
     transport = None
     dispatchers: dict[str, TokenDispatcher] = {}
     if backend != "local":
+        # a transport call carries one chunk of a microbatch's tokens (parallel.ep_overlap_chunks)
         ep_cfg = EPConfig(n_experts=m.n_experts, top_k=m.top_k,
-                          max_tokens=t.micro_batch * t.seq_len, d_model=m.d_model,
-                          capacity_factor=m.capacity_factor, combine=p.ep_combine)
+                          max_tokens=-(-t.micro_batch * t.seq_len // p.ep_overlap_chunks),
+                          d_model=m.d_model, capacity_factor=m.capacity_factor, combine=p.ep_combine,
+                          overlap_chunks=p.ep_overlap_chunks, comm_sms=p.ep_comm_sms)
         codec = EP_PAYLOAD_CODECS[p.ep_payload]() if p.ep_payload != "compute" else None
         transport = make_transport(backend, ep_cfg, mesh.ep_mp_group, device=device, dtype=dtype,
                                    codec=codec)

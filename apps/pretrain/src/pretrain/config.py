@@ -76,6 +76,14 @@ class ParallelConfig:
     # where the EP combine sums a token's top-k contributions (moe_ep_transport.EPConfig.combine):
     # auto | source | destination
     ep_combine: Literal["auto", "source", "destination"] = "auto"
+    # token chunks each MoE layer's EP dispatch -> experts -> combine is split into, pipelined
+    # on two CUDA streams so that chunks' transfers run under other chunks' expert GEMMs
+    # (moe_ep_transport.EPConfig.overlap_chunks; each chunk its own transport call and, with
+    # model.capacity_factor, its own capacity); 1: one dispatch and one combine per layer
+    ep_overlap_chunks: int = 1
+    # SMs the EP communication stream may use with ep_overlap_chunks > 1 (a CUDA green
+    # context; moe_ep_transport.EPConfig.comm_sms); none: every SM, at the highest priority
+    ep_comm_sms: int | None = None
     ddp_mode: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"  # gradient sync collective
     # routed experts' weight gradients added to the FP32 main grads inside the grouped GEMM's
     # epilogue, the untied embedding's rows of the tokens seen, and the dense linear layers'
@@ -258,6 +266,7 @@ class PretrainConfig:
         positive = ["train.steps", "train.seq_len", "train.global_batch", "train.micro_batch",
                     "train.max_consecutive_skips", "train.collective_timeout_s", "parallel.pp", "parallel.pp_virtual_stages",
                     "parallel.ep", "parallel.bucket_cap_mb", "parallel.merge_expert_grad_microbatches",
+                    "parallel.ep_overlap_chunks",
                     "optim.lr", "optim.muon_lr", "eval.tokens", "eval.max_new_tokens"]
         non_negative = ["optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay",
                         "optim.grad_clip", "optim.expert_lr_mult", "optim.eps",
@@ -308,6 +317,8 @@ class PretrainConfig:
             )
         if p.ep_payload != "compute":
             self._check_ep_payload()
+        if p.ep_overlap_chunks > 1 or p.ep_comm_sms is not None:
+            self._check_ep_overlap()
         if self.model.tie_embeddings and p.pp > 1:
             raise ConfigError(
                 "model.tie_embeddings with parallel.pp > 1 is not supported: the embedding and the "
@@ -359,6 +370,29 @@ class PretrainConfig:
             raise ConfigError("checkpoint.resume must be auto, none or a checkpoint path")
         origin = self.key_sources.get("data.sources")
         self.data.validate(f" ({origin})" if origin else "")
+
+    def _check_ep_overlap(self) -> None:
+        """Chunks need a transport to overlap and tokens to fill them; an SM bound, chunks."""
+        p, t = self.parallel, self.train
+        tokens = t.micro_batch * t.seq_len
+        if p.resolved_ep_backend() == "local":
+            raise ConfigError(
+                f"parallel.ep_overlap_chunks={p.ep_overlap_chunks} overlaps the EP transport with "
+                "the experts: it needs parallel.ep > 1 or an all_to_all or rowwise parallel.ep_backend"
+            )
+        if p.ep_overlap_chunks > tokens:
+            raise ConfigError(
+                f"parallel.ep_overlap_chunks={p.ep_overlap_chunks} exceeds the "
+                f"{tokens} tokens of a microbatch (train.micro_batch x train.seq_len)"
+            )
+        if p.ep_comm_sms is not None and (p.ep_comm_sms < 1 or p.ep_overlap_chunks == 1):
+            raise ConfigError(
+                f"parallel.ep_comm_sms={p.ep_comm_sms} bounds the SMs of the EP communication "
+                "stream: a positive count, with parallel.ep_overlap_chunks > 1"
+            )
+        if p.ep_comm_sms is not None and t.device == "cpu":
+            raise ConfigError(f"parallel.ep_comm_sms={p.ep_comm_sms} bounds a CUDA stream's SMs: "
+                              "train.device=cpu has none")
 
     def _check_ep_payload(self) -> None:
         """A quantized dispatch payload needs a transport that encodes it, and experts that

@@ -16,6 +16,7 @@ from moe_ep_transport.codec import RowCodec, bytes_per_row
 from moe_ep_transport.config import EPConfig, OverflowPolicy
 from moe_ep_transport.dispatcher import EPDispatcher, EPHandle, EPOverflowError, make_transport
 from moe_ep_transport.peer_memory import EmulatedPeerMemory, PeerMemory
+from moe_ep_transport.pipeline import PipelinedHandle
 from moe_ep_transport.plan import RoutePlan
 from moe_ep_transport.rowwise import RowwiseTransport
 from moe_ep_transport.telemetry import EPTelemetry
@@ -31,6 +32,7 @@ __all__ = [
     "EmulatedPeerMemory",
     "OverflowPolicy",
     "PeerMemory",
+    "PipelinedHandle",
     "RoutePlan",
     "RowCodec",
     "RowwiseTransport",

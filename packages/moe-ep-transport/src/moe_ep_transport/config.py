@@ -29,6 +29,14 @@ class EPConfig:
     # or partly at each destination (one FP32 partial per token and rank travels back);
     # "auto" picks the site that moves fewer bytes under uniform routing (sums_at_destination).
     combine: CombineSite = "auto"
+    # Token chunks a layer's dispatch -> experts -> combine is split into by
+    # EPDispatcher.run_experts, pipelined so that chunks' transfers run under other chunks'
+    # expert GEMMs (moe_ep_transport.pipeline); 1: one dispatch and one combine, in order.
+    # max_tokens bounds each chunk (a call), so a layer takes up to overlap_chunks * max_tokens.
+    overlap_chunks: int = 1
+    # SMs the pipeline's communication stream may use (a CUDA green context); None: every SM,
+    # the stream at the highest priority. Only with overlap_chunks > 1.
+    comm_sms: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_experts", "top_k", "max_tokens", "d_model"):
@@ -40,6 +48,13 @@ class EPConfig:
             raise ValueError(f"EPConfig.capacity_factor must be positive or None, got {self.capacity_factor}")
         if self.overflow not in ("drop", "error"):
             raise ValueError(f"EPConfig.overflow must be 'drop' or 'error', got {self.overflow!r}")
+        if self.overlap_chunks < 1:
+            raise ValueError(f"EPConfig.overlap_chunks must be positive, got {self.overlap_chunks}")
+        if self.comm_sms is not None and (self.comm_sms < 1 or self.overlap_chunks == 1):
+            raise ValueError(
+                f"EPConfig.comm_sms={self.comm_sms} bounds the pipeline's communication stream: "
+                "a positive count, with overlap_chunks > 1"
+            )
         if self.combine not in ("auto", "source", "destination"):
             raise ValueError(
                 f"EPConfig.combine must be 'auto', 'source' or 'destination', got {self.combine!r}"

@@ -9,7 +9,10 @@ the device) and a handle; ``combine(rows_out[C,D], weights[T,k], handle)`` retur
 ``y[T,D] = sum_j weights[t,j] * expert_output(t,j)`` accumulated in FP32 in slot
 order. Both are autograd functions: dispatch's backward is a combine of the row
 gradients with unit weights, combine's backward a dispatch of ``weights * grad_y``
-plus the gradient of the weights.
+plus the gradient of the weights. ``run_experts(x, expert_ids, weights, experts)`` runs
+dispatch -> experts -> combine in one call (moe_model's ``PipelinesExperts``): in
+``EPConfig.overlap_chunks`` token chunks pipelined over two CUDA streams
+(:mod:`moe_ep_transport.pipeline`), or, with one chunk, as the three plain calls.
 
 Overflow (a destination asked for more than C rows): with ``overflow="drop"`` the
 rows chosen by :mod:`moe_ep_transport.overflow` are dropped; their weights count as
@@ -34,6 +37,7 @@ from moe_ep_transport import ops
 from moe_ep_transport.codec import RowCodec
 from moe_ep_transport.config import EPConfig
 from moe_ep_transport.overflow import HASH_PRIME
+from moe_ep_transport.pipeline import ExpertsFn, PipelinedHandle, run_pipelined
 from moe_ep_transport.plan import RoutePlan
 from moe_ep_transport.telemetry import EPTelemetry
 from moe_ep_transport.transport import Transport
@@ -238,15 +242,30 @@ class EPDispatcher:
             handle.weights, handle.weights_version = weights, _version(weights)
         return rows_CD, plan.group_offsets_L, handle
 
-    def dropped_per_expert(self, handle: EPHandle) -> torch.Tensor:
+    def dropped_per_expert(self, handle: EPHandle | PipelinedHandle) -> torch.Tensor:
         """[E] int64: the slots *this rank* routed that their destination dropped.
 
         This rank's row of the route plan, so summing over the ranks of the EP group
         counts every dropped slot once (the telemetry, in contrast, is the same on
         every rank of the group). Satisfies ``moe_model.ReportsDrops`` structurally.
+        A pipelined call's handle sums its chunks'.
         """
+        if isinstance(handle, PipelinedHandle):
+            return handle.dropped_per_expert()
         plan = handle.plan
         return plan.counts_ME[plan.rank] - plan.kept_ME[plan.rank]
+
+    def run_experts(
+        self, x_TD: torch.Tensor, expert_ids_Tk: torch.Tensor, weights_Tk: torch.Tensor, experts: ExpertsFn
+    ) -> tuple[torch.Tensor, EPHandle | PipelinedHandle]:
+        """``combine(experts(*dispatch(x, ids, weights)[:2]), weights, handle)`` and the handle(s):
+        moe_model's ``PipelinesExperts``. With ``EPConfig.overlap_chunks == 1`` exactly those
+        three calls; with more, chunks pipelined over two CUDA streams
+        (:mod:`moe_ep_transport.pipeline`), each chunk a call of at most ``max_tokens``."""
+        if self.cfg.overlap_chunks == 1:
+            rows, offsets, handle = self.dispatch(x_TD, expert_ids_Tk, weights_Tk)
+            return self.combine(experts(rows, offsets), weights_Tk, handle), handle
+        return run_pipelined(self, x_TD, expert_ids_Tk, weights_Tk, experts, self.cfg.overlap_chunks)
 
     def combine(self, rows_out_CD: torch.Tensor, weights_Tk: torch.Tensor, handle: EPHandle) -> torch.Tensor:
         plan = handle.plan

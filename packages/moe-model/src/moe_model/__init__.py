@@ -16,11 +16,14 @@ from moe_model._triton_support import (
 )
 from moe_model.config import MoEConfig
 from moe_model.dispatch import (
+    ExpertsFn,
     LocalDispatcher,
+    PipelinesExperts,
     ReportsDrops,
     TokenDispatcher,
     combine_backward,
     combine_backward_reference,
+    dropless_dispatch,
     dropless_layout,
     dropless_layout_reference,
     weighted_gather_sum,
@@ -82,6 +85,7 @@ __all__ = [
     "DocumentMask",
     "EXPERT_DIM",
     "ExpertWeightGradient",
+    "ExpertsFn",
     "GradientSink",
     "GroupedExperts",
     "IGNORE_INDEX",
@@ -92,6 +96,7 @@ __all__ = [
     "MoELayer",
     "MoETransformer",
     "ModelWiring",
+    "PipelinesExperts",
     "ReportsDrops",
     "RoutingResult",
     "TokenDispatcher",
@@ -107,6 +112,7 @@ __all__ = [
     "combine_backward_reference",
     "dense_parameters",
     "documents_from_eos",
+    "dropless_dispatch",
     "dropless_layout",
     "dropless_layout_reference",
     "embedding_grad_accumulate_",

@@ -19,6 +19,11 @@ Contract:
 - Both are differentiable; all metadata stays on the device.
 - A dispatcher that can drop rows may also satisfy ``ReportsDrops``; the MoE layer
   then logs its drop counts.
+- A dispatcher may also satisfy ``PipelinesExperts``: the MoE layer then hands it the
+  experts and lets it run dispatch, experts and combine itself, in whatever schedule it
+  chooses (an expert-parallel transport overlapping one token chunk's transfer with
+  another's expert GEMMs), as long as the result is what dispatch -> experts -> combine
+  gives. The model holds no schedule of its own.
 
 The local dispatcher's capacity policy (``capacity_factor`` set): each expert keeps
 at most ``C = ceil(capacity_factor * T * k / E)`` rows. Within an expert, slots are
@@ -46,10 +51,13 @@ the layout-equivalence tests compare bit for bit. Triton is imported lazily.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 from moe_model._triton_support import Backend, use_fused
 from moe_model.router import count_per_expert
@@ -73,6 +81,21 @@ class TokenDispatcher(Protocol):
 class ReportsDrops(Protocol):
     def dropped_per_expert(self, handle: Any) -> torch.Tensor:
         """[E] int64: routed slots of this dispatch that no expert processed."""
+        ...
+
+
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows[R,D], group_offsets) -> rows_out[R,D]
+
+
+@runtime_checkable
+class PipelinesExperts(Protocol):
+    def run_experts(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: ExpertsFn
+    ) -> tuple[torch.Tensor, Any]:
+        """``(y[T,D], handle)``: ``y`` is ``combine(experts(rows, group_offsets), weights, handle)``
+        of ``dispatch(x, expert_ids, weights)``, differentiable like it; ``handle`` is what
+        ``ReportsDrops.dropped_per_expert`` takes. ``experts`` may be called several times
+        (on parts of the tokens) and from another CUDA stream than the caller's."""
         ...
 
 
@@ -310,3 +333,26 @@ class LocalDispatcher:
 
     def dropped_per_expert(self, handle: LocalDispatchHandle) -> torch.Tensor:
         return handle.dropped_per_expert
+
+
+@contextmanager
+def dropless_dispatch(model: nn.Module) -> Iterator[None]:
+    """Inside the block every :class:`LocalDispatcher` of ``model`` keeps every slot; their
+    capacity factors are restored on the way out, also on an error.
+
+    A capacity sized for training batches (``C`` from the slots of the call) drops slots of
+    a short call: a prompt's prefill of a few tokens, several routed to one expert. What a
+    model writes while it trains (prompt samples) should be what the trained model writes
+    at inference, which runs dropless. Other dispatchers (expert parallelism) size their
+    capacity by the largest call they were built for, far above one prompt's, and are left
+    as they are."""
+    local = [m.dispatcher for m in model.modules()
+             if isinstance(getattr(m, "dispatcher", None), LocalDispatcher)]
+    factors = [d.capacity_factor for d in local]
+    try:
+        for d in local:
+            d.capacity_factor = None
+        yield
+    finally:
+        for d, factor in zip(local, factors, strict=True):
+            d.capacity_factor = factor

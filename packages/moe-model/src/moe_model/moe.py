@@ -48,11 +48,12 @@ import torch
 from torch import nn
 
 from moe_model.config import MoEConfig
-from moe_model.dispatch import LocalDispatcher, ReportsDrops, TokenDispatcher
+from moe_model.dispatch import LocalDispatcher, PipelinesExperts, ReportsDrops, TokenDispatcher
 from moe_model.experts import GroupedExperts
 from moe_model.layers import SwiGLU
 from moe_model.recompute import is_recomputing
 from moe_model.router import TopKRouter, load_balancing_loss
+from moe_model.sink import MergingSink
 
 CountReducer = Callable[[torch.Tensor], torch.Tensor]  # [E] counts -> [E] summed over the DP group
 
@@ -118,10 +119,12 @@ class MoELayer(nn.Module):
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         routing = self.router(x_TD)
-        rows, offsets, handle = self.dispatcher.dispatch(
-            x_TD.to(_compute_dtype(x_TD)), routing.expert_ids, routing.weights)
-        rows_out = self.experts(rows, offsets)
-        y_TD = self.dispatcher.combine(rows_out, routing.weights, handle)
+        x_compute = x_TD.to(_compute_dtype(x_TD))
+        if isinstance(self.dispatcher, PipelinesExperts):  # it schedules the experts itself
+            y_TD, handle = self._run_experts(self.dispatcher, x_compute, routing.expert_ids, routing.weights)
+        else:
+            rows, offsets, handle = self.dispatcher.dispatch(x_compute, routing.expert_ids, routing.weights)
+            y_TD = self.dispatcher.combine(self.experts(rows, offsets), routing.weights, handle)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
         training = self.training and torch.is_grad_enabled()  # counts toward the step
@@ -135,6 +138,25 @@ class MoELayer(nn.Module):
                        if isinstance(self.dispatcher, ReportsDrops) else None)
             self._record(routing.tokens_per_expert, dropped, lb, routing.z_loss, B * S)
         return y_TD.view(B, S, D)
+
+    def _run_experts(self, dispatcher: PipelinesExperts, x_TD: torch.Tensor, expert_ids: torch.Tensor,
+                     weights: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """``dispatcher.run_experts`` with the experts; their weight gradients reach a gradient
+        sink once per forward however many calls the dispatcher makes (``MergingSink``)."""
+        sink = getattr(self.experts, "grad_sink", None)
+        if sink is None:
+            return dispatcher.run_experts(x_TD, expert_ids, weights, self.experts)
+        merging = MergingSink(sink)
+
+        def experts(rows: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
+            merging.uses += 1
+            return self.experts(rows, group_offsets)
+
+        self.experts.grad_sink = merging  # each call's GEMMs take it in their forward
+        try:
+            return dispatcher.run_experts(x_TD, expert_ids, weights, experts)
+        finally:
+            self.experts.grad_sink = sink
 
     def _balance_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """The counts ``f_e`` is taken from (see the module docstring)."""

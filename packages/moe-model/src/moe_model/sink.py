@@ -72,3 +72,58 @@ def accumulator_layout(target: torch.Tensor, numel: int, what: str) -> tuple[int
         raise ValueError(f"{what}: target must be 1-D contiguous or 2-D with contiguous rows, "
                          f"got shape {tuple(target.shape)} strides {target.stride()}")
     return (target.numel(), 0) if target.dim() == 1 else (target.shape[1], target.stride(0))
+
+
+class MergingSink:
+    """A ``GradientSink`` for a module called ``uses`` times in one forward (token chunks of
+    an expert-parallel pipeline): it holds each parameter's gradients until all ``uses``
+    have come, then hands ``sink`` one gradient, merged (``add.merged``) as far as the
+    adds allow and otherwise adding each in turn.
+
+    A sink such as moe_ddp's counts a parameter's gradient as arrived at its first
+    delivery with synchronisation on (its bucket may then be reduced), so a weight used
+    ``n`` times in the step's last backward must arrive once, not ``n`` times. The sink
+    is captured by each use in the forward, so the caller installs this one on the module
+    for the forward's duration and counts the calls into ``uses`` (a backward that runs
+    the weight's ``AccumulateGrad`` node delivers every use's gradient; others none).
+    """
+
+    def __init__(self, sink: GradientSink) -> None:
+        self.sink = sink
+        self.uses = 0
+        self._held: dict[int, list[Callable[[torch.Tensor], None]]] = {}
+
+    def accepts(self, param: nn.Parameter) -> bool:
+        return self.sink.accepts(param)
+
+    def add_gradient(self, param: nn.Parameter, add: Callable[[torch.Tensor], None]) -> None:
+        held = self._held.setdefault(id(param), [])
+        held.append(add)
+        if len(held) < self.uses:
+            return
+        del self._held[id(param)]
+        self.sink.add_gradient(param, _merged(held))
+
+
+def _merged(adds: list[Callable[[torch.Tensor], None]]) -> Callable[[torch.Tensor], None]:
+    """One add for ``adds``: consecutive ones merged while ``merged`` takes them."""
+    pieces = [adds[0]]
+    for add in adds[1:]:
+        merge = getattr(pieces[-1], "merged", None)
+        joined = merge(add) if merge is not None else None
+        if joined is None:
+            pieces.append(add)
+        else:
+            pieces[-1] = joined
+    return pieces[0] if len(pieces) == 1 else _AddEach(pieces)
+
+
+class _AddEach:
+    """Adds that share no launch, added one after another (not mergeable any further)."""
+
+    def __init__(self, adds: list[Callable[[torch.Tensor], None]]) -> None:
+        self.adds = adds
+
+    def __call__(self, target: torch.Tensor) -> None:
+        for add in self.adds:
+            add(target)

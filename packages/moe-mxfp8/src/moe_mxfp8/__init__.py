@@ -15,7 +15,8 @@
   per row, 1x128 tile or 128x128 block (torchao's float8 rowwise and DeepSeek-V3's
   blockwise recipes); ``FP8GroupedExperts``: routed experts on FP8 grouped GEMMs
   (``torch._scaled_grouped_mm`` on Hopper, ``fp8_native_available``), chosen by
-  ``MXFP8Config.recipe``; ``FP8RowCodec``: the rowwise FP8 dispatch payload.
+  ``MXFP8Config.recipe``; ``FP8RowCodec``: the rowwise FP8 dispatch payload
+  (``encode_fp8_rows`` / ``decode_fp8_rows``, one kernel each way).
 """
 
 from moe_mxfp8._triton_support import (
@@ -35,7 +36,14 @@ from moe_mxfp8.apply import (
     unmatched_targets,
 )
 from moe_mxfp8.cache import MXFP8WeightCache
-from moe_mxfp8.codec import FP8RowCodec, MXFP8RowCodec
+from moe_mxfp8.codec import (
+    FP8RowCodec,
+    MXFP8RowCodec,
+    decode_fp8_rows,
+    decode_fp8_rows_reference,
+    encode_fp8_rows,
+    encode_fp8_rows_reference,
+)
 from moe_mxfp8.experts import MXFP8GroupedExperts
 from moe_mxfp8.format import (
     BLOCK_SIZE,
@@ -85,7 +93,11 @@ __all__ = [
     "FP8Tensor",
     "FP8_RECIPES",
     "RECIPES",
+    "decode_fp8_rows",
+    "decode_fp8_rows_reference",
     "dequantize_fp8",
+    "encode_fp8_rows",
+    "encode_fp8_rows_reference",
     "fp8_native_available",
     "quantize_fp8",
     "quantize_fp8_reference",

@@ -22,7 +22,8 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from moe_mxfp8.experts import MXFP8GroupedExperts
-from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8GroupedExperts
+from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8GroupedExperts, check_fast_accum
+from moe_mxfp8.fp8_gemm import FAST_ACCUM_DEFAULT
 from moe_mxfp8.linear import GEMMS, MXFP8Linear
 
 RECIPES = ("mxfp8", *FP8_RECIPES)
@@ -37,6 +38,10 @@ class MXFP8Config:
     # fp8_rowwise(_gw_hp): emulated | native (sm_90); fp8_blockwise: emulated
     gemm: str = "emulated"
     recipe: str = "mxfp8"  # mxfp8 | fp8_rowwise | fp8_rowwise_gw_hp | fp8_blockwise
+    # FP8 recipes, gemm native: the GEMM roles (output, grad_input, grad_weight) run with
+    # the tensor cores' fast accumulation, the others promote to FP32; default: torchao's
+    # float8 rowwise choice (output only)
+    fp8_fast_accum: tuple[str, ...] = FAST_ACCUM_DEFAULT
 
     def __post_init__(self) -> None:
         self.validate()
@@ -55,6 +60,9 @@ class MXFP8Config:
             if self.gemm == "native" and not FP8_RECIPES[self.recipe].native:
                 raise ValueError(f"MXFP8Config.gemm: recipe {self.recipe} has no native grouped "
                                  "GEMM; use gemm='emulated'")
+            check_fast_accum(self.fp8_fast_accum, self.recipe, "MXFP8Config.fp8_fast_accum")
+        elif tuple(self.fp8_fast_accum) != FAST_ACCUM_DEFAULT:
+            raise ValueError(f"MXFP8Config.fp8_fast_accum applies to the FP8 recipes, not {self.recipe}")
 
 
 def name_matches(fqn: str, pattern: str) -> bool:
@@ -115,7 +123,8 @@ def apply_mxfp8(model: nn.Module, config: MXFP8Config | None = None) -> list[str
         if config.recipe != "mxfp8":
             if not _is_grouped_experts(module):
                 continue
-            new: nn.Module = FP8GroupedExperts.from_module(module, config.recipe, config.gemm)
+            new: nn.Module = FP8GroupedExperts.from_module(module, config.recipe, config.gemm,
+                                                           tuple(config.fp8_fast_accum))
         elif isinstance(module, nn.Linear):
             new = MXFP8Linear.from_module(module, config.save_mxfp8_activations, config.gemm)
         elif _is_grouped_experts(module):

@@ -31,6 +31,13 @@ dtype; ``h`` is recomputed.
 16, no host synchronisation) or ``emulated`` (dequantize, FP32 matmuls per expert:
 exact, reads the offsets on the host; every device).
 
+``fast_accum``: the GEMM roles (``output``: ``h13`` and ``y``; ``grad_input``: ``dh`` and
+``drows``; ``grad_weight``: the FP8 weight gradients) that the native GEMM runs with the
+tensor cores' fast accumulation; the others promote to FP32. Default
+``FAST_ACCUM_DEFAULT`` = ``("output",)``, torchao's float8 rowwise recipes' per-GEMM
+configs (``moe_mxfp8.fp8_gemm`` cites them). The emulation computes in FP32 whatever it
+says.
+
 Weight gradients into a sink: like ``moe_model.GroupedExperts``, the layer has a
 ``grad_sink`` (a ``GradientSink``: ``accepts(param)``, ``add_gradient(param, add)``).
 When it accepts a weight and the backward runs that weight's ``AccumulateGrad`` node,
@@ -52,6 +59,8 @@ from moe_mxfp8.cache import WeightCache
 from moe_mxfp8.experts import carry_attributes, check_expert_rows, expert_weights
 from moe_mxfp8.fp8 import FP8Tensor, quantize_fp8
 from moe_mxfp8.fp8_gemm import (
+    FAST_ACCUM_DEFAULT,
+    FP8_GEMM_ROLES,
     check_native_widths,
     fp8_grouped_mm,
     fp8_grouped_wgrad,
@@ -83,6 +92,20 @@ FP8_RECIPES = {
     "fp8_blockwise": FP8Recipe((1, 128), (128, 128), pow2=False, fp8_wgrad=False, native=False),
 }
 FP8_GEMMS = ("emulated", "native")
+
+
+def check_fast_accum(fast_accum: tuple[str, ...], recipe: str, name: str) -> frozenset[str]:
+    """The GEMM roles of ``fast_accum`` (a subset of ``FP8_GEMM_ROLES``) as a set; raises
+    naming ``name`` for an unknown or repeated role, or ``grad_weight`` where ``recipe``
+    computes the weight gradients in BF16."""
+    if isinstance(fast_accum, str) or not all(isinstance(g, str) for g in fast_accum):
+        raise ValueError(f"{name} must be a tuple of GEMM roles {FP8_GEMM_ROLES}, got {fast_accum!r}")
+    if any(g not in FP8_GEMM_ROLES for g in fast_accum) or len(set(fast_accum)) != len(fast_accum):
+        raise ValueError(f"{name} must list distinct GEMM roles of {FP8_GEMM_ROLES}, got {fast_accum!r}")
+    if "grad_weight" in fast_accum and not FP8_RECIPES[recipe].fp8_wgrad:
+        raise ValueError(f"{name}: recipe {recipe} computes the weight gradients in BF16; "
+                         "drop grad_weight")
+    return frozenset(fast_accum)
 
 
 class FP8WeightCache(WeightCache):
@@ -126,29 +149,31 @@ class _FP8ExpertsFn(torch.autograd.Function):
     def forward(ctx: Any, rows_RD: torch.Tensor, offsets_E: torch.Tensor, w1: torch.Tensor,
                 w3: torch.Tensor, w2: torch.Tensor, layer: FP8GroupedExperts, dtype: torch.dtype,
                 routes: tuple[SinkRoute | None, ...]) -> torch.Tensor:
-        r, native = layer.recipe, layer.gemm == "native"
+        r, native, fast = layer.recipe, layer.gemm == "native", layer.fast_accum
         rows_q = quantize_fp8(rows_RD, r.act_block, r.pow2)
-        h13_R2F = fp8_grouped_mm(rows_q, layer.w13_cache.rows, offsets_E, dtype, native)
+        out_fast = "output" in fast
+        h13_R2F = fp8_grouped_mm(rows_q, layer.w13_cache.rows, offsets_E, dtype, native, out_fast)
         h_q = swiglu_quantized(h13_R2F, r.act_block, r.pow2)
-        y_RD = fp8_grouped_mm(h_q, layer.w2_cache.rows, offsets_E, dtype, native)
+        y_RD = fp8_grouped_mm(h_q, layer.w2_cache.rows, offsets_E, dtype, native, out_fast)
         ctx.save_for_backward(offsets_E, rows_RD, h13_R2F)
         # The backward uses the weight copies this forward saw, whatever happens in between.
         ctx.w13_cols, ctx.w2_cols = layer.w13_cache.cols, layer.w2_cache.cols
-        ctx.recipe, ctx.native, ctx.dtype, ctx.routes = r, native, dtype, routes
+        ctx.recipe, ctx.native, ctx.fast, ctx.dtype, ctx.routes = r, native, fast, dtype, routes
         ctx.params = (w1, w3, w2)
         return y_RD
 
     @staticmethod
     def backward(ctx: Any, dy_RD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         r, native, dtype = ctx.recipe, ctx.native, ctx.dtype
+        dgrad_fast, wgrad_fast = "grad_input" in ctx.fast, "grad_weight" in ctx.fast
         offsets_E, rows_RD, h13_R2F = ctx.saved_tensors
         dy_RD = dy_RD.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
         dy_q = quantize_fp8(dy_RD, r.act_block, r.pow2)
-        dh_RF = fp8_grouped_mm(dy_q, ctx.w2_cols, offsets_E, dtype, native)
+        dh_RF = fp8_grouped_mm(dy_q, ctx.w2_cols, offsets_E, dtype, native, dgrad_fast)
         drows = None
         if ctx.needs_input_grad[0]:
             dh13_R2F, dh13_q = swiglu_backward_quantized(h13_R2F, dh_RF, dtype, r.act_block, r.pow2)
-            drows = fp8_grouped_mm(dh13_q, ctx.w13_cols, offsets_E, dtype, native)
+            drows = fp8_grouped_mm(dh13_q, ctx.w13_cols, offsets_E, dtype, native, dgrad_fast)
         else:
             dh13_R2F = swiglu_backward(h13_R2F, dh_RF, dtype)
         # a weight's gradient is computed where autograd wants it back, or where its sink
@@ -159,10 +184,10 @@ class _FP8ExpertsFn(torch.autograd.Function):
         grads: list[torch.Tensor | None] = [None, None, None]
         if wanted[0] or wanted[1]:
             hidden = h13_R2F.shape[1] // 2
-            dw13 = _wgrad(r, dh13_R2F, rows_RD, offsets_E, dtype, native)
+            dw13 = _wgrad(r, dh13_R2F, rows_RD, offsets_E, dtype, native, wgrad_fast)
             grads[0], grads[1] = dw13[:, :hidden], dw13[:, hidden:]
         if wanted[2]:
-            grads[2] = _wgrad(r, dy_RD, swiglu(h13_R2F), offsets_E, dtype, native)
+            grads[2] = _wgrad(r, dy_RD, swiglu(h13_R2F), offsets_E, dtype, native, wgrad_fast)
         returned: list[torch.Tensor | None] = []
         for param, grad, route, want in zip(ctx.params, grads, ctx.routes, wanted, strict=True):
             if want and route is not None:
@@ -172,18 +197,19 @@ class _FP8ExpertsFn(torch.autograd.Function):
 
 
 def _wgrad(r: FP8Recipe, dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch.Tensor,
-           dtype: torch.dtype, native: bool) -> torch.Tensor:
+           dtype: torch.dtype, native: bool, fast_accum: bool) -> torch.Tensor:
     if r.fp8_wgrad:
-        return fp8_grouped_wgrad(dy_RN, x_RK, offsets, r.pow2, dtype, native)
+        return fp8_grouped_wgrad(dy_RN, x_RK, offsets, r.pow2, dtype, native, fast_accum)
     return grouped_weight_grad(dy_RN, x_RK, offsets)
 
 
 class FP8GroupedExperts(nn.Module):
     """Grouped SwiGLU experts on FP8 GEMMs (a recipe of ``FP8_RECIPES``), holding the given
-    ``w1``/``w3``/``w2``."""
+    ``w1``/``w3``/``w2``; ``fast_accum``: see the module notes."""
 
     def __init__(self, w1: nn.Parameter, w3: nn.Parameter, w2: nn.Parameter,
-                 recipe: str = "fp8_rowwise", gemm: str = "emulated") -> None:
+                 recipe: str = "fp8_rowwise", gemm: str = "emulated",
+                 fast_accum: tuple[str, ...] = FAST_ACCUM_DEFAULT) -> None:
         super().__init__()
         if recipe not in FP8_RECIPES:
             raise ValueError(f"recipe must be one of {tuple(FP8_RECIPES)}, got {recipe!r}")
@@ -191,6 +217,7 @@ class FP8GroupedExperts(nn.Module):
             raise ValueError(f"gemm must be one of {FP8_GEMMS}, got {gemm!r}")
         if gemm == "native" and not FP8_RECIPES[recipe].native:
             raise ValueError(f"recipe {recipe} has no native grouped GEMM; use gemm='emulated'")
+        self.fast_accum = check_fast_accum(fast_accum, recipe, "fast_accum")
         if w1.dim() != 3 or w1.shape != w3.shape:
             raise ValueError(
                 f"w1 and w3 must both be [E, F, D], got {tuple(w1.shape)} and {tuple(w3.shape)}"
@@ -207,12 +234,12 @@ class FP8GroupedExperts(nn.Module):
         self.w2_cache = FP8WeightCache((w2,), self.recipe)
 
     @classmethod
-    def from_module(cls, experts: nn.Module, recipe: str = "fp8_rowwise",
-                    gemm: str = "emulated") -> FP8GroupedExperts:
+    def from_module(cls, experts: nn.Module, recipe: str = "fp8_rowwise", gemm: str = "emulated",
+                    fast_accum: tuple[str, ...] = FAST_ACCUM_DEFAULT) -> FP8GroupedExperts:
         """Take over a grouped-experts module's own ``w1``/``w3``/``w2`` parameters (matched
         by structure), its public plain attributes and its ``grad_sink``, as
         ``MXFP8GroupedExperts.from_module`` does. Narrow expert ranges before converting."""
-        layer = cls(*expert_weights(experts), recipe, gemm)
+        layer = cls(*expert_weights(experts), recipe, gemm, fast_accum)
         carry_attributes(experts, layer)
         layer.grad_sink = getattr(experts, "grad_sink", None)
         return layer
@@ -239,5 +266,7 @@ class FP8GroupedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         E, F_, D = self.w1.shape
-        return f"experts={E}, d_model={D}, hidden={F_}, recipe={self.recipe_name}, gemm={self.gemm}"
+        fast = ",".join(sorted(self.fast_accum)) or "none"
+        return (f"experts={E}, d_model={D}, hidden={F_}, recipe={self.recipe_name}, gemm={self.gemm}, "
+                f"fast_accum={fast}")
 

@@ -16,7 +16,7 @@ for plans of CPU runs and for tests, not a stand-in for a GPU's.
 
 from __future__ import annotations
 
-import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -196,17 +196,21 @@ HOST_PROBE_SIZES = {"cuda": ("model.d_model=256", "model.head_dim=64", "model.ex
 HOST_PROBE_MICROBATCHES = (4, 16)
 
 
-def host_launch_us(device: torch.device, iters: int = 8) -> float:
+def host_launch_us(device: torch.device, iters: int = 12) -> float:
     """Host time per kernel launch as an eager train step pays it, Python, autograd and
     the trainer's own bookkeeping included.
 
     The app's ``Trainer`` (the ``bench-1gpu`` preset's options, ``HOST_PROBE_MODEL``'s
     model at ``HOST_PROBE_SIZES``, ``train.cuda_graphs=false``) runs steps of ``HOST_PROBE_MICROBATCHES``
-    microbatches, the two trainers in turn, each step timed to its one host read; the
-    difference of their fastest steps (the host's speed wanders by tens of percent from
-    step to step) per microbatch, over the kernels the cost model
+    microbatches, the two trainers in turn, each step timed to its one host read. The
+    estimate is the median over ``iters`` of the paired differences (a long step minus
+    the short step just before it) per microbatch, over the kernels the cost model
     counts per microbatch (``KERNELS_PER_BLOCK`` per block and ``KERNELS_PER_EDGE``).
-    The difference cancels what a step pays once (optimizer, statistics, the host read).
+    The difference cancels what a step pays once (optimizer, statistics, the host read);
+    pairing cancels the host's slow drifts; the median, not the fastest pair, because a
+    run pays the host's typical speed, not its best (the fastest of 8 steps read 15%
+    below what the host-bound ``small-experts`` eager step then ran at, in
+    ``tools/validate_step_time.py --shapes small-experts --graphs off``).
     A bare loop of launches would not do: it misses the host work around each kernel
     that the step's modules do. On a CPU it measures the host and the compute together."""
     import contextlib
@@ -230,15 +234,17 @@ def host_launch_us(device: torch.device, iters: int = 8) -> float:
             mesh = build_mesh(validate_layout(cfg, rt.world_size), device.type)
             trainers.append(Trainer(cfg, mesh, device))
             stack.callback(trainers[-1].close)
-        fastest = [math.inf] * len(trainers)
+        added = []  # per step: the long trainer's time minus the short one's
         for step in range(1, iters + 3):
-            for i, trainer in enumerate(trainers):
+            seconds = []
+            for trainer in trainers:
                 start = time.perf_counter()
                 trainer.train_step(step)  # ends with the step's one host read
-                if step > 2:  # two warm-up steps
-                    fastest[i] = min(fastest[i], time.perf_counter() - start)
-    (low, high), (short, long) = HOST_PROBE_MICROBATCHES, fastest
-    per_microbatch = max(long - short, 0.0) / (high - low)
+                seconds.append(time.perf_counter() - start)
+            if step > 2:  # two warm-up steps
+                added.append(seconds[1] - seconds[0])
+    low, high = HOST_PROBE_MICROBATCHES
+    per_microbatch = max(statistics.median(added), 0.0) / (high - low)
     kernels = cfg.model.n_layers * KERNELS_PER_BLOCK + KERNELS_PER_EDGE
     return per_microbatch / kernels * 1e6
 

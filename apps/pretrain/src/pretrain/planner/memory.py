@@ -73,6 +73,7 @@ class PlanRequest:
     optimizer: str = "adamw"
     ep_backend: EPBackend = "local"
     ep_combine: str = "auto"  # moe_ep_transport.EPConfig.combine
+    ep_overlap_chunks: int = 1  # parallel.ep_overlap_chunks: the transport is sized for one chunk
     ep_payload: str = "compute"  # parallel.ep_payload: what the forward dispatch sends
     mxfp8_targets: tuple[str, ...] = ()
     mxfp8_save_activations: bool = False
@@ -86,7 +87,7 @@ class PlanRequest:
 
     def __post_init__(self) -> None:
         for name in ("world", "pp", "ep", "virtual", "micro_batch", "seq_len", "global_batch",
-                     "merge_expert_grads"):
+                     "merge_expert_grads", "ep_overlap_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PlanRequest.{name} must be >= 1, got {getattr(self, name)}")
         if self.world % self.pp:
@@ -166,7 +167,7 @@ class PlanRequest:
                    global_batch=cfg.train.global_batch, ddp_mode=p.ddp_mode,
                    bucket_cap_mb=p.bucket_cap_mb, optimizer=cfg.optim.name,
                    ep_backend=_ep_backend(p.resolved_ep_backend()), ep_combine=p.ep_combine,
-                   ep_payload=p.ep_payload, mxfp8_targets=tuple(cfg.mxfp8.targets),
+                   ep_overlap_chunks=p.ep_overlap_chunks, ep_payload=p.ep_payload, mxfp8_targets=tuple(cfg.mxfp8.targets),
                    mxfp8_save_activations=cfg.mxfp8.save_mxfp8_activations,
                    mxfp8_recipe=cfg.mxfp8.recipe, mxfp8_gemm=cfg.mxfp8.gemm,
                    merge_expert_grads=p.merge_expert_grad_microbatches if p.fuse_grad_accumulation else 1,
@@ -271,7 +272,8 @@ def _nvshmem_heap(req: PlanRequest) -> int:
     from moe_ep_transport.rowwise import slab_bytes_for
 
     m = req.model
-    cfg = EPConfig(n_experts=m.n_experts, top_k=m.top_k, max_tokens=req.micro_batch * req.seq_len,
+    cfg = EPConfig(n_experts=m.n_experts, top_k=m.top_k,
+                   max_tokens=-(-req.micro_batch * req.seq_len // req.ep_overlap_chunks),
                    d_model=m.d_model, capacity_factor=m.capacity_factor, combine=req.ep_combine)
     # rows of the compute dtype (an MXFP8 payload packs narrower), partial sums in FP32 or wider
     b = COMPUTE_BYTES[req.compute_dtype]
