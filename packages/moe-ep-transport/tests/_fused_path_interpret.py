@@ -33,12 +33,16 @@ def step(cfg: EPConfig, M: int, tokens: list[int], skew: float) -> list[tuple[to
         L = E // M
         x = data.x[rank].clone().requires_grad_(True)
         w = data.w[rank].clone().requires_grad_(True)
-        outs = []
+        outs, pipelined = [], 0
+        W_L = data.W[rank * L : (rank + 1) * L]
+        if cfg.overlap_chunks > 1:  # the chunked pipeline: a dispatch and combine per chunk
+            pipelined, _ = dispatcher.run_experts(x, data.ids[rank], w, lambda r, o: experts(r, o, W_L))
+            outs.append(pipelined.detach())
         for _ in range(2):  # a second call: the slabs alternate, the route state is fresh
             rows, offsets, handle = dispatcher.dispatch(x, data.ids[rank], w)
-            y = dispatcher.combine(experts(rows, offsets, data.W[rank * L : (rank + 1) * L]), w, handle)
+            y = dispatcher.combine(experts(rows, offsets, W_L), w, handle)
             outs += [rows.detach(), offsets, y.detach()]
-        y.backward(data.g[rank])
+        (y + pipelined).backward(data.g[rank])
         return (*outs, x.grad, w.grad)
 
     return peers.run(rank_main)
@@ -59,6 +63,8 @@ if __name__ == "__main__":
     for combine in ("source", "destination"):
         # EP2: token inbox; drops (capacity 1.0 under skew); a rank with fewer tokens.
         check(EPConfig(8, 2, 12, 16, capacity_factor=1.0, combine=combine), 2, [12, 7], 2.0)
+    # Two chunks pipelined (each its own dispatch and combine), then unsplit calls on top.
+    check(EPConfig(8, 2, 12, 16, capacity_factor=None, combine="destination", overlap_chunks=2), 2, [12, 7], 1.0)
     # EP4 at top-2 and capacity factor 1 sends one row per slot (the token inbox would not fit).
     check(EPConfig(8, 2, 6, 16, capacity_factor=1.0, combine="source"), 4, [6, 5, 6, 3], 1.0)
     print("fused path ok")
