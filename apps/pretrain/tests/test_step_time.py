@@ -321,3 +321,21 @@ def test_a_skewed_ep_rank_runs_at_most_its_capacity():
     mean, capped, over = (predict_step(req, profile, routing_skew=k).compute["expert_gemm"]
                           for k in (1.0, 1.25, 2.0))
     assert capped == pytest.approx(1.25 * mean) and over == pytest.approx(capped)
+
+
+@pytest.mark.parametrize("fused,ratio", [(False, 3 * 2 * 1.5 / 6), (True, (2 * 2 * 1.5 + 2) / 6)])
+def test_chunked_expert_gemms_run_at_the_chunks_rate_but_merged_weight_gradients_do_not(
+        fused, ratio):
+    """64 rows per expert (128 tokens x top-2 over 4 local experts) at a half-rate size of
+    64: the unsplit GEMMs run at 1/2 the peak, two chunks' at 1/3. Per layer, in units of
+    the unsplit forward's FLOPs at the peak: one chunk 3 x 2 = 6; two chunks 3 x 2 x 1.5;
+    with fused accumulation (moe_model's MergingSink) the weight gradients stay one launch
+    over every chunk's rows: 2 x 2 x 1.5 + 2."""
+    free = Link(0.0, 1e30)
+    profile = replace(_flat_profile(), expert_gemm_half_rows=64.0,
+                      links={"nvlink": free, "network": free})
+    one = predict_step(_ep_request(fused_grad_accumulation=fused), profile, cuda_graphs=True)
+    two = predict_step(_ep_request(ep_overlap_chunks=2, fused_grad_accumulation=fused), profile,
+                       cuda_graphs=True)
+    assert two.compute["expert_gemm"] == pytest.approx(ratio * one.compute["expert_gemm"],
+                                                       rel=1e-12)

@@ -110,7 +110,7 @@ def comm_stream(device: torch.device, comm_sms: int | None) -> torch.cuda.Stream
         else:
             from torch.cuda.green_contexts import GreenContext
 
-            context = GreenContext(num_sms=comm_sms, device_id=index)
+            context = GreenContext.create(num_sms=comm_sms, device_id=index)  # older torch: create only
             _green_contexts.append(context)
             _comm_streams[key] = context.Stream()
     return _comm_streams[key]
