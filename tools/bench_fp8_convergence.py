@@ -20,12 +20,15 @@ mxfp8.gemm=<--gemm>``. Each recipe's run directory is ``<run-root>/<recipe>``; i
 The default config, ``fp8-conv-450m``, is ``bench-1gpu``'s shapes (d_model 2048, 16
 heads, expert hidden 1024) with 4 layers of 16 experts, top-4: 446M parameters, 143M
 active, 64 Ki tokens per step (32 x 2048), AdamW at 1e-3 (not tuned), 100 warm-up
-steps, cosine to 0.1 over 2,000 steps. Its data is real text: the embedded corpus (this
-interpreter's standard-library sources, about 31 MB) written as byte tokens by the
+steps, cosine to 0.1 over 2,000 steps. Its data is real text: this interpreter's Python
+sources, the standard library's and the installed packages' (``python_sources``; beside
+torch 2.11 and its dependencies about 430M byte tokens) written as byte tokens by the
 app's ``prepare-data`` (``pretrain.data.prepare_data``), every ``HELD_OUT_EVERY``-th
-file (5%) held out, so the held-out loss scores files the model never trained on
-(about 4 epochs of the rest in 2,000 steps). ``--corpus`` names other text, ``--data``
-/ ``--val-data`` prepared token directories.
+file (5%) held out, so the held-out loss scores files the model never trained on.
+2,000 steps read 131M tokens, under one pass; a run that would read its training data
+more than once is refused (``--allow-repeat`` to run it anyway): repeated data turns the
+comparison into one of memorisation. ``--corpus`` names other text, ``--data`` /
+``--val-data`` prepared token directories.
 
 GPU time, an estimate (not measured): 6 x 143M active parameters + attention = 0.96
 GFLOP per token; at bench-1gpu's measured model FLOP rate (106.4k tokens/s x 4.56 GFLOP

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -66,3 +67,25 @@ def test_refusals():
     stage.embed = None
     with pytest.raises(ValueError, match="whole model"):
         PromptSamples(["x"], 4, BYTES, None)(stage, 1)
+
+
+def test_samples_drop_no_prompt_token_whatever_the_training_capacity():
+    """A capacity sized for training batches drops slots of a short prefill; the samples
+    are those of the same weights run dropless, as inference runs them, and the training
+    capacity is back afterwards."""
+    tight = dataclasses.replace(CFG, capacity_factor=0.5)
+    m = MoETransformer(tight)
+    init_weights(m, tight, seed=5)
+    dropless = MoETransformer(CFG)
+    dropless.load_state_dict(m.state_dict())
+    prompt = "def f(x): return x"
+    ids = list(prompt.encode())
+    with torch.no_grad():
+        m.eval(), dropless.eval()
+        assert not torch.equal(m(torch.tensor([ids])), dropless(torch.tensor([ids])))  # it drops
+        m.train()
+    want = _greedy_without_cache(dropless, ids, 8)
+    want = want[:want.index(256)] if 256 in want else want
+    samples = PromptSamples([prompt], 8, BYTES, None)
+    assert samples(m, 1)[0]["completion"] == samples.tokenizer.decode(want)
+    assert {b.mlp.dispatcher.capacity_factor for b in m.blocks.values()} == {0.5}

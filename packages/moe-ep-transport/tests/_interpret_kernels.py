@@ -68,6 +68,87 @@ def check_put_rows() -> None:
                     assert torch.equal(rank_N[live], want_rank[live]) and torch.equal(at_N[live], want_at[live])
 
 
+def check_put_rows_clears() -> None:
+    # clear_N zeroes this rank's own rows where it is negative, in the put's launch; a put
+    # of no rows still clears.
+    gen = torch.Generator().manual_seed(8)
+    offset, W = 64, 5
+    for n_put in (6, 0):
+        slabs = [torch.full((offset + 10 * W * 4,), 7, dtype=torch.uint8) for _ in range(2)]
+        table = torch.tensor([s.data_ptr() for s in slabs])
+        src = torch.randint(0, 99, (n_put, W), generator=gen, dtype=torch.int32)
+        dst_rank, dst_row = torch.tensor([0, 1, 1, 0, 1, 1])[:n_put], torch.tensor([9, 2, 3, 8, 0, 1])[:n_put]
+        clear = torch.tensor([-1, 0, 1, -1, -1, 1, 1, 1, -1, 1])
+        want = [s.clone() for s in slabs]
+        for i in range(n_put):
+            want[int(dst_rank[i])][offset:].view(torch.int32).view(10, W)[dst_row[i]] = src[i]
+        want[1][offset:].view(torch.int32).view(10, W)[clear < 0] = 0
+        kernels.put_rows(src, dst_rank, dst_row, table, byte_offset=offset, me=1, clear_N=clear)
+        assert all(torch.equal(a, b) for a, b in zip(slabs, want, strict=True)), n_put
+
+
+def check_planning_puts() -> None:
+    # The put and receive kernels planning the rows themselves (RoutePlan.pending) store what
+    # plan_rows stores and move the rows as with a planned route; with drops, token inbox.
+    from moe_ep_transport import plan_reference
+    from moe_ep_transport.plan import PendingRows
+
+    gen = torch.Generator().manual_seed(10)
+    M, E, k, T, C, me, W = 2, 8, 4, 9, 16, 1, 6
+    ids = [torch.topk(torch.randn(T, E, generator=gen) + torch.linspace(3, 0, E), k).indices.reshape(-1)
+           for _ in range(M)]
+    slots = [plan_reference.rank_slots_reference(i, E) for i in ids]
+    counts = torch.stack([s.counts_E for s in slots])
+    cells = plan_reference.plan_cells_reference(counts, C, 5, me)
+    want_rank, want_row, want_src = plan_reference.plan_rows_reference(ids[me], slots[me], cells, M, C)
+    assert bool((want_rank < 0).any()), "the case drops slots"
+    src = torch.randint(0, 99, (T, W), generator=gen, dtype=torch.int32)
+    results = []
+    for pending in (None, PendingRows(ids[me], slots[me], cells, M)):
+        slabs = [torch.zeros(C * 8 + M * T * W * 4, dtype=torch.uint8) for _ in range(M)]
+        table = torch.tensor([s.data_ptr() for s in slabs])
+        rank, row = (want_rank, want_row) if pending is None else (torch.full_like(want_rank, 7), torch.zeros_like(want_row))
+        local = torch.zeros(C, W, dtype=torch.int32)
+        kernels.put_rows(src, rank, row, table, per_src=k, byte_offset=C * 8, me=me, local_dst=local,
+                         meta_N=torch.arange(T * k), inbox_stride=T, plan=pending)
+        row_src = want_src if pending is None else torch.full_like(want_src, 7)
+        out = local.clone()
+        inbox = slabs[me][C * 8:].view(torch.int32).view(M * T, W)
+        kernels.finish_receive(out, inbox, row_src, me, slabs[me][: C * 8].view(torch.int64), None, k, T,
+                               plan=pending)
+        results.append((rank, row, row_src, out, *slabs))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def check_receive_grads() -> None:
+    # One pass = finish_receive, then combine_grads with one slot per row: the same bits as
+    # combine_grads' kernel over the received rows (a -0.0 gradient included), the reference's
+    # within rounding; padding rows unset.
+    gen = torch.Generator().manual_seed(11)
+    C, D, me, T = 9, 33, 1, 3
+    row_src = torch.tensor([0, 1, 1, 2, 0, 2, -1, -1, 0])
+    origin = torch.randint(0, 2 * T, (C,), generator=gen)
+    for stride in (0, T):
+        inbox = torch.randn(max(C, 3 * T), D, generator=gen)
+        inbox[:, 0] = -0.0
+        local = torch.randn(C, D, generator=gen)
+        w = torch.rand(C, generator=gen)
+        rows = torch.randn(C, D, generator=gen)
+        g = local.clone()
+        ops.finish_receive_reference(g, inbox, row_src, me, origin, None, 2, stride)
+        want_scaled, want_w = kernels.combine_grads(g, w, rows, torch.float32, True)
+        ref_scaled, ref_w = ops.combine_grads_reference(g, w, rows, torch.float32, True)
+        scaled, grad_w = kernels.receive_grads(local, inbox, row_src, origin, me, w, rows, True, 2, stride)
+        valid = row_src >= 0
+        assert torch.equal(scaled[valid], want_scaled[valid]), stride
+        assert torch.equal(scaled[valid].signbit(), ref_scaled[valid].signbit()), stride
+        assert torch.equal(grad_w[valid], want_w[valid]), stride
+        assert torch.allclose(grad_w[valid], ref_w[valid], rtol=1e-5, atol=1e-5), stride
+        only_w = kernels.receive_grads(local, inbox, row_src, origin, me, w, rows, False, 2, stride)
+        assert only_w[0] is None and torch.equal(only_w[1][valid], grad_w[valid])
+
+
 def check_finish_receive() -> None:
     gen = torch.Generator().manual_seed(1)
     out = torch.randint(0, 9, (9, 33), generator=gen, dtype=torch.int32)
@@ -140,8 +221,8 @@ def check_combine_grads() -> None:
     w, rows = torch.rand(6, generator=gen), torch.randn(6, D, generator=gen)
     scaled, grad_w = torch.full((6, D), 7.0), torch.full((6,), 7.0)
     kernels._combine_grads_kernel[(6,)](
-        g, w, rows, scaled, grad_w, D, torch.tensor([4], dtype=torch.int32),
-        K=1, SCALED=True, GRAD_W=True, BLOCK_W=64, HAS_BOUND=True)
+        g, w, rows, scaled, grad_w, D, torch.tensor([4], dtype=torch.int32), g, w, w, 0, 0,
+        K=1, SCALED=True, GRAD_W=True, BLOCK_W=64, HAS_BOUND=True, RECEIVE=False, PER_SRC=1, DEDUP=False)
     want_scaled, want_w = ops.combine_grads_reference(g[:4], w[:4], rows[:4], torch.float32, True)
     assert torch.equal(scaled[:4], want_scaled) and torch.allclose(grad_w[:4], want_w, rtol=1e-5, atol=1e-4)
     assert (scaled[4:] == 7.0).all() and (grad_w[4:] == 7.0).all(), "a token past the bound was written"
@@ -168,6 +249,16 @@ def check_scan_blocks() -> None:
     hist = torch.randint(0, 9, (37, 5), generator=torch.Generator().manual_seed(4), dtype=torch.int32)
     for chunk in (8, 64):
         assert torch.equal(plan_kernels.scan_blocks(hist, chunk), hist.cumsum(0, dtype=torch.int32)), chunk
+    # Publishing: the totals land in row `me` of an int32 [M, E] table at each rank's address.
+    for M, me in ((3, 1), (1, 0)):
+        slabs = [torch.full((32 + M * 5 * 4,), 7, dtype=torch.uint8) for _ in range(M)]
+        want = [s.clone() for s in slabs]
+        for w in want:
+            w[32:].view(torch.int32).view(M, 5)[me] = hist.sum(0, dtype=torch.int32)
+        table = torch.tensor([s.data_ptr() for s in slabs])
+        cum = plan_kernels.scan_blocks(hist, 8, plan_kernels.CountPublish(table, 32, me))
+        assert torch.equal(cum, hist.cumsum(0, dtype=torch.int32))
+        assert all(torch.equal(a, b) for a, b in zip(slabs, want, strict=True)), (M, me)
 
 
 def check_signal_barrier() -> None:
@@ -182,6 +273,21 @@ def check_signal_barrier() -> None:
     flags[1][0] = 2
     kernels.signal_barrier(epoch, table, 1)
     assert int(epoch) == 2 and [int(f[1]) for f in flags] == [2, 2, 2]
+
+
+def check_plan_cells_passes_the_barrier() -> None:
+    # The cell kernel with a wait: the flag barrier first (rank 1 of 3, the others already
+    # announced it), the cells as without; the reference path launches the barrier alone.
+    counts_ME = torch.randint(0, 9, (3, 6), generator=torch.Generator().manual_seed(9), dtype=torch.int32)
+    want = ops.plan_cells_reference(counts_ME, 10, 3, 1)
+    for backend in ("triton", "reference"):
+        flags = [torch.zeros(3, dtype=torch.int64) for _ in range(3)]
+        flags[1][0] = flags[1][2] = 5
+        epoch = torch.tensor([4])
+        wait = ops.PeerWait(epoch, torch.tensor([f.data_ptr() for f in flags]), 1)
+        cells = ops.plan_cells(counts_ME, 10, 3, 1, wait=wait, backend=backend)
+        assert all(torch.equal(a, b) for a, b in zip(cells, want, strict=True)), backend
+        assert int(epoch) == 5 and [int(f[1]) for f in flags] == [5, 5, 5], backend
 
 
 def check_weights_in_metadata() -> None:
@@ -299,6 +405,9 @@ def check_any_strides() -> None:
 
 if __name__ == "__main__":
     check_put_rows()
+    check_put_rows_clears()
+    check_planning_puts()
+    check_receive_grads()
     check_weights_in_metadata()
     check_finish_receive()
     check_topk_gather_sum()
@@ -306,6 +415,7 @@ if __name__ == "__main__":
     check_any_strides()
     check_scan_blocks()
     check_signal_barrier()
+    check_plan_cells_passes_the_barrier()
     check_plan_kernels("cpu")
     check_partial_kernels("cpu", torch.float32)
     print("kernels ok")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,16 @@ from _oracle import BytesCodec, check_partial_kernels, check_plan_kernels  # noq
 from moe_ep_transport import EPConfig, EPDispatcher, EPOverflowError, make_transport, ops  # noqa: E402
 
 E, K, D, T = 64, 8, 1024, 2048
+
+
+def _warm_up_on_a_side_stream(fn: Callable[[], object]) -> None:
+    """Run ``fn`` once on a side stream, as CUDA graph capture wants it warmed up."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
 
 
 def _experts(rows_CD: torch.Tensor, scale_L: torch.Tensor, offsets_L: torch.Tensor) -> torch.Tensor:
@@ -134,12 +145,7 @@ def _graph_replay() -> bool:
             return dispatcher.combine(rows, w, handle)
 
     want = step()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    _warm_up_on_a_side_stream(step)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         got = [step(), step()]  # an even number of slab phases: replays alternate like eager calls
@@ -211,12 +217,7 @@ def _forward_replays(dispatcher: EPDispatcher, inputs: list, want_y: torch.Tenso
         with torch.no_grad():
             return dispatcher.run_experts(x, ids, w, lambda rows, offsets: _experts(rows, scale, offsets))[0]
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        forward()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    _warm_up_on_a_side_stream(forward)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"), dispatcher.transport.replayable():
         y = forward()

@@ -15,3 +15,10 @@ pytest.importorskip("triton")
 def test_kernels_match_torch_under_interpreter() -> None:
     out = run_under_triton_interpreter(Path(__file__).with_name("_interpret_kernels.py"))
     assert "kernels ok" in out
+
+
+@pytest.mark.slow
+@pytest.mark.interpreter
+def test_gpu_path_on_rank_threads_matches_the_reference_ops() -> None:
+    out = run_under_triton_interpreter(Path(__file__).with_name("_fused_path_interpret.py"))
+    assert "fused path ok" in out

@@ -37,19 +37,25 @@ def _count(ptx: str, op: str) -> int:
 _PUT_SIGNATURE = {
     "src_ptr": "*i32", "dst_rank_ptr": "*i64", "dst_row_ptr": "*i64",
     "table_ptr": "*i64", "byte_offset": "i32", "local_addr": "i64", "me": "i32", "meta_src_ptr": "*i64", "meta_w_ptr": "*fp32",
-    "n_rows": "i32", "width": "i32", "inbox_stride": "i32", "PER_SRC": "constexpr", "DEDUP": "constexpr",
+    "n_rows": "i32", "width": "i32", "inbox_stride": "i32", "clear_ptr": "*i64", "n_clear": "i32",
+    "put_programs": "i32", "expert_ptr": "*i64", "rank_in_block_ptr": "*i32", "cum_ptr": "*i32",
+    "cell_table_ptr": "*i64", "n_ranks": "i32", "n_experts": "i32", "PER_SRC": "constexpr", "DEDUP": "constexpr",
     "HAS_LOCAL": "constexpr", "SKIP_LOCAL": "constexpr", "HAS_META": "constexpr", "HAS_META_W": "constexpr",
-    "BLOCK_R": "constexpr",
+    "CLEAR": "constexpr", "PLAN": "constexpr", "SLOT_BLOCK": "constexpr", "BLOCK_R": "constexpr",
     "BLOCK_W": "constexpr",
 }
 
 
-@pytest.mark.parametrize("local,skip,meta,dedup", [(True, False, True, True), (False, True, False, False)])
+@pytest.mark.parametrize("local,skip,meta,dedup,clear,plan", [(True, False, True, True, False, True),
+                                                              (True, False, True, True, False, False),
+                                                              (False, True, False, False, False, False),
+                                                              (False, False, False, False, True, False)])
 def test_put_rows_stores_128_bit_vectors_through_peer_pointers(
-    local: bool, skip: bool, meta: bool, dedup: bool
+    local: bool, skip: bool, meta: bool, dedup: bool, clear: bool, plan: bool
 ) -> None:
     consts = {"HAS_LOCAL": local, "SKIP_LOCAL": skip, "HAS_META": meta, "BLOCK_R": 4, "BLOCK_W": 1024,
-              "PER_SRC": 8 if dedup else 1, "DEDUP": dedup, "HAS_META_W": meta}
+              "PER_SRC": 8 if dedup else 1, "DEDUP": dedup, "HAS_META_W": meta, "CLEAR": clear, "PLAN": plan,
+              "SLOT_BLOCK": 128}
     ptx = _ptx(kernels._put_rows_kernel, _PUT_SIGNATURE, consts, aligned=("width", "byte_offset", "local_addr"),
                num_warps=8)
     assert _count(ptx, "st.global.v4.b32") > 0 and _count(ptx, "st.global.b32") == 0
@@ -75,11 +81,19 @@ def test_plan_kernels_compile_for_hopper() -> None:
          {"expert_ptr": "*i64", "rank_ptr": "*i32", "hist_ptr": "*i32", "n_slots": "i32", "n_experts": "i32",
           "BLOCK_S": "constexpr", "E_P": "constexpr"},
          {"BLOCK_S": 128, "E_P": 64}, aligned=(), num_warps=4)
-    _ptx(plan_kernels._plan_cells_kernel,
-         {"counts_ptr": "*i32", "stats_ptr": "*i64", "table_ptr": "*i64", "recv_ptr": "*i64",
-          "offsets_ptr": "*i32", "capacity": "i32", "salt": "i32", "me": "i32", "n_ranks": "i32",
-          "n_experts": "i32", "M_P": "constexpr", "E_P": "constexpr"},
-         {"M_P": 2, "E_P": 64}, aligned=(), num_warps=4)
+    cells = _ptx(plan_kernels._plan_cells_kernel,
+                 {"counts_ptr": "*i32", "stats_ptr": "*i64", "table_ptr": "*i64", "recv_ptr": "*i64",
+                  "offsets_ptr": "*i32", "sum_ptr": "*i64", "capacity": "i32", "salt": "i32", "me": "i32",
+                  "n_ranks": "i32", "n_experts": "i32", "epoch_ptr": "*i64", "flag_table_ptr": "*i64",
+                  "M_P": "constexpr", "E_P": "constexpr", "ACCUMULATE": "constexpr", "WAIT": "constexpr",
+                  "FLAGS_P": "constexpr"},
+                 {"M_P": 2, "E_P": 64, "ACCUMULATE": True, "WAIT": True, "FLAGS_P": 2}, aligned=(), num_warps=4)
+    _assert_system_scope_barrier(cells)  # the count exchange's barrier, passed by the cell kernel
+    _ptx(plan_kernels._cumsum_blocks_kernel,
+         {"hist_ptr": "*i32", "cum_ptr": "*i32", "n_blocks": "i32", "n_experts": "i32", "table_ptr": "*i64",
+          "byte_offset": "i32", "me": "i32", "n_ranks": "i32", "CHUNK": "constexpr", "PUBLISH": "constexpr",
+          "M_P": "constexpr"},
+         {"CHUNK": 1024, "PUBLISH": True, "M_P": 2}, aligned=(), num_warps=4)
     _ptx(plan_kernels._plan_rows_kernel,
          {"expert_ptr": "*i64", "rank_in_block_ptr": "*i32", "cum_ptr": "*i32", "table_ptr": "*i64",
           "recv_end_ptr": "*i64", "dst_rank_ptr": "*i64", "dst_row_ptr": "*i64", "row_src_ptr": "*i64",
@@ -93,6 +107,10 @@ def test_signal_barrier_orders_at_system_scope() -> None:
     ptx = _ptx(kernels._signal_barrier_kernel,
                {"epoch_ptr": "*i64", "flag_table_ptr": "*i64", "me": "i32", "n_ranks": "i32", "M_P": "constexpr"},
                {"M_P": 2}, aligned=(), num_warps=1)
+    _assert_system_scope_barrier(ptx)
+
+
+def _assert_system_scope_barrier(ptx: str) -> None:
     atoms = re.findall(r"atom\.[\w.]+", ptx)
     assert any("release" in a and "sys" in a and "exch" in a for a in atoms), atoms
     assert any("acquire" in a and "sys" in a and "add" in a for a in atoms), atoms
@@ -112,12 +130,22 @@ def test_destination_sum_kernels_lower_for_hopper() -> None:
          {"partials_ptr": "*fp32", "dst_rank_ptr": "*i64", "y_ptr": "*bf16", "n_ranks": "i32",
           "max_tokens": "i32", "width": "i32", "K": "constexpr", "BLOCK_W": "constexpr"},
          {"K": 8, "BLOCK_W": 1024}, num_warps=4, enable_fp_fusion=False)
+    _ptx(kernels._combine_grads_kernel,  # combine's backward reading the received token gradients
+         {"g_ptr": "*bf16", "w_ptr": "*fp32", "rows_ptr": "*bf16", "scaled_ptr": "*bf16", "grad_w_ptr": "*fp32",
+          "width": "i32", "bound_ptr": "*fp32", "inbox_ptr": "*bf16", "row_src_ptr": "*i64", "origin_ptr": "*i64",
+          "me": "i32", "inbox_stride": "i32", "K": "constexpr", "SCALED": "constexpr", "GRAD_W": "constexpr",
+          "BLOCK_W": "constexpr", "HAS_BOUND": "constexpr", "RECEIVE": "constexpr", "PER_SRC": "constexpr",
+          "DEDUP": "constexpr"},
+         {"K": 1, "SCALED": True, "GRAD_W": True, "BLOCK_W": 1024, "HAS_BOUND": False, "RECEIVE": True,
+          "PER_SRC": 8, "DEDUP": True},
+         num_warps=4)
     _ptx(kernels._finish_receive_kernel,
          {"out_ptr": "*i32", "inbox_ptr": "*i32", "row_src_ptr": "*i64", "origin_in_ptr": "*i64",
           "origin_out_ptr": "*i64", "slot_rows_ptr": "*i64", "w_out_ptr": "*fp32", "max_slots": "i32", "me": "i32",
-          "n_rows": "i32", "width": "i32", "inbox_stride": "i32", "PER_SRC": "constexpr", "DEDUP": "constexpr",
-          "COPY_ORIGIN": "constexpr", "SLOT_ROWS": "constexpr", "W_OUT": "constexpr", "BLOCK_R": "constexpr",
-          "BLOCK_W": "constexpr"},
-         {"PER_SRC": 8, "DEDUP": True, "COPY_ORIGIN": True, "SLOT_ROWS": True, "W_OUT": True, "BLOCK_R": 4,
-          "BLOCK_W": 1024},
+          "n_rows": "i32", "width": "i32", "inbox_stride": "i32", "recv_end_ptr": "*i64", "n_ranks": "i32",
+          "n_experts": "i32", "PER_SRC": "constexpr", "DEDUP": "constexpr",
+          "COPY_ORIGIN": "constexpr", "SLOT_ROWS": "constexpr", "W_OUT": "constexpr", "ROW_SRC": "constexpr",
+          "E_P": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
+         {"PER_SRC": 8, "DEDUP": True, "COPY_ORIGIN": True, "SLOT_ROWS": True, "W_OUT": True, "ROW_SRC": True,
+          "E_P": 64, "BLOCK_R": 4, "BLOCK_W": 1024},
          num_warps=8)

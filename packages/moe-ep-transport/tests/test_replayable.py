@@ -31,9 +31,10 @@ def _phases_and_barriers() -> dict:
     data = make_data([T, T], E, K, D, torch.float32, seed=3, skew=1.0)
     x, ids, w = data.x[rank], data.ids[rank], data.w[rank]
     transport = make_transport("rowwise", cfg, dtype=torch.float32)
-    barriers = []
-    barrier = transport.memory.barrier
+    barriers = []  # a barrier of its own, or one the next kernel passes (deferred)
+    barrier, deferred = transport.memory.barrier, transport.memory.deferred_barrier
     transport.memory.barrier = lambda: barriers.append(transport.phase) or barrier()
+    transport.memory.deferred_barrier = lambda: barriers.append(transport.phase) or deferred()
     d = EPDispatcher(cfg, transport)
     out = {}
 

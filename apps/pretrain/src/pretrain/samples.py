@@ -12,8 +12,10 @@ it at the same step: each generates the same fixed number of tokens, so the
 ranks of an expert-parallel group run the same forwards together (a rank that
 stopped early at its end of text would leave the others waiting). Only the rank
 given a ``path`` writes. A pipeline stage holds no whole model and is refused.
-The model's training mode is left as it is; the forwards run without gradients
-and record no routing statistics.
+The model's training mode is left as it is; the forwards run without gradients,
+record no routing statistics and drop no slot (``moe_model.dropless_dispatch``: a
+training capacity would drop prefill tokens of a short prompt, which inference
+does not).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from moe_model import MoETransformer, generate
+from moe_model import MoETransformer, dropless_dispatch, generate
 
 from pretrain.tokenizer_files import TokenizerError, load_tokenizer
 
@@ -56,7 +58,8 @@ class PromptSamples:
         device = next(model.parameters()).device
         records = []
         for prompt, ids in zip(self.prompts, self.ids, strict=True):
-            new = generate(model, torch.tensor([ids], device=device), self.max_new_tokens)[0].tolist()
+            with dropless_dispatch(model):  # as inference runs it: no prompt token dropped
+                new = generate(model, torch.tensor([ids], device=device), self.max_new_tokens)[0].tolist()
             if self.eos_id is not None and self.eos_id in new:
                 new = new[:new.index(self.eos_id)]
             records.append({"step": step, "prompt": prompt, "completion": self.tokenizer.decode(new)})

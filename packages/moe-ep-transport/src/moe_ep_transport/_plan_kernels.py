@@ -1,4 +1,4 @@
-"""Triton kernels of the routing plan: three launches instead of a hundred small ops.
+"""Triton kernels of the routing plan: four launches instead of a hundred small ops.
 
 Each kernel computes exactly the integers of its PyTorch definition in
 :mod:`moe_ep_transport.plan_reference` (shape legend there); tests compare them
@@ -12,11 +12,15 @@ nowhere (the CPU path raises). The kernels never address memory with them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from moe_ep_transport import overflow
+from moe_ep_transport._kernel_parts import peer_barrier, receive_source, slot_destination
+from moe_ep_transport.ops import PeerWait
 from moe_ep_transport.plan_reference import CellPlan, SlotRanks, next_power_of_2, slot_block
 
 _PRIME = tl.constexpr(overflow.HASH_PRIME)
@@ -47,7 +51,8 @@ def _rank_slots_kernel(expert_ptr, rank_ptr, hist_ptr, n_slots, n_experts,
 
 
 @triton.jit
-def _cumsum_blocks_kernel(hist_ptr, cum_ptr, n_blocks, n_experts, CHUNK: tl.constexpr):
+def _cumsum_blocks_kernel(hist_ptr, cum_ptr, n_blocks, n_experts, table_ptr, byte_offset, me, n_ranks,
+                          CHUNK: tl.constexpr, PUBLISH: tl.constexpr, M_P: tl.constexpr):
     # Program e scans column e of hist[B, E] over the blocks, CHUNK blocks at a time with a
     # carry (torch's dim-0 scan of the narrow [B, E] took 0.36 ms at 256 Ki slots).
     e = tl.program_id(0)
@@ -58,13 +63,22 @@ def _cumsum_blocks_kernel(hist_ptr, cum_ptr, n_blocks, n_experts, CHUNK: tl.cons
         h = tl.load(hist_ptr + b * n_experts + e, mask=live, other=0)
         tl.store(cum_ptr + b * n_experts + e, tl.cumsum(h, axis=0) + carry, mask=live)
         carry += tl.sum(h, axis=0)
+    if PUBLISH:  # the count exchange's put: the total into int32 [M, E] row `me` of every rank's slab
+        r = tl.arange(0, M_P)
+        peer = r < n_ranks
+        slab = tl.load(table_ptr + r, mask=peer, other=0) + byte_offset
+        counts = slab.to(tl.pointer_type(tl.int32)) + me * n_experts + e
+        tl.store(counts, tl.zeros([M_P], dtype=tl.int32) + carry, mask=peer)
 
 
 @triton.jit
-def _plan_cells_kernel(counts_ptr, stats_ptr, table_ptr, recv_ptr, offsets_ptr,
-                       capacity, salt, me, n_ranks, n_experts,
-                       M_P: tl.constexpr, E_P: tl.constexpr):
+def _plan_cells_kernel(counts_ptr, stats_ptr, table_ptr, recv_ptr, offsets_ptr, sum_ptr,
+                       capacity, salt, me, n_ranks, n_experts, epoch_ptr, flag_table_ptr,
+                       M_P: tl.constexpr, E_P: tl.constexpr, ACCUMULATE: tl.constexpr, WAIT: tl.constexpr,
+                       FLAGS_P: tl.constexpr):
     # One program; element (r, j) is destination r's cell j = l*M + s (its receive order).
+    if WAIT:  # the count exchange's barrier (the counts are in this rank's slab after it)
+        peer_barrier(epoch_ptr, flag_table_ptr, me, n_ranks, FLAGS_P)
     M = n_ranks
     E = n_experts
     zero = tl.zeros([M_P, E_P], dtype=tl.int64)
@@ -74,7 +88,7 @@ def _plan_cells_kernel(counts_ptr, stats_ptr, table_ptr, recv_ptr, offsets_ptr,
     g = r * (E // M) + j // M
     live = (r < M) & (j < E)
     flat = s * E + g  # index in [source, expert] order
-    c = tl.load(counts_ptr + flat, mask=live, other=0).to(tl.int64)
+    c = tl.load(counts_ptr + flat, mask=live, other=0, volatile=WAIT).to(tl.int64)  # peers stored them
 
     # overflow.counts_seed
     terms = tl.where(live, (c % _PRIME) * _mix(_mix(_START, flat), salt) % _PRIME, 0)
@@ -99,6 +113,9 @@ def _plan_cells_kernel(counts_ptr, stats_ptr, table_ptr, recv_ptr, offsets_ptr,
 
     tl.store(stats_ptr + flat, c, mask=live)
     tl.store(stats_ptr + M * E + flat, kept, mask=live)
+    if ACCUMULATE:  # the running telemetry (one program: a plain read-add-write)
+        tl.store(sum_ptr + flat, tl.load(sum_ptr + flat, mask=live, other=0) + c, mask=live)
+        tl.store(sum_ptr + M * E + flat, tl.load(sum_ptr + M * E + flat, mask=live, other=0) + kept, mask=live)
     mine = live & (s == me)
     start = _mix(_mix(_mix(_START, seed), s), g) % tl.maximum(c, 1)
     tl.store(table_ptr + g, c, mask=mine)
@@ -117,36 +134,27 @@ def _plan_rows_kernel(expert_ptr, rank_in_block_ptr, cum_ptr, table_ptr, recv_en
                       n_slots, n_rows, n_ranks, n_experts,
                       BLOCK: tl.constexpr, E_P: tl.constexpr):
     # Program b plans slot block b (the block of _rank_slots_kernel) and receive rows [b*BLOCK, ...).
-    b = tl.program_id(0)
-    E = n_experts
-    slot = b * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = slot < n_slots
-    expert = tl.load(expert_ptr + slot, mask=live, other=-1).to(tl.int64)
-    ok = live & (expert >= 0) & (expert < E)
-    q = tl.load(rank_in_block_ptr + slot, mask=ok, other=0).to(tl.int64)
-    earlier = tl.load(cum_ptr + tl.maximum(b - 1, 0) * E + expert, mask=ok, other=0).to(tl.int64)
-    q += tl.where(b > 0, earlier, 0)
-    size = tl.maximum(tl.load(table_ptr + expert, mask=ok, other=1), 1)
-    drop = tl.load(table_ptr + E + expert, mask=ok, other=0)
-    start = tl.load(table_ptr + 2 * E + expert, mask=ok, other=0)
-    base = tl.load(table_ptr + 3 * E + expert, mask=ok, other=0)
-    # overflow.dropped_window; q - start lies in (-size, size)
-    offset = q - start
-    dropped = tl.where(offset < 0, offset + size, offset) < drop
-    first = tl.minimum(drop, size - start)
-    preceding = tl.minimum(q, drop - first) + tl.minimum(tl.maximum(offset, 0), first)
-    keep = ok & ~dropped
-    tl.store(dst_rank_ptr + slot, tl.where(keep, expert // (E // n_ranks), -1), mask=live)
-    tl.store(dst_row_ptr + slot, tl.where(keep, base + q - preceding, 0), mask=live)
-
-    rows = b * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, E_P)
-    ends = tl.load(recv_end_ptr + cols, mask=cols < E, other=n_rows)
-    cell = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int64), axis=1)
-    tl.store(row_src_ptr + rows, tl.where(cell < E, cell % n_ranks, -1), mask=rows < n_rows)
+    rank, row = slot_destination(expert_ptr, rank_in_block_ptr, cum_ptr, table_ptr, slot, live, n_ranks,
+                                 n_experts, BLOCK)
+    tl.store(dst_rank_ptr + slot, rank, mask=live)
+    tl.store(dst_row_ptr + slot, row, mask=live)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    source = receive_source(recv_end_ptr, rows, n_rows, n_ranks, n_experts, E_P)
+    tl.store(row_src_ptr + rows, source, mask=rows < n_rows)
 
 
-def rank_slots(expert_N: torch.Tensor, n_experts: int) -> SlotRanks:
+class CountPublish(NamedTuple):
+    """Where the block scan also stores this rank's counts: int32 row ``me`` of an ``[M, E]``
+    table at ``table_M[r] + byte_offset`` of every rank ``r`` (peer addresses)."""
+
+    table_M: torch.Tensor
+    byte_offset: int
+    me: int
+
+
+def rank_slots(expert_N: torch.Tensor, n_experts: int, publish: CountPublish | None = None) -> SlotRanks:
     n = expert_N.numel()
     block = slot_block(n_experts)
     n_blocks = max(1, triton.cdiv(n, block))
@@ -156,20 +164,27 @@ def rank_slots(expert_N: torch.Tensor, n_experts: int) -> SlotRanks:
         expert_N.contiguous(), rank_N, hist_BE, n, n_experts,
         BLOCK_S=block, E_P=next_power_of_2(n_experts), num_warps=4,
     )
-    return SlotRanks(rank_N, scan_blocks(hist_BE))
+    return SlotRanks(rank_N, scan_blocks(hist_BE, publish=publish))
 
 
-def scan_blocks(hist_BE: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """``hist_BE.cumsum(0)`` (int32) in one launch, ``chunk`` blocks per step of each column."""
+def scan_blocks(hist_BE: torch.Tensor, chunk: int = 1024, publish: CountPublish | None = None) -> torch.Tensor:
+    """``hist_BE.cumsum(0)`` (int32) in one launch, ``chunk`` blocks per step of each column;
+    with ``publish``, the totals (last row) are stored into every rank too, in the same launch."""
     n_blocks, n_experts = hist_BE.shape
     cum_BE = torch.empty_like(hist_BE)
+    table = publish.table_M.contiguous() if publish is not None else cum_BE
+    n_ranks = table.numel() if publish is not None else 1
     _cumsum_blocks_kernel[(n_experts,)](
-        hist_BE, cum_BE, n_blocks, n_experts, CHUNK=min(chunk, next_power_of_2(n_blocks)), num_warps=4,
+        hist_BE, cum_BE, n_blocks, n_experts, table, publish.byte_offset if publish else 0,
+        publish.me if publish else 0, n_ranks,
+        CHUNK=min(chunk, next_power_of_2(n_blocks)), PUBLISH=publish is not None,
+        M_P=max(2, next_power_of_2(n_ranks)), num_warps=4,
     )
     return cum_BE
 
 
-def plan_cells(counts_ME: torch.Tensor, capacity: int, salt: int, rank: int) -> CellPlan:
+def plan_cells(counts_ME: torch.Tensor, capacity: int, salt: int, rank: int,
+               stats_sum_2ME: torch.Tensor | None = None, wait: PeerWait | None = None) -> CellPlan:
     M, E = counts_ME.shape
     device = counts_ME.device
     cells = CellPlan(
@@ -178,9 +193,15 @@ def plan_cells(counts_ME: torch.Tensor, capacity: int, salt: int, rank: int) -> 
         torch.empty(2, E, dtype=torch.int64, device=device),
         torch.empty(E // M, dtype=torch.int32, device=device),
     )
+    if stats_sum_2ME is not None and (stats_sum_2ME.dtype != torch.int64 or not stats_sum_2ME.is_contiguous()):
+        raise ValueError(f"plan_cells: stats_sum_2ME must be contiguous int64 (written in place), got "
+                         f"{stats_sum_2ME.dtype} with strides {stats_sum_2ME.stride()}")
     _plan_cells_kernel[(1,)](
-        counts_ME.contiguous(), *cells, capacity, salt % overflow.HASH_PRIME, rank, M, E,
-        M_P=next_power_of_2(M), E_P=next_power_of_2(E), num_warps=4,
+        counts_ME.contiguous(), *cells, stats_sum_2ME if stats_sum_2ME is not None else cells.stats_2ME,
+        capacity, salt % overflow.HASH_PRIME, rank, M, E,
+        wait.epoch_1 if wait is not None else counts_ME, wait.flag_table_M.contiguous() if wait is not None else counts_ME,
+        M_P=next_power_of_2(M), E_P=next_power_of_2(E), ACCUMULATE=stats_sum_2ME is not None,
+        WAIT=wait is not None, FLAGS_P=max(2, next_power_of_2(M)), num_warps=4,
     )
     return cells
 

@@ -18,29 +18,65 @@ pointers so that its stores vectorise (128-bit; checked on the compiled PTX).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
+from moe_ep_transport._kernel_parts import barrier, receive_source, slot_destination
 from moe_ep_transport.ops import SlotTable
+from moe_ep_transport.plan_reference import next_power_of_2, slot_block
+
+if TYPE_CHECKING:
+    from moe_ep_transport.plan import PendingRows
 
 _MAX_BLOCK_W = 1024  # elements of one row chunk (4 KiB of 32-bit words)
 
 
 @triton.jit
+def _clear_rows(src_ptr, table_ptr, byte_offset, me, clear_ptr, n_clear, width, block,
+                BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    rows = block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < n_clear
+    zero = live & (tl.load(clear_ptr + rows, mask=live, other=0) < 0)
+    own = tl.load(table_ptr + me) + byte_offset
+    dst = tl.multiple_of(own.to(tl.pointer_type(src_ptr.dtype.element_ty)), 16) + rows * width
+    for c0 in range(0, width, BLOCK_W):
+        cols = c0 + tl.arange(0, BLOCK_W)
+        m = zero[:, None] & (cols < width)[None, :]
+        tl.store(dst[:, None] + cols[None, :], tl.zeros([BLOCK_R, BLOCK_W], dtype=src_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _put_rows_kernel(
     src_ptr, dst_rank_ptr, dst_row_ptr, table_ptr, byte_offset, local_addr, me,
-    meta_src_ptr, meta_w_ptr, n_rows, width, inbox_stride,
+    meta_src_ptr, meta_w_ptr, n_rows, width, inbox_stride, clear_ptr, n_clear, put_programs,
+    expert_ptr, rank_in_block_ptr, cum_ptr, cell_table_ptr, n_ranks, n_experts,
     PER_SRC: tl.constexpr, DEDUP: tl.constexpr, HAS_LOCAL: tl.constexpr, SKIP_LOCAL: tl.constexpr,
-    HAS_META: tl.constexpr, HAS_META_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    HAS_META: tl.constexpr, HAS_META_W: tl.constexpr, CLEAR: tl.constexpr, PLAN: tl.constexpr,
+    SLOT_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rank = tl.load(dst_rank_ptr + rows, mask=rows < n_rows, other=-1)
+    pid = tl.program_id(0)
+    if CLEAR:
+        if pid >= put_programs:  # the programs past the put zero this rank's own cleared rows
+            _clear_rows(src_ptr, table_ptr, byte_offset, me, clear_ptr, n_clear, width, pid - put_programs,
+                        BLOCK_R, BLOCK_W)
+            return
+    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < n_rows
+    if PLAN:  # plan step 3 here: each slot's destination, stored for the later phases
+        rank, dst_row = slot_destination(expert_ptr, rank_in_block_ptr, cum_ptr, cell_table_ptr, rows, live,
+                                         n_ranks, n_experts, SLOT_BLOCK)
+        tl.store(dst_rank_ptr + rows, rank, mask=live)
+        tl.store(dst_row_ptr + rows, dst_row, mask=live)
+    else:
+        rank = tl.load(dst_rank_ptr + rows, mask=live, other=-1)
+        dst_row = tl.load(dst_row_ptr + rows, mask=rank >= 0, other=0)
     ok = rank >= 0
     if SKIP_LOCAL:
         ok = ok & (rank != me)
     src_row = rows // PER_SRC
-    dst_row = tl.load(dst_row_ptr + rows, mask=ok, other=0)
     slab = tl.load(table_ptr + rank, mask=ok, other=0)
     at = dst_row
     store = ok
@@ -50,7 +86,11 @@ def _put_rows_kernel(
         remote = rank != me
         first = rows - rows % PER_SRC
         for jj in tl.static_range(PER_SRC):
-            earlier = tl.load(dst_rank_ptr + first + jj, mask=ok & (first + jj < rows), other=-1)
+            if PLAN:  # another program's slot: planned again here (its store may not have landed)
+                earlier, _ = slot_destination(expert_ptr, rank_in_block_ptr, cum_ptr, cell_table_ptr, first + jj,
+                                              ok & (first + jj < rows), n_ranks, n_experts, SLOT_BLOCK)
+            else:
+                earlier = tl.load(dst_rank_ptr + first + jj, mask=ok & (first + jj < rows), other=-1)
             store = store & ~(remote & (earlier == rank))
         at = tl.where(remote, me * inbox_stride + src_row, dst_row)
     addr = slab + byte_offset
@@ -74,13 +114,18 @@ def _put_rows_kernel(
 @triton.jit
 def _finish_receive_kernel(
     out_ptr, inbox_ptr, row_src_ptr, origin_in_ptr, origin_out_ptr, slot_rows_ptr, w_out_ptr, max_slots, me,
-    n_rows, width, inbox_stride,
+    n_rows, width, inbox_stride, recv_end_ptr, n_ranks, n_experts,
     PER_SRC: tl.constexpr, DEDUP: tl.constexpr, COPY_ORIGIN: tl.constexpr, SLOT_ROWS: tl.constexpr,
-    W_OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    W_OUT: tl.constexpr, ROW_SRC: tl.constexpr, E_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = rows < n_rows
-    src = tl.load(row_src_ptr + rows, mask=live, other=me)
+    if ROW_SRC:  # plan step 3's receive side here: each row's source, stored for the later phases
+        planned = receive_source(recv_end_ptr, rows, n_rows, n_ranks, n_experts, E_P)
+        tl.store(row_src_ptr + rows, planned, mask=live)
+        src = tl.where(live, planned, me)
+    else:
+        src = tl.load(row_src_ptr + rows, mask=live, other=me)
     remote = (src != me) & (src >= 0)
     write = remote | (src < 0)  # padding rows are written as zeros
     if DEDUP or COPY_ORIGIN or SLOT_ROWS or W_OUT:
@@ -131,8 +176,9 @@ def _topk_gather_sum_kernel(
 @triton.jit
 def _combine_grads_kernel(
     g_ptr, w_ptr, rows_ptr, scaled_ptr, grad_w_ptr, width, bound_ptr,
+    inbox_ptr, row_src_ptr, origin_ptr, me, inbox_stride,
     K: tl.constexpr, SCALED: tl.constexpr, GRAD_W: tl.constexpr, BLOCK_W: tl.constexpr,
-    HAS_BOUND: tl.constexpr,
+    HAS_BOUND: tl.constexpr, RECEIVE: tl.constexpr, PER_SRC: tl.constexpr, DEDUP: tl.constexpr,
 ):
     # Program t: the token's k scaled gradient rows and the k weight gradients, reading
     # the token's gradient once (eager PyTorch materialises two [T, k, D] FP32 tensors).
@@ -146,12 +192,24 @@ def _combine_grads_kernel(
         end = tl.load(bound_ptr).to(tl.int64)
         live = (t + slots) < end + slots  # a per-slot vector (a scalar mask trips the interpreter)
         limit = tl.where(t < end, width, 0)
+    g_row = g_ptr + t * width
+    if RECEIVE:  # K = 1 over receive rows: finish_receive's addressing, g_ptr holds this rank's own rows
+        src = tl.load(row_src_ptr + t)
+        remote = (src >= 0) & (src != me)
+        if DEDUP:
+            origin = tl.load(origin_ptr + t) & 0xFFFFFFFF
+            inbox_row = tl.where(remote, src * inbox_stride + origin // PER_SRC, 0)  # the token inbox row
+        else:
+            inbox_row = t
+        g_row = tl.where(remote, inbox_ptr + inbox_row * width, g_row)
+        live = (src + slots) >= slots  # padding rows (source -1) move no memory, results unset
+        limit = tl.where(src >= 0, width, 0)
     w = tl.load(w_ptr + t * K + slots, mask=live, other=0.0)
     dots = tl.zeros([K], dtype=acc_dtype)
     for c0 in range(0, width, BLOCK_W):
         cols = c0 + tl.arange(0, BLOCK_W)
         cm = cols < limit
-        g = tl.load(g_ptr + t * width + cols, mask=cm, other=0.0).to(acc_dtype)
+        g = tl.load(g_row + cols, mask=cm, other=0.0).to(acc_dtype)
         at = (t * K + slots)[:, None] * width + cols[None, :]
         m = cm[None, :] & (slots < K)[:, None]
         if SCALED:
@@ -165,22 +223,7 @@ def _combine_grads_kernel(
 
 @triton.jit
 def _signal_barrier_kernel(epoch_ptr, flag_table_ptr, me, n_ranks, M_P: tl.constexpr):
-    # One program: bump this rank's epoch, store it into slot `me` of every rank's flags
-    # (release at system scope: the puts of earlier kernels are visible before the flag),
-    # then spin until every rank's flag here reached the epoch (acquire).
-    epoch = tl.load(epoch_ptr) + 1
-    tl.store(epoch_ptr, epoch)
-    r = tl.arange(0, M_P)
-    live = r < n_ranks
-    peer_flags = tl.load(flag_table_ptr + r, mask=live, other=0).to(tl.pointer_type(tl.int64))
-    tl.atomic_xchg(peer_flags + me, tl.zeros([M_P], dtype=tl.int64) + epoch, mask=live, sem="release",
-                   scope="sys")
-    my_flags = tl.load(flag_table_ptr + me).to(tl.pointer_type(tl.int64))
-    waiting = 1
-    while waiting > 0:
-        seen = tl.atomic_add(my_flags + r, tl.zeros([M_P], dtype=tl.int64), mask=live, sem="acquire",
-                             scope="sys")
-        waiting = tl.sum((live & (seen < epoch)).to(tl.int32), axis=0)
+    barrier(epoch_ptr, flag_table_ptr, me, n_ranks, M_P)
 
 
 @triton.jit
@@ -260,6 +303,8 @@ def put_rows(
     meta_N: torch.Tensor | None = None,
     inbox_stride: int = 0,
     meta_w_N: torch.Tensor | None = None,
+    clear_N: torch.Tensor | None = None,
+    plan: PendingRows | None = None,
 ) -> None:
     """Row ``dst_row[i]`` at ``table[dst_rank[i]] + byte_offset`` becomes ``src[i // per_src]``.
 
@@ -270,25 +315,43 @@ def put_rows(
     slab's start. With ``inbox_stride=S > 0`` a row for another rank goes there once
     per source row, to row ``me * S + i // per_src`` (its token inbox), not ``dst_row``.
     With ``meta_w_N`` (float32), the metadata is ``ops.pack_meta(meta, meta_w)``.
+    With ``clear_N`` (integers), row ``i`` at ``table[me] + byte_offset`` is zeroed where
+    ``clear_N[i] < 0``, in the same launch (rows no put writes, e.g. the dropped slots a
+    return leaves empty). With ``plan`` (plan step 3's inputs), ``dst_rank_N`` and
+    ``dst_row_N`` are outputs: the kernel plans each slot's destination
+    (``plan_reference.plan_rows_reference``, bit for bit), stores it there and puts the row.
     """
     if local_dst is not None and skip_local:
         raise ValueError("put_rows: local_dst and skip_local exclude each other")
+    if clear_N is not None and me < 0:
+        raise ValueError("put_rows: clear_N zeroes rows of rank `me`, which must be given")
     _check_written("put_rows: local_dst", local_dst)
     n = dst_rank_N.numel()
-    if n == 0:
+    n_clear = clear_N.numel() if clear_N is not None else 0
+    if n == 0 and n_clear == 0:
         return
     width = src_SW.shape[1]
     dst_row_N = dst_row_N.contiguous()
     block_r = 4
-    _put_rows_kernel[(triton.cdiv(n, block_r),)](
-        src_SW.contiguous(), dst_rank_N.contiguous(), dst_row_N, table_M.contiguous(), byte_offset,
-        local_dst.data_ptr() if local_dst is not None else 0, me,
+    put_programs = triton.cdiv(n, block_r)
+    if plan is not None:
+        _check_written("put_rows: dst_rank_N (planned)", dst_rank_N)
+        _check_written("put_rows: dst_row_N (planned)", dst_row_N)
+        E = plan.cells.slot_table_4E.shape[1]
+        planning = (plan.expert_N.contiguous(), plan.slots.rank_in_block_N, plan.slots.cum_BE,
+                    plan.cells.slot_table_4E, plan.ep_size, E)
+    else:
+        E, planning = 1, (dst_row_N, dst_row_N, dst_row_N, dst_row_N, 1, 1)
+    _put_rows_kernel[(put_programs + triton.cdiv(n_clear, block_r),)](
+        src_SW.contiguous(), dst_rank_N if plan is not None else dst_rank_N.contiguous(), dst_row_N,
+        table_M.contiguous(), byte_offset, local_dst.data_ptr() if local_dst is not None else 0, me,
         meta_N.contiguous() if meta_N is not None else dst_row_N,
         meta_w_N.contiguous() if meta_w_N is not None else dst_row_N,
-        n, width, inbox_stride,
+        n, width, inbox_stride, clear_N.contiguous() if clear_N is not None else dst_row_N, n_clear,
+        put_programs, *planning,
         PER_SRC=per_src, DEDUP=inbox_stride > 0, HAS_LOCAL=local_dst is not None, SKIP_LOCAL=skip_local,
-        HAS_META=meta_N is not None, HAS_META_W=meta_w_N is not None, BLOCK_R=block_r,
-        BLOCK_W=_block_w(width), num_warps=8,
+        HAS_META=meta_N is not None, HAS_META_W=meta_w_N is not None, CLEAR=clear_N is not None,
+        PLAN=plan is not None, SLOT_BLOCK=slot_block(E), BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
     )
 
 
@@ -304,6 +367,7 @@ def finish_receive(
     slot_rows_out: torch.Tensor | None = None,
     max_slots: int = 0,
     w_out_C: torch.Tensor | None = None,
+    plan: PendingRows | None = None,
 ) -> None:
     """Copy rows that came from other ranks from the inbox into ``out``; zero padding rows.
 
@@ -314,6 +378,8 @@ def finish_receive(
     ``slot_rows_out``, ``slot_rows_out[row_src[c] * max_slots + origin_in[c]] = c`` too;
     with ``w_out_C`` (float32), each row's weight from its metadata (``ops.pack_meta``).
     ``origin_in`` is read as packed metadata: its low 32 bits are the slot index.
+    With ``plan`` (plan step 3's inputs), ``row_src_C`` is an output: the kernel plans each
+    receive row's source (``plan_reference.plan_rows_reference``) and stores it there.
     """
     for what, t in (("out_CW", out_CW), ("origin_out_C", origin_out_C), ("slot_rows_out", slot_rows_out),
                     ("w_out_C", w_out_C)):
@@ -322,7 +388,13 @@ def finish_receive(
     if n == 0:
         return
     width = out_CW.shape[1]
-    row_src_C = row_src_C.contiguous()
+    if plan is not None:
+        _check_written("finish_receive: row_src_C (planned)", row_src_C)
+        E = plan.cells.recv_2E.shape[1]
+        planning = (plan.cells.recv_2E[1], plan.ep_size, E)
+    else:
+        row_src_C = row_src_C.contiguous()
+        E, planning = 1, (row_src_C, 1, 1)
     block_r = 4
     _finish_receive_kernel[(triton.cdiv(n, block_r),)](
         out_CW, inbox_CW.contiguous(), row_src_C,
@@ -330,9 +402,9 @@ def finish_receive(
         origin_out_C if origin_out_C is not None else row_src_C,
         slot_rows_out if slot_rows_out is not None else row_src_C,
         w_out_C if w_out_C is not None else row_src_C, max_slots,
-        me, n, width, inbox_stride, PER_SRC=per_src, DEDUP=inbox_stride > 0,
+        me, n, width, inbox_stride, *planning, PER_SRC=per_src, DEDUP=inbox_stride > 0,
         COPY_ORIGIN=origin_out_C is not None, SLOT_ROWS=slot_rows_out is not None, W_OUT=w_out_C is not None,
-        BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
+        ROW_SRC=plan is not None, E_P=next_power_of_2(E), BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
     )
 
 
@@ -343,6 +415,8 @@ def combine_grads(
     rows_dtype: torch.dtype,
     scaled: bool,
     bound: torch.Tensor | None = None,
+    receive: tuple | None = None,
+    per_src: int = 1,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(w * g).to(rows_dtype)`` per slot and ``<rows, g>`` per slot, in ``w``'s dtype.
 
@@ -362,10 +436,10 @@ def combine_grads(
     _combine_grads_kernel[(T,)](
         g_TD.contiguous(), w_N, rows_ND if rows_ND is not None else placeholder,
         placeholder, grad_w_N if grad_w_N is not None else w_N, width,
-        bound if bound is not None else w_N,
+        bound if bound is not None else w_N, *(receive if receive is not None else (w_N, w_N, w_N, 0, 0)),
         K=K, SCALED=scaled, GRAD_W=rows_ND is not None,
         BLOCK_W=min(triton.next_power_of_2(max(width, 1)), max(64, 4096 // K)), HAS_BOUND=bound is not None,
-        num_warps=4,
+        RECEIVE=receive is not None, PER_SRC=per_src, DEDUP=receive is not None and receive[-1] > 0, num_warps=4,
     )
     return scaled_ND, grad_w_N
 
@@ -471,3 +545,27 @@ def sum_partials(
         BLOCK_W=block_w, num_warps=4, enable_fp_fusion=False,
     )
     return y
+
+
+def receive_grads(
+    local_CD: torch.Tensor,
+    inbox_RD: torch.Tensor,
+    row_src_C: torch.Tensor,
+    origin_C: torch.Tensor,
+    me: int,
+    w_C: torch.Tensor,
+    rows_CD: torch.Tensor | None,
+    scaled: bool,
+    per_src: int = 1,
+    inbox_stride: int = 0,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """:func:`finish_receive` then :func:`combine_grads` (one slot per row) in one launch.
+
+    Receive row ``c``'s gradient ``g`` is ``local[c]`` (its source is this rank) or the
+    inbox row of :func:`finish_receive`; returns ``(w_C * g).to(local's dtype)`` per row
+    (``scaled``) and ``<rows_CD[c], g>`` (with ``rows_CD``), in ``w_C``'s dtype: the same
+    program as :func:`combine_grads` over the received rows, so the same bits. Padding rows
+    (source -1) are left unset in both.
+    """
+    receive = (inbox_RD.contiguous(), row_src_C.contiguous(), origin_C.contiguous(), me, inbox_stride)
+    return combine_grads(local_CD, w_C, rows_CD, local_CD.dtype, scaled, receive=receive, per_src=per_src)

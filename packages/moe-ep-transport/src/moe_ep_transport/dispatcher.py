@@ -38,7 +38,7 @@ from moe_ep_transport.codec import RowCodec
 from moe_ep_transport.config import EPConfig
 from moe_ep_transport.overflow import HASH_PRIME
 from moe_ep_transport.pipeline import ExpertsFn, PipelinedHandle, run_pipelined
-from moe_ep_transport.plan import RoutePlan, plan_routes
+from moe_ep_transport.plan import RoutePlan
 from moe_ep_transport.telemetry import EPTelemetry
 from moe_ep_transport.transport import Transport
 
@@ -146,15 +146,10 @@ class _Combine(torch.autograd.Function):
         w_C, rows_CD = ctx.saved_tensors
         plan, transport = ctx.route.plan, ctx.dispatcher.transport
         need_rows, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_TD = grad_TD.to(ctx.rows_dtype)
-        g_CD = ops.from_words(transport.send(ctx.route, ops.as_words(grad_TD), plan.top_k), ctx.rows_dtype)
-        # One receive row per "token" (k = 1); rows past the last expert's end are padding
-        # (the buffer is sized for the worst case): skipped, their results unspecified,
-        # read by nobody (the expert GEMMs stop at the offsets, send_back skips them).
-        grad_rows, grad_w_C = ops.combine_grads(
-            g_CD, w_C, rows_CD if need_w else None, ctx.rows_dtype, scaled=need_rows,
-            bound=plan.group_offsets_L[-1:],
-        )
+        # Padding rows' results are unspecified, read by nobody (the expert GEMMs stop at the
+        # offsets, send_back skips them).
+        grad_rows, grad_w_C = transport.send_grads(
+            ctx.route, grad_TD.to(ctx.rows_dtype), w_C, rows_CD if need_w else None, scaled=need_rows)
         grad_w = None
         if need_w:
             back = transport.send_back(ctx.route, ops.as_words(grad_w_C.view(-1, 1)))
@@ -232,15 +227,12 @@ class EPDispatcher:
         """
         self._check_inputs(x_TD, expert_ids_Tk, weights)
         expert_N = expert_ids_Tk.reshape(-1)  # any integer dtype: the plan kernels read it as is
-        slots = ops.rank_slots(expert_N, self.cfg.n_experts)
-        counts_ME = self.transport.exchange_counts(slots.counts_E)
-        plan = plan_routes(
-            expert_N, slots, counts_ME, rank=self.rank, top_k=self.cfg.top_k, capacity=self.capacity,
-            salt=self._salt,
+        plan = self.transport.plan_routes(
+            expert_N, self.cfg.n_experts, top_k=self.cfg.top_k, capacity=self.capacity, salt=self._salt,
+            stats_sum_2ME=self.telemetry.running_sum(self.ep_size, self.cfg.n_experts, x_TD.device),
         )
         if self.cfg.overflow == "error":
             self._raise_on_overflow(plan)
-        self.telemetry.record(plan)
         route = self.transport.open_route(plan)
         stage = weights is not None and self.sums_at_destination(x_TD.dtype, torch.float32)
         w_N = weights.detach().reshape(-1).to(torch.float32) if stage else None

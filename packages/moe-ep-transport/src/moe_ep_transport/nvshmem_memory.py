@@ -18,12 +18,15 @@ peer must be load/store reachable (same node, NVLink or PCIe P2P).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from moe_ep_transport.ops import SlotTable
+from moe_ep_transport.ops import PeerWait, SlotTable
+
+if TYPE_CHECKING:
+    from moe_ep_transport.plan import PendingRows
 from moe_ep_transport.peer_memory import N_SLABS
 
 _HEAP_MARGIN = 256 << 20  # NVSHMEM's own symmetric state (barriers, teams) lives on the heap too
@@ -136,6 +139,9 @@ class NvshmemPeerMemory:
     def slab(self, index: int) -> torch.Tensor:
         return self._slabs[index]
 
+    def peer_table(self, index: int) -> torch.Tensor:
+        return self._tables[index]
+
     def put_rows(
         self,
         slab: int,
@@ -150,6 +156,8 @@ class NvshmemPeerMemory:
         meta_N: torch.Tensor | None = None,
         inbox_stride: int = 0,
         meta_w_N: torch.Tensor | None = None,
+        clear_N: torch.Tensor | None = None,
+        plan: PendingRows | None = None,
     ) -> None:
         from moe_ep_transport import _transport_kernels as kernels
 
@@ -158,7 +166,8 @@ class NvshmemPeerMemory:
         kernels.put_rows(
             src_RW, dst_rank_N, dst_row_N, self._tables[slab], per_src=per_src,
             byte_offset=byte_offset, me=self.rank, local_dst=local_dst, skip_local=skip_local,
-            meta_N=meta_N, inbox_stride=inbox_stride, meta_w_N=meta_w_N,
+            meta_N=meta_N, inbox_stride=inbox_stride, meta_w_N=meta_w_N, clear_N=clear_N,
+            plan=plan,
         )
 
     def put_partial_sums(
@@ -190,6 +199,10 @@ class NvshmemPeerMemory:
         from moe_ep_transport import _transport_kernels as kernels
 
         kernels.signal_barrier(self._epoch, self._flag_table, self.rank)
+
+    def deferred_barrier(self) -> PeerWait:
+        """:meth:`barrier`'s flag wait, for the next kernel to run first (``ops.PeerWait``)."""
+        return PeerWait(self._epoch, self._flag_table, self.rank)
 
     def close(self) -> None:
         """Free the slabs (collective). The memory is unusable afterwards."""

@@ -76,8 +76,28 @@ def from_words(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # --- the routing plan (definitions in plan_reference) ------------------------------
 
 
+class PeerWait(NamedTuple):
+    """A peer-memory barrier that the next kernel performs before it reads (one launch fewer):
+    ``_transport_kernels.signal_barrier``'s arguments (``PeerMemory.deferred_barrier``)."""
+
+    epoch_1: torch.Tensor
+    flag_table_M: torch.Tensor
+    me: int
+
+
+def wait_for_peers(wait: PeerWait | None) -> None:
+    """The barrier of ``wait`` as a kernel of its own (for a step that runs no kernel)."""
+    if wait is not None:
+        from moe_ep_transport import _transport_kernels as kernels
+
+        kernels.signal_barrier(*wait)
+
+
 def rank_slots(expert_N: torch.Tensor, n_experts: int, backend: Backend = "auto") -> SlotRanks:
-    """Per-block expert counts and ranks of the slots (plan step 1; :func:`rank_slots_reference`)."""
+    """Per-block expert counts and ranks of the slots (plan step 1; :func:`rank_slots_reference`).
+
+    The rowwise transport's ``count_slots`` fuses the count exchange's put into the kernel's
+    block scan (``_plan_kernels.rank_slots(publish=...)``) where it runs the kernels."""
     if resolve_backend(backend, expert_N.device):
         from moe_ep_transport import _plan_kernels as plan_kernels
 
@@ -86,14 +106,18 @@ def rank_slots(expert_N: torch.Tensor, n_experts: int, backend: Backend = "auto"
 
 
 def plan_cells(counts_ME: torch.Tensor, capacity: int, salt: int, rank: int,
+               stats_sum_2ME: torch.Tensor | None = None, wait: PeerWait | None = None,
                backend: Backend = "auto") -> CellPlan:
     """Fair overflow allocation and receive layout from the count matrix (plan step 2;
-    :func:`plan_cells_reference`)."""
+    :func:`plan_cells_reference`); with ``stats_sum_2ME``, its stats are added to that
+    running sum in the same launch (the telemetry); with ``wait``, the count exchange's
+    barrier runs first, in the same launch (the reference path launches it alone)."""
     if resolve_backend(backend, counts_ME.device):
         from moe_ep_transport import _plan_kernels as plan_kernels
 
-        return plan_kernels.plan_cells(counts_ME, capacity, salt, rank)
-    return plan_cells_reference(counts_ME, capacity, salt, rank)
+        return plan_kernels.plan_cells(counts_ME, capacity, salt, rank, stats_sum_2ME, wait)
+    wait_for_peers(wait)
+    return plan_cells_reference(counts_ME, capacity, salt, rank, stats_sum_2ME)
 
 
 def plan_rows(

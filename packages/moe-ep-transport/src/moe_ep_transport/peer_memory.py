@@ -14,12 +14,15 @@ phase (the barrier between the two phases orders it).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 
-from moe_ep_transport.ops import SlotTable
+from moe_ep_transport.ops import PeerWait, SlotTable
+
+if TYPE_CHECKING:
+    from moe_ep_transport.plan import PendingRows
 
 N_SLABS = 2
 
@@ -31,6 +34,11 @@ class PeerMemory(Protocol):
 
     def slab(self, index: int) -> torch.Tensor:
         """This rank's slab ``index`` (uint8 ``[slab_bytes]``)."""
+        ...
+
+    def peer_table(self, index: int) -> torch.Tensor | None:
+        """int64 addresses of every rank's slab ``index``, through which a kernel stores into
+        peers (on the device), or None where peers are not reachable by address."""
         ...
 
     def put_rows(
@@ -47,6 +55,8 @@ class PeerMemory(Protocol):
         meta_N: torch.Tensor | None = None,
         inbox_stride: int = 0,
         meta_w_N: torch.Tensor | None = None,
+        clear_N: torch.Tensor | None = None,
+        plan: PendingRows | None = None,
     ) -> None:
         """Write ``src[i // per_src]`` into row ``dst_row[i]`` of rank ``dst_rank[i]``'s slab.
 
@@ -57,6 +67,10 @@ class PeerMemory(Protocol):
         ``ops.pack_meta(meta_N, meta_w_N)`` (the slot's weight travels with its index).
         With ``inbox_stride=S > 0`` rows for other ranks travel once per source row
         instead (see :func:`inbox_targets`).
+        With ``clear_N``, this rank's own rows ``i`` from ``byte_offset`` are zeroed
+        where ``clear_N[i] < 0`` (rows no put writes; same launch). With ``plan``
+        (memories with a :meth:`peer_table` only), ``dst_rank_N`` and ``dst_row_N`` are
+        outputs: the put kernel plans them (plan step 3) as it moves the rows.
         Collective: every rank calls it; completion is only guaranteed after
         :meth:`barrier`. One kernel launch on the GPU.
         """
@@ -85,6 +99,11 @@ class PeerMemory(Protocol):
 
     def barrier(self) -> None:
         """Stream-ordered barrier: every rank's earlier puts are visible after it."""
+        ...
+
+    def deferred_barrier(self) -> PeerWait | None:
+        """A :meth:`barrier` that the caller's next kernel performs before it reads (pass it as
+        that op's ``wait``: one launch fewer), or None where the barrier is already passed."""
         ...
 
 
@@ -137,6 +156,10 @@ class EmulatedPeerMemory:
     def slab(self, index: int) -> torch.Tensor:
         return self._slabs[index]
 
+    def peer_table(self, index: int) -> None:
+        """Other processes' slabs have no address here."""
+        return None
+
     def _all_gather(self, t: torch.Tensor, n_max: int) -> list[torch.Tensor]:
         padded = t.new_zeros((n_max, *t.shape[1:]))
         padded[: t.shape[0]] = t
@@ -158,7 +181,11 @@ class EmulatedPeerMemory:
         meta_N: torch.Tensor | None = None,
         inbox_stride: int = 0,
         meta_w_N: torch.Tensor | None = None,
+        clear_N: torch.Tensor | None = None,
+        plan: PendingRows | None = None,
     ) -> None:
+        if plan is not None:
+            raise ValueError("put_rows: emulated peer memory takes planned rows only (plan=None)")
         if local_dst is not None and skip_local:
             raise ValueError("put_rows: local_dst and skip_local exclude each other")
         n = torch.tensor([dst_rank_N.numel()], device=dst_rank_N.device)
@@ -197,6 +224,8 @@ class EmulatedPeerMemory:
                 meta_N = ops.pack_meta(meta_N, meta_w_N)
             meta_inbox = self._slabs[slab][: self.slab_bytes // 8 * 8].view(torch.int64)
             deliver(dst_rank_N, dst_row_N, meta_N, lambda s: meta_inbox)
+        if clear_N is not None:
+            inbox[: clear_N.numel()][clear_N < 0] = 0
 
     def put_partial_sums(
         self,
@@ -221,3 +250,7 @@ class EmulatedPeerMemory:
 
     def barrier(self) -> None:
         """Nothing to order: every emulated put already completed collectively."""
+
+    def deferred_barrier(self) -> None:
+        """Nothing to wait for (:meth:`barrier`)."""
+        return None

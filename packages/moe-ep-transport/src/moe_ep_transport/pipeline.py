@@ -110,7 +110,10 @@ def comm_stream(device: torch.device, comm_sms: int | None) -> torch.cuda.Stream
         else:
             from torch.cuda.green_contexts import GreenContext
 
-            context = GreenContext(num_sms=comm_sms, device_id=index)
+            if not hasattr(GreenContext, "Stream"):
+                raise RuntimeError(f"EPConfig.comm_sms needs a torch whose green contexts make "
+                                   f"streams (GreenContext.Stream); torch {torch.__version__} has none")
+            context = GreenContext.create(num_sms=comm_sms, device_id=index)  # older torch: create only
             _green_contexts.append(context)
             _comm_streams[key] = context.Stream()
     return _comm_streams[key]

@@ -82,7 +82,11 @@ def rank_slots_reference(expert_N: torch.Tensor, n_experts: int) -> SlotRanks:
     return SlotRanks((rank_N - earlier_N).to(torch.int32), cum_BE.to(torch.int32))
 
 
-def plan_cells_reference(counts_ME: torch.Tensor, capacity: int, salt: int, rank: int) -> CellPlan:
+def plan_cells_reference(
+    counts_ME: torch.Tensor, capacity: int, salt: int, rank: int, stats_sum_2ME: torch.Tensor | None = None
+) -> CellPlan:
+    """The cells of destination ``rank``; with ``stats_sum_2ME`` (int64), the stats are added to it
+    too (the running telemetry: the kernel adds them in the same launch)."""
     counts_ME = counts_ME.to(torch.int64)
     M, E = counts_ME.shape
     L = E // M
@@ -98,7 +102,10 @@ def plan_cells_reference(counts_ME: torch.Tensor, capacity: int, salt: int, rank
     # stride M, which grouped GEMMs (torch._grouped_mm) reject.
     offsets = torch.empty(L, dtype=torch.int32, device=recv.device)
     offsets.copy_(recv[1].view(L, M)[:, -1])
-    return CellPlan(torch.stack([counts_ME, kept_ME]), table, recv, offsets)
+    stats = torch.stack([counts_ME, kept_ME])
+    if stats_sum_2ME is not None:
+        stats_sum_2ME += stats
+    return CellPlan(stats, table, recv, offsets)
 
 
 def plan_rows_reference(

@@ -22,9 +22,13 @@ reading its own rows straight from the expert output. Putting (not fetching)
 saves copying the expert output into a symmetric buffer first, and stores travel
 faster than loads over NVLink.
 
-Every step is one launch (a put, a barrier, a kernel of :mod:`moe_ep_transport.ops`);
-index tensors that do not change between calls are built once. Sizes are static:
-capacity C rows to receive, T_max*k slots to return.
+Every step is one launch (a put, a barrier, a kernel of :mod:`moe_ep_transport.ops`),
+and on CUDA the dispatch folds steps (1) and (2) into the plan's kernels: the slot
+ranking's block scan stores the counts into the peers, the cell kernel passes the
+barrier, the token put plans each slot's destination and the receive kernel each row's
+source (:meth:`RowwiseTransport.plan_routes`): six launches per dispatch. Index tensors
+that do not change between calls are built once. Sizes are static: capacity C rows to
+receive, T_max*k slots to return.
 
 Consecutive phases use different slabs, chosen by a counter on the host. A CUDA graph
 replays the slabs its capture chose, so calls captured in a graph run inside
@@ -42,10 +46,11 @@ from dataclasses import dataclass
 import torch
 
 from moe_ep_transport import ops
+from moe_ep_transport._triton_support import resolve_backend
 from moe_ep_transport.config import EPConfig
 from moe_ep_transport.peer_memory import N_SLABS, PeerMemory, slab_view
-from moe_ep_transport.plan import RoutePlan
-from moe_ep_transport.transport import check_send
+from moe_ep_transport.plan import RoutePlan, plan_routes
+from moe_ep_transport.transport import check_send, send_then_grads
 
 _ALIGN = 256
 
@@ -153,11 +158,42 @@ class RowwiseTransport:
         M, E = self.world_size, counts_E.numel()
         self._check_fits(M * E * 4, "the count exchange")
         slab = self._next_slab()
+        self._put_counts(slab, counts_E)
+        self.memory.barrier()
+        return slab_view(self.memory.slab(slab), 0, torch.int32, E)[:M]
+
+    def _put_counts(self, slab: int, counts_E: torch.Tensor) -> None:
+        """Row ``rank`` of the int32 ``[M, E]`` count table at the start of every rank's slab."""
+        M, E = self.world_size, counts_E.numel()
         self.memory.put_rows(
             slab, 0, counts_E.to(torch.int32).view(1, E), self._count_rank_M, self._count_row_M, per_src=M,
         )
-        self.memory.barrier()
-        return slab_view(self.memory.slab(slab), 0, torch.int32, E)[:M]
+
+    def plan_routes(
+        self, expert_N: torch.Tensor, n_experts: int, *, top_k: int, capacity: int, salt: int,
+        stats_sum_2ME: torch.Tensor | None = None,
+    ) -> RoutePlan:
+        """The call's plan (``transport.Transport``), the count exchange folded into its kernels:
+        where the plan runs its kernels and the peers' slabs have addresses (NVSHMEM), the
+        block scan of ``rank_slots`` stores the counts into every peer (no put of their own),
+        the cell kernel passes the barrier before it reads them (no barrier launch), and the
+        rows are planned by the first send's put and receive kernels (no launch of their own)."""
+        M, E = self.world_size, n_experts
+        self._check_fits(M * E * 4, "the count exchange")
+        slab = self._next_slab()
+        table = self.memory.peer_table(slab)
+        fused = table is not None and resolve_backend("auto", expert_N.device)
+        if fused:
+            from moe_ep_transport import _plan_kernels as plan_kernels
+
+            slots = plan_kernels.rank_slots(expert_N, E, plan_kernels.CountPublish(table, 0, self.rank))
+        else:
+            slots = ops.rank_slots(expert_N, E)
+            self._put_counts(slab, slots.counts_E)
+        wait = self.memory.deferred_barrier()
+        counts_ME = slab_view(self.memory.slab(slab), 0, torch.int32, E)[:M]
+        return plan_routes(expert_N, slots, counts_ME, rank=self.rank, top_k=top_k, capacity=capacity,
+                           salt=salt, stats_sum_2ME=stats_sum_2ME, wait=wait, defer_rows=fused)
 
     @property
     def sends_tokens_once(self) -> bool:
@@ -192,10 +228,14 @@ class RowwiseTransport:
             raise ValueError("send: slot weights travel with a route's first send only")
         device = src_RW.device
         out = src_RW.new_empty(C, W)
+        pending = plan.pending
+        if pending is not None and not (first and resolve_backend("auto", device)):
+            self._plan_rows(plan)  # the kernels that would plan them do not run
+            pending = None
         self.memory.put_rows(
             slab, self._meta_bytes, src_RW, plan.dst_rank_N, plan.dst_row_N, per_src=per_src,
             local_dst=out, meta_N=ops.index_range(plan.dst_rank_N.numel(), device) if first else None,
-            inbox_stride=stride, meta_w_N=slot_weights_N,
+            inbox_stride=stride, meta_w_N=slot_weights_N, plan=pending,
         )
         self.memory.barrier()
         buf = self.memory.slab(slab)
@@ -209,11 +249,24 @@ class RowwiseTransport:
                     self.world_size * self.max_slots, dtype=torch.int64, device=device)
         if slot_weights_N is not None:
             route.weights_C = torch.empty(C, dtype=torch.float32, device=device)
-        ops.finish_receive(
-            out, inbox, plan.row_src_C, self.rank, origin_in_C, origin_out_C, per_src, stride,
-            slot_rows, self.max_slots, route.weights_C if slot_weights_N is not None else None,
-        )
+        receive = (origin_in_C, origin_out_C, per_src, stride, slot_rows, self.max_slots,
+                   route.weights_C if slot_weights_N is not None else None)
+        if pending is None:
+            ops.finish_receive(out, inbox, plan.row_src_C, self.rank, *receive)
+        else:  # the receive kernel plans each row's source too
+            from moe_ep_transport import _transport_kernels as kernels
+
+            kernels.finish_receive(out, inbox, plan.row_src_C, self.rank, *receive, plan=pending)
+            plan.pending = None
         return out
+
+    def _plan_rows(self, plan: RoutePlan) -> None:
+        """Plan step 3 on its own, into the plan's row tensors (``RoutePlan.pending``)."""
+        pending = plan.pending
+        rows = ops.plan_rows(pending.expert_N, pending.slots, pending.cells, pending.ep_size, plan.capacity)
+        for have, got in zip((plan.dst_rank_N, plan.dst_row_N, plan.row_src_C), rows, strict=True):
+            have.copy_(got)
+        plan.pending = None
 
     def _send_in_place(self, route: RowwiseRoute, src_RW: torch.Tensor) -> torch.Tensor:
         """A send whose receive rows stay in the slab (every row, this rank's own too)."""
@@ -267,6 +320,31 @@ class RowwiseTransport:
         partials_QD = slab_view(self.memory.slab(slab), 0, acc_dtype, D)[: M * T_max]
         return ops.sum_partials(partials_QD, plan.dst_rank_N, M, T_max, plan.top_k, rows_CD.dtype)
 
+    def send_grads(
+        self, route: RowwiseRoute, grad_TD: torch.Tensor, w_C: torch.Tensor, rows_CD: torch.Tensor | None,
+        scaled: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``transport.Transport.send_grads``: on the kernel path the receive kernel computes the
+        row and weight gradients as it reads the token gradients (no receive of their own)."""
+        plan = route.plan
+        if route.origin_C is None or not resolve_backend("auto", grad_TD.device):
+            return send_then_grads(self, route, grad_TD, w_C, rows_CD, scaled)
+        words = ops.as_words(grad_TD)
+        check_send(plan, words, plan.top_k)
+        C, W = self.capacity, words.shape[1]
+        self._check_fits(self._meta_bytes + C * W * words.element_size(), "a row send")
+        stride = self.max_tokens if self.sends_tokens_once else 0
+        slab = self._next_slab()
+        local = words.new_empty(C, W)  # the rows this rank sends itself
+        self.memory.put_rows(slab, self._meta_bytes, words, plan.dst_rank_N, plan.dst_row_N, per_src=plan.top_k,
+                             local_dst=local, inbox_stride=stride)
+        self.memory.barrier()
+        inbox = slab_view(self.memory.slab(slab), self._meta_bytes, grad_TD.dtype, grad_TD.shape[1])
+        from moe_ep_transport import _transport_kernels as kernels
+
+        return kernels.receive_grads(ops.from_words(local, grad_TD.dtype), inbox, plan.row_src_C, route.origin_C,
+                                     self.rank, w_C, rows_CD, scaled, plan.top_k, stride)
+
     def send_back(self, route: RowwiseRoute, rows_CW: torch.Tensor) -> torch.Tensor:
         plan = route.plan
         if route.origin_C is None:
@@ -274,8 +352,9 @@ class RowwiseTransport:
         n, W = plan.dst_rank_N.numel(), rows_CW.shape[1]
         self._check_fits(self.max_slots * W * rows_CW.element_size(), "a row return")
         slab = self._next_slab()
-        # Every row, this rank's own included, lands at its slot index in its source's slab.
-        self.memory.put_rows(slab, 0, rows_CW.contiguous(), plan.row_src_C, route.origin_C)
+        # Every row, this rank's own included, lands at its slot index in its source's slab;
+        # the same launch zeroes the dropped slots' rows (nobody sends them).
+        self.memory.put_rows(slab, 0, rows_CW.contiguous(), plan.row_src_C, route.origin_C,
+                             clear_N=plan.dst_rank_N)
         self.memory.barrier()
-        back = slab_view(self.memory.slab(slab), 0, rows_CW.dtype, W)[:n]
-        return back.masked_fill(plan.dst_rank_N.unsqueeze(1) < 0, 0)  # dropped slots: nobody wrote them
+        return slab_view(self.memory.slab(slab), 0, rows_CW.dtype, W)[:n].clone()  # the slab is scratch

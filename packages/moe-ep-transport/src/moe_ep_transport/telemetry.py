@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from moe_ep_transport.plan import RoutePlan
-
 
 def _per_destination(rows_ME: torch.Tensor) -> torch.Tensor:
     """Sum a [source, expert] matrix per destination rank (experts are contiguous per rank)."""
@@ -18,19 +16,20 @@ def _per_destination(rows_ME: torch.Tensor) -> torch.Tensor:
 
 
 class EPTelemetry:
-    """Running sums of the count matrices: one in-place add per call."""
+    """Running sums of the count matrices, added by the plan's own kernel: no launch per call."""
 
     def __init__(self) -> None:
         self._sum_2ME: torch.Tensor | None = None  # int64: sums of rows (asked, kept) per (source, expert)
         self.calls = 0
 
-    def record(self, plan: RoutePlan) -> None:
-        with torch.no_grad():
-            if self._sum_2ME is None:
-                self._sum_2ME = plan.stats_2ME.clone()
-            else:
-                self._sum_2ME += plan.stats_2ME
+    def running_sum(self, n_ranks: int, n_experts: int, device: torch.device) -> torch.Tensor:
+        """The int64 ``[2, M, E]`` sums that one call's plan adds its ``stats_2ME`` to
+        (``plan_routes(stats_sum_2ME=...)``); counts the call. Zeros after a :meth:`pop`
+        (one fill per pop)."""
+        if self._sum_2ME is None:
+            self._sum_2ME = torch.zeros(2, n_ranks, n_experts, dtype=torch.int64, device=device)
         self.calls += 1
+        return self._sum_2ME
 
     def pop(self) -> dict[str, torch.Tensor]:
         """Sums since the last pop (device tensors), plus ``load_imbalance`` and ``drop_rate``.

@@ -5,6 +5,12 @@ backend computes identically; it decides nothing about the layout. Four steps:
 
 - ``exchange_counts(counts_E) -> counts_ME``: every rank learns every rank's counts
   (int32 in, int32 or int64 out; valid until the transport's next call).
+- ``plan_routes(expert_N, E, top_k=, capacity=, salt=, stats_sum_2ME=) -> plan``: the
+  call's :class:`~moe_ep_transport.plan.RoutePlan`: ``ops.rank_slots``,
+  ``exchange_counts``, :func:`~moe_ep_transport.plan.plan_routes`
+  (:func:`count_and_plan`). The rowwise transport fuses the count exchange into the
+  plan's kernels: the slot-ranking kernel stores the counts into the peers, the cell
+  kernel passes the barrier (two launches fewer).
 - ``open_route(plan) -> route``: per-call state (splits, permutations, origins).
 - ``send(route, src_RW, per_src) -> out_CW``: row ``src[i // per_src]`` of slot
   ``i`` lands at ``out[dst_row[i]]`` on ``dst_rank[i]``; padding rows are zero; a
@@ -22,6 +28,11 @@ backend computes identically; it decides nothing about the layout. Four steps:
   of each token (``ops.partial_sums_reference``, weights ``w_C`` per receive row or
   unit), one partial per token travels back, the source sums them in rank order
   (``ops.sum_partials``); ``y`` has the rows' dtype.
+- ``send_grads(route, grad_TD, w_C, rows_CD, scaled) -> (grad_rows_CD, grad_w_C)``:
+  combine's backward at the destinations: ``grad_TD`` travels like a token send, then
+  each receive row's gradient and its weight's gradient (``ops.combine_grads`` over the
+  receive rows; :func:`send_then_grads`); the rowwise transport's receive kernel computes
+  them as it reads the rows (one launch fewer). Padding rows: unset.
 - ``send_back(route, rows_CW) -> back_NW``: receive row ``c`` returns to slot
   ``origin`` of its source, unreduced (e.g. one value per row); dropped slots zero.
 
@@ -39,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from moe_ep_transport import ops
-from moe_ep_transport.plan import RoutePlan
+from moe_ep_transport.plan import RoutePlan, plan_routes
 
 
 def check_send(plan: RoutePlan, src_RW: torch.Tensor, per_src: int) -> None:
@@ -53,11 +64,39 @@ def check_send(plan: RoutePlan, src_RW: torch.Tensor, per_src: int) -> None:
         )
 
 
+def count_and_plan(
+    transport: Transport, expert_N: torch.Tensor, n_experts: int, *, top_k: int, capacity: int, salt: int,
+    stats_sum_2ME: torch.Tensor | None = None,
+) -> RoutePlan:
+    """``Transport.plan_routes`` step by step: the slot ranks, the count exchange, the plan."""
+    slots = ops.rank_slots(expert_N, n_experts)
+    counts_ME = transport.exchange_counts(slots.counts_E)
+    return plan_routes(expert_N, slots, counts_ME, rank=transport.rank, top_k=top_k, capacity=capacity,
+                       salt=salt, stats_sum_2ME=stats_sum_2ME)
+
+
+def send_then_grads(
+    transport: Transport, route: Any, grad_TD: torch.Tensor, w_C: torch.Tensor, rows_CD: torch.Tensor | None,
+    scaled: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``Transport.send_grads`` in two steps: the send, then ``ops.combine_grads``."""
+    plan = route.plan
+    g_CD = ops.from_words(transport.send(route, ops.as_words(grad_TD), plan.top_k), grad_TD.dtype)
+    # One receive row per "token" (k = 1); rows past the last expert's end are padding
+    # (the buffer is sized for the worst case): skipped, their results unspecified.
+    return ops.combine_grads(g_CD, w_C, rows_CD, grad_TD.dtype, scaled=scaled, bound=plan.group_offsets_L[-1:])
+
+
 class Transport(Protocol):
     rank: int
     world_size: int
 
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor: ...
+
+    def plan_routes(
+        self, expert_N: torch.Tensor, n_experts: int, *, top_k: int, capacity: int, salt: int,
+        stats_sum_2ME: torch.Tensor | None = None,
+    ) -> RoutePlan: ...
 
     def open_route(self, plan: RoutePlan) -> Any: ...
 
@@ -73,6 +112,10 @@ class Transport(Protocol):
     def reduce_back(
         self, route: Any, rows_CD: torch.Tensor, w_C: torch.Tensor | None, acc_dtype: torch.dtype
     ) -> torch.Tensor: ...
+
+    def send_grads(
+        self, route: Any, grad_TD: torch.Tensor, w_C: torch.Tensor, rows_CD: torch.Tensor | None, scaled: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]: ...
 
     def send_back(self, route: Any, rows_CW: torch.Tensor) -> torch.Tensor: ...
 
@@ -121,6 +164,13 @@ class AllToAllTransport:
         dist.all_gather_into_tensor(counts_ME, counts_E.contiguous(), group=self.group)
         return counts_ME.view(self.world_size, -1)
 
+    def plan_routes(
+        self, expert_N: torch.Tensor, n_experts: int, *, top_k: int, capacity: int, salt: int,
+        stats_sum_2ME: torch.Tensor | None = None,
+    ) -> RoutePlan:
+        return count_and_plan(self, expert_N, n_experts, top_k=top_k, capacity=capacity, salt=salt,
+                              stats_sum_2ME=stats_sum_2ME)
+
     def open_route(self, plan: RoutePlan) -> AllToAllRoute:
         M, E = plan.kept_ME.shape
         L = E // M
@@ -167,6 +217,12 @@ class AllToAllTransport:
             ops.from_words(back, rows_CD.dtype), rows_CD, plan.dst_rank_N, plan.dst_row_N,
             self.rank, w_N, plan.top_k, rows_CD.dtype, store_rows,
         )
+
+    def send_grads(
+        self, route: AllToAllRoute, grad_TD: torch.Tensor, w_C: torch.Tensor, rows_CD: torch.Tensor | None,
+        scaled: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return send_then_grads(self, route, grad_TD, w_C, rows_CD, scaled)
 
     def send_back(self, route: AllToAllRoute, rows_CW: torch.Tensor) -> torch.Tensor:
         payload = rows_CW.contiguous().index_select(0, route.recv_pos)

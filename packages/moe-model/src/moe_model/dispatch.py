@@ -51,11 +51,13 @@ the layout-equivalence tests compare bit for bit. Triton is imported lazily.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 from moe_model._triton_support import Backend, use_fused
 from moe_model.router import count_per_expert
@@ -331,3 +333,26 @@ class LocalDispatcher:
 
     def dropped_per_expert(self, handle: LocalDispatchHandle) -> torch.Tensor:
         return handle.dropped_per_expert
+
+
+@contextmanager
+def dropless_dispatch(model: nn.Module) -> Iterator[None]:
+    """Inside the block every :class:`LocalDispatcher` of ``model`` keeps every slot; their
+    capacity factors are restored on the way out, also on an error.
+
+    A capacity sized for training batches (``C`` from the slots of the call) drops slots of
+    a short call: a prompt's prefill of a few tokens, several routed to one expert. What a
+    model writes while it trains (prompt samples) should be what the trained model writes
+    at inference, which runs dropless. Other dispatchers (expert parallelism) size their
+    capacity by the largest call they were built for, far above one prompt's, and are left
+    as they are."""
+    local = [m.dispatcher for m in model.modules()
+             if isinstance(getattr(m, "dispatcher", None), LocalDispatcher)]
+    factors = [d.capacity_factor for d in local]
+    try:
+        for d in local:
+            d.capacity_factor = None
+        yield
+    finally:
+        for d, factor in zip(local, factors, strict=True):
+            d.capacity_factor = factor
