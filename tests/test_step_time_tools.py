@@ -39,6 +39,23 @@ def test_validate_step_time_dry_run_predicts_the_two_gpu_layouts(monkeypatch):
     assert rows["pp2"]["bubble_ms"] > 0 == rows["dp2"]["bubble_ms"] == rows["ep2"]["bubble_ms"]
 
 
+def test_validate_step_time_dry_run_predicts_ep2_pipelined(monkeypatch):
+    """--ep-overlap-chunks adds EP2 with its transport pipelined: more EP time in all (a
+    latency per chunk call), less of it exposed."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    tool = load_script(TOOLS / "validate_step_time.py")
+    rows = {r["case"]: r for r in tool.main(["--dry-run", "--world", "2", "--ep-overlap-chunks",
+                                             "2", "--ep-comm-sms", "16"])["rows"]}
+    assert set(rows) == {"dp2", "ep2", "pp2", "ep2-overlap2"}
+    assert rows["ep2-overlap2"]["overrides"] == ["parallel.ep_overlap_chunks=2",
+                                                 "parallel.ep_comm_sms=16"]
+    one, two = rows["ep2"]["predicted"], rows["ep2-overlap2"]["predicted"]
+    assert one["ep_exposed_ms"] == one["ep_comm_ms"]
+    assert two["ep_exposed_ms"] < one["ep_exposed_ms"] <= one["ep_comm_ms"] < two["ep_comm_ms"]
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--ep-overlap-chunks", "1"])
+
+
 @pytest.mark.slow
 def test_step_time_table_marks_its_figures_as_predictions(tmp_path, monkeypatch):
     tool = load_script(TOOLS / "step_time_table.py")

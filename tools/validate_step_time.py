@@ -10,6 +10,10 @@
         tools/validate_step_time.py --profile $OUT/h200.json --out $OUT/validate_2gpu.json
     # CPU: the cases, their plans and predictions from a profile, nothing measured
     uv run python tools/validate_step_time.py --dry-run --profile h200 [--world 2]
+    # two GPUs: EP2 also with its transport pipelined (parallel.ep_overlap_chunks, and
+    # parallel.ep_comm_sms with --ep-comm-sms)
+    uv run python tools/validate_step_time.py --dry-run --profile h200 --world 2 \
+        --ep-overlap-chunks 2 4 [--ep-comm-sms 32]
 
 The measurement is ``tools/bench_train_step.py``'s (``run_method``: warm-up steps,
 then timed ``Trainer.step`` calls, model routing). The prediction is ``pretrain plan
@@ -78,13 +82,19 @@ class Case:
         return args, cfg, why
 
 
-def cases(world: int, shapes: list[str], graphs: list[str]) -> list[Case]:
+def cases(world: int, shapes: list[str], graphs: list[str], overlap_chunks: list[int] = (),
+          comm_sms: int | None = None) -> list[Case]:
+    """The cases on ``world`` GPUs; on two, EP2 also pipelined in each of ``overlap_chunks``
+    chunks (its communication stream bounded to ``comm_sms`` SMs)."""
     if world == 1:
         return [Case(shape, g, "bench-1gpu", (*SHAPES[shape], GRAPHS[g]), "ddp")
                 for shape in shapes for g in graphs]
     if world == 2:
+        sms = () if comm_sms is None else (f"parallel.ep_comm_sms={comm_sms}",)
         return [Case(name, "preset", "bench-2gpu", tuple(extra), method)
-                for name, (method, extra) in LAYOUTS.items()]
+                for name, (method, extra) in LAYOUTS.items()] + [
+            Case(f"ep2-overlap{n}", "preset", "bench-2gpu",
+                 (f"parallel.ep_overlap_chunks={n}", *sms), "ep") for n in overlap_chunks]
     raise SystemExit(f"validate_step_time measures one or two GPUs, not {world}")
 
 
@@ -102,8 +112,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="print the cases and their predictions; measure nothing (CPU)")
     p.add_argument("--world", type=int, default=1,
                    help="with --dry-run: the GPU count whose cases to predict (1 or 2)")
+    p.add_argument("--ep-overlap-chunks", type=int, nargs="+", default=[], metavar="N",
+                   help="on two GPUs, also EP2 with parallel.ep_overlap_chunks=N (N >= 2)")
+    p.add_argument("--ep-comm-sms", type=int, default=None, metavar="S",
+                   help="parallel.ep_comm_sms of the --ep-overlap-chunks cases")
     p.add_argument("--out", type=Path, default=None, help="JSON file")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if any(n < 2 for n in a.ep_overlap_chunks):
+        p.error(f"--ep-overlap-chunks {a.ep_overlap_chunks}: 2 or more chunks (1 is ep2 itself)")
+    if a.ep_comm_sms is not None and (a.ep_comm_sms < 1 or not a.ep_overlap_chunks):
+        p.error(f"--ep-comm-sms {a.ep_comm_sms}: a positive SM count, with --ep-overlap-chunks")
+    return a
 
 
 def predict(cfg: Any, profile: Any, world: int) -> dict[str, Any]:
@@ -116,7 +135,9 @@ def predict(cfg: Any, profile: Any, world: int) -> dict[str, Any]:
             "planned_peak_gib": plan.worst.peak_allocated / 2**30, "fits": plan.fits,
             "cuda_graphs": cfg.train.cuda_graphs,
             "breakdown_ms": {k: v * 1e3 for k, v in st.compute.items()},
-            "exposed_comm_ms": st.exposed_comm_s * 1e3, "bubble_ms": st.bubble_s * 1e3}
+            "exposed_comm_ms": st.exposed_comm_s * 1e3, "bubble_ms": st.bubble_s * 1e3,
+            "ep_comm_ms": st.comm["ep_all_to_all"] * 1e3,
+            "ep_exposed_ms": st.exposed["ep_all_to_all"] * 1e3}
 
 
 def measure(case: Case, args: argparse.Namespace, cfg: Any, why: str | None,
@@ -133,14 +154,16 @@ def measure(case: Case, args: argparse.Namespace, cfg: Any, why: str | None,
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = ("case", "graphs", "pred ms", "meas ms", "pred tok/s", "meas tok/s", "error")
+    head = ("case", "graphs", "pred ms", "meas ms", "pred tok/s", "meas tok/s", "error",
+            "pred EP ms", "EP exposed")
     print(" ".join(f"{h:>13}" for h in head))
     for r in rows:
         p, m = r["predicted"], r.get("measured")
         cells = [r["case"], r["graphs"], f"{p['step_ms']:.1f}",
                  f"{m['step_ms']:.1f}" if m else "-", f"{p['tokens_per_s']:,.0f}",
                  f"{m['tokens_per_s']:,.0f}" if m else "-",
-                 f"{r['error']:+.1%}" if m else "-"]
+                 f"{r['error']:+.1%}" if m else "-", f"{p['ep_comm_ms']:.1f}",
+                 f"{p['ep_exposed_ms']:.1f}"]
         print(" ".join(f"{c:>13}" for c in cells))
 
 
@@ -155,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.dry_run:
         profile = load_profile(a.profile or "h200")
         report["profile"] = profile.to_json()
-        for case in cases(a.world, a.shapes, a.graphs):
+        for case in cases(a.world, a.shapes, a.graphs, a.ep_overlap_chunks, a.ep_comm_sms):
             _, cfg, _ = case.bench_config(a, torch.device("cuda"), a.world, Path("dry-run"))
             report["rows"].append({"case": case.name, "graphs": case.graphs,
                                    "overrides": list(case.overrides),
@@ -176,7 +199,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report["calibrate_s"] = time.time() - started
             if a.profile_out is not None and lead:
                 a.profile_out.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
-            for case in cases(rt.world_size, a.shapes, a.graphs):
+            for case in cases(rt.world_size, a.shapes, a.graphs, a.ep_overlap_chunks,
+                              a.ep_comm_sms):
                 args, cfg, why = case.bench_config(a, rt.device, rt.world_size, Path(tmp))
                 row = {"case": case.name, "graphs": case.graphs, "overrides": list(case.overrides),
                        "predicted": predict(cfg, profile, rt.world_size),

@@ -211,6 +211,12 @@ def test_profiles_load_and_bad_ones_are_named(tmp_path):
     bad.write_text(json.dumps({**h200.to_json(), "memory_gb_per_s": -1}))
     with pytest.raises(ValueError, match="memory_gb_per_s"):
         load_profile(bad)
+    bad.write_text(json.dumps({**h200.to_json(), "sm_count": 0}))
+    with pytest.raises(ValueError, match="sm_count must be an integer >= 1"):
+        load_profile(bad)
+    bad.write_text(json.dumps({**h200.to_json(), "ep_comm_sm_share": 1.5}))
+    with pytest.raises(ValueError, match=r"ep_comm_sm_share must be in \[0, 1\]"):
+        load_profile(bad)
     with pytest.raises(ValueError, match="no profile 'h300'"):
         load_profile("h300")
     assert parse_link("network=ib-xdr-800")[1].gb_per_s == 90.0
@@ -321,6 +327,133 @@ def test_a_skewed_ep_rank_runs_at_most_its_capacity():
     mean, capped, over = (predict_step(req, profile, routing_skew=k).compute["expert_gemm"]
                           for k in (1.0, 1.25, 2.0))
     assert capped == pytest.approx(1.25 * mean) and over == pytest.approx(capped)
+
+
+# EP overlap (parallel.ep_overlap_chunks): moe_ep_transport.pipeline's two-stream schedule
+
+
+@pytest.mark.parametrize("first,work,last,share,makespan", [
+    # D0 [0,1], D1 [1,2]; X0 [1,4], X1 [4,7]; C0 [4,5], C1 [7,8]
+    (1.0, [3.0] * 2, 1.0, 0.0, 8.0),
+    # D0 [0,3], D1 [3,6]; X0 [3,4], X1 [6,7]; C0 [6,8] (after D1), C1 [8,10]
+    (3.0, [1.0] * 2, 2.0, 0.0, 10.0),
+    # X0 at half rate under D1 ([1,2]: 0.5 done), alone to 4.5; X1 at half rate under
+    # C0 ([4.5,5.5]: 0.5 done), alone to 8; C1 [8,9]
+    (1.0, [3.0] * 2, 1.0, 0.5, 9.0),
+    # D0 D1 D2 [0,3]; X0 [1,3]; C0 [3,4]; D3 [4,5]; X1 [3,5]; C1 [5,6]; X2 [5,7];
+    # C2 [7,8]; X3 [7,9]; C3 [9,10]
+    (1.0, [2.0] * 4, 1.0, 0.0, 10.0),
+    # D0 D1 D2 [0,3]; X0 [1,3.5]; C0 [3.5,6.5]; D3 [6.5,7.5]; X1 [3.5,6]; C1 [7.5,10.5];
+    # X2 [6,8.5]; C2 [10.5,13.5]; X3 [8.5,11]; C3 [13.5,16.5]
+    (1.0, [2.5] * 4, 3.0, 0.0, 16.5),
+    # every SM to the calls: the GEMMs run only while the stream waits for them (serial)
+    (1.0, [2.0] * 4, 1.0, 1.0, 16.0),
+    # a backward with the merged weight gradients in the last chunk: F0 [0,1], F1 [1,2];
+    # X0 [1,2]; L0 [2,3]; X1 [2,5]; L1 [5,6]
+    (1.0, [1.0, 3.0], 1.0, 0.0, 6.0),
+])
+def test_pipelined_layer_is_the_hand_computed_schedule(first, work, last, share, makespan):
+    from pretrain.planner.step_time import pipelined_layer_s
+
+    assert pipelined_layer_s(first, work, last, share) == pytest.approx(makespan, rel=1e-12)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.3, 1.0])
+def test_one_chunk_is_the_serial_layer(share):
+    from pretrain.planner.step_time import pipelined_layer_s
+
+    assert pipelined_layer_s(0.7, [2.9], 1.3, share) == pytest.approx(0.7 + 2.9 + 1.3, rel=1e-15)
+
+
+def _ep_request(**kw) -> PlanRequest:
+    return PlanRequest(model=replace(MODEL, n_dense_layers=0), world=2, ep=2,
+                       ep_backend="rowwise", micro_batch=2, seq_len=64, global_batch=8, **kw)
+
+
+def test_one_chunk_keeps_every_ep_call_exposed():
+    """ep_overlap_chunks=1 is today's prediction: the four calls, each ``alpha + bytes /
+    bandwidth``, on the critical path, nothing hidden; the compute is the one an
+    infinitely fast link gives."""
+    gb_per_s = 100.0
+    link = Link(0.0, gb_per_s)
+    profile = replace(_flat_profile(), links={"nvlink": link, "network": link})
+    fast = replace(profile, links={"nvlink": Link(0.0, 1e30), "network": Link(0.0, 1e30)})
+    req = _ep_request(ep_combine="source")
+    st = predict_step(req, profile, cuda_graphs=True)
+    assert st.exposed["ep_all_to_all"] == st.comm["ep_all_to_all"]
+    tokens, D = req.micro_batch * req.seq_len, MODEL.d_model
+    slots = tokens * MODEL.top_k / 2  # routed to the other rank's experts (uniform)
+    sent = tokens * remote_reach(MODEL.n_experts, MODEL.top_k, 2)  # a token once per rank
+    calls = (sent + 3 * slots) * 2 * D / (gb_per_s * 1e9)  # dispatch, combine, 2 backward
+    moe = req.microbatches * MODEL.n_layers * calls
+    assert st.comm["ep_all_to_all"] == pytest.approx(moe, rel=1e-12)
+    free = predict_step(req, fast, cuda_graphs=True)
+    assert st.compute == pytest.approx(free.compute, rel=1e-12)
+    assert st.exposed_comm_s - free.exposed_comm_s == pytest.approx(
+        moe + sum(st.exposed[k] - free.exposed[k] for k in st.exposed if k != "ep_all_to_all"),
+        rel=1e-12)
+
+
+def test_chunks_without_communication_cost_only_their_launches():
+    """Links that cost nothing, GEMMs at one rate whatever their rows: n chunks add
+    (n - 1) chunks' launches per MoE layer and pass, at the profile's gap each."""
+    from pretrain.planner.step_time import KERNELS_PER_CHUNK_BACKWARD, KERNELS_PER_CHUNK_FORWARD
+
+    free = Link(0.0, 1e30)
+    profile = replace(_flat_profile(), kernel_gap_us_graphs=1.0,
+                      links={"nvlink": free, "network": free})
+    one = predict_step(_ep_request(), profile, cuda_graphs=True)
+    for n in (2, 4):
+        st = predict_step(_ep_request(ep_overlap_chunks=n), profile, cuda_graphs=True)
+        extra = (_ep_request().microbatches * MODEL.n_layers * (n - 1)
+                 * (KERNELS_PER_CHUNK_FORWARD + KERNELS_PER_CHUNK_BACKWARD) * 1e-6)
+        assert st.compute["expert_gemm"] == pytest.approx(one.compute["expert_gemm"], rel=1e-12)
+        assert st.step_s - one.step_s == pytest.approx(extra, rel=1e-6)
+
+
+def test_chunks_hide_the_calls_behind_the_gemms_unless_the_calls_take_every_sm():
+    """bench-2gpu as EP2: its calls and GEMMs are long enough to hide one behind the other
+    (the tiny model's are latency: there chunks only add)."""
+    profile = load_profile("h200")
+    cfg = load_config("bench-2gpu", ["parallel.ep=2", "parallel.ep_backend=rowwise"])
+    base = PlanRequest.from_config(cfg, 2)
+
+    def ep_request(**kw):
+        return replace(base, **kw)
+
+    one = predict_step(ep_request(), profile, cuda_graphs=True)
+    two = predict_step(ep_request(ep_overlap_chunks=2), profile, cuda_graphs=True)
+    assert two.step_s < one.step_s
+    assert two.exposed["ep_all_to_all"] < one.exposed["ep_all_to_all"]
+    # each chunk's call pays its latency again: more in all, less exposed
+    assert two.comm["ep_all_to_all"] > one.comm["ep_all_to_all"]
+    every = predict_step(ep_request(ep_overlap_chunks=2, ep_comm_sms=profile.sm_count),
+                         profile, cuda_graphs=True)
+    assert every.exposed["ep_all_to_all"] == pytest.approx(every.comm["ep_all_to_all"], rel=1e-9)
+    bounded = [predict_step(ep_request(ep_overlap_chunks=2, ep_comm_sms=s), profile,
+                            cuda_graphs=True).step_s for s in (8, 32, 96)]
+    assert bounded == sorted(bounded)  # fewer SMs to the calls: faster GEMMs under them
+    with pytest.raises(ValueError, match="ep_comm_sms must be >= 1"):
+        _ep_request(ep_overlap_chunks=2, ep_comm_sms=0)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.25, 0.6, 1.0])
+def test_the_sm_share_fit_recovers_the_share_of_a_pipelined_layer(share):
+    from pretrain.planner.step_time import fit_comm_sm_share, pipelined_layer_s
+
+    pipelined = pipelined_layer_s(0.5, [2.0] * 4, 0.5, share)
+    assert fit_comm_sm_share(4.0, 8.0, pipelined, 4) == pytest.approx(share, abs=1e-9)
+    assert fit_comm_sm_share(4.0, 8.0, 0.1, 4) == 0.0  # faster than any share: clamped
+
+
+def test_plan_time_reports_the_hidden_ep_time(capsys):
+    assert main(["plan", "--config", "tiny", "--gpus", "2", "--time", "--json", "parallel.ep=2",
+                 "parallel.ep_backend=rowwise", "parallel.ep_overlap_chunks=2"]) == 0
+    st = json.loads(capsys.readouterr().out)["step_time"]
+    assert 0 < st["exposed"]["ep_all_to_all"] < st["comm"]["ep_all_to_all"]
+    assert main(["plan", "--config", "tiny", "--gpus", "2", "--time", "parallel.ep=2",
+                 "parallel.ep_backend=rowwise", "parallel.ep_overlap_chunks=2"]) == 0
+    assert "EP dispatch/combine, 2 chunks" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fused,ratio", [(False, 3 * 2 * 1.5 / 6), (True, (2 * 2 * 1.5 + 2) / 6)])

@@ -299,6 +299,8 @@ def calibrate(device: torch.device, name: str | None = None,
         kernel_gap_us_eager=gap + (EAGER_EXTRA_GAP_US if cuda else 0.0),
         host_launch_us=host, gpu_gib=gpu_gib, links={**table, **(links or {})},
         ep_transport_efficiency=EP_TRANSPORT_EFFICIENCY,
+        **({"sm_count": torch.cuda.get_device_properties(device).multi_processor_count}
+           if cuda else {}),
         notes="expert GEMM rates measured (rows per expert: TFLOP/s): "
               + ", ".join(f"{m}: {r:.1f}" for m, r in rates)
               + ("" if cuda else "; a CPU profile (FP32, tiny shapes)"),

@@ -74,6 +74,7 @@ class PlanRequest:
     ep_backend: EPBackend = "local"
     ep_combine: str = "auto"  # moe_ep_transport.EPConfig.combine
     ep_overlap_chunks: int = 1  # parallel.ep_overlap_chunks: the transport is sized for one chunk
+    ep_comm_sms: int | None = None  # parallel.ep_comm_sms: the EP communication stream's SMs
     ep_payload: str = "compute"  # parallel.ep_payload: what the forward dispatch sends
     mxfp8_targets: tuple[str, ...] = ()
     mxfp8_save_activations: bool = False
@@ -90,6 +91,8 @@ class PlanRequest:
                      "merge_expert_grads", "ep_overlap_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PlanRequest.{name} must be >= 1, got {getattr(self, name)}")
+        if self.ep_comm_sms is not None and self.ep_comm_sms < 1:
+            raise ValueError(f"PlanRequest.ep_comm_sms must be >= 1, got {self.ep_comm_sms}")
         if self.world % self.pp:
             raise ValueError(f"world {self.world} is not divisible by pp={self.pp}")
         if self.dp % self.ep:
@@ -167,7 +170,8 @@ class PlanRequest:
                    global_batch=cfg.train.global_batch, ddp_mode=p.ddp_mode,
                    bucket_cap_mb=p.bucket_cap_mb, optimizer=cfg.optim.name,
                    ep_backend=_ep_backend(p.resolved_ep_backend()), ep_combine=p.ep_combine,
-                   ep_overlap_chunks=p.ep_overlap_chunks, ep_payload=p.ep_payload, mxfp8_targets=tuple(cfg.mxfp8.targets),
+                   ep_overlap_chunks=p.ep_overlap_chunks,
+                   ep_comm_sms=p.ep_comm_sms, ep_payload=p.ep_payload, mxfp8_targets=tuple(cfg.mxfp8.targets),
                    mxfp8_save_activations=cfg.mxfp8.save_mxfp8_activations,
                    mxfp8_recipe=cfg.mxfp8.recipe, mxfp8_gemm=cfg.mxfp8.gemm,
                    merge_expert_grads=p.merge_expert_grad_microbatches if p.fuse_grad_accumulation else 1,

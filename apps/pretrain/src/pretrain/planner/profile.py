@@ -21,6 +21,13 @@ from pathlib import Path
 
 PROFILES_DIR = Path(__file__).with_name("profiles")
 LINK_CLASSES = ("nvlink", "network")
+# An assumption, not a measurement: the share of the SMs the EP communication stream
+# takes while it overlaps the expert GEMMs when nothing bounds it (parallel.ep_comm_sms
+# unset; its grids are sized by their rows and run at the highest priority). About what
+# a put-based transport needs to keep NVLink at its rate: DeepSeek-V3 runs its dispatch
+# and combine on 20 of an H800's 132 SMs. tools/bench_ep_overlap.py measures the
+# pipelined layer; ``step_time.fit_comm_sm_share`` turns its row into this share.
+EP_COMM_SM_SHARE = 20 / 132
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,11 @@ class Profile:
     sits ``kernel_gap_us_*`` idle between two kernels (replayed from CUDA graphs or
     launched eagerly), and an eager step cannot run faster than the host issues
     its launches (``host_launch_us`` each).
+
+    EP overlap (``parallel.ep_overlap_chunks`` > 1): ``sm_count`` SMs per GPU; while the
+    communication stream runs beside the expert GEMMs it takes ``ep_comm_sm_share`` of
+    them (``parallel.ep_comm_sms`` = s bounds it: s / ``sm_count``), and the GEMMs run at
+    the rest's rate.
     """
 
     name: str
@@ -93,6 +105,8 @@ class Profile:
     # the EP token transport's achieved share of its link's bandwidth (NVSHMEM puts
     # inside a node, NCCL all-to-all across nodes)
     ep_transport_efficiency: float = 1.0
+    sm_count: int = 132  # an H200's, where the profile does not say
+    ep_comm_sm_share: float = EP_COMM_SM_SHARE
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -106,6 +120,11 @@ class Profile:
                      "gpu_gib", "ep_transport_efficiency"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Profile.{name} must be > 0, got {getattr(self, name)}")
+        if not (isinstance(self.sm_count, int) and self.sm_count >= 1):
+            raise ValueError(f"Profile.sm_count must be an integer >= 1, got {self.sm_count!r}")
+        if self.ep_comm_sm_share > 1:
+            raise ValueError(f"Profile.ep_comm_sm_share must be in [0, 1], "
+                             f"got {self.ep_comm_sm_share}")
         missing = [c for c in LINK_CLASSES if c not in self.links]
         if missing:
             raise ValueError(f"Profile.links lacks {', '.join(missing)} "
@@ -128,8 +147,9 @@ class Profile:
         if unknown:
             raise ValueError(f"{where}: unknown key {unknown[0]!r}")
         missing = sorted(f.name for f in fields(cls)
-                         if f.name not in data and f.name not in ("links", "notes",
-                                                                  "ep_transport_efficiency"))
+                         if f.name not in data and f.name not in (
+                             "links", "notes", "ep_transport_efficiency", "sm_count",
+                             "ep_comm_sm_share"))
         if missing:
             raise ValueError(f"{where}: missing key {missing[0]!r}")
         links = {}

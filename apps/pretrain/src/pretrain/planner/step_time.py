@@ -21,8 +21,15 @@ replica groups (``persistent``). Per pipeline stage and microbatch it adds up:
   the host when its launches (forward and backward together) take longer than its
   kernels;
 - EP token exchange: dispatch and combine forward, their two backward calls, each
-  an all-to-all on the EP-MP group; exposed (the trainer does not overlap them
-  with compute);
+  an all-to-all on the EP-MP group. One chunk (``parallel.ep_overlap_chunks`` = 1):
+  exposed, one call after the other around the expert GEMMs. ``n`` > 1 chunks: each
+  call and the expert GEMMs run per chunk of ``1/n`` of the tokens (each chunk call
+  pays its own latency ``alpha`` and launches, ``KERNELS_PER_CHUNK_*`` more per
+  chunk; the GEMMs run at the rate of ``1/n`` of the rows per expert), pipelined on
+  two streams as ``moe_ep_transport.pipeline`` issues them; the layer takes the
+  makespan of that schedule (``pipelined_layer_s``), in which the GEMMs lose the SM
+  share the communication stream takes while both run. The exposed part is that
+  makespan less the GEMMs at their full rate; the rest of the calls' time is hidden;
 - recompute: ``block`` runs the forward again in the backward, ``selective`` its
   memory-bound part.
 
@@ -66,6 +73,12 @@ OPTIMIZER_BYTES = 32
 REBUILD_BYTES = 6  # FP32 main weight read, compute weight written
 UNFUSED_ACCUMULATION_BYTES = 10  # BF16 gradient read, FP32 main grad read and written
 NEWTON_SCHULZ_STEPS = 5
+# Launches each extra EP chunk adds (parallel.ep_overlap_chunks), forward and backward:
+# the rowwise transport's dispatch + combine, 13 forward and 11 backward (of a training
+# step's 24; moe_ep_transport's README, bounded by its test_launch_count.py), and, an
+# assumption, 3 forward and 5 backward of the chunk's grouped GEMMs and SwiGLU.
+KERNELS_PER_CHUNK_FORWARD = 13 + 3
+KERNELS_PER_CHUNK_BACKWARD = 11 + 5
 
 
 @dataclass(frozen=True)
@@ -77,7 +90,8 @@ class PassCost:
     attention: float = 0.0
     memory_bound: float = 0.0
     launch: float = 0.0
-    ep_comm: float = 0.0
+    ep_comm: float = 0.0  # exposed: on the pass's critical path
+    ep_comm_hidden: float = 0.0  # the calls' time under the expert GEMMs (not in ``device``)
     kernels: int = 0
 
     @property
@@ -94,7 +108,7 @@ class PassCost:
 
 
 _PASS_FIELDS = ("expert_gemm", "dense_gemm", "attention", "memory_bound", "launch", "ep_comm",
-                "kernels")
+                "ep_comm_hidden", "kernels")
 
 
 @dataclass(frozen=True)
@@ -118,7 +132,8 @@ class StepTime:
 
     ``step_s = compute_s + exposed_comm_s + bubble_s``; ``compute`` and ``comm`` break
     those down (seconds per step on the busiest rank); ``comm`` holds each collective's
-    whole time, ``exposed`` the part not hidden behind compute."""
+    whole time, ``exposed`` the part not hidden behind compute (EP with chunks: what the
+    pipelined layers take beyond their expert GEMMs, the GEMMs' SM loss included)."""
 
     request: PlanRequest
     profile: str
@@ -190,8 +205,7 @@ def _block_cost(s: _Setup, layer: int) -> StageCost:
     T, D, S = s.ex.tokens, m.d_model, req.seq_len
     Q, KV = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
     dense = 2 * T * D * (2 * Q + 2 * KV)
-    expert = 0.0
-    ep_fwd = ep_bwd = 0.0
+    expert = rows = 0.0
     if m.is_moe_layer(layer):
         dense += 2 * T * D * m.n_experts + 2 * T * D * 3 * m.shared_hidden_width
         slots = T * m.top_k
@@ -202,8 +216,6 @@ def _block_cost(s: _Setup, layer: int) -> StageCost:
                        float(ep_capacity(m, T, req.ep)))
         expert = 2 * rows * D * 3 * m.expert_hidden
         expert_s = _gemm_s(expert, expert_rate(p, rows / (m.n_experts // req.ep)))
-        if req.ep > 1:
-            ep_fwd, ep_bwd = _ep_exchange(s, T)
     else:
         dense += 2 * T * D * 3 * m.dense_hidden_width
         expert_s = 0.0
@@ -212,14 +224,17 @@ def _block_cost(s: _Setup, layer: int) -> StageCost:
     # (the transport's own traffic is the exchange's)
     inv = block_inventory(m, layer, replace(s.ex, ep=1, ep_backend="local"))
     mem_s = MEMORY_PASSES * sum(inv.sizes.values()) / (p.memory_gb_per_s * 1e9)
-    fwd = PassCost(expert_gemm=expert_s, dense_gemm=_gemm_s(dense, p.dense_gemm_tflops),
+    fwd = PassCost(dense_gemm=_gemm_s(dense, p.dense_gemm_tflops),
                    attention=_gemm_s(attn, p.attention_fwd_tflops), memory_bound=mem_s / 3,
-                   ep_comm=ep_fwd, kernels=KERNELS_PER_BLOCK // 3)
+                   kernels=KERNELS_PER_BLOCK // 3)
     # backward: input and weight gradients, one GEMM each per forward GEMM
-    grads = PassCost(expert_gemm=expert_s, dense_gemm=_gemm_s(dense, p.dense_gemm_tflops))
+    grads = PassCost(dense_gemm=_gemm_s(dense, p.dense_gemm_tflops))
     bwd_in = PassCost(attention=_gemm_s(2.5 * attn, p.attention_bwd_tflops),
-                      memory_bound=2 * mem_s / 3, ep_comm=ep_bwd,
+                      memory_bound=2 * mem_s / 3,
                       kernels=KERNELS_PER_BLOCK - KERNELS_PER_BLOCK // 3) + grads
+    if expert_s:
+        experts_fwd, experts_in, experts_w = _expert_passes(s, T, rows, expert_s)
+        fwd, bwd_in, grads = fwd + experts_fwd, bwd_in + experts_in, grads + experts_w
     if m.recompute == "block":
         bwd_in = bwd_in + fwd
     elif m.recompute == "selective":
@@ -227,8 +242,141 @@ def _block_cost(s: _Setup, layer: int) -> StageCost:
     return StageCost(fwd, bwd_in, grads)
 
 
-def _ep_exchange(s: _Setup, tokens: int) -> tuple[float, float]:
-    """Seconds of the four EP calls of one MoE layer and microbatch (forward, backward).
+def _expert_passes(s: _Setup, tokens: int, rows: float, expert_s: float
+                   ) -> tuple[PassCost, PassCost, PassCost]:
+    """A MoE layer's expert GEMMs and EP calls: (forward, backward input, weight gradients).
+
+    One chunk: the GEMMs (``expert_s`` each way) and the four calls, exposed. ``n``
+    chunks (``parallel.ep_overlap_chunks``): per chunk the calls of ``tokens / n`` and
+    the GEMMs of ``rows / n`` at that size's rate, pipelined (``pipelined_layer_s``):
+    forward dispatch, experts, combine; backward the combine's gradient, the input
+    gradients' GEMMs, the dispatch's gradient. Without ``parallel.fuse_grad_accumulation``
+    each chunk's weight gradients run in its backward; with it, moe_model's
+    ``MergingSink`` holds them until the last chunk's and runs one launch over every
+    chunk's rows (the unsplit rate), in that chunk's backward."""
+    req, p, m = s.req, s.profile, s.req.model
+    n = req.ep_overlap_chunks if req.ep > 1 else 1
+    if req.ep < 2:
+        return (PassCost(expert_gemm=expert_s), PassCost(expert_gemm=expert_s),
+                PassCost(expert_gemm=expert_s))
+    if n == 1:
+        calls = _ep_calls(s, tokens)
+        return (PassCost(expert_gemm=expert_s, ep_comm=calls.dispatch + calls.combine),
+                PassCost(expert_gemm=expert_s, ep_comm=calls.combine_grad + calls.dispatch_grad),
+                PassCost(expert_gemm=expert_s))
+    calls = _ep_calls(s, tokens / n)
+    chunk_s = _gemm_s(2 * rows / n * m.d_model * 3 * m.expert_hidden,
+                      expert_rate(p, rows / n / (m.n_experts // req.ep)))
+    share = comm_sm_share(p, req.ep_comm_sms)
+    extra = n - 1
+
+    def overlapped(first: float, work: list[float], last: float, gemm: float,
+                   kernels: int) -> PassCost:
+        makespan = pipelined_layer_s(first, work, last, share)
+        exposed = makespan - sum(work)
+        return PassCost(expert_gemm=gemm, ep_comm=exposed,
+                        ep_comm_hidden=n * (first + last) - exposed, kernels=kernels)
+
+    fwd = overlapped(calls.dispatch, [chunk_s] * n, calls.combine, n * chunk_s,
+                     extra * KERNELS_PER_CHUNK_FORWARD)
+    if req.fused_grad_accumulation:  # one merged weight-gradient launch, in the last chunk
+        work, weights = [chunk_s] * (n - 1) + [chunk_s + expert_s], expert_s
+    else:
+        work, weights = [2 * chunk_s] * n, n * chunk_s
+    bwd = overlapped(calls.combine_grad, work, calls.dispatch_grad, n * chunk_s,
+                     extra * KERNELS_PER_CHUNK_BACKWARD)
+    return fwd, bwd, PassCost(expert_gemm=weights)
+
+
+def comm_sm_share(profile: Profile, comm_sms: int | None) -> float:
+    """Share of the SMs the EP communication stream takes while it runs beside the
+    expert GEMMs: ``comm_sms`` of the GPU's (``parallel.ep_comm_sms``), else the
+    profile's ``ep_comm_sm_share``."""
+    if comm_sms is None:
+        return profile.ep_comm_sm_share
+    return min(1.0, comm_sms / profile.sm_count)
+
+
+def pipelined_layer_s(first: float, work: list[float], last: float, share: float) -> float:
+    """Makespan of ``moe_ep_transport.pipeline``'s two-stream schedule of ``len(work)``
+    chunks: chunk ``c``'s ``first`` call (forward: dispatch; backward: the combine's
+    gradient), its expert GEMMs (``work[c]`` seconds at the full rate), its ``last``
+    call (forward: combine; backward: the dispatch's gradient).
+
+    The communication stream runs its calls in issue order, ``F0, F1, then for c >= 1:
+    F(c+1), L(c-1), ..., L(n-1)`` (the backward's order, the autograd engine's, is the
+    same with the chunks reversed), each ``L(c)`` after the GEMMs of chunk ``c``; the
+    compute stream runs ``X(c)`` after ``F(c)`` and ``X(c-1)``. While a call runs the
+    GEMMs progress at ``1 - share`` of their rate; a call's own time does not depend on
+    the SMs it gets (the link, not the SMs, paces it). An event-driven simulation,
+    exact for these piecewise-constant rates."""
+    n = len(work)
+    order = [("first", 0)]
+    for c in range(n):
+        order += [("first", c + 1)] if c + 1 < n else []
+        order += [("last", c - 1)] if c > 0 else []
+    order.append(("last", n - 1))
+    duration = {"first": first, "last": last}
+    gemm_done: list[float | None] = [None] * n
+    arrived: list[float | None] = [None] * n
+    t, next_call, call_end = 0.0, 0, None  # the communication stream
+    chunk, left, running = 0, 0.0, False  # the compute stream
+    while True:
+        if call_end is None and next_call < len(order):
+            kind, c = order[next_call]
+            if kind == "first" or gemm_done[c] is not None:
+                call_end = t + duration[kind]
+        if not running and chunk < n and arrived[chunk] is not None:
+            running, left = True, work[chunk]
+        if call_end is None and not running:
+            return t
+        rate = 1 - share if call_end is not None else 1.0
+        gemm_end = t + left / rate if running and rate > 0 else math.inf
+        now = min(call_end if call_end is not None else math.inf, gemm_end)
+        if running:
+            left -= (now - t) * rate
+        t = now
+        if call_end is not None and call_end <= t:
+            kind, c = order[next_call]
+            if kind == "first":
+                arrived[c] = t
+            next_call, call_end = next_call + 1, None
+        if running and gemm_end <= t:
+            gemm_done[chunk] = t
+            chunk, running = chunk + 1, False
+
+
+def fit_comm_sm_share(comm_s: float, experts_s: float, pipelined_s: float, chunks: int) -> float:
+    """The ``Profile.ep_comm_sm_share`` under which ``pipelined_layer_s`` gives a measured
+    pipelined layer: a row of ``tools/bench_ep_overlap.py`` (``comm_ms``: the ``chunks``
+    dispatch + combine calls alone; ``comp_ms``: the chunks' expert GEMMs alone;
+    ``pipelined_ms``), dispatch and combine taken as equal halves (the bench's source
+    combine moves the same rows back). Clamped to [0, 1] where the measurement lies
+    outside what any share gives; bisection (the makespan grows with the share)."""
+    call, work = comm_s / (2 * chunks), [experts_s / chunks] * chunks
+    lo, hi = 0.0, 1.0
+    if pipelined_s <= pipelined_layer_s(call, work, call, lo):
+        return lo
+    if pipelined_s >= pipelined_layer_s(call, work, call, hi):
+        return hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if pipelined_layer_s(call, work, call, mid) < pipelined_s else (lo, mid)
+    return (lo + hi) / 2
+
+
+@dataclass(frozen=True)
+class _EPCalls:
+    """Seconds of one MoE layer's four EP calls for a number of tokens."""
+
+    dispatch: float
+    combine: float
+    combine_grad: float  # the output gradient, to the ranks that ran the experts
+    dispatch_grad: float  # the input gradient, back to the token's rank
+
+
+def _ep_calls(s: _Setup, tokens: float) -> _EPCalls:
+    """The four EP calls of one MoE layer and ``tokens`` tokens.
 
     Dispatch sends a token once to each other rank holding one of its experts (in
     ``parallel.ep_payload``'s packed rows when it quantises them); the combine returns, summing at the destination, one FP32 partial per such (token,
@@ -248,12 +396,10 @@ def _ep_exchange(s: _Setup, tokens: int) -> tuple[float, float]:
 
     dispatch = call(tokens * reach, _dispatch_row_bytes(req.ep_payload, D, b))
     if _sums_at_destination(m, s.ex):
-        combine = call(tokens * reach, FP32 * D)
-        backward = call(tokens * reach, b * D) + call(tokens * reach, FP32 * D)
-    else:
-        combine = call(remote_slots, b * D)
-        backward = 2 * call(remote_slots, b * D)
-    return dispatch + combine, backward
+        return _EPCalls(dispatch, call(tokens * reach, FP32 * D), call(tokens * reach, b * D),
+                        call(tokens * reach, FP32 * D))
+    per_slot = call(remote_slots, b * D)
+    return _EPCalls(dispatch, per_slot, per_slot, per_slot)
 
 
 def _dispatch_row_bytes(payload: str, d_model: int, compute_bytes: int) -> int:
@@ -288,7 +434,8 @@ def _with_launches(s: _Setup, cost: StageCost) -> StageCost:
     Eager, nothing holds the host back between the forward and the backward of a
     microbatch, so its launches run ahead through both: the microbatch takes the longer
     of the host's time (``host_launch_us`` per kernel, the EP calls' own host waits
-    included) and the device's; the excess is spread over the passes by their kernels."""
+    included: their exposed part, what the compute stream waits for) and the device's;
+    the excess is spread over the passes by their kernels."""
     p = s.profile
     gap = p.kernel_gap_us_graphs if s.cuda_graphs else p.kernel_gap_us_eager
     passes = (cost.forward, cost.backward_input, cost.backward_weight)
@@ -494,7 +641,7 @@ def predict_step(req: PlanRequest, profile: Profile, gpus_per_node: int = 8,
                "attention": mb * work.attention, "memory_bound": mb * work.memory_bound,
                "launch_gaps": mb * work.launch, "optimizer": optimizer,
                "weight_rebuild": rebuild_local}
-    comm = {"ep_all_to_all": mb * work.ep_comm, "dp_grad_sync": sync,
+    comm = {"ep_all_to_all": mb * (work.ep_comm + work.ep_comm_hidden), "dp_grad_sync": sync,
             "weight_all_gather": gather, "pp_sends": p2p_total}
     exposed = {"ep_all_to_all": mb * work.ep_comm, "dp_grad_sync": sync_exposed,
                "weight_all_gather": gather, "pp_sends": p2p}

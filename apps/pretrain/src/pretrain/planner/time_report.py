@@ -35,7 +35,11 @@ def format_step_time(st: StepTime) -> str:
     ]
     lines += [f"  {label:34}{_ms(st.compute[key])}" for label, key in _COMPUTE]
     lines.append(f"  {'':34}{'total':>10}{'exposed':>10}")
-    lines += [f"  {label:34}{_ms(st.comm[key])}{_ms(st.exposed[key])}" for label, key in _COMM]
+    chunks = r.ep_overlap_chunks if r.ep > 1 else 1
+    for label, key in _COMM:
+        if key == "ep_all_to_all" and chunks > 1:
+            label = f"EP dispatch/combine, {chunks} chunks"
+        lines.append(f"  {label:34}{_ms(st.comm[key])}{_ms(st.exposed[key])}")
     lines.append(f"  {'pipeline bubble':34}{_ms(st.bubble_s)}")
     return "\n".join(lines)
 
