@@ -27,7 +27,11 @@ launch gap is left in them, only the device's own costs (per-chunk plans and bar
 SMs shared by the puts and the GEMMs). The host time stays that of eager calls; the
 forward + backward variants are left out.
 
-The table prints each variant against the unsplit sequential layer (today's schedule).
+The table prints each variant against the unsplit sequential layer (today's schedule),
+and for each chunked one the share of the GEMMs' SMs the transport took while they
+overlapped, fitted to its times (``pretrain.planner.step_time.fit_comm_sm_share``): with
+``--graphs``, the ``all`` rows' share is the value for the step-time profile's
+``ep_comm_sm_share``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from _bench import device_and_host_ms, init_nccl
 from moe_ep_transport import EPConfig, EPDispatcher, make_transport, nvshmem_memory
 from moe_ep_transport.rowwise import slab_bytes_for
 from moe_model.experts import GroupedExperts
+from pretrain.planner.step_time import fit_comm_sm_share
 
 E, K, D, F = 64, 8, 2048, 1024
 
@@ -125,6 +130,9 @@ def measure(n: int, comm_sms: int | None, x: torch.Tensor, ids: torch.Tensor, w:
     row = {"chunks": n, "comm_sms": comm_sms, "graphs": graphs, "comm_ms": timed(comm),
            "comm_host_ms": host_ms(comm), "comp_ms": timed(comp), "sequential_ms": timed(sequential),
            "pipelined_ms": timed(pipelined)}
+    if n > 1:
+        row["comm_sm_share"] = fit_comm_sm_share(row["comm_ms"] / 1e3, row["comp_ms"] / 1e3,
+                                                 row["pipelined_ms"] / 1e3, n)
     if not graphs:
         row.update(sequential_train_ms=device_ms(sequential_train), pipelined_train_ms=device_ms(pipelined_train))
     transport.close()
@@ -168,15 +176,17 @@ def main() -> None:
         how = "from CUDA graphs" if args.graphs else "eager, host ahead"
         print(f"\nms per MoE layer, {T} tokens per rank, {world} ranks (slower rank, {how})")
         print("| chunks | comm SMs | transport (device) | transport (host) | experts | sequential | pipelined "
-              "| pipelined vs unsplit | fwd+bwd sequential | fwd+bwd pipelined | fwd+bwd vs unsplit |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "| pipelined vs unsplit | fitted SM share | fwd+bwd sequential | fwd+bwd pipelined "
+              "| fwd+bwd vs unsplit |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in results:
+            share = f"{r['comm_sm_share']:.2f}" if "comm_sm_share" in r else "-"
             train = ("| - | - | - |" if args.graphs else
                      f"| {r['sequential_train_ms']:.3f} | {r['pipelined_train_ms']:.3f} | "
                      f"{base['sequential_train_ms'] / r['pipelined_train_ms']:.2f}x |")
             print(f"| {r['chunks']} | {r['comm_sms'] or 'all'} | {r['comm_ms']:.3f} | {r['comm_host_ms']:.3f} | "
                   f"{r['comp_ms']:.3f} | {r['sequential_ms']:.3f} | {r['pipelined_ms']:.3f} | "
-                  f"{base['sequential_ms'] / r['pipelined_ms']:.2f}x {train}")
+                  f"{base['sequential_ms'] / r['pipelined_ms']:.2f}x | {share} {train}")
     nvshmem_memory.finalize()
     dist.destroy_process_group()
 
