@@ -74,11 +74,12 @@ REBUILD_BYTES = 6  # FP32 main weight read, compute weight written
 UNFUSED_ACCUMULATION_BYTES = 10  # BF16 gradient read, FP32 main grad read and written
 NEWTON_SCHULZ_STEPS = 5
 # Launches each extra EP chunk adds (parallel.ep_overlap_chunks), forward and backward:
-# the rowwise transport's dispatch + combine, 13 forward and 11 backward (of a training
-# step's 24; moe_ep_transport's README, bounded by its test_launch_count.py), and, an
-# assumption, 3 forward and 5 backward of the chunk's grouped GEMMs and SwiGLU.
-KERNELS_PER_CHUNK_FORWARD = 13 + 3
-KERNELS_PER_CHUNK_BACKWARD = 11 + 5
+# the rowwise transport's dispatch + combine, 9 forward and 9 backward summing at the
+# destination (7 at the source; moe_ep_transport's README, pinned by its
+# test_launch_count.py), and, an assumption, 3 forward and 5 backward of the chunk's
+# grouped GEMMs and SwiGLU.
+KERNELS_PER_CHUNK_FORWARD = 9 + 3
+KERNELS_PER_CHUNK_BACKWARD = 9 + 5
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,7 @@ def _expert_passes(s: _Setup, tokens: int, rows: float, expert_s: float
     ``MergingSink`` holds them until the last chunk's and runs one launch over every
     chunk's rows (the unsplit rate), in that chunk's backward."""
     req, p, m = s.req, s.profile, s.req.model
-    n = req.ep_overlap_chunks if req.ep > 1 else 1
+    n = req.ep_overlap_chunks
     if req.ep < 2:
         return (PassCost(expert_gemm=expert_s), PassCost(expert_gemm=expert_s),
                 PassCost(expert_gemm=expert_s))
