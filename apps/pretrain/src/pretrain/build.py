@@ -39,7 +39,7 @@ from moe_mxfp8 import apply_mxfp8, unmatched_targets
 from moe_pp import Pipeline, PipelineConfig, build_pipeline
 from torch import nn
 
-from pretrain.config import EP_PAYLOAD_CODECS, ConfigError, PretrainConfig
+from pretrain.config import EP_PAYLOAD_CODECS, ConfigError, PretrainConfig, ep_call_tokens
 from pretrain.mesh import ParallelMesh
 
 _ROOT_CHILDREN = ("embed", "norm", "head")
@@ -142,9 +142,8 @@ def build_model_part(cfg: PretrainConfig, mesh: ParallelMesh, device: torch.devi
     transport = None
     dispatchers: dict[str, TokenDispatcher] = {}
     if backend != "local":
-        # a transport call carries one chunk of a microbatch's tokens (parallel.ep_overlap_chunks)
         ep_cfg = EPConfig(n_experts=m.n_experts, top_k=m.top_k,
-                          max_tokens=-(-t.micro_batch * t.seq_len // p.ep_overlap_chunks),
+                          max_tokens=ep_call_tokens(t.micro_batch * t.seq_len, p.ep_overlap_chunks),
                           d_model=m.d_model, capacity_factor=m.capacity_factor, combine=p.ep_combine,
                           overlap_chunks=p.ep_overlap_chunks, comm_sms=p.ep_comm_sms)
         codec = EP_PAYLOAD_CODECS[p.ep_payload]() if p.ep_payload != "compute" else None

@@ -438,6 +438,13 @@ class Layout:
                 f"microbatches per rank: {self.microbatches}")
 
 
+def ep_call_tokens(microbatch_tokens: int, overlap_chunks: int) -> int:
+    """Tokens one EP transport call carries at most (``EPConfig.max_tokens``): a microbatch's,
+    split into ``parallel.ep_overlap_chunks`` chunks (``tensor_split``: the first ones one
+    token longer), so the transport's buffers are sized for one chunk."""
+    return -(-microbatch_tokens // overlap_chunks)
+
+
 def validate_layout(cfg: PretrainConfig, world_size: int) -> Layout:
     """The layout of ``cfg`` on ``world_size`` ranks, or a ``ConfigError`` saying why not."""
     p, t, m = cfg.parallel, cfg.train, cfg.model

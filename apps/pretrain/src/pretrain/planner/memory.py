@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from moe_model import MoEConfig, active_params, total_params
 from moe_mxfp8 import name_matches
 
-from pretrain.config import PretrainConfig, validate_layout
+from pretrain.config import PretrainConfig, ep_call_tokens, validate_layout
 from pretrain.planner.activations import (
     EPBackend,
     Execution,
@@ -277,7 +277,7 @@ def _nvshmem_heap(req: PlanRequest) -> int:
 
     m = req.model
     cfg = EPConfig(n_experts=m.n_experts, top_k=m.top_k,
-                   max_tokens=-(-req.micro_batch * req.seq_len // req.ep_overlap_chunks),
+                   max_tokens=ep_call_tokens(req.micro_batch * req.seq_len, req.ep_overlap_chunks),
                    d_model=m.d_model, capacity_factor=m.capacity_factor, combine=req.ep_combine)
     # rows of the compute dtype (an MXFP8 payload packs narrower), partial sums in FP32 or wider
     b = COMPUTE_BYTES[req.compute_dtype]
