@@ -408,19 +408,17 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     try:
         data, val, data_info = resolve_data(a)
         plans = [plan_run(a, recipe, data, val) for recipe in a.recipes]  # all checked first
+        cfg = plans[0].cfg
+        epochs = training_epochs(cfg, a.steps)
+        if epochs > 1 and not a.allow_repeat:
+            raise SystemExit(
+                f"bench_fp8_convergence: error: {a.steps} steps would read the training data "
+                f"{epochs:.1f} times: the curves would compare memorisation; give more text "
+                "(--corpus, --data), fewer --steps, or --allow-repeat")
     except BaseException:
-        if new_root:  # a config refused: leave no half-made run root behind
+        if new_root:  # a config or the data refused: leave no half-made run root behind
             shutil.rmtree(a.run_root)
         raise
-    cfg = plans[0].cfg
-    epochs = training_epochs(cfg, a.steps)
-    if epochs > 1 and not a.allow_repeat:
-        if new_root:
-            shutil.rmtree(a.run_root)
-        raise SystemExit(
-            f"bench_fp8_convergence: error: {a.steps} steps would read the training data "
-            f"{epochs:.1f} times: the curves would compare memorisation; give more text "
-            "(--corpus, --data), fewer --steps, or --allow-repeat")
     params = {"total": total_params(cfg.model), "active": active_params(cfg.model)}
     todo = sum(p.target - p.done for p in plans)
     minutes = sum(estimate_minutes(p.cfg, p.target - p.done, p.recipe) for p in plans)
