@@ -445,10 +445,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                                           **curves(a.run_root / plan.recipe)}
         if a.out is not None:  # the curves so far, after every run
             _write(report, a)
-    for plan in plans:
-        report["recipes"].setdefault(plan.recipe, {"overrides": recipe_overrides(plan.recipe, a.gemm),
-                                                   "run_dir": str(a.run_root / plan.recipe),
-                                                   **curves(a.run_root / plan.recipe)})
     report["complete"] = all(steps_done(a.run_root / p.recipe) == a.steps for p in plans)
     _write(report, a)
     if a.plot is not None:
