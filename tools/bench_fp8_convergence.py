@@ -74,11 +74,10 @@ from moe_ckpt.directory import committed_steps
 from moe_model import active_params, flops_per_token, total_params
 from pretrain.checkpoint import CHECKPOINT_DIR
 from pretrain.config import PretrainConfig, load_config
-from pretrain.data import prepare_data, token_dir_info
+from pretrain.data import prepare_data, resolve_vocab_size
 from pretrain.data.files import SIDECAR, UNFINISHED_MARKER, open_token_files
 from pretrain.data.inputs import expand_inputs
 from pretrain.data.sources import stdlib_sources
-from pretrain.data.training import VOCAB_MULTIPLE
 from pretrain.errors import PretrainError
 from pretrain.metrics import METRICS_FILE
 from pretrain.plot import read_metrics
@@ -247,13 +246,14 @@ def recipe_config(a: argparse.Namespace, recipe: str, data: str, val: str | None
            f"run_dir={a.run_root / recipe}"]
     if val is not None:
         run += [f"data.val_path={val}", f"eval.every={a.eval_every}"]
-    if "model.vocab_size" not in user_keys:  # the data's, as a run without a preset takes it
-        vocab = token_dir_info(data, "--data").vocab_size
-        run.append(f"model.vocab_size={-(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE}")
     if a.gemm == "emulated" or a.device == "cpu" or not torch.cuda.is_available():
         # emulated FP8 GEMMs read the expert offsets on the host; every recipe runs alike
         run.append("train.cuda_graphs=false")
-    return load_config(preset, [*named, *run, *a.overrides, *recipe_overrides(recipe, a.gemm)])
+    cfg = load_config(preset, [*named, *run, *a.overrides, *recipe_overrides(recipe, a.gemm)])
+    if "model.vocab_size" not in user_keys:  # the data's, as a run without a preset takes it
+        cfg.key_sources.pop("model.vocab_size", None)
+        resolve_vocab_size(cfg)
+    return cfg
 
 
 def steps_done(run_dir: Path) -> int:
