@@ -69,6 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from moe_ckpt.directory import committed_steps
 from moe_model import active_params, flops_per_token, total_params
@@ -80,7 +81,7 @@ from pretrain.data.inputs import expand_inputs
 from pretrain.data.sources import stdlib_sources
 from pretrain.errors import PretrainError
 from pretrain.metrics import METRICS_FILE
-from pretrain.plot import read_metrics
+from pretrain.plot import read_metrics, rolling_mean
 from pretrain.train import train
 
 TARGET_REL_DIFF = 0.01  # FP8's final loss within 1% of BF16's
@@ -344,7 +345,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for name, r in report["recipes"].items():
         steps = [p["step"] for p in r["loss"]]
         losses = [p["loss"] for p in r["loss"]]
-        mean = [statistics.fmean(losses[max(0, i + 1 - tail):i + 1]) for i in range(len(losses))]
+        mean = rolling_mean(np.array(losses, dtype=float), tail).tolist()
         smoothed[name] = (steps, mean)
         ax_loss.plot(steps, mean, label=name)
         ax_val.plot([v["step"] for v in r["val_loss"]], [v["val_loss"] for v in r["val_loss"]],
