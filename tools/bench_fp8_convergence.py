@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -78,7 +77,7 @@ from pretrain.config import PretrainConfig, load_config
 from pretrain.data import prepare_data, resolve_vocab_size
 from pretrain.data.files import SIDECAR, UNFINISHED_MARKER, open_token_files
 from pretrain.data.inputs import expand_inputs
-from pretrain.data.sources import stdlib_sources
+from pretrain.data.sources import python_files, stdlib_sources
 from pretrain.errors import PretrainError
 from pretrain.metrics import METRICS_FILE
 from pretrain.plot import read_metrics, rolling_mean
@@ -183,9 +182,7 @@ def python_sources() -> list[Path]:
     repeat it 13 times, and the curves would then compare how fast each recipe memorises."""
     files = stdlib_sources()
     for root in sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")}):
-        for directory, subdirs, names in os.walk(root):
-            subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
-            files += [Path(directory, n) for n in sorted(names) if n.endswith(".py")]
+        files += python_files(root, lambda d: d.startswith("."))
     return files
 
 
