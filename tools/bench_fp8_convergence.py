@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -69,19 +68,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from moe_ckpt.directory import committed_steps
 from moe_model import active_params, flops_per_token, total_params
 from pretrain.checkpoint import CHECKPOINT_DIR
 from pretrain.config import PretrainConfig, load_config
-from pretrain.data import prepare_data, token_dir_info
+from pretrain.data import prepare_data, resolve_vocab_size
 from pretrain.data.files import SIDECAR, UNFINISHED_MARKER, open_token_files
 from pretrain.data.inputs import expand_inputs
-from pretrain.data.sources import stdlib_sources
-from pretrain.data.training import VOCAB_MULTIPLE
+from pretrain.data.sources import python_files, stdlib_sources
 from pretrain.errors import PretrainError
 from pretrain.metrics import METRICS_FILE
-from pretrain.plot import read_metrics
+from pretrain.plot import read_metrics, rolling_mean
 from pretrain.train import train
 
 TARGET_REL_DIFF = 0.01  # FP8's final loss within 1% of BF16's
@@ -183,9 +182,7 @@ def python_sources() -> list[Path]:
     repeat it 13 times, and the curves would then compare how fast each recipe memorises."""
     files = stdlib_sources()
     for root in sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")}):
-        for directory, subdirs, names in os.walk(root):
-            subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
-            files += [Path(directory, n) for n in sorted(names) if n.endswith(".py")]
+        files += python_files(root, lambda d: d.startswith("."))
     return files
 
 
@@ -247,13 +244,14 @@ def recipe_config(a: argparse.Namespace, recipe: str, data: str, val: str | None
            f"run_dir={a.run_root / recipe}"]
     if val is not None:
         run += [f"data.val_path={val}", f"eval.every={a.eval_every}"]
-    if "model.vocab_size" not in user_keys:  # the data's, as a run without a preset takes it
-        vocab = token_dir_info(data, "--data").vocab_size
-        run.append(f"model.vocab_size={-(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE}")
     if a.gemm == "emulated" or a.device == "cpu" or not torch.cuda.is_available():
         # emulated FP8 GEMMs read the expert offsets on the host; every recipe runs alike
         run.append("train.cuda_graphs=false")
-    return load_config(preset, [*named, *run, *a.overrides, *recipe_overrides(recipe, a.gemm)])
+    cfg = load_config(preset, [*named, *run, *a.overrides, *recipe_overrides(recipe, a.gemm)])
+    if "model.vocab_size" not in user_keys:  # the data's, as a run without a preset takes it
+        cfg.key_sources.pop("model.vocab_size", None)
+        resolve_vocab_size(cfg)
+    return cfg
 
 
 def steps_done(run_dir: Path) -> int:
@@ -344,7 +342,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for name, r in report["recipes"].items():
         steps = [p["step"] for p in r["loss"]]
         losses = [p["loss"] for p in r["loss"]]
-        mean = [statistics.fmean(losses[max(0, i + 1 - tail):i + 1]) for i in range(len(losses))]
+        mean = rolling_mean(np.array(losses, dtype=float), tail).tolist()
         smoothed[name] = (steps, mean)
         ax_loss.plot(steps, mean, label=name)
         ax_val.plot([v["step"] for v in r["val_loss"]], [v["val_loss"] for v in r["val_loss"]],
@@ -408,19 +406,17 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     try:
         data, val, data_info = resolve_data(a)
         plans = [plan_run(a, recipe, data, val) for recipe in a.recipes]  # all checked first
+        cfg = plans[0].cfg
+        epochs = training_epochs(cfg, a.steps)
+        if epochs > 1 and not a.allow_repeat:
+            raise SystemExit(
+                f"bench_fp8_convergence: error: {a.steps} steps would read the training data "
+                f"{epochs:.1f} times: the curves would compare memorisation; give more text "
+                "(--corpus, --data), fewer --steps, or --allow-repeat")
     except BaseException:
-        if new_root:  # a config refused: leave no half-made run root behind
+        if new_root:  # a config or the data refused: leave no half-made run root behind
             shutil.rmtree(a.run_root)
         raise
-    cfg = plans[0].cfg
-    epochs = training_epochs(cfg, a.steps)
-    if epochs > 1 and not a.allow_repeat:
-        if new_root:
-            shutil.rmtree(a.run_root)
-        raise SystemExit(
-            f"bench_fp8_convergence: error: {a.steps} steps would read the training data "
-            f"{epochs:.1f} times: the curves would compare memorisation; give more text "
-            "(--corpus, --data), fewer --steps, or --allow-repeat")
     params = {"total": total_params(cfg.model), "active": active_params(cfg.model)}
     todo = sum(p.target - p.done for p in plans)
     minutes = sum(estimate_minutes(p.cfg, p.target - p.done, p.recipe) for p in plans)
@@ -447,10 +443,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                                           **curves(a.run_root / plan.recipe)}
         if a.out is not None:  # the curves so far, after every run
             _write(report, a)
-    for plan in plans:
-        report["recipes"].setdefault(plan.recipe, {"overrides": recipe_overrides(plan.recipe, a.gemm),
-                                                   "run_dir": str(a.run_root / plan.recipe),
-                                                   **curves(a.run_root / plan.recipe)})
     report["complete"] = all(steps_done(a.run_root / p.recipe) == a.steps for p in plans)
     _write(report, a)
     if a.plot is not None:

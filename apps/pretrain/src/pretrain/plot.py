@@ -63,7 +63,7 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.nda
     return np.array(steps, dtype=int), np.array(values, dtype=float)
 
 
-def _rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
+def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
     """Trailing mean over ``window`` values (shorter at the start)."""
     sums = np.cumsum(np.insert(values, 0, 0.0))
     idx = np.arange(1, len(values) + 1)
@@ -84,7 +84,7 @@ def _plot_loss(plt: Any, records: list[dict[str, Any]], path: Path) -> None:
     window = max(1, len(loss) // 25)
     if window > 1:
         ax_loss.plot(steps, loss, color="tab:blue", alpha=0.3, lw=1, label="loss")
-        ax_loss.plot(steps, _rolling_mean(loss, window), color="tab:blue", lw=2,
+        ax_loss.plot(steps, rolling_mean(loss, window), color="tab:blue", lw=2,
                      label=f"mean of {window} steps")
     else:
         ax_loss.plot(steps, loss, color="tab:blue", lw=1.5, marker=".", label="loss")

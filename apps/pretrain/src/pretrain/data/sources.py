@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -42,14 +43,20 @@ class SequenceSource(Protocol):
         ...
 
 
-def stdlib_sources() -> list[Path]:
-    """The standard library's ``.py`` files (installed packages pruned, not walked)."""
-    root = sysconfig.get_paths()["stdlib"]
+def python_files(root: str | Path, skip: Callable[[str], bool]) -> list[Path]:
+    """The ``.py`` files under ``root`` in sorted path order (files of a folder, then its
+    subfolders), not walking into a subfolder whose name ``skip`` accepts."""
     files = []
     for directory, subdirs, names in os.walk(root):
-        subdirs[:] = sorted(d for d in subdirs if d not in ("site-packages", "dist-packages"))
+        subdirs[:] = sorted(d for d in subdirs if not skip(d))
         files += [Path(directory, n) for n in sorted(names) if n.endswith(".py")]
     return files
+
+
+def stdlib_sources() -> list[Path]:
+    """The standard library's ``.py`` files (installed packages pruned, not walked)."""
+    return python_files(sysconfig.get_paths()["stdlib"],
+                        lambda d: d in ("site-packages", "dist-packages"))
 
 
 def stdlib_tokens() -> TokenArrays:
