@@ -200,6 +200,11 @@ class RowwiseTransport:
         """Whether a token dispatch moves each token once per destination rank (the token inbox layout)."""
         return self.layout == "token_inbox"
 
+    def _inbox_stride(self, per_src: int) -> int:
+        """Rows per source of the token inbox a send of ``per_src`` slots per source row puts
+        into (each row once per destination rank), or 0: one row per slot at its receive row."""
+        return self.max_tokens if per_src > 1 and self.sends_tokens_once else 0
+
     def open_route(self, plan: RoutePlan) -> RowwiseRoute:
         if plan.capacity != self.capacity:
             raise ValueError(f"plan capacity {plan.capacity} != transport capacity {self.capacity}")
@@ -216,12 +221,12 @@ class RowwiseTransport:
         row_bytes = W * src_RW.element_size()
         self._check_fits(self._meta_bytes + C * row_bytes, "a row send")  # C >= the inbox's rows
         inbox_rows = self.world_size * self.max_tokens
-        dedup = per_src > 1 and self.sends_tokens_once
+        stride = self._inbox_stride(per_src)
+        dedup = stride > 0
         if dedup and src_RW.shape[0] > self.max_tokens:  # it would overlap the next source's inbox
             raise ValueError(
                 f"send: {src_RW.shape[0]} source rows, more than EPConfig.max_tokens={self.max_tokens}"
             )
-        stride = self.max_tokens if dedup else 0
         slab = self._next_slab()
         first = route.origin_C is None
         if slot_weights_N is not None and not first:
@@ -333,7 +338,7 @@ class RowwiseTransport:
         check_send(plan, words, plan.top_k)
         C, W = self.capacity, words.shape[1]
         self._check_fits(self._meta_bytes + C * W * words.element_size(), "a row send")
-        stride = self.max_tokens if self.sends_tokens_once else 0
+        stride = self._inbox_stride(plan.top_k)
         slab = self._next_slab()
         local = words.new_empty(C, W)  # the rows this rank sends itself
         self.memory.put_rows(slab, self._meta_bytes, words, plan.dst_rank_N, plan.dst_row_N, per_src=plan.top_k,
