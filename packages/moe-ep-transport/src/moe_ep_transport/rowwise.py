@@ -155,12 +155,16 @@ class RowwiseTransport:
 
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """Every rank's counts, int32 ``[M, E]``: a view of the slab, valid until the next phase."""
-        M, E = self.world_size, counts_E.numel()
-        self._check_fits(M * E * 4, "the count exchange")
-        slab = self._next_slab()
+        slab, counts_ME = self._count_slab(counts_E.numel())
         self._put_counts(slab, counts_E)
         self.memory.barrier()
-        return slab_view(self.memory.slab(slab), 0, torch.int32, E)[:M]
+        return counts_ME
+
+    def _count_slab(self, n_experts: int) -> tuple[int, torch.Tensor]:
+        """The count exchange's slab (the next one) and the int32 ``[M, E]`` table at its start."""
+        self._check_fits(self.world_size * n_experts * 4, "the count exchange")
+        slab = self._next_slab()
+        return slab, slab_view(self.memory.slab(slab), 0, torch.int32, n_experts)[: self.world_size]
 
     def _put_counts(self, slab: int, counts_E: torch.Tensor) -> None:
         """Row ``rank`` of the int32 ``[M, E]`` count table at the start of every rank's slab."""
@@ -178,9 +182,8 @@ class RowwiseTransport:
         block scan of ``rank_slots`` stores the counts into every peer (no put of their own),
         the cell kernel passes the barrier before it reads them (no barrier launch), and the
         rows are planned by the first send's put and receive kernels (no launch of their own)."""
-        M, E = self.world_size, n_experts
-        self._check_fits(M * E * 4, "the count exchange")
-        slab = self._next_slab()
+        E = n_experts
+        slab, counts_ME = self._count_slab(E)
         table = self.memory.peer_table(slab)
         fused = table is not None and resolve_backend("auto", expert_N.device)
         if fused:
@@ -191,7 +194,6 @@ class RowwiseTransport:
             slots = ops.rank_slots(expert_N, E)
             self._put_counts(slab, slots.counts_E)
         wait = self.memory.deferred_barrier()
-        counts_ME = slab_view(self.memory.slab(slab), 0, torch.int32, E)[:M]
         return plan_routes(expert_N, slots, counts_ME, rank=self.rank, top_k=top_k, capacity=capacity,
                            salt=salt, stats_sum_2ME=stats_sum_2ME, wait=wait, defer_rows=fused)
 
