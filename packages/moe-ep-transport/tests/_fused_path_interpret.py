@@ -63,6 +63,9 @@ if __name__ == "__main__":
     for combine in ("source", "destination"):
         # EP2: token inbox; drops (capacity 1.0 under skew); a rank with fewer tokens.
         check(EPConfig(8, 2, 12, 16, capacity_factor=1.0, combine=combine), 2, [12, 7], 2.0)
+    # Top-1: a token feeds one slot, so every put (combine's backward at the destination
+    # included) goes one row per slot, no token inbox.
+    check(EPConfig(8, 1, 12, 16, capacity_factor=None, combine="destination"), 2, [12, 7], 1.0)
     # Two chunks pipelined (each its own dispatch and combine), then unsplit calls on top.
     check(EPConfig(8, 2, 12, 16, capacity_factor=None, combine="destination", overlap_chunks=2), 2, [12, 7], 1.0)
     # EP4 at top-2 and capacity factor 1 sends one row per slot (the token inbox would not fit).

@@ -176,12 +176,17 @@ def _pipelined(dispatcher: EPDispatcher, x, ids, w, g, scale) -> dict:
     return dict(y=y.detach(), dx=x.grad, dw=w.grad)
 
 
+# The transport's moves a backward can run (combine's backward at the destinations is
+# send_grads, which on the kernel path puts without calling send).
+_TRANSPORT_MOVES = ("send", "send_grads", "gather_sum", "reduce_back", "send_back")
+
+
 def _backward_streams(dispatcher: EPDispatcher, inputs: list) -> tuple[set, set]:
     """The CUDA streams the transport's and the experts' backward ops ran on (each should be
     its forward op's: the communication stream, the caller's)."""
     x, ids, w, g, scale = inputs
     transport, seen_transport, seen_experts = dispatcher.transport, set(), set()
-    for name in ("send", "gather_sum", "reduce_back", "send_back"):
+    for name in _TRANSPORT_MOVES:
         method = getattr(transport, name)
 
         def logged(*args, _method=method, **kwargs):
@@ -204,7 +209,7 @@ def _backward_streams(dispatcher: EPDispatcher, inputs: list) -> tuple[set, set]
     y, _ = dispatcher.run_experts(x, ids, w, Experts.apply)
     seen_transport.clear()  # the forward's calls
     (y.float() * g).sum().backward()
-    for name in ("send", "gather_sum", "reduce_back", "send_back"):
+    for name in _TRANSPORT_MOVES:
         delattr(transport, name)
     return seen_transport, seen_experts
 

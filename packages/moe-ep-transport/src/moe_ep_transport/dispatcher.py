@@ -251,7 +251,7 @@ class EPDispatcher:
         A pipelined call's handle sums its chunks'.
         """
         if isinstance(handle, PipelinedHandle):
-            return handle.dropped_per_expert()
+            return torch.stack([self.dropped_per_expert(chunk) for chunk in handle.chunks]).sum(0)
         plan = handle.plan
         return plan.counts_ME[plan.rank] - plan.kept_ME[plan.rank]
 

@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from moe_ep_transport.ops import PeerWait, SlotTable
+from moe_ep_transport.peer_memory import N_SLABS
 
 if TYPE_CHECKING:
     from moe_ep_transport.plan import PendingRows
-from moe_ep_transport.peer_memory import N_SLABS
 
 _HEAP_MARGIN = 256 << 20  # NVSHMEM's own symmetric state (barriers, teams) lives on the heap too
 

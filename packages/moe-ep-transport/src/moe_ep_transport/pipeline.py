@@ -89,11 +89,6 @@ class PipelinedHandle:
 
     chunks: list[EPHandle]
 
-    def dropped_per_expert(self) -> torch.Tensor:
-        """[E] int64: this rank's slots dropped by their destination, summed over the chunks."""
-        plans = [h.plan for h in self.chunks]
-        return torch.stack([p.counts_ME[p.rank] - p.kept_ME[p.rank] for p in plans]).sum(0)
-
 
 _comm_streams: dict[tuple[int, int | None], torch.cuda.Stream] = {}
 _green_contexts: list[object] = []  # alive as long as the process: their streams are cached

@@ -155,12 +155,16 @@ class RowwiseTransport:
 
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """Every rank's counts, int32 ``[M, E]``: a view of the slab, valid until the next phase."""
-        M, E = self.world_size, counts_E.numel()
-        self._check_fits(M * E * 4, "the count exchange")
-        slab = self._next_slab()
+        slab, counts_ME = self._count_slab(counts_E.numel())
         self._put_counts(slab, counts_E)
         self.memory.barrier()
-        return slab_view(self.memory.slab(slab), 0, torch.int32, E)[:M]
+        return counts_ME
+
+    def _count_slab(self, n_experts: int) -> tuple[int, torch.Tensor]:
+        """The count exchange's slab (the next one) and the int32 ``[M, E]`` table at its start."""
+        self._check_fits(self.world_size * n_experts * 4, "the count exchange")
+        slab = self._next_slab()
+        return slab, slab_view(self.memory.slab(slab), 0, torch.int32, n_experts)[: self.world_size]
 
     def _put_counts(self, slab: int, counts_E: torch.Tensor) -> None:
         """Row ``rank`` of the int32 ``[M, E]`` count table at the start of every rank's slab."""
@@ -178,9 +182,8 @@ class RowwiseTransport:
         block scan of ``rank_slots`` stores the counts into every peer (no put of their own),
         the cell kernel passes the barrier before it reads them (no barrier launch), and the
         rows are planned by the first send's put and receive kernels (no launch of their own)."""
-        M, E = self.world_size, n_experts
-        self._check_fits(M * E * 4, "the count exchange")
-        slab = self._next_slab()
+        E = n_experts
+        slab, counts_ME = self._count_slab(E)
         table = self.memory.peer_table(slab)
         fused = table is not None and resolve_backend("auto", expert_N.device)
         if fused:
@@ -191,7 +194,6 @@ class RowwiseTransport:
             slots = ops.rank_slots(expert_N, E)
             self._put_counts(slab, slots.counts_E)
         wait = self.memory.deferred_barrier()
-        counts_ME = slab_view(self.memory.slab(slab), 0, torch.int32, E)[:M]
         return plan_routes(expert_N, slots, counts_ME, rank=self.rank, top_k=top_k, capacity=capacity,
                            salt=salt, stats_sum_2ME=stats_sum_2ME, wait=wait, defer_rows=fused)
 
@@ -199,6 +201,11 @@ class RowwiseTransport:
     def sends_tokens_once(self) -> bool:
         """Whether a token dispatch moves each token once per destination rank (the token inbox layout)."""
         return self.layout == "token_inbox"
+
+    def _inbox_stride(self, per_src: int) -> int:
+        """Rows per source of the token inbox a send of ``per_src`` slots per source row puts
+        into (each row once per destination rank), or 0: one row per slot at its receive row."""
+        return self.max_tokens if per_src > 1 and self.sends_tokens_once else 0
 
     def open_route(self, plan: RoutePlan) -> RowwiseRoute:
         if plan.capacity != self.capacity:
@@ -216,12 +223,12 @@ class RowwiseTransport:
         row_bytes = W * src_RW.element_size()
         self._check_fits(self._meta_bytes + C * row_bytes, "a row send")  # C >= the inbox's rows
         inbox_rows = self.world_size * self.max_tokens
-        dedup = per_src > 1 and self.sends_tokens_once
+        stride = self._inbox_stride(per_src)
+        dedup = stride > 0
         if dedup and src_RW.shape[0] > self.max_tokens:  # it would overlap the next source's inbox
             raise ValueError(
                 f"send: {src_RW.shape[0]} source rows, more than EPConfig.max_tokens={self.max_tokens}"
             )
-        stride = self.max_tokens if dedup else 0
         slab = self._next_slab()
         first = route.origin_C is None
         if slot_weights_N is not None and not first:
@@ -333,7 +340,7 @@ class RowwiseTransport:
         check_send(plan, words, plan.top_k)
         C, W = self.capacity, words.shape[1]
         self._check_fits(self._meta_bytes + C * W * words.element_size(), "a row send")
-        stride = self.max_tokens if self.sends_tokens_once else 0
+        stride = self._inbox_stride(plan.top_k)
         slab = self._next_slab()
         local = words.new_empty(C, W)  # the rows this rank sends itself
         self.memory.put_rows(slab, self._meta_bytes, words, plan.dst_rank_N, plan.dst_row_N, per_src=plan.top_k,
