@@ -56,6 +56,34 @@ def test_validate_step_time_dry_run_predicts_ep2_pipelined(monkeypatch):
         tool.parse_args(["--ep-overlap-chunks", "1"])
 
 
+def test_validate_step_time_scores_a_recorded_run_against_new_predictions(tmp_path, monkeypatch, capsys):
+    """--measured: each case is scored against the recorded row of the same case, graphs
+    and overrides (the two-H200 run in tools/results); a row measured otherwise is not."""
+    import json
+
+    monkeypatch.syspath_prepend(str(TOOLS))
+    tool = load_script(TOOLS / "validate_step_time.py")
+    recorded = TOOLS / "results" / "validate_step_time_2gpu.json"
+    rows = {r["case"]: r for r in tool.main(["--dry-run", "--world", "2", "--measured", str(recorded)])["rows"]}
+    measured = {r["case"]: r["measured"] for r in json.loads(recorded.read_text())["rows"]}
+    assert set(rows) == {"dp2", "ep2", "pp2"}
+    for case, row in rows.items():
+        assert row["measured"] == measured[case]
+        assert row["error"] == pytest.approx(row["predicted"]["tokens_per_s"]
+                                             / measured[case]["tokens_per_s"] - 1, rel=1e-12)
+    other = json.loads(recorded.read_text())
+    other["rows"][0]["overrides"] = ["parallel.pp=4"]  # dp2 measured in another configuration
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    rows = {r["case"]: r for r in tool.main(["--dry-run", "--world", "2", "--measured",
+                                             str(tmp_path / "other.json")])["rows"]}
+    assert "measured" not in rows["dp2"] and "measured" in rows["ep2"]
+    (tmp_path / "bad.json").write_text("[]")
+    with pytest.raises(SystemExit, match="bad.json: not a validate_step_time report"):
+        tool.main(["--dry-run", "--world", "2", "--measured", str(tmp_path / "bad.json")])
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--measured", str(recorded)])  # scores a dry run only
+
+
 @pytest.mark.slow
 def test_step_time_table_marks_its_figures_as_predictions(tmp_path, monkeypatch):
     tool = load_script(TOOLS / "step_time_table.py")

@@ -10,6 +10,9 @@
         tools/validate_step_time.py --profile $OUT/h200.json --out $OUT/validate_2gpu.json
     # CPU: the cases, their plans and predictions from a profile, nothing measured
     uv run python tools/validate_step_time.py --dry-run --profile h200 [--world 2]
+    # CPU: a recorded measurement predicted again from another profile
+    uv run python tools/validate_step_time.py --dry-run --profile h200 --world 2 \
+        --measured tools/results/validate_step_time_2gpu.json
     # two GPUs: EP2 also with its transport pipelined (parallel.ep_overlap_chunks, and
     # parallel.ep_comm_sms with --ep-comm-sms)
     uv run python tools/validate_step_time.py --dry-run --profile h200 --world 2 \
@@ -116,8 +119,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="on two GPUs, also EP2 with parallel.ep_overlap_chunks=N (N >= 2)")
     p.add_argument("--ep-comm-sms", type=int, default=None, metavar="S",
                    help="parallel.ep_comm_sms of the --ep-overlap-chunks cases")
+    p.add_argument("--measured", type=Path, default=None, metavar="JSON",
+                   help="with --dry-run: score the predictions against this earlier run's "
+                        "measurements (its --out), case by case")
     p.add_argument("--out", type=Path, default=None, help="JSON file")
     a = p.parse_args(argv)
+    if a.measured is not None and not a.dry_run:
+        p.error("--measured scores a --dry-run's predictions (a measuring run measures its own)")
     if any(n < 2 for n in a.ep_overlap_chunks):
         p.error(f"--ep-overlap-chunks {a.ep_overlap_chunks}: 2 or more chunks (1 is ep2 itself)")
     if a.ep_comm_sms is not None and (a.ep_comm_sms < 1 or not a.ep_overlap_chunks):
@@ -153,6 +161,17 @@ def measure(case: Case, args: argparse.Namespace, cfg: Any, why: str | None,
             "cuda_graphs": row["cuda_graphs"]}
 
 
+def recorded_measurements(path: Path) -> dict[tuple[str, str, tuple[str, ...]], dict[str, Any]]:
+    """The measured rows of an earlier run's JSON by (case, graphs, overrides): a case
+    is only scored against the configuration it measured."""
+    try:
+        rows = json.loads(path.read_text())["rows"]
+        return {(r["case"], r["graphs"], tuple(r["overrides"])): r["measured"]
+                for r in rows if "measured" in r}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--measured {path}: not a validate_step_time report ({e})") from None
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = ("case", "graphs", "pred ms", "meas ms", "pred tok/s", "meas tok/s", "error",
             "pred EP ms", "EP exposed")
@@ -178,11 +197,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.dry_run:
         profile = load_profile(a.profile or "h200")
         report["profile"] = profile.to_json()
+        earlier = recorded_measurements(a.measured) if a.measured is not None else {}
+        if a.measured is not None:
+            report["measured_in"] = str(a.measured)
         for case in cases(a.world, a.shapes, a.graphs, a.ep_overlap_chunks, a.ep_comm_sms):
             _, cfg, _ = case.bench_config(a, torch.device("cuda"), a.world, Path("dry-run"))
-            report["rows"].append({"case": case.name, "graphs": case.graphs,
-                                   "overrides": list(case.overrides),
-                                   "predicted": predict(cfg, profile, a.world)})
+            row = {"case": case.name, "graphs": case.graphs, "overrides": list(case.overrides),
+                   "predicted": predict(cfg, profile, a.world)}
+            measured = earlier.get((case.name, case.graphs, tuple(case.overrides)))
+            if measured is not None:
+                row["measured"] = measured
+                row["error"] = row["predicted"]["tokens_per_s"] / measured["tokens_per_s"] - 1
+            report["rows"].append(row)
         print_table(report["rows"])
     else:
         if not torch.cuda.is_available():

@@ -8,7 +8,8 @@ expert, fitted to ``rate(m) = peak * m / (m + half)`` (``1 / rate`` is linear in
 back-to-back tiny kernels replayed from a CUDA graph (the device's gap per kernel);
 the host time per launch of the app's eager train step on a small model
 (``host_launch_us``). Links are not measured: they come from
-``LINK_TABLE`` by device name, or the caller.
+``LINK_TABLE`` by device name, or the caller; the EP transport's share of its link
+from a two-GPU benchmark (``transport_fit``), or ``EP_TRANSPORT_EFFICIENCY``.
 
 On a CPU the same measurements run at tiny sizes (seconds) in FP32: a profile
 for plans of CPU runs and for tests, not a stand-in for a GPU's.
@@ -29,9 +30,13 @@ from pretrain.planner.step_time import KERNELS_PER_BLOCK, KERNELS_PER_EDGE
 # Device idle per kernel of an eager step beyond a replayed one: (60 - 26) ms over
 # 28,459 kernels of bench-1gpu (docs/performance.md, the CUDA graphs A/B).
 EAGER_EXTRA_GAP_US = 1.2
-# The EP transport's share of NVLink: 0.61 ms per forward dispatch + combine at 8k
-# tokens on two H200s (tools/bench_ep_transport.py, docs/performance.md).
-EP_TRANSPORT_EFFICIENCY = 0.45
+# The EP transport's share of NVLink where no two-GPU run is given: 0.151 (7.42 ms per
+# forward dispatch + combine at 32k tokens) fitted by transport_fit.ep_transport_efficiency
+# to `tools/from_source.sh python3 -m torch.distributed.run --nproc-per-node 2
+# tools/bench_ep_transport.py --graphs --routing balanced,zipf --tokens 512,...,65536` on
+# two H200s (commit b57a150, tools/results/ep_transport_2gpu.json); `pretrain calibrate
+# --ep-transport FILE` fits it to a run of the user's own.
+EP_TRANSPORT_EFFICIENCY = 0.15
 # Dense BF16 datasheet peaks (the MFU denominator), by a substring of the device name.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "B300": 2250.0}
 NVLINK = {"H100": "h100-nvlink4", "H200": "h200-nvlink4", "B200": "b200-nvlink5",
