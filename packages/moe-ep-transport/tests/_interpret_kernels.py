@@ -87,40 +87,6 @@ def check_put_rows_clears() -> None:
         assert all(torch.equal(a, b) for a, b in zip(slabs, want, strict=True)), n_put
 
 
-def check_planning_puts() -> None:
-    # The put and receive kernels planning the rows themselves (RoutePlan.pending) store what
-    # plan_rows stores and move the rows as with a planned route; with drops, token inbox.
-    from moe_ep_transport import plan_reference
-    from moe_ep_transport.plan import PendingRows
-
-    gen = torch.Generator().manual_seed(10)
-    M, E, k, T, C, me, W = 2, 8, 4, 9, 16, 1, 6
-    ids = [torch.topk(torch.randn(T, E, generator=gen) + torch.linspace(3, 0, E), k).indices.reshape(-1)
-           for _ in range(M)]
-    slots = [plan_reference.rank_slots_reference(i, E) for i in ids]
-    counts = torch.stack([s.counts_E for s in slots])
-    cells = plan_reference.plan_cells_reference(counts, C, 5, me)
-    want_rank, want_row, want_src = plan_reference.plan_rows_reference(ids[me], slots[me], cells, M, C)
-    assert bool((want_rank < 0).any()), "the case drops slots"
-    src = torch.randint(0, 99, (T, W), generator=gen, dtype=torch.int32)
-    results = []
-    for pending in (None, PendingRows(ids[me], slots[me], cells, M)):
-        slabs = [torch.zeros(C * 8 + M * T * W * 4, dtype=torch.uint8) for _ in range(M)]
-        table = torch.tensor([s.data_ptr() for s in slabs])
-        rank, row = (want_rank, want_row) if pending is None else (torch.full_like(want_rank, 7), torch.zeros_like(want_row))
-        local = torch.zeros(C, W, dtype=torch.int32)
-        kernels.put_rows(src, rank, row, table, per_src=k, byte_offset=C * 8, me=me, local_dst=local,
-                         meta_N=torch.arange(T * k), inbox_stride=T, plan=pending)
-        row_src = want_src if pending is None else torch.full_like(want_src, 7)
-        out = local.clone()
-        inbox = slabs[me][C * 8:].view(torch.int32).view(M * T, W)
-        kernels.finish_receive(out, inbox, row_src, me, slabs[me][: C * 8].view(torch.int64), None, k, T,
-                               plan=pending)
-        results.append((rank, row, row_src, out, *slabs))
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
-
-
 def check_receive_grads() -> None:
     # One pass = finish_receive, then combine_grads with one slot per row: the same bits as
     # combine_grads' kernel over the received rows (a -0.0 gradient included), the reference's
@@ -406,7 +372,6 @@ def check_any_strides() -> None:
 if __name__ == "__main__":
     check_put_rows()
     check_put_rows_clears()
-    check_planning_puts()
     check_receive_grads()
     check_weights_in_metadata()
     check_finish_receive()

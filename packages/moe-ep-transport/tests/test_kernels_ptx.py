@@ -38,24 +38,21 @@ _PUT_SIGNATURE = {
     "src_ptr": "*i32", "dst_rank_ptr": "*i64", "dst_row_ptr": "*i64",
     "table_ptr": "*i64", "byte_offset": "i32", "local_addr": "i64", "me": "i32", "meta_src_ptr": "*i64", "meta_w_ptr": "*fp32",
     "n_rows": "i32", "width": "i32", "inbox_stride": "i32", "clear_ptr": "*i64", "n_clear": "i32",
-    "put_programs": "i32", "expert_ptr": "*i64", "rank_in_block_ptr": "*i32", "cum_ptr": "*i32",
-    "cell_table_ptr": "*i64", "n_ranks": "i32", "n_experts": "i32", "PER_SRC": "constexpr", "DEDUP": "constexpr",
+    "put_programs": "i32", "PER_SRC": "constexpr", "DEDUP": "constexpr",
     "HAS_LOCAL": "constexpr", "SKIP_LOCAL": "constexpr", "HAS_META": "constexpr", "HAS_META_W": "constexpr",
-    "CLEAR": "constexpr", "PLAN": "constexpr", "SLOT_BLOCK": "constexpr", "BLOCK_R": "constexpr",
+    "CLEAR": "constexpr", "BLOCK_R": "constexpr",
     "BLOCK_W": "constexpr",
 }
 
 
-@pytest.mark.parametrize("local,skip,meta,dedup,clear,plan", [(True, False, True, True, False, True),
-                                                              (True, False, True, True, False, False),
-                                                              (False, True, False, False, False, False),
-                                                              (False, False, False, False, True, False)])
+@pytest.mark.parametrize("local,skip,meta,dedup,clear", [(True, False, True, True, False),
+                                                         (False, True, False, False, False),
+                                                         (False, False, False, False, True)])
 def test_put_rows_stores_128_bit_vectors_through_peer_pointers(
-    local: bool, skip: bool, meta: bool, dedup: bool, clear: bool, plan: bool
+    local: bool, skip: bool, meta: bool, dedup: bool, clear: bool
 ) -> None:
     consts = {"HAS_LOCAL": local, "SKIP_LOCAL": skip, "HAS_META": meta, "BLOCK_R": 4, "BLOCK_W": 1024,
-              "PER_SRC": 8 if dedup else 1, "DEDUP": dedup, "HAS_META_W": meta, "CLEAR": clear, "PLAN": plan,
-              "SLOT_BLOCK": 128}
+              "PER_SRC": 8 if dedup else 1, "DEDUP": dedup, "HAS_META_W": meta, "CLEAR": clear}
     ptx = _ptx(kernels._put_rows_kernel, _PUT_SIGNATURE, consts, aligned=("width", "byte_offset", "local_addr"),
                num_warps=8)
     assert _count(ptx, "st.global.v4.b32") > 0 and _count(ptx, "st.global.b32") == 0
@@ -142,10 +139,9 @@ def test_destination_sum_kernels_lower_for_hopper() -> None:
     _ptx(kernels._finish_receive_kernel,
          {"out_ptr": "*i32", "inbox_ptr": "*i32", "row_src_ptr": "*i64", "origin_in_ptr": "*i64",
           "origin_out_ptr": "*i64", "slot_rows_ptr": "*i64", "w_out_ptr": "*fp32", "max_slots": "i32", "me": "i32",
-          "n_rows": "i32", "width": "i32", "inbox_stride": "i32", "recv_end_ptr": "*i64", "n_ranks": "i32",
-          "n_experts": "i32", "PER_SRC": "constexpr", "DEDUP": "constexpr",
-          "COPY_ORIGIN": "constexpr", "SLOT_ROWS": "constexpr", "W_OUT": "constexpr", "ROW_SRC": "constexpr",
-          "E_P": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
-         {"PER_SRC": 8, "DEDUP": True, "COPY_ORIGIN": True, "SLOT_ROWS": True, "W_OUT": True, "ROW_SRC": True,
-          "E_P": 64, "BLOCK_R": 4, "BLOCK_W": 1024},
+          "n_rows": "i32", "width": "i32", "inbox_stride": "i32", "PER_SRC": "constexpr", "DEDUP": "constexpr",
+          "COPY_ORIGIN": "constexpr", "SLOT_ROWS": "constexpr", "W_OUT": "constexpr", "BLOCK_R": "constexpr",
+          "BLOCK_W": "constexpr"},
+         {"PER_SRC": 8, "DEDUP": True, "COPY_ORIGIN": True, "SLOT_ROWS": True, "W_OUT": True, "BLOCK_R": 4,
+          "BLOCK_W": 1024},
          num_warps=8)

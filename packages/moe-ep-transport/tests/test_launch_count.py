@@ -18,13 +18,13 @@ pytest.importorskip("triton")
 
 # Launches per direction (Triton kernels + barrier kernels, aten ops), by combine site.
 # Dispatch: slot ranks (hist, block scan + count put), cell plan (+ barrier, telemetry),
-# token put (+ row plan), barrier, receive (+ row sources). Combine: put, barrier, sum. Combine's backward
+# row plan, token put, barrier, receive. Combine: put, barrier, sum. Combine's backward
 # at the source: scaled gradients, put, barrier, receive; at the destination: token put,
 # barrier, receive (+ row and weight gradients), weight put (+ zeroing the dropped slots),
 # barrier, the copy out of the slab.
 _KERNELS = {
-    "source": {"dispatch": 6, "combine": 3, "combine_backward": 4, "dispatch_backward": 3, "no_grad": 9},
-    "destination": {"dispatch": 6, "combine": 3, "combine_backward": 5, "dispatch_backward": 3, "no_grad": 9},
+    "source": {"dispatch": 7, "combine": 3, "combine_backward": 4, "dispatch_backward": 3, "no_grad": 10},
+    "destination": {"dispatch": 7, "combine": 3, "combine_backward": 5, "dispatch_backward": 3, "no_grad": 10},
 }
 _ATEN = {"source": {}, "destination": {"combine_backward": 1}}
 

@@ -18,18 +18,12 @@ pointers so that its stores vectorise (128-bit; checked on the compiled PTX).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
-from moe_ep_transport._kernel_parts import barrier, receive_source, slot_destination
+from moe_ep_transport._kernel_parts import barrier
 from moe_ep_transport.ops import SlotTable
-from moe_ep_transport.plan_reference import next_power_of_2, slot_block
-
-if TYPE_CHECKING:
-    from moe_ep_transport.plan import PendingRows
 
 _MAX_BLOCK_W = 1024  # elements of one row chunk (4 KiB of 32-bit words)
 
@@ -52,10 +46,9 @@ def _clear_rows(src_ptr, table_ptr, byte_offset, me, clear_ptr, n_clear, width, 
 def _put_rows_kernel(
     src_ptr, dst_rank_ptr, dst_row_ptr, table_ptr, byte_offset, local_addr, me,
     meta_src_ptr, meta_w_ptr, n_rows, width, inbox_stride, clear_ptr, n_clear, put_programs,
-    expert_ptr, rank_in_block_ptr, cum_ptr, cell_table_ptr, n_ranks, n_experts,
     PER_SRC: tl.constexpr, DEDUP: tl.constexpr, HAS_LOCAL: tl.constexpr, SKIP_LOCAL: tl.constexpr,
-    HAS_META: tl.constexpr, HAS_META_W: tl.constexpr, CLEAR: tl.constexpr, PLAN: tl.constexpr,
-    SLOT_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    HAS_META: tl.constexpr, HAS_META_W: tl.constexpr, CLEAR: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if CLEAR:
@@ -64,19 +57,12 @@ def _put_rows_kernel(
                         BLOCK_R, BLOCK_W)
             return
     rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    live = rows < n_rows
-    if PLAN:  # plan step 3 here: each slot's destination, stored for the later phases
-        rank, dst_row = slot_destination(expert_ptr, rank_in_block_ptr, cum_ptr, cell_table_ptr, rows, live,
-                                         n_ranks, n_experts, SLOT_BLOCK)
-        tl.store(dst_rank_ptr + rows, rank, mask=live)
-        tl.store(dst_row_ptr + rows, dst_row, mask=live)
-    else:
-        rank = tl.load(dst_rank_ptr + rows, mask=live, other=-1)
-        dst_row = tl.load(dst_row_ptr + rows, mask=rank >= 0, other=0)
+    rank = tl.load(dst_rank_ptr + rows, mask=rows < n_rows, other=-1)
     ok = rank >= 0
     if SKIP_LOCAL:
         ok = ok & (rank != me)
     src_row = rows // PER_SRC
+    dst_row = tl.load(dst_row_ptr + rows, mask=ok, other=0)
     slab = tl.load(table_ptr + rank, mask=ok, other=0)
     at = dst_row
     store = ok
@@ -86,11 +72,7 @@ def _put_rows_kernel(
         remote = rank != me
         first = rows - rows % PER_SRC
         for jj in tl.static_range(PER_SRC):
-            if PLAN:  # another program's slot: planned again here (its store may not have landed)
-                earlier, _ = slot_destination(expert_ptr, rank_in_block_ptr, cum_ptr, cell_table_ptr, first + jj,
-                                              ok & (first + jj < rows), n_ranks, n_experts, SLOT_BLOCK)
-            else:
-                earlier = tl.load(dst_rank_ptr + first + jj, mask=ok & (first + jj < rows), other=-1)
+            earlier = tl.load(dst_rank_ptr + first + jj, mask=ok & (first + jj < rows), other=-1)
             store = store & ~(remote & (earlier == rank))
         at = tl.where(remote, me * inbox_stride + src_row, dst_row)
     addr = slab + byte_offset
@@ -114,18 +96,13 @@ def _put_rows_kernel(
 @triton.jit
 def _finish_receive_kernel(
     out_ptr, inbox_ptr, row_src_ptr, origin_in_ptr, origin_out_ptr, slot_rows_ptr, w_out_ptr, max_slots, me,
-    n_rows, width, inbox_stride, recv_end_ptr, n_ranks, n_experts,
+    n_rows, width, inbox_stride,
     PER_SRC: tl.constexpr, DEDUP: tl.constexpr, COPY_ORIGIN: tl.constexpr, SLOT_ROWS: tl.constexpr,
-    W_OUT: tl.constexpr, ROW_SRC: tl.constexpr, E_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    W_OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = rows < n_rows
-    if ROW_SRC:  # plan step 3's receive side here: each row's source, stored for the later phases
-        planned = receive_source(recv_end_ptr, rows, n_rows, n_ranks, n_experts, E_P)
-        tl.store(row_src_ptr + rows, planned, mask=live)
-        src = tl.where(live, planned, me)
-    else:
-        src = tl.load(row_src_ptr + rows, mask=live, other=me)
+    src = tl.load(row_src_ptr + rows, mask=live, other=me)
     remote = (src != me) & (src >= 0)
     write = remote | (src < 0)  # padding rows are written as zeros
     if DEDUP or COPY_ORIGIN or SLOT_ROWS or W_OUT:
@@ -304,7 +281,6 @@ def put_rows(
     inbox_stride: int = 0,
     meta_w_N: torch.Tensor | None = None,
     clear_N: torch.Tensor | None = None,
-    plan: PendingRows | None = None,
 ) -> None:
     """Row ``dst_row[i]`` at ``table[dst_rank[i]] + byte_offset`` becomes ``src[i // per_src]``.
 
@@ -317,9 +293,7 @@ def put_rows(
     With ``meta_w_N`` (float32), the metadata is ``ops.pack_meta(meta, meta_w)``.
     With ``clear_N`` (integers), row ``i`` at ``table[me] + byte_offset`` is zeroed where
     ``clear_N[i] < 0``, in the same launch (rows no put writes, e.g. the dropped slots a
-    return leaves empty). With ``plan`` (plan step 3's inputs), ``dst_rank_N`` and
-    ``dst_row_N`` are outputs: the kernel plans each slot's destination
-    (``plan_reference.plan_rows_reference``, bit for bit), stores it there and puts the row.
+    return leaves empty).
     """
     if local_dst is not None and skip_local:
         raise ValueError("put_rows: local_dst and skip_local exclude each other")
@@ -334,24 +308,16 @@ def put_rows(
     dst_row_N = dst_row_N.contiguous()
     block_r = 4
     put_programs = triton.cdiv(n, block_r)
-    if plan is not None:
-        _check_written("put_rows: dst_rank_N (planned)", dst_rank_N)
-        _check_written("put_rows: dst_row_N (planned)", dst_row_N)
-        E = plan.cells.slot_table_4E.shape[1]
-        planning = (plan.expert_N.contiguous(), plan.slots.rank_in_block_N, plan.slots.cum_BE,
-                    plan.cells.slot_table_4E, plan.ep_size, E)
-    else:
-        E, planning = 1, (dst_row_N, dst_row_N, dst_row_N, dst_row_N, 1, 1)
     _put_rows_kernel[(put_programs + triton.cdiv(n_clear, block_r),)](
-        src_SW.contiguous(), dst_rank_N if plan is not None else dst_rank_N.contiguous(), dst_row_N,
-        table_M.contiguous(), byte_offset, local_dst.data_ptr() if local_dst is not None else 0, me,
+        src_SW.contiguous(), dst_rank_N.contiguous(), dst_row_N, table_M.contiguous(), byte_offset,
+        local_dst.data_ptr() if local_dst is not None else 0, me,
         meta_N.contiguous() if meta_N is not None else dst_row_N,
         meta_w_N.contiguous() if meta_w_N is not None else dst_row_N,
         n, width, inbox_stride, clear_N.contiguous() if clear_N is not None else dst_row_N, n_clear,
-        put_programs, *planning,
+        put_programs,
         PER_SRC=per_src, DEDUP=inbox_stride > 0, HAS_LOCAL=local_dst is not None, SKIP_LOCAL=skip_local,
         HAS_META=meta_N is not None, HAS_META_W=meta_w_N is not None, CLEAR=clear_N is not None,
-        PLAN=plan is not None, SLOT_BLOCK=slot_block(E), BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
+        BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
     )
 
 
@@ -367,7 +333,6 @@ def finish_receive(
     slot_rows_out: torch.Tensor | None = None,
     max_slots: int = 0,
     w_out_C: torch.Tensor | None = None,
-    plan: PendingRows | None = None,
 ) -> None:
     """Copy rows that came from other ranks from the inbox into ``out``; zero padding rows.
 
@@ -378,8 +343,6 @@ def finish_receive(
     ``slot_rows_out``, ``slot_rows_out[row_src[c] * max_slots + origin_in[c]] = c`` too;
     with ``w_out_C`` (float32), each row's weight from its metadata (``ops.pack_meta``).
     ``origin_in`` is read as packed metadata: its low 32 bits are the slot index.
-    With ``plan`` (plan step 3's inputs), ``row_src_C`` is an output: the kernel plans each
-    receive row's source (``plan_reference.plan_rows_reference``) and stores it there.
     """
     for what, t in (("out_CW", out_CW), ("origin_out_C", origin_out_C), ("slot_rows_out", slot_rows_out),
                     ("w_out_C", w_out_C)):
@@ -388,13 +351,7 @@ def finish_receive(
     if n == 0:
         return
     width = out_CW.shape[1]
-    if plan is not None:
-        _check_written("finish_receive: row_src_C (planned)", row_src_C)
-        E = plan.cells.recv_2E.shape[1]
-        planning = (plan.cells.recv_2E[1], plan.ep_size, E)
-    else:
-        row_src_C = row_src_C.contiguous()
-        E, planning = 1, (row_src_C, 1, 1)
+    row_src_C = row_src_C.contiguous()
     block_r = 4
     _finish_receive_kernel[(triton.cdiv(n, block_r),)](
         out_CW, inbox_CW.contiguous(), row_src_C,
@@ -402,9 +359,9 @@ def finish_receive(
         origin_out_C if origin_out_C is not None else row_src_C,
         slot_rows_out if slot_rows_out is not None else row_src_C,
         w_out_C if w_out_C is not None else row_src_C, max_slots,
-        me, n, width, inbox_stride, *planning, PER_SRC=per_src, DEDUP=inbox_stride > 0,
+        me, n, width, inbox_stride, PER_SRC=per_src, DEDUP=inbox_stride > 0,
         COPY_ORIGIN=origin_out_C is not None, SLOT_ROWS=slot_rows_out is not None, W_OUT=w_out_C is not None,
-        ROW_SRC=plan is not None, E_P=next_power_of_2(E), BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
+        BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
     )
 
 

@@ -18,16 +18,13 @@ peer must be load/store reachable (same node, NVLink or PCIe P2P).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from moe_ep_transport.ops import PeerWait, SlotTable
 from moe_ep_transport.peer_memory import N_SLABS
-
-if TYPE_CHECKING:
-    from moe_ep_transport.plan import PendingRows
 
 _HEAP_MARGIN = 256 << 20  # NVSHMEM's own symmetric state (barriers, teams) lives on the heap too
 
@@ -157,7 +154,6 @@ class NvshmemPeerMemory:
         inbox_stride: int = 0,
         meta_w_N: torch.Tensor | None = None,
         clear_N: torch.Tensor | None = None,
-        plan: PendingRows | None = None,
     ) -> None:
         from moe_ep_transport import _transport_kernels as kernels
 
@@ -167,7 +163,6 @@ class NvshmemPeerMemory:
             src_RW, dst_rank_N, dst_row_N, self._tables[slab], per_src=per_src,
             byte_offset=byte_offset, me=self.rank, local_dst=local_dst, skip_local=skip_local,
             meta_N=meta_N, inbox_stride=inbox_stride, meta_w_N=meta_w_N, clear_N=clear_N,
-            plan=plan,
         )
 
     def put_partial_sums(

@@ -14,15 +14,12 @@ phase (the barrier between the two phases orders it).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from moe_ep_transport.ops import PeerWait, SlotTable
-
-if TYPE_CHECKING:
-    from moe_ep_transport.plan import PendingRows
 
 N_SLABS = 2
 
@@ -56,7 +53,6 @@ class PeerMemory(Protocol):
         inbox_stride: int = 0,
         meta_w_N: torch.Tensor | None = None,
         clear_N: torch.Tensor | None = None,
-        plan: PendingRows | None = None,
     ) -> None:
         """Write ``src[i // per_src]`` into row ``dst_row[i]`` of rank ``dst_rank[i]``'s slab.
 
@@ -68,9 +64,7 @@ class PeerMemory(Protocol):
         With ``inbox_stride=S > 0`` rows for other ranks travel once per source row
         instead (see :func:`inbox_targets`).
         With ``clear_N``, this rank's own rows ``i`` from ``byte_offset`` are zeroed
-        where ``clear_N[i] < 0`` (rows no put writes; same launch). With ``plan``
-        (memories with a :meth:`peer_table` only), ``dst_rank_N`` and ``dst_row_N`` are
-        outputs: the put kernel plans them (plan step 3) as it moves the rows.
+        where ``clear_N[i] < 0`` (rows no put writes; same launch).
         Collective: every rank calls it; completion is only guaranteed after
         :meth:`barrier`. One kernel launch on the GPU.
         """
@@ -182,10 +176,7 @@ class EmulatedPeerMemory:
         inbox_stride: int = 0,
         meta_w_N: torch.Tensor | None = None,
         clear_N: torch.Tensor | None = None,
-        plan: PendingRows | None = None,
     ) -> None:
-        if plan is not None:
-            raise ValueError("put_rows: emulated peer memory takes planned rows only (plan=None)")
         if local_dst is not None and skip_local:
             raise ValueError("put_rows: local_dst and skip_local exclude each other")
         n = torch.tensor([dst_rank_N.numel()], device=dst_rank_N.device)

@@ -12,28 +12,22 @@ each source computes the destination row of each of its slots by itself.
 
 The plan takes four device launches on CUDA (:mod:`moe_ep_transport.plan_reference`
 defines the steps): slot ranks (per block, then the block scan) before the count
-exchange, the cell tables and the per-row destinations after it. The rowwise transport
-folds the last into its first send's kernels (``defer_rows``).
+exchange, the cell tables and the per-row destinations after it. The per-row step keeps
+its own kernel: folded into the token put (each program planning its slots and, for the
+once-per-rank check, the token's earlier ones again) the put compiled to 255 registers
+with spills for sm_90, and a dispatch of 32k tokens per rank took 6.27 ms instead of 1.14
+on two H200s (``tools/bench_ep_transport.py``, ``dispatch_ms``, commit b57a150 against
+8587cb1).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from moe_ep_transport import ops
-from moe_ep_transport.plan_reference import CellPlan, SlotRanks
-
-
-class PendingRows(NamedTuple):
-    """Plan step 3's inputs, for kernels that plan the rows while they move them."""
-
-    expert_N: torch.Tensor
-    slots: SlotRanks
-    cells: CellPlan
-    ep_size: int
+from moe_ep_transport.plan_reference import SlotRanks
 
 
 @dataclass
@@ -48,9 +42,6 @@ class RoutePlan:
     row_src_C: torch.Tensor  # int64: source rank of each receive row here, -1 for padding
     recv_base_LM: torch.Tensor  # int64: first receive row here of cell (local expert l, source s)
     group_offsets_L: torch.Tensor  # int32: cumulative ends of the local expert segments
-    # Set while the three row tensors above are not written yet: the rowwise transport's
-    # first send plans them in its put and receive kernels (plan_routes(defer_rows=True)).
-    pending: PendingRows | None = None
 
     @property
     def counts_ME(self) -> torch.Tensor:
@@ -88,7 +79,6 @@ def plan_routes(
     salt: int,
     stats_sum_2ME: torch.Tensor | None = None,
     wait: ops.PeerWait | None = None,
-    defer_rows: bool = False,
 ) -> RoutePlan:
     """Destination (rank, row) of every slot of this rank, and this rank's receive layout.
 
@@ -97,20 +87,10 @@ def plan_routes(
     per layer; ``stats_sum_2ME`` (int64 ``[2, M, E]``), a running sum the plan adds its
     ``stats_2ME`` to, in its own launch (:class:`~moe_ep_transport.telemetry.EPTelemetry`);
     ``wait``: the count exchange's barrier, still to pass (the cell kernel passes it first).
-    With ``defer_rows`` the rows are left to the first send's kernels (``RoutePlan.pending``):
-    one launch fewer.
     """
     M, E = counts_ME.shape
     cells = ops.plan_cells(counts_ME, capacity, salt, rank, stats_sum_2ME, wait)
-    pending = None
-    if defer_rows:
-        device = expert_N.device
-        pending = PendingRows(expert_N, slots, cells, M)
-        dst_rank_N = torch.empty(expert_N.numel(), dtype=torch.int64, device=device)
-        dst_row_N = torch.empty(expert_N.numel(), dtype=torch.int64, device=device)
-        row_src_C = torch.empty(capacity, dtype=torch.int64, device=device)
-    else:
-        dst_rank_N, dst_row_N, row_src_C = ops.plan_rows(expert_N, slots, cells, M, capacity)
+    dst_rank_N, dst_row_N, row_src_C = ops.plan_rows(expert_N, slots, cells, M, capacity)
     return RoutePlan(
         rank=rank,
         n_tokens=expert_N.numel() // top_k,
@@ -122,5 +102,4 @@ def plan_routes(
         row_src_C=row_src_C,
         recv_base_LM=cells.recv_2E[0].view(E // M, M),
         group_offsets_L=cells.group_offsets_L,
-        pending=pending,
     )

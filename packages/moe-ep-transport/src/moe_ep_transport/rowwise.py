@@ -24,9 +24,8 @@ faster than loads over NVLink.
 
 Every step is one launch (a put, a barrier, a kernel of :mod:`moe_ep_transport.ops`),
 and on CUDA the dispatch folds steps (1) and (2) into the plan's kernels: the slot
-ranking's block scan stores the counts into the peers, the cell kernel passes the
-barrier, the token put plans each slot's destination and the receive kernel each row's
-source (:meth:`RowwiseTransport.plan_routes`): six launches per dispatch. Index tensors
+ranking's block scan stores the counts into the peers and the cell kernel passes the
+barrier (:meth:`RowwiseTransport.plan_routes`): seven launches per dispatch. Index tensors
 that do not change between calls are built once. Sizes are static: capacity C rows to
 receive, T_max*k slots to return.
 
@@ -180,13 +179,11 @@ class RowwiseTransport:
         """The call's plan (``transport.Transport``), the count exchange folded into its kernels:
         where the plan runs its kernels and the peers' slabs have addresses (NVSHMEM), the
         block scan of ``rank_slots`` stores the counts into every peer (no put of their own),
-        the cell kernel passes the barrier before it reads them (no barrier launch), and the
-        rows are planned by the first send's put and receive kernels (no launch of their own)."""
+        and the cell kernel passes the barrier before it reads them (no barrier launch)."""
         E = n_experts
         slab, counts_ME = self._count_slab(E)
         table = self.memory.peer_table(slab)
-        fused = table is not None and resolve_backend("auto", expert_N.device)
-        if fused:
+        if table is not None and resolve_backend("auto", expert_N.device):
             from moe_ep_transport import _plan_kernels as plan_kernels
 
             slots = plan_kernels.rank_slots(expert_N, E, plan_kernels.CountPublish(table, 0, self.rank))
@@ -195,7 +192,7 @@ class RowwiseTransport:
             self._put_counts(slab, slots.counts_E)
         wait = self.memory.deferred_barrier()
         return plan_routes(expert_N, slots, counts_ME, rank=self.rank, top_k=top_k, capacity=capacity,
-                           salt=salt, stats_sum_2ME=stats_sum_2ME, wait=wait, defer_rows=fused)
+                           salt=salt, stats_sum_2ME=stats_sum_2ME, wait=wait)
 
     @property
     def sends_tokens_once(self) -> bool:
@@ -235,14 +232,10 @@ class RowwiseTransport:
             raise ValueError("send: slot weights travel with a route's first send only")
         device = src_RW.device
         out = src_RW.new_empty(C, W)
-        pending = plan.pending
-        if pending is not None and not (first and resolve_backend("auto", device)):
-            self._plan_rows(plan)  # the kernels that would plan them do not run
-            pending = None
         self.memory.put_rows(
             slab, self._meta_bytes, src_RW, plan.dst_rank_N, plan.dst_row_N, per_src=per_src,
             local_dst=out, meta_N=ops.index_range(plan.dst_rank_N.numel(), device) if first else None,
-            inbox_stride=stride, meta_w_N=slot_weights_N, plan=pending,
+            inbox_stride=stride, meta_w_N=slot_weights_N,
         )
         self.memory.barrier()
         buf = self.memory.slab(slab)
@@ -256,24 +249,11 @@ class RowwiseTransport:
                     self.world_size * self.max_slots, dtype=torch.int64, device=device)
         if slot_weights_N is not None:
             route.weights_C = torch.empty(C, dtype=torch.float32, device=device)
-        receive = (origin_in_C, origin_out_C, per_src, stride, slot_rows, self.max_slots,
-                   route.weights_C if slot_weights_N is not None else None)
-        if pending is None:
-            ops.finish_receive(out, inbox, plan.row_src_C, self.rank, *receive)
-        else:  # the receive kernel plans each row's source too
-            from moe_ep_transport import _transport_kernels as kernels
-
-            kernels.finish_receive(out, inbox, plan.row_src_C, self.rank, *receive, plan=pending)
-            plan.pending = None
+        ops.finish_receive(
+            out, inbox, plan.row_src_C, self.rank, origin_in_C, origin_out_C, per_src, stride,
+            slot_rows, self.max_slots, route.weights_C if slot_weights_N is not None else None,
+        )
         return out
-
-    def _plan_rows(self, plan: RoutePlan) -> None:
-        """Plan step 3 on its own, into the plan's row tensors (``RoutePlan.pending``)."""
-        pending = plan.pending
-        rows = ops.plan_rows(pending.expert_N, pending.slots, pending.cells, pending.ep_size, plan.capacity)
-        for have, got in zip((plan.dst_rank_N, plan.dst_row_N, plan.row_src_C), rows, strict=True):
-            have.copy_(got)
-        plan.pending = None
 
     def _send_in_place(self, route: RowwiseRoute, src_RW: torch.Tensor) -> torch.Tensor:
         """A send whose receive rows stay in the slab (every row, this rank's own too)."""
