@@ -79,7 +79,9 @@ class ParallelConfig:
     # token chunks each MoE layer's EP dispatch -> experts -> combine is split into, pipelined
     # on two CUDA streams so that chunks' transfers run under other chunks' expert GEMMs
     # (moe_ep_transport.EPConfig.overlap_chunks; each chunk its own transport call and, with
-    # model.capacity_factor, its own capacity); 1: one dispatch and one combine per layer
+    # model.capacity_factor, its own capacity); 1: one dispatch and one combine per layer.
+    # Measured slower on two H200s, with stalls of seconds where ep_comm_sms is unset
+    # (docs/performance.md, bench-2gpu): keep 1 until that is fixed
     ep_overlap_chunks: int = 1
     # SMs the EP communication stream may use with ep_overlap_chunks > 1 (a CUDA green
     # context; moe_ep_transport.EPConfig.comm_sms); none: every SM, at the highest priority
