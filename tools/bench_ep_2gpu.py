@@ -45,12 +45,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from _procs import run_with_timeout
 
 TOOLS = Path(__file__).resolve().parent
 ROUTINGS = ("model", "balanced", "zipf")
@@ -213,14 +212,9 @@ def transport_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def run_part(cmd: list[str], timeout_s: float) -> tuple[int, bool]:
-    """``(exit status, timed out)`` of ``cmd``, run in a process group of its own so that a
-    part past ``timeout_s`` is killed with every process it started (torchrun's ranks)."""
-    proc = subprocess.Popen(cmd, process_group=0)
-    try:
-        return proc.wait(timeout=timeout_s), False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return proc.wait(), True
+    """``(exit status, timed out)`` of ``cmd``; a part past ``timeout_s`` is killed with
+    every process it started, torchrun's ranks included (``_procs.run_with_timeout``)."""
+    return run_with_timeout(cmd, timeout_s)
 
 
 def print_summary(result: dict[str, Any]) -> None:
