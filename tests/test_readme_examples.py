@@ -8,11 +8,11 @@ script. Each runs in a fresh directory (examples may write files) with a timeout
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from moe_testing import run_process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 READMES = sorted(ROOT.glob("packages/*/README.md")) + [ROOT / "apps/pretrain/README.md", ROOT / "README.md"]
@@ -42,6 +42,6 @@ def test_readme_example_runs_as_printed(code: str, tmp_path: Path) -> None:
     world = WORLD.search(code)
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc-per-node={world.group(1)}"] if world else [sys.executable])
-    done = subprocess.run([*launcher, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    done = run_process_tree([*launcher, str(script)], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300)
     assert done.returncode == 0, f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"

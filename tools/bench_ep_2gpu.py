@@ -45,11 +45,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from _procs import run_with_timeout
+from moe_testing import run_process_tree
 
 TOOLS = Path(__file__).resolve().parent
 ROUTINGS = ("model", "balanced", "zipf")
@@ -213,8 +214,11 @@ def transport_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def run_part(cmd: list[str], timeout_s: float) -> tuple[int, bool]:
     """``(exit status, timed out)`` of ``cmd``; a part past ``timeout_s`` is killed with
-    every process it started, torchrun's ranks included (``_procs.run_with_timeout``)."""
-    return run_with_timeout(cmd, timeout_s)
+    every process it started, torchrun's ranks included (``moe_testing.run_process_tree``)."""
+    try:
+        return run_process_tree(cmd, timeout=timeout_s).returncode, False
+    except subprocess.TimeoutExpired:
+        return -9, True
 
 
 def print_summary(result: dict[str, Any]) -> None:

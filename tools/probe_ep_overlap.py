@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _procs import run_with_timeout
+from moe_testing import run_process_tree
 
 TOOLS = Path(__file__).resolve().parent
 
@@ -105,9 +105,13 @@ def run_once(a: argparse.Namespace, variant: Variant, run_dir: Path) -> dict[str
     """One run in its own process group, killed with its ranks past ``--timeout``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
+    rc, timed_out = None, False
     with open(run_dir / "output.txt", "w") as log:
-        rc, timed_out = run_with_timeout(command(a, variant, run_dir), a.timeout, stdout=log,
-                                         stderr=subprocess.STDOUT, env={**os.environ, **variant.env})
+        try:
+            rc = run_process_tree(command(a, variant, run_dir), timeout=a.timeout, stdout=log,
+                                  stderr=subprocess.STDOUT, env={**os.environ, **variant.env}).returncode
+        except subprocess.TimeoutExpired:
+            timed_out = True
     times = step_times(run_dir)
     return {"variant": variant.name, "run_dir": str(run_dir), "returncode": rc,
             "finished": rc == 0 and len(times) == a.steps, "timed_out": timed_out,

@@ -36,6 +36,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from moe_testing import run_process_tree
+
 BENCH = Path(__file__).resolve().with_name("bench_train_step.py")
 
 
@@ -69,8 +71,8 @@ def run_point(a: argparse.Namespace, sweep: str, value: int, methods: list[str],
                "--methods", *methods, "--routing", "model", "--warmup", str(a.warmup),
                "--steps", str(a.steps), "--out", str(out), *a.overrides, *overrides]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+            proc = run_process_tree(cmd, capture_output=True, text=True, timeout=a.timeout,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
             failure = None if proc.returncode == 0 else (
                 "OOM" if "OutOfMemoryError" in proc.stderr + proc.stdout else "error")
             tail = (proc.stderr or proc.stdout)[-1500:]

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from moe_testing import run_distributed
+from moe_testing import run_distributed, run_process_tree
 from pretrain.config import load_config, validate_layout
 from pretrain.mesh import build_mesh
 from pretrain.runtime import distributed
@@ -84,7 +83,7 @@ def test_dp2_and_ep2_over_nccl_match_one_gpu(tmp_path):
     ep2 = ["parallel.ep=2", "parallel.ep_backend=rowwise"]
     for name, extra in (("dp2", []), ("ep2", ep2), ("ep2-dst", [*ep2, "parallel.ep_combine=destination"]),
                         ("ep2-overlap3", [*ep2, "parallel.ep_overlap_chunks=3"])):
-        proc = subprocess.run(
+        proc = run_process_tree(  # a hung run's ranks go with it
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
              "-m", "pretrain", *common, *extra, f"run_dir={tmp_path / name}"],
             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},

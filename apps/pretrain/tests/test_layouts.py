@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from moe_testing import run_process_tree
 from pretrain.cli import main
 from pretrain.config import load_config
 from pretrain.train import train
@@ -43,8 +44,8 @@ def _metrics(run_dir: Path) -> list[dict]:
 def _pretrain(n_procs: int, args: list[str]) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(n_procs), "-m", "pretrain", "--config", "tiny", *COMMON, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_process_tree(cmd, capture_output=True, text=True, timeout=TIMEOUT_S,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 

@@ -18,9 +18,10 @@ from moe_testing.kernels import (
            same_bits,
            saved_tensor_bytes,
 )
+from moe_testing.processes import kill_tree, run_process_tree
 from moe_testing.scripts import load_script
 
 __all__ = ["DistributedTestError", "assert_no_host_sync", "check_backend_api", "check_reference_switch",
-           "launched_triton_kernels", "load_script",
+           "kill_tree", "launched_triton_kernels", "load_script", "run_process_tree",
            "package_triton_kernels", "run_distributed", "run_under_triton_interpreter", "same_bits",
            "saved_tensor_bytes"]

@@ -1,9 +1,10 @@
 """Run a command with a time limit, and past it kill every process it started.
 
-A tool that launches ``torch.distributed.run`` cannot stop a hung run by killing its
-process group: torchrun starts each rank in a session of its own, so a group kill
-leaves the ranks running (on a GPU: spinning, and slowing whatever the tool runs next).
-``kill_tree`` finds the descendants through Linux's ``/proc`` instead.
+A test or tool that launches ``torch.distributed.run`` cannot stop a hung run with
+``subprocess.run(timeout=...)`` (it kills torchrun alone) or by killing its process
+group: torchrun starts each rank in a session of its own, so the ranks keep running (on
+a GPU: spinning, and slowing or hanging whatever runs next). ``kill_tree`` finds the
+descendants through Linux's ``/proc`` instead.
 """
 
 from __future__ import annotations
@@ -60,12 +61,18 @@ def kill_tree(pid: int, wait_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def run_with_timeout(cmd: list[str], timeout_s: float, **popen: Any) -> tuple[int, bool]:
-    """``(exit status, timed out)`` of ``cmd``; past ``timeout_s`` it is killed with every
-    process it started (``kill_tree``) and its status is the kill's."""
-    proc = subprocess.Popen(cmd, **popen)
-    try:
-        return proc.wait(timeout=timeout_s), False
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        return proc.wait(), True
+def run_process_tree(cmd: list[str], *, timeout: float, capture_output: bool = False,
+                     **popen: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, timeout=timeout, ...)``, except that past ``timeout`` every
+    process ``cmd`` started is killed too (``kill_tree``) before ``TimeoutExpired`` is
+    raised (its ``output``/``stderr``: what was captured by then)."""
+    if capture_output:
+        popen.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with subprocess.Popen(cmd, **popen) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
