@@ -1,14 +1,17 @@
 """Compile the Triton kernels for Hopper (sm_90) without a GPU and inspect the PTX.
 
-Two properties the design relies on: the put kernel stores 128-bit vectors through
-peer pointers (bandwidth), and the top-k sum has no fused multiply-add (so it
-equals the PyTorch reference bit for bit). The plan kernels must at least lower
-for Hopper.
+Three properties the design relies on: the put kernel stores 128-bit vectors through
+peer pointers (bandwidth) and fits its registers without spilling (a version that
+planned the rows inside it took 255 registers with spills, and a dispatch 5x the time on
+two H200s), and the top-k sum has no fused multiply-add (so it equals the PyTorch
+reference bit for bit). The plan kernels must at least lower for Hopper.
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +31,25 @@ def _ptx(fn, signature: dict[str, str], constexprs: dict, aligned: tuple[str, ..
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned_names}
     src = compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=_HOPPER, options=options).asm["ptx"]
+
+
+def _resources(tmp: Path, fn, signature: dict[str, str], constexprs: dict, aligned: tuple[str, ...],
+               **options) -> tuple[int, int]:
+    """(registers per thread, stack bytes per thread: spills) of the sm_90 cubin, read by
+    the cuobjdump that ships with Triton (skipped where this Triton has none)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip(f"no cuobjdump at {tool}")
+    names = list(signature)
+    aligned_names = [n for n, t in signature.items() if t.startswith("*")] + list(aligned)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned_names}
+    src = compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    cubin = triton.compile(src, target=_HOPPER, options=options).asm["cubin"]
+    path = tmp / "kernel.cubin"
+    path.write_bytes(cubin)
+    usage = subprocess.run([str(tool), "--dump-resource-usage", str(path)], capture_output=True, text=True,
+                           check=True, timeout=60).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
 def _count(ptx: str, op: str) -> int:
@@ -56,6 +78,16 @@ def test_put_rows_stores_128_bit_vectors_through_peer_pointers(
     ptx = _ptx(kernels._put_rows_kernel, _PUT_SIGNATURE, consts, aligned=("width", "byte_offset", "local_addr"),
                num_warps=8)
     assert _count(ptx, "st.global.v4.b32") > 0 and _count(ptx, "st.global.b32") == 0
+
+
+def test_the_dispatch_put_fits_its_registers(tmp_path: Path) -> None:
+    """The token put of a dispatch (local rows, weights in the metadata, once per rank): at
+    most 128 registers, none spilled, so that two programs of 8 warps share an SM."""
+    consts = {"HAS_LOCAL": True, "SKIP_LOCAL": False, "HAS_META": True, "BLOCK_R": 4, "BLOCK_W": 1024,
+              "PER_SRC": 8, "DEDUP": True, "HAS_META_W": True, "CLEAR": False}
+    regs, stack = _resources(tmp_path, kernels._put_rows_kernel, _PUT_SIGNATURE, consts,
+                             aligned=("width", "byte_offset", "local_addr"), num_warps=8)
+    assert regs <= 128 and stack == 0, (regs, stack)
 
 
 def test_topk_sum_has_no_fused_multiply_add() -> None:
