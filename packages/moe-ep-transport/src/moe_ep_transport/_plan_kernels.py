@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from moe_ep_transport import overflow
-from moe_ep_transport._kernel_parts import peer_barrier, receive_source, slot_destination
+from moe_ep_transport._kernel_parts import peer_barrier
 from moe_ep_transport.ops import PeerWait
 from moe_ep_transport.plan_reference import CellPlan, SlotRanks, next_power_of_2, slot_block
 
@@ -27,6 +27,40 @@ _PRIME = tl.constexpr(overflow.HASH_PRIME)
 _MULT = tl.constexpr(overflow.HASH_MULTIPLIER)
 _START = tl.constexpr(overflow.HASH_START)
 _INCR = tl.constexpr(overflow.HASH_INCREMENT)
+
+
+@triton.jit
+def _slot_destination(expert_ptr, rank_in_block_ptr, cum_ptr, table_ptr, slot, live, n_ranks, n_experts,
+                     SLOT_BLOCK: tl.constexpr):
+    """Plan step 3 for slots ``slot`` (``plan_reference.plan_rows_reference``): ``(rank, row)``,
+    rank -1 and row 0 for a dropped slot (or one outside ``live``)."""
+    E = n_experts
+    expert = tl.load(expert_ptr + slot, mask=live, other=-1).to(tl.int64)
+    ok = live & (expert >= 0) & (expert < E)
+    block = slot // SLOT_BLOCK
+    q = tl.load(rank_in_block_ptr + slot, mask=ok, other=0).to(tl.int64)
+    earlier = tl.load(cum_ptr + tl.maximum(block - 1, 0) * E + expert, mask=ok, other=0).to(tl.int64)
+    q += tl.where(block > 0, earlier, 0)
+    size = tl.maximum(tl.load(table_ptr + expert, mask=ok, other=1), 1)
+    drop = tl.load(table_ptr + E + expert, mask=ok, other=0)
+    start = tl.load(table_ptr + 2 * E + expert, mask=ok, other=0)
+    base = tl.load(table_ptr + 3 * E + expert, mask=ok, other=0)
+    # overflow.dropped_window; q - start lies in (-size, size)
+    offset = q - start
+    dropped = tl.where(offset < 0, offset + size, offset) < drop
+    first = tl.minimum(drop, size - start)
+    preceding = tl.minimum(q, drop - first) + tl.minimum(tl.maximum(offset, 0), first)
+    keep = ok & ~dropped
+    return tl.where(keep, expert // (E // n_ranks), -1), tl.where(keep, base + q - preceding, 0)
+
+
+@triton.jit
+def _receive_source(recv_end_ptr, rows, n_rows, n_ranks, n_experts, E_P: tl.constexpr):
+    """Plan step 3's receive side: the source rank of receive rows ``rows``, -1 for padding."""
+    cols = tl.arange(0, E_P)
+    ends = tl.load(recv_end_ptr + cols, mask=cols < n_experts, other=n_rows)
+    cell = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int64), axis=1)
+    return tl.where(cell < n_experts, cell % n_ranks, -1)
 
 
 @triton.jit
@@ -136,12 +170,12 @@ def _plan_rows_kernel(expert_ptr, rank_in_block_ptr, cum_ptr, table_ptr, recv_en
     # Program b plans slot block b (the block of _rank_slots_kernel) and receive rows [b*BLOCK, ...).
     slot = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = slot < n_slots
-    rank, row = slot_destination(expert_ptr, rank_in_block_ptr, cum_ptr, table_ptr, slot, live, n_ranks,
+    rank, row = _slot_destination(expert_ptr, rank_in_block_ptr, cum_ptr, table_ptr, slot, live, n_ranks,
                                  n_experts, BLOCK)
     tl.store(dst_rank_ptr + slot, rank, mask=live)
     tl.store(dst_row_ptr + slot, row, mask=live)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    source = receive_source(recv_end_ptr, rows, n_rows, n_ranks, n_experts, E_P)
+    source = _receive_source(recv_end_ptr, rows, n_rows, n_ranks, n_experts, E_P)
     tl.store(row_src_ptr + rows, source, mask=rows < n_rows)
 
 
