@@ -23,14 +23,20 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 _HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def _ptx(fn, signature: dict[str, str], constexprs: dict, aligned: tuple[str, ...] = ("width",),
-         **options) -> str:
-    """PTX as a launch would build it: pointers 16-byte aligned, ``aligned`` ints multiples of 16."""
+def _compile(fn, signature: dict[str, str], constexprs: dict, aligned: tuple[str, ...] = ("width",),
+             **options):
+    """The kernel compiled for sm_90 as a launch would build it: pointers 16-byte aligned,
+    ``aligned`` ints multiples of 16."""
     names = list(signature)
     aligned_names = [n for n, t in signature.items() if t.startswith("*")] + list(aligned)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned_names}
     src = compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=_HOPPER, options=options).asm["ptx"]
+    return triton.compile(src, target=_HOPPER, options=options)
+
+
+def _ptx(fn, signature: dict[str, str], constexprs: dict, aligned: tuple[str, ...] = ("width",),
+         **options) -> str:
+    return _compile(fn, signature, constexprs, aligned, **options).asm["ptx"]
 
 
 def _resources(tmp: Path, fn, signature: dict[str, str], constexprs: dict, aligned: tuple[str, ...],
@@ -40,13 +46,8 @@ def _resources(tmp: Path, fn, signature: dict[str, str], constexprs: dict, align
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
         pytest.skip(f"no cuobjdump at {tool}")
-    names = list(signature)
-    aligned_names = [n for n, t in signature.items() if t.startswith("*")] + list(aligned)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned_names}
-    src = compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    cubin = triton.compile(src, target=_HOPPER, options=options).asm["cubin"]
     path = tmp / "kernel.cubin"
-    path.write_bytes(cubin)
+    path.write_bytes(_compile(fn, signature, constexprs, aligned, **options).asm["cubin"])
     usage = subprocess.run([str(tool), "--dump-resource-usage", str(path)], capture_output=True, text=True,
                            check=True, timeout=60).stdout
     return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1))
