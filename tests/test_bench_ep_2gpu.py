@@ -52,14 +52,14 @@ def test_parts_follow_the_options(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("own_session", [False, True], ids=["same-group", "own-session"])
-def test_a_part_past_its_timeout_is_killed_with_its_children(tmp_path, own_session):
-    """Also a child in a session of its own, as torchrun starts its ranks: a process-group
+@pytest.mark.parametrize("setsid", [False, True], ids=["same-group", "setsid"])
+def test_a_part_past_its_timeout_is_killed_with_its_children(tmp_path, setsid):
+    """Also a child detached with setsid, as torchrun starts its ranks: a process-group
     kill would leave it running."""
     marker = tmp_path / "child_survived"
     child = f"import time, pathlib; time.sleep(3); pathlib.Path({str(marker)!r}).touch()"
     parent = (f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}], "
-              f"start_new_session={own_session})")
+              f"start_new_session={setsid})")
     code, timed_out = _tool().run_part([sys.executable, "-c", parent], 1.0)
     assert timed_out and code != 0
     time.sleep(4)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -218,7 +219,7 @@ def run_part(cmd: list[str], timeout_s: float) -> tuple[int, bool]:
     try:
         return run_process_tree(cmd, timeout=timeout_s).returncode, False
     except subprocess.TimeoutExpired:
-        return -9, True
+        return -signal.SIGKILL, True
 
 
 def print_summary(result: dict[str, Any]) -> None:

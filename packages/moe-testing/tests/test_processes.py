@@ -1,5 +1,5 @@
 """run_process_tree: subprocess.run's contract, except that a command past its time limit is
-killed with every process it started, also one in a session of its own (as torchrun starts
+killed with every process it started, also one detached with setsid (as torchrun starts
 its ranks, out of reach of subprocess.run's kill and of a process-group kill)."""
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ def test_a_finished_command_returns_its_status_and_output():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("own_session", [False, True], ids=["same-group", "own-session"])
-def test_past_its_timeout_every_process_it_started_is_killed(tmp_path, own_session):
+@pytest.mark.parametrize("setsid", [False, True], ids=["same-group", "setsid"])
+def test_past_its_timeout_every_process_it_started_is_killed(tmp_path, setsid):
     marker = tmp_path / "survived"
     child = f"import time, pathlib; time.sleep(3); pathlib.Path({str(marker)!r}).touch()"
     parent = (f"import subprocess, sys; print('started', flush=True); "
-              f"subprocess.run([sys.executable, '-c', {child!r}], start_new_session={own_session})")
+              f"subprocess.run([sys.executable, '-c', {child!r}], start_new_session={setsid})")
     with pytest.raises(subprocess.TimeoutExpired) as e:
         run_process_tree([sys.executable, "-c", parent], timeout=1.0, capture_output=True, text=True)
     assert e.value.output == "started\n"  # what it printed before the kill

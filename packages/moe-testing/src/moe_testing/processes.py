@@ -2,7 +2,7 @@
 
 A test or tool that launches ``torch.distributed.run`` cannot stop a hung run with
 ``subprocess.run(timeout=...)`` (it kills torchrun alone) or by killing its process
-group: torchrun starts each rank in a session of its own, so the ranks keep running (on
+group: torchrun starts each rank with setsid (a new process group), so the ranks keep running (on
 a GPU: spinning, and slowing or hanging whatever runs next). ``kill_tree`` finds the
 descendants through Linux's ``/proc`` instead.
 """
