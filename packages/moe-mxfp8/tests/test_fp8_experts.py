@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from moe_mxfp8 import (
+    FP8_RECIPES,
     FP8GroupedExperts,
     MXFP8Config,
     apply_mxfp8,
@@ -189,6 +190,60 @@ def test_weight_gradients_go_into_the_sink():
     # a backward that does not run the weights' nodes (a pipeline's input pass) adds nothing
     torch.autograd.grad(layer(rows, offsets), rows, dy)
     assert sink.calls == 4
+
+
+class LaterGradient:
+    """A weight-gradient maker's add (``FP8GroupedExperts.weight_gradient``): records its
+    operands and adds ``x_e^T @ dy_e`` per expert, in the weight's storage order, when called."""
+
+    made: list = []
+
+    def __init__(self, x, dy, offsets, like):
+        self.x, self.dy, self.offsets, self.like = x, dy, offsets, like
+        LaterGradient.made.append(self)
+
+    def __call__(self, target):
+        dw = torch.zeros(self.like.shape)
+        start = 0
+        for e, end in enumerate(self.offsets.tolist()):
+            dw[e] = self.x[start:end].T @ self.dy[start:end]
+            start = end
+        assert self.like.transpose(1, 2).is_contiguous()  # [E, K, N] view of an [E, N, K] weight
+        target.add_(dw.transpose(1, 2).reshape(-1))
+
+
+@pytest.mark.parametrize("recipe", list(CASES))
+def test_compute_dtype_weight_gradients_go_to_the_sink_as_the_makers_adds(recipe):
+    """With ``weight_gradient`` set, the recipes that compute the weight gradients in the
+    compute dtype hand the sink the maker's adds of the right operands (rows and the gate
+    or up half of dh13, h and dy), which add what the layer computes itself; the FP8
+    weight-gradient recipe and weights the sink does not take keep the computed path."""
+    D, Fh = CASES[recipe]
+    experts = ToyExperts(3, D, Fh)
+    rows = torch.randn(20, D, requires_grad=True)
+    offsets = torch.tensor([4, 12, 20], dtype=torch.int32)
+    dy = torch.randn(20, D)
+    FP8GroupedExperts.from_module(experts, recipe)(rows, offsets).backward(dy)
+    want = {n: getattr(experts, n).grad.clone() for n in ("w1", "w3", "w2")}
+    for p in (rows, *experts.parameters()):
+        p.grad = None
+    experts.grad_sink = RecordingSink([experts.w1, experts.w2])
+    layer = FP8GroupedExperts.from_module(experts, recipe)
+    layer.weight_gradient = LaterGradient
+    LaterGradient.made = []
+    for _ in range(2):
+        layer(rows, offsets).backward(dy)
+    sink = experts.grad_sink
+    later = not FP8_RECIPES[recipe].fp8_wgrad
+    assert len(LaterGradient.made) == (4 if later else 0) and sink.calls == 4
+    torch.testing.assert_close(sink.targets[id(experts.w1)], 2 * want["w1"].reshape(-1), **TIGHT)
+    torch.testing.assert_close(sink.targets[id(experts.w2)], 2 * want["w2"].reshape(-1), **TIGHT)
+    torch.testing.assert_close(experts.w3.grad, 2 * want["w3"])  # not the sink's: autograd's
+    if later:
+        gate, down = LaterGradient.made[:2]
+        assert gate.x is not None and torch.equal(gate.x, rows.detach())
+        assert gate.dy.shape == (20, Fh) and down.x.shape == (20, Fh)
+        assert torch.equal(down.dy, dy) and down.like.shape == (3, Fh, D)
 
 
 def test_recipe_config_converts_experts_only_and_caches_refresh():

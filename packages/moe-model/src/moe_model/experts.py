@@ -147,6 +147,14 @@ class ExpertWeightGradient:
             like.shape, like.stride(), dtype=like.dtype, device="meta")
         self.versions = versions or tuple(t._version for src in sources for t in src[:2])
 
+    @classmethod
+    def from_rows(cls, x_RK: torch.Tensor, dy_RN: torch.Tensor, offsets: torch.Tensor,
+                  like_EKN: torch.Tensor) -> ExpertWeightGradient:
+        """The gradient ``x_g^T @ dy_g`` of the weight ``like_EKN`` (``[E, K, N]``, a view of
+        the parameter in its storage order) from one backward's rows: the form other
+        grouped-experts layers (moe_mxfp8's FP8 experts) hand a sink to get this kernel."""
+        return cls(((x_RK, dy_RN, offsets),), like_EKN)
+
     def merged(self, other: object) -> ExpertWeightGradient | None:
         """One gradient adding both, or ``None`` where one launch cannot take them."""
         if (not isinstance(other, ExpertWeightGradient)
@@ -173,7 +181,7 @@ def _wgrad_into_sink(route: SinkRoute, param: nn.Parameter, x_RK: torch.Tensor, 
     """Add ``param``'s gradient to the sink's target in the wgrad kernel's epilogue, in a
     backward that runs the weight's ``AccumulateGrad`` node (not a pipeline's input pass)."""
     if will_run(route):
-        route[0].add_gradient(param, ExpertWeightGradient(((x_RK, dy_RN, offsets),), like))
+        route[0].add_gradient(param, ExpertWeightGradient.from_rows(x_RK, dy_RN, offsets, like))
 
 
 class _GroupedMMIntoSink(torch.autograd.Function):

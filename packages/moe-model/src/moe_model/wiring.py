@@ -9,7 +9,12 @@ parallelism). ``wire_model`` sets all of them from one ``ModelWiring``, so what 
 runs with is stated in one place; it sets them on the modules that use them (the
 experts, linear layers, embedding and MoE layers), which every view of the model that
 shares those modules (a pipeline stage) sees too. A module of another package that
-declares a ``grad_sink`` attribute of its own (moe_mxfp8's FP8 experts) gets the sink too.
+declares a ``grad_sink`` attribute of its own (moe_mxfp8's FP8 experts) gets the sink too,
+and, where it also declares ``weight_gradient`` (a maker of a sink's add from a grouped
+weight gradient's operands, ``(x_RK, dy_RN, offsets, like_EKN) -> add``), this package's
+``ExpertWeightGradient.from_rows`` when a sink is wired and its parameters' device runs
+the fused kernels: the add then runs the Triton weight-gradient kernel that adds into the
+FP32 main grad in its epilogue and merges microbatches, as for ``GroupedExperts``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from torch import nn
 
 from moe_model.dispatch import TokenDispatcher
 from moe_model.embedding import Embedding
-from moe_model.experts import GroupedExperts
+from moe_model._triton_support import fused_kernels_enabled
+from moe_model.experts import ExpertWeightGradient, GroupedExperts
 from moe_model.linear import Linear
 from moe_model.model import MoETransformer
 from moe_model.moe import CountReducer, MoELayer
@@ -67,8 +73,19 @@ def wire_model(model: nn.Module, wiring: ModelWiring) -> None:
             module.grad_sink = None if id(module) in tied_embeddings else wiring.gradient_sink
         elif "grad_sink" in vars(module):  # another package's layer that takes the sink
             module.grad_sink = wiring.gradient_sink  # (e.g. moe_mxfp8's FP8 experts)
+            if "weight_gradient" in vars(module):
+                module.weight_gradient = _kernel_weight_gradient(module, wiring.gradient_sink)
         elif isinstance(module, MoELayer):
             module.aux_loss_scale = wiring.aux_loss_scale
             module.count_reducer = wiring.count_reducer
             if name in wiring.dispatchers:
                 module.dispatcher = wiring.dispatchers[name]
+
+
+def _kernel_weight_gradient(module: nn.Module, sink: GradientSink | None) -> object:
+    """``ExpertWeightGradient.from_rows`` for a layer of another package whose weight
+    gradients go into ``sink`` on a device with the fused kernels, else ``None``."""
+    param = next(module.parameters(), None)
+    if sink is None or param is None or not fused_kernels_enabled(param.device):
+        return None
+    return ExpertWeightGradient.from_rows

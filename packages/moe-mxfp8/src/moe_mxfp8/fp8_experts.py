@@ -44,10 +44,23 @@ When it accepts a weight and the backward runs that weight's ``AccumulateGrad`` 
 the gradient is handed over as ``add(target)`` (adds it, in the GEMM's output dtype,
 to the FP32 accumulator ``target``) and ``param.grad`` stays ``None``; otherwise it is
 returned through autograd.
+
+Weight gradients computed later (``weight_gradient``): in the recipes whose weight
+gradients run in the compute dtype from unquantized operands (``FP8Recipe.fp8_wgrad``
+false), the layer can hand the sink, instead of a computed gradient, whatever
+``weight_gradient(x_RK, dy_RN, offsets_E, like_EKN)`` makes of the operands (``like_EKN``
+the weight viewed ``[E, K, N]``, ``dw[e] = x_e^T @ dy_e``). The trainer sets it to
+``moe_model.ExpertWeightGradient.from_rows`` on CUDA: that add runs when the sink calls it,
+adds the gradient to the FP32 target in the GEMM's epilogue and merges with the next
+microbatches' (one launch, one read-modify-write of the target), as the BF16 experts'
+weight gradients do; computing the gradient here and adding it afterwards wrote a BF16
+gradient and re-read it with the FP32 target once per microbatch. ``None`` (the
+default; this package stands alone): computed here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +136,9 @@ class FP8WeightCache(WeightCache):
 
 
 SinkRoute = tuple[Any, Any]  # (the sink, the weight's AccumulateGrad node)
+# (x_RK, dy_RN, offsets_E, like_EKN) -> a sink's add of ``x_e^T @ dy_e`` (module notes)
+WeightGradientMaker = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                               Callable[[torch.Tensor], None]]
 
 
 def _sink_route(sink: Any, w: nn.Parameter) -> SinkRoute | None:
@@ -160,6 +176,7 @@ class _FP8ExpertsFn(torch.autograd.Function):
         ctx.w13_cols, ctx.w2_cols = layer.w13_cache.cols, layer.w2_cache.cols
         ctx.recipe, ctx.native, ctx.fast, ctx.dtype, ctx.routes = r, native, fast, dtype, routes
         ctx.params = (w1, w3, w2)
+        ctx.weight_gradient = None if r.fp8_wgrad else layer.weight_gradient
         return y_RD
 
     @staticmethod
@@ -181,19 +198,38 @@ class _FP8ExpertsFn(torch.autograd.Function):
         wanted = [ctx.needs_input_grad[2 + i]
                   and (route is None or torch._C._will_engine_execute_node(route[1]))
                   for i, route in enumerate(ctx.routes)]
+        hidden = h13_R2F.shape[1] // 2
         grads: list[torch.Tensor | None] = [None, None, None]
+        for i in (0, 1):  # gate, up: the halves of dh13
+            if _hand_over(ctx, i, wanted[i], rows_RD, dh13_R2F[:, i * hidden:(i + 1) * hidden],
+                          offsets_E):
+                wanted[i] = False
         if wanted[0] or wanted[1]:
-            hidden = h13_R2F.shape[1] // 2
             dw13 = _wgrad(r, dh13_R2F, rows_RD, offsets_E, dtype, native, wgrad_fast)
             grads[0], grads[1] = dw13[:, :hidden], dw13[:, hidden:]
         if wanted[2]:
-            grads[2] = _wgrad(r, dy_RD, swiglu(h13_R2F), offsets_E, dtype, native, wgrad_fast)
+            h_RF = swiglu(h13_R2F)  # recomputed
+            wanted[2] = not _hand_over(ctx, 2, True, h_RF, dy_RD, offsets_E)
+            if wanted[2]:
+                grads[2] = _wgrad(r, dy_RD, h_RF, offsets_E, dtype, native, wgrad_fast)
         returned: list[torch.Tensor | None] = []
         for param, grad, route, want in zip(ctx.params, grads, ctx.routes, wanted, strict=True):
             if want and route is not None:
                 route[0].add_gradient(param, _AddGradient(grad))
             returned.append(grad.to(param.dtype) if want and route is None else None)
         return drows, None, *returned, None, None, None
+
+
+def _hand_over(ctx: Any, i: int, wanted: bool, x_RK: torch.Tensor, dy_RN: torch.Tensor,
+               offsets: torch.Tensor) -> bool:
+    """Hand weight ``i``'s gradient to its sink as ``ctx.weight_gradient``'s add of the
+    operands (module notes); False where it is not wanted, not the sink's, or no maker is set."""
+    param, route = ctx.params[i], ctx.routes[i]
+    if not wanted or route is None or ctx.weight_gradient is None:
+        return False
+    route[0].add_gradient(param, ctx.weight_gradient(x_RK, dy_RN, offsets,
+                                                     param.detach().transpose(1, 2)))
+    return True
 
 
 def _wgrad(r: FP8Recipe, dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch.Tensor,
@@ -230,6 +266,7 @@ class FP8GroupedExperts(nn.Module):
         self.w1, self.w3, self.w2 = w1, w3, w2
         self.recipe_name, self.recipe, self.gemm = recipe, FP8_RECIPES[recipe], gemm
         self.grad_sink: Any = None  # a GradientSink, see the module docstring
+        self.weight_gradient: WeightGradientMaker | None = None  # see the module docstring
         self.w13_cache = FP8WeightCache((w1, w3), self.recipe)
         self.w2_cache = FP8WeightCache((w2,), self.recipe)
 
