@@ -5,7 +5,9 @@ is imported, see ``moe_testing.run_under_triton_interpreter``): moe_mxfp8's Trit
 kernels run in the interpreter as they would on CUDA (quantization, fused SwiGLU), and
 the native GEMMs, which exist only on a GPU, are stood in for by their output
 allocations (``torch._scaled_grouped_mm`` and ``torch._grouped_mm`` write one tensor
-each). The layer hands its weight gradients to a gradient sink, as in the trainer.
+each). The layer hands its weight gradients to a gradient sink, wired as the trainer
+wires it on CUDA (``moe_model.wire_model``: the recipes with BF16 weight gradients hand
+them to moe_model's kernel, run here in the interpreter).
 
 Prints one JSON line ``{"shape": {...}, recipe: [held after the forward, backward
 high-water mark above what was live when it started]}`` and ``ok``; bytes from
@@ -19,6 +21,8 @@ import json
 import os
 
 import torch
+from moe_model import ModelWiring, wire_model
+from moe_model import wiring as model_wiring
 from moe_mxfp8 import FP8_RECIPES, FP8GroupedExperts, fp8_experts, gemm
 from moe_mxfp8 import _triton_support as triton_support
 from pretrain.planner.measure import LiveBytes
@@ -62,7 +66,8 @@ def measure(recipe: str) -> list[int]:
                   for s in ((E, F, D), (E, F, D), (E, D, F)))
     native = FP8_RECIPES[recipe].native
     layer = FP8GroupedExperts(w1, w3, w2, recipe, "native" if native else "emulated")
-    layer.grad_sink = _Sink((w1, w3, w2))
+    # as the trainer wires it: recipes with BF16 weight gradients hand them to moe_model's kernel
+    wire_model(layer, ModelWiring(gradient_sink=_Sink((w1, w3, w2))))
     x = torch.randn(R, D, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(R, D, dtype=torch.bfloat16)
     offsets = torch.linspace(R / E, R, E).round().to(torch.int32)
@@ -78,6 +83,7 @@ def measure(recipe: str) -> list[int]:
 def main() -> None:
     torch.manual_seed(0)
     triton_support.fused_kernels_enabled = lambda device: True  # the kernels, as on CUDA
+    model_wiring.fused_kernels_enabled = lambda device: True  # moe_model's, too
     fp8_experts.fp8_native_available = lambda device: True
     gemm._fits_grouped_mm = lambda a, b: True
     torch._scaled_grouped_mm = _scaled_grouped_mm

@@ -434,8 +434,15 @@ def test_plan_command_names_the_recipe_and_refuses_a_bad_one(capsys):
     assert plan_command(["--config", "bench-1gpu", "--json", *fp8]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["request"]["mxfp8_recipe"] == "fp8_blockwise" and plan["ranks"][0]["mxfp8_caches"] > 0
-    # bench-1gpu merges 4 microbatches' expert gradients: the FP8 experts' sink adds at once
-    assert plan["request"]["merge_expert_grads"] == 4 and plan["ranks"][0]["merged_grads_held"] == 0
+    # bench-1gpu merges 4 microbatches' expert gradients: fp8_blockwise's BF16 weight
+    # gradients go to moe_model's kernel and merge (3 microbatches' operands held: rows and
+    # dy [R, D], dh13 [R, 2F] and h [R, F] in 8 layers, R = 2 x 4096 tokens x top-8);
+    # fp8_rowwise's FP8 weight gradients are added at once
+    assert plan["request"]["merge_expert_grads"] == 4
+    assert plan["ranks"][0]["merged_grads_held"] == 3 * 8 * 2 * (2 * 4096 * 8) * (2 * 2048 + 3 * 1024)
+    rowwise = [*fp8[:1], "mxfp8.recipe=fp8_rowwise", "mxfp8.gemm=native", *fp8[2:]]
+    assert plan_command(["--config", "bench-1gpu", "--json", *rowwise]) == 0
+    assert json.loads(capsys.readouterr().out)["ranks"][0]["merged_grads_held"] == 0
     request = PlanRequest.from_config(_config(*LOW_PRECISION), 1)
     with pytest.raises(ValueError, match="PlanRequest: MXFP8Config.recipe must be one of"):
         replace(request, mxfp8_recipe="fp9")

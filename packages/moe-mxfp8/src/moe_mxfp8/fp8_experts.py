@@ -212,6 +212,7 @@ class _FP8ExpertsFn(torch.autograd.Function):
             wanted[2] = not _hand_over(ctx, 2, True, h_RF, dy_RD, offsets_E)
             if wanted[2]:
                 grads[2] = _wgrad(r, dy_RD, h_RF, offsets_E, dtype, native, wgrad_fast)
+            del h_RF  # not alive while the gradients below are added
         returned: list[torch.Tensor | None] = []
         for param, grad, route, want in zip(ctx.params, grads, ctx.routes, wanted, strict=True):
             if want and route is not None:

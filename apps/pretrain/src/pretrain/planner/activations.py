@@ -526,7 +526,10 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
     and its FP8 form (the recipe's activation blocks, ``moe_mxfp8.fp8.fp8_nbytes``), the
     input gradient [R, D], dw13 [E, 2F, D], dw2 [E, D, F]. Moments, in order: the two
     input-gradient GEMMs (emulated: ``_emulated_gemm``'s FP32 operands and product); dw13's
-    GEMM and dw2's (with h recomputed): recipes with FP8 weight gradients
+    GEMM and dw2's (with h recomputed), or, where moe_model's kernel adds them
+    (``fp8_wgrads_in_kernel``), the gate's, the up projection's and the down projection's
+    gradient added one after another, the first two from contiguous copies of their
+    halves of dh13, the third after h is recomputed: no gradient tensor. Recipes with FP8 weight gradients
     (``FP8Recipe.fp8_wgrad``) quantize both operands per expert and column into E4M3
     copies transposed to ``[width, group_columns_width(R, E)]`` with FP32 scales (and
     their reciprocals, the native GEMM's arguments) and int32 padded group ends
@@ -548,9 +551,7 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
     inv.add("experts.dh13", b * R * 2 * F)
     inv.add("experts.dh13_q", fp8_nbytes((R, 2 * F), recipe.act_block))
     inv.add("experts.drows", b * R * D)
-    inv.add("experts.dw13", b * E * 2 * F * D)
     inv.add("experts.h", b * R * F)  # recomputed: dw2's operand
-    inv.add("experts.dw2", b * E * D * F)
     dy = {"grad_out", "experts.dy_down", "experts.dy_q"}
     captured = {"experts.dy_down"}
     if emulated:
@@ -560,6 +561,13 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
         inv.moment(freed, dy | {"experts.d_h", "experts.dh13", "experts.dh13_q",
                                 "experts.gemm_drows"})
     inputs = dy | {"experts.d_h", "experts.dh13", "experts.dh13_q", "experts.drows"}
+    if fp8_wgrads_in_kernel(ex):
+        inv.add("experts.d_gate_rows", b * R * F)  # a half of dh13, contiguous
+        inv.moment(freed, inputs, {"experts.d_gate_rows"}, captured=captured)
+        inv.moment(freed, inputs, {"experts.h"})
+        return
+    inv.add("experts.dw13", b * E * 2 * F * D)
+    inv.add("experts.dw2", b * E * D * F)
 
     def operands(name: str, n: int, k: int) -> set[str]:
         if not recipe.fp8_wgrad:
@@ -581,16 +589,30 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
         inv.moment(freed, inputs, {"experts.dw13", "experts.dw2", "experts.dw_flat"})
 
 
+def fp8_wgrads_in_kernel(ex: Execution) -> bool:
+    """Whether FP8 experts hand their weight gradients to moe_model's kernel (their recipe
+    computes them in the compute dtype, a sink takes them, CUDA: ``moe_model.wire_model``)."""
+    from moe_mxfp8 import FP8_RECIPES
+
+    recipe = FP8_RECIPES.get(ex.mxfp8_recipe)
+    return (recipe is not None and not recipe.fp8_wgrad and ex.kernels == "cuda"
+            and ex.expert_grad_sink)
+
+
 def merged_wgrad_operands(cfg: MoEConfig, layers: Iterable[int], ex: Execution, R: int) -> int:
     """Bytes of one microbatch's expert weight-gradient operands held for merging with the
     next microbatch's (moe_ddp's ``merge_microbatch_gradients``, CUDA only): per MoE layer
-    on the BF16 grouped GEMMs, what the three weight gradients read, the rows and the
+    whose weight gradients run in moe_model's kernel (the BF16 grouped GEMMs, FP8 experts
+    where ``fp8_wgrads_in_kernel``), what the three weight gradients read, the rows and the
     down projection's output gradient ([R, D] each), the gate and up gradients and the
-    SwiGLU output h ([R, F] each). Held from that layer's backward to the next one's."""
+    SwiGLU output h ([R, F] each; FP8 experts: dh13 and the recomputed h). Held from that
+    layer's backward to the next one's."""
     if ex.kernels != "cuda":
         return 0
     D, F, b = cfg.d_model, cfg.expert_hidden, ex.compute_bytes
-    moe = [layer for layer in layers if cfg.is_moe_layer(layer) and layer not in ex.mxfp8_expert_layers]
+    in_kernel = fp8_wgrads_in_kernel(ex)
+    moe = [layer for layer in layers if cfg.is_moe_layer(layer)
+           and (layer not in ex.mxfp8_expert_layers or in_kernel)]
     return len(moe) * b * R * (2 * D + 3 * F)
 
 
