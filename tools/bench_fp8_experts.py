@@ -152,11 +152,14 @@ def bench_gemms(args) -> dict:
 
 
 # Launch shapes per kernel kind of moe_mxfp8._fp8_kernels (its _TILES): BlockTile(elements,
-# warps) for the block kinds, ColumnTile(rows, cols, warps) for the per-expert columns.
+# warps[, groups]) for the block kinds (groups: scale blocks side by side per program),
+# ColumnTile(rows, cols, warps) for the per-expert columns.
 TILE_CANDIDATES = {
     "rows": [(2048, 2), (4096, 4), (1024, 2), (2048, 1), (4096, 2), (8192, 4)],
-    "tiles": [(4096, 4), (2048, 4), (1024, 2), (8192, 8)],
-    "blocks": [(16384, 4), (16384, 8), (16384, 16)],
+    "tiles": [(4096, 4), (2048, 4), (1024, 2), (8192, 8), (2048, 2, 16), (4096, 4, 16),
+              (4096, 4, 4), (8192, 8, 16), (2048, 4, 8), (8192, 4, 16)],
+    "blocks": [(16384, 4), (16384, 8), (16384, 16), (16384, 8, 2), (16384, 16, 2),
+               (16384, 16, 4)],
     "group_columns": [(128, 64, 8), (64, 64, 4), (64, 128, 4), (32, 64, 4), (128, 128, 8)],
 }
 # moe_mxfp8._fp8_codec_kernels._TILES: RowTile(elements, warps).

@@ -106,6 +106,13 @@ def cases():
                 x = sample(shape, torch.bfloat16, seed=5)
                 got, ref = (quantize_fp8(x, block, True, backend=b) for b in ("triton", "reference"))
                 total += mismatches(got.data, ref.data) + mismatches(got.scale, ref.scale)
+            # two scale blocks per program: the last program's second group lies past N
+            k._TILES.update(tiles=k.BlockTile(1024, 2, 2), blocks=k.BlockTile(128 * 128, 4, 2))
+            for shape, block in (((40, 300), (1, 128)), ((2, 130, 300), (128, 128))):
+                for pow2 in (True, False):
+                    x = sample(shape, torch.float32, seed=7)
+                    got, ref = (quantize_fp8(x, block, pow2, backend=b) for b in ("triton", "reference"))
+                    total += mismatches(got.data, ref.data) + mismatches(got.scale, ref.scale)
             x = sample((70, 100), torch.float32, seed=6)
             offsets = torch.tensor(OFFSETS, dtype=torch.int32)
             (dt, st, _), (dr, sr, er) = (quantize_group_columns(x, offsets, True, backend=b)

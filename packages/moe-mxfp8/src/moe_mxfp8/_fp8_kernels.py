@@ -5,9 +5,9 @@ Imported lazily, like ``moe_mxfp8._quantize_kernels`` (whose exact E4M3 encoding
 FP8 conversion instruction, whose subnormal and tie handling differs between the
 hardware and the interpreter).
 
-- ``quantize_blocks``: one program per tile of ``[B, M, N]``: ``ROWS`` rows by one scale
-  block (a whole row, 128 columns, or a 128x128 block); amax is an integer max over
-  ``|x|`` bit patterns (NaN sorts above inf).
+- ``quantize_blocks``: one program per tile of ``[B, M, N]``: ``ROWS`` rows by ``GROUPS``
+  scale blocks side by side (a whole row, 128-column tiles, or 128x128 blocks); amax is
+  an integer max over ``|x|`` bit patterns (NaN sorts above inf).
 - ``quantize_group_columns_t``: one program per (expert, column strip): a pass over the
   expert's rows for the column amax, a second that scales, encodes and writes the strip
   transposed into the expert's 16-aligned slot of ``[N, W]`` (zeros in the padding).
@@ -64,15 +64,31 @@ def _encode(abs_bits, sign, scale):
 
 @triton.jit
 def _quantize_blocks_kernel(
-    x_ptr, sx_b, sx_m, d_ptr, sd_b, sd_m, s_ptr, ss_b, ss_m, M, N,
-    ROWS: tl.constexpr, BN: tl.constexpr, SQUARE: tl.constexpr, POW2: tl.constexpr,
-    IN_BF16: tl.constexpr, EPS_BITS: tl.constexpr, SCALE_AT_EPS: tl.constexpr,
+    x_ptr, sx_b, sx_m, d_ptr, sd_b, sd_m, s_ptr, ss_b, ss_m, M, N, n_scales,
+    ROWS: tl.constexpr, BN: tl.constexpr, GROUPS: tl.constexpr, SQUARE: tl.constexpr,
+    POW2: tl.constexpr, IN_BF16: tl.constexpr, EPS_BITS: tl.constexpr,
+    SCALE_AT_EPS: tl.constexpr,
 ):
     pid_m, pid_n, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     rows = (pid_m * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
-    cols = (pid_n * BN + tl.arange(0, BN))[None, :]
+    cols = (pid_n * GROUPS * BN + tl.arange(0, GROUPS * BN))[None, :]
     mask = (rows < M) & (cols < N)
     abs_bits, sign = _load_abs_sign(x_ptr + b * sx_b + rows * sx_m + cols, mask, IN_BF16)
+    if GROUPS > 1:  # [ROWS, GROUPS, BN]: one amax per row (or block) and group
+        amax = tl.max(tl.reshape(abs_bits, (ROWS, GROUPS, BN)), axis=2)
+        if SQUARE:
+            amax = tl.max(amax, axis=0, keep_dims=True)
+        scale = _scale(amax, POW2, EPS_BITS, SCALE_AT_EPS)  # [ROWS or 1, GROUPS]
+        spread = tl.reshape(tl.broadcast_to(scale[:, :, None], (ROWS, GROUPS, BN)),
+                            (ROWS, GROUPS * BN))
+        tl.store(d_ptr + b * sd_b + rows * sd_m + cols, _encode(abs_bits, sign, spread), mask=mask)
+        groups = (pid_n * GROUPS + tl.arange(0, GROUPS))[None, :]
+        if SQUARE:
+            tl.store(s_ptr + b * ss_b + pid_m * ss_m + groups, scale, mask=groups < n_scales)
+        else:
+            tl.store(s_ptr + b * ss_b + rows * ss_m + groups, scale,
+                     mask=(rows < M) & (groups < n_scales))
+        return
     if SQUARE:
         amax = tl.max(tl.max(abs_bits, axis=1, keep_dims=True), axis=0, keep_dims=True)
     else:
@@ -122,10 +138,12 @@ _CONSTS = dict(EPS_BITS=_EPS_BITS, SCALE_AT_EPS=_SCALE_AT_EPS)
 @dataclass(frozen=True)
 class BlockTile:
     """Launch shape of ``quantize_blocks``: about ``elements`` per program (whole rows of
-    one scale block; a 128x128 block is one program whatever ``elements``), ``warps``."""
+    ``groups`` scale blocks side by side; 128x128 blocks: ``groups`` of them per program
+    whatever ``elements``), ``warps``."""
 
     elements: int
     warps: int
+    groups: int = 1
 
 
 @dataclass(frozen=True)
@@ -169,13 +187,15 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], pow2: bool
         return data.view(torch.float8_e4m3fn), scale.fill_(_SCALE_AT_EPS if M and not N else 0)
     tile = _TILES[_block_kind(block)]
     width = bn or triton.next_power_of_2(N)
-    rows = bm if bm > 1 else max(1, tile.elements // width)
+    groups = tile.groups if bn else 1  # a whole row is one group
+    rows = bm if bm > 1 else max(1, tile.elements // (groups * width))
     x3, d3, s3 = (t.reshape(B, t.shape[-2], t.shape[-1]) for t in (_bits_view(x), data, scale))
-    grid = (triton.cdiv(M, rows), n_cols, B)
+    grid = (triton.cdiv(M, rows), triton.cdiv(n_cols, groups), B)
     _quantize_blocks_kernel[grid](
         x3, x3.stride(0), x3.stride(1), d3, d3.stride(0), d3.stride(1),
-        s3, s3.stride(0), s3.stride(1), M, N,
-        ROWS=rows, BN=width, SQUARE=bm > 1, POW2=pow2, IN_BF16=x.dtype == torch.bfloat16,
+        s3, s3.stride(0), s3.stride(1), M, N, n_cols,
+        ROWS=rows, BN=width, GROUPS=groups, SQUARE=bm > 1, POW2=pow2,
+        IN_BF16=x.dtype == torch.bfloat16,
         num_warps=tile.warps, enable_fp_fusion=False, **_CONSTS,
     )
     return data.view(torch.float8_e4m3fn), scale
