@@ -99,3 +99,19 @@ def test_fp8_convergence_refuses_to_repeat_its_training_data(tmp_path):
                                          r"times: .* or --allow-repeat"):
         bench.main(args)
     assert not root.exists()
+
+
+def test_fast_accum_applies_to_the_fp8_recipes_only(tmp_path):
+    """``--fast-accum`` sets ``mxfp8.fp8_fast_accum`` of the FP8 recipes; the BF16 reference
+    (no low-precision layers) keeps the defaults, which would refuse the key."""
+    bench = load_script(TOOL)
+    a = bench.parse_args(["--config", "tiny", "--device", "cpu", "--recipes", "bf16",
+                          "fp8_rowwise_gw_hp", "--fast-accum", "output", "grad_input",
+                          "--run-root", str(tmp_path)])
+    fp8 = bench.recipe_config(a, "fp8_rowwise_gw_hp", "synthetic", None, None)
+    assert tuple(fp8.mxfp8.fp8_fast_accum) == ("output", "grad_input")
+    base = bench.recipe_config(a, "bf16", "synthetic", None, None)
+    assert not base.mxfp8.targets and tuple(base.mxfp8.fp8_fast_accum) == ("output",)
+    plain = bench.parse_args(["--config", "tiny", "--device", "cpu", "--run-root", str(tmp_path)])
+    assert "fp8_fast_accum" not in " ".join(bench.recipe_overrides("fp8_rowwise", "native",
+                                                                     plain.fast_accum))

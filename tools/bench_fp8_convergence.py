@@ -113,6 +113,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"expert recipes; {BASELINE} (the reference) must be among them")
     p.add_argument("--gemm", choices=["native", "emulated"], default=None,
                    help="mxfp8.gemm of the FP8 recipes (default: native on CUDA, else emulated)")
+    p.add_argument("--fast-accum", nargs="*", default=None, metavar="ROLE",
+                   help="mxfp8.fp8_fast_accum of the FP8 recipes: the GEMM roles (output, "
+                        "grad_input, grad_weight) run with fast accumulation (default: the "
+                        "package's, output)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--config", default=DEFAULT_CONFIG,
                    help=f"a named config ({', '.join(CONFIGS)}), a preset or a TOML file")
@@ -224,10 +228,13 @@ def resolve_data(a: argparse.Namespace) -> tuple[str, str | None, dict[str, Any]
 
 # -- configs ---------------------------------------------------------------------------
 
-def recipe_overrides(recipe: str, gemm: str) -> list[str]:
+def recipe_overrides(recipe: str, gemm: str, fast_accum: list[str] | None = None) -> list[str]:
     if recipe == BASELINE:
         return ["mxfp8.targets=[]"]
-    return ["mxfp8.targets=experts", f"mxfp8.recipe={recipe}", f"mxfp8.gemm={gemm}"]
+    keys = ["mxfp8.targets=experts", f"mxfp8.recipe={recipe}", f"mxfp8.gemm={gemm}"]
+    if fast_accum is not None and recipe != "mxfp8":
+        keys.append(f"mxfp8.fp8_fast_accum=[{','.join(fast_accum)}]")
+    return keys
 
 
 def recipe_config(a: argparse.Namespace, recipe: str, data: str, val: str | None,
@@ -247,7 +254,8 @@ def recipe_config(a: argparse.Namespace, recipe: str, data: str, val: str | None
     if a.gemm == "emulated" or a.device == "cpu" or not torch.cuda.is_available():
         # emulated FP8 GEMMs read the expert offsets on the host; every recipe runs alike
         run.append("train.cuda_graphs=false")
-    cfg = load_config(preset, [*named, *run, *a.overrides, *recipe_overrides(recipe, a.gemm)])
+    cfg = load_config(preset, [*named, *run, *a.overrides,
+                                      *recipe_overrides(recipe, a.gemm, a.fast_accum)])
     if "model.vocab_size" not in user_keys:  # the data's, as a run without a preset takes it
         cfg.key_sources.pop("model.vocab_size", None)
         resolve_vocab_size(cfg)
@@ -438,7 +446,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 torch.cuda.empty_cache()
             reached = steps_done(a.run_root / plan.recipe)
             stopped = reached < plan.target  # stopped by a signal: leave the rest for --resume
-        report["recipes"][plan.recipe] = {"overrides": recipe_overrides(plan.recipe, a.gemm),
+        keys = recipe_overrides(plan.recipe, a.gemm, a.fast_accum)
+        report["recipes"][plan.recipe] = {"overrides": keys,
                                           "run_dir": str(a.run_root / plan.recipe),
                                           **curves(a.run_root / plan.recipe)}
         if a.out is not None:  # the curves so far, after every run
