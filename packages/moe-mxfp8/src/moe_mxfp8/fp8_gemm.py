@@ -7,7 +7,7 @@ Native (``fp8_native_available``): ``torch._scaled_grouped_mm`` (CUTLASS, sm_90)
 rowwise FP32 scales and BF16 output; offsets are read on the device. Accumulation is
 chosen per call (``fast_accum``): ``False`` promotes the partial sums to FP32 registers
 as DeepSeek-V3 prescribes; ``True`` (``use_fast_accum``) keeps them in the tensor cores'
-own accumulator (about 14 significant bits, truncating), about 1.3x the GEMM rate on an
+own accumulator (about 14 significant bits, truncating), 1.15-1.3x the GEMM rate on an
 H200 (``tools/bench_fp8_experts.py``). Which GEMM of a layer takes which:
 ``FAST_ACCUM_DEFAULT``.
 
