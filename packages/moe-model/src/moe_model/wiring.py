@@ -19,14 +19,14 @@ FP32 main grad in its epilogue and merges microbatches, as for ``GroupedExperts`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
 
+from moe_model._triton_support import fused_kernels_enabled
 from moe_model.dispatch import TokenDispatcher
 from moe_model.embedding import Embedding
-from moe_model._triton_support import fused_kernels_enabled
 from moe_model.experts import ExpertWeightGradient, GroupedExperts
 from moe_model.linear import Linear
 from moe_model.model import MoETransformer
@@ -82,7 +82,8 @@ def wire_model(model: nn.Module, wiring: ModelWiring) -> None:
                 module.dispatcher = wiring.dispatchers[name]
 
 
-def _kernel_weight_gradient(module: nn.Module, sink: GradientSink | None) -> object:
+def _kernel_weight_gradient(module: nn.Module, sink: GradientSink | None
+                            ) -> Callable[..., ExpertWeightGradient] | None:
     """``ExpertWeightGradient.from_rows`` for a layer of another package whose weight
     gradients go into ``sink`` on a device with the fused kernels, else ``None``."""
     param = next(module.parameters(), None)
