@@ -11,7 +11,7 @@
    ``FP8GroupedExperts`` fp8_rowwise and fp8_rowwise_gw_hp (BF16 weight gradients) with
    the native GEMMs (``torch._scaled_grouped_mm``; the default accumulation, fast in the
    forward only, and fp8_rowwise also with every GEMM fast, torchao's grouped MoE choice,
-   and with none), and fp8_blockwise, emulated (dequantize + FP32 matmuls per expert; no native grouped
+   and with none, fp8_rowwise_gw_hp also with fast input gradients), and fp8_blockwise, emulated (dequantize + FP32 matmuls per expert; no native grouped
    GEMM) unless ``--no-blockwise``. BF16 compute weights everywhere; the FP8 layers'
    outputs are compared with BF16's (relative error in norm).
 2. The grouped GEMMs alone (the candidates side by side, balanced routing): BF16
@@ -85,6 +85,9 @@ def bench_layers(args, routing: str) -> dict:
     for name, roles in (("all", FP8_GEMM_ROLES), ("none", ())):
         layers[f"fp8_rowwise fast:{name}"] = FP8GroupedExperts.from_module(bf16, "fp8_rowwise", "native",
                                                                            fast_accum=roles)
+    # the fastest bench-1gpu step measured (docs/performance.md): fast input gradients too
+    layers["fp8_rowwise_gw_hp fast:output,grad_input"] = FP8GroupedExperts.from_module(
+        bf16, "fp8_rowwise_gw_hp", "native", fast_accum=("output", "grad_input"))
     if args.blockwise:
         layers["fp8_blockwise (emulated)"] = FP8GroupedExperts.from_module(bf16, "fp8_blockwise")
     flops = 3 * 2 * rows_n * args.d_model * args.hidden * 3  # forward + 2x backward, three GEMMs
