@@ -31,7 +31,7 @@ _INCR = tl.constexpr(overflow.HASH_INCREMENT)
 
 @triton.jit
 def _slot_destination(expert_ptr, rank_in_block_ptr, cum_ptr, table_ptr, slot, live, n_ranks, n_experts,
-                     SLOT_BLOCK: tl.constexpr):
+                      SLOT_BLOCK: tl.constexpr):
     """Plan step 3 for slots ``slot`` (``plan_reference.plan_rows_reference``): ``(rank, row)``,
     rank -1 and row 0 for a dropped slot (or one outside ``live``)."""
     E = n_experts
@@ -171,7 +171,7 @@ def _plan_rows_kernel(expert_ptr, rank_in_block_ptr, cum_ptr, table_ptr, recv_en
     slot = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = slot < n_slots
     rank, row = _slot_destination(expert_ptr, rank_in_block_ptr, cum_ptr, table_ptr, slot, live, n_ranks,
-                                 n_experts, BLOCK)
+                                  n_experts, BLOCK)
     tl.store(dst_rank_ptr + slot, rank, mask=live)
     tl.store(dst_row_ptr + slot, row, mask=live)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
