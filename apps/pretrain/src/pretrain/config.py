@@ -80,11 +80,13 @@ class ParallelConfig:
     # on two CUDA streams so that chunks' transfers run under other chunks' expert GEMMs
     # (moe_ep_transport.EPConfig.overlap_chunks; each chunk its own transport call and, with
     # model.capacity_factor, its own capacity); 1: one dispatch and one combine per layer.
-    # Measured slower on two H200s, with stalls of seconds where ep_comm_sms is unset
-    # (docs/performance.md, bench-2gpu): keep 1 until that is fixed
+    # Two H200s, bench-2gpu replayed from CUDA graphs: 2 chunks 1.01x the unsplit step, 4
+    # chunks 0.97x; eager steps stalled for seconds where ep_comm_sms was unset
+    # (docs/performance.md, bench-2gpu): 1 until the stall is understood
     ep_overlap_chunks: int = 1
     # SMs the EP communication stream may use with ep_overlap_chunks > 1 (a CUDA green
-    # context; moe_ep_transport.EPConfig.comm_sms); none: every SM, at the highest priority
+    # context; moe_ep_transport.EPConfig.comm_sms); none: every SM, at the highest priority,
+    # the fastest measured (2 chunks on bench-2gpu: 0.90x at 32 SMs, 0.72x at 16)
     ep_comm_sms: int | None = None
     ddp_mode: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"  # gradient sync collective
     # routed experts' weight gradients added to the FP32 main grads inside the grouped GEMM's

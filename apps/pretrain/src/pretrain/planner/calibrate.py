@@ -30,13 +30,14 @@ from pretrain.planner.step_time import KERNELS_PER_BLOCK, KERNELS_PER_EDGE
 # Device idle per kernel of an eager step beyond a replayed one: (60 - 26) ms over
 # 28,459 kernels of bench-1gpu (docs/performance.md, the CUDA graphs A/B).
 EAGER_EXTRA_GAP_US = 1.2
-# The EP transport's share of NVLink where no two-GPU run is given: 0.151 (7.42 ms per
-# forward dispatch + combine at 32k tokens) fitted by transport_fit.ep_transport_efficiency
-# to `tools/from_source.sh python3 -m torch.distributed.run --nproc-per-node 2
-# tools/bench_ep_transport.py --graphs --routing balanced,zipf --tokens 512,...,65536` on
-# two H200s (commit b57a150, tools/results/ep_transport_2gpu.json); `pretrain calibrate
-# --ep-transport FILE` fits it to a run of the user's own.
-EP_TRANSPORT_EFFICIENCY = 0.15
+# The EP transport's share of NVLink where no two-GPU run is given: 0.501 (2.23 ms per
+# dispatch + combine at 32k tokens, 384 MiB across the link) fitted by
+# transport_fit.ep_transport_efficiency to `tools/from_source.sh python3
+# tools/bench_ep_2gpu.py --skip train --out $OUT/ep.json` (tools/bench_ep_transport.py
+# --graphs, balanced and Zipf routing, 512 to 65,536 tokens) on two H200s (commit 5916170,
+# tools/results/ep_transport_2gpu.json); `pretrain calibrate --ep-transport FILE` fits it
+# to a run of the user's own.
+EP_TRANSPORT_EFFICIENCY = 0.50
 # Dense BF16 datasheet peaks (the MFU denominator), by a substring of the device name.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "B300": 2250.0}
 NVLINK = {"H100": "h100-nvlink4", "H200": "h200-nvlink4", "B200": "b200-nvlink5",
