@@ -276,6 +276,19 @@ def test_plan_time_rejects_a_bad_profile_in_one_line(capsys, tmp_path):
     assert main(["plan", "--config", "tiny", "--time", "--gpus-per-node", "0"]) == 2
 
 
+@pytest.mark.parametrize("recipe", [["mxfp8.recipe=mxfp8"], ["mxfp8.recipe=fp8_rowwise_gw_hp",
+                                                              "mxfp8.gemm=native"]])
+def test_plan_time_refuses_low_precision_experts_in_one_line(capsys, recipe):
+    """Not timed as if the experts ran in BF16; the memory plan alone still runs."""
+    overrides = ["mxfp8.targets=[experts]", *recipe]
+    assert main(["plan", "--config", "tiny", "--time", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "mxfp8.targets=['experts']" in err[0] and "2 layers" in err[0]
+    assert main(["plan", "--config", "tiny", *overrides]) == 0
+    # attention-only targets leave the experts in BF16: timed
+    assert main(["plan", "--config", "tiny", "--time", "mxfp8.targets=[attn.wq]"]) == 0
+
+
 def test_plan_sweep_time_prints_ranked_layouts(capsys, monkeypatch):
     monkeypatch.setattr(planner, "FAMILY", SMALL_FAMILY)
     monkeypatch.setattr(planner, "GPU_COUNTS", (16,))

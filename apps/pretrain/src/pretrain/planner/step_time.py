@@ -51,6 +51,7 @@ from dataclasses import dataclass, field, replace
 
 from moe_ddp import is_sharded
 from moe_model import MoEConfig, flops_per_token
+from moe_mxfp8 import name_matches
 
 from pretrain.optimizer import MIN_SHARD_NUMEL
 from pretrain.planner.activations import Execution, block_inventory, ep_capacity, local_rows
@@ -573,6 +574,28 @@ def _pp_crossings(req: PlanRequest, gpus_per_node: int) -> int:
                if a // gpus_per_node != b // gpus_per_node)
 
 
+def _refuse_low_precision_experts(req: PlanRequest) -> None:
+    """The model times BF16 (or FP32) expert GEMMs only: a request whose ``mxfp8.targets``
+    reach routed experts is refused, not predicted as if they ran in the compute dtype.
+
+    Why not modelled: on one H200 the FP8 step's gains and losses are not the GEMM
+    benchmark's ratios. ``fp8_rowwise_gw_hp`` ran 1.07x BF16 at the layer
+    (``tools/bench_fp8_experts.py``) and 0.96x in the ``bench-1gpu`` step; fast
+    accumulation in the input gradients moved the step by 148 ms where the same commit's
+    GEMM rates (900 against 1,039 TFLOP/s) predict 36 of the model's 340 ms of
+    input-gradient GEMMs (docs/performance.md, FP8 experts). Emulated MXFP8 and ``fp8_blockwise``
+    run FP32 matmuls. A time for them needs per-role rates measured inside the step."""
+    targets = req.mxfp8_targets
+    hit = [layer for layer in range(req.model.n_layers) if req.model.is_moe_layer(layer)
+           and any(name_matches(f"blocks.{layer}.mlp.experts", t) for t in targets)]
+    if hit:
+        raise ValueError(
+            f"the step-time model times experts in the compute dtype only: mxfp8.targets="
+            f"{list(targets)} makes the experts of {len(hit)} layers run mxfp8.recipe="
+            f"{req.mxfp8_recipe} (gemm={req.mxfp8_gemm}), not modelled; plan without --time "
+            f"for their memory, or measure with tools/bench_train_step.py")
+
+
 def predict_step(req: PlanRequest, profile: Profile, gpus_per_node: int = 8,
                  cuda_graphs: bool = False, routing_skew: float = 1.0,
                  shapes: ModelShapes | None = None) -> StepTime:
@@ -585,6 +608,7 @@ def predict_step(req: PlanRequest, profile: Profile, gpus_per_node: int = 8,
     if not (math.isfinite(routing_skew) and routing_skew >= 1):
         raise ValueError(f"routing_skew must be >= 1, got {routing_skew}")
     m: MoEConfig = req.model
+    _refuse_low_precision_experts(req)
     shapes = shapes or ModelShapes(m)
     b = COMPUTE_BYTES[req.compute_dtype]
     ex = Execution(micro_batch=req.micro_batch, seq_len=req.seq_len, compute_bytes=b,
