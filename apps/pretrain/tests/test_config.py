@@ -284,13 +284,26 @@ def test_mxfp8_targets_round_trip(tmp_path):
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["parallel.merge_expert_grad_microbatches=5"], "must be 1 to 4"),
-    (["parallel.merge_expert_grad_microbatches=0"], "must be positive"),
+    (["parallel.merge_expert_grad_microbatches=0"], "must be 1 to 4 or auto"),
     (["parallel.merge_expert_grad_microbatches=2", "parallel.fuse_grad_accumulation=false"],
      "needs parallel.fuse_grad_accumulation"),
 ])
 def test_merged_expert_grads_need_the_fused_path_and_at_most_four(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("tiny", overrides).validate()
+
+
+def test_merged_expert_grads_auto_parses_and_round_trips(tmp_path):
+    cfg = load_config("tiny", ["parallel.merge_expert_grad_microbatches=auto"])
+    assert cfg.parallel.merge_expert_grad_microbatches == "auto"
+    # auto with the fused path off is not refused: it resolves to 1
+    load_config("tiny", ["parallel.merge_expert_grad_microbatches=auto",
+                         "parallel.fuse_grad_accumulation=false"]).validate()
+    path = tmp_path / "run.toml"
+    path.write_text(config_toml(cfg))
+    assert load_config(str(path)) == cfg
+    with pytest.raises(ConfigError, match="expects an integer or one of auto, got 'most'"):
+        load_config("tiny", ["parallel.merge_expert_grad_microbatches=most"])
 
 
 @pytest.mark.parametrize(("key", "choices"), [

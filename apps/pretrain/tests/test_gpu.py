@@ -124,6 +124,19 @@ def _steady_state_step_syncs(overrides: list[str]) -> list[str]:
 
 
 @pytest.mark.gpu
+def test_auto_merge_on_a_gpu_takes_the_most_that_fits():
+    """The tiny model's plan fits four merged microbatches on any GPU of a few GiB."""
+    cfg = load_config("tiny", ["train.device=cuda", "parallel.merge_expert_grad_microbatches=auto"])
+    with distributed("cuda") as rt:
+        trainer = Trainer(cfg, build_mesh(validate_layout(cfg, rt.world_size), "cuda"), rt.device)
+        try:
+            assert trainer.cfg.parallel.merge_expert_grad_microbatches == 4
+            assert not trainer.train_step(1).record["skipped"]
+        finally:
+            trainer.close()
+
+
+@pytest.mark.gpu
 def test_a_warmed_up_step_with_local_experts_does_not_sync_the_host():
     assert _steady_state_step_syncs(NO_SYNC) == []
 

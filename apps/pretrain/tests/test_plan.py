@@ -570,6 +570,38 @@ def test_plan_counts_merged_expert_grads():
     assert plan_memory(PlanRequest.from_config(one, 1)).ranks[0].merged_grads_held == 0
 
 
+@pytest.mark.parametrize(("preset", "world", "overrides", "want"), [
+    # what the allocator measured on H200s (docs/performance.md, bench-2gpu): DP2 ran at 2
+    # (113.9 GiB) and ran out of memory at 4, EP2 ran out of memory at 2; bench-1gpu runs 4
+    ("bench-2gpu", 2, [], 2),
+    ("bench-2gpu", 2, ["parallel.ep=2", "parallel.ep_backend=rowwise"], 1),
+    ("bench-1gpu", 1, [], 4),
+    ("bench-1gpu", 1, ["parallel.fuse_grad_accumulation=false"], 1),
+])
+def test_auto_merge_is_the_most_microbatches_that_fit(preset, world, overrides, want):
+    from pretrain.planner import fitting_merge
+
+    auto = load_config(preset, [*overrides, "parallel.merge_expert_grad_microbatches=auto"])
+    assert fitting_merge(auto, world) == want
+    request = PlanRequest.from_config(auto, world)
+    assert request.merge_expert_grads == want
+    if want < 4 and "parallel.fuse_grad_accumulation=false" not in overrides:  # one more does not fit
+        more = load_config(preset, [*overrides, f"parallel.merge_expert_grad_microbatches={want + 1}"])
+        assert not plan_memory(PlanRequest.from_config(more, world)).fits
+    # a smaller GPU fits fewer
+    assert fitting_merge(auto, world, gpu_gib=90.0) <= want
+
+
+def test_auto_merge_follows_the_gpu_memory_and_headroom():
+    auto = load_config("bench-1gpu", ["parallel.merge_expert_grad_microbatches=auto"])
+    from pretrain.planner import fitting_merge
+
+    # planned on the device: 78.8, 86.2, 93.5, 100.9 GiB at 1 to 4; 90% of the GPU usable
+    counts = [fitting_merge(auto, 1, gpu_gib=gib) for gib in (80.0, 100.0, 110.0, 140.0)]
+    assert counts == [1, 2, 3, 4]
+    assert fitting_merge(auto, 1, gpu_gib=140.0, headroom=0.5) < 4
+
+
 def test_head_weight_gradient_into_the_main_grad_is_not_planned_as_a_bf16_tensor():
     """On CUDA with the fused accumulation the head's weight gradient goes into the FP32 main
     grad from its GEMM (moe_model.linear): its BF16 [vocab, d_model] tensor is no longer

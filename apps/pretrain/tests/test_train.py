@@ -57,6 +57,18 @@ def test_tiny_run_writes_config_and_metrics(tmp_path):
     assert load_config(str(tmp_path / "config.toml")) == load_config("tiny", [f"run_dir={tmp_path}"])
 
 
+def test_auto_merge_trains_one_microbatch_at_a_time_on_a_cpu(tmp_path, capsys):
+    """``auto`` resolves to 1 where the fused kernels do not run, trains the losses of an
+    explicit 1, and the written config keeps ``auto`` (a resume on GPUs re-resolves it)."""
+    auto = train(load_config("tiny", [f"run_dir={tmp_path / 'auto'}",
+                                      "parallel.merge_expert_grad_microbatches=auto"]))
+    assert "parallel.merge_expert_grad_microbatches=auto: 1 " in capsys.readouterr().out
+    one = train(load_config("tiny", [f"run_dir={tmp_path / 'one'}"]))
+    assert [r["loss"] for r in auto] == [r["loss"] for r in one]
+    written = load_config(str(tmp_path / "auto" / "config.toml"))
+    assert written.parallel.merge_expert_grad_microbatches == "auto"
+
+
 def test_router_bias_steps_once_per_optimizer_step(tmp_path):
     cfg = load_config("tiny", [f"run_dir={tmp_path}", "model.bias_update_rate=0.01"])
     with distributed("cpu"):

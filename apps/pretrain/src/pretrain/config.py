@@ -97,8 +97,9 @@ class ParallelConfig:
     # with it, n (2 to 4): n microbatches' expert weight gradients in one GEMM launch (the
     # earlier ones held until the n-th's backward): 1/n of the FP32 main-grad
     # read-modify-writes, for the memory of n - 1 microbatches' expert GEMM inputs and output
-    # gradients (`pretrain plan` counts it); 1: each microbatch's at once
-    merge_expert_grad_microbatches: int = 1
+    # gradients (`pretrain plan` counts it); 1: each microbatch's at once; auto: the largest
+    # n that the memory planner fits on this run's GPUs (1 on a CPU)
+    merge_expert_grad_microbatches: int | Literal["auto"] = 1
     bucket_cap_mb: float = 64.0  # gradient bucket size (MiB of FP32)
 
     def resolved_ep_backend(self) -> str:
@@ -269,8 +270,7 @@ class PretrainConfig:
             raise ConfigError(f"invalid mxfp8 config: {e}") from None
         positive = ["train.steps", "train.seq_len", "train.global_batch", "train.micro_batch",
                     "train.max_consecutive_skips", "train.collective_timeout_s", "parallel.pp", "parallel.pp_virtual_stages",
-                    "parallel.ep", "parallel.bucket_cap_mb", "parallel.merge_expert_grad_microbatches",
-                    "parallel.ep_overlap_chunks",
+                    "parallel.ep", "parallel.bucket_cap_mb", "parallel.ep_overlap_chunks",
                     "optim.lr", "optim.muon_lr", "eval.tokens", "eval.max_new_tokens"]
         non_negative = ["optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay",
                         "optim.grad_clip", "optim.expert_lr_mult", "optim.eps",
@@ -335,13 +335,14 @@ class PretrainConfig:
                 "recomputed block twice, which activation recompute does not allow; use "
                 "parallel.pp_schedule=1f1b or gpipe, or model.recompute=none"
             )
-        if p.merge_expert_grad_microbatches > MAX_WGRAD_SOURCES:
+        merge = p.merge_expert_grad_microbatches
+        if merge != "auto" and not 1 <= merge <= MAX_WGRAD_SOURCES:
             raise ConfigError(
-                f"parallel.merge_expert_grad_microbatches must be 1 to {MAX_WGRAD_SOURCES}, got "
-                f"{p.merge_expert_grad_microbatches}: the expert weight-gradient kernel reduces "
-                f"at most {MAX_WGRAD_SOURCES} microbatches per launch"
+                f"parallel.merge_expert_grad_microbatches must be 1 to {MAX_WGRAD_SOURCES} or auto, "
+                f"got {merge}: the expert weight-gradient kernel reduces at most "
+                f"{MAX_WGRAD_SOURCES} microbatches per launch"
             )
-        if p.merge_expert_grad_microbatches > 1 and not p.fuse_grad_accumulation:
+        if merge != "auto" and merge > 1 and not p.fuse_grad_accumulation:
             raise ConfigError(
                 "parallel.merge_expert_grad_microbatches > 1 merges the gradients the fused expert "
                 "GEMMs deliver: it needs parallel.fuse_grad_accumulation=true"

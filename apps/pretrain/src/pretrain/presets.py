@@ -38,8 +38,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "checkpoint": {"final": False},  # a throughput measurement keeps no weights
         # four microbatches' expert weight gradients per launch: +3.5% for 7 GiB at 2, +1.5%
         # more for 14 GiB more at 4 (95.5 of 141 GB; tools/bench_train_step.py --config
-        # bench-1gpu parallel.merge_expert_grad_microbatches=1|2|4); bench-2gpu keeps 1 (not
-        # measured there)
+        # bench-1gpu parallel.merge_expert_grad_microbatches=1|2|4); bench-2gpu keeps 1, which
+        # EP2 needs (at 2 it ran out of memory on two H200s; DP2 ran +6% at 2,
+        # docs/performance.md)
         "parallel": {"merge_expert_grad_microbatches": 4},
     },
     "bench-2gpu": {

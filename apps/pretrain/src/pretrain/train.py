@@ -114,6 +114,10 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
                     (run_dir / CONFIG_FILE).write_text(config_toml(cfg, layout))
                     print(f"run_dir {run_dir}  device {rt.device}  dtype {str(trainer.dtype)[6:]}  "
                           f"params {total_params(cfg.model):,}  {layout.describe()}", flush=True)
+                    if cfg.parallel.merge_expert_grad_microbatches == "auto":
+                        print("parallel.merge_expert_grad_microbatches=auto: "
+                              f"{trainer.cfg.parallel.merge_expert_grad_microbatches} (the most the "
+                              "memory plan fits on this GPU)", flush=True)
                     if weights_note:
                         print(weights_note, flush=True)
                     warn_if_not_exportable(cfg)

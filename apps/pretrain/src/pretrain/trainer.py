@@ -82,6 +82,7 @@ from pretrain.data import BatchReader, document_eos_id, open_data
 from pretrain.divergence import SkipGuard
 from pretrain.evaluate import Evaluator, eval_every
 from pretrain.graphs import GraphedForwardBackward, MicrobatchGraphs, UnitGraphs
+from pretrain.merge_choice import resolve_merge
 from pretrain.mesh import ParallelMesh
 from pretrain.metrics import MetricsLog
 from pretrain.moe_stats import StepPacker
@@ -140,6 +141,7 @@ class Trainer:
 
     def __init__(self, cfg: PretrainConfig, mesh: ParallelMesh, device: torch.device,
                  phase_timer: PhaseTimer | None = None) -> None:
+        cfg = resolve_merge(cfg, mesh.layout.world_size, device)  # (auto: a count, here)
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.timer = phase_timer
         # before anything runs a kernel (the MXFP8 weight caches); closed by close(), or here

@@ -12,7 +12,14 @@
   ``sweep.sweep_time`` ranks the layouts that fit by predicted tokens/s.
 """
 
-from pretrain.planner.memory import H200_GIB, MemoryPlan, PlanRequest, RankPlan, plan_memory
+from pretrain.planner.memory import (
+    H200_GIB,
+    MemoryPlan,
+    PlanRequest,
+    RankPlan,
+    fitting_merge,
+    plan_memory,
+)
 from pretrain.planner.persistent import ModelShapes
 from pretrain.planner.profile import LINK_TABLE, Link, Profile, load_profile
 from pretrain.planner.report import format_plan, summary_row
@@ -41,6 +48,7 @@ __all__ = [
     "MemoryPlan",
     "ModelShapes",
     "PlanRequest",
+    "fitting_merge",
     "RankPlan",
     "SweepResult",
     "format_plan",

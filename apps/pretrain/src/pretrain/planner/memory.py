@@ -16,10 +16,12 @@ ranks are symmetric), so one rank per stage is planned.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass, field, replace
 
 from moe_model import MoEConfig, active_params, total_params
+from moe_model.experts import MAX_WGRAD_SOURCES
 from moe_mxfp8 import name_matches
 
 from pretrain.config import PretrainConfig, ep_call_tokens, validate_layout
@@ -161,6 +163,9 @@ class PlanRequest:
         stages count only with a pipeline (pp > 1), as in the trainer."""
         layout = validate_layout(cfg, world)
         p = cfg.parallel
+        merge = p.merge_expert_grad_microbatches
+        if merge == "auto":
+            merge = fitting_merge(cfg, world, **planner)
         dtype = cfg.train.compute_dtype
         planner = {"compute_dtype": "bfloat16" if dtype == "auto" else dtype, **planner}
         return cls(model=cfg.model, world=world, pp=layout.pp, ep=layout.ep,
@@ -174,9 +179,30 @@ class PlanRequest:
                    ep_comm_sms=p.ep_comm_sms, ep_payload=p.ep_payload, mxfp8_targets=tuple(cfg.mxfp8.targets),
                    mxfp8_save_activations=cfg.mxfp8.save_mxfp8_activations,
                    mxfp8_recipe=cfg.mxfp8.recipe, mxfp8_gemm=cfg.mxfp8.gemm,
-                   merge_expert_grads=p.merge_expert_grad_microbatches if p.fuse_grad_accumulation else 1,
+                   merge_expert_grads=merge if p.fuse_grad_accumulation else 1,
                    fused_grad_accumulation=p.fuse_grad_accumulation,
                    **planner)  # type: ignore[arg-type]
+
+
+def fitting_merge(cfg: PretrainConfig, world: int, **planner: object) -> int:
+    """``parallel.merge_expert_grad_microbatches=auto``: the most microbatches' expert weight
+    gradients per launch, ``MAX_WGRAD_SOURCES`` down to 2, whose plan of ``cfg`` on ``world``
+    ranks fits (``planner`` as ``PlanRequest.from_config`` takes it: ``gpu_gib``,
+    ``headroom``); 1 where none fits or the gradients are not fused.
+
+    The most that fits because each doubling halves the FP32 main grads' read-modify-writes
+    of the expert weights (bench-1gpu on one H200: +3.5% at 2, +1.5% more at 4; DP2 of
+    bench-2gpu on two: +6% at 2, docs/performance.md), and the planner matches the
+    allocator within 0.1 GiB on those runs; it predicted the EP2 run at 2 that ran out of
+    memory."""
+    if not cfg.parallel.fuse_grad_accumulation:
+        return 1
+    for n in range(MAX_WGRAD_SOURCES, 1, -1):
+        trial = copy.copy(cfg)
+        trial.parallel = replace(cfg.parallel, merge_expert_grad_microbatches=n)
+        if plan_memory(PlanRequest.from_config(trial, world, **planner)).fits:
+            return n
+    return 1
 
 
 def _ep_backend(name: str) -> EPBackend:
