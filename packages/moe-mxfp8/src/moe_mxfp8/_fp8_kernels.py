@@ -158,8 +158,9 @@ class ColumnTile:
 # Tuned on one H200 at the bench shapes (rows [131072, 2048] BF16, weight [64, 2048, 2048],
 # Zipf group offsets) by tools/bench_fp8_experts.py's tile sweep, which checks each
 # candidate bit-exact first (docs/performance.md, FP8 experts): rows 3.27 TB/s at
-# (2048, 2) against 3.04 at (4096, 4); 1x128 tiles 3.03 TB/s at 8 groups per program and
-# one warp against 2.97 at 16 groups and 2 warps and 2.55 at one group; 128x128 blocks 2.37 at 2 per program and 16 warps
+# (2048, 2) against 3.04 at (4096, 4); 1x128 tiles 3.04 TB/s at 8 groups per program on
+# one warp against 2.96 at 16 groups on 2 warps and 2.55 at one group (`--no-blockwise
+# --routing balanced`, commit 27d8ba2); 128x128 blocks 2.37 at 2 per program and 16 warps
 # against 2.28 at one and 4 warps; per-expert columns 0.96 at (128, 64, 8) against 0.77 at
 # (64, 64, 4).
 _TILES: dict[str, BlockTile | ColumnTile] = {

@@ -190,11 +190,11 @@ def fitting_merge(cfg: PretrainConfig, world: int, **planner: object) -> int:
     ranks fits (``planner`` as ``PlanRequest.from_config`` takes it: ``gpu_gib``,
     ``headroom``); 1 where none fits or the gradients are not fused.
 
-    The most that fits because each doubling halves the FP32 main grads' read-modify-writes
-    of the expert weights (bench-1gpu on one H200: +3.5% at 2, +1.5% more at 4; DP2 of
-    bench-2gpu on two: +6% at 2, docs/performance.md), and the planner matches the
-    allocator within 0.1 GiB on those runs; it predicted the EP2 run at 2 that ran out of
-    memory."""
+    The most that fits because n merged microbatches leave 1/n of the FP32 main grads'
+    read-modify-writes of the expert weights (bench-1gpu on one H200: +3.5% at 2, +1.5%
+    more at 4; DP2 of bench-2gpu on two: +6% at 2, docs/performance.md), and the planner
+    matches the allocator within 0.2 GiB on those runs and predicted the EP2 run at 2 that
+    ran out of memory."""
     if not cfg.parallel.fuse_grad_accumulation:
         return 1
     for n in range(MAX_WGRAD_SOURCES, 1, -1):
