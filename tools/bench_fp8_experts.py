@@ -11,8 +11,9 @@
    ``FP8GroupedExperts`` fp8_rowwise and fp8_rowwise_gw_hp (BF16 weight gradients) with
    the native GEMMs (``torch._scaled_grouped_mm``; the default accumulation, fast in the
    forward only, and fp8_rowwise also with every GEMM fast, torchao's grouped MoE choice,
-   and with none, fp8_rowwise_gw_hp also with fast input gradients), and fp8_blockwise, emulated (dequantize + FP32 matmuls per expert; no native grouped
-   GEMM) unless ``--no-blockwise``. BF16 compute weights everywhere; the FP8 layers'
+   and with none, fp8_rowwise_gw_hp also with fast input gradients), and fp8_blockwise,
+   emulated (dequantize + FP32 matmuls per expert; no native grouped GEMM) unless
+   ``--no-blockwise``. BF16 compute weights everywhere; the FP8 layers'
    outputs are compared with BF16's (relative error in norm).
 2. The grouped GEMMs alone (the candidates side by side, balanced routing): BF16
    ``torch._grouped_mm`` against FP8 ``torch._scaled_grouped_mm`` with FP32 promotion

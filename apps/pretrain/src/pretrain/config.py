@@ -16,9 +16,10 @@ can be checked without knowing the world size is checked by ``validate``;
 
 from __future__ import annotations
 
+import copy
 import math
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -257,6 +258,12 @@ class PretrainConfig:
         # command line"), for the keys ``load_config`` set; a key absent here holds its
         # default. Not a config field: it is neither written nor read back.
         self.key_sources: dict[str, str] = {}
+
+    def with_parallel(self, **changes: Any) -> PretrainConfig:
+        """A copy whose ``parallel`` table has ``changes`` (the other tables shared)."""
+        derived = copy.copy(self)
+        derived.parallel = replace(self.parallel, **changes)
+        return derived
 
     def validate(self) -> None:
         """Every check that does not need the world size; raises ``ConfigError``."""

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-from dataclasses import replace
-
 import torch
 import torch.distributed as dist
 
@@ -29,6 +26,4 @@ def resolve_merge(cfg: PretrainConfig, world: int, device: torch.device) -> Pret
             least = torch.tensor([n], device=device)
             dist.all_reduce(least, op=dist.ReduceOp.MIN)
             n = int(least.item())
-    resolved = copy.copy(cfg)
-    resolved.parallel = replace(cfg.parallel, merge_expert_grad_microbatches=n)
-    return resolved
+    return cfg.with_parallel(merge_expert_grad_microbatches=n)

@@ -16,7 +16,6 @@ ranks are symmetric), so one rank per stage is planned.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import asdict, dataclass, field, replace
 
@@ -146,6 +145,12 @@ class PlanRequest:
             raise ValueError(f"PlanRequest: {e}") from None
 
     @property
+    def low_precision_expert_layers(self) -> frozenset[int]:
+        """The MoE layers whose routed experts ``mxfp8_targets`` reach (moe_mxfp8's GEMMs)."""
+        return frozenset(layer for layer in range(self.model.n_layers) if self.model.is_moe_layer(layer)
+                         and any(name_matches(f"blocks.{layer}.mlp.experts", t) for t in self.mxfp8_targets))
+
+    @property
     def dp(self) -> int:
         return self.world // self.pp
 
@@ -198,8 +203,7 @@ def fitting_merge(cfg: PretrainConfig, world: int, **planner: object) -> int:
     if not cfg.parallel.fuse_grad_accumulation:
         return 1
     for n in range(MAX_WGRAD_SOURCES, 1, -1):
-        trial = copy.copy(cfg)
-        trial.parallel = replace(cfg.parallel, merge_expert_grad_microbatches=n)
+        trial = cfg.with_parallel(merge_expert_grad_microbatches=n)
         if plan_memory(PlanRequest.from_config(trial, world, **planner)).fits:
             return n
     return 1
@@ -324,9 +328,7 @@ def plan_memory(req: PlanRequest, shapes: ModelShapes | None = None,
         micro_batch=req.micro_batch, seq_len=req.seq_len, compute_bytes=b, param_bytes=b,
         ep=req.ep, ep_backend=req.ep_backend,
         ep_combine=req.ep_combine,
-        mxfp8_expert_layers=frozenset(
-            layer for layer in range(m.n_layers)
-            if any(name_matches(f"blocks.{layer}.mlp.experts", t) for t in req.mxfp8_targets)),
+        mxfp8_expert_layers=req.low_precision_expert_layers,
         mxfp8_save_activations=req.mxfp8_save_activations,
         mxfp8_recipe=req.mxfp8_recipe, mxfp8_gemm=req.mxfp8_gemm,
         expert_grad_sink=req.fused_grad_accumulation,

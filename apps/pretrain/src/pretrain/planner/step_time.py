@@ -51,7 +51,6 @@ from dataclasses import dataclass, field, replace
 
 from moe_ddp import is_sharded
 from moe_model import MoEConfig, flops_per_token
-from moe_mxfp8 import name_matches
 
 from pretrain.optimizer import MIN_SHARD_NUMEL
 from pretrain.planner.activations import Execution, block_inventory, ep_capacity, local_rows
@@ -585,13 +584,11 @@ def _refuse_low_precision_experts(req: PlanRequest) -> None:
     GEMM rates (900 against 1,039 TFLOP/s) predict 36 of the model's 340 ms of
     input-gradient GEMMs (docs/performance.md, FP8 experts). Emulated MXFP8 and ``fp8_blockwise``
     run FP32 matmuls. A time for them needs per-role rates measured inside the step."""
-    targets = req.mxfp8_targets
-    hit = [layer for layer in range(req.model.n_layers) if req.model.is_moe_layer(layer)
-           and any(name_matches(f"blocks.{layer}.mlp.experts", t) for t in targets)]
+    hit = req.low_precision_expert_layers
     if hit:
         raise ValueError(
             f"the step-time model times experts in the compute dtype only: mxfp8.targets="
-            f"{list(targets)} makes the experts of {len(hit)} layers run mxfp8.recipe="
+            f"{list(req.mxfp8_targets)} makes the experts of {len(hit)} layers run mxfp8.recipe="
             f"{req.mxfp8_recipe} (gemm={req.mxfp8_gemm}), not modelled; plan without --time "
             f"for their memory, or measure with tools/bench_train_step.py")
 
