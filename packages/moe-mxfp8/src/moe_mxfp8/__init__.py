@@ -14,8 +14,9 @@
 - ``quantize_fp8`` / ``FP8Tensor`` / ``quantize_group_columns``: E4M3 with FP32 scales
   per row, 1x128 tile or 128x128 block (torchao's float8 rowwise and DeepSeek-V3's
   blockwise recipes); ``FP8GroupedExperts``: routed experts on FP8 grouped GEMMs
-  (``torch._scaled_grouped_mm`` on Hopper, ``fp8_native_available``), chosen by
-  ``MXFP8Config.recipe``; ``FP8RowCodec``: the rowwise FP8 dispatch payload
+  (``torch._scaled_grouped_mm`` on Hopper, ``fp8_native_available``, or the package's
+  Triton kernel for rowwise and blockwise scales, ``fp8_triton_available``), chosen by
+  ``MXFP8Config.recipe`` and ``gemm``; ``FP8RowCodec``: the rowwise FP8 dispatch payload
   (``encode_fp8_rows`` / ``decode_fp8_rows``, one kernel each way).
 """
 
@@ -67,7 +68,7 @@ from moe_mxfp8.fp8 import (
     quantize_group_columns_reference,
 )
 from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8GroupedExperts
-from moe_mxfp8.fp8_gemm import fp8_native_available
+from moe_mxfp8.fp8_gemm import FP8_GEMMS, fp8_native_available, fp8_triton_available
 from moe_mxfp8.gemm import native_mx_available
 from moe_mxfp8.linear import MXFP8Linear
 from moe_mxfp8.swiglu import (
@@ -91,6 +92,7 @@ __all__ = [
     "FP8RowCodec",
     "FP8GroupedExperts",
     "FP8Tensor",
+    "FP8_GEMMS",
     "FP8_RECIPES",
     "RECIPES",
     "decode_fp8_rows",
@@ -99,6 +101,7 @@ __all__ = [
     "encode_fp8_rows",
     "encode_fp8_rows_reference",
     "fp8_native_available",
+    "fp8_triton_available",
     "quantize_fp8",
     "quantize_fp8_reference",
     "quantize_group_columns",

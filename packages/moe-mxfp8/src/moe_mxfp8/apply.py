@@ -23,7 +23,7 @@ from torch import nn
 
 from moe_mxfp8.experts import MXFP8GroupedExperts
 from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8GroupedExperts, check_fast_accum
-from moe_mxfp8.fp8_gemm import FAST_ACCUM_DEFAULT
+from moe_mxfp8.fp8_gemm import FAST_ACCUM_DEFAULT, FP8_GEMMS
 from moe_mxfp8.linear import GEMMS, MXFP8Linear
 
 RECIPES = ("mxfp8", *FP8_RECIPES)
@@ -35,10 +35,11 @@ class MXFP8Config:
     targets: tuple[str, ...] = ("experts",)  # module-name globs; each matches any dotted suffix
     save_mxfp8_activations: bool = False  # keep tensors saved for backward in MXFP8 (mxfp8 only)
     # mxfp8: dense layers emulated | native (sm_100 only), experts emulated;
-    # fp8_rowwise(_gw_hp): emulated | native (sm_90); fp8_blockwise: emulated
+    # fp8_rowwise(_gw_hp): emulated | native (sm_90) | triton (sm_89 and up);
+    # fp8_blockwise: emulated | triton
     gemm: str = "emulated"
     recipe: str = "mxfp8"  # mxfp8 | fp8_rowwise | fp8_rowwise_gw_hp | fp8_blockwise
-    # FP8 recipes, gemm native: the GEMM roles (output, grad_input, grad_weight) run with
+    # FP8 recipes, gemm native or triton: the GEMM roles (output, grad_input, grad_weight) run with
     # the tensor cores' fast accumulation, the others promote to FP32; default: torchao's
     # float8 rowwise choice (output only)
     fp8_fast_accum: tuple[str, ...] = FAST_ACCUM_DEFAULT
@@ -51,15 +52,17 @@ class MXFP8Config:
             raise ValueError(f"MXFP8Config.targets must be a tuple of non-empty globs, got {self.targets!r}")
         if self.recipe not in RECIPES:
             raise ValueError(f"MXFP8Config.recipe must be one of {RECIPES}, got {self.recipe!r}")
-        if self.gemm not in GEMMS:
-            raise ValueError(f"MXFP8Config.gemm must be one of {GEMMS}, got {self.gemm!r}")
+        gemms = GEMMS if self.recipe == "mxfp8" else FP8_GEMMS
+        if self.gemm not in gemms:
+            raise ValueError(f"MXFP8Config.gemm must be one of {gemms} for recipe {self.recipe}, "
+                             f"got {self.gemm!r}")
         if self.recipe != "mxfp8":
             if self.save_mxfp8_activations:
                 raise ValueError(f"MXFP8Config.save_mxfp8_activations applies to recipe mxfp8, "
                                  f"not {self.recipe}")
             if self.gemm == "native" and not FP8_RECIPES[self.recipe].native:
                 raise ValueError(f"MXFP8Config.gemm: recipe {self.recipe} has no native grouped "
-                                 "GEMM; use gemm='emulated'")
+                                 "GEMM; use gemm='triton' or 'emulated'")
             check_fast_accum(self.fp8_fast_accum, self.recipe, "MXFP8Config.fp8_fast_accum")
         elif tuple(self.fp8_fast_accum) != FAST_ACCUM_DEFAULT:
             raise ValueError(f"MXFP8Config.fp8_fast_accum applies to the FP8 recipes, not {self.recipe}")

@@ -8,8 +8,7 @@ ends)``, as ``MXFP8GroupedExperts``.
 Recipes (``FP8_RECIPES``):
 - ``fp8_rowwise`` (torchao's float8 rowwise): every GEMM operand scaled per row along
   its reduction dim with power-of-two scales; all three GEMMs in FP8, the weight
-  gradients' operands scaled per expert and column (along the tokens). Native on
-  Hopper through ``torch._scaled_grouped_mm``.
+  gradients' operands scaled per expert and column (along the tokens).
 - ``fp8_rowwise_gw_hp`` (torchao's "rowwise_with_gw_hp"): the same, with the weight
   gradients in the compute dtype (BF16) from unquantized operands: two thirds of the
   GEMM FLOPs in FP8, none of the four per-expert column quantizations (whichever is
@@ -17,9 +16,9 @@ Recipes (``FP8_RECIPES``):
   GEMMs: ``tools/bench_fp8_experts.py`` measures both).
 - ``fp8_blockwise`` (DeepSeek-V3): activations and output gradients in 1x128 tiles,
   weights in 128x128 blocks, FP32 scales; forward and input-gradient GEMMs in FP8, the
-  weight gradients in the compute dtype. Emulated only: no grouped GEMM with these
-  scales exists in torch for sm_90 (a per-expert ``torch._scaled_mm`` loop would read
-  the offsets on the host).
+  weight gradients in the compute dtype. ``gemm="triton"`` or ``"emulated"``: no grouped
+  GEMM with these scales exists in torch for sm_90 (a per-expert ``torch._scaled_mm``
+  loop would read the offsets on the host).
 
 Per layer: ``h13 = rows @ w13^T`` (gate and up in one GEMM from a ``[E, 2F, D]`` cache),
 ``h = silu(h1) * h3``, ``y = h @ w2^T``; backward ``dh = dy @ w2``, ``drows = dh13 @ w13``
@@ -27,13 +26,16 @@ Per layer: ``h13 = rows @ w13^T`` (gate and up in one GEMM from a ``[E, 2F, D]``
 gradients ``dw = dy^T @ x`` per expert. ``rows`` and ``h13`` are saved in the compute
 dtype; ``h`` is recomputed.
 
-``gemm``: ``native`` (``torch._scaled_grouped_mm``, BF16 compute, widths multiples of
-16, no host synchronisation) or ``emulated`` (dequantize, FP32 matmuls per expert:
-exact, reads the offsets on the host; every device).
+``gemm`` (``moe_mxfp8.fp8_gemm``): ``native`` (``torch._scaled_grouped_mm``, rowwise
+recipes, BF16 compute, widths multiples of 16), ``triton`` (this package's kernel for the
+forward and input-gradient GEMMs, every recipe; ``fp8_rowwise``'s FP8 weight gradients
+run natively), neither synchronising with the host; or ``emulated`` (dequantize, FP32
+matmuls per expert: exact, reads the offsets on the host; every device).
 
 ``fast_accum``: the GEMM roles (``output``: ``h13`` and ``y``; ``grad_input``: ``dh`` and
-``drows``; ``grad_weight``: the FP8 weight gradients) that the native GEMM runs with the
-tensor cores' fast accumulation; the others promote to FP32. Default
+``drows``; ``grad_weight``: the FP8 weight gradients) that the GEMMs run with the
+tensor cores' fast accumulation; the others promote to FP32 (blockwise scales promote
+every K block whatever it says). Default
 ``FAST_ACCUM_DEFAULT`` = ``("output",)``, torchao's float8 rowwise recipes' per-GEMM
 configs (``moe_mxfp8.fp8_gemm`` cites them). The emulation computes in FP32 whatever it
 says.
@@ -74,10 +76,12 @@ from moe_mxfp8.fp8 import FP8Tensor, quantize_fp8
 from moe_mxfp8.fp8_gemm import (
     FAST_ACCUM_DEFAULT,
     FP8_GEMM_ROLES,
+    FP8_GEMMS,
     check_native_widths,
     fp8_grouped_mm,
     fp8_grouped_wgrad,
     fp8_native_available,
+    fp8_triton_available,
 )
 from moe_mxfp8.gemm import compute_dtype, grouped_weight_grad
 from moe_mxfp8.swiglu import (
@@ -104,7 +108,6 @@ FP8_RECIPES = {
     "fp8_rowwise_gw_hp": FP8Recipe((1, 0), (1, 0), pow2=True, fp8_wgrad=False, native=True),
     "fp8_blockwise": FP8Recipe((1, 128), (128, 128), pow2=False, fp8_wgrad=False, native=False),
 }
-FP8_GEMMS = ("emulated", "native")
 
 
 def check_fast_accum(fast_accum: tuple[str, ...], recipe: str, name: str) -> frozenset[str]:
@@ -165,32 +168,32 @@ class _FP8ExpertsFn(torch.autograd.Function):
     def forward(ctx: Any, rows_RD: torch.Tensor, offsets_E: torch.Tensor, w1: torch.Tensor,
                 w3: torch.Tensor, w2: torch.Tensor, layer: FP8GroupedExperts, dtype: torch.dtype,
                 routes: tuple[SinkRoute | None, ...]) -> torch.Tensor:
-        r, native, fast = layer.recipe, layer.gemm == "native", layer.fast_accum
+        r, gemm, fast = layer.recipe, layer.gemm, layer.fast_accum
         rows_q = quantize_fp8(rows_RD, r.act_block, r.pow2)
         out_fast = "output" in fast
-        h13_R2F = fp8_grouped_mm(rows_q, layer.w13_cache.rows, offsets_E, dtype, native, out_fast)
+        h13_R2F = fp8_grouped_mm(rows_q, layer.w13_cache.rows, offsets_E, dtype, gemm, out_fast)
         h_q = swiglu_quantized(h13_R2F, r.act_block, r.pow2)
-        y_RD = fp8_grouped_mm(h_q, layer.w2_cache.rows, offsets_E, dtype, native, out_fast)
+        y_RD = fp8_grouped_mm(h_q, layer.w2_cache.rows, offsets_E, dtype, gemm, out_fast)
         ctx.save_for_backward(offsets_E, rows_RD, h13_R2F)
         # The backward uses the weight copies this forward saw, whatever happens in between.
         ctx.w13_cols, ctx.w2_cols = layer.w13_cache.cols, layer.w2_cache.cols
-        ctx.recipe, ctx.native, ctx.fast, ctx.dtype, ctx.routes = r, native, fast, dtype, routes
+        ctx.recipe, ctx.gemm, ctx.fast, ctx.dtype, ctx.routes = r, gemm, fast, dtype, routes
         ctx.params = (w1, w3, w2)
         ctx.weight_gradient = None if r.fp8_wgrad else layer.weight_gradient
         return y_RD
 
     @staticmethod
     def backward(ctx: Any, dy_RD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        r, native, dtype = ctx.recipe, ctx.native, ctx.dtype
+        r, gemm, dtype = ctx.recipe, ctx.gemm, ctx.dtype
         dgrad_fast, wgrad_fast = "grad_input" in ctx.fast, "grad_weight" in ctx.fast
         offsets_E, rows_RD, h13_R2F = ctx.saved_tensors
         dy_RD = dy_RD.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
         dy_q = quantize_fp8(dy_RD, r.act_block, r.pow2)
-        dh_RF = fp8_grouped_mm(dy_q, ctx.w2_cols, offsets_E, dtype, native, dgrad_fast)
+        dh_RF = fp8_grouped_mm(dy_q, ctx.w2_cols, offsets_E, dtype, gemm, dgrad_fast)
         drows = None
         if ctx.needs_input_grad[0]:
             dh13_R2F, dh13_q = swiglu_backward_quantized(h13_R2F, dh_RF, dtype, r.act_block, r.pow2)
-            drows = fp8_grouped_mm(dh13_q, ctx.w13_cols, offsets_E, dtype, native, dgrad_fast)
+            drows = fp8_grouped_mm(dh13_q, ctx.w13_cols, offsets_E, dtype, gemm, dgrad_fast)
         else:
             dh13_R2F = swiglu_backward(h13_R2F, dh_RF, dtype)
         # a weight's gradient is computed where autograd wants it back, or where its sink
@@ -205,13 +208,13 @@ class _FP8ExpertsFn(torch.autograd.Function):
                           offsets_E):
                 wanted[i] = False
         if wanted[0] or wanted[1]:
-            dw13 = _wgrad(r, dh13_R2F, rows_RD, offsets_E, dtype, native, wgrad_fast)
+            dw13 = _wgrad(r, dh13_R2F, rows_RD, offsets_E, dtype, gemm, wgrad_fast)
             grads[0], grads[1] = dw13[:, :hidden], dw13[:, hidden:]
         if wanted[2]:
             h_RF = swiglu(h13_R2F)  # recomputed
             wanted[2] = not _hand_over(ctx, 2, True, h_RF, dy_RD, offsets_E)
             if wanted[2]:
-                grads[2] = _wgrad(r, dy_RD, h_RF, offsets_E, dtype, native, wgrad_fast)
+                grads[2] = _wgrad(r, dy_RD, h_RF, offsets_E, dtype, gemm, wgrad_fast)
             del h_RF  # not alive while the gradients below are added
         returned: list[torch.Tensor | None] = []
         for param, grad, route, want in zip(ctx.params, grads, ctx.routes, wanted, strict=True):
@@ -234,9 +237,9 @@ def _hand_over(ctx: Any, i: int, wanted: bool, x_RK: torch.Tensor, dy_RN: torch.
 
 
 def _wgrad(r: FP8Recipe, dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch.Tensor,
-           dtype: torch.dtype, native: bool, fast_accum: bool) -> torch.Tensor:
+           dtype: torch.dtype, gemm: str, fast_accum: bool) -> torch.Tensor:
     if r.fp8_wgrad:
-        return fp8_grouped_wgrad(dy_RN, x_RK, offsets, r.pow2, dtype, native, fast_accum)
+        return fp8_grouped_wgrad(dy_RN, x_RK, offsets, r.pow2, dtype, gemm, fast_accum)
     return grouped_weight_grad(dy_RN, x_RK, offsets)
 
 
@@ -253,7 +256,8 @@ class FP8GroupedExperts(nn.Module):
         if gemm not in FP8_GEMMS:
             raise ValueError(f"gemm must be one of {FP8_GEMMS}, got {gemm!r}")
         if gemm == "native" and not FP8_RECIPES[recipe].native:
-            raise ValueError(f"recipe {recipe} has no native grouped GEMM; use gemm='emulated'")
+            raise ValueError(f"recipe {recipe} has no native grouped GEMM; use gemm='triton' "
+                             "or 'emulated'")
         self.fast_accum = check_fast_accum(fast_accum, recipe, "fast_accum")
         if w1.dim() != 3 or w1.shape != w3.shape:
             raise ValueError(
@@ -291,6 +295,10 @@ class FP8GroupedExperts(nn.Module):
     def forward(self, rows_RD: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
         check_expert_rows(self, rows_RD, group_offsets)
         dtype = compute_dtype(rows_RD)
+        if self.gemm == "triton" and not fp8_triton_available(rows_RD.device):
+            raise RuntimeError(f"{type(self).__name__}: gemm='triton' needs Triton and a CUDA device of "
+                               f"compute capability 8.9 or up (or CPU tensors under TRITON_INTERPRET=1); "
+                               f"rows are on {rows_RD.device}")
         if self.gemm == "native":
             if not fp8_native_available(rows_RD.device):
                 raise RuntimeError(f"{type(self).__name__}: gemm='native' needs a CUDA device of compute "

@@ -1,39 +1,56 @@
-"""Grouped GEMMs on scaled E4M3 operands: native on Hopper, an exact emulation elsewhere.
+"""Grouped GEMMs on scaled E4M3 operands: two GEMMs for Hopper, an exact emulation elsewhere.
 
 Shape legend: R rows (expert-major), E experts, K reduction width, N output width,
 W the padded token width of a weight-gradient operand.
 
-Native (``fp8_native_available``): ``torch._scaled_grouped_mm`` (CUTLASS, sm_90) with
-rowwise FP32 scales and BF16 output; offsets are read on the device. Accumulation is
-chosen per call (``fast_accum``): ``False`` promotes the partial sums to FP32 registers
-as DeepSeek-V3 prescribes; ``True`` (``use_fast_accum``) keeps them in the tensor cores'
-own accumulator (about 14 significant bits, truncating), 1.15-1.3x the GEMM rate on an
-H200 (``tools/bench_fp8_experts.py``). Which GEMM of a layer takes which:
+``gemm`` chooses the implementation (``FP8_GEMMS``):
+
+- ``native``: ``torch._scaled_grouped_mm`` (CUTLASS, sm_90), rowwise FP32 scales only,
+  BF16 output, widths multiples of 16.
+- ``triton``: this package's kernel (``_fp8_gemm_kernels.fp8_rows_kernel``, CUDA devices
+  with FP8 tensor cores, compute capability 8.9 and up, or Triton's CPU interpreter) for
+  the row-segmented GEMM ``fp8_grouped_mm``, rowwise or blockwise scales, any widths. It
+  is the only grouped GEMM here that reads DeepSeek-V3's 1x128 / 128x128 scales (torch has
+  none for sm_90), and it is written for the shapes the expert layers run: a persistent
+  grid over (group, m-tile, n-tile) found on the device, TMA loads, K steps of 128. The
+  weight gradients over tokens (``fp8_grouped_wgrad``) have no Triton kernel: with
+  ``triton`` they run natively where ``fp8_native_available``, emulated elsewhere.
+- ``emulated`` (any device; the reference both are checked against): dequantize both
+  operands to FP32 (``data * (1 / scale)``, exact for power-of-two scales, rounded once
+  otherwise) and multiply in FP32, one matmul per expert (reads the offsets on the host).
+  It computes in FP32 whatever ``fast_accum`` says (as torchao's emulation ignores
+  ``use_fast_accum``), so the GEMMs equal it up to accumulation order with ``fast_accum=
+  False``, and only within the fast accumulator's error with ``True``. Rows past
+  ``offsets[-1]`` are zero here and unspecified from the other two.
+
+Accumulation is chosen per call (``fast_accum``): ``False`` promotes the partial sums
+to FP32 registers as DeepSeek-V3 prescribes (the Triton kernel every K step of 128);
+``True`` keeps them in the tensor cores' own accumulator (about 14 significant bits,
+truncating), 1.15-1.3x the native GEMM's rate on an H200 (``tools/bench_fp8_experts.py``).
+Blockwise scales change with every K block, so each block's product is scaled and
+promoted whatever ``fast_accum`` says. Which GEMM of a layer takes which:
 ``FAST_ACCUM_DEFAULT``.
 
-- ``fp8_grouped_mm``: ``out[r] = a[r] @ b[e(r)]^T`` with ``a [R, K]`` scaled per row and
-  ``b [E, N, K]`` per row of each expert (the "2d x 3d" form: no alignment of the groups
-  is needed, K and N must be multiples of 16).
+- ``fp8_grouped_mm``: ``out[r] = a[r] @ b[e(r)]^T`` with ``a [R, K]`` and ``b [E, N, K]``
+  both scaled along K, per row (rowwise) or in 1x128 tiles and 128x128 blocks
+  (blockwise; ``triton`` and ``emulated``); no alignment of the groups is needed.
 - ``fp8_grouped_wgrad``: ``dw[e] = dy[seg e]^T @ x[seg e]`` with both operands scaled per
   expert and column (``quantize_group_columns``), transposed with 16-aligned group
   starts (the "2d x 2d" form reduces over tokens and reads each group at an aligned
   address).
-
-Emulation (any device; the reference the native path is checked against): dequantize
-both operands to FP32 (``data / scale`` is exact for power-of-two scales and rounded
-once otherwise, as the GEMM's own scaling) and multiply in FP32, one matmul per expert
-(reads the offsets on the host). It computes in FP32 whatever ``fast_accum`` says (as
-torchao's emulation ignores ``use_fast_accum``), so it equals the native GEMM up to
-accumulation order with ``fast_accum=False``, and only within the fast accumulator's
-error with ``True``. Rows past ``offsets[-1]`` are zero here and unspecified from the
-native GEMM.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
+from moe_mxfp8._triton_support import _interpreting, triton_available
 from moe_mxfp8.fp8 import FP8Tensor, quantize_group_columns
+
+FP8_GEMMS = ("emulated", "native", "triton")
 
 FP8_GEMM_ROLES = ("output", "grad_input", "grad_weight")
 # torchao's float8 rowwise recipes (``torchao.float8.config.Float8LinearConfig``, whose
@@ -58,14 +75,118 @@ def check_native_widths(*widths: int) -> None:
         raise ValueError(f"native FP8 grouped GEMMs need widths divisible by 16, got {list(widths)}")
 
 
+def fp8_triton_available(device: torch.device) -> bool:
+    """True where ``gemm="triton"`` runs: Triton installed and a CUDA device with FP8 tensor
+    cores (compute capability 8.9 and up), or CPU tensors under Triton's interpreter. Like
+    ``native``, a GEMM chosen by configuration: the reference switch leaves it alone."""
+    if not triton_available():
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return _interpreting()
+
+
+@dataclass(frozen=True)
+class FP8TileConfig:
+    """Tiles of ``fp8_rows_kernel``: the output tile ``block_m x block_n``, the K step
+    ``block_k`` (dividing 128 for blockwise scales), ``group_m`` m-tiles per L2 band,
+    warps, pipeline stages, and whether operands load through TMA where they allow it."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    use_tma: bool
+
+
+# The fastest at the bench-1gpu expert shapes on an H200 (``tools/bench_fp8_experts.py
+# --fp8-tile-sweep``); the interpreter's small tiles keep CPU tests fast.
+FP8_TILES_GPU = FP8TileConfig(128, 256, 128, 8, 8, 3, True)
+FP8_TILES_CPU = FP8TileConfig(16, 16, 16, 2, 1, 1, False)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _check_pair(a: FP8Tensor, b: FP8Tensor) -> bool:
+    """Whether the operands are blockwise (else rowwise); raises for anything else."""
+    if a.data.dim() != 2 or b.data.dim() != 3 or a.data.shape[1] != b.data.shape[2]:
+        raise ValueError(f"FP8 grouped GEMM: a must be [R, K] and b [E, N, K], got "
+                         f"{tuple(a.data.shape)} and {tuple(b.data.shape)}")
+    blocks = (tuple(a.block), tuple(b.block))
+    if blocks not in (((1, 0), (1, 0)), ((1, 128), (128, 128))):
+        raise ValueError(f"FP8 grouped GEMM: scale blocks must be rowwise ((1, 0), (1, 0)) or "
+                         f"blockwise ((1, 128), (128, 128)), got {blocks}")
+    return blocks[1] == (128, 128)
+
+
+def triton_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
+                      fast_accum: bool, config: FP8TileConfig | None = None) -> torch.Tensor:
+    """``fp8_grouped_mm`` with ``gemm="triton"`` (module notes); ``config`` overrides the
+    device's default tiles. Offsets stay on the device; rows past ``offsets[-1]`` are unset."""
+    blockwise = _check_pair(a, b)
+    R, K = a.data.shape
+    E, N, _ = b.data.shape
+    if offsets.shape != (E,) or offsets.dtype != torch.int32:
+        raise ValueError(f"FP8 grouped GEMM: offsets must be int32 [{E}], got {offsets.dtype} "
+                         f"{tuple(offsets.shape)}")
+    on_gpu = a.data.device.type == "cuda"
+    cfg = config or (FP8_TILES_GPU if on_gpu else FP8_TILES_CPU)
+    if blockwise and 128 % cfg.block_k:
+        raise ValueError(f"FP8 grouped GEMM: blockwise scales need a K step dividing 128, got {cfg.block_k}")
+    y = torch.empty(R, N, dtype=out_dtype, device=a.data.device)
+    if R == 0 or N == 0:
+        return y
+    import triton
+
+    from moe_mxfp8._fp8_gemm_kernels import fp8_rows_kernel
+
+    a_data, b_data = a.data.contiguous(), b.data.contiguous()
+    a_scale, b_scale = a.scale.contiguous(), b.scale.contiguous()
+    tiles_n = triton.cdiv(N, cfg.block_n)
+    max_tiles = (triton.cdiv(R, cfg.block_m) + E) * tiles_n
+    grid = min(max_tiles, _sm_count(a.data.device.index or 0)) if on_gpu else max_tiles
+    use_tma = (cfg.use_tma and K % cfg.block_k == 0 and K % 16 == 0
+               and a_data.data_ptr() % 16 == 0 and b_data.data_ptr() % 16 == 0)
+    a_arg, b_arg = a_data, b_data
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_arg = TensorDescriptor.from_tensor(a_data, [cfg.block_m, cfg.block_k])
+        b_arg = TensorDescriptor.from_tensor(b_data.view(E * N, K), [cfg.block_n, cfg.block_k])
+    fp8_rows_kernel[(grid,)](
+        a_arg, b_arg, y, offsets, a_scale, b_scale,
+        R, N, K, E, grid,
+        a_data.stride(0), b_data.stride(0), b_data.stride(1), y.stride(0),
+        a_scale.stride(0), b_scale.stride(0), b_scale.stride(1),
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        E_BLOCK=triton.next_power_of_2(E), BLOCKWISE=blockwise, FAST=fast_accum and not blockwise,
+        USE_TMA=use_tma, EVEN_K=K % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
+
 def fp8_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
-                   native: bool, fast_accum: bool) -> torch.Tensor:
-    """``a [R, K] @ b[e]^T`` per expert segment; ``b`` is ``[E, N, K]``, both scaled along K."""
-    if native:
+                   gemm: str, fast_accum: bool) -> torch.Tensor:
+    """``a [R, K] @ b[e]^T`` per expert segment; ``b`` is ``[E, N, K]``, both scaled along K
+    (rowwise, or blockwise with ``gemm`` ``triton`` or ``emulated``)."""
+    blockwise = _check_pair(a, b)
+    if gemm == "triton":
+        return triton_grouped_mm(a, b, offsets, out_dtype, fast_accum)
+    if gemm == "native":
+        if blockwise:
+            raise ValueError("gemm='native' (torch._scaled_grouped_mm) takes rowwise scales only")
         return torch._scaled_grouped_mm(
             a.data, b.data.transpose(-2, -1), a.scale.reciprocal().view(-1),
             b.scale.reciprocal().squeeze(-1), offs=offsets, out_dtype=out_dtype,
             use_fast_accum=fast_accum)
+    if gemm != "emulated":
+        raise ValueError(f"gemm must be one of {FP8_GEMMS}, got {gemm!r}")
     a_f, b_f = a.dequantize(), b.dequantize()
     out = a_f.new_zeros(a_f.shape[0], b_f.shape[1])
     start = 0
@@ -77,12 +198,15 @@ def fp8_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dtype:
 
 
 def fp8_grouped_wgrad(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch.Tensor,
-                      pow2: bool, out_dtype: torch.dtype, native: bool, fast_accum: bool
+                      pow2: bool, out_dtype: torch.dtype, gemm: str, fast_accum: bool
                       ) -> torch.Tensor:
-    """``[E, N, K]`` weight gradients from E4M3 operands scaled per expert and column."""
+    """``[E, N, K]`` weight gradients from E4M3 operands scaled per expert and column;
+    ``gemm="triton"`` runs natively where that is available (module notes)."""
+    if gemm not in FP8_GEMMS:
+        raise ValueError(f"gemm must be one of {FP8_GEMMS}, got {gemm!r}")
     dy_t, dy_scale, padded_ends = quantize_group_columns(dy_RN, offsets, pow2)
     x_t, x_scale, _ = quantize_group_columns(x_RK, offsets, pow2)
-    if native:
+    if gemm == "native" or (gemm == "triton" and fp8_native_available(dy_RN.device)):
         return torch._scaled_grouped_mm(
             dy_t, x_t.t(), dy_scale.reciprocal().view(-1), x_scale.reciprocal().view(-1),
             offs=padded_ends, out_dtype=out_dtype, use_fast_accum=fast_accum)

@@ -1,0 +1,120 @@
+"""Triton kernel of the FP8 grouped GEMM (``gemm="triton"`` of ``moe_mxfp8.fp8_gemm``,
+whose docstring states the contract). Importing this module requires Triton."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _locate_tile(offs_ptr, E, tile, tiles_n, BM: tl.constexpr, E_BLOCK: tl.constexpr):
+    """Where work tile ``tile`` lies: its group, its index among the group's tiles, the
+    group's first row and end row; and the tile count of all groups. Group ``e`` owns
+    ``ceil(rows_e / BM) * tiles_n`` consecutive tiles, in group order (empty groups none)."""
+    e = tl.arange(0, E_BLOCK)
+    ends = tl.load(offs_ptr + e, mask=e < E, other=0)
+    starts = tl.load(offs_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
+    counts = tl.where(e < E, tl.cdiv(ends - starts, BM) * tiles_n, 0)
+    first = tl.cumsum(counts, axis=0) - counts
+    owner = (first <= tile) & (tile < first + counts)  # one group, or none past the last tile
+    g = tl.sum(tl.where(owner, e, 0), axis=0)
+    local = tile - tl.sum(tl.where(owner, first, 0), axis=0)
+    start = tl.sum(tl.where(owner, starts, 0), axis=0)
+    end = tl.sum(tl.where(owner, ends, 0), axis=0)
+    return g, local, start, end, tl.sum(counts, axis=0)
+
+
+@triton.jit
+def _band_order(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """(m-tile, n-tile) of a group's ``local``-th tile, walking bands of ``GROUP_M``
+    m-tiles column by column, so that neighbouring programs share rows and weight columns
+    in L2."""
+    per_band = GROUP_M * tiles_n
+    band = local // per_band
+    height = tl.minimum(tiles_m - band * GROUP_M, GROUP_M)
+    within = local - band * per_band
+    return band * GROUP_M + within % height, within // height
+
+
+@triton.jit
+def fp8_rows_kernel(
+    a, b, y_ptr, offs_ptr, a_scale_ptr, b_scale_ptr,
+    R, N, K, E, num_progs,
+    stride_ar, stride_be, stride_bn, stride_yr, stride_asr, stride_bse, stride_bsn,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    E_BLOCK: tl.constexpr, BLOCKWISE: tl.constexpr, FAST: tl.constexpr,
+    USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """``y[r] = (a[r] / sa) @ (b[g(r)] / sb)^T`` for the rows of every group, E4M3 operands.
+
+    ``a [R, K]`` and ``b [E, N, K]`` (K contiguous; with ``USE_TMA`` tensor descriptors of
+    ``a`` and of ``b`` viewed ``[E * N, K]``, and ``K % BK == 0``). Scales: rowwise, ``sa
+    [R]`` and ``sb [E, N]`` applied to the finished FP32 tile; ``BLOCKWISE``, ``sa [R,
+    K/128]`` (1x128 tiles) and ``sb [E, N/128, K/128]`` (128x128 blocks) applied to each
+    K step's product before it joins the FP32 sum (``BK`` divides 128). The product of a
+    K step accumulates in the tensor cores; ``FAST`` (rowwise only) carries the running
+    sum there too, otherwise every step's product is added in FP32 registers, the
+    promotion every ``BK`` elements that DeepSeek-V3's recipe prescribes.
+
+    Persistent: each program walks its tiles in one flat (tile, k-step) loop, so the
+    software pipeline fetches the next tile's first blocks while the current one ends.
+    Rows past a group's end are read (the next group's rows, or zeros past R) and never
+    stored; columns past N likewise.
+    """
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BN)
+    k_steps = tl.cdiv(K, BK)
+    _, _, _, _, total = _locate_tile(offs_ptr, E, 0, tiles_n, BM, E_BLOCK)
+    my_tiles = tl.where(pid < total, tl.cdiv(total - pid, num_progs), 0)
+    rm = tl.arange(0, BM)
+    rn = tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    tile = pid - num_progs
+    ki = -1
+    g = 0
+    g_end = 0
+    row0 = 0
+    col0 = 0
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for _ in range(0, my_tiles * k_steps):
+        ki = tl.where(ki == k_steps - 1, 0, ki + 1)
+        if ki == 0:
+            tile += num_progs
+            g, local, g_start, g_end, _ = _locate_tile(offs_ptr, E, tile, tiles_n, BM, E_BLOCK)
+            pid_m, pid_n = _band_order(local, tl.cdiv(g_end - g_start, BM), tiles_n, GROUP_M)
+            row0 = g_start + pid_m * BM
+            col0 = pid_n * BN
+        k0 = ki * BK
+        rows = tl.minimum(row0 + rm, R - 1)  # clamped: read, never stored
+        cols = (col0 + rn) % N
+        if USE_TMA:
+            x = a.load([row0, k0])
+            w = tl.trans(b.load([g * N + col0, k0]))
+        else:
+            a_ptrs = a + rows.to(tl.int64)[:, None] * stride_ar + (k0 + rk)[None, :]
+            b_ptrs = b + g.to(tl.int64) * stride_be + cols[None, :] * stride_bn + (k0 + rk)[:, None]
+            if EVEN_K:
+                x = tl.load(a_ptrs)
+                w = tl.load(b_ptrs)
+            else:
+                k_ok = k0 + rk < K
+                x = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                w = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        if BLOCKWISE:
+            sa = tl.load(a_scale_ptr + rows.to(tl.int64) * stride_asr + k0 // 128)
+            sb = tl.load(b_scale_ptr + g.to(tl.int64) * stride_bse + (cols // 128) * stride_bsn + k0 // 128)
+            acc += tl.dot(x, w) * ((1.0 / sa)[:, None] * (1.0 / sb)[None, :])
+        elif FAST:
+            acc = tl.dot(x, w, acc)
+        else:
+            acc += tl.dot(x, w)
+        if ki == k_steps - 1:
+            if not BLOCKWISE:
+                sa = tl.load(a_scale_ptr + rows.to(tl.int64) * stride_asr)
+                sb = tl.load(b_scale_ptr + g.to(tl.int64) * stride_bse + cols * stride_bsn)
+                acc = acc * (1.0 / sa)[:, None] * (1.0 / sb)[None, :]
+            out_rows = row0 + rm
+            out_cols = col0 + rn
+            y_ptrs = y_ptr + out_rows.to(tl.int64)[:, None] * stride_yr + out_cols[None, :]
+            mask = (out_rows[:, None] < g_end) & (out_cols[None, :] < N)
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)

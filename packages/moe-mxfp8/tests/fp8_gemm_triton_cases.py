@@ -1,0 +1,104 @@
+"""Cases of the FP8 grouped GEMM kernel (``gemm="triton"``, moe_mxfp8._fp8_gemm_kernels),
+run by test_fp8_gemm_triton.py through ``moe_testing.run_under_triton_interpreter`` (a
+child process with ``TRITON_INTERPRET=1`` set before Triton is imported). Each case
+compares the kernel with the emulated GEMM (dequantize, FP32 matmul per expert) and
+returns how many elements differ by more than FP32 summation order explains (or an error
+string). Prints one line of JSON, then ``ok``."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run by moe_testing.run_under_triton_interpreter"
+
+import torch  # noqa: E402
+from moe_mxfp8 import FP8GroupedExperts, quantize_fp8  # noqa: E402
+from moe_mxfp8.fp8_gemm import FP8TileConfig, fp8_grouped_mm, triton_grouped_mm  # noqa: E402
+from torch import nn  # noqa: E402
+
+# An empty expert, a one-row expert, a group across tiles; rows 41.. are padding.
+OFFSETS = [9, 9, 10, 41]
+RECIPE_BLOCKS = {"rowwise": ((1, 0), (1, 0), True), "blockwise": ((1, 128), (128, 128), False)}
+RTOL = 2e-6  # of the result's largest magnitude: FP32 sums of up to 200 terms in another order
+
+
+def far(got: torch.Tensor, ref: torch.Tensor, rtol: float = RTOL) -> int:
+    """Elements of ``got`` further from ``ref`` than ``rtol`` of ``ref``'s largest magnitude."""
+    if got.shape != ref.shape:
+        return -1
+    tol = rtol * ref.abs().max().clamp_min(1e-30)
+    return int(((got.float() - ref.float()).abs() > tol).sum())
+
+
+def operands(kind: str, K: int, N: int, seed: int = 0):
+    a_block, b_block, pow2 = RECIPE_BLOCKS[kind]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(48, K, generator=g) * torch.exp2(torch.randint(-6, 6, (48, 1), generator=g).float())
+    w = torch.randn(len(OFFSETS), N, K, generator=g)
+    return quantize_fp8(x, a_block, pow2), quantize_fp8(w, b_block, pow2)
+
+
+def cases():
+    offsets = torch.tensor(OFFSETS, dtype=torch.int32)
+    end = OFFSETS[-1]
+    # K 200: two 128-wide scale blocks, the second cut, and a partial K step; N 144: two
+    # weight blocks along N and a partial n-tile; K 160, N 128 take whole steps and tiles.
+    for kind in RECIPE_BLOCKS:
+        for K, N in ((200, 144), (160, 128)):
+            for fast in (False, True):
+                def gemm(kind=kind, K=K, N=N, fast=fast):
+                    a, b = operands(kind, K, N)
+                    ref = fp8_grouped_mm(a, b, offsets, torch.float32, "emulated", fast)[:end]
+                    got = fp8_grouped_mm(a, b, offsets, torch.float32, "triton", fast)[:end]
+                    got16 = fp8_grouped_mm(a, b, offsets, torch.bfloat16, "triton", fast)[:end]
+                    # BF16 output within one BF16 unit of the FP32 one (the interpreter
+                    # truncates where the GPU rounds to nearest)
+                    off16 = (got16.float() - got).abs() > got.abs() * 2.0**-7
+                    return far(got, ref) + int(off16.sum())
+
+                yield f"gemm/{kind}/K{K}xN{N}/fast={fast}", gemm
+
+    def wide_k_step():  # a K step of 32 over blockwise scales of 128: four steps per scale
+        a, b = operands("blockwise", 200, 144, seed=1)
+        ref = fp8_grouped_mm(a, b, offsets, torch.float32, "emulated", False)[:end]
+        cfg = FP8TileConfig(16, 32, 32, 1, 1, 1, False)
+        return far(triton_grouped_mm(a, b, offsets, torch.float32, False, cfg)[:end], ref)
+
+    yield "gemm/blockwise/k_step32", wide_k_step
+
+    for recipe in ("fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise"):
+        def layer(recipe=recipe):
+            g = torch.Generator().manual_seed(2)
+            E, D, F = len(OFFSETS), 144, 136
+            w1, w3 = (torch.randn(E, F, D, generator=g) * 0.2 for _ in range(2))
+            w2 = torch.randn(E, D, F, generator=g) * 0.2
+            rows = torch.randn(48, D, generator=g)
+            dy = torch.randn(48, D, generator=g)
+            results = []
+            for gemm in ("emulated", "triton"):
+                params = [nn.Parameter(w.clone()) for w in (w1, w3, w2)]
+                experts = FP8GroupedExperts(*params, recipe=recipe, gemm=gemm, fast_accum=())
+                x = rows.clone().requires_grad_()
+                y = experts(x, offsets)
+                y[:end].backward(dy[:end])
+                results.append([y[:end], x.grad[:end], *(p.grad for p in params)])
+            return sum(far(got, ref, 2e-5) for got, ref in zip(results[1], results[0], strict=True))
+
+        yield f"layer/{recipe}", layer
+
+
+def main() -> None:
+    results = {}
+    for name, fn in cases():
+        try:
+            results[name] = fn()
+        except Exception:  # noqa: BLE001 - reported to the parent test
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
