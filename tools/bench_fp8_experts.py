@@ -11,15 +11,18 @@
    ``FP8GroupedExperts`` fp8_rowwise and fp8_rowwise_gw_hp (BF16 weight gradients) with
    the native GEMMs (``torch._scaled_grouped_mm``; the default accumulation, fast in the
    forward only, and fp8_rowwise also with every GEMM fast, torchao's grouped MoE choice,
-   and with none, fp8_rowwise_gw_hp also with fast input gradients), and fp8_blockwise,
-   emulated (dequantize + FP32 matmuls per expert; no native grouped GEMM) unless
-   ``--no-blockwise``. BF16 compute weights everywhere; the FP8 layers'
+   and with none, fp8_rowwise_gw_hp also with fast input gradients); the same on the
+   Triton GEMM (``gemm="triton"``) and fp8_blockwise on it; and fp8_blockwise emulated
+   (dequantize + FP32 matmuls per expert) unless ``--no-blockwise``. BF16 compute weights everywhere; the FP8 layers'
    outputs are compared with BF16's (relative error in norm).
 2. The grouped GEMMs alone (the candidates side by side, balanced routing): BF16
    ``torch._grouped_mm`` against FP8 ``torch._scaled_grouped_mm`` with FP32 promotion
    (``use_fast_accum=False``, the layer's backward GEMMs by default) and with fast
    accumulation (the layer's forward GEMMs by default, ``MXFP8Config.fp8_fast_accum``), on
-   the forward (2d x 3d) and weight-gradient (2d x 2d) shapes of the gate/up projection.
+   the forward (2d x 3d) and weight-gradient (2d x 2d) shapes of the gate/up projection;
+   and this package's Triton FP8 GEMM (``gemm="triton"``) on the forward shape with rowwise
+   scales (promoted and fast) and DeepSeek-V3's blockwise ones. Unless ``--no-tile-sweep``,
+   also each tile of ``FP8_GEMM_TILE_CANDIDATES``, checked against the emulated GEMM first.
 3. Quantize kernels on the dispatched rows ``[131072, 2048]`` BF16 and the gate/up weight
    ``[64, 2048, 2048]``, and the FP8 row codec's kernels (``encode_fp8_rows``: BF16 rows to
    packed ``uint8[R, D + 4]``; ``decode_fp8_rows``: packed to BF16), each beside its
@@ -87,8 +90,15 @@ def bench_layers(args, routing: str) -> dict:
         layers[f"fp8_rowwise fast:{name}"] = FP8GroupedExperts.from_module(bf16, "fp8_rowwise", "native",
                                                                            fast_accum=roles)
     # the fastest bench-1gpu step measured (docs/performance.md): fast input gradients too
+    fast_io = ("output", "grad_input")
     layers["fp8_rowwise_gw_hp fast:output,grad_input"] = FP8GroupedExperts.from_module(
-        bf16, "fp8_rowwise_gw_hp", "native", fast_accum=("output", "grad_input"))
+        bf16, "fp8_rowwise_gw_hp", "native", fast_accum=fast_io)
+    # the same recipes on this package's Triton GEMM, and DeepSeek-V3's blockwise scales
+    layers["fp8_rowwise triton"] = FP8GroupedExperts.from_module(bf16, "fp8_rowwise", "triton")
+    layers["fp8_rowwise_gw_hp triton"] = FP8GroupedExperts.from_module(bf16, "fp8_rowwise_gw_hp", "triton")
+    layers["fp8_rowwise_gw_hp triton fast:output,grad_input"] = FP8GroupedExperts.from_module(
+        bf16, "fp8_rowwise_gw_hp", "triton", fast_accum=fast_io)
+    layers["fp8_blockwise triton"] = FP8GroupedExperts.from_module(bf16, "fp8_blockwise", "triton")
     if args.blockwise:
         layers["fp8_blockwise (emulated)"] = FP8GroupedExperts.from_module(bf16, "fp8_blockwise")
     flops = 3 * 2 * rows_n * args.d_model * args.hidden * 3  # forward + 2x backward, three GEMMs
@@ -115,9 +125,22 @@ def bench_layers(args, routing: str) -> dict:
     return results
 
 
+# Tiles of the Triton FP8 GEMM (moe_mxfp8.fp8_gemm.FP8TileConfig: block_m, block_n, block_k,
+# group_m, warps, stages, TMA, programs per SM), measured on the forward shape with rowwise
+# (promoted and fast accumulation) and blockwise scales.
+FP8_GEMM_TILE_CANDIDATES = [
+    (128, 256, 128, 8, 8, 3, True, 1), (128, 256, 128, 8, 8, 4, True, 1),
+    (256, 128, 128, 8, 8, 3, True, 1), (64, 256, 128, 8, 4, 4, True, 1),
+    (64, 128, 128, 8, 4, 4, True, 2), (64, 128, 128, 8, 4, 3, True, 2),
+    (64, 256, 128, 8, 4, 2, True, 2), (128, 128, 64, 8, 8, 4, True, 2),
+    (128, 128, 128, 8, 8, 3, True, 2), (64, 128, 64, 8, 4, 6, True, 2),
+]
+
+
 def bench_gemms(args) -> dict:
     import torch
     from moe_mxfp8 import quantize_fp8, quantize_group_columns
+    from moe_mxfp8.fp8_gemm import FP8_TILES_GPU, FP8TileConfig, fp8_grouped_mm, triton_grouped_mm
 
     rows_n, E, D, F2 = args.tokens * args.top_k, args.experts, args.d_model, 2 * args.hidden
     offsets = routed_offsets("balanced", args.tokens, E, args.top_k)
@@ -140,10 +163,20 @@ def bench_gemms(args) -> dict:
         return lambda: torch._scaled_grouped_mm(dy_t, x_t.t(), dy_s, x_s, offs=ends,
                                                 out_dtype=torch.bfloat16, use_fast_accum=fast)
 
+    xb, wb = quantize_fp8(x, (1, 128), pow2=False), quantize_fp8(w, (128, 128), pow2=False)
+    operands = {"rowwise": (xq, wq), "blockwise": (xb, wb)}
+
+    def fp8_triton(scales, fast, cfg=None):
+        a, b = operands[scales]
+        return lambda: triton_grouped_mm(a, b, offsets, torch.bfloat16, fast, cfg)
+
     cases = {
         "forward bf16 _grouped_mm": lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets),
         "forward fp8 _scaled_grouped_mm": fp8_fwd(False),
         "forward fp8 _scaled_grouped_mm fast_accum": fp8_fwd(True),
+        "forward fp8 triton rowwise": fp8_triton("rowwise", False),
+        "forward fp8 triton rowwise fast_accum": fp8_triton("rowwise", True),
+        "forward fp8 triton blockwise": fp8_triton("blockwise", False),
         "wgrad bf16 _grouped_mm": lambda: torch._grouped_mm(dy.t(), x, offs=offsets),
         "wgrad fp8 _scaled_grouped_mm": fp8_wgrad(False),
         "wgrad fp8 _scaled_grouped_mm fast_accum": fp8_wgrad(True),
@@ -152,6 +185,26 @@ def bench_gemms(args) -> dict:
     for name, fn in cases.items():
         seconds = time_s(fn, 5, 5)
         results[name] = {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12}
+    if not args.tile_sweep:
+        return results
+    # every tile candidate is checked against the emulated GEMM (FP32) before it is timed
+    refs = {k: fp8_grouped_mm(a, b, offsets, torch.float32, "emulated", False) for k, (a, b) in operands.items()}
+    for tile in FP8_GEMM_TILE_CANDIDATES:
+        cfg = FP8TileConfig(*tile)
+        for scales, fast in (("rowwise", False), ("rowwise", True), ("blockwise", False)):
+            name = (f"sweep {scales}{' fast' if fast else ''} {tile}"
+                    + (" *" if cfg == FP8_TILES_GPU else ""))
+            try:
+                got = fp8_triton(scales, fast, cfg)().float()
+                err = float((got - refs[scales]).norm() / refs[scales].norm())
+                if not err < (1e-2 if fast else 5e-3):  # BF16 output: ~2e-3; fast: FAST_ACCUM_REL
+                    results[name] = {"error": f"relative error {err:.3g} against the emulation"}
+                    continue
+                seconds = time_s(fp8_triton(scales, fast, cfg), 5, 5)
+            except Exception as e:  # noqa: BLE001 - a tile that does not compile or fit
+                results[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
+                continue
+            results[name] = {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12, "rel_error": err}
     return results
 
 
@@ -309,7 +362,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--routing", default="balanced,zipf", help="comma-separated: balanced, zipf")
     ap.add_argument("--no-tile-sweep", dest="tile_sweep", action="store_false",
-                    help="skip measuring the quantize kernels' launch-shape candidates")
+                    help="skip measuring the quantize kernels' launch shapes and the Triton "
+                         "FP8 GEMM's tiles")
     ap.add_argument("--no-blockwise", dest="blockwise", action="store_false",
                     help="skip the emulated fp8_blockwise layer (FP32 matmuls, the slowest part)")
     args = ap.parse_args()
@@ -343,15 +397,16 @@ def main() -> None:
                 rate = (f"{r['tb_per_s']:7.2f} {r['fraction_of_copy']:8.0%}" if "error" not in r
                         else r["error"][:60])
                 print(f"{name + mark:40s} {rate}")
-    print(f"\n{'grouped GEMM (gate/up shapes, balanced)':42s} {'ms':>8s} {'TFLOP/s':>8s}")
+    print(f"\n{'grouped GEMM (gate/up shapes, balanced)':58s} {'ms':>8s} {'TFLOP/s':>8s}")
     for name, r in gemms.items():
-        print(f"{name:42s} {r['ms']:8.3f} {r['tflops']:8.0f}")
-    print(f"\n{'routing':9s} {'layer':26s} {'fwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
+        rate = f"{r['ms']:8.3f} {r['tflops']:8.0f}" if "error" not in r else r["error"][:60]
+        print(f"{name:58s} {rate}")
+    print(f"\n{'routing':9s} {'layer':48s} {'fwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
           f"{'vs bf16':>8s} {'rel err':>8s}")
     for kind, res in layers.items():
         for name, r in res.items():
             if isinstance(r, dict):
-                print(f"{kind:9s} {name:26s} {r['forward_ms']:8.2f} {r['fwd_bwd_ms']:8.2f} "
+                print(f"{kind:9s} {name:48s} {r['forward_ms']:8.2f} {r['fwd_bwd_ms']:8.2f} "
                       f"{r['fwd_bwd_tflops']:8.0f} {r['speedup_vs_bf16']:7.2f}x "
                       f"{r['rel_error_vs_bf16']:8.4f}")
     print(f"\nwrote {args.out}")

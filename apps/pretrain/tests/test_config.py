@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import pytest
+import torch
 from moe_model import MoEConfig
 from pretrain.config import PRESETS, PretrainConfig, config_toml, load_config, validate_layout
 from pretrain.config_reference import annotated_toml
@@ -257,12 +258,29 @@ def test_cuda_graphs_take_expert_parallelism_on_the_rowwise_transport():
 
 
 @pytest.mark.parametrize("recipe, gemm", [("mxfp8", "emulated"), ("fp8_rowwise", "native"),
-                                          ("fp8_rowwise_gw_hp", "native")])
+                                          ("fp8_rowwise_gw_hp", "native"), ("fp8_rowwise", "triton"),
+                                          ("fp8_blockwise", "triton")])
 def test_cuda_graphs_take_low_precision_experts_without_host_reads(recipe, gemm):
     # The weight caches refresh in place; emulated MXFP8 runs torch._grouped_mm on CUDA.
     cfg = load_config("tiny", ["train.cuda_graphs=true", "mxfp8.targets=experts",
                                f"mxfp8.recipe={recipe}", f"mxfp8.gemm={gemm}"])
     assert cfg.train.cuda_graphs and cfg.mxfp8.recipe == recipe
+
+
+@pytest.mark.parametrize("recipe, gemm, needs", [("fp8_rowwise", "native", "9.x"),
+                                                 ("fp8_blockwise", "triton", "8.9 or up"),
+                                                 ("mxfp8", "native", "10.x")])
+def test_a_gpu_gemm_on_a_cpu_run_is_refused_in_one_line(recipe, gemm, needs):
+    from pretrain.build import refuse_unavailable_native_gemm
+
+    cfg = load_config("tiny", ["train.device=cpu", "mxfp8.targets=experts", f"mxfp8.recipe={recipe}",
+                               f"mxfp8.gemm={gemm}"])
+    with pytest.raises(ConfigError, match=f"mxfp8.gemm={gemm} with mxfp8.recipe={recipe} needs a "
+                                          f"GPU of compute capability {needs}.*train.device=cpu"):
+        refuse_unavailable_native_gemm(cfg, torch.device("cpu"))
+    refuse_unavailable_native_gemm(load_config("tiny", ["train.device=cpu", "mxfp8.targets=experts",
+                                                        f"mxfp8.recipe={recipe}"]),
+                                   torch.device("cpu"))  # emulated: runs anywhere
 
 
 def test_layout_derives_dp_and_ep_dp():

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_testing import run_under_triton_interpreter
-from torch import nn
-
 from moe_mxfp8 import FP8GroupedExperts, MXFP8Config, fp8_triton_available, quantize_fp8
 from moe_mxfp8.fp8_gemm import FP8TileConfig, fp8_grouped_mm, triton_grouped_mm
+from moe_testing import run_under_triton_interpreter
+from torch import nn
 
 pytest.importorskip("triton")
 

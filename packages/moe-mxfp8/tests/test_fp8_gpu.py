@@ -1,5 +1,6 @@
 """FP8 on a GPU at real sizes: kernels bit-exact vs the torch reference; the native grouped
-GEMMs (torch._scaled_grouped_mm, sm_90) against the exact emulation; no host sync."""
+GEMMs (torch._scaled_grouped_mm, sm_90) and the Triton grouped GEMM against the exact
+emulation; no host sync."""
 
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from moe_mxfp8 import (
     encode_fp8_rows,
     encode_fp8_rows_reference,
     fp8_native_available,
+    fp8_triton_available,
     quantize_fp8,
     quantize_group_columns,
 )
@@ -28,6 +30,11 @@ pytestmark = pytest.mark.gpu
 needs_sm90 = pytest.mark.skipif(
     not (torch.cuda.is_available() and fp8_native_available(torch.device("cuda"))),
     reason="needs a GPU with FP8 tensor cores and torch._scaled_grouped_mm (compute capability 9.x)")
+
+
+needs_fp8_triton = pytest.mark.skipif(
+    not (torch.cuda.is_available() and fp8_triton_available(torch.device("cuda"))),
+    reason="needs Triton and a GPU with FP8 tensor cores (compute capability 8.9 or up)")
 
 
 def sample(shape, dtype, seed=0):
@@ -156,16 +163,16 @@ def test_native_grouped_gemms_equal_the_emulation_of_the_same_operands(fast_accu
     a = quantize_fp8(torch.randn(R, K, device="cuda", generator=g).bfloat16())
     b = quantize_fp8((torch.randn(E, N, K, device="cuda", generator=g) * 0.02).bfloat16())
     end = int(offsets[-1])
-    native = fp8_grouped_mm(a, b, offsets, torch.bfloat16, native=True, fast_accum=fast_accum)[:end]
-    emulated = fp8_grouped_mm(a, b, offsets, torch.float32, native=False, fast_accum=fast_accum)[:end]
+    native = fp8_grouped_mm(a, b, offsets, torch.bfloat16, gemm="native", fast_accum=fast_accum)[:end]
+    emulated = fp8_grouped_mm(a, b, offsets, torch.float32, gemm="emulated", fast_accum=fast_accum)[:end]
     if fast_accum:
         assert _relative_error(native, emulated) < FAST_ACCUM_REL
     else:
         torch.testing.assert_close(native.float(), emulated, rtol=8e-3, atol=1e-3)
     dy = torch.randn(R, N, device="cuda", generator=g).bfloat16()
     x = torch.randn(R, K, device="cuda", generator=g).bfloat16()
-    native = fp8_grouped_wgrad(dy, x, offsets, True, torch.bfloat16, native=True, fast_accum=fast_accum)
-    emulated = fp8_grouped_wgrad(dy, x, offsets, True, torch.float32, native=False, fast_accum=fast_accum)
+    native = fp8_grouped_wgrad(dy, x, offsets, True, torch.bfloat16, gemm="native", fast_accum=fast_accum)
+    emulated = fp8_grouped_wgrad(dy, x, offsets, True, torch.float32, gemm="emulated", fast_accum=fast_accum)
     if fast_accum:  # K here is an expert's tokens, up to ~1000 rows
         assert _relative_error(native, emulated) < FAST_ACCUM_REL
     else:
@@ -173,11 +180,11 @@ def test_native_grouped_gemms_equal_the_emulation_of_the_same_operands(fast_accu
     assert native[1].abs().sum() == 0  # the empty expert
 
 
-def _experts(E=16, D=2048, F=1024, gemm="native", **kwargs):
+def _experts(E=16, D=2048, F=1024, gemm="native", recipe="fp8_rowwise", **kwargs):
     g = torch.Generator(device="cuda").manual_seed(0)
     ws = [torch.nn.Parameter((torch.randn(shape, generator=g, device="cuda") * 0.02).bfloat16())
           for shape in ((E, F, D), (E, F, D), (E, D, F))]
-    return FP8GroupedExperts(*ws, recipe="fp8_rowwise", gemm=gemm, **kwargs)
+    return FP8GroupedExperts(*ws, recipe=recipe, gemm=gemm, **kwargs)
 
 
 # Whole layer, native against emulated. With FP32 promotion the GEMM outputs differ by
@@ -190,12 +197,8 @@ def _experts(E=16, D=2048, F=1024, gemm="native", **kwargs):
 LAYER_REL = {(): 1e-2, ("output",): 3.5e-2}
 
 
-@needs_sm90
-@pytest.mark.parametrize("fast_accum", list(LAYER_REL), ids=["fp32", "default"])
-def test_native_experts_match_emulated_experts(fast_accum):
-    """Forward, input and weight gradients of the whole layer, in norm (``LAYER_REL``)."""
-    native = _experts(fast_accum=fast_accum)
-    emulated = FP8GroupedExperts(native.w1, native.w3, native.w2, gemm="emulated")
+def _layers_agree(layer_a, layer_b, limit):
+    """Forward, input and weight gradients of two layers on the same rows, in norm."""
     R = 8192
     offsets = routed_offsets(R, 16)
     end = int(offsets[-1])
@@ -203,14 +206,70 @@ def test_native_experts_match_emulated_experts(fast_accum):
     rows = torch.randn(R, 2048, device="cuda", generator=g).bfloat16().requires_grad_()
     dy = torch.randn(R, 2048, device="cuda", generator=g).bfloat16()
     outs = []
-    for layer in (native, emulated):
+    for layer in (layer_a, layer_b):
         y = layer(rows, offsets)
         grads = torch.autograd.grad(y, [rows, layer.w1, layer.w3, layer.w2], dy)
         outs.append((y[:end], grads[0][:end], *grads[1:]))
     for got, want in zip(*outs, strict=True):
         rel = _relative_error(got, want)
-        assert rel < LAYER_REL[fast_accum], rel
+        assert rel < limit, rel
     assert outs[0][2][1].abs().sum() == 0  # the empty expert's gate weight gradient
+
+
+@needs_sm90
+@pytest.mark.parametrize("fast_accum", list(LAYER_REL), ids=["fp32", "default"])
+def test_native_experts_match_emulated_experts(fast_accum):
+    """Forward, input and weight gradients of the whole layer, in norm (``LAYER_REL``)."""
+    native = _experts(fast_accum=fast_accum)
+    emulated = FP8GroupedExperts(native.w1, native.w3, native.w2, gemm="emulated")
+    _layers_agree(native, emulated, LAYER_REL[fast_accum])
+
+
+@needs_fp8_triton
+@pytest.mark.parametrize(("scales", "fast_accum", "K", "N"),
+                         [("rowwise", False, 2048, 1024), ("rowwise", True, 2048, 1024),
+                          ("blockwise", False, 2048, 1024), ("rowwise", False, 1000, 520),
+                          ("blockwise", False, 1000, 520)])
+def test_triton_grouped_gemm_equals_the_emulation_of_the_same_operands(scales, fast_accum, K, N):
+    """The Triton GEMM at real sizes (TMA loads; K 1000 and N 520 take the pointer path
+    with cut K steps, scale blocks and n-tiles): promoted, to accumulation order and the
+    BF16 output rounding per element; fast, within ``FAST_ACCUM_REL`` in norm."""
+    R, E = 8192, 16
+    offsets = routed_offsets(R, E)
+    blocks, pow2 = (((1, 0), (1, 0)), True) if scales == "rowwise" else (((1, 128), (128, 128)), False)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    a = quantize_fp8(torch.randn(R, K, device="cuda", generator=g).bfloat16(), blocks[0], pow2)
+    b = quantize_fp8((torch.randn(E, N, K, device="cuda", generator=g) * 0.02).bfloat16(), blocks[1], pow2)
+    end = int(offsets[-1])
+    got = fp8_grouped_mm(a, b, offsets, torch.bfloat16, gemm="triton", fast_accum=fast_accum)[:end]
+    emulated = fp8_grouped_mm(a, b, offsets, torch.float32, gemm="emulated", fast_accum=fast_accum)[:end]
+    if fast_accum:
+        assert _relative_error(got, emulated) < FAST_ACCUM_REL
+    else:
+        torch.testing.assert_close(got.float(), emulated, rtol=8e-3, atol=1e-3)
+
+
+@needs_fp8_triton
+@pytest.mark.parametrize(("recipe", "fast_accum"), [("fp8_rowwise_gw_hp", ()),
+                                                    ("fp8_rowwise_gw_hp", ("output",)),
+                                                    ("fp8_blockwise", ())])
+def test_triton_experts_match_emulated_experts(recipe, fast_accum):
+    """The whole layer on the Triton GEMM against the emulation (``LAYER_REL``; blockwise
+    scales promote every K block, so its limit is the FP32 one)."""
+    triton_layer = _experts(gemm="triton", recipe=recipe, fast_accum=fast_accum)
+    emulated = FP8GroupedExperts(triton_layer.w1, triton_layer.w3, triton_layer.w2, recipe=recipe,
+                                 gemm="emulated")
+    _layers_agree(triton_layer, emulated, LAYER_REL[() if recipe == "fp8_blockwise" else fast_accum])
+
+
+@needs_fp8_triton
+@pytest.mark.parametrize("recipe", ["fp8_rowwise_gw_hp", "fp8_blockwise"])
+def test_no_host_sync_in_a_warm_triton_step(recipe):
+    layer = _experts(E=8, D=256, F=128, gemm="triton", recipe=recipe)
+    offsets = torch.tensor([100, 100, 250, 300, 512, 600, 700, 1024], dtype=torch.int32,
+                           device="cuda")
+    rows = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    assert_no_host_sync(lambda: layer(rows, offsets).sum().backward())
 
 
 @needs_sm90

@@ -79,23 +79,29 @@ def _moe_layer_index(name: str, n_dense_layers: int) -> int:
 
 
 def refuse_unavailable_native_gemm(cfg: PretrainConfig, device: torch.device) -> None:
-    """``mxfp8.gemm=native`` where this device has no such tensor cores: one line before
-    anything is built, rather than a traceback at the first forward. MXFP8's block-scaled
-    GEMM needs compute capability 10.x, the FP8 recipes' grouped GEMM 9.x; emulation
-    (``mxfp8.gemm=emulated``, the default) runs anywhere."""
+    """``mxfp8.gemm=native`` or ``triton`` where this device has no such tensor cores: one
+    line before anything is built, rather than a traceback at the first forward. MXFP8's
+    block-scaled GEMM needs compute capability 10.x, the FP8 recipes' native grouped GEMM
+    9.x, their Triton GEMM 8.9 or up; emulation (``mxfp8.gemm=emulated``, the default)
+    runs anywhere."""
     x = cfg.mxfp8
-    if not x.targets or x.gemm != "native":
+    if not x.targets or x.gemm == "emulated":
         return
-    from moe_mxfp8 import fp8_native_available, native_mx_available
+    from moe_mxfp8 import fp8_native_available, fp8_triton_available, native_mx_available
 
-    mx = x.recipe == "mxfp8"
-    if (native_mx_available if mx else fp8_native_available)(device):
+    if x.recipe == "mxfp8":
+        available, needs = native_mx_available, "10.x"
+    elif x.gemm == "native":
+        available, needs = fp8_native_available, "9.x"
+    else:
+        available, needs = fp8_triton_available, "8.9 or up and Triton installed"
+    if available(device) and device.type == "cuda":
         return
     here = (f"{torch.cuda.get_device_name(device)} (compute capability "
             f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
             if device.type == "cuda" else f"train.device={device.type}")
-    raise ConfigError(f"mxfp8.gemm=native with mxfp8.recipe={x.recipe} needs a GPU of compute "
-                      f"capability {'10.x' if mx else '9.x'}; this run has {here} "
+    raise ConfigError(f"mxfp8.gemm={x.gemm} with mxfp8.recipe={x.recipe} needs a GPU of compute "
+                      f"capability {needs}; this run has {here} "
                       "(mxfp8.gemm=emulated runs anywhere)")
 
 

@@ -363,7 +363,7 @@ class PretrainConfig:
                 (bool(self.mxfp8.targets) and self.mxfp8.recipe != "mxfp8"
                  and self.mxfp8.gemm == "emulated",
                  f"mxfp8.recipe={self.mxfp8.recipe} and mxfp8.gemm=emulated: the emulated FP8 "
-                 "GEMMs read the expert offsets on the host; use mxfp8.gemm=native"),
+                 "GEMMs read the expert offsets on the host; use mxfp8.gemm=native or triton"),
                 (self.train.device == "cpu", "train.device=cpu: CUDA graphs need a GPU"),
                 (self.train.reference_kernels, "train.reference_kernels: the reference expert "
                  "GEMMs read the expert offsets on the host"),

@@ -90,7 +90,9 @@ def fp8_triton_available(device: torch.device) -> bool:
 class FP8TileConfig:
     """Tiles of ``fp8_rows_kernel``: the output tile ``block_m x block_n``, the K step
     ``block_k`` (dividing 128 for blockwise scales), ``group_m`` m-tiles per L2 band,
-    warps, pipeline stages, and whether operands load through TMA where they allow it."""
+    warps, pipeline stages, whether operands load through TMA where they allow it, and
+    the persistent programs per SM (two let one program's FP32 promotion run while the
+    other's tensor cores work, where registers and shared memory allow two)."""
 
     block_m: int
     block_n: int
@@ -99,6 +101,7 @@ class FP8TileConfig:
     num_warps: int
     num_stages: int
     use_tma: bool
+    programs_per_sm: int = 1
 
 
 # The fastest at the bench-1gpu expert shapes on an H200 (``tools/bench_fp8_experts.py
@@ -149,7 +152,8 @@ def triton_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dty
     a_scale, b_scale = a.scale.contiguous(), b.scale.contiguous()
     tiles_n = triton.cdiv(N, cfg.block_n)
     max_tiles = (triton.cdiv(R, cfg.block_m) + E) * tiles_n
-    grid = min(max_tiles, _sm_count(a.data.device.index or 0)) if on_gpu else max_tiles
+    grid = (min(max_tiles, cfg.programs_per_sm * _sm_count(a.data.device.index or 0)) if on_gpu
+            else max_tiles)
     use_tma = (cfg.use_tma and K % cfg.block_k == 0 and K % 16 == 0
                and a_data.data_ptr() % 16 == 0 and b_data.data_ptr() % 16 == 0)
     a_arg, b_arg = a_data, b_data

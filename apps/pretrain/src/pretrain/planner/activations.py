@@ -76,7 +76,7 @@ class Execution:
     mxfp8_expert_layers: frozenset[int] = frozenset()  # layers whose experts run moe_mxfp8's GEMMs
     mxfp8_save_activations: bool = False  # MXFP8 layers keep their saved tensors in MXFP8
     mxfp8_recipe: str = "mxfp8"  # moe_mxfp8.MXFP8Config.recipe of those layers
-    mxfp8_gemm: str = "emulated"  # moe_mxfp8.MXFP8Config.gemm: emulated | native
+    mxfp8_gemm: str = "emulated"  # moe_mxfp8.MXFP8Config.gemm: emulated | native | triton
     # the trainer wires moe_model's gradient sink (parallel.fuse_grad_accumulation): FP8
     # experts hand it their weight gradients on every device
     expert_grad_sink: bool = False
@@ -544,7 +544,7 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
     D, F, b = cfg.d_model, cfg.expert_hidden, ex.compute_bytes
     E = cfg.n_experts // ex.ep
     recipe = FP8_RECIPES[ex.mxfp8_recipe]
-    emulated = ex.mxfp8_gemm != "native"
+    emulated = ex.mxfp8_gemm == "emulated"
     inv.add("experts.h13", b * R * 2 * F, "saved")
     inv.add("experts.dy_q", fp8_nbytes((R, D), recipe.act_block))
     inv.add("experts.d_h", b * R * F)

@@ -80,7 +80,7 @@ class PlanRequest:
     mxfp8_targets: tuple[str, ...] = ()
     mxfp8_save_activations: bool = False
     mxfp8_recipe: str = "mxfp8"  # moe_mxfp8.MXFP8Config.recipe: mxfp8 | fp8_rowwise | ...
-    mxfp8_gemm: str = "emulated"  # moe_mxfp8.MXFP8Config.gemm: emulated | native
+    mxfp8_gemm: str = "emulated"  # moe_mxfp8.MXFP8Config.gemm: emulated | native | triton
     compute_dtype: str = "bfloat16"  # bfloat16 | float32: compute weights and activations
     merge_expert_grads: int = 1  # microbatches' expert weight gradients added in one launch
     fused_grad_accumulation: bool = True  # parallel.fuse_grad_accumulation (CUDA kernels)
