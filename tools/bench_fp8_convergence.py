@@ -111,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recipes", nargs="+", choices=RECIPES,
                    default=[BASELINE, "fp8_rowwise_gw_hp", "fp8_rowwise"],
                    help=f"expert recipes; {BASELINE} (the reference) must be among them")
-    p.add_argument("--gemm", choices=["native", "emulated"], default=None,
+    p.add_argument("--gemm", choices=["native", "triton", "emulated"], default=None,
                    help="mxfp8.gemm of the FP8 recipes (default: native on CUDA, else emulated)")
     p.add_argument("--fast-accum", nargs="*", default=None, metavar="ROLE",
                    help="mxfp8.fp8_fast_accum of the FP8 recipes: the GEMM roles (output, "

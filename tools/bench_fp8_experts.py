@@ -132,7 +132,8 @@ FP8_GEMM_TILE_CANDIDATES = [
     (128, 256, 128, 8, 8, 3, True, 1), (128, 256, 128, 8, 8, 4, True, 1),
     (256, 128, 128, 8, 8, 3, True, 1), (64, 256, 128, 8, 4, 4, True, 1),
     (64, 128, 128, 8, 4, 4, True, 2), (64, 128, 128, 8, 4, 3, True, 2),
-    (64, 256, 128, 8, 4, 2, True, 2), (128, 128, 64, 8, 8, 4, True, 2),
+    (64, 128, 128, 8, 4, 3, True, 3), (64, 128, 128, 4, 4, 3, True, 2),
+    (64, 128, 128, 8, 4, 2, True, 3), (64, 256, 128, 8, 4, 2, True, 2),
     (128, 128, 128, 8, 8, 3, True, 2), (64, 128, 64, 8, 4, 6, True, 2),
 ]
 
@@ -140,7 +141,12 @@ FP8_GEMM_TILE_CANDIDATES = [
 def bench_gemms(args) -> dict:
     import torch
     from moe_mxfp8 import quantize_fp8, quantize_group_columns
-    from moe_mxfp8.fp8_gemm import FP8_TILES_GPU, FP8TileConfig, fp8_grouped_mm, triton_grouped_mm
+    from moe_mxfp8.fp8_gemm import (
+        FP8TileConfig,
+        default_fp8_tiles,
+        fp8_grouped_mm,
+        triton_grouped_mm,
+    )
 
     rows_n, E, D, F2 = args.tokens * args.top_k, args.experts, args.d_model, 2 * args.hidden
     offsets = routed_offsets("balanced", args.tokens, E, args.top_k)
@@ -192,8 +198,8 @@ def bench_gemms(args) -> dict:
     for tile in FP8_GEMM_TILE_CANDIDATES:
         cfg = FP8TileConfig(*tile)
         for scales, fast in (("rowwise", False), ("rowwise", True), ("blockwise", False)):
-            name = (f"sweep {scales}{' fast' if fast else ''} {tile}"
-                    + (" *" if cfg == FP8_TILES_GPU else ""))
+            default = default_fp8_tiles(x.device, scales == "blockwise", fast)
+            name = f"sweep {scales}{' fast' if fast else ''} {tile}" + (" *" if cfg == default else "")
             try:
                 got = fp8_triton(scales, fast, cfg)().float()
                 err = float((got - refs[scales]).norm() / refs[scales].norm())

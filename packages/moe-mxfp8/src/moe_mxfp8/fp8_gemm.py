@@ -104,10 +104,23 @@ class FP8TileConfig:
     programs_per_sm: int = 1
 
 
-# The fastest at the bench-1gpu expert shapes on an H200 (``tools/bench_fp8_experts.py
-# --fp8-tile-sweep``); the interpreter's small tiles keep CPU tests fast.
-FP8_TILES_GPU = FP8TileConfig(128, 256, 128, 8, 8, 3, True)
+# The fastest at the bench-1gpu expert shapes on an H200 (the tile sweep of
+# ``tools/bench_fp8_experts.py``), per accumulation: with the running sum in the tensor
+# cores one wide tile per SM (1,203 TFLOP/s); where every K step's product is promoted
+# (rowwise) or scaled and promoted (blockwise) in FP32 registers, the program waits for
+# its tensor cores before that work, and two programs of narrower tiles per SM let one
+# program's FP32 work run under the other's products (884 and 587 TFLOP/s, against 738
+# and 420 with the wide tile). The interpreter's small tiles keep CPU tests fast.
+FP8_TILES_GPU = {"fast": FP8TileConfig(128, 256, 128, 8, 8, 3, True),
+                 "promoted": FP8TileConfig(64, 128, 128, 8, 4, 3, True, 2)}
 FP8_TILES_CPU = FP8TileConfig(16, 16, 16, 2, 1, 1, False)
+
+
+def default_fp8_tiles(device: torch.device, blockwise: bool, fast_accum: bool) -> FP8TileConfig:
+    """The tiles ``triton_grouped_mm`` takes on ``device`` when given none."""
+    if device.type != "cuda":
+        return FP8_TILES_CPU
+    return FP8_TILES_GPU["fast" if fast_accum and not blockwise else "promoted"]
 
 
 @functools.cache
@@ -138,7 +151,7 @@ def triton_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dty
         raise ValueError(f"FP8 grouped GEMM: offsets must be int32 [{E}], got {offsets.dtype} "
                          f"{tuple(offsets.shape)}")
     on_gpu = a.data.device.type == "cuda"
-    cfg = config or (FP8_TILES_GPU if on_gpu else FP8_TILES_CPU)
+    cfg = config or default_fp8_tiles(a.data.device, blockwise, fast_accum)
     if blockwise and 128 % cfg.block_k:
         raise ValueError(f"FP8 grouped GEMM: blockwise scales need a K step dividing 128, got {cfg.block_k}")
     y = torch.empty(R, N, dtype=out_dtype, device=a.data.device)
