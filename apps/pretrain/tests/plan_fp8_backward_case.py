@@ -3,9 +3,9 @@
 Run by ``test_plan.py`` in a child process with ``TRITON_INTERPRET=1`` (set before Triton
 is imported, see ``moe_testing.run_under_triton_interpreter``): moe_mxfp8's Triton
 kernels run in the interpreter as they would on CUDA (quantization, fused SwiGLU), and
-the native GEMMs, which exist only on a GPU, are stood in for by their output
-allocations (``torch._scaled_grouped_mm`` and ``torch._grouped_mm`` write one tensor
-each). The layer hands its weight gradients to a gradient sink, wired as the trainer
+the GEMMs a GPU runs (native where the recipe has one, else moe_mxfp8's Triton GEMM) are
+stood in for by their output allocations (``torch._scaled_grouped_mm``,
+``torch._grouped_mm`` and ``triton_grouped_mm`` write one tensor each). The layer hands its weight gradients to a gradient sink, wired as the trainer
 wires it on CUDA (``moe_model.wire_model``: the recipes with BF16 weight gradients hand
 them to moe_model's kernel, run here in the interpreter).
 
@@ -23,7 +23,7 @@ import os
 import torch
 from moe_model import ModelWiring, wire_model
 from moe_model import wiring as model_wiring
-from moe_mxfp8 import FP8_RECIPES, FP8GroupedExperts, fp8_experts, gemm
+from moe_mxfp8 import FP8_RECIPES, FP8GroupedExperts, fp8_experts, fp8_gemm, gemm
 from moe_mxfp8 import _triton_support as triton_support
 from pretrain.planner.measure import LiveBytes
 
@@ -38,6 +38,11 @@ def _scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum):
     """The native FP8 GEMM's output: [R, N] from [R, K] x [E, K, N], [E, N, K] over tokens."""
     shape = (a.shape[0], b.shape[-1]) if b.dim() == 3 else (offs.shape[0], a.shape[0], b.shape[1])
     return torch.zeros(shape, dtype=out_dtype)
+
+
+def _triton_grouped_mm(a, b, offsets, out_dtype, fast_accum, config=None):
+    """The Triton FP8 GEMM's output: [R, N] from [R, K] x [E, N, K]."""
+    return torch.empty(a.data.shape[0], b.data.shape[1], dtype=out_dtype)
 
 
 def _grouped_mm(a, b, offs):
@@ -65,7 +70,7 @@ def measure(recipe: str) -> list[int]:
     w1, w3, w2 = (torch.nn.Parameter(torch.randn(*s, dtype=torch.bfloat16) / 8)
                   for s in ((E, F, D), (E, F, D), (E, D, F)))
     native = FP8_RECIPES[recipe].native
-    layer = FP8GroupedExperts(w1, w3, w2, recipe, "native" if native else "emulated")
+    layer = FP8GroupedExperts(w1, w3, w2, recipe, "native" if native else "triton")
     # as the trainer wires it: recipes with BF16 weight gradients hand them to moe_model's kernel
     wire_model(layer, ModelWiring(gradient_sink=_Sink((w1, w3, w2))))
     x = torch.randn(R, D, dtype=torch.bfloat16, requires_grad=True)
@@ -85,6 +90,8 @@ def main() -> None:
     triton_support.fused_kernels_enabled = lambda device: True  # the kernels, as on CUDA
     model_wiring.fused_kernels_enabled = lambda device: True  # moe_model's, too
     fp8_experts.fp8_native_available = lambda device: True
+    fp8_experts.fp8_triton_available = lambda device: True
+    fp8_gemm.triton_grouped_mm = _triton_grouped_mm
     gemm._fits_grouped_mm = lambda a, b: True
     torch._scaled_grouped_mm = _scaled_grouped_mm
     torch._grouped_mm = _grouped_mm

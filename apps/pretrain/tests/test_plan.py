@@ -209,7 +209,7 @@ def test_fp8_expert_microbatch_matches_measurement(recipe):
 @pytest.mark.multiprocess
 def test_fp8_expert_backward_on_the_gpu_path_matches_measurement():
     """The FP8 experts as they run on an H200 (Triton kernels, native grouped GEMMs where the
-    recipe has them, the weight gradients into a sink), measured on CPU in a child process
+    recipe has them, else the Triton GEMM, the weight gradients into a sink), measured on CPU in a child process
     (plan_fp8_backward_case.py: the kernels under the Triton interpreter, the GEMMs by their
     outputs): what the forward leaves for the backward and the backward's high-water mark
     above what it starts with, exactly as planned for CUDA."""
@@ -225,7 +225,7 @@ def test_fp8_expert_backward_on_the_gpu_path_matches_measurement():
     assert (m.d_model, m.expert_hidden, m.top_k) == (shape["d_model"], shape["hidden"], 2)
     assert set(measured) == set(FP8_RECIPES)
     for recipe, (held, backward_peak) in measured.items():
-        gemm = "native" if FP8_RECIPES[recipe].native else "emulated"
+        gemm = "native" if FP8_RECIPES[recipe].native else "triton"
         ex = Execution(1, shape["rows"] // m.top_k, mxfp8_expert_layers=frozenset({0}),
                        mxfp8_recipe=recipe, mxfp8_gemm=gemm, expert_grad_sink=True,
                        dense_grads_in_gemm=True)
@@ -530,8 +530,9 @@ GPU_CASE = ["train.device=cuda", "data.path=synthetic", "model.vocab_size=32768"
 
 
 def _fp8_case(recipe: str) -> list[str]:
-    """FP8 experts of ``recipe`` on its native grouped GEMMs where it has them (sm_90)."""
-    gemm = "native" if FP8_RECIPES[recipe].native else "emulated"
+    """FP8 experts of ``recipe`` on its native grouped GEMMs where it has them (sm_90), else
+    on the Triton GEMM."""
+    gemm = "native" if FP8_RECIPES[recipe].native else "triton"
     return ["mxfp8.targets=[experts]", f"mxfp8.recipe={recipe}", f"mxfp8.gemm={gemm}"]
 
 
