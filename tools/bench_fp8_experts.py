@@ -215,14 +215,16 @@ def bench_gemms(args) -> dict:
 
 
 # Launch shapes per kernel kind of moe_mxfp8._fp8_kernels (its _TILES): BlockTile(elements,
-# warps[, groups]) for the block kinds (groups: scale blocks side by side per program),
+# warps[, groups[, chunk_rows]]) for the block kinds (groups: scale blocks side by side per
+# program; chunk_rows: 128x128 blocks in two passes of that many rows),
 # ColumnTile(rows, cols, warps) for the per-expert columns.
 TILE_CANDIDATES = {
     "rows": [(2048, 2), (4096, 4), (1024, 2), (2048, 1), (4096, 2), (8192, 4)],
     "tiles": [(1024, 1, 8), (2048, 2, 16), (4096, 4), (2048, 1, 16), (4096, 2, 16), (2048, 2, 8),
               (512, 1, 4), (1024, 1, 4), (1024, 2, 8), (2048, 1, 8)],
-    "blocks": [(16384, 16, 2), (16384, 4), (16384, 8), (16384, 16), (16384, 8, 2),
-               (16384, 32, 2), (16384, 4, 2)],
+    "blocks": [(16384, 16, 2), (16384, 4), (16384, 16), (16384, 8, 2), (16384, 4, 1, 32),
+               (16384, 4, 1, 16), (16384, 2, 1, 16), (16384, 4, 2, 16), (16384, 8, 2, 32),
+               (16384, 8, 4, 16)],
     "group_columns": [(128, 64, 8), (64, 64, 4), (64, 128, 4), (32, 64, 4), (128, 128, 8)],
 }
 # moe_mxfp8._fp8_codec_kernels._TILES: RowTile(elements, warps).

@@ -113,6 +113,13 @@ def cases():
                     x = sample(shape, torch.float32, seed=7)
                     got, ref = (quantize_fp8(x, block, pow2, backend=b) for b in ("triton", "reference"))
                     total += mismatches(got.data, ref.data) + mismatches(got.scale, ref.scale)
+            # 128x128 blocks in two passes of 32-row chunks, one and two blocks per program
+            for tile in (k.BlockTile(128 * 128, 4, 1, 32), k.BlockTile(128 * 128, 4, 2, 32)):
+                k._TILES.update(blocks=tile)
+                for dtype in (torch.bfloat16, torch.float32):
+                    x = sample((2, 130, 300), dtype, seed=9)
+                    got, ref = (quantize_fp8(x, (128, 128), False, backend=b) for b in ("triton", "reference"))
+                    total += mismatches(got.data, ref.data) + mismatches(got.scale, ref.scale)
             x = sample((70, 100), torch.float32, seed=6)
             offsets = torch.tensor(OFFSETS, dtype=torch.int32)
             (dt, st, _), (dr, sr, er) = (quantize_group_columns(x, offsets, True, backend=b)

@@ -7,7 +7,10 @@ hardware and the interpreter).
 
 - ``quantize_blocks``: one program per tile of ``[B, M, N]``: ``ROWS`` rows by ``GROUPS``
   scale blocks side by side (a whole row, 128-column tiles, or 128x128 blocks); amax is
-  an integer max over ``|x|`` bit patterns (NaN sorts above inf).
+  an integer max over ``|x|`` bit patterns (NaN sorts above inf). 128x128 blocks either
+  sit whole in registers (one read) or, with ``CHUNK``, are walked twice in chunks of
+  rows, for the amax and then for the encoding, the second read mostly from L2: fewer
+  registers per program, so more programs per SM hide the load latency.
 - ``quantize_group_columns_t``: one program per (expert, column strip): a pass over the
   expert's rows for the column amax, a second that scales, encodes and writes the strip
   transposed into the expert's 16-aligned slot of ``[N, W]`` (zeros in the padding).
@@ -66,10 +69,15 @@ def _encode(abs_bits, sign, scale):
 def _quantize_blocks_kernel(
     x_ptr, sx_b, sx_m, d_ptr, sd_b, sd_m, s_ptr, ss_b, ss_m, M, N, n_scales,
     ROWS: tl.constexpr, BN: tl.constexpr, GROUPS: tl.constexpr, SQUARE: tl.constexpr,
-    POW2: tl.constexpr, IN_BF16: tl.constexpr, EPS_BITS: tl.constexpr,
+    CHUNK: tl.constexpr, POW2: tl.constexpr, IN_BF16: tl.constexpr, EPS_BITS: tl.constexpr,
     SCALE_AT_EPS: tl.constexpr,
 ):
     pid_m, pid_n, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    if SQUARE and CHUNK > 0:
+        _quantize_square_in_chunks(x_ptr + b * sx_b, sx_m, d_ptr + b * sd_b, sd_m,
+                                   s_ptr + b * ss_b + pid_m * ss_m, pid_m, pid_n, M, N, n_scales,
+                                   ROWS, BN, GROUPS, CHUNK, POW2, IN_BF16, EPS_BITS, SCALE_AT_EPS)
+        return
     rows = (pid_m * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
     cols = (pid_n * GROUPS * BN + tl.arange(0, GROUPS * BN))[None, :]
     mask = (rows < M) & (cols < N)
@@ -99,6 +107,33 @@ def _quantize_blocks_kernel(
         tl.store(s_ptr + b * ss_b + pid_m * ss_m + pid_n + tl.zeros([1, 1], tl.int32), scale)
     else:
         tl.store(s_ptr + b * ss_b + rows * ss_m + pid_n, scale, mask=rows < M)
+
+
+@triton.jit
+def _quantize_square_in_chunks(x_ptr, sx_m, d_ptr, sd_m, s_ptr, pid_m, pid_n, M, N, n_scales,
+                               ROWS: tl.constexpr, BN: tl.constexpr, GROUPS: tl.constexpr,
+                               CHUNK: tl.constexpr, POW2: tl.constexpr, IN_BF16: tl.constexpr,
+                               EPS_BITS: tl.constexpr, SCALE_AT_EPS: tl.constexpr):
+    """``GROUPS`` square blocks side by side, ``CHUNK`` rows at a time: their amax over
+    every chunk, then each chunk read again, encoded and stored; ``s_ptr`` points at the
+    blocks' row of scales."""
+    cols = (pid_n * GROUPS * BN + tl.arange(0, GROUPS * BN))[None, :]
+    amax = tl.zeros([GROUPS], tl.uint32)
+    for r0 in range(0, ROWS, CHUNK):
+        rows = (pid_m * ROWS + r0 + tl.arange(0, CHUNK)).to(tl.int64)[:, None]
+        abs_bits, _ = _load_abs_sign(x_ptr + rows * sx_m + cols, (rows < M) & (cols < N), IN_BF16)
+        chunk_max = tl.max(tl.reshape(abs_bits, (CHUNK, GROUPS, BN)), axis=2)
+        amax = tl.maximum(amax, tl.max(chunk_max, axis=0))
+    scale = _scale(amax, POW2, EPS_BITS, SCALE_AT_EPS)  # [GROUPS]
+    spread = tl.reshape(tl.broadcast_to(scale[None, :, None], (CHUNK, GROUPS, BN)),
+                        (CHUNK, GROUPS * BN))
+    for r0 in range(0, ROWS, CHUNK):
+        rows = (pid_m * ROWS + r0 + tl.arange(0, CHUNK)).to(tl.int64)[:, None]
+        mask = (rows < M) & (cols < N)
+        abs_bits, sign = _load_abs_sign(x_ptr + rows * sx_m + cols, mask, IN_BF16)
+        tl.store(d_ptr + rows * sd_m + cols, _encode(abs_bits, sign, spread), mask=mask)
+    groups = pid_n * GROUPS + tl.arange(0, GROUPS)
+    tl.store(s_ptr + groups, scale, mask=groups < n_scales)
 
 
 @triton.jit
@@ -139,11 +174,13 @@ _CONSTS = dict(EPS_BITS=_EPS_BITS, SCALE_AT_EPS=_SCALE_AT_EPS)
 class BlockTile:
     """Launch shape of ``quantize_blocks``: about ``elements`` per program (whole rows of
     ``groups`` scale blocks side by side; 128x128 blocks: ``groups`` of them per program
-    whatever ``elements``), ``warps``."""
+    whatever ``elements``), ``warps``; 128x128 blocks only: ``chunk_rows`` rows at a time
+    in two passes (0: the whole blocks in registers, one pass)."""
 
     elements: int
     warps: int
     groups: int = 1
+    chunk_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -196,7 +233,8 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], pow2: bool
     _quantize_blocks_kernel[grid](
         x3, x3.stride(0), x3.stride(1), d3, d3.stride(0), d3.stride(1),
         s3, s3.stride(0), s3.stride(1), M, N, n_cols,
-        ROWS=rows, BN=width, GROUPS=groups, SQUARE=bm > 1, POW2=pow2,
+        ROWS=rows, BN=width, GROUPS=groups, SQUARE=bm > 1,
+        CHUNK=tile.chunk_rows if bm > 1 else 0, POW2=pow2,
         IN_BF16=x.dtype == torch.bfloat16,
         num_warps=tile.warps, enable_fp_fusion=False, **_CONSTS,
     )

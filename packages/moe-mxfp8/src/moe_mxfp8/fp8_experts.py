@@ -134,8 +134,14 @@ class FP8WeightCache(WeightCache):
 
     def _derive(self, weight: torch.Tensor) -> tuple[FP8Tensor, FP8Tensor]:
         r = self.recipe
-        return (quantize_fp8(weight, r.weight_block, r.pow2),
-                quantize_fp8(weight.transpose(-2, -1).contiguous(), r.weight_block, r.pow2))
+        rows = quantize_fp8(weight, r.weight_block, r.pow2)
+        if r.weight_block[0] != r.weight_block[1]:  # rowwise: the transpose scales other lines
+            return rows, quantize_fp8(weight.transpose(-2, -1).contiguous(), r.weight_block, r.pow2)
+        # Square blocks: the transpose's blocks hold the same elements, so its codes and
+        # scales are the transposes of these, bit for bit: a byte transpose instead of a
+        # BF16 transpose and a second quantisation.
+        data = rows.data.view(torch.uint8).transpose(-2, -1).contiguous().view(rows.data.dtype)
+        return rows, FP8Tensor(data, rows.scale.transpose(-2, -1).contiguous(), rows.block)
 
 
 SinkRoute = tuple[Any, Any]  # (the sink, the weight's AccumulateGrad node)
