@@ -197,13 +197,14 @@ class ColumnTile:
 # candidate bit-exact first (docs/performance.md, FP8 experts): rows 3.27 TB/s at
 # (2048, 2) against 3.04 at (4096, 4); 1x128 tiles 3.04 TB/s at 8 groups per program on
 # one warp against 2.96 at 16 groups on 2 warps and 2.55 at one group (`--no-blockwise
-# --routing balanced`, commit 27d8ba2); 128x128 blocks 2.37 at 2 per program and 16 warps
-# against 2.28 at one and 4 warps; per-expert columns 0.96 at (128, 64, 8) against 0.77 at
-# (64, 64, 4).
+# --routing balanced`, commit 27d8ba2); 128x128 blocks 2.47 TB/s one per program on four
+# warps in two passes of 32-row chunks, against 2.40 whole in registers at two per program
+# on 16 warps (the same command, commit 14f9692); per-expert columns 0.96 at (128, 64, 8)
+# against 0.77 at (64, 64, 4).
 _TILES: dict[str, BlockTile | ColumnTile] = {
     "rows": BlockTile(2048, 2),  # one scale per row
     "tiles": BlockTile(1024, 1, 8),  # 1x128
-    "blocks": BlockTile(128 * 128, 16, 2),  # 128x128
+    "blocks": BlockTile(128 * 128, 4, 1, 32),  # 128x128
     "group_columns": ColumnTile(128, 64, 8),
 }
 
