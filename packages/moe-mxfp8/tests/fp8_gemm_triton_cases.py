@@ -7,9 +7,7 @@ string). Prints one line of JSON, then ``ok``."""
 
 from __future__ import annotations
 
-import json
 import os
-import traceback
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run by moe_testing.run_under_triton_interpreter"
 
@@ -17,6 +15,7 @@ import torch  # noqa: E402
 from moe_mxfp8 import FP8GroupedExperts, quantize_fp8  # noqa: E402
 from moe_mxfp8.fp8_gemm import FP8TileConfig, fp8_grouped_mm, triton_grouped_mm  # noqa: E402
 from torch import nn  # noqa: E402
+from triton_cases import report  # noqa: E402
 
 # An empty expert, a one-row expert, a group across tiles; rows 41.. are padding.
 OFFSETS = [9, 9, 10, 41]
@@ -90,14 +89,7 @@ def cases():
 
 
 def main() -> None:
-    results = {}
-    for name, fn in cases():
-        try:
-            results[name] = fn()
-        except Exception:  # noqa: BLE001 - reported to the parent test
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
-    print("ok")
+    report(cases())
 
 
 if __name__ == "__main__":

@@ -5,9 +5,7 @@ JSON (case name -> number of mismatching elements, or an error string), then ``o
 
 from __future__ import annotations
 
-import json
 import os
-import traceback
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run by moe_testing.run_under_triton_interpreter"
 
@@ -27,7 +25,7 @@ from moe_mxfp8 import (  # noqa: E402
     swiglu_quantized,
     swiglu_reference,
 )
-from triton_cases import mismatches, sample  # noqa: E402
+from triton_cases import mismatches, report, sample  # noqa: E402
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 # (name, shape, block): whole rows of odd and power-of-two widths, a stack, 1x128 tiles with
@@ -189,14 +187,7 @@ def cases():
 
 
 def main() -> None:
-    results = {}
-    for name, fn in cases():
-        try:
-            results[name] = fn()
-        except Exception:  # noqa: BLE001 - reported to the parent test
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
-    print("ok")
+    report(cases())
 
 
 if __name__ == "__main__":

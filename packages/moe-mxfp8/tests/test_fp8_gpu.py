@@ -152,23 +152,32 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 FAST_ACCUM_REL = 1e-2
 
 
+def _grouped_mm_equals_the_emulation(gemm, fast_accum, K, N, blocks=((1, 0), (1, 0)), pow2=True):
+    """``fp8_grouped_mm`` of ``gemm`` against the emulation of the same E4M3 operands and
+    scales. FP32 promotion: only accumulation order and the BF16 output rounding (per
+    element); fast accumulation: within ``FAST_ACCUM_REL`` in norm. Returns the offsets
+    and the generator, for further draws."""
+    R, E = 8192, 16
+    offsets = routed_offsets(R, E)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    a = quantize_fp8(torch.randn(R, K, device="cuda", generator=g).bfloat16(), blocks[0], pow2)
+    b = quantize_fp8((torch.randn(E, N, K, device="cuda", generator=g) * 0.02).bfloat16(), blocks[1], pow2)
+    end = int(offsets[-1])
+    got = fp8_grouped_mm(a, b, offsets, torch.bfloat16, gemm=gemm, fast_accum=fast_accum)[:end]
+    emulated = fp8_grouped_mm(a, b, offsets, torch.float32, gemm="emulated", fast_accum=fast_accum)[:end]
+    if fast_accum:
+        assert _relative_error(got, emulated) < FAST_ACCUM_REL
+    else:
+        torch.testing.assert_close(got.float(), emulated, rtol=8e-3, atol=1e-3)
+    return offsets, g
+
+
 @needs_sm90
 @pytest.mark.parametrize("fast_accum", [False, True])
 def test_native_grouped_gemms_equal_the_emulation_of_the_same_operands(fast_accum):
-    """Same E4M3 operands and scales. FP32 promotion: only accumulation order and the BF16
-    output rounding (per element); fast accumulation: within ``FAST_ACCUM_REL`` in norm."""
-    R, E, K, N = 8192, 16, 2048, 1024
-    offsets = routed_offsets(R, E)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    a = quantize_fp8(torch.randn(R, K, device="cuda", generator=g).bfloat16())
-    b = quantize_fp8((torch.randn(E, N, K, device="cuda", generator=g) * 0.02).bfloat16())
-    end = int(offsets[-1])
-    native = fp8_grouped_mm(a, b, offsets, torch.bfloat16, gemm="native", fast_accum=fast_accum)[:end]
-    emulated = fp8_grouped_mm(a, b, offsets, torch.float32, gemm="emulated", fast_accum=fast_accum)[:end]
-    if fast_accum:
-        assert _relative_error(native, emulated) < FAST_ACCUM_REL
-    else:
-        torch.testing.assert_close(native.float(), emulated, rtol=8e-3, atol=1e-3)
+    """The 2d x 3d GEMM (``_grouped_mm_equals_the_emulation``) and the weight gradients."""
+    R, K, N = 8192, 2048, 1024
+    offsets, g = _grouped_mm_equals_the_emulation("native", fast_accum, K, N)
     dy = torch.randn(R, N, device="cuda", generator=g).bfloat16()
     x = torch.randn(R, K, device="cuda", generator=g).bfloat16()
     native = fp8_grouped_wgrad(dy, x, offsets, True, torch.bfloat16, gemm="native", fast_accum=fast_accum)
@@ -232,21 +241,11 @@ def test_native_experts_match_emulated_experts(fast_accum):
                           ("blockwise", False, 1000, 520)])
 def test_triton_grouped_gemm_equals_the_emulation_of_the_same_operands(scales, fast_accum, K, N):
     """The Triton GEMM at real sizes (TMA loads; K 1000 and N 520 take the pointer path
-    with cut K steps, scale blocks and n-tiles): promoted, to accumulation order and the
-    BF16 output rounding per element; fast, within ``FAST_ACCUM_REL`` in norm."""
-    R, E = 8192, 16
-    offsets = routed_offsets(R, E)
-    blocks, pow2 = (((1, 0), (1, 0)), True) if scales == "rowwise" else (((1, 128), (128, 128)), False)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    a = quantize_fp8(torch.randn(R, K, device="cuda", generator=g).bfloat16(), blocks[0], pow2)
-    b = quantize_fp8((torch.randn(E, N, K, device="cuda", generator=g) * 0.02).bfloat16(), blocks[1], pow2)
-    end = int(offsets[-1])
-    got = fp8_grouped_mm(a, b, offsets, torch.bfloat16, gemm="triton", fast_accum=fast_accum)[:end]
-    emulated = fp8_grouped_mm(a, b, offsets, torch.float32, gemm="emulated", fast_accum=fast_accum)[:end]
-    if fast_accum:
-        assert _relative_error(got, emulated) < FAST_ACCUM_REL
+    with cut K steps, scale blocks and n-tiles), as ``_grouped_mm_equals_the_emulation``."""
+    if scales == "rowwise":
+        _grouped_mm_equals_the_emulation("triton", fast_accum, K, N)
     else:
-        torch.testing.assert_close(got.float(), emulated, rtol=8e-3, atol=1e-3)
+        _grouped_mm_equals_the_emulation("triton", fast_accum, K, N, ((1, 128), (128, 128)), False)
 
 
 @needs_fp8_triton

@@ -177,15 +177,21 @@ def tile_cases():
         yield f"tiles/{kind}/{i}", run
 
 
-def main() -> None:
+def report(named_cases) -> None:
+    """Run every ``(name, fn)`` case; print one JSON line (name -> its result, or the
+    traceback of an exception, reported to the parent test), then ``ok``."""
     results = {}
-    for name, fn in cases():
+    for name, fn in named_cases:
         try:
             results[name] = fn()
         except Exception:  # noqa: BLE001 - reported to the parent test
             results[name] = traceback.format_exc()
     print(json.dumps(results))
     print("ok")
+
+
+def main() -> None:
+    report(cases())
 
 
 if __name__ == "__main__":
