@@ -283,6 +283,25 @@ def test_a_gpu_gemm_on_a_cpu_run_is_refused_in_one_line(recipe, gemm, needs):
                                    torch.device("cpu"))  # emulated: runs anywhere
 
 
+def test_fp8_weight_gradients_without_their_native_gemm_are_refused_under_cuda_graphs(monkeypatch):
+    """fp8_rowwise on the Triton GEMM still runs its FP8 weight gradients natively, else
+    emulated (host reads): on a GPU without the native GEMM, graphs are refused in one line."""
+    import moe_mxfp8
+    from pretrain.build import refuse_unavailable_native_gemm
+
+    monkeypatch.setattr(moe_mxfp8, "fp8_triton_available", lambda device: True)
+    monkeypatch.setattr(moe_mxfp8, "fp8_native_available", lambda device: False)
+    cuda = torch.device("cuda", 0)
+    common = ["mxfp8.targets=experts", "mxfp8.gemm=triton"]
+    with pytest.raises(ConfigError, match="mxfp8.recipe=fp8_rowwise with mxfp8.gemm=triton runs its "
+                                          "FP8 weight gradients natively.*train.cuda_graphs"):
+        refuse_unavailable_native_gemm(
+            load_config("tiny", [*common, "mxfp8.recipe=fp8_rowwise", "train.cuda_graphs=true"]), cuda)
+    for ok in (["mxfp8.recipe=fp8_rowwise"], ["mxfp8.recipe=fp8_rowwise_gw_hp", "train.cuda_graphs=true"],
+               ["mxfp8.recipe=fp8_blockwise", "train.cuda_graphs=true"]):
+        refuse_unavailable_native_gemm(load_config("tiny", [*common, *ok]), cuda)
+
+
 def test_layout_derives_dp_and_ep_dp():
     cfg = load_config("tiny", ["parallel.pp=2", "parallel.ep=2", "train.global_batch=8",
                                "train.micro_batch=1"])

@@ -82,8 +82,9 @@ def refuse_unavailable_native_gemm(cfg: PretrainConfig, device: torch.device) ->
     """``mxfp8.gemm=native`` or ``triton`` where this device has no such tensor cores: one
     line before anything is built, rather than a traceback at the first forward. MXFP8's
     block-scaled GEMM needs compute capability 10.x, the FP8 recipes' native grouped GEMM
-    9.x, their Triton GEMM 8.9 or up; emulation (``mxfp8.gemm=emulated``, the default)
-    runs anywhere."""
+    9.x, their Triton GEMM 8.9 or up (and ``fp8_rowwise``'s weight gradients, which have no
+    Triton GEMM, 9.x to be replayed from CUDA graphs); emulation (``mxfp8.gemm=emulated``,
+    the default) runs anywhere."""
     x = cfg.mxfp8
     if not x.targets or x.gemm == "emulated":
         return
@@ -96,6 +97,14 @@ def refuse_unavailable_native_gemm(cfg: PretrainConfig, device: torch.device) ->
     else:
         available, needs = fp8_triton_available, "8.9 or up and Triton installed"
     if available(device) and device.type == "cuda":
+        from moe_mxfp8 import FP8_RECIPES
+
+        if (x.gemm == "triton" and cfg.train.cuda_graphs and FP8_RECIPES[x.recipe].fp8_wgrad
+                and not fp8_native_available(device)):
+            raise ConfigError(f"mxfp8.recipe={x.recipe} with mxfp8.gemm=triton runs its FP8 weight "
+                              "gradients natively (compute capability 9.x) or else emulated, which "
+                              "reads the expert offsets on the host: not with train.cuda_graphs "
+                              "on this GPU (mxfp8.recipe=fp8_rowwise_gw_hp has no FP8 weight gradients)")
         return
     here = (f"{torch.cuda.get_device_name(device)} (compute capability "
             f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})"

@@ -26,7 +26,7 @@ W the padded token width of a weight-gradient operand.
 Accumulation is chosen per call (``fast_accum``): ``False`` promotes the partial sums
 to FP32 registers as DeepSeek-V3 prescribes (the Triton kernel every K step of 128);
 ``True`` keeps them in the tensor cores' own accumulator (about 14 significant bits,
-truncating), 1.15-1.3x the native GEMM's rate on an H200 (``tools/bench_fp8_experts.py``).
+truncating), 1.1-1.3x the GEMM rate on an H200 (``tools/bench_fp8_experts.py``).
 Blockwise scales change with every K block, so each block's product is scaled and
 promoted whatever ``fast_accum`` says. Which GEMM of a layer takes which:
 ``FAST_ACCUM_DEFAULT``.
