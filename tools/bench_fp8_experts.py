@@ -13,8 +13,8 @@
    forward only, and fp8_rowwise also with every GEMM fast, torchao's grouped MoE choice,
    and with none, fp8_rowwise_gw_hp also with fast input gradients); the same on the
    Triton GEMM (``gemm="triton"``) and fp8_blockwise on it; and fp8_blockwise emulated
-   (dequantize + FP32 matmuls per expert) unless ``--no-blockwise``. BF16 compute weights everywhere; the FP8 layers'
-   outputs are compared with BF16's (relative error in norm).
+   (dequantize + FP32 matmuls per expert) unless ``--no-blockwise``. BF16 compute weights
+   everywhere; the FP8 layers' outputs are compared with BF16's (relative error in norm).
 2. The grouped GEMMs alone (the candidates side by side, balanced routing): BF16
    ``torch._grouped_mm`` against FP8 ``torch._scaled_grouped_mm`` with FP32 promotion
    (``use_fast_accum=False``, the layer's backward GEMMs by default) and with fast

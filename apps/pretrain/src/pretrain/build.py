@@ -88,7 +88,12 @@ def refuse_unavailable_native_gemm(cfg: PretrainConfig, device: torch.device) ->
     x = cfg.mxfp8
     if not x.targets or x.gemm == "emulated":
         return
-    from moe_mxfp8 import fp8_native_available, fp8_triton_available, native_mx_available
+    from moe_mxfp8 import (
+        FP8_RECIPES,
+        fp8_native_available,
+        fp8_triton_available,
+        native_mx_available,
+    )
 
     if x.recipe == "mxfp8":
         available, needs = native_mx_available, "10.x"
@@ -97,8 +102,6 @@ def refuse_unavailable_native_gemm(cfg: PretrainConfig, device: torch.device) ->
     else:
         available, needs = fp8_triton_available, "8.9 or up and Triton installed"
     if available(device) and device.type == "cuda":
-        from moe_mxfp8 import FP8_RECIPES
-
         if (x.gemm == "triton" and cfg.train.cuda_graphs and FP8_RECIPES[x.recipe].fp8_wgrad
                 and not fp8_native_available(device)):
             raise ConfigError(f"mxfp8.recipe={x.recipe} with mxfp8.gemm=triton runs its FP8 weight "
