@@ -301,13 +301,15 @@ def test_in_place_refresh_keeps_the_cache_tensors_and_equals_a_fresh_cache(recip
 def test_weight_cache_copies_equal_quantizing_the_weight_and_its_transpose(recipe):
     """The input-gradient copy is the transposed weight quantized along ``out``; for square
     blocks the cache transposes the first copy's codes and scales instead, which must be
-    the same bits (partial blocks included: 200 and 136 are not multiples of 128)."""
+    the same bits (partial blocks included), held in storages of their own."""
     from moe_mxfp8.cache import CACHE_SOURCE_DTYPE
     from moe_mxfp8.fp8 import quantize_fp8
     from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8WeightCache
 
     r = FP8_RECIPES[recipe]
-    w = nn.Parameter(torch.randn(3, 200, 136) * torch.exp2(torch.randint(-8, 8, (3, 200, 1)).float()))
+    # 136 columns: one 128-wide block and a cut one; 100 rows: one block along the rows, so
+    # the blocks' scales [3, 1, 2] transposed are contiguous already
+    w = nn.Parameter(torch.randn(3, 100, 136) * torch.exp2(torch.randint(-8, 8, (3, 100, 1)).float()))
     cache = FP8WeightCache((w,), r)
     source = w.detach().to(CACHE_SOURCE_DTYPE)  # what every cache derives from
     for got, want in ((cache.rows, quantize_fp8(source, r.weight_block, r.pow2)),
@@ -316,6 +318,8 @@ def test_weight_cache_copies_equal_quantizing_the_weight_and_its_transpose(recip
         assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
         assert torch.equal(got.scale, want.scale) and got.block == want.block
         assert got.data.is_contiguous() and got.scale.is_contiguous()
+    storages = [t.untyped_storage().data_ptr() for c in (cache.rows, cache.cols) for t in (c.data, c.scale)]
+    assert len(set(storages)) == 4  # two copies, none a view of the other
 
 
 def test_bad_recipe_settings_are_refused_with_the_field():

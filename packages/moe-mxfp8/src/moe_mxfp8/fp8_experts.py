@@ -140,8 +140,11 @@ class FP8WeightCache(WeightCache):
         # Square blocks: the transpose's blocks hold the same elements, so its codes and
         # scales are the transposes of these, bit for bit: a byte transpose instead of a
         # BF16 transpose and a second quantisation.
-        data = rows.data.view(torch.uint8).transpose(-2, -1).contiguous().view(rows.data.dtype)
-        return rows, FP8Tensor(data, rows.scale.transpose(-2, -1).contiguous(), rows.block)
+        # (clones, not ``contiguous()``: a transpose with a unit dim is contiguous already and
+        # would share the first copy's storage)
+        data = rows.data.view(torch.uint8).transpose(-2, -1).clone(memory_format=torch.contiguous_format)
+        scale = rows.scale.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
+        return rows, FP8Tensor(data.view(rows.data.dtype), scale, rows.block)
 
 
 SinkRoute = tuple[Any, Any]  # (the sink, the weight's AccumulateGrad node)
