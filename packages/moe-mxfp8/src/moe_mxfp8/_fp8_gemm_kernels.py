@@ -1,5 +1,9 @@
 """Triton kernel of the FP8 grouped GEMM (``gemm="triton"`` of ``moe_mxfp8.fp8_gemm``,
-whose docstring states the contract). Importing this module requires Triton."""
+whose docstring states the contract). Importing this module requires Triton.
+
+The tile walk (groups found from the device offsets, bands of m-tiles, one flat (tile,
+k-step) loop per persistent program) has the shape of moe_model's BF16 grouped GEMM;
+this package installs and runs without moe_model, so it keeps its own."""
 
 import triton
 import triton.language as tl
