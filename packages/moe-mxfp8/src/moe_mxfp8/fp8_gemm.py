@@ -104,13 +104,15 @@ class FP8TileConfig:
     programs_per_sm: int = 1
 
 
-# The fastest at the bench-1gpu expert shapes on an H200 (the tile sweep of
-# ``tools/bench_fp8_experts.py``), per accumulation: with the running sum in the tensor
-# cores one wide tile per SM (1,203 TFLOP/s); where every K step's product is promoted
-# (rowwise) or scaled and promoted (blockwise) in FP32 registers, the program waits for
-# its tensor cores before that work, and two programs of narrower tiles per SM let one
-# program's FP32 work run under the other's products (884 and 587 TFLOP/s, against 738
-# and 420 with the wide tile). The interpreter's small tiles keep CPU tests fast.
+# The fastest at the bench-1gpu expert shapes on an H200, per accumulation (the tile sweep
+# of ``tools/from_source.sh python3 tools/bench_fp8_experts.py --no-blockwise --routing
+# balanced``, commit fd4ff16): with the running sum in the tensor cores one wide tile per
+# SM (1,220 TFLOP/s; 1,233 with four stages, within the spread between runs); where every
+# K step's product is promoted (rowwise) or scaled and promoted (blockwise) in FP32
+# registers, the program waits for its tensor cores before that work, and two programs of
+# narrower tiles per SM let one program's FP32 work run under the other's products (877
+# and 505 TFLOP/s, against 738 and 409 with the wide tile). The interpreter's small tiles
+# keep CPU tests fast.
 FP8_TILES_GPU = {"fast": FP8TileConfig(128, 256, 128, 8, 8, 3, True),
                  "promoted": FP8TileConfig(64, 128, 128, 8, 4, 3, True, 2)}
 FP8_TILES_CPU = FP8TileConfig(16, 16, 16, 2, 1, 1, False)
@@ -192,9 +194,9 @@ def fp8_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dtype:
                    gemm: str, fast_accum: bool) -> torch.Tensor:
     """``a [R, K] @ b[e]^T`` per expert segment; ``b`` is ``[E, N, K]``, both scaled along K
     (rowwise, or blockwise with ``gemm`` ``triton`` or ``emulated``)."""
-    blockwise = _check_pair(a, b)
     if gemm == "triton":
-        return triton_grouped_mm(a, b, offsets, out_dtype, fast_accum)
+        return triton_grouped_mm(a, b, offsets, out_dtype, fast_accum)  # checks the pair itself
+    blockwise = _check_pair(a, b)
     if gemm == "native":
         if blockwise:
             raise ValueError("gemm='native' (torch._scaled_grouped_mm) takes rowwise scales only")

@@ -578,12 +578,12 @@ def _refuse_low_precision_experts(req: PlanRequest) -> None:
     reach routed experts is refused, not predicted as if they ran in the compute dtype.
 
     Why not modelled: on one H200 the FP8 step's gains and losses are not the GEMM
-    benchmark's ratios. ``fp8_rowwise_gw_hp`` ran 1.07x BF16 at the layer
-    (``tools/bench_fp8_experts.py``) and 0.96x in the ``bench-1gpu`` step; fast
-    accumulation in the input gradients moved the step by 148 ms where the same commit's
-    GEMM rates (900 against 1,039 TFLOP/s) predict 36 of the model's 340 ms of
-    input-gradient GEMMs (docs/performance.md, FP8 experts). Emulated MXFP8 and ``fp8_blockwise``
-    run FP32 matmuls. A time for them needs per-role rates measured inside the step."""
+    benchmark's ratios. At commit aad7336 ``fp8_rowwise_gw_hp`` ran 1.07x BF16 at the layer
+    (``tools/bench_fp8_experts.py``) and 0.96x in the ``bench-1gpu`` step
+    (``tools/bench_train_step.py``); fast accumulation in the input gradients moved the
+    step by 148 ms where the same commit's GEMM rates (900 against 1,039 TFLOP/s) predict
+    36 of the model's 340 ms of input-gradient GEMMs. Emulated MXFP8 and emulated FP8 run
+    FP32 matmuls. A time for them needs per-role rates measured inside the step."""
     hit = req.low_precision_expert_layers
     if hit:
         raise ValueError(
