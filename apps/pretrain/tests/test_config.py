@@ -155,6 +155,15 @@ def test_toml_file_errors_name_the_key(tmp_path):
     (["parallel.ep=2", "parallel.ep_overlap_chunks=2", "parallel.ep_comm_sms=0"], "parallel.ep_comm_sms=0"),
     (["parallel.ep=2", "parallel.ep_overlap_chunks=2", "parallel.ep_comm_sms=16", "train.device=cpu"],
      "parallel.ep_comm_sms=16 bounds a CUDA stream's SMs: train.device=cpu has none"),
+    (["parallel.ep_overlap_microbatches=true"], "parallel.ep_overlap_microbatches interleaves two "
+     "microbatches at the EP transport: it needs parallel.ep > 1 or an all_to_all or rowwise "
+     "parallel.ep_backend"),
+    (["parallel.ep=2", "parallel.ep_overlap_microbatches=true", "parallel.ep_overlap_chunks=2"],
+     "parallel.ep_overlap_chunks=2 pipelines one microbatch's chunks instead; use one of the two"),
+    (["parallel.ep=2", "parallel.ep_overlap_microbatches=true", "model.recompute=block"],
+     "model.recompute=block holds its state across the transport calls"),
+    (["parallel.ep_backend=all_to_all", "parallel.ep_overlap_microbatches=true", "parallel.pp=2"],
+     "parallel.pp=2 runs its own microbatch schedule"),
     (["mxfp8.gemm=fast"], "invalid mxfp8 config: MXFP8Config.gemm must be one of"),
     (["parallel.pp=2", "model.tie_embeddings=true"], "model.tie_embeddings with parallel.pp > 1"),
     (["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "model.recompute=block"],

@@ -21,7 +21,7 @@ from pretrain.graphs import split_into_units
 from pretrain.mesh import build_mesh
 from pretrain.metrics import MetricsLog
 from pretrain.runtime import distributed
-from pretrain.trainer import Trainer
+from pretrain.trainer import Trainer, graph_unit, microbatch_groups
 
 
 class _RerunUnits:
@@ -31,7 +31,7 @@ class _RerunUnits:
     stream = None  # the eager warm-up runs on the current stream
 
     def __init__(self, trainer: Trainer) -> None:
-        self.unit = trainer.cfg.parallel.merge_expert_grad_microbatches
+        self.unit = graph_unit(trainer.cfg)
         self.n_middle, self.last_size = split_into_units(trainer.data.n_microbatches, self.unit)
         self.loss_sum = torch.zeros(())
         self.stats_sum = torch.zeros(trainer.packer.n_slots * trainer.packer.width, dtype=torch.float64)
@@ -114,6 +114,43 @@ def test_graph_units_train_exactly_like_eager_steps(unit):
     for name, ref in eager_weights.items():
         assert torch.equal(weights[name], ref), name
     assert eager[-1][0] < eager[0][0]
+
+
+def test_microbatches_pair_up_but_the_synchronised_last_and_an_odd_one_out():
+    assert microbatch_groups(5, pairs=False, finish=True) == [[0], [1], [2], [3], [4]]
+    assert microbatch_groups(5, pairs=True, finish=True) == [[0, 1], [2, 3], [4]]
+    assert microbatch_groups(4, pairs=True, finish=True) == [[0, 1], [2], [3]]
+    assert microbatch_groups(4, pairs=True, finish=False) == [[0, 1], [2, 3]]
+    assert microbatch_groups(3, pairs=True, finish=False) == [[0, 1], [2]]
+    assert microbatch_groups(1, pairs=True, finish=True) == [[0]]
+
+
+@pytest.mark.parametrize("merge, unit", [(1, 2), (2, 2), (3, 6), (4, 4)])
+def test_a_graph_unit_holds_whole_pairs(merge, unit):
+    overrides = ["parallel.ep_backend=all_to_all", f"parallel.merge_expert_grad_microbatches={merge}"]
+    assert graph_unit(load_config("tiny", overrides)) == merge
+    assert graph_unit(load_config("tiny", [*overrides, "parallel.ep_overlap_microbatches=true"])) == unit
+
+
+def test_interleaved_pairs_train_in_graph_units_exactly_like_eager_steps(monkeypatch):
+    """Five microbatches, pairs interleaved at the transport (an EP group of one rank): eager
+    steps run (0, 1), (2, 3), 4; the units (two of one pair each, then the last) run the same
+    pairs, so the same bits. Every step runs its two pairs through the interleave."""
+    from moe_ep_transport import MicrobatchInterleave
+
+    runs = []
+    run = MicrobatchInterleave.run
+    monkeypatch.setattr(MicrobatchInterleave, "run", lambda self, forwards: runs.append(len(forwards))
+                        or run(self, forwards))
+    overrides = [*COMMON, "parallel.ep_backend=rowwise", "parallel.ep_overlap_microbatches=true"]
+    with distributed("cpu"):
+        eager, eager_weights = _steps(overrides, units=False)
+        assert runs == [2] * 8
+        replayed, weights = _steps(overrides, units=True)
+    assert runs == [2] * 16
+    assert replayed == eager
+    for name, ref in eager_weights.items():
+        assert torch.equal(weights[name], ref), name
 
 
 def test_a_step_after_the_capture_that_runs_eagerly_trains_like_an_eager_step():

@@ -8,7 +8,9 @@ the per-microbatch load-balancing loss matches; router bias updates and the z-lo
 are on. Global-batch load balancing matches when every rank runs one microbatch
 (the EP2 run, against a one-process run of one microbatch), also with each MoE layer's
 tokens in 3 pipelined chunks (``parallel.ep_overlap_chunks``: 128 tokens in chunks of 43,
-43 and 42).
+43 and 42). EP2 with microbatches interleaved at the transport
+(``parallel.ep_overlap_microbatches``: 4 microbatches of one sequence per rank, the first
+two a pair) matches one process running the same 8 microbatches one at a time.
 
 Resume: a DP2 run stops after its step-2 checkpoint (``train.stop_after``: the
 process ends as if killed right after the commit, and steps 3-4 never run); runs
@@ -63,10 +65,11 @@ def _assert_losses(run_dir: Path, reference: list[dict], steps: list[int]) -> No
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict[str, list[dict]]:
-    """Uninterrupted one-process runs: tiny's 4 microbatches, and one microbatch of 8."""
+    """Uninterrupted one-process runs: tiny's 4 microbatches, 8 of one sequence, and one of 8."""
     root = tmp_path_factory.mktemp("reference")
     return {
         "micro": train(load_config("tiny", [*COMMON, f"run_dir={root / 'micro'}"])),
+        "micro1": train(load_config("tiny", [*COMMON, "train.micro_batch=1", f"run_dir={root / 'micro1'}"])),
         "global": train(load_config("tiny", [*COMMON, *ONE_MICROBATCH, "train.micro_batch=8",
                                              f"run_dir={root / 'global'}"])),
     }
@@ -107,7 +110,10 @@ def test_dp2_resumes_its_own_checkpoint(dp2_stopped, references):
     (2, ["parallel.ep=2", "parallel.ep_backend=rowwise", "parallel.ep_overlap_chunks=3",
          "train.micro_batch=4", *ONE_MICROBATCH], "global",
      "world 2 = pp 1 x dp 2 (dp = ep 2 x ep_dp 1); microbatches per rank: 1"),
-], ids=["ep2", "pp2", "dp2xpp2", "ep2xdp2", "ep2-overlap3"])
+    (2, ["parallel.ep=2", "parallel.ep_backend=rowwise", "parallel.ep_overlap_microbatches=true",
+         "train.micro_batch=1"], "micro1",
+     "world 2 = pp 1 x dp 2 (dp = ep 2 x ep_dp 1); microbatches per rank: 4"),
+], ids=["ep2", "pp2", "dp2xpp2", "ep2xdp2", "ep2-overlap3", "ep2-interleaved"])
 def test_layouts_match_one_process(tmp_path, references, n_procs, overrides, reference, layout):
     proc = _pretrain(n_procs, [*overrides, f"run_dir={tmp_path}"])
     assert layout in proc.stdout

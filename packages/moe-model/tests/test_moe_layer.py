@@ -328,24 +328,29 @@ class _RecordingSink:
 
 def test_a_pipelining_dispatcher_delivers_each_expert_weight_gradient_once():
     """The experts called once per chunk: the sink they capture holds each weight's gradients
-    until every call's has come, then hands the layer's sink one (merged where it can)."""
+    until every call's has come, then hands the layer's sink one (merged where it can). The
+    experts hold it only during each call: between calls (where an interleaved forward of
+    the same layer may run) they hold their own sink."""
     from moe_model.experts import ExpertWeightGradient
     from moe_model.sink import MergingSink
 
     cfg, layer, x = layer_and_input()
     sink = _RecordingSink()
     layer.experts.grad_sink = sink
-    seen = []
+    seen, between = [], []
 
     class Spy(_TwoHalves):
         def run_experts(self, x, expert_ids, weights, experts):
-            out = super().run_experts(x, expert_ids, weights, experts)
-            seen.append(layer.experts.grad_sink)  # what the experts' calls captured
-            return out
+            def spied(rows, offsets):
+                between.append(layer.experts.grad_sink)
+                return experts(rows, offsets)
+            return super().run_experts(x, expert_ids, weights, spied)
 
     wire_model(layer, ModelWiring(gradient_sink=sink, dispatchers={"": Spy(LocalDispatcher(cfg.n_experts))}))
+    layer.experts.register_forward_pre_hook(lambda module, args: seen.append(module.grad_sink))
     layer(x)
-    (merging,) = seen
+    merging = seen[0]
+    assert seen == [merging, merging] and between == [sink, sink]
     assert isinstance(merging, MergingSink) and merging.sink is sink and merging.uses == 2
     assert layer.experts.grad_sink is sink  # restored after the forward
     w = layer.experts.w1

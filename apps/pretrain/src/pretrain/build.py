@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from moe_ep_transport import EPConfig, EPDispatcher, Transport, make_transport
+from moe_ep_transport import EPConfig, EPDispatcher, MicrobatchInterleave, Transport, make_transport
 from moe_model import (
     MoELayer,
     MoETransformer,
@@ -55,6 +55,8 @@ class ModelPart:
     transport: Transport | None  # the EP group's token transport (parallel.ep_backend != local)
     mxfp8_layers: list[str]  # modules swapped for MXFP8 ones
     nvshmem: bool  # the transport runs on NVSHMEM (finalised on close)
+    # runs microbatch forwards interleaved at the dispatchers' calls (parallel.ep_overlap_microbatches)
+    interleave: MicrobatchInterleave | None = None
 
     def close(self) -> None:
         """Release the EP transport (collective over the EP group)."""
@@ -158,6 +160,7 @@ def build_model_part(cfg: PretrainConfig, mesh: ParallelMesh, device: torch.devi
                     setattr(stage.module, name, getattr(module, name))
     backend = p.resolved_ep_backend()
     transport = None
+    interleave = None
     dispatchers: dict[str, TokenDispatcher] = {}
     if backend != "local":
         ep_cfg = EPConfig(n_experts=m.n_experts, top_k=m.top_k,
@@ -167,7 +170,8 @@ def build_model_part(cfg: PretrainConfig, mesh: ParallelMesh, device: torch.devi
         codec = EP_PAYLOAD_CODECS[p.ep_payload]() if p.ep_payload != "compute" else None
         transport = make_transport(backend, ep_cfg, mesh.ep_mp_group, device=device, dtype=dtype,
                                    codec=codec)
-        dispatchers = {name: EPDispatcher(ep_cfg, transport, codec=codec, seed=index)
+        interleave = MicrobatchInterleave() if p.ep_overlap_microbatches else None
+        dispatchers = {name: EPDispatcher(ep_cfg, transport, codec=codec, seed=index, interleave=interleave)
                        for index, name in layer_names.items()}
     return ModelPart(module, pipeline, layers, dispatchers, transport, mxfp8_layers,
-                     nvshmem=backend == "rowwise" and device.type == "cuda")
+                     nvshmem=backend == "rowwise" and device.type == "cuda", interleave=interleave)

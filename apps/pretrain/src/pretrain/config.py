@@ -89,6 +89,13 @@ class ParallelConfig:
     # context; moe_ep_transport.EPConfig.comm_sms); none: every SM, at the highest priority,
     # the fastest measured (2 chunks on bench-2gpu: 0.90x at 32 SMs, 0.72x at 16)
     ep_comm_sms: int | None = None
+    # two microbatches' forwards interleaved at the EP transport: one's dispatch and combine
+    # run on a communication stream under the other's attention and expert GEMMs, and the
+    # backward of the pair interleaves the same way (moe_ep_transport.MicrobatchInterleave).
+    # Every microbatch but the step's last goes in a pair (the last runs alone, so that the
+    # gradient sync still overlaps its backward); two microbatches' activations are alive at
+    # once. Needs EP, model.recompute=none, parallel.pp=1 and ep_overlap_chunks=1.
+    ep_overlap_microbatches: bool = False
     ddp_mode: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"  # gradient sync collective
     # routed experts' weight gradients added to the FP32 main grads inside the grouped GEMM's
     # epilogue, the untied embedding's rows of the tokens seen, and the dense linear layers'
@@ -330,6 +337,8 @@ class PretrainConfig:
             self._check_ep_payload()
         if p.ep_overlap_chunks > 1 or p.ep_comm_sms is not None:
             self._check_ep_overlap()
+        if p.ep_overlap_microbatches:
+            self._check_ep_microbatch_overlap()
         if self.model.tie_embeddings and p.pp > 1:
             raise ConfigError(
                 "model.tie_embeddings with parallel.pp > 1 is not supported: the embedding and the "
@@ -405,6 +414,25 @@ class PretrainConfig:
         if p.ep_comm_sms is not None and t.device == "cpu":
             raise ConfigError(f"parallel.ep_comm_sms={p.ep_comm_sms} bounds a CUDA stream's SMs: "
                               "train.device=cpu has none")
+
+    def _check_ep_microbatch_overlap(self) -> None:
+        """Interleaved microbatches need a transport to overlap and forwards that hold no
+        thread-local state across its calls (moe_ep_transport.interleave)."""
+        p, m = self.parallel, self.model
+        why = None
+        if p.resolved_ep_backend() == "local":
+            why = "it needs parallel.ep > 1 or an all_to_all or rowwise parallel.ep_backend"
+        elif p.ep_overlap_chunks > 1:
+            why = (f"parallel.ep_overlap_chunks={p.ep_overlap_chunks} pipelines one microbatch's chunks "
+                   "instead; use one of the two")
+        elif m.recompute != "none":
+            why = (f"model.recompute={m.recompute} holds its state across the transport calls where "
+                   "the other microbatch runs; use model.recompute=none")
+        elif p.pp > 1:
+            why = f"parallel.pp={p.pp} runs its own microbatch schedule"
+        if why is not None:
+            raise ConfigError(f"parallel.ep_overlap_microbatches interleaves two microbatches at the EP "
+                              f"transport: {why}")
 
     def _check_ep_payload(self) -> None:
         """A quantized dispatch payload needs a transport that encodes it, and experts that

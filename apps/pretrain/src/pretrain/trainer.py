@@ -52,6 +52,7 @@ Shape legend: L MoE layers of the model, E experts.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -117,6 +118,22 @@ class StepResult:
 
     record: dict[str, Any]  # the step's metrics record (a line of metrics.jsonl)
     stop: bool  # some rank asked to stop (a signal): the vote summed over the world
+
+
+def microbatch_groups(n: int, pairs: bool, finish: bool) -> list[list[int]]:
+    """The microbatches ``0..n-1`` in the groups that run forward and backward together:
+    alone, or with ``pairs`` two at a time (interleaved at the EP transport), except the
+    last one where ``finish`` (it runs alone, with the gradient sync overlapping its
+    backward) and one left over from an odd count."""
+    paired = (n - 1 if finish else n) // 2 * 2 if pairs else 0
+    return [[i, i + 1] for i in range(0, paired, 2)] + [[i] for i in range(paired, n)]
+
+
+def graph_unit(cfg: PretrainConfig) -> int:
+    """Microbatches per CUDA-graph unit: ``merge_expert_grad_microbatches`` (resolved), twice
+    that where pairs are interleaved and it is odd, so that a unit holds whole pairs."""
+    merge = int(cfg.parallel.merge_expert_grad_microbatches)
+    return merge * 2 if cfg.parallel.ep_overlap_microbatches and merge % 2 else merge
 
 
 class _MarkedGradSync:
@@ -221,7 +238,7 @@ class Trainer:
         ``MicrobatchGraphs``; a CPU test passes a stand-in)."""
         if new_graphs is None:
             new_graphs = lambda: MicrobatchGraphs(  # noqa: E731
-                self.model, self.data.n_microbatches, self.cfg.parallel.merge_expert_grad_microbatches,
+                self.model, self.data.n_microbatches, graph_unit(self.cfg),
                 self.packer.n_slots * self.packer.width, self.device)
         transport = self.part.transport
         self._graphs = GraphedForwardBackward(
@@ -387,21 +404,31 @@ class Trainer:
         added to ``loss_sum`` (a new zero if ``None``), which is returned."""
         if loss_sum is None:
             loss_sum = torch.zeros((), device=self.device)
-        for index, tokens in enumerate(batches):
-            sync = finish and index == len(batches) - 1
+        for group in microbatch_groups(len(batches), self.part.interleave is not None, finish):
+            sync = finish and group[-1] == len(batches) - 1
             with nullcontext() if sync else self.ddp.no_sync():
                 self._mark("forward")
-                inputs = tokens[:, :-1]
-                documents = (None if self.document_eos is None
-                             else documents_from_eos(inputs, self.document_eos))
-                loss = lm_loss_sum(self.model(inputs, documents=documents), tokens[:, 1:]) * self.loss_scale
+                losses = self._losses([batches[i] for i in group])
                 self._mark("backward")
-                loss.backward()
-            loss_sum += loss.detach()
+                torch.autograd.backward(losses)
+            for loss in losses:
+                loss_sum += loss.detach()
         if finish:
             self._mark("grad_sync")
             self.ddp.finish_grad_sync()
         return loss_sum
+
+    def _losses(self, group: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The scaled loss of each microbatch of ``group``: forwards one at a time, or a pair
+        interleaved at the EP transport (``parallel.ep_overlap_microbatches``)."""
+        def loss(tokens: torch.Tensor) -> torch.Tensor:
+            inputs = tokens[:, :-1]
+            documents = None if self.document_eos is None else documents_from_eos(inputs, self.document_eos)
+            return lm_loss_sum(self.model(inputs, documents=documents), tokens[:, 1:]) * self.loss_scale
+
+        if len(group) == 1:
+            return [loss(group[0])]
+        return self.part.interleave.run([functools.partial(loss, tokens) for tokens in group])
 
     def unit_work(self, tokens: Sequence[torch.Tensor], last: bool, loss_sum: torch.Tensor,
                   stats_sum: torch.Tensor) -> None:

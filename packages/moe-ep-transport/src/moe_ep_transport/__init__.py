@@ -15,6 +15,7 @@ from moe_ep_transport._triton_support import (
 from moe_ep_transport.codec import RowCodec, bytes_per_row
 from moe_ep_transport.config import EPConfig, OverflowPolicy
 from moe_ep_transport.dispatcher import EPDispatcher, EPHandle, EPOverflowError, make_transport
+from moe_ep_transport.interleave import MicrobatchInterleave
 from moe_ep_transport.peer_memory import EmulatedPeerMemory, PeerMemory
 from moe_ep_transport.pipeline import PipelinedHandle
 from moe_ep_transport.plan import RoutePlan
@@ -30,6 +31,7 @@ __all__ = [
     "EPOverflowError",
     "EPTelemetry",
     "EmulatedPeerMemory",
+    "MicrobatchInterleave",
     "OverflowPolicy",
     "PeerMemory",
     "PipelinedHandle",

@@ -13,6 +13,9 @@ plus the gradient of the weights. ``run_experts(x, expert_ids, weights, experts)
 dispatch -> experts -> combine in one call (moe_model's ``PipelinesExperts``): in
 ``EPConfig.overlap_chunks`` token chunks pipelined over two CUDA streams
 (:mod:`moe_ep_transport.pipeline`), or, with one chunk, as the three plain calls.
+With an ``interleave`` (:class:`~moe_ep_transport.interleave.MicrobatchInterleave`),
+dispatch and combine called from one of its forwards run on the communication stream
+and hand control to the next forward.
 
 Overflow (a destination asked for more than C rows): with ``overflow="drop"`` the
 rows chosen by :mod:`moe_ep_transport.overflow` are dropped; their weights count as
@@ -36,6 +39,7 @@ import torch.distributed as dist
 from moe_ep_transport import ops
 from moe_ep_transport.codec import RowCodec
 from moe_ep_transport.config import EPConfig
+from moe_ep_transport.interleave import MicrobatchInterleave
 from moe_ep_transport.overflow import HASH_PRIME
 from moe_ep_transport.pipeline import ExpertsFn, PipelinedHandle, run_pipelined
 from moe_ep_transport.plan import RoutePlan
@@ -160,13 +164,17 @@ class _Combine(torch.autograd.Function):
 class EPDispatcher:
     """Dispatch/combine for one MoE layer over a transport (shared by the layers of a group).
 
-    ``seed`` salts the overflow priorities (give each layer its own).
+    ``seed`` salts the overflow priorities (give each layer its own). ``interleave``: the
+    microbatch interleave whose forwards call this dispatcher, if any (share one between
+    the layers of a model).
     """
 
     def __init__(
-        self, cfg: EPConfig, transport: Transport, codec: RowCodec | None = None, seed: int = 0
+        self, cfg: EPConfig, transport: Transport, codec: RowCodec | None = None, seed: int = 0,
+        interleave: MicrobatchInterleave | None = None,
     ) -> None:
         self.cfg = cfg
+        self.interleave = interleave
         self.transport = transport
         self.codec = codec
         self.seed = seed
@@ -226,6 +234,15 @@ class EPDispatcher:
         tensor, unchanged (otherwise it sends the weights it gets).
         """
         self._check_inputs(x_TD, expert_ids_Tk, weights)
+        if self.interleave is not None and self.interleave.interleaving:
+            inputs = [x_TD, expert_ids_Tk] + ([weights] if weights is not None else [])
+            return self.interleave.transport_call(
+                lambda: self._dispatch(x_TD, expert_ids_Tk, weights), inputs, lambda out: out[:2])
+        return self._dispatch(x_TD, expert_ids_Tk, weights)
+
+    def _dispatch(
+        self, x_TD: torch.Tensor, expert_ids_Tk: torch.Tensor, weights: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, EPHandle]:
         expert_N = expert_ids_Tk.reshape(-1)  # any integer dtype: the plan kernels read it as is
         plan = self.transport.plan_routes(
             expert_N, self.cfg.n_experts, top_k=self.cfg.top_k, capacity=self.capacity, salt=self._salt,
@@ -265,6 +282,11 @@ class EPDispatcher:
         if self.cfg.overlap_chunks == 1:
             rows, offsets, handle = self.dispatch(x_TD, expert_ids_Tk, weights_Tk)
             return self.combine(experts(rows, offsets), weights_Tk, handle), handle
+        if self.interleave is not None and self.interleave.interleaving:
+            raise ValueError(
+                f"EPConfig.overlap_chunks={self.cfg.overlap_chunks} pipelines chunks of one microbatch; "
+                "it does not combine with a microbatch interleave (use one or the other)"
+            )
         return run_pipelined(self, x_TD, expert_ids_Tk, weights_Tk, experts, self.cfg.overlap_chunks)
 
     def combine(self, rows_out_CD: torch.Tensor, weights_Tk: torch.Tensor, handle: EPHandle) -> torch.Tensor:
@@ -276,6 +298,10 @@ class EPDispatcher:
                 f"weights must be [{plan.n_tokens}, {plan.top_k}], got {tuple(weights_Tk.shape)}"
             )
         staged = handle.weights is weights_Tk and _version(weights_Tk) == handle.weights_version
+        if self.interleave is not None and self.interleave.interleaving:
+            return self.interleave.transport_call(
+                lambda: _Combine.apply(rows_out_CD, weights_Tk, self, handle.route, staged),
+                [rows_out_CD, weights_Tk], lambda y: [y])
         return _Combine.apply(rows_out_CD, weights_Tk, self, handle.route, staged)
 
     def _send_tokens(self, x_TD: torch.Tensor, route: Any, w_N: torch.Tensor | None) -> torch.Tensor:

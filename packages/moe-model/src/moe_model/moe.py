@@ -142,7 +142,12 @@ class MoELayer(nn.Module):
     def _run_experts(self, dispatcher: PipelinesExperts, x_TD: torch.Tensor, expert_ids: torch.Tensor,
                      weights: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """``dispatcher.run_experts`` with the experts; their weight gradients reach a gradient
-        sink once per forward however many calls the dispatcher makes (``MergingSink``)."""
+        sink once per forward however many calls the dispatcher makes (``MergingSink``).
+
+        The experts hold the merging sink only for the length of each call (their GEMMs take
+        it in their forward): the dispatcher may hand control to another forward of this
+        layer between its calls (an interleave of microbatches), which must find the
+        experts' own sink."""
         sink = getattr(self.experts, "grad_sink", None)
         if sink is None:
             return dispatcher.run_experts(x_TD, expert_ids, weights, self.experts)
@@ -150,13 +155,13 @@ class MoELayer(nn.Module):
 
         def experts(rows: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
             merging.uses += 1
-            return self.experts(rows, group_offsets)
+            self.experts.grad_sink = merging
+            try:
+                return self.experts(rows, group_offsets)
+            finally:
+                self.experts.grad_sink = sink
 
-        self.experts.grad_sink = merging  # each call's GEMMs take it in their forward
-        try:
-            return dispatcher.run_experts(x_TD, expert_ids, weights, experts)
-        finally:
-            self.experts.grad_sink = sink
+        return dispatcher.run_experts(x_TD, expert_ids, weights, experts)
 
     def _balance_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """The counts ``f_e`` is taken from (see the module docstring)."""

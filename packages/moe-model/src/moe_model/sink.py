@@ -84,7 +84,7 @@ class MergingSink:
     delivery with synchronisation on (its bucket may then be reduced), so a weight used
     ``n`` times in the step's last backward must arrive once, not ``n`` times. The sink
     is captured by each use in the forward, so the caller installs this one on the module
-    for the forward's duration and counts the calls into ``uses`` (a backward that runs
+    around each use and counts the calls into ``uses`` (a backward that runs
     the weight's ``AccumulateGrad`` node delivers every use's gradient; others none).
     """
 
