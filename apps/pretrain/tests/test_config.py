@@ -151,7 +151,8 @@ def test_toml_file_errors_name_the_key(tmp_path):
     (["parallel.ep=2", "parallel.ep_overlap_chunks=1025", "train.micro_batch=4", "train.seq_len=256"],
      "parallel.ep_overlap_chunks=1025 exceeds the 1024 tokens of a microbatch"),
     (["parallel.ep=2", "parallel.ep_comm_sms=16"], "parallel.ep_comm_sms=16 bounds the SMs of the EP "
-     "communication stream: a positive count, with parallel.ep_overlap_chunks > 1"),
+     "communication stream: a positive count, with parallel.ep_overlap_chunks > 1 or "
+     "parallel.ep_overlap_microbatches"),
     (["parallel.ep=2", "parallel.ep_overlap_chunks=2", "parallel.ep_comm_sms=0"], "parallel.ep_comm_sms=0"),
     (["parallel.ep=2", "parallel.ep_overlap_chunks=2", "parallel.ep_comm_sms=16", "train.device=cpu"],
      "parallel.ep_comm_sms=16 bounds a CUDA stream's SMs: train.device=cpu has none"),

@@ -289,6 +289,10 @@ ONE_PROCESS = {
     "float32": ["train.compute_dtype=float32"],  # FP32 compute weights and activations
     "tied_wide_vocab": [*WIDE_VOCAB, "model.tie_embeddings=true"],
     "all_to_all_ep1": ["parallel.ep_backend=all_to_all"],  # the EP transport on one rank
+    # two microbatches in flight (four a step: a pair, then two alone): one peaks while the
+    # other holds its activations
+    "interleaved_pairs": ["parallel.ep_backend=all_to_all", "parallel.ep_overlap_microbatches=true",
+                          "train.global_batch=8"],
     # FP8 experts handing their weight gradients to the trainer's sink; with FP8 weight
     # gradients (rowwise) or BF16 ones (blockwise)
     "fp8_rowwise": [*LOW_PRECISION, "mxfp8.recipe=fp8_rowwise"],

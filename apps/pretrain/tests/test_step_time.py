@@ -490,6 +490,45 @@ def test_the_sm_share_fit_recovers_the_share_of_a_pipelined_layer(share):
     assert fit_comm_sm_share(4.0, 8.0, 0.1, 4) == 0.0  # faster than any share: clamped
 
 
+@pytest.mark.parametrize("calls, other, share, exposed", [
+    (1.0, 3.0, 0.0, 0.0),  # under the other microbatch's compute, which keeps every SM
+    (1.0, 3.0, 0.5, 0.5),  # the compute loses half its SMs while the calls run
+    (4.0, 3.0, 0.0, 1.0),  # longer than the compute: the calls pace the pass
+    (4.0, 3.0, 0.9, 3.6),
+    (2.0, 5.0, 1.0, 2.0),  # every SM to the calls: nothing hidden
+])
+def test_interleaved_calls_hide_under_the_other_microbatch(calls, other, share, exposed):
+    from pretrain.planner.step_time import interleaved_exposed_s
+
+    assert interleaved_exposed_s(calls, other, share) == pytest.approx(exposed, rel=1e-12)
+
+
+def test_microbatch_pairs_cover_all_but_the_last_and_an_odd_one_out():
+    from pretrain.planner.step_time import paired_share
+
+    assert [paired_share(n) for n in (1, 2, 3, 4, 5, 16)] == [0, 0, 2 / 3, 2 / 4, 4 / 5, 14 / 16]
+
+
+def test_interleaved_pairs_hide_calls_unless_the_calls_take_every_sm():
+    """bench-2gpu as EP2, 16 microbatches a rank: 14 interleaved. The calls cost what they
+    cost unsplit; less of it is exposed, none hidden where the calls take every SM."""
+    profile = load_profile("h200")
+    base = PlanRequest.from_config(load_config("bench-2gpu", ["parallel.ep=2", "parallel.ep_backend=rowwise"]), 2)
+    one = predict_step(base, profile, cuda_graphs=True)
+    pairs = predict_step(replace(base, ep_overlap_microbatches=True), profile, cuda_graphs=True)
+    assert pairs.comm["ep_all_to_all"] == pytest.approx(one.comm["ep_all_to_all"], rel=1e-12)
+    assert pairs.exposed["ep_all_to_all"] < one.exposed["ep_all_to_all"]
+    assert pairs.step_s == pytest.approx(
+        one.step_s - (one.exposed["ep_all_to_all"] - pairs.exposed["ep_all_to_all"]), rel=1e-12)
+    # the calls fit under the other microbatch's block, so each paired one exposes share x calls
+    share = profile.ep_comm_sm_share
+    assert pairs.exposed["ep_all_to_all"] == pytest.approx(
+        one.exposed["ep_all_to_all"] * (14 / 16 * share + 2 / 16), rel=1e-9)
+    every = predict_step(replace(base, ep_overlap_microbatches=True, ep_comm_sms=profile.sm_count),
+                         profile, cuda_graphs=True)
+    assert every.exposed["ep_all_to_all"] == pytest.approx(one.exposed["ep_all_to_all"], rel=1e-12)
+
+
 def test_plan_time_reports_the_hidden_ep_time(capsys):
     assert main(["plan", "--config", "tiny", "--gpus", "2", "--time", "--json", "parallel.ep=2",
                  "parallel.ep_backend=rowwise", "parallel.ep_overlap_chunks=2"]) == 0
@@ -498,6 +537,10 @@ def test_plan_time_reports_the_hidden_ep_time(capsys):
     assert main(["plan", "--config", "tiny", "--gpus", "2", "--time", "parallel.ep=2",
                  "parallel.ep_backend=rowwise", "parallel.ep_overlap_chunks=2"]) == 0
     assert "EP dispatch/combine, 2 chunks" in capsys.readouterr().out
+    assert main(["plan", "--config", "tiny", "--gpus", "2", "--time", "parallel.ep=2",
+                 "parallel.ep_backend=rowwise", "parallel.ep_overlap_microbatches=true",
+                 "train.micro_batch=1"]) == 0
+    assert "EP dispatch/combine, interleaved" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fused,ratio", [(False, 3 * 2 * 1.5 / 6), (True, (2 * 2 * 1.5 + 2) / 6)])

@@ -166,11 +166,12 @@ def build_model_part(cfg: PretrainConfig, mesh: ParallelMesh, device: torch.devi
         ep_cfg = EPConfig(n_experts=m.n_experts, top_k=m.top_k,
                           max_tokens=ep_call_tokens(t.micro_batch * t.seq_len, p.ep_overlap_chunks),
                           d_model=m.d_model, capacity_factor=m.capacity_factor, combine=p.ep_combine,
-                          overlap_chunks=p.ep_overlap_chunks, comm_sms=p.ep_comm_sms)
+                          overlap_chunks=p.ep_overlap_chunks,
+                          comm_sms=p.ep_comm_sms if p.ep_overlap_chunks > 1 else None)
         codec = EP_PAYLOAD_CODECS[p.ep_payload]() if p.ep_payload != "compute" else None
         transport = make_transport(backend, ep_cfg, mesh.ep_mp_group, device=device, dtype=dtype,
                                    codec=codec)
-        interleave = MicrobatchInterleave() if p.ep_overlap_microbatches else None
+        interleave = MicrobatchInterleave(p.ep_comm_sms) if p.ep_overlap_microbatches else None
         dispatchers = {name: EPDispatcher(ep_cfg, transport, codec=codec, seed=index, interleave=interleave)
                        for index, name in layer_names.items()}
     return ModelPart(module, pipeline, layers, dispatchers, transport, mxfp8_layers,

@@ -85,9 +85,10 @@ class ParallelConfig:
     # chunks 0.97x; eager steps stalled for seconds where ep_comm_sms was unset
     # (docs/performance.md, bench-2gpu): 1 until the stall is understood
     ep_overlap_chunks: int = 1
-    # SMs the EP communication stream may use with ep_overlap_chunks > 1 (a CUDA green
-    # context; moe_ep_transport.EPConfig.comm_sms); none: every SM, at the highest priority,
-    # the fastest measured (2 chunks on bench-2gpu: 0.90x at 32 SMs, 0.72x at 16)
+    # SMs the EP communication stream may use with ep_overlap_chunks > 1 or
+    # ep_overlap_microbatches (a CUDA green context; moe_ep_transport.EPConfig.comm_sms,
+    # MicrobatchInterleave's comm_sms); none: every SM, at the highest priority, the fastest
+    # measured with chunks (2 chunks on bench-2gpu: 0.90x at 32 SMs, 0.72x at 16)
     ep_comm_sms: int | None = None
     # two microbatches' forwards interleaved at the EP transport: one's dispatch and combine
     # run on a communication stream under the other's attention and expert GEMMs, and the
@@ -393,10 +394,10 @@ class PretrainConfig:
         self.data.validate(f" ({origin})" if origin else "")
 
     def _check_ep_overlap(self) -> None:
-        """Chunks need a transport to overlap and tokens to fill them; an SM bound, chunks."""
+        """Chunks need a transport to overlap and tokens to fill them; an SM bound, an overlap."""
         p, t = self.parallel, self.train
         tokens = t.micro_batch * t.seq_len
-        if p.resolved_ep_backend() == "local":
+        if p.ep_overlap_chunks > 1 and p.resolved_ep_backend() == "local":
             raise ConfigError(
                 f"parallel.ep_overlap_chunks={p.ep_overlap_chunks} overlaps the EP transport with "
                 "the experts: it needs parallel.ep > 1 or an all_to_all or rowwise parallel.ep_backend"
@@ -406,10 +407,12 @@ class PretrainConfig:
                 f"parallel.ep_overlap_chunks={p.ep_overlap_chunks} exceeds the "
                 f"{tokens} tokens of a microbatch (train.micro_batch x train.seq_len)"
             )
-        if p.ep_comm_sms is not None and (p.ep_comm_sms < 1 or p.ep_overlap_chunks == 1):
+        overlapped = p.ep_overlap_chunks > 1 or p.ep_overlap_microbatches
+        if p.ep_comm_sms is not None and (p.ep_comm_sms < 1 or not overlapped):
             raise ConfigError(
                 f"parallel.ep_comm_sms={p.ep_comm_sms} bounds the SMs of the EP communication "
-                "stream: a positive count, with parallel.ep_overlap_chunks > 1"
+                "stream: a positive count, with parallel.ep_overlap_chunks > 1 or "
+                "parallel.ep_overlap_microbatches"
             )
         if p.ep_comm_sms is not None and t.device == "cpu":
             raise ConfigError(f"parallel.ep_comm_sms={p.ep_comm_sms} bounds a CUDA stream's SMs: "

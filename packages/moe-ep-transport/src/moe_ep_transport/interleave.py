@@ -12,8 +12,8 @@ Two microbatches A and B then issue, per MoE layer::
     A: attention, router, dispatch | B: attention, router, dispatch |
     A: experts, combine            | B: experts, combine            | A: next layer ...
 
-The transport calls go to the device's communication stream (``pipeline.comm_stream``,
-the highest priority), everything else to the caller's compute stream, with events
+The transport calls go to the device's communication stream (``pipeline.comm_stream``:
+the highest priority, or a green context's SMs), everything else to the caller's compute stream, with events
 handing tensors across: the compute stream runs ``A.attention, B.attention, A.experts,
 B.experts, A.next layer, ...`` while the communication stream runs ``A.dispatch,
 B.dispatch, A.combine, B.combine, ...``, so each transport call runs under the other
@@ -67,10 +67,15 @@ class MicrobatchInterleave:
     """Runs forwards interleaved at their transport calls (module docstring).
 
     Shared by the dispatchers of every MoE layer of a model part: a forward's calls
-    hand control to the next forward whichever layer makes them.
+    hand control to the next forward whichever layer makes them. ``comm_sms``: the
+    communication stream's SMs (a CUDA green context, as ``EPConfig.comm_sms`` for the
+    chunked pipeline); ``None``: every SM, at the highest priority.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, comm_sms: int | None = None) -> None:
+        if comm_sms is not None and comm_sms < 1:
+            raise ValueError(f"MicrobatchInterleave: comm_sms must be a positive count, got {comm_sms}")
+        self.comm_sms = comm_sms
         self._turns: list[Any] = []  # the greenlets of the running forwards, in turn order
         self._scheduler: Any = None  # the greenlet that runs them (the caller of run)
 
@@ -131,7 +136,7 @@ class MicrobatchInterleave:
         """
         if not self.interleaving:
             return call()
-        streams = _Streams(inputs[0].device, None)
+        streams = _Streams(inputs[0].device, self.comm_sms)
         streams.used_on("comm", *inputs)
         streams.comm_after_compute()
         with streams.on_comm():

@@ -76,6 +76,7 @@ class PlanRequest:
     ep_combine: str = "auto"  # moe_ep_transport.EPConfig.combine
     ep_overlap_chunks: int = 1  # parallel.ep_overlap_chunks: the transport is sized for one chunk
     ep_comm_sms: int | None = None  # parallel.ep_comm_sms: the EP communication stream's SMs
+    ep_overlap_microbatches: bool = False  # parallel.ep_overlap_microbatches: pairs in flight
     ep_payload: str = "compute"  # parallel.ep_payload: what the forward dispatch sends
     mxfp8_targets: tuple[str, ...] = ()
     mxfp8_save_activations: bool = False
@@ -181,7 +182,8 @@ class PlanRequest:
                    bucket_cap_mb=p.bucket_cap_mb, optimizer=cfg.optim.name,
                    ep_backend=_ep_backend(p.resolved_ep_backend()), ep_combine=p.ep_combine,
                    ep_overlap_chunks=p.ep_overlap_chunks,
-                   ep_comm_sms=p.ep_comm_sms, ep_payload=p.ep_payload, mxfp8_targets=tuple(cfg.mxfp8.targets),
+                   ep_comm_sms=p.ep_comm_sms, ep_overlap_microbatches=p.ep_overlap_microbatches,
+                   ep_payload=p.ep_payload, mxfp8_targets=tuple(cfg.mxfp8.targets),
                    mxfp8_save_activations=cfg.mxfp8.save_mxfp8_activations,
                    mxfp8_recipe=cfg.mxfp8.recipe, mxfp8_gemm=cfg.mxfp8.gemm,
                    merge_expert_grads=merge if p.fuse_grad_accumulation else 1,
@@ -355,7 +357,8 @@ def plan_memory(req: PlanRequest, shapes: ModelShapes | None = None,
             s: stage_memory(m, stage_layers[s], s == 0, s == n_stages - 1, rank_ex) for s in own
         }
         acts = rank_activations(stages, req.pp, req.virtual, req.schedule, req.microbatches, rank,
-                                message_bytes=ex.compute_bytes * ex.tokens * m.d_model)
+                                message_bytes=ex.compute_bytes * ex.tokens * m.d_model,
+                                pairs=req.ep_overlap_microbatches)
         # earlier microbatches' expert weight-gradient operands, held until merged: alive
         # through the next microbatch's forward and the start of its backward
         merged = (min(req.merge_expert_grads, req.microbatches) - 1) * merged_wgrad_operands(

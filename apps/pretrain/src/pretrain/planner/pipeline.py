@@ -46,16 +46,21 @@ def _schedule(name: str, pp: int, virtual: int, n_microbatches: int) -> Schedule
 
 
 def rank_activations(stages: Mapping[int, StageMemory], pp: int, virtual: int, schedule: str,
-                     n_microbatches: int, rank: int, message_bytes: int = 0) -> RankActivations:
+                     n_microbatches: int, rank: int, message_bytes: int = 0,
+                     pairs: bool = False) -> RankActivations:
     """Walk rank ``rank``'s actions of moe_pp schedule ``schedule`` (``gpipe``, ``1f1b``
     (interleaved with ``virtual > 1``), ``zero_bubble``); ``stages`` maps the rank's
     stage indices to their memory; ``message_bytes``: one activation (or its gradient)
-    between stages."""
+    between stages. ``pairs`` (no pipeline): microbatches interleaved two at a time at the
+    EP transport (``parallel.ep_overlap_microbatches``), which pairs all but the step's last:
+    from three microbatches on, one peaks while the other holds what it keeps."""
     if pp == 1:  # no pipeline (the trainer ignores virtual stages there)
         if len(stages) != 1:
             raise ValueError(f"pp=1 runs one stage, got {len(stages)}")
-        (only,) = stages.values()  # microbatches run one after another
-        return RankActivations(only.peak, 1)
+        (only,) = stages.values()
+        if pairs and n_microbatches >= 3:
+            return RankActivations(only.held + only.peak, 2)
+        return RankActivations(only.peak, 1)  # microbatches run one after another
     plan = _schedule(schedule, pp, virtual, n_microbatches)
     held = pp * message_bytes  # messages posted ahead or not yet released
     peak = in_flight = most = 0

@@ -30,6 +30,12 @@ replica groups (``persistent``). Per pipeline stage and microbatch it adds up:
   makespan of that schedule (``pipelined_layer_s``), in which the GEMMs lose the SM
   share the communication stream takes while both run. The exposed part is that
   makespan less the GEMMs at their full rate; the rest of the calls' time is hidden;
+  Interleaved pairs of microbatches (``parallel.ep_overlap_microbatches``): a paired
+  microbatch's calls of a block (``K`` seconds in a pass) run under the other
+  microbatch's compute of the same block and pass (``C``), which loses the
+  communication stream's SM share ``s`` (``comm_sm_share``) while they run, so ``max(s K, K - C)`` of them
+  is exposed (``interleaved_exposed_s``); the step's unpaired microbatches (its last,
+  one left over) keep theirs exposed;
 - recompute: ``block`` runs the forward again in the backward, ``selective`` its
   memory-bound part.
 
@@ -236,6 +242,10 @@ def _block_cost(s: _Setup, layer: int) -> StageCost:
     if expert_s:
         experts_fwd, experts_in, experts_w = _expert_passes(s, T, rows, expert_s)
         fwd, bwd_in, grads = fwd + experts_fwd, bwd_in + experts_in, grads + experts_w
+        if req.ep > 1 and req.ep_overlap_microbatches:
+            share, paired = comm_sm_share(p, req.ep_comm_sms), paired_share(req.microbatches)
+            fwd = _interleaved(fwd, fwd.device - fwd.ep_comm, share, paired)
+            bwd_in = _interleaved(bwd_in, bwd_in.device - bwd_in.ep_comm + grads.device, share, paired)
     if m.recompute == "block":
         bwd_in = bwd_in + fwd
     elif m.recompute == "selective":
@@ -287,6 +297,28 @@ def _expert_passes(s: _Setup, tokens: int, rows: float, expert_s: float
     bwd = overlapped(calls.combine_grad, work, calls.dispatch_grad, n * chunk_s,
                      extra * KERNELS_PER_CHUNK_BACKWARD)
     return fwd, bwd, PassCost(expert_gemm=weights)
+
+
+def paired_share(microbatches: int) -> float:
+    """Share of a step's microbatches that run in interleaved pairs (the trainer's
+    ``microbatch_groups``: all but the last, and one left over from an odd count)."""
+    return (microbatches - 1) // 2 * 2 / microbatches
+
+
+def interleaved_exposed_s(calls: float, other: float, share: float) -> float:
+    """Exposed seconds of one microbatch's EP calls in a block's pass (``calls``) that run
+    on the communication stream under the other microbatch's compute of that pass
+    (``other`` seconds at the full rate), which runs at ``1 - share`` of its rate while
+    they do: the pair's compute stream takes ``2 other + share 2 calls`` where the calls
+    fit under it, else the calls' ``2 calls`` pace the pass."""
+    return max(share * calls, calls - other)
+
+
+def _interleaved(cost: PassCost, other: float, share: float, paired: float) -> PassCost:
+    """``cost`` with its exposed EP calls as ``paired`` of the microbatches interleave them."""
+    calls = cost.ep_comm
+    exposed = paired * interleaved_exposed_s(calls, other, share) + (1 - paired) * calls
+    return replace(cost, ep_comm=exposed, ep_comm_hidden=cost.ep_comm_hidden + calls - exposed)
 
 
 def comm_sm_share(profile: Profile, comm_sms: int | None) -> float:

@@ -39,6 +39,8 @@ def format_step_time(st: StepTime) -> str:
     for label, key in _COMM:
         if key == "ep_all_to_all" and chunks > 1:
             label = f"EP dispatch/combine, {chunks} chunks"
+        elif key == "ep_all_to_all" and r.ep > 1 and r.ep_overlap_microbatches:
+            label = "EP dispatch/combine, interleaved"
         lines.append(f"  {label:34}{_ms(st.comm[key])}{_ms(st.exposed[key])}")
     lines.append(f"  {'pipeline bubble':34}{_ms(st.bubble_s)}")
     return "\n".join(lines)
