@@ -31,21 +31,29 @@ def test_parts_follow_the_options(tmp_path):
     bench = _tool()
     out = tmp_path / "ep.json"
     parts = bench.commands(bench.parse_args(["--out", str(out)]))
-    assert list(parts) == ["train_graphs", "train_graphs_overlap2", "train_graphs_overlap4", "train_eager",
-                           "train_eager_overlap2", "train_eager_overlap4", "transport"]
+    assert list(parts) == ["train_graphs", "train_graphs_overlap2", "train_graphs_overlap4", "train_graphs_mb1",
+                           "train_graphs_interleave", "train_graphs_interleave16", "train_eager",
+                           "train_eager_overlap2", "train_eager_overlap4", "train_eager_mb1",
+                           "train_eager_interleave", "train_eager_interleave16", "transport"]
+    interleave_cmd = parts["train_graphs_interleave16"][0]
+    assert {"parallel.ep_overlap_microbatches=true", "parallel.ep_comm_sms=16",
+            "train.micro_batch=1"} <= set(interleave_cmd)
+    assert "parallel.ep_overlap_microbatches=true" not in parts["train_graphs_mb1"][0]
+    assert "train.micro_batch=1" in parts["train_graphs_mb1"][0]
+    assert not any(c.startswith("parallel.ep_comm_sms") for c in parts["train_graphs_interleave"][0])
     overlap_cmd = parts["train_eager_overlap4"][0]
     assert "parallel.ep_overlap_chunks=4" in overlap_cmd and "train.cuda_graphs=false" in overlap_cmd
     assert overlap_cmd[overlap_cmd.index("--methods") + 1:overlap_cmd.index("--routing")] == ["ep"]
     assert not any(c.startswith("parallel.ep_comm_sms") for c in overlap_cmd)
     parts = bench.commands(bench.parse_args(["--out", str(out), "--overlap-chunks", "3", "--comm-sms", "24"]))
     assert "parallel.ep_comm_sms=24" in parts["train_graphs_overlap3"][0]
-    parts = bench.commands(bench.parse_args(["--out", str(out), "--overlap-chunks", "none"]))
+    parts = bench.commands(bench.parse_args(["--out", str(out), "--overlap-chunks", "none", "--interleave", "none"]))
     assert list(parts) == ["train_graphs", "train_eager", "transport"]
     train_cmd, train_json = parts["train_graphs"]
     assert "train.cuda_graphs=true" in train_cmd and train_json.parent == tmp_path
     assert train_cmd[train_cmd.index("--nproc-per-node") + 1] == "2"
-    parts = bench.commands(bench.parse_args(["--out", str(out), "--graphs", "off", "--tests",
-                                             "--skip", "transport", "--overlap-chunks", "none"]))
+    parts = bench.commands(bench.parse_args(["--out", str(out), "--graphs", "off", "--tests", "--skip",
+                                             "transport", "--overlap-chunks", "none", "--interleave", "none"]))
     assert list(parts) == ["train_eager", "tests"]
     assert "train.cuda_graphs=false" in parts["train_eager"][0]
     assert parts["tests"][0][:3] == [sys.executable, "-m", "pytest"]
@@ -75,6 +83,9 @@ def test_a_part_past_its_timeout_is_killed_with_its_children(tmp_path, setsid):
     (["--overlap-chunks", "1,2"], "2 or more chunks"),
     (["--overlap-chunks", "two"], "comma-separated integers or 'none'"),
     (["--overlap-chunks", "none", "--comm-sms", "8"], "for the --overlap-chunks runs"),
+    (["--interleave", "all,x"], "comma-separated SM counts or 'all', or 'none'"),
+    (["--interleave", "0"], "positive SM counts expected"),
+    (["--interleave-micro-batch", "0"], "a positive sequence count expected"),
 ])
 def test_bad_options_name_the_option(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -138,3 +149,28 @@ def test_main_checks_each_overlap_run_against_its_modes_dp_and_ep(tmp_path, monk
     (check,) = result["overlap_eager_checks"]
     assert check["chunks"] == 2 and check["over_dp"] == pytest.approx(1.07) and check["met"]
     assert "EP in 2 chunks 42,800 tok/s/GPU = 1.070x DP, 1.126x EP unsplit" in capsys.readouterr().out
+
+
+def test_main_checks_each_interleaved_run_against_dp_and_its_unsplit_baseline(tmp_path, monkeypatch, capsys):
+    bench = _tool()
+    reports = {
+        "train_graphs": {"runs": [_run("ddp", "model", 40_000, 0.43), _run("ep", "model", 38_000, 0.41)]},
+        "train_graphs_mb1": {"runs": [_run("ep", "model", 36_000, 0.39)]},
+        "train_graphs_interleave": {"runs": [_run("ep", "model", 41_000, 0.44)]},
+        "train_graphs_interleave16": {"runs": [_run("ep", "model", 42_400, 0.45)]},
+    }
+    parts = {}
+    for name, report in reports.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(report))
+        parts[name] = (["true"], path)
+    monkeypatch.setattr(bench, "commands", lambda a: parts)
+    monkeypatch.setattr(bench, "run_part", lambda cmd, timeout_s: (0, False))
+    result = bench.main(["--out", str(tmp_path / "ep.json"), "--graphs", "on"])
+    every, bounded = result["interleave_graphs_checks"]
+    assert every["comm_sms"] is None and every["over_dp"] == pytest.approx(1.025) and not every["met"]
+    assert every["over_unsplit"] == pytest.approx(41 / 36)
+    assert bounded["comm_sms"] == 16 and bounded["over_dp"] == pytest.approx(1.06) and bounded["met"]
+    out = capsys.readouterr().out
+    assert "EP interleaved (16 SMs) 42,400 tok/s/GPU = 1.060x DP, 1.178x unsplit, MFU 45.0%: met" in out
+    assert "train_graphs_mb1_checks" not in result  # the baseline is checked with the interleaved runs

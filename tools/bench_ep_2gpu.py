@@ -15,6 +15,12 @@ It runs, one after the other on the GPUs of this host (``torch.distributed.run``
    (``parallel.ep_overlap_chunks`` of ``--overlap-chunks``, 2 and 4 by default; with
    ``--comm-sms`` the communication stream bounded to that many SMs): its tokens/s per
    GPU over DP2's and over the unsplit EP2's, in the same mode;
+   EP2 with two microbatches interleaved at the transport
+   (``parallel.ep_overlap_microbatches``, one run per ``--interleave`` SM bound, every SM
+   by default and 16) at ``--interleave-micro-batch`` sequences per microbatch (default
+   1: at bench-2gpu's 2, two microbatches' activations take 129 GiB by ``pretrain plan``),
+   with an unsplit EP2 run at that microbatch size as its baseline: tokens/s per GPU
+   over DP2's (the target) and over that unsplit EP2's (what the interleave gains);
 2. ``tools/bench_ep_transport.py --graphs`` from 512 to 64k tokens per rank,
    balanced and Zipf routing: the rowwise transport over a bare NCCL
    ``all_to_all_single`` (targets: >= 1.0x at every size, >= 1.5x at 16-64 MiB of
@@ -33,12 +39,14 @@ fails is recorded with its exit status and the rest still runs; one that runs pa
 processes and recorded as timed out.
 
 Duration with the defaults (estimated from bench-2gpu's 2.7-2.8 s steps on two H200s,
-``docs/performance.md``): 2 modes x 4 runs (DP2, EP2, EP2 in 2 and in 4 chunks) x 3
-routings x 6 steps plus eight model builds and twelve captures for part 1, about a
-minute for part 2: 10 to 12 minutes. Within ten minutes a call: ``--graphs on`` or
-``--graphs off`` (5 to 6 each), or the overlap alone against DP2 and EP2 in one mode:
+``docs/performance.md``): 2 modes x 7 runs (DP2, EP2, EP2 in 2 and in 4 chunks, EP2 at
+the interleave's microbatch size, interleaved with every SM and with 16) x 3 routings x 6
+steps plus their model builds and captures for part 1, about a minute for part 2: 18 to
+22 minutes. Within ten minutes a call: ``--graphs on --overlap-chunks none`` (five runs,
+6 to 7 minutes), ``--graphs off`` likewise, or the chunked overlap alone against DP2 and
+EP2 in one mode:
 
-    tools/from_source.sh python3 tools/bench_ep_2gpu.py --skip transport --graphs off --out $OUT/ep_2gpu_overlap.json
+    tools/from_source.sh python3 tools/bench_ep_2gpu.py --skip transport --graphs off --interleave none --out $OUT/ep_2gpu_overlap.json
 """
 
 from __future__ import annotations
@@ -81,6 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "('none': no overlap runs)")
     p.add_argument("--comm-sms", type=int, default=None,
                    help="parallel.ep_comm_sms of the overlap runs (default: every SM)")
+    p.add_argument("--interleave", default="all,16",
+                   help="EP2 runs with parallel.ep_overlap_microbatches, one per communication-stream "
+                        "SM bound, comma-separated ('all': every SM; 'none': no interleaved runs)")
+    p.add_argument("--interleave-micro-batch", type=int, default=1,
+                   help="train.micro_batch of the interleaved runs and of their unsplit EP2 baseline")
     p.add_argument("--tokens", default="512,1024,2048,4096,8192,16384,32768,65536",
                    help="transport sizes, tokens per rank, comma-separated")
     p.add_argument("--transport-routing", default="balanced,zipf")
@@ -112,6 +125,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--overlap-chunks {a.overlap_chunks!r}: 2 or more chunks (1 is the EP2 run itself)")
     if a.comm_sms is not None and (a.comm_sms < 1 or not a.overlap):
         p.error(f"--comm-sms {a.comm_sms}: a positive SM count, for the --overlap-chunks runs")
+    try:
+        a.interleave_sms = [] if a.interleave == "none" else [
+            None if v == "all" else int(v) for v in a.interleave.split(",")]
+    except ValueError:
+        p.error(f"--interleave {a.interleave!r}: comma-separated SM counts or 'all', or 'none'")
+    if any(v is not None and v < 1 for v in a.interleave_sms):
+        p.error(f"--interleave {a.interleave!r}: positive SM counts expected")
+    if a.interleave_micro_batch < 1:
+        p.error(f"--interleave-micro-batch {a.interleave_micro_batch}: a positive sequence count expected")
     bad = set(a.transport_routing.split(",")) - {"balanced", "random", "zipf"}
     if bad:
         p.error(f"--transport-routing: unknown routing {sorted(bad)} (balanced, random, zipf)")
@@ -140,6 +162,19 @@ def commands(a: argparse.Namespace) -> dict[str, tuple[list[str], Path]]:
                     [*run, str(TOOLS / "bench_train_step.py"), graphs, f"parallel.ep_overlap_chunks={chunks}",
                      *sms, "--config", a.config, "--methods", "ep", "--routing", *ROUTINGS,
                      "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", str(path)], path)
+            if a.interleave_sms:
+                mb = f"train.micro_batch={a.interleave_micro_batch}"
+                ep_runs = {f"mb{a.interleave_micro_batch}": [mb]}
+                for sms in a.interleave_sms:
+                    ep_runs[f"interleave{sms or ''}"] = [
+                        mb, "parallel.ep_overlap_microbatches=true",
+                        *([] if sms is None else [f"parallel.ep_comm_sms={sms}"])]
+                for variant, overrides in ep_runs.items():
+                    path = a.out.with_name(f"{a.out.stem}_train_step_{mode}_{variant}.json")
+                    parts[f"train_{mode}_{variant}"] = (
+                        [*run, str(TOOLS / "bench_train_step.py"), graphs, *overrides, "--config", a.config,
+                         "--methods", "ep", "--routing", *ROUTINGS, "--steps", str(a.steps),
+                         "--warmup", str(a.warmup), "--out", str(path)], path)
     if "transport" not in a.skip:
         path = a.out.with_name(a.out.stem + "_transport.json")
         parts["transport"] = ([*run, str(TOOLS / "bench_ep_transport.py"), "--graphs", "--tokens", a.tokens,
@@ -186,6 +221,25 @@ def overlap_checks(report: dict[str, Any], base: dict[str, Any] | None, mode: st
                            tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"], mfu=r["mfu"],
                            over_dp=over_dp,
                            over_ep=r["tokens_per_s_per_gpu"] / ep["tokens_per_s_per_gpu"] if ep else None,
+                           met=over_dp is not None and over_dp >= EP_OVER_DP
+                           and min(dp["mfu"] or 0, r["mfu"] or 0) >= MFU))
+    return checks
+
+
+def interleave_checks(report: dict[str, Any], base: dict[str, Any] | None, unsplit: dict[str, Any] | None,
+                      mode: str, comm_sms: int | None) -> list[dict[str, Any]]:
+    """EP2 with interleaved microbatches over DP2 of ``base`` (the same mode's DP/EP report)
+    and over ``unsplit`` (EP2 at the same microbatch size, not interleaved), per routing;
+    the target is EP2's (>= 1.05x DP2, both MFUs >= 42%)."""
+    dps = {r["routing"]: r for r in (base or {}).get("runs", []) if r["method"] == "ddp"}
+    eps = {r["routing"]: r for r in (unsplit or {}).get("runs", [])}
+    checks = []
+    for r in report["runs"]:
+        dp, ep = dps.get(r["routing"]), eps.get(r["routing"])
+        over_dp = r["tokens_per_s_per_gpu"] / dp["tokens_per_s_per_gpu"] if dp else None
+        checks.append(dict(mode=mode, routing=r["routing"], comm_sms=comm_sms, cuda_graphs=r.get("cuda_graphs"),
+                           tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"], mfu=r["mfu"], over_dp=over_dp,
+                           over_unsplit=r["tokens_per_s_per_gpu"] / ep["tokens_per_s_per_gpu"] if ep else None,
                            met=over_dp is not None and over_dp >= EP_OVER_DP
                            and min(dp["mfu"] or 0, r["mfu"] or 0) >= MFU))
     return checks
@@ -241,6 +295,13 @@ def print_summary(result: dict[str, Any]) -> None:
         print(f"train {c['mode']:>6} {c['routing']:>8}: EP in {c['chunks']} chunks "
               f"{c['tokens_per_s_per_gpu']:,.0f} tok/s/GPU = {vs_dp}, {vs_ep}, MFU {c['mfu'] or 0:.1%}: "
               f"{'met' if c['met'] else 'NOT met'}")
+    for c in [c for name in GRAPH_MODES["both"] for c in result.get(f"interleave_{name}_checks", [])]:
+        vs_dp = f"{c['over_dp']:.3f}x DP" if c["over_dp"] is not None else "no DP run"
+        vs_ep = f"{c['over_unsplit']:.3f}x unsplit" if c["over_unsplit"] is not None else "no unsplit run"
+        sms = "every SM" if c["comm_sms"] is None else f"{c['comm_sms']} SMs"
+        print(f"train {c['mode']:>6} {c['routing']:>8}: EP interleaved ({sms}) "
+              f"{c['tokens_per_s_per_gpu']:,.0f} tok/s/GPU = {vs_dp}, {vs_ep}, MFU {c['mfu'] or 0:.1%}: "
+              f"{'met' if c['met'] else 'NOT met'}")
     for c in result.get("transport_checks", []):
         print(f"transport {c['tokens']:>6} {c['routing']:>8} {c['payload_mib']:>7.1f} MiB: "
               f"{c['x_nccl']:.2f}x NCCL (>= {c['want_x_nccl']}), {c['pct_put_ceiling']:.0f}% put: "
@@ -259,7 +320,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report = json.loads(json_path.read_text())
         result["parts"][name] = {"command": cmd, "returncode": code, "timed_out": timed_out,
                                  "report": report, "file": str(json_path)}
-        if report is not None and "_overlap" in name:
+        if report is not None and "_interleave" in name:
+            mode, sms = name.removeprefix("train_").split("_interleave")
+            unsplit = result["parts"].get(f"train_{mode}_mb{a.interleave_micro_batch}", {}).get("report")
+            base = result["parts"].get(f"train_{mode}", {}).get("report")
+            result.setdefault(f"interleave_{mode}_checks", []).extend(
+                interleave_checks(report, base, unsplit, mode, int(sms) if sms else None))
+        elif report is not None and "_mb" in name:
+            pass  # the interleaved runs' baseline, checked with them
+        elif report is not None and "_overlap" in name:
             mode, chunks = name.removeprefix("train_").split("_overlap")
             base = result["parts"].get(f"train_{mode}", {}).get("report")
             result.setdefault(f"overlap_{mode}_checks", []).extend(

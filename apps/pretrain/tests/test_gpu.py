@@ -285,15 +285,18 @@ EP2 = ["parallel.ep=2", "parallel.ep_backend=rowwise"]
     EP2, [*EP2, "parallel.ep_combine=destination"], [*EP2, "model.n_layers=1"],
     [*EP2, "model.recompute=block"], [*EP2, "parallel.ep_payload=fp8_rowwise"],
     [*EP2, "parallel.ep_payload=mxfp8"], [*EP2, "parallel.ep_overlap_chunks=2"],
+    [*EP2, "parallel.ep_overlap_microbatches=true"],
 ], ids=["dp2-all-reduce", "dp2-reduce-scatter", "ep2", "ep2-dst", "ep2-one-layer", "ep2-recompute",
-        "ep2-fp8-payload", "ep2-mxfp8-payload", "ep2-overlap2"])
+        "ep2-fp8-payload", "ep2-mxfp8-payload", "ep2-overlap2", "ep2-interleaved"])
 def test_steps_replayed_from_cuda_graphs_on_two_ranks_equal_eager_steps(extra):
     """Five microbatches per rank (two middle units, a last one holding the gradient
     reductions over NCCL), the balancing counts all-reduced in every forward; with EP2 the
     NVSHMEM puts and flag barriers in every unit (one MoE layer: units of an odd number of
     exchanges, rounded up; recompute: the dispatches run again in the backward; overlap:
-    two token chunks per layer on two streams, forward and backward captured across them). The same losses, norms, loads and weights as eager steps, bit
-    for bit (a sum of two is exact in any order)."""
+    two token chunks per layer on two streams, forward and backward captured across them;
+    interleaved: microbatches 0-1 and 2-3 in pairs, in units of one pair). The same losses,
+    norms, loads and weights as eager steps, bit for bit (a sum of two is exact in any
+    order)."""
     common = [*NO_SYNC, "train.global_batch=20", "parallel.merge_expert_grad_microbatches=2", *extra]
     # one process per run: a process joins one NVSHMEM job
     eager_runs = run_distributed(_two_ranks_steps, 2, common, backend="nccl", timeout=300)
@@ -314,7 +317,8 @@ def _two_ranks_graphed_syncs(extra: list[str]) -> list[str]:
 @pytest.mark.multiprocess
 @pytest.mark.multigpu(2)
 @pytest.mark.parametrize("extra", [[], EP2, [*EP2, "parallel.ep_payload=fp8_rowwise"],
-                                   [*EP2, "parallel.ep_overlap_chunks=2"]],
-                         ids=["dp2", "ep2", "ep2-fp8-payload", "ep2-overlap2"])
+                                   [*EP2, "parallel.ep_overlap_chunks=2"],
+                                   [*EP2, "parallel.ep_overlap_microbatches=true"]],
+                         ids=["dp2", "ep2", "ep2-fp8-payload", "ep2-overlap2", "ep2-interleaved"])
 def test_a_step_replayed_from_cuda_graphs_on_two_ranks_does_not_sync_the_host(extra):
     assert run_distributed(_two_ranks_graphed_syncs, 2, extra, backend="nccl", timeout=300) == [[], []]

@@ -1,5 +1,5 @@
 """GPU tests: NVSHMEM rowwise == all-to-all bit for bit, no host sync, CUDA graph replay,
-overflow, kernels, the two-stream pipeline of ``run_experts``.
+overflow, kernels, the two-stream pipeline of ``run_experts``, interleaved microbatches.
 
 Run on two GPUs with nvshmem4py installed:
     tools/from_source.sh python3 -m pytest -p moe_testing.pytest_plugin \
@@ -285,6 +285,98 @@ def test_pipelined_run_experts_equals_unsplit_bit_for_bit(cases) -> None:
         for chunks, comm_sms, same, replayed in report:
             assert same, (chunks, comm_sms, "eager forward and backward, the backward's streams")
             assert replayed, (chunks, comm_sms, "forward replayed from a CUDA graph")
+
+
+def _two_layers(dispatchers: list[EPDispatcher], x, ids, w, scale) -> torch.Tensor:
+    """Two MoE layers of the toy expert with a residual (the second routes as the first)."""
+    h = x
+    for dispatcher in dispatchers:
+        rows, offsets, handle = dispatcher.dispatch(h, ids, w)
+        h = h + dispatcher.combine(_experts(rows, scale, offsets), w, handle)
+    return h
+
+
+def _interleave_equals_one_at_a_time(comm_sms: int | None) -> list:
+    """Two microbatches through two EP layers, interleaved (``MicrobatchInterleave``) and one
+    at a time: each microbatch's output and input gradient bit for bit; warmed up, no host
+    synchronisation; the forward's transport calls on the communication stream; the
+    interleaved forward replays from a CUDA graph."""
+    from moe_ep_transport import MicrobatchInterleave, nvshmem_memory
+    from moe_ep_transport.pipeline import comm_stream
+
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device())
+    batches = [_inputs(rank, 1.0, device), _inputs(rank + 2, 1.0, device)]
+    cfg = EPConfig(E, K, T, D, capacity_factor=None)
+    transport = make_transport("rowwise", cfg, device=device)
+    interleave = MicrobatchInterleave(comm_sms)
+    layers = [EPDispatcher(cfg, transport, seed=i, interleave=interleave) for i in range(2)]
+
+    def run(interleaved: bool) -> list[dict]:
+        xs = [b[0].clone().requires_grad_(True) for b in batches]
+
+        def loss(i: int):
+            _, ids, w, g, scale = batches[i]
+            return lambda: (_two_layers(layers, xs[i], ids, w, scale).float() * g).sum()
+
+        if interleaved:
+            losses = interleave.run([loss(0), loss(1)])
+            torch.autograd.backward(losses)
+        else:
+            losses = []
+            for i in range(2):
+                losses.append(loss(i)())
+                losses[-1].backward()
+        return [dict(loss=losses[i].detach(), dx=xs[i].grad) for i in range(2)]
+
+    want, got = run(False), run(True)
+    same = all(torch.equal(got[i][k], want[i][k]) for i in range(2) for k in want[i])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run(True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    streams: set[int] = set()
+    send = transport.send
+    transport.send = lambda *a, **kw: streams.add(torch.cuda.current_stream().cuda_stream) or send(*a, **kw)
+    with torch.no_grad():
+        interleave.run([lambda i=i: _two_layers(layers, batches[i][0], *batches[i][1:3], batches[i][4])
+                        for i in range(2)])
+    del transport.send
+    on_comm = streams == {comm_stream(device, comm_sms).cuda_stream}
+
+    def forward() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return interleave.run([lambda i=i: _two_layers(layers, batches[i][0], *batches[i][1:3],
+                                                           batches[i][4]) for i in range(2)])
+
+    want_y = forward()
+    _warm_up_on_a_side_stream(forward)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"), transport.replayable():
+        ys = forward()
+    replayed = True
+    for _ in range(2):
+        for y in ys:
+            y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed &= all(torch.equal(y, w) for y, w in zip(ys, want_y, strict=True))
+    transport.close()
+    nvshmem_memory.finalize()
+    return [same, on_comm, replayed]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.multigpu(2)
+@pytest.mark.parametrize("comm_sms", [None, 16], ids=["streams", "green-context"])
+def test_interleaved_microbatches_equal_one_at_a_time_bit_for_bit(comm_sms) -> None:
+    for same, on_comm, replayed in run_distributed(_interleave_equals_one_at_a_time, 2, comm_sms,
+                                                   backend="nccl", timeout=300):
+        assert same, "eager forward and backward, each microbatch against it alone"
+        assert on_comm, "the transport's calls on the communication stream"
+        assert replayed, "the interleaved forward replayed from a CUDA graph"
 
 
 def _overflow_error() -> list:
