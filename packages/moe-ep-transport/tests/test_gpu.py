@@ -368,15 +368,27 @@ def _interleave_equals_one_at_a_time(comm_sms: int | None) -> list:
     return [same, on_comm, replayed]
 
 
-@pytest.mark.multiprocess
-@pytest.mark.multigpu(2)
-@pytest.mark.parametrize("comm_sms", [None, 16], ids=["streams", "green-context"])
-def test_interleaved_microbatches_equal_one_at_a_time_bit_for_bit(comm_sms) -> None:
-    for same, on_comm, replayed in run_distributed(_interleave_equals_one_at_a_time, 2, comm_sms,
+def _check_interleave(ranks: int, comm_sms: int | None) -> None:
+    for same, on_comm, replayed in run_distributed(_interleave_equals_one_at_a_time, ranks, comm_sms,
                                                    backend="nccl", timeout=300):
         assert same, "eager forward and backward, each microbatch against it alone"
         assert on_comm, "the transport's calls on the communication stream"
         assert replayed, "the interleaved forward replayed from a CUDA graph"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.multigpu(2)
+@pytest.mark.parametrize("comm_sms", [None, 16], ids=["streams", "green-context"])
+def test_interleaved_microbatches_equal_one_at_a_time_bit_for_bit(comm_sms) -> None:
+    _check_interleave(2, comm_sms)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.gpu
+def test_interleaved_microbatches_on_an_ep_group_of_one_gpu() -> None:
+    """The same on one GPU: every row stays on the rank, but the plan, put, barrier and
+    receive kernels run on the communication stream as on two (what one GPU can check)."""
+    _check_interleave(1, None)
 
 
 def _overflow_error() -> list:
