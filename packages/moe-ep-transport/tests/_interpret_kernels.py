@@ -187,8 +187,9 @@ def check_combine_grads() -> None:
     w, rows = torch.rand(6, generator=gen), torch.randn(6, D, generator=gen)
     scaled, grad_w = torch.full((6, D), 7.0), torch.full((6,), 7.0)
     kernels._combine_grads_kernel[(6,)](
-        g, w, rows, scaled, grad_w, D, torch.tensor([4], dtype=torch.int32), g, w, w, 0, 0,
-        K=1, SCALED=True, GRAD_W=True, BLOCK_W=64, HAS_BOUND=True, RECEIVE=False, PER_SRC=1, DEDUP=False)
+        g, w, rows, scaled, grad_w, D, torch.tensor([4], dtype=torch.int32), g, w, w, 0, 0, w, 0, w, 1,
+        K=1, SCALED=True, GRAD_W=True, BLOCK_W=64, HAS_BOUND=True, RECEIVE=False, PER_SRC=1, DEDUP=False,
+        WAIT=False, FLAGS_P=2, FENCE=False)
     want_scaled, want_w = ops.combine_grads_reference(g[:4], w[:4], rows[:4], torch.float32, True)
     assert torch.equal(scaled[:4], want_scaled) and torch.allclose(grad_w[:4], want_w, rtol=1e-5, atol=1e-4)
     assert (scaled[4:] == 7.0).all() and (grad_w[4:] == 7.0).all(), "a token past the bound was written"
@@ -229,16 +230,17 @@ def check_scan_blocks() -> None:
 
 def check_signal_barrier() -> None:
     # Rank 1 of 3, the other ranks already announced barrier 1 (and rank 2 barrier 2 too):
-    # rank 1 announces 1 to everyone and returns; a second barrier would wait for rank 0.
+    # rank 1 takes number 1 (parity 0), leaves 2 for the next, announces 1 to everyone and
+    # returns; then number 2 (parity 1), once rank 0 announced it.
     flags = [torch.zeros(3, dtype=torch.int64) for _ in range(3)]
     flags[1][0], flags[1][2] = 1, 2
     table = torch.tensor([f.data_ptr() for f in flags])
-    epoch = torch.zeros(1, dtype=torch.int64)
-    kernels.signal_barrier(epoch, table, 1)
-    assert int(epoch) == 1 and [int(f[1]) for f in flags] == [1, 1, 1]
+    epochs = torch.tensor([1, 0])
+    kernels.signal_barrier(epochs, table, 1, 0)
+    assert epochs.tolist() == [1, 2] and [int(f[1]) for f in flags] == [1, 1, 1]
     flags[1][0] = 2
-    kernels.signal_barrier(epoch, table, 1)
-    assert int(epoch) == 2 and [int(f[1]) for f in flags] == [2, 2, 2]
+    kernels.signal_barrier(epochs, table, 1, 1)
+    assert epochs.tolist() == [3, 2] and [int(f[1]) for f in flags] == [2, 2, 2]
 
 
 def check_plan_cells_passes_the_barrier() -> None:
@@ -249,11 +251,94 @@ def check_plan_cells_passes_the_barrier() -> None:
     for backend in ("triton", "reference"):
         flags = [torch.zeros(3, dtype=torch.int64) for _ in range(3)]
         flags[1][0] = flags[1][2] = 5
-        epoch = torch.tensor([4])
-        wait = ops.PeerWait(epoch, torch.tensor([f.data_ptr() for f in flags]), 1)
+        epochs = torch.tensor([4, 5])  # barrier 5 has parity 1
+        wait = ops.PeerWait(epochs, torch.tensor([f.data_ptr() for f in flags]), 1, 1)
         cells = ops.plan_cells(counts_ME, 10, 3, 1, wait=wait, backend=backend)
         assert all(torch.equal(a, b) for a, b in zip(cells, want, strict=True)), backend
-        assert int(epoch) == 5 and [int(f[1]) for f in flags] == [5, 5, 5], backend
+        assert epochs.tolist() == [6, 5] and [int(f[1]) for f in flags] == [5, 5, 5], backend
+
+
+def _peer_wait(me: int, number: int, parity: int, ranks: int = 3):
+    """A barrier of rank ``me`` whose number is ``number`` with every other rank's flag here
+    already at it (their signals came): ``(wait, epochs, flags)``."""
+    flags = [torch.zeros(ranks, dtype=torch.int64) for _ in range(ranks)]
+    for r in range(ranks):
+        if r != me:
+            flags[me][r] = number
+    epochs = torch.zeros(2, dtype=torch.int64)
+    epochs[parity] = number
+    return ops.PeerWait(epochs, torch.tensor([f.data_ptr() for f in flags]), me, parity), epochs, flags
+
+
+def _assert_passed(epochs, flags, me: int, number: int, parity: int, where: str) -> None:
+    """The barrier was passed once: the next number left in the other counter, this rank's
+    number announced to every rank."""
+    assert int(epochs[1 - parity]) == number + 1 and int(epochs[parity]) == number, (where, epochs)
+    assert [int(f[me]) for f in flags] == [number] * len(flags), (where, flags)
+
+
+def check_receive_kernels_pass_the_put_barrier() -> None:
+    # Each receive with a wait: the kernels (many programs) and the reference path give the
+    # results they give without one and pass the barrier once (program 0 signals, every
+    # program waits for the other ranks' flags); a rank without rows passes it alone.
+    gen = torch.Generator().manual_seed(12)
+    me, C, W, k, T = 1, 37, 20, 2, 11
+    row_src = torch.randint(-1, 3, (C,), generator=gen)
+    inbox = torch.randint(0, 1000, (C, W), generator=gen, dtype=torch.int32)
+    for backend in ("triton", "reference"):
+        for rows in (C, 0):
+            want = torch.zeros(rows, W, dtype=torch.int32)
+            ops.finish_receive(want, inbox[:rows], row_src[:rows], me, backend=backend)
+            wait, epochs, flags = _peer_wait(me, 7, 1)
+            got = torch.zeros(rows, W, dtype=torch.int32)
+            ops.finish_receive(got, inbox[:rows], row_src[:rows], me, backend=backend, wait=wait)
+            assert torch.equal(got, want), (backend, rows)
+            _assert_passed(epochs, flags, me, 7, 1, f"finish_receive {backend} {rows}")
+
+    dst_rank = torch.randint(-1, 3, (T * k,), generator=gen)
+    dst_row = torch.randint(0, C, (T * k,), generator=gen)
+    x = torch.randn(T * k, W, generator=gen)
+    local = torch.randn(C, W, generator=gen)
+    w = torch.rand(T * k, generator=gen)
+    for backend in ("triton", "reference"):
+        for tokens in (T, 0):
+            n = tokens * k
+            want = ops.topk_gather_sum(x[:n], local, dst_rank[:n], dst_row[:n], me, w[:n], k, torch.float32,
+                                       True, backend=backend)
+            wait, epochs, flags = _peer_wait(me, 4, 0)
+            got = ops.topk_gather_sum(x[:n], local, dst_rank[:n], dst_row[:n], me, w[:n], k, torch.float32,
+                                      True, backend=backend, wait=wait)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (backend, tokens)
+            _assert_passed(epochs, flags, me, 4, 0, f"topk_gather_sum {backend} {tokens}")
+
+    M, T_max = 3, 6
+    partials = torch.randn(M * T_max, W, generator=gen)
+    ranks = torch.randint(-1, M, (5 * k,), generator=gen)
+    for backend in ("triton", "reference"):
+        want = ops.sum_partials(partials, ranks, M, T_max, k, torch.float32, backend=backend)
+        wait, epochs, flags = _peer_wait(me, 9, 0)
+        got = ops.sum_partials(partials, ranks, M, T_max, k, torch.float32, backend=backend, wait=wait)
+        assert torch.equal(got, want), backend
+        _assert_passed(epochs, flags, me, 9, 0, f"sum_partials {backend}")
+
+    for backend in ("triton", "reference"):
+        for rows in (C, 0):
+            wait, epochs, flags = _peer_wait(me, 2, 0)
+            copied = ops.copy_rows(inbox[:rows], wait, backend=backend)
+            assert torch.equal(copied, inbox[:rows]) and copied.data_ptr() != inbox.data_ptr(), (backend, rows)
+            _assert_passed(epochs, flags, me, 2, 0, f"copy_rows {backend} {rows}")
+
+    g_local = torch.randn(C, W, generator=gen)
+    g_inbox = torch.randn(C, W, generator=gen)
+    origin = torch.randint(0, 2 * C, (C,), generator=gen)
+    w_C = torch.rand(C, generator=gen)
+    rows_CD = torch.randn(C, W, generator=gen)
+    want = kernels.receive_grads(g_local, g_inbox, row_src, origin, me, w_C, rows_CD, True)
+    wait, epochs, flags = _peer_wait(me, 3, 1)
+    got = kernels.receive_grads(g_local, g_inbox, row_src, origin, me, w_C, rows_CD, True, wait=wait)
+    valid = row_src >= 0  # padding rows' results are unset
+    assert torch.equal(got[0][valid], want[0][valid]) and torch.equal(got[1][valid], want[1][valid])
+    _assert_passed(epochs, flags, me, 3, 1, "receive_grads")
 
 
 def check_weights_in_metadata() -> None:
@@ -381,6 +466,7 @@ if __name__ == "__main__":
     check_scan_blocks()
     check_signal_barrier()
     check_plan_cells_passes_the_barrier()
+    check_receive_kernels_pass_the_put_barrier()
     check_plan_kernels("cpu")
     check_partial_kernels("cpu", torch.float32)
     print("kernels ok")

@@ -94,8 +94,8 @@ def test_the_dispatch_put_fits_its_registers(tmp_path: Path) -> None:
 def test_topk_sum_has_no_fused_multiply_add() -> None:
     sig = {"inbox_ptr": "*bf16", "local_ptr": "*bf16", "dst_rank_ptr": "*i64", "dst_row_ptr": "*i64",
            "w_ptr": "*fp32", "y_ptr": "*bf16", "rows_out_ptr": "*bf16", "me": "i32", "width": "i32",
-           "K": "constexpr", "STORE_ROWS": "constexpr", "BLOCK_W": "constexpr"}
-    consts = {"K": 8, "STORE_ROWS": True, "BLOCK_W": 1024}
+           **_WAIT_ARGS, "K": "constexpr", "STORE_ROWS": "constexpr", "BLOCK_W": "constexpr", **_WAIT_CONSTS}
+    consts = {"K": 8, "STORE_ROWS": True, "BLOCK_W": 1024, **_NO_WAIT}
     ptx = _ptx(kernels._topk_gather_sum_kernel, sig, consts, num_warps=4, enable_fp_fusion=False)
     assert _count(ptx, "fma.rn.f32") == 0 and _count(ptx, "mul.rn.f32") > 0
     assert _count(ptx, "ld.global.v4.b32") > 0  # 8 BF16 per load
@@ -114,7 +114,8 @@ def test_plan_kernels_compile_for_hopper() -> None:
     cells = _ptx(plan_kernels._plan_cells_kernel,
                  {"counts_ptr": "*i32", "stats_ptr": "*i64", "table_ptr": "*i64", "recv_ptr": "*i64",
                   "offsets_ptr": "*i32", "sum_ptr": "*i64", "capacity": "i32", "salt": "i32", "me": "i32",
-                  "n_ranks": "i32", "n_experts": "i32", "epoch_ptr": "*i64", "flag_table_ptr": "*i64",
+                  "n_ranks": "i32", "n_experts": "i32", "epoch_ptr": "*i64", "parity": "i32",
+                  "flag_table_ptr": "*i64",
                   "M_P": "constexpr", "E_P": "constexpr", "ACCUMULATE": "constexpr", "WAIT": "constexpr",
                   "FLAGS_P": "constexpr"},
                  {"M_P": 2, "E_P": 64, "ACCUMULATE": True, "WAIT": True, "FLAGS_P": 2}, aligned=(), num_warps=4)
@@ -135,9 +136,39 @@ def test_plan_kernels_compile_for_hopper() -> None:
 def test_signal_barrier_orders_at_system_scope() -> None:
     """The flag store releases and the spin acquires at system scope (peers read over NVLink)."""
     ptx = _ptx(kernels._signal_barrier_kernel,
-               {"epoch_ptr": "*i64", "flag_table_ptr": "*i64", "me": "i32", "n_ranks": "i32", "M_P": "constexpr"},
+               {"epoch_ptr": "*i64", "parity": "i32", "flag_table_ptr": "*i64", "me": "i32", "n_ranks": "i32",
+                "M_P": "constexpr"},
                {"M_P": 2}, aligned=(), num_warps=1)
     _assert_system_scope_barrier(ptx)
+
+
+_WAIT_ARGS = {"epoch_ptr": "*i64", "parity": "i32", "flag_table_ptr": "*i64", "n_ranks": "i32"}
+_WAIT_CONSTS = {"WAIT": "constexpr", "FLAGS_P": "constexpr", "FENCE": "constexpr"}
+_NO_WAIT = {"WAIT": False, "FLAGS_P": 2, "FENCE": False}
+_FINISH_RECEIVE = {
+    "out_ptr": "*i32", "inbox_ptr": "*i32", "row_src_ptr": "*i64", "origin_in_ptr": "*i64",
+    "origin_out_ptr": "*i64", "slot_rows_ptr": "*i64", "w_out_ptr": "*fp32", "max_slots": "i32", "me": "i32",
+    "n_rows": "i32", "width": "i32", "inbox_stride": "i32", **_WAIT_ARGS, "PER_SRC": "constexpr",
+    "DEDUP": "constexpr", "COPY_ORIGIN": "constexpr", "SLOT_ROWS": "constexpr", "W_OUT": "constexpr",
+    "BLOCK_R": "constexpr", "BLOCK_W": "constexpr", **_WAIT_CONSTS}
+_FINISH_RECEIVE_CONSTS = {"PER_SRC": 8, "DEDUP": True, "COPY_ORIGIN": True, "SLOT_ROWS": True, "W_OUT": True,
+                          "BLOCK_R": 4, "BLOCK_W": 1024}
+
+
+def test_a_receive_passes_the_barrier_in_every_program_at_system_scope() -> None:
+    """The receive kernel's own barrier: its first program releases the flag at system
+    scope, every program spins on volatile loads of the peers' flags (no atomics for
+    thousands of programs to queue on) and fences acquire-release at system scope before
+    it reads; without a wait none of it is there."""
+    ptx = _ptx(kernels._finish_receive_kernel, _FINISH_RECEIVE,
+               {**_FINISH_RECEIVE_CONSTS, "WAIT": True, "FLAGS_P": 2, "FENCE": True}, num_warps=8)
+    atoms = re.findall(r"atom\.[\w.]+", ptx)
+    assert any("release" in a and "sys" in a and "exch" in a for a in atoms), atoms
+    assert not any("acquire" in a for a in atoms), atoms
+    assert _count(ptx, "ld.volatile.global.b64") > 0 and _count(ptx, "fence.acq_rel.sys") > 0
+    plain = _ptx(kernels._finish_receive_kernel, _FINISH_RECEIVE, {**_FINISH_RECEIVE_CONSTS, **_NO_WAIT},
+                 num_warps=8)
+    assert not re.findall(r"atom\.|fence\.|ld\.volatile", plain)
 
 
 def _assert_system_scope_barrier(ptx: str) -> None:
@@ -158,23 +189,21 @@ def test_destination_sum_kernels_lower_for_hopper() -> None:
     assert _count(ptx, "st.global.v4.b32") > 0 and _count(ptx, "st.global.b32") == 0
     _ptx(kernels._sum_partials_kernel,
          {"partials_ptr": "*fp32", "dst_rank_ptr": "*i64", "y_ptr": "*bf16", "n_ranks": "i32",
-          "max_tokens": "i32", "width": "i32", "K": "constexpr", "BLOCK_W": "constexpr"},
-         {"K": 8, "BLOCK_W": 1024}, num_warps=4, enable_fp_fusion=False)
+          "max_tokens": "i32", "width": "i32", "epoch_ptr": "*i64", "parity": "i32", "flag_table_ptr": "*i64",
+          "me": "i32", "K": "constexpr", "BLOCK_W": "constexpr", **_WAIT_CONSTS},
+         {"K": 8, "BLOCK_W": 1024, "WAIT": True, "FLAGS_P": 2, "FENCE": True}, num_warps=4,
+         enable_fp_fusion=False)
     _ptx(kernels._combine_grads_kernel,  # combine's backward reading the received token gradients
          {"g_ptr": "*bf16", "w_ptr": "*fp32", "rows_ptr": "*bf16", "scaled_ptr": "*bf16", "grad_w_ptr": "*fp32",
           "width": "i32", "bound_ptr": "*fp32", "inbox_ptr": "*bf16", "row_src_ptr": "*i64", "origin_ptr": "*i64",
-          "me": "i32", "inbox_stride": "i32", "K": "constexpr", "SCALED": "constexpr", "GRAD_W": "constexpr",
-          "BLOCK_W": "constexpr", "HAS_BOUND": "constexpr", "RECEIVE": "constexpr", "PER_SRC": "constexpr",
-          "DEDUP": "constexpr"},
+          "me": "i32", "inbox_stride": "i32", **_WAIT_ARGS, "K": "constexpr", "SCALED": "constexpr",
+          "GRAD_W": "constexpr", "BLOCK_W": "constexpr", "HAS_BOUND": "constexpr", "RECEIVE": "constexpr",
+          "PER_SRC": "constexpr", "DEDUP": "constexpr", **_WAIT_CONSTS},
          {"K": 1, "SCALED": True, "GRAD_W": True, "BLOCK_W": 1024, "HAS_BOUND": False, "RECEIVE": True,
-          "PER_SRC": 8, "DEDUP": True},
+          "PER_SRC": 8, "DEDUP": True, "WAIT": True, "FLAGS_P": 2, "FENCE": True},
          num_warps=4)
-    _ptx(kernels._finish_receive_kernel,
-         {"out_ptr": "*i32", "inbox_ptr": "*i32", "row_src_ptr": "*i64", "origin_in_ptr": "*i64",
-          "origin_out_ptr": "*i64", "slot_rows_ptr": "*i64", "w_out_ptr": "*fp32", "max_slots": "i32", "me": "i32",
-          "n_rows": "i32", "width": "i32", "inbox_stride": "i32", "PER_SRC": "constexpr", "DEDUP": "constexpr",
-          "COPY_ORIGIN": "constexpr", "SLOT_ROWS": "constexpr", "W_OUT": "constexpr", "BLOCK_R": "constexpr",
-          "BLOCK_W": "constexpr"},
-         {"PER_SRC": 8, "DEDUP": True, "COPY_ORIGIN": True, "SLOT_ROWS": True, "W_OUT": True, "BLOCK_R": 4,
-          "BLOCK_W": 1024},
-         num_warps=8)
+    _ptx(kernels._copy_rows_kernel,  # the weights' return, out of the slab
+         {"src_ptr": "*i32", "dst_ptr": "*i32", "n_rows": "i32", "width": "i32", "epoch_ptr": "*i64",
+          "parity": "i32", "flag_table_ptr": "*i64", "me": "i32", "n_ranks": "i32", "BLOCK_R": "constexpr",
+          "BLOCK_W": "constexpr", **_WAIT_CONSTS},
+         {"BLOCK_R": 4, "BLOCK_W": 1024, "WAIT": True, "FLAGS_P": 2, "FENCE": True}, aligned=(), num_warps=8)

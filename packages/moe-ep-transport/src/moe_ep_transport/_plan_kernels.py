@@ -107,12 +107,12 @@ def _cumsum_blocks_kernel(hist_ptr, cum_ptr, n_blocks, n_experts, table_ptr, byt
 
 @triton.jit
 def _plan_cells_kernel(counts_ptr, stats_ptr, table_ptr, recv_ptr, offsets_ptr, sum_ptr,
-                       capacity, salt, me, n_ranks, n_experts, epoch_ptr, flag_table_ptr,
+                       capacity, salt, me, n_ranks, n_experts, epoch_ptr, parity, flag_table_ptr,
                        M_P: tl.constexpr, E_P: tl.constexpr, ACCUMULATE: tl.constexpr, WAIT: tl.constexpr,
                        FLAGS_P: tl.constexpr):
     # One program; element (r, j) is destination r's cell j = l*M + s (its receive order).
     if WAIT:  # the count exchange's barrier (the counts are in this rank's slab after it)
-        peer_barrier(epoch_ptr, flag_table_ptr, me, n_ranks, FLAGS_P)
+        peer_barrier(epoch_ptr, parity, flag_table_ptr, me, n_ranks, FLAGS_P)
     M = n_ranks
     E = n_experts
     zero = tl.zeros([M_P, E_P], dtype=tl.int64)
@@ -233,7 +233,8 @@ def plan_cells(counts_ME: torch.Tensor, capacity: int, salt: int, rank: int,
     _plan_cells_kernel[(1,)](
         counts_ME.contiguous(), *cells, stats_sum_2ME if stats_sum_2ME is not None else cells.stats_2ME,
         capacity, salt % overflow.HASH_PRIME, rank, M, E,
-        wait.epoch_1 if wait is not None else counts_ME, wait.flag_table_M.contiguous() if wait is not None else counts_ME,
+        wait.epochs_2 if wait is not None else counts_ME, wait.parity if wait is not None else 0,
+        wait.flag_table_M.contiguous() if wait is not None else counts_ME,
         M_P=next_power_of_2(M), E_P=next_power_of_2(E), ACCUMULATE=stats_sum_2ME is not None,
         WAIT=wait is not None, FLAGS_P=max(2, next_power_of_2(M)), num_warps=4,
     )

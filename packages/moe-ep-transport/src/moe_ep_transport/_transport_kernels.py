@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ep_transport._kernel_parts import barrier
-from moe_ep_transport.ops import SlotTable
+from moe_ep_transport._kernel_parts import barrier, wait_in_every_program
+from moe_ep_transport.ops import PeerWait, SlotTable
 
 _MAX_BLOCK_W = 1024  # elements of one row chunk (4 KiB of 32-bit words)
 
@@ -96,10 +96,13 @@ def _put_rows_kernel(
 @triton.jit
 def _finish_receive_kernel(
     out_ptr, inbox_ptr, row_src_ptr, origin_in_ptr, origin_out_ptr, slot_rows_ptr, w_out_ptr, max_slots, me,
-    n_rows, width, inbox_stride,
+    n_rows, width, inbox_stride, epoch_ptr, parity, flag_table_ptr, n_ranks,
     PER_SRC: tl.constexpr, DEDUP: tl.constexpr, COPY_ORIGIN: tl.constexpr, SLOT_ROWS: tl.constexpr,
     W_OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    WAIT: tl.constexpr, FLAGS_P: tl.constexpr, FENCE: tl.constexpr,
 ):
+    if WAIT:  # the put's barrier (the rows are in the inbox after it)
+        wait_in_every_program(epoch_ptr, parity, flag_table_ptr, me, n_ranks, tl.program_id(0), FLAGS_P, FENCE)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = rows < n_rows
     src = tl.load(row_src_ptr + rows, mask=live, other=me)
@@ -129,8 +132,13 @@ def _finish_receive_kernel(
 @triton.jit
 def _topk_gather_sum_kernel(
     inbox_ptr, local_ptr, dst_rank_ptr, dst_row_ptr, w_ptr, y_ptr, rows_out_ptr, me, width,
+    epoch_ptr, parity, flag_table_ptr, n_ranks,
     K: tl.constexpr, STORE_ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
+    WAIT: tl.constexpr, FLAGS_P: tl.constexpr, FENCE: tl.constexpr,
 ):
+    if WAIT:
+        wait_in_every_program(epoch_ptr, parity, flag_table_ptr, me, n_ranks,
+                              tl.program_id(0) + tl.program_id(1), FLAGS_P, FENCE)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     cm = cols < width
@@ -153,10 +161,13 @@ def _topk_gather_sum_kernel(
 @triton.jit
 def _combine_grads_kernel(
     g_ptr, w_ptr, rows_ptr, scaled_ptr, grad_w_ptr, width, bound_ptr,
-    inbox_ptr, row_src_ptr, origin_ptr, me, inbox_stride,
+    inbox_ptr, row_src_ptr, origin_ptr, me, inbox_stride, epoch_ptr, parity, flag_table_ptr, n_ranks,
     K: tl.constexpr, SCALED: tl.constexpr, GRAD_W: tl.constexpr, BLOCK_W: tl.constexpr,
     HAS_BOUND: tl.constexpr, RECEIVE: tl.constexpr, PER_SRC: tl.constexpr, DEDUP: tl.constexpr,
+    WAIT: tl.constexpr, FLAGS_P: tl.constexpr, FENCE: tl.constexpr,
 ):
+    if WAIT:  # RECEIVE: the put's barrier
+        wait_in_every_program(epoch_ptr, parity, flag_table_ptr, me, n_ranks, tl.program_id(0), FLAGS_P, FENCE)
     # Program t: the token's k scaled gradient rows and the k weight gradients, reading
     # the token's gradient once (eager PyTorch materialises two [T, k, D] FP32 tensors).
     # With a bound, programs at or past it (padding rows) move no memory.
@@ -199,8 +210,23 @@ def _combine_grads_kernel(
 
 
 @triton.jit
-def _signal_barrier_kernel(epoch_ptr, flag_table_ptr, me, n_ranks, M_P: tl.constexpr):
-    barrier(epoch_ptr, flag_table_ptr, me, n_ranks, M_P)
+def _copy_rows_kernel(src_ptr, dst_ptr, n_rows, width, epoch_ptr, parity, flag_table_ptr, me, n_ranks,
+                      BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, WAIT: tl.constexpr, FLAGS_P: tl.constexpr,
+                      FENCE: tl.constexpr):
+    if WAIT:
+        wait_in_every_program(epoch_ptr, parity, flag_table_ptr, me, n_ranks, tl.program_id(0), FLAGS_P, FENCE)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < n_rows
+    for c0 in range(0, width, BLOCK_W):
+        cols = c0 + tl.arange(0, BLOCK_W)
+        m = live[:, None] & (cols < width)[None, :]
+        at = rows[:, None] * width + cols[None, :]
+        tl.store(dst_ptr + at, tl.load(src_ptr + at, mask=m), mask=m)
+
+
+@triton.jit
+def _signal_barrier_kernel(epoch_ptr, parity, flag_table_ptr, me, n_ranks, M_P: tl.constexpr):
+    barrier(epoch_ptr, parity, flag_table_ptr, me, n_ranks, M_P)
 
 
 @triton.jit
@@ -240,8 +266,12 @@ def _put_partial_sums_kernel(
 
 @triton.jit
 def _sum_partials_kernel(
-    partials_ptr, dst_rank_ptr, y_ptr, n_ranks, max_tokens, width, K: tl.constexpr, BLOCK_W: tl.constexpr,
+    partials_ptr, dst_rank_ptr, y_ptr, n_ranks, max_tokens, width, epoch_ptr, parity, flag_table_ptr, me,
+    K: tl.constexpr, BLOCK_W: tl.constexpr, WAIT: tl.constexpr, FLAGS_P: tl.constexpr, FENCE: tl.constexpr,
 ):
+    if WAIT:  # the partial sums' barrier
+        wait_in_every_program(epoch_ptr, parity, flag_table_ptr, me, n_ranks,
+                              tl.program_id(0) + tl.program_id(1), FLAGS_P, FENCE)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     cm = cols < width
@@ -333,6 +363,7 @@ def finish_receive(
     slot_rows_out: torch.Tensor | None = None,
     max_slots: int = 0,
     w_out_C: torch.Tensor | None = None,
+    wait: PeerWait | None = None,
 ) -> None:
     """Copy rows that came from other ranks from the inbox into ``out``; zero padding rows.
 
@@ -343,25 +374,29 @@ def finish_receive(
     ``slot_rows_out``, ``slot_rows_out[row_src[c] * max_slots + origin_in[c]] = c`` too;
     with ``w_out_C`` (float32), each row's weight from its metadata (``ops.pack_meta``).
     ``origin_in`` is read as packed metadata: its low 32 bits are the slot index.
+    With ``wait``, the kernel passes that barrier first (every program: ``_kernel_parts``).
     """
     for what, t in (("out_CW", out_CW), ("origin_out_C", origin_out_C), ("slot_rows_out", slot_rows_out),
                     ("w_out_C", w_out_C)):
         _check_written(f"finish_receive: {what}", t)
     n = out_CW.shape[0]
     if n == 0:
+        _pass_alone(wait)
         return
     width = out_CW.shape[1]
     row_src_C = row_src_C.contiguous()
     block_r = 4
+    waits, flags_p = _wait_args(wait, row_src_C)
     _finish_receive_kernel[(triton.cdiv(n, block_r),)](
         out_CW, inbox_CW.contiguous(), row_src_C,
         origin_in_C.contiguous() if origin_in_C is not None else row_src_C,
         origin_out_C if origin_out_C is not None else row_src_C,
         slot_rows_out if slot_rows_out is not None else row_src_C,
         w_out_C if w_out_C is not None else row_src_C, max_slots,
-        me, n, width, inbox_stride, PER_SRC=per_src, DEDUP=inbox_stride > 0,
+        me, n, width, inbox_stride, *waits[:3], waits[4], PER_SRC=per_src, DEDUP=inbox_stride > 0,
         COPY_ORIGIN=origin_out_C is not None, SLOT_ROWS=slot_rows_out is not None, W_OUT=w_out_C is not None,
-        BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
+        BLOCK_R=block_r, BLOCK_W=_block_w(width), WAIT=wait is not None, FLAGS_P=flags_p,
+        FENCE=out_CW.is_cuda, num_warps=8,
     )
 
 
@@ -374,43 +409,88 @@ def combine_grads(
     bound: torch.Tensor | None = None,
     receive: tuple | None = None,
     per_src: int = 1,
+    wait: PeerWait | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(w * g).to(rows_dtype)`` per slot and ``<rows, g>`` per slot, in ``w``'s dtype.
 
     ``K`` (slots per token) must be a power of two for the kernel's slot vector. With
     ``bound`` (a one-element integer device tensor) tokens at or past it are skipped:
-    their outputs are left unset.
+    their outputs are left unset. With ``wait`` (``receive`` only), the kernel passes that
+    barrier first.
     """
+    if wait is not None and receive is None:
+        raise ValueError("combine_grads: a wait is for a receive (the rows it reads arrive after it)")
     N, (T, width) = w_N.numel(), g_TD.shape
     scaled_ND = torch.empty(N, width, dtype=rows_dtype, device=g_TD.device) if scaled else None
     grad_w_N = torch.empty(N, dtype=w_N.dtype, device=g_TD.device) if rows_ND is not None else None
     if T == 0 or (scaled_ND is None and grad_w_N is None):  # a rank without tokens
+        _pass_alone(wait)
         return scaled_ND, grad_w_N
     K = N // T
     w_N = w_N.contiguous()
     rows_ND = rows_ND.contiguous() if rows_ND is not None else None
     placeholder = scaled_ND if scaled_ND is not None else rows_ND
+    waits, flags_p = _wait_args(wait, w_N)
     _combine_grads_kernel[(T,)](
         g_TD.contiguous(), w_N, rows_ND if rows_ND is not None else placeholder,
         placeholder, grad_w_N if grad_w_N is not None else w_N, width,
         bound if bound is not None else w_N, *(receive if receive is not None else (w_N, w_N, w_N, 0, 0)),
+        *waits[:3], waits[4],
         K=K, SCALED=scaled, GRAD_W=rows_ND is not None,
         BLOCK_W=min(triton.next_power_of_2(max(width, 1)), max(64, 4096 // K)), HAS_BOUND=bound is not None,
-        RECEIVE=receive is not None, PER_SRC=per_src, DEDUP=receive is not None and receive[-1] > 0, num_warps=4,
+        RECEIVE=receive is not None, PER_SRC=per_src, DEDUP=receive is not None and receive[-1] > 0,
+        WAIT=wait is not None, FLAGS_P=flags_p, FENCE=g_TD.is_cuda, num_warps=4,
     )
     return scaled_ND, grad_w_N
 
 
-def signal_barrier(epoch_1: torch.Tensor, flag_table_M: torch.Tensor, me: int) -> None:
+def signal_barrier(epochs_2: torch.Tensor, flag_table_M: torch.Tensor, me: int, parity: int) -> None:
     """Stream-ordered barrier over peer flags: one small kernel, no NVSHMEM call.
 
     ``flag_table_M[r]`` is the address of rank ``r``'s flags (``M`` int64, zero at the
-    start, in memory every rank can store into); ``epoch_1`` (int64, this rank's own)
-    counts the barriers passed. Every rank must run the same sequence of barriers.
+    start, in memory every rank can store into); ``epochs_2`` (int64, this rank's own)
+    the barriers' numbers by ``parity`` (the count of barriers before this one, mod 2;
+    ``_kernel_parts``). Every rank must run the same sequence of barriers.
     """
     M = flag_table_M.numel()
-    _signal_barrier_kernel[(1,)](epoch_1, flag_table_M.contiguous(), me, M,
-                                 M_P=max(2, triton.next_power_of_2(M)), num_warps=1)
+    _signal_barrier_kernel[(1,)](epochs_2, parity, flag_table_M.contiguous(), me, M,
+                                 M_P=_flags_p(M), num_warps=1)
+
+
+def copy_rows(src_RW: torch.Tensor, wait: PeerWait | None = None) -> torch.Tensor:
+    """A contiguous copy of ``src_RW`` (rows of a slab), read after ``wait``'s barrier."""
+    out = torch.empty(src_RW.shape, dtype=src_RW.dtype, device=src_RW.device)
+    n, width = src_RW.shape
+    if n == 0 or width == 0:
+        _pass_alone(wait)
+        return out
+    block_r = 4
+    waits, flags_p = _wait_args(wait, out)
+    _copy_rows_kernel[(triton.cdiv(n, block_r),)](
+        src_RW.contiguous(), out, n, width, *waits, BLOCK_R=block_r, BLOCK_W=_block_w(width),
+        WAIT=wait is not None, FLAGS_P=flags_p, FENCE=out.is_cuda, num_warps=8,
+    )
+    return out
+
+
+def _flags_p(n_ranks: int) -> int:
+    return max(2, triton.next_power_of_2(n_ranks))
+
+
+def _wait_args(wait: PeerWait | None, fallback: torch.Tensor) -> tuple[tuple, int]:
+    """A kernel's barrier arguments (``epoch_ptr, parity, flag_table_ptr, me, n_ranks``) and
+    ``FLAGS_P``: ``wait``'s, or placeholders where the kernel waits for nothing."""
+    if wait is None:
+        return (fallback, 0, fallback, 0, 1), 2
+    M = wait.flag_table_M.numel()
+    return (wait.epochs_2, wait.parity, wait.flag_table_M.contiguous(), wait.me, M), _flags_p(M)
+
+
+def _pass_alone(wait: PeerWait | None) -> None:
+    """The barrier of a receive that launches no kernel (nothing to read here): every rank
+    passes every barrier, so it runs as a kernel of its own."""
+    if wait is not None:
+        signal_barrier(*wait)
 
 
 def topk_gather_sum(
@@ -423,12 +503,14 @@ def topk_gather_sum(
     top_k: int,
     out_dtype: torch.dtype,
     store_rows: bool,
+    wait: PeerWait | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``y[t] = sum_j w[t*k+j] * x(t*k+j)`` in ``w``'s dtype, slot order, no fused multiply-add.
 
     Slot ``i`` reads ``local[dst_row[i]]`` (``dst_rank == me``), ``inbox[i]`` (another
     rank) or zeros with weight zero (dropped). FMA contraction is disabled so the sum
-    equals the unfused PyTorch reference bit for bit.
+    equals the unfused PyTorch reference bit for bit. With ``wait``, the kernel passes
+    that barrier first.
     """
     n = dst_rank_N.numel()
     T = n // top_k
@@ -438,12 +520,15 @@ def topk_gather_sum(
         torch.empty(n, width, dtype=local_CD.dtype, device=local_CD.device) if store_rows else None
     )
     if T == 0:
+        _pass_alone(wait)
         return y, rows_out
     block_w = _block_w(width)
+    waits, flags_p = _wait_args(wait, dst_rank_N)
     _topk_gather_sum_kernel[(T, triton.cdiv(width, block_w))](
         inbox_ND.contiguous(), local_CD.contiguous(), dst_rank_N.contiguous(), dst_row_N.contiguous(),
-        w_N.contiguous(), y, rows_out if store_rows else y, me, width,
-        K=top_k, STORE_ROWS=store_rows, BLOCK_W=block_w, num_warps=4, enable_fp_fusion=False,
+        w_N.contiguous(), y, rows_out if store_rows else y, me, width, *waits[:3], waits[4],
+        K=top_k, STORE_ROWS=store_rows, BLOCK_W=block_w, WAIT=wait is not None, FLAGS_P=flags_p,
+        FENCE=y.is_cuda, num_warps=4, enable_fp_fusion=False,
     )
     return y, rows_out
 
@@ -488,18 +573,25 @@ def sum_partials(
     max_tokens: int,
     top_k: int,
     out_dtype: torch.dtype,
+    wait: PeerWait | None = None,
 ) -> torch.Tensor:
-    """:func:`moe_ep_transport.ops.sum_partials` in one launch (FP32 partials)."""
+    """:func:`moe_ep_transport.ops.sum_partials` in one launch (FP32 partials); with ``wait``,
+    the kernel passes that barrier first."""
     if partials_QD.dtype != torch.float32:
         raise ValueError(f"sum_partials: partials must be float32, got {partials_QD.dtype}")
+    if wait is not None and wait.flag_table_M.numel() != n_ranks:
+        raise ValueError(f"sum_partials: a wait over {wait.flag_table_M.numel()} ranks for partials of {n_ranks}")
     T, width = dst_rank_N.numel() // top_k, partials_QD.shape[1]
     y = torch.empty(T, width, dtype=out_dtype, device=partials_QD.device)
     if T == 0:
+        _pass_alone(wait)
         return y
     block_w = _block_w(width)
+    waits, flags_p = _wait_args(wait, dst_rank_N)
     _sum_partials_kernel[(T, triton.cdiv(width, block_w))](
-        partials_QD.contiguous(), dst_rank_N.contiguous(), y, n_ranks, max_tokens, width, K=top_k,
-        BLOCK_W=block_w, num_warps=4, enable_fp_fusion=False,
+        partials_QD.contiguous(), dst_rank_N.contiguous(), y, n_ranks, max_tokens, width, *waits[:4],
+        K=top_k, BLOCK_W=block_w, WAIT=wait is not None, FLAGS_P=flags_p, FENCE=y.is_cuda, num_warps=4,
+        enable_fp_fusion=False,
     )
     return y
 
@@ -515,8 +607,10 @@ def receive_grads(
     scaled: bool,
     per_src: int = 1,
     inbox_stride: int = 0,
+    wait: PeerWait | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """:func:`finish_receive` then :func:`combine_grads` (one slot per row) in one launch.
+    """:func:`finish_receive` then :func:`combine_grads` (one slot per row) in one launch
+    (after ``wait``'s barrier, when given).
 
     Receive row ``c``'s gradient ``g`` is ``local[c]`` (its source is this rank) or the
     inbox row of :func:`finish_receive`; returns ``(w_C * g).to(local's dtype)`` per row
@@ -525,4 +619,5 @@ def receive_grads(
     (source -1) are left unset in both.
     """
     receive = (inbox_RD.contiguous(), row_src_C.contiguous(), origin_C.contiguous(), me, inbox_stride)
-    return combine_grads(local_CD, w_C, rows_CD, local_CD.dtype, scaled, receive=receive, per_src=per_src)
+    return combine_grads(local_CD, w_C, rows_CD, local_CD.dtype, scaled, receive=receive, per_src=per_src,
+                         wait=wait)

@@ -110,7 +110,10 @@ class NvshmemPeerMemory:
         self._flags = interop.tensor((self.world_size,), dtype=torch.int64)
         self._flags.zero_()
         self._flag_table = self._peer_table(self._flags, device)
-        self._epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        # The barriers' numbers by parity (_kernel_parts): the first is 1, the next is left in
+        # the other counter; the host counts the barriers for their parity.
+        self._epochs = torch.tensor([1, 0], dtype=torch.int64, device=device)
+        self._barriers = 0
         self._host_barrier()  # no rank signals before every rank's flags are zero
 
     def _peer_table(self, buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -193,11 +196,12 @@ class NvshmemPeerMemory:
         passes three or four barriers, so their latency counts at small sizes)."""
         from moe_ep_transport import _transport_kernels as kernels
 
-        kernels.signal_barrier(self._epoch, self._flag_table, self.rank)
+        kernels.signal_barrier(*self.deferred_barrier())
 
     def deferred_barrier(self) -> PeerWait:
         """:meth:`barrier`'s flag wait, for the next kernel to run first (``ops.PeerWait``)."""
-        return PeerWait(self._epoch, self._flag_table, self.rank)
+        parity, self._barriers = self._barriers % 2, self._barriers + 1
+        return PeerWait(self._epochs, self._flag_table, self.rank, parity)
 
     def close(self) -> None:
         """Free the slabs (collective). The memory is unusable afterwards."""

@@ -78,11 +78,14 @@ def from_words(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class PeerWait(NamedTuple):
     """A peer-memory barrier that the next kernel performs before it reads (one launch fewer):
-    ``_transport_kernels.signal_barrier``'s arguments (``PeerMemory.deferred_barrier``)."""
+    ``_transport_kernels.signal_barrier``'s arguments (``PeerMemory.deferred_barrier``):
+    the two barrier counters, the flags' addresses, this rank, and the barrier's parity
+    (``_kernel_parts``)."""
 
-    epoch_1: torch.Tensor
+    epochs_2: torch.Tensor
     flag_table_M: torch.Tensor
     me: int
+    parity: int
 
 
 def wait_for_peers(wait: PeerWait | None) -> None:
@@ -149,6 +152,7 @@ def finish_receive(
     max_slots: int = 0,
     w_out_C: torch.Tensor | None = None,
     backend: Backend = "auto",
+    wait: PeerWait | None = None,
 ) -> None:
     """Move rows from other ranks out of the symmetric inbox into ``out``; zero the padding.
 
@@ -158,7 +162,8 @@ def finish_receive(
     copy the rows' origins (``origin_in_C``: packed metadata, :func:`pack_meta`; the slot
     index at the source in its low 32 bits). With ``slot_rows_out``, also write the rows
     of a :class:`SlotTable` (``N_max = max_slots``); with ``w_out_C`` (float32), each
-    row's weight from the metadata's high 32 bits (zero for padding rows).
+    row's weight from the metadata's high 32 bits (zero for padding rows). ``wait``: the
+    put's barrier, passed first (by the kernel; the reference path launches it alone).
     """
     needs_meta = origin_out_C is not None or inbox_stride > 0 or slot_rows_out is not None or w_out_C is not None
     if needs_meta and origin_in_C is None:
@@ -168,9 +173,10 @@ def finish_receive(
 
         kernels.finish_receive(
             out_CW, inbox_CW, row_src_C, me, origin_in_C, origin_out_C, per_src, inbox_stride,
-            slot_rows_out, max_slots, w_out_C,
+            slot_rows_out, max_slots, w_out_C, wait=wait,
         )
     else:
+        wait_for_peers(wait)
         finish_receive_reference(
             out_CW, inbox_CW, row_src_C, me, origin_in_C, origin_out_C, per_src, inbox_stride,
             slot_rows_out, max_slots, w_out_C,
@@ -210,6 +216,17 @@ def finish_receive_reference(
         w_out_C.copy_(torch.where(row_src_C >= 0, unpack_meta(meta_C)[1], 0))
 
 
+def copy_rows(src_RW: torch.Tensor, wait: PeerWait | None = None, backend: Backend = "auto") -> torch.Tensor:
+    """A copy of ``src_RW`` (rows a put wrote into a slab, which the next phase reuses), read
+    after ``wait``'s barrier (passed by the copy's kernel; the reference path launches it alone)."""
+    if resolve_backend(backend, src_RW.device):
+        from moe_ep_transport import _transport_kernels as kernels
+
+        return kernels.copy_rows(src_RW, wait)
+    wait_for_peers(wait)
+    return src_RW.clone()
+
+
 def pack_meta(index_N: torch.Tensor, w_N: torch.Tensor) -> torch.Tensor:
     """A slot's metadata with its weight: ``index | (float32 bits of w) << 32`` (int64).
 
@@ -236,6 +253,7 @@ def topk_gather_sum(
     out_dtype: torch.dtype,
     store_rows: bool,
     backend: Backend = "auto",
+    wait: PeerWait | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Weighted top-k sum per token of the rows that came back, in ``w_N``'s dtype.
 
@@ -244,14 +262,15 @@ def topk_gather_sum(
     weight zero if it was dropped (``dst_rank[i] < 0``, whatever ``w[i]`` holds).
     ``y[t] = ((0 + x_0 w_0) + x_1 w_1) + ...``, cast to ``out_dtype``. With
     ``store_rows`` the gathered rows ``[N, D]`` are returned too (for the gradient of
-    the weights).
+    the weights). ``wait``: the return's barrier, passed first (as in :func:`finish_receive`).
     """
     if resolve_backend(backend, local_CD.device):
         from moe_ep_transport import _transport_kernels as kernels
 
         return kernels.topk_gather_sum(
-            inbox_ND, local_CD, dst_rank_N, dst_row_N, me, w_N, top_k, out_dtype, store_rows
+            inbox_ND, local_CD, dst_rank_N, dst_row_N, me, w_N, top_k, out_dtype, store_rows, wait=wait
         )
+    wait_for_peers(wait)
     return topk_gather_sum_reference(
         inbox_ND, local_CD, dst_rank_N, dst_row_N, me, w_N, top_k, out_dtype, store_rows
     )
@@ -412,17 +431,20 @@ def sum_partials(
     top_k: int,
     out_dtype: torch.dtype,
     backend: Backend = "auto",
+    wait: PeerWait | None = None,
 ) -> torch.Tensor:
     """``y[t] = ((0 + P_0[t]) + P_1[t]) + ...`` over the ranks holding any of token ``t``'s rows.
 
     ``partials_QD`` row ``r * T_max + t`` is rank ``r``'s partial for this rank's token
     ``t``; a rank none of the token's kept slots went to contributes nothing (its row
-    is not read). Rank order, products none: the same on every backend.
+    is not read). Rank order, products none: the same on every backend. ``wait``: the
+    partials' barrier, passed first (as in :func:`finish_receive`).
     """
     if resolve_backend(backend, partials_QD.device):
         from moe_ep_transport import _transport_kernels as kernels
 
-        return kernels.sum_partials(partials_QD, dst_rank_N, n_ranks, max_tokens, top_k, out_dtype)
+        return kernels.sum_partials(partials_QD, dst_rank_N, n_ranks, max_tokens, top_k, out_dtype, wait=wait)
+    wait_for_peers(wait)
     return sum_partials_reference(partials_QD, dst_rank_N, n_ranks, max_tokens, top_k, out_dtype)
 
 

@@ -23,11 +23,13 @@ saves copying the expert output into a symmetric buffer first, and stores travel
 faster than loads over NVLink.
 
 Every step is one launch (a put, a barrier, a kernel of :mod:`moe_ep_transport.ops`),
-and on CUDA the dispatch folds steps (1) and (2) into the plan's kernels: the slot
-ranking's block scan stores the counts into the peers and the cell kernel passes the
-barrier (:meth:`RowwiseTransport.plan_routes`): seven launches per dispatch. Index tensors
-that do not change between calls are built once. Sizes are static: capacity C rows to
-receive, T_max*k slots to return.
+and on CUDA the steps fold: the dispatch's count exchange into the plan's kernels (the
+slot ranking's block scan stores the counts into the peers and the cell kernel passes
+the barrier, :meth:`RowwiseTransport.plan_routes`), and a put's barrier into the kernel
+that reads what it put (every program of the receive or sum waits for the peers' flags;
+``_kernel_parts``): six launches per dispatch (slot ranks, block scan, cells, rows, put,
+receive), two per combine (put, sum). Index tensors that do not change between calls are
+built once. Sizes are static: capacity C rows to receive, T_max*k slots to return.
 
 Consecutive phases use different slabs, chosen by a counter on the host. A CUDA graph
 replays the slabs its capture chose, so calls captured in a graph run inside
@@ -237,7 +239,7 @@ class RowwiseTransport:
             local_dst=out, meta_N=ops.index_range(plan.dst_rank_N.numel(), device) if first else None,
             inbox_stride=stride, meta_w_N=slot_weights_N,
         )
-        self.memory.barrier()
+        wait = self.memory.deferred_barrier()  # passed by the receive kernel
         buf = self.memory.slab(slab)
         inbox = slab_view(buf, self._meta_bytes, src_RW.dtype, W)[: inbox_rows if dedup else C]
         origin_in_C, origin_out_C, slot_rows = route.origin_C, None, None
@@ -251,7 +253,7 @@ class RowwiseTransport:
             route.weights_C = torch.empty(C, dtype=torch.float32, device=device)
         ops.finish_receive(
             out, inbox, plan.row_src_C, self.rank, origin_in_C, origin_out_C, per_src, stride,
-            slot_rows, self.max_slots, route.weights_C if slot_weights_N is not None else None,
+            slot_rows, self.max_slots, route.weights_C if slot_weights_N is not None else None, wait=wait,
         )
         return out
 
@@ -276,11 +278,11 @@ class RowwiseTransport:
         self._check_fits(self.max_slots * words.shape[1] * words.element_size(), "a row return")
         slab = self._next_slab()
         self.memory.put_rows(slab, 0, words, plan.row_src_C, route.origin_C, skip_local=True)
-        self.memory.barrier()
+        wait = self.memory.deferred_barrier()  # passed by the sum's kernel
         inbox_ND = slab_view(self.memory.slab(slab), 0, rows_CD.dtype, rows_CD.shape[1])[:n]
         return ops.topk_gather_sum(
             inbox_ND, rows_CD, plan.dst_rank_N, plan.dst_row_N, self.rank, w_N,
-            plan.top_k, rows_CD.dtype, store_rows,
+            plan.top_k, rows_CD.dtype, store_rows, wait=wait,
         )
 
     def _slots(self, route: RowwiseRoute) -> ops.SlotTable:
@@ -303,9 +305,9 @@ class RowwiseTransport:
             slab, 0, rows_CD.contiguous(), w_C, slots, top_k=plan.top_k, max_tokens=T_max,
             acc_dtype=acc_dtype,
         )
-        self.memory.barrier()
+        wait = self.memory.deferred_barrier()  # passed by the sum's kernel
         partials_QD = slab_view(self.memory.slab(slab), 0, acc_dtype, D)[: M * T_max]
-        return ops.sum_partials(partials_QD, plan.dst_rank_N, M, T_max, plan.top_k, rows_CD.dtype)
+        return ops.sum_partials(partials_QD, plan.dst_rank_N, M, T_max, plan.top_k, rows_CD.dtype, wait=wait)
 
     def send_grads(
         self, route: RowwiseRoute, grad_TD: torch.Tensor, w_C: torch.Tensor, rows_CD: torch.Tensor | None,
@@ -325,12 +327,12 @@ class RowwiseTransport:
         local = words.new_empty(C, W)  # the rows this rank sends itself
         self.memory.put_rows(slab, self._meta_bytes, words, plan.dst_rank_N, plan.dst_row_N, per_src=plan.top_k,
                              local_dst=local, inbox_stride=stride)
-        self.memory.barrier()
+        wait = self.memory.deferred_barrier()  # passed by the receive kernel
         inbox = slab_view(self.memory.slab(slab), self._meta_bytes, grad_TD.dtype, grad_TD.shape[1])
         from moe_ep_transport import _transport_kernels as kernels
 
         return kernels.receive_grads(ops.from_words(local, grad_TD.dtype), inbox, plan.row_src_C, route.origin_C,
-                                     self.rank, w_C, rows_CD, scaled, plan.top_k, stride)
+                                     self.rank, w_C, rows_CD, scaled, plan.top_k, stride, wait=wait)
 
     def send_back(self, route: RowwiseRoute, rows_CW: torch.Tensor) -> torch.Tensor:
         plan = route.plan
@@ -343,5 +345,5 @@ class RowwiseTransport:
         # the same launch zeroes the dropped slots' rows (nobody sends them).
         self.memory.put_rows(slab, 0, rows_CW.contiguous(), plan.row_src_C, route.origin_C,
                              clear_N=plan.dst_rank_N)
-        self.memory.barrier()
-        return slab_view(self.memory.slab(slab), 0, rows_CW.dtype, W)[:n].clone()  # the slab is scratch
+        wait = self.memory.deferred_barrier()  # passed by the copy's kernel
+        return ops.copy_rows(slab_view(self.memory.slab(slab), 0, rows_CW.dtype, W)[:n], wait)  # the slab is scratch
