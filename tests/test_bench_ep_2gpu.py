@@ -132,12 +132,9 @@ def test_overlap_checks_compare_with_dp_and_unsplit_ep_of_the_same_mode():
     assert all(c["over_dp"] is None for c in _tool().overlap_checks(report, None, "graphs", 4))
 
 
-def test_main_checks_each_overlap_run_against_its_modes_dp_and_ep(tmp_path, monkeypatch, capsys):
+def _main_on_reports(tmp_path, monkeypatch, reports: dict, graphs: str) -> dict:
+    """``main`` with its parts replaced by ``reports`` (part name -> the JSON it would write)."""
     bench = _tool()
-    reports = {
-        "train_eager": {"runs": [_run("ddp", "model", 40_000, 0.43), _run("ep", "model", 38_000, 0.41)]},
-        "train_eager_overlap2": {"runs": [_run("ep", "model", 42_800, 0.46)]},
-    }
     parts = {}
     for name, report in reports.items():
         path = tmp_path / f"{name}.json"
@@ -145,28 +142,26 @@ def test_main_checks_each_overlap_run_against_its_modes_dp_and_ep(tmp_path, monk
         parts[name] = (["true"], path)
     monkeypatch.setattr(bench, "commands", lambda a: parts)
     monkeypatch.setattr(bench, "run_part", lambda cmd, timeout_s: (0, False))
-    result = bench.main(["--out", str(tmp_path / "ep.json"), "--graphs", "off"])
+    return bench.main(["--out", str(tmp_path / "ep.json"), "--graphs", graphs])
+
+
+def test_main_checks_each_overlap_run_against_its_modes_dp_and_ep(tmp_path, monkeypatch, capsys):
+    result = _main_on_reports(tmp_path, monkeypatch, {
+        "train_eager": {"runs": [_run("ddp", "model", 40_000, 0.43), _run("ep", "model", 38_000, 0.41)]},
+        "train_eager_overlap2": {"runs": [_run("ep", "model", 42_800, 0.46)]},
+    }, "off")
     (check,) = result["overlap_eager_checks"]
     assert check["chunks"] == 2 and check["over_dp"] == pytest.approx(1.07) and check["met"]
     assert "EP in 2 chunks 42,800 tok/s/GPU = 1.070x DP, 1.126x EP unsplit" in capsys.readouterr().out
 
 
 def test_main_checks_each_interleaved_run_against_dp_and_its_unsplit_baseline(tmp_path, monkeypatch, capsys):
-    bench = _tool()
-    reports = {
+    result = _main_on_reports(tmp_path, monkeypatch, {
         "train_graphs": {"runs": [_run("ddp", "model", 40_000, 0.43), _run("ep", "model", 38_000, 0.41)]},
         "train_graphs_mb1": {"runs": [_run("ep", "model", 36_000, 0.39)]},
         "train_graphs_interleave": {"runs": [_run("ep", "model", 41_000, 0.44)]},
         "train_graphs_interleave16": {"runs": [_run("ep", "model", 42_400, 0.45)]},
-    }
-    parts = {}
-    for name, report in reports.items():
-        path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps(report))
-        parts[name] = (["true"], path)
-    monkeypatch.setattr(bench, "commands", lambda a: parts)
-    monkeypatch.setattr(bench, "run_part", lambda cmd, timeout_s: (0, False))
-    result = bench.main(["--out", str(tmp_path / "ep.json"), "--graphs", "on"])
+    }, "on")
     every, bounded = result["interleave_graphs_checks"]
     assert every["comm_sms"] is None and every["over_dp"] == pytest.approx(1.025) and not every["met"]
     assert every["over_unsplit"] == pytest.approx(41 / 36)

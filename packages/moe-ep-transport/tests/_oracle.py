@@ -203,3 +203,18 @@ def check_partial_kernels(device: str, out_dtype: torch.dtype) -> None:
     got = ops.sum_partials(partials, dst_rank, M, T_max, k, out_dtype, backend="triton")
     assert torch.equal(got, want) and not got.isnan().any()
     assert bool((got[0] == 0).all())
+
+
+def forward_backward(losses, interleave=None) -> list[torch.Tensor]:
+    """The losses of ``losses`` (callables), each with its backward: one at a time, or with an
+    ``interleave`` (``MicrobatchInterleave``) the forwards interleaved and one backward over
+    all of them, as the trainer runs a pair."""
+    if interleave is None:
+        out = []
+        for loss in losses:
+            out.append(loss())
+            out[-1].backward()
+        return out
+    out = interleave.run(list(losses))
+    torch.autograd.backward(out)
+    return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from moe_testing import run_distributed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _oracle import BytesCodec, check_partial_kernels, check_plan_kernels  # noqa: E402
+from _oracle import BytesCodec, check_partial_kernels, check_plan_kernels, forward_backward  # noqa: E402
 from moe_ep_transport import EPConfig, EPDispatcher, EPOverflowError, make_transport, ops  # noqa: E402
 
 E, K, D, T = 64, 8, 1024, 2048
@@ -33,6 +34,25 @@ def _warm_up_on_a_side_stream(fn: Callable[[], object]) -> None:
         fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+
+
+def _replays_to(run: Callable[[], list[torch.Tensor]], want: list[torch.Tensor], scope: Callable = nullcontext,
+                replays: int = 2) -> bool:
+    """``run`` (warmed up on a side stream) captured in a CUDA graph inside ``scope()``
+    replays ``replays`` times to ``want``, its outputs zeroed before each replay."""
+    _warm_up_on_a_side_stream(run)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"), scope():
+        got = run()
+    ok = True
+    for _ in range(replays):
+        for y in got:
+            y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        ok &= all(torch.equal(y, w) for y, w in zip(got, want, strict=True))
+    del graph
+    return ok
 
 
 def _experts(rows_CD: torch.Tensor, scale_L: torch.Tensor, offsets_L: torch.Tensor) -> torch.Tensor:
@@ -145,18 +165,8 @@ def _graph_replay() -> bool:
             return dispatcher.combine(rows, w, handle)
 
     want = step()
-    _warm_up_on_a_side_stream(step)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        got = [step(), step()]  # an even number of slab phases: replays alternate like eager calls
-    ok = True
-    for _ in range(3):
-        for y in got:
-            y.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        ok &= all(torch.equal(y, want) for y in got)
-    del graph
+    # an even number of slab phases: replays alternate like eager calls
+    ok = _replays_to(lambda: [step(), step()], [want, want], replays=3)
     transport.close()
     nvshmem_memory.finalize()
     return ok
@@ -218,21 +228,11 @@ def _forward_replays(dispatcher: EPDispatcher, inputs: list, want_y: torch.Tenso
     """``run_experts``' forward captured in a CUDA graph (inside ``replayable()``) replays to ``want_y``."""
     x, ids, w, _, scale = inputs
 
-    def forward() -> torch.Tensor:
+    def forward() -> list[torch.Tensor]:
         with torch.no_grad():
-            return dispatcher.run_experts(x, ids, w, lambda rows, offsets: _experts(rows, scale, offsets))[0]
+            return [dispatcher.run_experts(x, ids, w, lambda rows, offsets: _experts(rows, scale, offsets))[0]]
 
-    _warm_up_on_a_side_stream(forward)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"), dispatcher.transport.replayable():
-        y = forward()
-    replayed = True
-    for _ in range(2):
-        y.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        replayed &= torch.equal(y, want_y)
-    return replayed
+    return _replays_to(forward, [want_y], dispatcher.transport.replayable)
 
 
 def _pipeline_equals_unsplit(cases: list[tuple[int, int | None]]) -> list:
@@ -319,14 +319,7 @@ def _interleave_equals_one_at_a_time(comm_sms: int | None) -> list:
             _, ids, w, g, scale = batches[i]
             return lambda: (_two_layers(layers, xs[i], ids, w, scale).float() * g).sum()
 
-        if interleaved:
-            losses = interleave.run([loss(0), loss(1)])
-            torch.autograd.backward(losses)
-        else:
-            losses = []
-            for i in range(2):
-                losses.append(loss(i)())
-                losses[-1].backward()
+        losses = forward_backward([loss(0), loss(1)], interleave if interleaved else None)
         return [dict(loss=losses[i].detach(), dx=xs[i].grad) for i in range(2)]
 
     want, got = run(False), run(True)
@@ -337,32 +330,18 @@ def _interleave_equals_one_at_a_time(comm_sms: int | None) -> list:
         run(True)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    streams: set[int] = set()
-    send = transport.send
-    transport.send = lambda *a, **kw: streams.add(torch.cuda.current_stream().cuda_stream) or send(*a, **kw)
-    with torch.no_grad():
-        interleave.run([lambda i=i: _two_layers(layers, batches[i][0], *batches[i][1:3], batches[i][4])
-                        for i in range(2)])
-    del transport.send
-    on_comm = streams == {comm_stream(device, comm_sms).cuda_stream}
-
     def forward() -> list[torch.Tensor]:
         with torch.no_grad():
             return interleave.run([lambda i=i: _two_layers(layers, batches[i][0], *batches[i][1:3],
                                                            batches[i][4]) for i in range(2)])
 
+    streams: set[int] = set()
+    send = transport.send
+    transport.send = lambda *a, **kw: streams.add(torch.cuda.current_stream().cuda_stream) or send(*a, **kw)
     want_y = forward()
-    _warm_up_on_a_side_stream(forward)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"), transport.replayable():
-        ys = forward()
-    replayed = True
-    for _ in range(2):
-        for y in ys:
-            y.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        replayed &= all(torch.equal(y, w) for y, w in zip(ys, want_y, strict=True))
+    del transport.send
+    on_comm = streams == {comm_stream(device, comm_sms).cuda_stream}
+    replayed = _replays_to(forward, want_y, transport.replayable)
     transport.close()
     nvshmem_memory.finalize()
     return [same, on_comm, replayed]

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from moe_testing import run_distributed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _oracle import assert_close, experts  # noqa: E402
+from _oracle import assert_close, experts, forward_backward  # noqa: E402
 from moe_ep_transport import EPConfig, EPDispatcher, MicrobatchInterleave, make_transport  # noqa: E402
 
 E, K, D, LAYERS = 8, 2, 16, 2
@@ -153,14 +153,7 @@ def _interleaved_equals_one_at_a_time(tokens: list[list[int]], dtype: torch.dtyp
             def forward(i: int, xs=xs, P=P, R=R, W_local=W_local, dispatchers=dispatchers):
                 return lambda: (_forward(xs[i], P, R, W_local, dispatchers) * data["g"][rank][i]).sum()
 
-            if interleaved:
-                losses = interleave.run([forward(0), forward(1)])
-                torch.autograd.backward(losses)
-            else:
-                losses = []
-                for i in range(2):
-                    losses.append(forward(i)())
-                    losses[-1].backward()
+            losses = forward_backward([forward(0), forward(1)], interleave if interleaved else None)
             runs[interleaved] = dict(losses=[loss.detach() for loss in losses], dx=[x.grad for x in xs],
                                      dP=P.grad, dR=R.grad, dW=W.grad, order=order)
         alone, together = runs[False], runs[True]
