@@ -56,7 +56,11 @@ def test_parts_follow_the_options(tmp_path):
                                              "transport", "--overlap-chunks", "none", "--interleave", "none"]))
     assert list(parts) == ["train_eager", "tests"]
     assert "train.cuda_graphs=false" in parts["train_eager"][0]
-    assert parts["tests"][0][:3] == [sys.executable, "-m", "pytest"]
+    tests_cmd = parts["tests"][0]
+    assert tests_cmd[:3] == [sys.executable, "-m", "pytest"]
+    files = [c for c in tests_cmd if c.endswith("test_gpu.py")]
+    assert [Path(f).parts[-3] for f in files] == ["pretrain", "moe-ep-transport"] and all(Path(f).exists() for f in files)
+    assert tests_cmd[tests_cmd.index("-k") + 1] == "cuda_graphs_on_two_ranks or interleaved"
 
 
 @pytest.mark.multiprocess

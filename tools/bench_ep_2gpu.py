@@ -27,7 +27,8 @@ It runs, one after the other on the GPUs of this host (``torch.distributed.run``
    payload) and the share of the put ceiling measured in the same run at the largest
    size (target >= 80%);
 3. with ``--tests``: the two-GPU tests of steps replayed from CUDA graphs (DP2 and EP2
-   equal eager steps bit for bit, no host synchronisation in a replayed step), pass or
+   equal eager steps bit for bit, no host synchronisation in a replayed step) and of
+   interleaved microbatches (equal to one at a time, on the communication stream), pass or
    fail recorded; several minutes (every case starts its own processes), so on their own:
    ``tools/from_source.sh python3 tools/bench_ep_2gpu.py --tests --skip train --skip
    transport --part-timeout 580 --out $OUT/ep_2gpu_tests.json``.
@@ -64,7 +65,9 @@ from moe_testing import run_process_tree
 TOOLS = Path(__file__).resolve().parent
 ROUTINGS = ("model", "balanced", "zipf")
 GRAPH_MODES = {"on": ("graphs",), "off": ("eager",), "both": ("graphs", "eager")}
-GRAPH_TESTS = ("apps/pretrain/tests/test_gpu.py", "-m", "multigpu", "-k", "cuda_graphs_on_two_ranks")
+# the app's steps replayed from CUDA graphs, and the transport's interleaved microbatches
+GRAPH_TESTS = (("apps/pretrain/tests/test_gpu.py", "packages/moe-ep-transport/tests/test_gpu.py"),
+               ("-m", "multigpu", "-k", "cuda_graphs_on_two_ranks or interleaved"))
 EP_OVER_DP = 1.05
 MFU = 0.42
 X_NCCL_ALL, X_NCCL_MID, MID_MIB = 1.0, 1.5, (16, 64)
@@ -183,7 +186,7 @@ def commands(a: argparse.Namespace) -> dict[str, tuple[list[str], Path]]:
     if a.tests:
         path = a.out.with_name(a.out.stem + "_tests.xml")
         parts["tests"] = ([sys.executable, "-m", "pytest", "-p", "moe_testing.pytest_plugin", "-q",
-                           str(TOOLS.parent / GRAPH_TESTS[0]), *GRAPH_TESTS[1:],
+                           *(str(TOOLS.parent / f) for f in GRAPH_TESTS[0]), *GRAPH_TESTS[1],
                            f"--junitxml={path}"], path)
     return parts
 
