@@ -65,11 +65,14 @@ def wait_in_every_program(epoch_ptr, parity, flag_table_ptr, me, n_ranks, pid,
 
     Program ``pid == 0`` signals; every program waits for the *other* ranks' flags alone
     (its own rank's puts are complete: they ran in earlier kernels), so no program waits
-    for another program of its grid, whatever order the GPU schedules them in. The wait
-    spins on plain volatile loads (thousands of programs doing atomics on the same flags
-    would queue on them) and then fences (``FENCE``: acquire at system scope, what an
-    atomic acquire of the flag would give; the Triton interpreter, which runs no inline
-    assembly, takes ``FENCE=False``)."""
+    for another program of its own grid, only for the peers' programs 0. That takes one
+    assumption: a rank's program 0 starts while its other programs spin, which holds where
+    the GPU hands out a grid's programs in index order (what CUDA GPUs do, though no
+    documented guarantee; the single-program barrier kernel needs none). The wait spins on
+    plain volatile loads (thousands of programs doing atomics on the same flags would queue
+    on them) and then fences (``FENCE``: acquire at system scope, what an atomic acquire of
+    the flag would give; the Triton interpreter, which runs no inline assembly, takes
+    ``FENCE=False``)."""
     epoch = tl.load(epoch_ptr + parity)
     if pid == 0:
         _signal(epoch_ptr, parity, flag_table_ptr, me, n_ranks, M_P)
