@@ -386,17 +386,15 @@ def finish_receive(
     width = out_CW.shape[1]
     row_src_C = row_src_C.contiguous()
     block_r = 4
-    waits, flags_p = _wait_args(wait, row_src_C)
     _finish_receive_kernel[(triton.cdiv(n, block_r),)](
         out_CW, inbox_CW.contiguous(), row_src_C,
         origin_in_C.contiguous() if origin_in_C is not None else row_src_C,
         origin_out_C if origin_out_C is not None else row_src_C,
         slot_rows_out if slot_rows_out is not None else row_src_C,
         w_out_C if w_out_C is not None else row_src_C, max_slots,
-        me, n, width, inbox_stride, *waits[:3], waits[4], PER_SRC=per_src, DEDUP=inbox_stride > 0,
+        me, n, width, inbox_stride, n_ranks=_ranks(wait), PER_SRC=per_src, DEDUP=inbox_stride > 0,
         COPY_ORIGIN=origin_out_C is not None, SLOT_ROWS=slot_rows_out is not None, W_OUT=w_out_C is not None,
-        BLOCK_R=block_r, BLOCK_W=_block_w(width), WAIT=wait is not None, FLAGS_P=flags_p,
-        FENCE=out_CW.is_cuda, num_warps=8,
+        BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8, **_wait_kwargs(wait, out_CW),
     )
 
 
@@ -430,16 +428,14 @@ def combine_grads(
     w_N = w_N.contiguous()
     rows_ND = rows_ND.contiguous() if rows_ND is not None else None
     placeholder = scaled_ND if scaled_ND is not None else rows_ND
-    waits, flags_p = _wait_args(wait, w_N)
     _combine_grads_kernel[(T,)](
         g_TD.contiguous(), w_N, rows_ND if rows_ND is not None else placeholder,
         placeholder, grad_w_N if grad_w_N is not None else w_N, width,
         bound if bound is not None else w_N, *(receive if receive is not None else (w_N, w_N, w_N, 0, 0)),
-        *waits[:3], waits[4],
-        K=K, SCALED=scaled, GRAD_W=rows_ND is not None,
+        n_ranks=_ranks(wait), K=K, SCALED=scaled, GRAD_W=rows_ND is not None,
         BLOCK_W=min(triton.next_power_of_2(max(width, 1)), max(64, 4096 // K)), HAS_BOUND=bound is not None,
         RECEIVE=receive is not None, PER_SRC=per_src, DEDUP=receive is not None and receive[-1] > 0,
-        WAIT=wait is not None, FLAGS_P=flags_p, FENCE=g_TD.is_cuda, num_warps=4,
+        num_warps=4, **_wait_kwargs(wait, w_N),
     )
     return scaled_ND, grad_w_N
 
@@ -465,10 +461,9 @@ def copy_rows(src_RW: torch.Tensor, wait: PeerWait | None = None) -> torch.Tenso
         _pass_alone(wait)
         return out
     block_r = 4
-    waits, flags_p = _wait_args(wait, out)
     _copy_rows_kernel[(triton.cdiv(n, block_r),)](
-        src_RW.contiguous(), out, n, width, *waits, BLOCK_R=block_r, BLOCK_W=_block_w(width),
-        WAIT=wait is not None, FLAGS_P=flags_p, FENCE=out.is_cuda, num_warps=8,
+        src_RW.contiguous(), out, n, width, me=wait.me if wait is not None else 0, n_ranks=_ranks(wait),
+        BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8, **_wait_kwargs(wait, out),
     )
     return out
 
@@ -477,13 +472,19 @@ def _flags_p(n_ranks: int) -> int:
     return max(2, triton.next_power_of_2(n_ranks))
 
 
-def _wait_args(wait: PeerWait | None, fallback: torch.Tensor) -> tuple[tuple, int]:
-    """A kernel's barrier arguments (``epoch_ptr, parity, flag_table_ptr, me, n_ranks``) and
-    ``FLAGS_P``: ``wait``'s, or placeholders where the kernel waits for nothing."""
+def _wait_kwargs(wait: PeerWait | None, out: torch.Tensor) -> dict:
+    """A receive kernel's barrier arguments by name (``wait_in_every_program``'s, with
+    ``WAIT``, ``FLAGS_P`` and ``FENCE``): ``wait``'s, or placeholders where the kernel waits
+    for nothing. ``out``: a tensor the kernel writes (its device decides the fence)."""
     if wait is None:
-        return (fallback, 0, fallback, 0, 1), 2
-    M = wait.flag_table_M.numel()
-    return (wait.epochs_2, wait.parity, wait.flag_table_M.contiguous(), wait.me, M), _flags_p(M)
+        return dict(epoch_ptr=out, parity=0, flag_table_ptr=out, WAIT=False, FLAGS_P=2, FENCE=False)
+    return dict(epoch_ptr=wait.epochs_2, parity=wait.parity, flag_table_ptr=wait.flag_table_M.contiguous(),
+                WAIT=True, FLAGS_P=_flags_p(wait.flag_table_M.numel()), FENCE=out.is_cuda)
+
+
+def _ranks(wait: PeerWait | None) -> int:
+    """The ranks a receive's barrier waits for (1 where it waits for none)."""
+    return wait.flag_table_M.numel() if wait is not None else 1
 
 
 def _pass_alone(wait: PeerWait | None) -> None:
@@ -523,12 +524,11 @@ def topk_gather_sum(
         _pass_alone(wait)
         return y, rows_out
     block_w = _block_w(width)
-    waits, flags_p = _wait_args(wait, dst_rank_N)
     _topk_gather_sum_kernel[(T, triton.cdiv(width, block_w))](
         inbox_ND.contiguous(), local_CD.contiguous(), dst_rank_N.contiguous(), dst_row_N.contiguous(),
-        w_N.contiguous(), y, rows_out if store_rows else y, me, width, *waits[:3], waits[4],
-        K=top_k, STORE_ROWS=store_rows, BLOCK_W=block_w, WAIT=wait is not None, FLAGS_P=flags_p,
-        FENCE=y.is_cuda, num_warps=4, enable_fp_fusion=False,
+        w_N.contiguous(), y, rows_out if store_rows else y, me, width, n_ranks=_ranks(wait),
+        K=top_k, STORE_ROWS=store_rows, BLOCK_W=block_w, num_warps=4, enable_fp_fusion=False,
+        **_wait_kwargs(wait, y),
     )
     return y, rows_out
 
@@ -587,11 +587,10 @@ def sum_partials(
         _pass_alone(wait)
         return y
     block_w = _block_w(width)
-    waits, flags_p = _wait_args(wait, dst_rank_N)
     _sum_partials_kernel[(T, triton.cdiv(width, block_w))](
-        partials_QD.contiguous(), dst_rank_N.contiguous(), y, n_ranks, max_tokens, width, *waits[:4],
-        K=top_k, BLOCK_W=block_w, WAIT=wait is not None, FLAGS_P=flags_p, FENCE=y.is_cuda, num_warps=4,
-        enable_fp_fusion=False,
+        partials_QD.contiguous(), dst_rank_N.contiguous(), y, n_ranks, max_tokens, width,
+        me=wait.me if wait is not None else 0, K=top_k, BLOCK_W=block_w, num_warps=4, enable_fp_fusion=False,
+        **_wait_kwargs(wait, y),
     )
     return y
 

@@ -186,6 +186,11 @@ class EPDispatcher:
         self.capacity = cfg.rank_capacity(self.ep_size)
         self.telemetry = EPTelemetry()
 
+    @property
+    def _interleaving(self) -> bool:
+        """Whether this call comes from a forward of the dispatcher's interleave."""
+        return self.interleave is not None and self.interleave.interleaving
+
     def sums_at_destination(self, rows_dtype: torch.dtype, acc_dtype: torch.dtype) -> bool:
         """Where combine sums a token's contributions for rows of ``rows_dtype`` (EPConfig.combine)."""
         D = self.cfg.d_model
@@ -234,7 +239,7 @@ class EPDispatcher:
         tensor, unchanged (otherwise it sends the weights it gets).
         """
         self._check_inputs(x_TD, expert_ids_Tk, weights)
-        if self.interleave is not None and self.interleave.interleaving:
+        if self._interleaving:
             inputs = [x_TD, expert_ids_Tk] + ([weights] if weights is not None else [])
             return self.interleave.transport_call(
                 lambda: self._dispatch(x_TD, expert_ids_Tk, weights), inputs, lambda out: out[:2])
@@ -282,7 +287,7 @@ class EPDispatcher:
         if self.cfg.overlap_chunks == 1:
             rows, offsets, handle = self.dispatch(x_TD, expert_ids_Tk, weights_Tk)
             return self.combine(experts(rows, offsets), weights_Tk, handle), handle
-        if self.interleave is not None and self.interleave.interleaving:
+        if self._interleaving:
             raise ValueError(
                 f"EPConfig.overlap_chunks={self.cfg.overlap_chunks} pipelines chunks of one microbatch; "
                 "it does not combine with a microbatch interleave (use one or the other)"
@@ -298,7 +303,7 @@ class EPDispatcher:
                 f"weights must be [{plan.n_tokens}, {plan.top_k}], got {tuple(weights_Tk.shape)}"
             )
         staged = handle.weights is weights_Tk and _version(weights_Tk) == handle.weights_version
-        if self.interleave is not None and self.interleave.interleaving:
+        if self._interleaving:
             return self.interleave.transport_call(
                 lambda: _Combine.apply(rows_out_CD, weights_Tk, self, handle.route, staged),
                 [rows_out_CD, weights_Tk], lambda y: [y])
