@@ -123,6 +123,11 @@ def test_microbatches_pair_up_but_the_synchronised_last_and_an_odd_one_out():
     assert microbatch_groups(4, pairs=True, finish=False) == [[0, 1], [2, 3]]
     assert microbatch_groups(3, pairs=True, finish=False) == [[0, 1], [2]]
     assert microbatch_groups(1, pairs=True, finish=True) == [[0]]
+    from pretrain.planner.pipeline import paired_microbatches
+
+    for n in range(1, 18):  # what the planner assumes is what the trainer runs
+        pairs = [g for g in microbatch_groups(n, pairs=True, finish=True) if len(g) == 2]
+        assert 2 * len(pairs) == paired_microbatches(n), n
 
 
 @pytest.mark.parametrize("merge, unit", [(1, 2), (2, 2), (3, 6), (4, 4)])

@@ -39,6 +39,13 @@ class RankActivations:
     in_flight: int  # most (stage, microbatch) pairs held at once
 
 
+def paired_microbatches(n_microbatches: int) -> int:
+    """How many of a step's microbatches run in interleaved pairs
+    (``parallel.ep_overlap_microbatches``; the trainer's ``microbatch_groups``): all but the
+    last, less one left over from an odd count."""
+    return (n_microbatches - 1) // 2 * 2
+
+
 @functools.lru_cache(maxsize=256)
 def _schedule(name: str, pp: int, virtual: int, n_microbatches: int) -> Schedule:
     """Building a schedule simulates it (deadlock check): worth keeping for sweeps."""
@@ -58,7 +65,7 @@ def rank_activations(stages: Mapping[int, StageMemory], pp: int, virtual: int, s
         if len(stages) != 1:
             raise ValueError(f"pp=1 runs one stage, got {len(stages)}")
         (only,) = stages.values()
-        if pairs and n_microbatches >= 3:
+        if pairs and paired_microbatches(n_microbatches):
             return RankActivations(only.held + only.peak, 2)
         return RankActivations(only.peak, 1)  # microbatches run one after another
     plan = _schedule(schedule, pp, virtual, n_microbatches)

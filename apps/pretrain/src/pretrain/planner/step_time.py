@@ -63,6 +63,7 @@ from pretrain.planner.activations import Execution, block_inventory, ep_capacity
 from pretrain.planner.comm import Fabric, Group
 from pretrain.planner.memory import COMPUTE_BYTES, PlanRequest
 from pretrain.planner.persistent import HeldParam, ModelShapes
+from pretrain.planner.pipeline import paired_microbatches
 from pretrain.planner.profile import Profile
 
 FP32 = 4
@@ -300,9 +301,8 @@ def _expert_passes(s: _Setup, tokens: int, rows: float, expert_s: float
 
 
 def paired_share(microbatches: int) -> float:
-    """Share of a step's microbatches that run in interleaved pairs (the trainer's
-    ``microbatch_groups``: all but the last, and one left over from an odd count)."""
-    return (microbatches - 1) // 2 * 2 / microbatches
+    """Share of a step's microbatches that run in interleaved pairs (``paired_microbatches``)."""
+    return paired_microbatches(microbatches) / microbatches
 
 
 def interleaved_exposed_s(calls: float, other: float, share: float) -> float:
