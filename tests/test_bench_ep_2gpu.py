@@ -32,9 +32,14 @@ def test_parts_follow_the_options(tmp_path):
     out = tmp_path / "ep.json"
     parts = bench.commands(bench.parse_args(["--out", str(out)]))
     assert list(parts) == ["train_graphs", "train_graphs_overlap2", "train_graphs_overlap4", "train_graphs_mb1",
-                           "train_graphs_interleave", "train_graphs_interleave16", "train_eager",
-                           "train_eager_overlap2", "train_eager_overlap4", "train_eager_mb1",
-                           "train_eager_interleave", "train_eager_interleave16", "transport"]
+                           "train_graphs_interleave", "train_graphs_interleave16", "train_graphs_interleave_ce",
+                           "train_graphs_interleave16_ce", "train_eager", "train_eager_overlap2",
+                           "train_eager_overlap4", "train_eager_mb1", "train_eager_interleave",
+                           "train_eager_interleave16", "train_eager_interleave_ce", "train_eager_interleave16_ce",
+                           "transport"]
+    assert "parallel.ep_copy_engine=true" in parts["train_graphs_interleave16_ce"][0]
+    assert "parallel.ep_comm_sms=16" in parts["train_graphs_interleave16_ce"][0]
+    assert "parallel.ep_copy_engine=true" not in parts["train_graphs_interleave16"][0]
     interleave_cmd = parts["train_graphs_interleave16"][0]
     assert {"parallel.ep_overlap_microbatches=true", "parallel.ep_comm_sms=16",
             "train.micro_batch=1"} <= set(interleave_cmd)
@@ -60,7 +65,7 @@ def test_parts_follow_the_options(tmp_path):
     assert tests_cmd[:3] == [sys.executable, "-m", "pytest"]
     files = [c for c in tests_cmd if c.endswith("test_gpu.py")]
     assert [Path(f).parts[-3] for f in files] == ["pretrain", "moe-ep-transport"] and all(Path(f).exists() for f in files)
-    assert tests_cmd[tests_cmd.index("-k") + 1] == "cuda_graphs_on_two_ranks or interleaved"
+    assert tests_cmd[tests_cmd.index("-k") + 1] == "cuda_graphs_on_two_ranks or interleaved or rowwise"
 
 
 @pytest.mark.multiprocess
@@ -87,7 +92,8 @@ def test_a_part_past_its_timeout_is_killed_with_its_children(tmp_path, setsid):
     (["--overlap-chunks", "1,2"], "2 or more chunks"),
     (["--overlap-chunks", "two"], "comma-separated integers or 'none'"),
     (["--overlap-chunks", "none", "--comm-sms", "8"], "for the --overlap-chunks runs"),
-    (["--interleave", "all,x"], "comma-separated SM counts or 'all', or 'none'"),
+    (["--interleave", "all,x"], "comma-separated SM counts or 'all', each with an optional '+ce', or 'none'"),
+    (["--interleave", "16+cx"], "comma-separated SM counts or 'all'"),
     (["--interleave", "0"], "positive SM counts expected"),
     (["--interleave-micro-batch", "0"], "a positive sequence count expected"),
 ])
@@ -165,11 +171,16 @@ def test_main_checks_each_interleaved_run_against_dp_and_its_unsplit_baseline(tm
         "train_graphs_mb1": {"runs": [_run("ep", "model", 36_000, 0.39)]},
         "train_graphs_interleave": {"runs": [_run("ep", "model", 41_000, 0.44)]},
         "train_graphs_interleave16": {"runs": [_run("ep", "model", 42_400, 0.45)]},
+        "train_graphs_interleave16_ce": {"runs": [_run("ep", "model", 43_000, 0.46)]},
     }, "on")
-    every, bounded = result["interleave_graphs_checks"]
+    every, bounded, copy_engine = result["interleave_graphs_checks"]
+    assert not every["copy_engine"] and not bounded["copy_engine"]
+    assert copy_engine["copy_engine"] and copy_engine["comm_sms"] == 16
+    assert copy_engine["over_dp"] == pytest.approx(1.075) and copy_engine["met"]
     assert every["comm_sms"] is None and every["over_dp"] == pytest.approx(1.025) and not every["met"]
     assert every["over_unsplit"] == pytest.approx(41 / 36)
     assert bounded["comm_sms"] == 16 and bounded["over_dp"] == pytest.approx(1.06) and bounded["met"]
     out = capsys.readouterr().out
     assert "EP interleaved (16 SMs) 42,400 tok/s/GPU = 1.060x DP, 1.178x unsplit, MFU 45.0%: met" in out
+    assert "EP interleaved (16 SMs, copy engines) 43,000 tok/s/GPU = 1.075x DP" in out
     assert "train_graphs_mb1_checks" not in result  # the baseline is checked with the interleaved runs

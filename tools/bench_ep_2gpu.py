@@ -16,8 +16,9 @@ It runs, one after the other on the GPUs of this host (``torch.distributed.run``
    ``--comm-sms`` the communication stream bounded to that many SMs): its tokens/s per
    GPU over DP2's and over the unsplit EP2's, in the same mode;
    EP2 with two microbatches interleaved at the transport
-   (``parallel.ep_overlap_microbatches``, one run per ``--interleave`` SM bound, every SM
-   by default and 16) at ``--interleave-micro-batch`` sequences per microbatch (default
+   (``parallel.ep_overlap_microbatches``, one run per ``--interleave`` item: an SM bound of
+   the communication stream, every SM and 16 by default, each also with the transport's
+   blocks moved by the copy engines, ``parallel.ep_copy_engine``) at ``--interleave-micro-batch`` sequences per microbatch (default
    1: at bench-2gpu's 2, two microbatches' activations take 129 GiB by ``pretrain plan``),
    with an unsplit EP2 run at that microbatch size as its baseline: tokens/s per GPU
    over DP2's (the target) and over that unsplit EP2's (what the interleave gains);
@@ -27,9 +28,10 @@ It runs, one after the other on the GPUs of this host (``torch.distributed.run``
    payload) and the share of the put ceiling measured in the same run at the largest
    size (target >= 80%);
 3. with ``--tests``: the two-GPU tests of steps replayed from CUDA graphs (DP2 and EP2
-   equal eager steps bit for bit, no host synchronisation in a replayed step) and of
-   interleaved microbatches (equal to one at a time, on the communication stream), pass or
-   fail recorded; several minutes (every case starts its own processes), so on their own:
+   equal eager steps bit for bit, no host synchronisation in a replayed step), of
+   interleaved microbatches (equal to one at a time, on the communication stream) and of the
+   rowwise transport (equal to all_to_all bit for bit, no host sync, graph replay: with the
+   put kernel's stores, the fused barrier and the copy engines' blocks), pass or fail recorded; several minutes (every case starts its own processes), so on their own:
    ``tools/from_source.sh python3 tools/bench_ep_2gpu.py --tests --skip train --skip
    transport --part-timeout 580 --out $OUT/ep_2gpu_tests.json``.
 
@@ -40,12 +42,12 @@ fails is recorded with its exit status and the rest still runs; one that runs pa
 processes and recorded as timed out.
 
 Duration with the defaults (estimated from bench-2gpu's 2.7-2.8 s steps on two H200s,
-``docs/performance.md``): 2 modes x 7 runs (DP2, EP2, EP2 in 2 and in 4 chunks, EP2 at
-the interleave's microbatch size, interleaved with every SM and with 16) x 3 routings x 6
-steps plus their model builds and captures for part 1, about a minute for part 2: 18 to
-22 minutes. Within ten minutes a call: ``--graphs on --overlap-chunks none`` (five runs,
-6 to 7 minutes), ``--graphs off`` likewise, or the chunked overlap alone against DP2 and
-EP2 in one mode:
+``docs/performance.md``): 2 modes x 9 runs (DP2, EP2, EP2 in 2 and in 4 chunks, EP2 at
+the interleave's microbatch size, interleaved with every SM and with 16, each with SM
+puts and with the copy engines) x 3 routings x 6 steps plus their model builds and
+captures for part 1, about a minute for part 2: 23 to 28 minutes. Within ten minutes a
+call: ``--graphs on --overlap-chunks none`` (seven runs, 8 to 9 minutes), ``--graphs
+off`` likewise, or the chunked overlap alone against DP2 and EP2 in one mode:
 
     tools/from_source.sh python3 tools/bench_ep_2gpu.py --skip transport --graphs off --interleave none --out $OUT/ep_2gpu_overlap.json
 """
@@ -67,7 +69,7 @@ ROUTINGS = ("model", "balanced", "zipf")
 GRAPH_MODES = {"on": ("graphs",), "off": ("eager",), "both": ("graphs", "eager")}
 # the app's steps replayed from CUDA graphs, and the transport's interleaved microbatches
 GRAPH_TESTS = (("apps/pretrain/tests/test_gpu.py", "packages/moe-ep-transport/tests/test_gpu.py"),
-               ("-m", "multigpu", "-k", "cuda_graphs_on_two_ranks or interleaved"))
+               ("-m", "multigpu", "-k", "cuda_graphs_on_two_ranks or interleaved or rowwise"))
 EP_OVER_DP = 1.05
 MFU = 0.42
 X_NCCL_ALL, X_NCCL_MID, MID_MIB = 1.0, 1.5, (16, 64)
@@ -92,9 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "('none': no overlap runs)")
     p.add_argument("--comm-sms", type=int, default=None,
                    help="parallel.ep_comm_sms of the overlap runs (default: every SM)")
-    p.add_argument("--interleave", default="all,16",
+    p.add_argument("--interleave", default="all,16,all+ce,16+ce",
                    help="EP2 runs with parallel.ep_overlap_microbatches, one per communication-stream "
-                        "SM bound, comma-separated ('all': every SM; 'none': no interleaved runs)")
+                        "SM bound, comma-separated ('all': every SM; '+ce': with parallel.ep_copy_engine; "
+                        "'none': no interleaved runs)")
     p.add_argument("--interleave-micro-batch", type=int, default=1,
                    help="train.micro_batch of the interleaved runs and of their unsplit EP2 baseline")
     p.add_argument("--tokens", default="512,1024,2048,4096,8192,16384,32768,65536",
@@ -129,11 +132,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.comm_sms is not None and (a.comm_sms < 1 or not a.overlap):
         p.error(f"--comm-sms {a.comm_sms}: a positive SM count, for the --overlap-chunks runs")
     try:
-        a.interleave_sms = [] if a.interleave == "none" else [
-            None if v == "all" else int(v) for v in a.interleave.split(",")]
+        a.interleave_runs = [] if a.interleave == "none" else [
+            (None if v.removesuffix("+ce") == "all" else int(v.removesuffix("+ce")), v.endswith("+ce"))
+            for v in a.interleave.split(",")]
     except ValueError:
-        p.error(f"--interleave {a.interleave!r}: comma-separated SM counts or 'all', or 'none'")
-    if any(v is not None and v < 1 for v in a.interleave_sms):
+        p.error(f"--interleave {a.interleave!r}: comma-separated SM counts or 'all', each with an optional "
+                "'+ce', or 'none'")
+    if any(v is not None and v < 1 for v, _ in a.interleave_runs):
         p.error(f"--interleave {a.interleave!r}: positive SM counts expected")
     if a.interleave_micro_batch < 1:
         p.error(f"--interleave-micro-batch {a.interleave_micro_batch}: a positive sequence count expected")
@@ -165,13 +170,14 @@ def commands(a: argparse.Namespace) -> dict[str, tuple[list[str], Path]]:
                     [*run, str(TOOLS / "bench_train_step.py"), graphs, f"parallel.ep_overlap_chunks={chunks}",
                      *sms, "--config", a.config, "--methods", "ep", "--routing", *ROUTINGS,
                      "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", str(path)], path)
-            if a.interleave_sms:
+            if a.interleave_runs:
                 mb = f"train.micro_batch={a.interleave_micro_batch}"
                 ep_runs = {f"mb{a.interleave_micro_batch}": [mb]}
-                for sms in a.interleave_sms:
-                    ep_runs[f"interleave{sms or ''}"] = [
+                for sms, copy_engine in a.interleave_runs:
+                    ep_runs[f"interleave{sms or ''}{'_ce' if copy_engine else ''}"] = [
                         mb, "parallel.ep_overlap_microbatches=true",
-                        *([] if sms is None else [f"parallel.ep_comm_sms={sms}"])]
+                        *([] if sms is None else [f"parallel.ep_comm_sms={sms}"]),
+                        *(["parallel.ep_copy_engine=true"] if copy_engine else [])]
                 for variant, overrides in ep_runs.items():
                     path = a.out.with_name(f"{a.out.stem}_train_step_{mode}_{variant}.json")
                     parts[f"train_{mode}_{variant}"] = (
@@ -230,7 +236,7 @@ def overlap_checks(report: dict[str, Any], base: dict[str, Any] | None, mode: st
 
 
 def interleave_checks(report: dict[str, Any], base: dict[str, Any] | None, unsplit: dict[str, Any] | None,
-                      mode: str, comm_sms: int | None) -> list[dict[str, Any]]:
+                      mode: str, comm_sms: int | None, copy_engine: bool) -> list[dict[str, Any]]:
     """EP2 with interleaved microbatches over DP2 of ``base`` (the same mode's DP/EP report)
     and over ``unsplit`` (EP2 at the same microbatch size, not interleaved), per routing;
     the target is EP2's (>= 1.05x DP2, both MFUs >= 42%)."""
@@ -240,7 +246,8 @@ def interleave_checks(report: dict[str, Any], base: dict[str, Any] | None, unspl
     for r in report["runs"]:
         dp, ep = dps.get(r["routing"]), eps.get(r["routing"])
         over_dp = r["tokens_per_s_per_gpu"] / dp["tokens_per_s_per_gpu"] if dp else None
-        checks.append(dict(mode=mode, routing=r["routing"], comm_sms=comm_sms, cuda_graphs=r.get("cuda_graphs"),
+        checks.append(dict(mode=mode, routing=r["routing"], comm_sms=comm_sms, copy_engine=copy_engine,
+                           cuda_graphs=r.get("cuda_graphs"),
                            tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"], mfu=r["mfu"], over_dp=over_dp,
                            over_unsplit=r["tokens_per_s_per_gpu"] / ep["tokens_per_s_per_gpu"] if ep else None,
                            met=over_dp is not None and over_dp >= EP_OVER_DP
@@ -302,6 +309,7 @@ def print_summary(result: dict[str, Any]) -> None:
         vs_dp = f"{c['over_dp']:.3f}x DP" if c["over_dp"] is not None else "no DP run"
         vs_ep = f"{c['over_unsplit']:.3f}x unsplit" if c["over_unsplit"] is not None else "no unsplit run"
         sms = "every SM" if c["comm_sms"] is None else f"{c['comm_sms']} SMs"
+        sms += ", copy engines" if c["copy_engine"] else ""
         print(f"train {c['mode']:>6} {c['routing']:>8}: EP interleaved ({sms}) "
               f"{c['tokens_per_s_per_gpu']:,.0f} tok/s/GPU = {vs_dp}, {vs_ep}, MFU {c['mfu'] or 0:.1%}: "
               f"{'met' if c['met'] else 'NOT met'}")
@@ -324,11 +332,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["parts"][name] = {"command": cmd, "returncode": code, "timed_out": timed_out,
                                  "report": report, "file": str(json_path)}
         if report is not None and "_interleave" in name:
-            mode, sms = name.removeprefix("train_").split("_interleave")
+            mode, variant = name.removeprefix("train_").split("_interleave")
+            sms = variant.removesuffix("_ce")
             unsplit = result["parts"].get(f"train_{mode}_mb{a.interleave_micro_batch}", {}).get("report")
             base = result["parts"].get(f"train_{mode}", {}).get("report")
             result.setdefault(f"interleave_{mode}_checks", []).extend(
-                interleave_checks(report, base, unsplit, mode, int(sms) if sms else None))
+                interleave_checks(report, base, unsplit, mode, int(sms) if sms else None, variant.endswith("_ce")))
         elif report is not None and "_mb" in name:
             pass  # the interleaved runs' baseline, checked with them
         elif report is not None and "_overlap" in name:

@@ -12,12 +12,15 @@ routing it times, in the same run and on the same routing:
 - ``rowwise``: this package's NVSHMEM backend (no host sync), combine as
   ``EPConfig.combine="auto"`` picks (top-8 on two ranks: summed at the destinations,
   one FP32 partial per token and rank returns), and ``rowwise:src`` summing at the
-  source (one row per slot returns), A/B in the same run.
+  source (one row per slot returns), and ``rowwise:ce`` moving its token inbox sends and
+  partial sums with the copy engines (``EPConfig.copy_engine``: every token to the other
+  rank, and every partial row back, as one block each, no SM), A/B in the same run.
 With ``--graphs`` it also replays ``nccl`` and the rowwise variants from CUDA graphs
 (``:graph`` rows: device time alone, no launch overhead; ``x nccl`` of a graph row
 compares with NCCL's graph row). It measures the one-way NVLink put ceiling with a
 plain large put (every row of a large buffer stored into the peer, both ranks at
-once, our put kernel) and the transport's barrier alone (back to back, eager).
+once, our put kernel), the same with the copy engines (one block per rank, both ranks at
+once), and the transport's barrier alone (back to back, eager).
 
 Routings: ``balanced`` is the app's forced balanced routing
 (``pretrain.routing_override.forced_ids``: token ``t``'s ``j``-th expert
@@ -141,18 +144,39 @@ def _put_ceiling(transport, row_words: int, put_bytes: int, iters: int) -> float
     return n * row_words * 4 / (ms * 1e-3) / 1e9
 
 
+def _copy_engine_ceiling(transport, put_bytes: int, iters: int) -> float:
+    """GB/s one way: every rank's copy engines move one large block into the other rank's slab."""
+    from moe_ep_transport._copy_engine import copy_to
+
+    memory = transport.memory
+    n = min(put_bytes, memory.slab_bytes) // 16 * 16
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    address = memory.peer_table(0)[(memory.rank + 1) % memory.world_size].item()
+
+    def put():
+        copy_to(address, src)
+        memory.barrier()
+
+    ms, _ = _time(put, iters, 3)
+    return n / (ms * 1e-3) / 1e9
+
+
 def _barrier_time(transport, iters: int) -> tuple[float, float]:
     """(device ms, host ms) of one transport barrier, back to back."""
     return _time(transport.memory.barrier, 10 * iters, 10)
 
 
-def _moved_bytes(dispatcher: EPDispatcher, remote: int, pairs: int, row_bytes: int, rows_out: int) -> int:
+def _moved_bytes(dispatcher: EPDispatcher, remote: int, pairs: int, row_bytes: int, rows_out: int,
+                 tokens: int) -> int:
     """Bytes one rank sends to the other rank in a dispatch + combine of this backend."""
     cfg, transport = dispatcher.cfg, dispatcher.transport
     dedup = getattr(transport, "sends_tokens_once", False)
-    there = (pairs if dedup else remote) * row_bytes
+    blocks = getattr(transport, "copy_engine", False)  # whole blocks: every token, every partial row
+    there = (tokens if blocks and dedup else pairs if dedup else remote) * row_bytes
     if not dispatcher.sums_at_destination(torch.bfloat16, torch.float32):
         return there + rows_out * row_bytes
+    if blocks:
+        return there + cfg.max_tokens * cfg.d_model * 4
     if dedup:  # one partial per (token, other rank) holding any of its rows; weights in the metadata
         return there + pairs * cfg.d_model * 4
     # The all-to-all reference sends the weights, then a full block of max_tokens partials per rank.
@@ -187,7 +211,7 @@ def _bench_case(cfgs: dict, transports: dict, x: torch.Tensor, ids: torch.Tensor
     moved = {"nccl": 2 * remote * row_bytes}
     for name, transport in transports.items():
         dispatcher = EPDispatcher(cfgs[name], transport)
-        moved[name] = _moved_bytes(dispatcher, remote, pairs, row_bytes, remote)
+        moved[name] = _moved_bytes(dispatcher, remote, pairs, row_bytes, remote, x.shape[0])
 
         def both(d: EPDispatcher = dispatcher) -> None:
             with torch.no_grad():  # the weights go to dispatch too, as the MoE layer does it
@@ -242,31 +266,34 @@ def main() -> None:
     tokens = sorted(int(t) for t in args.tokens.split(","))
     row_bytes = D * dtype.itemsize
 
-    def config(T: int, combine: str = "auto") -> EPConfig:
-        return EPConfig(E, k, T, D, capacity_factor=args.capacity_factor, combine=combine)
+    def config(T: int, combine: str = "auto", copy_engine: bool = False) -> EPConfig:
+        return EPConfig(E, k, T, D, capacity_factor=args.capacity_factor, combine=combine, copy_engine=copy_engine)
 
-    # The symmetric heap holds the largest size's slabs for both rowwise variants (sizes are
-    # benchmarked one at a time).
+    # The symmetric heap holds the largest size's slabs for the three rowwise variants (sizes
+    # are benchmarked one at a time).
     largest = slab_bytes_for(config(tokens[-1]), M, row_bytes)
-    nvshmem_memory.bootstrap(None, device, heap_bytes=4 * largest)
+    nvshmem_memory.bootstrap(None, device, heap_bytes=6 * largest)
     probe = make_transport("rowwise", config(tokens[-1]), device=device)
     ceiling = _put_ceiling(probe, row_bytes // 4, args.put_mib << 20, args.iters)
+    ce_ceiling = _copy_engine_ceiling(probe, args.put_mib << 20, args.iters)
     barrier_ms, barrier_host_ms = _barrier_time(probe, args.iters)
     probe.close()
 
     rows: list[Row] = []
     for T in tokens:
-        cfgs = {"all_to_all": config(T), "rowwise": config(T), "rowwise:src": config(T, "source")}
-        transports = {"all_to_all": make_transport("all_to_all", cfgs["all_to_all"]),
-                      "rowwise": make_transport("rowwise", cfgs["rowwise"], device=device),
-                      "rowwise:src": make_transport("rowwise", cfgs["rowwise:src"], device=device)}
+        cfgs = {"all_to_all": config(T), "rowwise": config(T), "rowwise:src": config(T, "source"),
+                "rowwise:ce": config(T, copy_engine=True)}
+        transports = {name: make_transport("all_to_all" if name == "all_to_all" else "rowwise", cfg,
+                                           device=device)
+                      for name, cfg in cfgs.items()}
         x = torch.randn(T, D, device=device).to(dtype)
         for kind in args.routing.split(","):
             ids = _routing(kind, T, E, k, rank, device)
             w = torch.softmax(torch.randn(T, k, device=device), dim=1)
             rows += _bench_case(cfgs, transports, x, ids, w, kind, args.iters, ceiling, args.graphs)
-        transports["rowwise"].close()
-        transports["rowwise:src"].close()
+        for name, transport in transports.items():
+            if name != "all_to_all":
+                transport.close()
 
     nvshmem_memory.finalize()
     if rank == 0:
@@ -277,12 +304,14 @@ def main() -> None:
             "d_model": D, "experts": E, "top_k": k, "capacity_factor": args.capacity_factor,
             "bytes_per_row": row_bytes,
             "put_ceiling_gbps_one_way": ceiling,
+            "copy_engine_ceiling_gbps_one_way": ce_ceiling,
             "barrier_ms": barrier_ms, "barrier_host_ms": barrier_host_ms,
             "rows": [asdict(r) for r in rows],
         }
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-        print(f"one-way NVLink put ceiling (both ranks putting at once): {ceiling:.0f} GB/s")
+        print(f"one-way NVLink put ceiling (both ranks putting at once): {ceiling:.0f} GB/s; "
+              f"copy engines {ce_ceiling:.0f} GB/s")
         print(f"barrier alone (eager, back to back): {1e3 * barrier_ms:.1f} us device, {1e3 * barrier_host_ms:.1f} us host")
         print(f"{'tokens':>6} {'routing':>8} {'backend':>18} {'MiB':>7} {'drop%':>6} {'imbal':>5} "
               f"{'ms':>7} {'host ms':>7} {'disp ms':>7} {'GB/s':>6} {'x nccl':>6} {'% put':>6} "

@@ -156,6 +156,11 @@ def test_toml_file_errors_name_the_key(tmp_path):
     (["parallel.ep=2", "parallel.ep_overlap_chunks=2", "parallel.ep_comm_sms=0"], "parallel.ep_comm_sms=0"),
     (["parallel.ep=2", "parallel.ep_overlap_chunks=2", "parallel.ep_comm_sms=16", "train.device=cpu"],
      "parallel.ep_comm_sms=16 bounds a CUDA stream's SMs: train.device=cpu has none"),
+    (["parallel.ep=2", "parallel.ep_copy_engine=true"], "parallel.ep_copy_engine moves the rowwise EP "
+     r"transport's blocks: it needs parallel.ep_backend=rowwise \(got all_to_all\)"),
+    (["parallel.ep=2", "parallel.ep_backend=rowwise", "parallel.ep_copy_engine=true", "model.top_k=1",
+      "model.capacity_factor=1.0"], "parallel.ep_copy_engine moves the token inbox sends and the partial sums "
+     "summed at the destination, and parallel.ep=2 uses neither"),
     (["parallel.ep_overlap_microbatches=true"], "parallel.ep_overlap_microbatches interleaves two "
      "microbatches at the EP transport: it needs parallel.ep > 1 or an all_to_all or rowwise "
      "parallel.ep_backend"),

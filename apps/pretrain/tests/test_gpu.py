@@ -322,8 +322,9 @@ EP2 = ["parallel.ep=2", "parallel.ep_backend=rowwise"]
     [*EP2, "model.recompute=block"], [*EP2, "parallel.ep_payload=fp8_rowwise"],
     [*EP2, "parallel.ep_payload=mxfp8"], [*EP2, "parallel.ep_overlap_chunks=2"],
     [*EP2, "parallel.ep_overlap_microbatches=true"],
+    [*EP2, "parallel.ep_overlap_microbatches=true", "parallel.ep_copy_engine=true"],
 ], ids=["dp2-all-reduce", "dp2-reduce-scatter", "ep2", "ep2-dst", "ep2-one-layer", "ep2-recompute",
-        "ep2-fp8-payload", "ep2-mxfp8-payload", "ep2-overlap2", "ep2-interleaved"])
+        "ep2-fp8-payload", "ep2-mxfp8-payload", "ep2-overlap2", "ep2-interleaved", "ep2-interleaved-ce"])
 def test_steps_replayed_from_cuda_graphs_on_two_ranks_equal_eager_steps(extra):
     """Five microbatches per rank (two middle units, a last one holding the gradient
     reductions over NCCL), the balancing counts all-reduced in every forward; with EP2 the
@@ -354,7 +355,9 @@ def _two_ranks_graphed_syncs(extra: list[str]) -> list[str]:
 @pytest.mark.multigpu(2)
 @pytest.mark.parametrize("extra", [[], EP2, [*EP2, "parallel.ep_payload=fp8_rowwise"],
                                    [*EP2, "parallel.ep_overlap_chunks=2"],
-                                   [*EP2, "parallel.ep_overlap_microbatches=true"]],
-                         ids=["dp2", "ep2", "ep2-fp8-payload", "ep2-overlap2", "ep2-interleaved"])
+                                   [*EP2, "parallel.ep_overlap_microbatches=true"],
+                                   [*EP2, "parallel.ep_overlap_microbatches=true", "parallel.ep_copy_engine=true"]],
+                         ids=["dp2", "ep2", "ep2-fp8-payload", "ep2-overlap2", "ep2-interleaved",
+                              "ep2-interleaved-ce"])
 def test_a_step_replayed_from_cuda_graphs_on_two_ranks_does_not_sync_the_host(extra):
     assert run_distributed(_two_ranks_graphed_syncs, 2, extra, backend="nccl", timeout=300) == [[], []]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -48,6 +49,16 @@ def step(cfg: EPConfig, M: int, tokens: list[int], skew: float) -> list[tuple[to
     return peers.run(rank_main)
 
 
+def check_copy_engine(cfg: EPConfig, M: int, tokens: list[int], skew: float) -> None:
+    """The copy engines' bulk moves (a memmove between the rank threads here) give the bits of the put
+    kernel's stores: every output and gradient equal, the weights' gradient too (the same kernels)."""
+    bulk = step(replace(cfg, copy_engine=True), M, tokens, skew)
+    stores = step(cfg, M, tokens, skew)
+    for rank, (got, want) in enumerate(zip(bulk, stores, strict=True)):
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(a, b), (cfg, M, rank, i)
+
+
 def check(cfg: EPConfig, M: int, tokens: list[int], skew: float) -> None:
     fused = step(cfg, M, tokens, skew)
     with use_reference_kernels(True):
@@ -70,4 +81,9 @@ if __name__ == "__main__":
     check(EPConfig(8, 2, 12, 16, capacity_factor=None, combine="destination", overlap_chunks=2), 2, [12, 7], 1.0)
     # EP4 at top-2 and capacity factor 1 sends one row per slot (the token inbox would not fit).
     check(EPConfig(8, 2, 6, 16, capacity_factor=1.0, combine="source"), 4, [6, 5, 6, 3], 1.0)
+    # The copy engines' blocks: token inbox sends (both sites) and the partial sums, on two and four
+    # ranks (a block per other rank), with drops and a rank with fewer tokens.
+    for combine in ("source", "destination"):
+        check_copy_engine(EPConfig(8, 2, 12, 16, capacity_factor=1.0, combine=combine), 2, [12, 7], 2.0)
+    check_copy_engine(EPConfig(8, 2, 6, 16, capacity_factor=None, combine="destination"), 4, [6, 5, 6, 3], 1.0)
     print("fused path ok")

@@ -92,15 +92,20 @@ class ThreadPeerMemory:
     def peer_table(self, index: int) -> torch.Tensor:
         return self.peers.tables[index]
 
+    def _bulk_to(self, slab: int, bulk: bool) -> list[int] | None:
+        return self.peers.tables[slab].tolist() if bulk else None
+
     def put_rows(self, slab: int, byte_offset: int, src_RW: torch.Tensor, dst_rank_N: torch.Tensor,
-                 dst_row_N: torch.Tensor, **kwargs: Any) -> None:
+                 dst_row_N: torch.Tensor, *, bulk: bool = False, **kwargs: Any) -> None:
         kernels.put_rows(src_RW, dst_rank_N, dst_row_N, self.peers.tables[slab], byte_offset=byte_offset,
-                         me=self.rank, **kwargs)
+                         me=self.rank, bulk_to=self._bulk_to(slab, bulk), **kwargs)
 
     def put_partial_sums(self, slab: int, byte_offset: int, rows_CD: torch.Tensor, w_C: torch.Tensor | None,
-                         slots: SlotTable, *, top_k: int, max_tokens: int, acc_dtype: torch.dtype) -> None:
+                         slots: SlotTable, *, top_k: int, max_tokens: int, acc_dtype: torch.dtype,
+                         bulk: bool = False) -> None:
         kernels.put_partial_sums(rows_CD, w_C, slots, self.peers.tables[slab], top_k=top_k,
-                                 max_tokens=max_tokens, byte_offset=byte_offset, me=self.rank)
+                                 max_tokens=max_tokens, byte_offset=byte_offset, me=self.rank,
+                                 bulk_to=self._bulk_to(slab, bulk))
 
     def barrier(self) -> None:
         self.peers.barrier.wait()

@@ -29,8 +29,10 @@ from _oracle import assert_close  # noqa: E402
 from moe_ep_transport import EPConfig, EPDispatcher, make_transport  # noqa: E402
 
 E, K, D, T, STEPS, LR = 16, 2, 8, 6, 3, 0.05
-# (backend, EPConfig.combine) trained in each run: the reference, and both rowwise sites.
-TRANSPORTS = (("all_to_all", "source"), ("rowwise", "source"), ("rowwise", "destination"))
+# (backend, EPConfig.combine, EPConfig.copy_engine) trained in each run: the reference, both
+# rowwise sites, and the bulk moves of the copy engines (emulated: the same blocks land).
+TRANSPORTS = (("all_to_all", "source", False), ("rowwise", "source", False), ("rowwise", "destination", False),
+              ("rowwise", "destination", True))
 
 
 def _init() -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,8 +89,8 @@ def _train_layout(ep: int, capacity_factor: float | None) -> dict:
     ep_group, dp_group = _groups(world, ep)
     ep_rank, L = rank % ep, E // ep
     out = {}
-    for backend, combine in TRANSPORTS:
-        cfg = EPConfig(E, K, T, D, capacity_factor=capacity_factor, combine=combine)
+    for backend, combine, copy_engine in TRANSPORTS:
+        cfg = EPConfig(E, K, T, D, capacity_factor=capacity_factor, combine=combine, copy_engine=copy_engine)
         transport = make_transport(backend, cfg, ep_group, dtype=torch.float32)
         dispatcher = EPDispatcher(cfg, transport, seed=1)
         router, experts = _init()
@@ -115,7 +117,7 @@ def _train_layout(ep: int, capacity_factor: float | None) -> dict:
             keeps.append(handle.plan.valid_N.view(T, K).clone())
             ids_seen.append(ids)
         token_inbox = transport.sends_tokens_once if backend == "rowwise" else None
-        out[backend, combine] = dict(losses=losses, keep=keeps, ids=ids_seen, router=router.detach(),
+        out[backend, combine, copy_engine] = dict(losses=losses, keep=keeps, ids=ids_seen, router=router.detach(),
                                      experts=local.detach(), token_inbox=token_inbox)
         transport.close()
     return out
@@ -152,7 +154,7 @@ def _check(world: int, layouts: list[tuple[int, float | None]]) -> list[dict]:
     return out
 
 
-def _check_runs(runs: list[dict], world: int, ep: int, key: tuple[str, str]) -> None:
+def _check_runs(runs: list[dict], world: int, ep: int, key: tuple[str, str, bool]) -> None:
     L = E // ep
     keeps = [[runs[r]["keep"][s] for r in range(world)] for s in range(STEPS)]
     want = _one_process(world, keeps)
@@ -172,12 +174,12 @@ def _check_runs(runs: list[dict], world: int, ep: int, key: tuple[str, str]) -> 
 @pytest.mark.multiprocess
 def test_ep4_and_ep2_by_dp2_train_like_one_process() -> None:
     out = _check(4, [(4, None), (2, 1.25)])
-    assert all(o[4, None, "rowwise", "source"]["token_inbox"] for o in out)
-    assert all(o[2, 1.25, "rowwise", "source"]["token_inbox"] for o in out)
+    assert all(o[4, None, "rowwise", "source", False]["token_inbox"] for o in out)
+    assert all(o[2, 1.25, "rowwise", "source", False]["token_inbox"] for o in out)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ep8_trains_like_one_process() -> None:
     out = _check(8, [(8, 2.0)])
-    assert not any(o[8, 2.0, "rowwise", "source"]["token_inbox"] for o in out)  # one row per slot
+    assert not any(o[8, 2.0, "rowwise", "source", False]["token_inbox"] for o in out)  # one row per slot

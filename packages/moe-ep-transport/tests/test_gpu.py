@@ -89,11 +89,12 @@ def _rowwise_equals_all_to_all() -> list:
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device())
     report = []
-    for capacity_factor, skew, codec, combine in (
-        (None, 0.0, None, "auto"), (1.0, 2.0, None, "auto"), (1.25, 1.0, BytesCodec(), "auto"),
-        (1.0, 2.0, None, "source"), (1.25, 1.0, BytesCodec(), "source"),
-    ):  # "auto" sums at the destination here (top-8 over two ranks)
-        cfg = EPConfig(E, K, T, D, capacity_factor=capacity_factor, combine=combine)
+    for capacity_factor, skew, codec, combine, copy_engine in (
+        (None, 0.0, None, "auto", False), (1.0, 2.0, None, "auto", False), (1.25, 1.0, BytesCodec(), "auto", False),
+        (1.0, 2.0, None, "source", False), (1.25, 1.0, BytesCodec(), "source", False),
+        (1.0, 2.0, None, "auto", True), (1.25, 1.0, BytesCodec(), "source", True),
+    ):  # "auto" sums at the destination here (top-8 over two ranks); copy_engine: the blocks by copy engines
+        cfg = EPConfig(E, K, T, D, capacity_factor=capacity_factor, combine=combine, copy_engine=copy_engine)
         inputs = _inputs(rank, skew, device)
         a2a = make_transport("all_to_all", cfg)
         rowwise = make_transport("rowwise", cfg, device=device, codec=codec)
@@ -101,7 +102,7 @@ def _rowwise_equals_all_to_all() -> list:
         for stage in (True, False):  # twice: the second call reuses the other slab parity
             got = _step(EPDispatcher(cfg, rowwise, codec=codec), *inputs, stage=stage)
             for key, value in want.items():
-                assert torch.equal(got[key], value), (capacity_factor, combine, key)
+                assert torch.equal(got[key], value), (capacity_factor, combine, copy_engine, key)
         rowwise.close()
         report.append(int(want["dropped"].sum()))
     nvshmem_memory.finalize()
@@ -121,8 +122,8 @@ def _no_host_sync() -> bool:
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device())
     ok = True
-    for combine in ("destination", "source"):
-        cfg = EPConfig(E, K, T, D, capacity_factor=1.25, combine=combine)
+    for combine, copy_engine in (("destination", False), ("source", False), ("destination", True)):
+        cfg = EPConfig(E, K, T, D, capacity_factor=1.25, combine=combine, copy_engine=copy_engine)
         transport = make_transport("rowwise", cfg, device=device)
         dispatcher = EPDispatcher(cfg, transport)
         inputs = _inputs(rank, 1.0, device)
@@ -149,15 +150,22 @@ def test_rowwise_dispatch_combine_backward_without_host_sync() -> None:
 
 
 def _graph_replay() -> bool:
-    """Two dispatch+combine calls captured in a CUDA graph replay to the eager result."""
+    """Two dispatch+combine calls captured in a CUDA graph replay to the eager result, with the
+    put kernel's stores and with the copy engines' blocks (memcpy nodes in the graph)."""
     from moe_ep_transport import nvshmem_memory
 
-    rank = dist.get_rank()
+    # both on every rank (a rank that skipped one would leave its peer in a barrier)
+    ok = [_replays_like_eager(copy_engine=False), _replays_like_eager(copy_engine=True)]
+    nvshmem_memory.finalize()
+    return all(ok)
+
+
+def _replays_like_eager(copy_engine: bool) -> bool:
     device = torch.device("cuda", torch.cuda.current_device())
-    cfg = EPConfig(E, K, T, D, capacity_factor=1.0)
+    cfg = EPConfig(E, K, T, D, capacity_factor=1.0, copy_engine=copy_engine)
     transport = make_transport("rowwise", cfg, device=device)
     dispatcher = EPDispatcher(cfg, transport)
-    x, ids, w, _, _ = _inputs(rank, 2.0, device)  # a skew that overflows: drops inside the graph
+    x, ids, w, _, _ = _inputs(dist.get_rank(), 2.0, device)  # a skew that overflows: drops inside the graph
 
     def step() -> torch.Tensor:
         with torch.no_grad():
@@ -168,7 +176,6 @@ def _graph_replay() -> bool:
     # an even number of slab phases: replays alternate like eager calls
     ok = _replays_to(lambda: [step(), step()], [want, want], replays=3)
     transport.close()
-    nvshmem_memory.finalize()
     return ok
 
 

@@ -63,19 +63,22 @@ _PUT_SIGNATURE = {
     "n_rows": "i32", "width": "i32", "inbox_stride": "i32", "clear_ptr": "*i64", "n_clear": "i32",
     "put_programs": "i32", "PER_SRC": "constexpr", "DEDUP": "constexpr",
     "HAS_LOCAL": "constexpr", "SKIP_LOCAL": "constexpr", "HAS_META": "constexpr", "HAS_META_W": "constexpr",
-    "CLEAR": "constexpr", "BLOCK_R": "constexpr",
+    "CLEAR": "constexpr", "REMOTE_ROWS": "constexpr", "BLOCK_R": "constexpr",
     "BLOCK_W": "constexpr",
 }
 
 
-@pytest.mark.parametrize("local,skip,meta,dedup,clear", [(True, False, True, True, False),
-                                                         (False, True, False, False, False),
-                                                         (False, False, False, False, True)])
+@pytest.mark.parametrize("local,skip,meta,dedup,clear,remote", [(True, False, True, True, False, True),
+                                                                (True, False, True, True, False, False),
+                                                                (False, True, False, False, False, True),
+                                                                (False, False, False, False, True, True)])
 def test_put_rows_stores_128_bit_vectors_through_peer_pointers(
-    local: bool, skip: bool, meta: bool, dedup: bool, clear: bool
+    local: bool, skip: bool, meta: bool, dedup: bool, clear: bool, remote: bool
 ) -> None:
+    """``remote=False``: the token put whose inbox rows the copy engines move (local rows and metadata)."""
     consts = {"HAS_LOCAL": local, "SKIP_LOCAL": skip, "HAS_META": meta, "BLOCK_R": 4, "BLOCK_W": 1024,
-              "PER_SRC": 8 if dedup else 1, "DEDUP": dedup, "HAS_META_W": meta, "CLEAR": clear}
+              "PER_SRC": 8 if dedup else 1, "DEDUP": dedup, "HAS_META_W": meta, "CLEAR": clear,
+              "REMOTE_ROWS": remote}
     ptx = _ptx(kernels._put_rows_kernel, _PUT_SIGNATURE, consts, aligned=("width", "byte_offset", "local_addr"),
                num_warps=8)
     assert _count(ptx, "st.global.v4.b32") > 0 and _count(ptx, "st.global.b32") == 0
@@ -85,7 +88,7 @@ def test_the_dispatch_put_fits_its_registers(tmp_path: Path) -> None:
     """The token put of a dispatch (local rows, weights in the metadata, once per rank): at
     most 128 registers, none spilled, so that two programs of 8 warps share an SM."""
     consts = {"HAS_LOCAL": True, "SKIP_LOCAL": False, "HAS_META": True, "BLOCK_R": 4, "BLOCK_W": 1024,
-              "PER_SRC": 8, "DEDUP": True, "HAS_META_W": True, "CLEAR": False}
+              "PER_SRC": 8, "DEDUP": True, "HAS_META_W": True, "CLEAR": False, "REMOTE_ROWS": True}
     regs, stack = _resources(tmp_path, kernels._put_rows_kernel, _PUT_SIGNATURE, consts,
                              aligned=("width", "byte_offset", "local_addr"), num_warps=8)
     assert regs <= 128 and stack == 0, (regs, stack)
@@ -177,13 +180,15 @@ def _assert_system_scope_barrier(ptx: str) -> None:
     assert any("acquire" in a and "sys" in a and "add" in a for a in atoms), atoms
 
 
-def test_destination_sum_kernels_lower_for_hopper() -> None:
-    """The partial sums are unfused (bit-equal to PyTorch) and stored as 128-bit vectors."""
+@pytest.mark.parametrize("stage", [False, True], ids=["stores", "staged"])
+def test_destination_sum_kernels_lower_for_hopper(stage: bool) -> None:
+    """The partial sums are unfused (bit-equal to PyTorch) and stored as 128-bit vectors, into
+    the peers or (``stage``: the copy engines move them) into local staging rows."""
     sig = {"rows_ptr": "*bf16", "w_ptr": "*fp32", "slot_rows_ptr": "*i64", "row_src_ptr": "*i64",
            "origin_ptr": "*i64", "n_rows": "i32", "table_ptr": "*i64",
-           "byte_offset": "i32", "me": "i32", "max_tokens": "i32", "width": "i32",
-           "K": "constexpr", "HAS_W": "constexpr", "BLOCK_W": "constexpr"}
-    ptx = _ptx(kernels._put_partial_sums_kernel, sig, {"K": 8, "HAS_W": True, "BLOCK_W": 1024},
+           "byte_offset": "i32", "me": "i32", "max_tokens": "i32", "width": "i32", "stage_ptr": "*fp32",
+           "K": "constexpr", "HAS_W": "constexpr", "STAGE": "constexpr", "BLOCK_W": "constexpr"}
+    ptx = _ptx(kernels._put_partial_sums_kernel, sig, {"K": 8, "HAS_W": True, "STAGE": stage, "BLOCK_W": 1024},
                aligned=("width", "byte_offset"), num_warps=4, enable_fp_fusion=False)
     assert _count(ptx, "fma.rn.f32") == 0 and _count(ptx, "mul.rn.f32") > 0
     assert _count(ptx, "st.global.v4.b32") > 0 and _count(ptx, "st.global.b32") == 0

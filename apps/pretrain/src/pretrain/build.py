@@ -167,7 +167,8 @@ def build_model_part(cfg: PretrainConfig, mesh: ParallelMesh, device: torch.devi
                           max_tokens=ep_call_tokens(t.micro_batch * t.seq_len, p.ep_overlap_chunks),
                           d_model=m.d_model, capacity_factor=m.capacity_factor, combine=p.ep_combine,
                           overlap_chunks=p.ep_overlap_chunks,
-                          comm_sms=p.ep_comm_sms if p.ep_overlap_chunks > 1 else None)
+                          comm_sms=p.ep_comm_sms if p.ep_overlap_chunks > 1 else None,
+                          copy_engine=p.ep_copy_engine)
         codec = EP_PAYLOAD_CODECS[p.ep_payload]() if p.ep_payload != "compute" else None
         transport = make_transport(backend, ep_cfg, mesh.ep_mp_group, device=device, dtype=dtype,
                                    codec=codec)

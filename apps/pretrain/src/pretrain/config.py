@@ -90,6 +90,12 @@ class ParallelConfig:
     # MicrobatchInterleave's comm_sms); none: every SM, at the highest priority, the fastest
     # measured with chunks (2 chunks on bench-2gpu: 0.90x at 32 SMs, 0.72x at 16)
     ep_comm_sms: int | None = None
+    # the rowwise EP transport's bulk moves (token inbox sends; partial sums of a combine
+    # summing at the destination) by the GPU's copy engines instead of the put kernel's SM
+    # stores, so that a transfer under the expert GEMMs (ep_overlap_microbatches,
+    # ep_overlap_chunks) takes no SMs from them (moe_ep_transport.EPConfig.copy_engine).
+    # Needs ep_backend=rowwise. false until measured against the SM puts on GPUs
+    ep_copy_engine: bool = False
     # two microbatches' forwards interleaved at the EP transport: one's dispatch and combine
     # run on a communication stream under the other's attention and expert GEMMs, and the
     # backward of the pair interleaves the same way (moe_ep_transport.MicrobatchInterleave).
@@ -340,6 +346,8 @@ class PretrainConfig:
             self._check_ep_overlap()
         if p.ep_overlap_microbatches:
             self._check_ep_microbatch_overlap()
+        if p.ep_copy_engine:
+            self._check_ep_copy_engine()
         if self.model.tie_embeddings and p.pp > 1:
             raise ConfigError(
                 "model.tie_embeddings with parallel.pp > 1 is not supported: the embedding and the "
@@ -436,6 +444,24 @@ class PretrainConfig:
         if why is not None:
             raise ConfigError(f"parallel.ep_overlap_microbatches interleaves two microbatches at the EP "
                               f"transport: {why}")
+
+    def _check_ep_copy_engine(self) -> None:
+        """The copy engines move the rowwise transport's contiguous blocks, where it has any."""
+        from moe_ep_transport import EPConfig
+
+        p, m = self.parallel, self.model
+        if p.resolved_ep_backend() != "rowwise":
+            raise ConfigError("parallel.ep_copy_engine moves the rowwise EP transport's blocks: it needs "
+                              f"parallel.ep_backend=rowwise (got {p.resolved_ep_backend()})")
+        tokens = ep_call_tokens(self.train.micro_batch * self.train.seq_len, p.ep_overlap_chunks)
+        cfg = EPConfig(n_experts=m.n_experts, top_k=m.top_k, max_tokens=tokens, d_model=m.d_model,
+                       capacity_factor=m.capacity_factor, combine=p.ep_combine)
+        if not cfg.copy_engine_moves(p.ep, 4 * m.d_model):
+            raise ConfigError(
+                f"parallel.ep_copy_engine moves the token inbox sends and the partial sums summed at the "
+                f"destination, and parallel.ep={p.ep} uses neither (one row per slot; the combine sums at "
+                f"the source): leave it false or set parallel.ep_combine=destination"
+            )
 
     def _check_ep_payload(self) -> None:
         """A quantized dispatch payload needs a transport that encodes it, and experts that

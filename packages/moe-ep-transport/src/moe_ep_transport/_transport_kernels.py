@@ -18,10 +18,13 @@ pointers so that its stores vectorise (128-bit; checked on the compiled PTX).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
 
+from moe_ep_transport._copy_engine import copy_to
 from moe_ep_transport._kernel_parts import barrier, wait_in_every_program
 from moe_ep_transport.ops import PeerWait, SlotTable
 
@@ -47,8 +50,8 @@ def _put_rows_kernel(
     src_ptr, dst_rank_ptr, dst_row_ptr, table_ptr, byte_offset, local_addr, me,
     meta_src_ptr, meta_w_ptr, n_rows, width, inbox_stride, clear_ptr, n_clear, put_programs,
     PER_SRC: tl.constexpr, DEDUP: tl.constexpr, HAS_LOCAL: tl.constexpr, SKIP_LOCAL: tl.constexpr,
-    HAS_META: tl.constexpr, HAS_META_W: tl.constexpr, CLEAR: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    HAS_META: tl.constexpr, HAS_META_W: tl.constexpr, CLEAR: tl.constexpr, REMOTE_ROWS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if CLEAR:
@@ -68,12 +71,17 @@ def _put_rows_kernel(
     store = ok
     if DEDUP:
         # A row for another rank travels once per (source row, rank): only the source
-        # row's first slot bound there stores it, into the rank's token inbox.
+        # row's first slot bound there stores it, into the rank's token inbox; without
+        # REMOTE_ROWS another launch moves the inbox rows (the copy engines) and this one
+        # stores only this rank's own rows and the metadata.
         remote = rank != me
-        first = rows - rows % PER_SRC
-        for jj in tl.static_range(PER_SRC):
-            earlier = tl.load(dst_rank_ptr + first + jj, mask=ok & (first + jj < rows), other=-1)
-            store = store & ~(remote & (earlier == rank))
+        if REMOTE_ROWS:
+            first = rows - rows % PER_SRC
+            for jj in tl.static_range(PER_SRC):
+                earlier = tl.load(dst_rank_ptr + first + jj, mask=ok & (first + jj < rows), other=-1)
+                store = store & ~(remote & (earlier == rank))
+        else:
+            store = store & ~remote
         at = tl.where(remote, me * inbox_stride + src_row, dst_row)
     addr = slab + byte_offset
     if HAS_LOCAL:
@@ -232,11 +240,14 @@ def _signal_barrier_kernel(epoch_ptr, parity, flag_table_ptr, me, n_ranks, M_P: 
 @triton.jit
 def _put_partial_sums_kernel(
     rows_ptr, w_ptr, slot_rows_ptr, row_src_ptr, origin_ptr, n_rows, table_ptr, byte_offset, me,
-    max_tokens, width, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_W: tl.constexpr,
+    max_tokens, width, stage_ptr, K: tl.constexpr, HAS_W: tl.constexpr, STAGE: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
     # Program (q, column block), q = s * T_max + t: source s's token t. Sum its rows here
     # in slot order, FP32, no FMA; store the partial into row me * T_max + t of s's slab
     # (s == me included: the table holds this rank's own slab too). Nothing if no row here.
+    # STAGE: other sources' partials go to row (s minus one past me) * T_max + t of the
+    # local staging rows instead, which the copy engines move next.
     q = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     cm = cols < width
@@ -260,8 +271,11 @@ def _put_partial_sums_kernel(
         acc = acc + x * w
         present = present | row_ok
     slab = tl.load(table_ptr + s)
-    dst = tl.multiple_of((slab + byte_offset).to(tl.pointer_type(tl.float32)), 16)
-    tl.store(dst + (me * max_tokens + t) * width + cols, acc, mask=cm & present)
+    dst = tl.multiple_of((slab + byte_offset).to(tl.pointer_type(tl.float32)), 16) + (me * max_tokens + t) * width
+    if STAGE:
+        staged = stage_ptr + ((s - (s > me).to(tl.int64)) * max_tokens + t) * width
+        dst = tl.where(s == me, dst, staged)
+    tl.store(dst + cols, acc, mask=cm & present)
 
 
 @triton.jit
@@ -311,6 +325,7 @@ def put_rows(
     inbox_stride: int = 0,
     meta_w_N: torch.Tensor | None = None,
     clear_N: torch.Tensor | None = None,
+    bulk_to: Sequence[int] | None = None,
 ) -> None:
     """Row ``dst_row[i]`` at ``table[dst_rank[i]] + byte_offset`` becomes ``src[i // per_src]``.
 
@@ -324,9 +339,16 @@ def put_rows(
     With ``clear_N`` (integers), row ``i`` at ``table[me] + byte_offset`` is zeroed where
     ``clear_N[i] < 0``, in the same launch (rows no put writes, e.g. the dropped slots a
     return leaves empty).
+    With ``bulk_to`` (``table_M`` on the host) and ``inbox_stride``, the rows for other
+    ranks travel as one block per rank instead, after the kernel: every source row, needed
+    there or not, to rows ``me * S`` on of each other rank's inbox, by the copy engines
+    (:func:`moe_ep_transport._copy_engine.copy_to`: no SM); the kernel stores this rank's
+    own rows and the metadata.
     """
     if local_dst is not None and skip_local:
         raise ValueError("put_rows: local_dst and skip_local exclude each other")
+    if bulk_to is not None and (inbox_stride <= 0 or me < 0):
+        raise ValueError("put_rows: bulk_to moves token inbox blocks: it needs inbox_stride > 0 and `me`")
     if clear_N is not None and me < 0:
         raise ValueError("put_rows: clear_N zeroes rows of rank `me`, which must be given")
     _check_written("put_rows: local_dst", local_dst)
@@ -347,8 +369,14 @@ def put_rows(
         put_programs,
         PER_SRC=per_src, DEDUP=inbox_stride > 0, HAS_LOCAL=local_dst is not None, SKIP_LOCAL=skip_local,
         HAS_META=meta_N is not None, HAS_META_W=meta_w_N is not None, CLEAR=clear_N is not None,
-        BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
+        REMOTE_ROWS=bulk_to is None, BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
     )
+    if bulk_to is not None:
+        src_SW = src_SW.contiguous()
+        inbox_at = byte_offset + me * inbox_stride * width * src_SW.element_size()
+        for rank, address in enumerate(bulk_to):
+            if rank != me:
+                copy_to(address + inbox_at, src_SW)
 
 
 def finish_receive(
@@ -543,27 +571,42 @@ def put_partial_sums(
     max_tokens: int,
     byte_offset: int,
     me: int,
+    bulk_to: Sequence[int] | None = None,
 ) -> None:
     """Sum each (source, token)'s rows here and store the FP32 partial into the source.
 
     Row ``q = s * T_max + t`` of :func:`moe_ep_transport.ops.partial_sums_reference`,
     bit for bit (FMA contraction off), lands at row ``me * T_max + t`` of the FP32 rows
-    at ``table[s] + byte_offset``; tokens without a row here store nothing.
+    at ``table[s] + byte_offset``; tokens without a row here store nothing. With
+    ``bulk_to`` (``table_M`` on the host) the kernel stores other sources' partials into
+    local staging rows, and the copy engines (:func:`moe_ep_transport._copy_engine.copy_to`)
+    move each source's ``T_max`` rows there as one block: the rows of tokens without a
+    row here carry whatever the staging held (their readers skip them, as they skip the
+    rows nobody stored).
     """
     if w_C is not None and w_C.dtype != torch.float32:
         raise ValueError(f"put_partial_sums: weights must be float32, got {w_C.dtype}")
     Q = slots.rows_S.numel() // top_k
     C, width = rows_CD.shape
-    if Q == 0 or C == 0:
-        return
-    block_w = _block_w(width)
-    rows_CD = rows_CD.contiguous()
-    _put_partial_sums_kernel[(Q, triton.cdiv(width, block_w))](
-        rows_CD, w_C.contiguous() if w_C is not None else rows_CD, slots.rows_S.contiguous(),
-        slots.row_src_C.contiguous(), slots.origin_C.contiguous(), C, table_M.contiguous(), byte_offset,
-        me, max_tokens, width, K=top_k, HAS_W=w_C is not None, BLOCK_W=block_w, num_warps=4,
-        enable_fp_fusion=False,
-    )
+    M = table_M.numel()
+    stage = None
+    if bulk_to is not None:
+        stage = torch.empty((M - 1) * max_tokens, width, dtype=torch.float32, device=rows_CD.device)
+    if Q and C:
+        block_w = _block_w(width)
+        rows_CD = rows_CD.contiguous()
+        _put_partial_sums_kernel[(Q, triton.cdiv(width, block_w))](
+            rows_CD, w_C.contiguous() if w_C is not None else rows_CD, slots.rows_S.contiguous(),
+            slots.row_src_C.contiguous(), slots.origin_C.contiguous(), C, table_M.contiguous(), byte_offset,
+            me, max_tokens, width, stage if stage is not None else rows_CD, K=top_k, HAS_W=w_C is not None,
+            STAGE=stage is not None, BLOCK_W=block_w, num_warps=4, enable_fp_fusion=False,
+        )
+    if stage is not None:
+        at = byte_offset + me * max_tokens * width * 4
+        for rank, address in enumerate(bulk_to):
+            if rank != me:
+                block = rank - (rank > me)
+                copy_to(address + at, stage[block * max_tokens : (block + 1) * max_tokens])
 
 
 def sum_partials(

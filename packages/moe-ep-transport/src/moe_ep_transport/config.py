@@ -37,6 +37,12 @@ class EPConfig:
     # SMs the pipeline's communication stream may use (a CUDA green context); None: every SM,
     # the stream at the highest priority. Only with overlap_chunks > 1.
     comm_sms: int | None = None
+    # The rowwise transport's bulk moves by the GPU's copy engines (cudaMemcpyAsync into the
+    # peers' slabs, no SM) instead of the put kernel's stores: the token inbox sends (every
+    # source row to every other rank, needed there or not) and the partial sums summed at the
+    # destination (RowwiseTransport). The slot metadata and this rank's own rows stay in the
+    # kernel. On CPU the emulated peer memory moves the same blocks.
+    copy_engine: bool = False
 
     def __post_init__(self) -> None:
         for name in ("n_experts", "top_k", "max_tokens", "d_model"):
@@ -55,6 +61,8 @@ class EPConfig:
                 f"EPConfig.comm_sms={self.comm_sms} bounds the pipeline's communication stream: "
                 "a positive count, with overlap_chunks > 1"
             )
+        if not isinstance(self.copy_engine, bool):
+            raise ValueError(f"EPConfig.copy_engine must be a bool, got {self.copy_engine!r}")
         if self.combine not in ("auto", "source", "destination"):
             raise ValueError(
                 f"EPConfig.combine must be 'auto', 'source' or 'destination', got {self.combine!r}"
@@ -126,3 +134,11 @@ class EPConfig:
         k, M = self.top_k, ep_size
         rows_per_rank = k / (M * (1.0 - (1.0 - 1.0 / M) ** k))
         return partial_bytes < 0.75 * rows_per_rank * row_bytes
+
+    def copy_engine_moves(self, ep_size: int, row_bytes: int) -> bool:
+        """Whether :attr:`copy_engine` moves anything on a group of ``ep_size`` ranks with rows
+        of ``row_bytes``: the token inbox sends (:meth:`dispatch_layout`) or the FP32 partial
+        sums of a combine summing at the destination (:meth:`sums_at_destination`), the two
+        sends that are one contiguous block per destination rank."""
+        return self.dispatch_layout(ep_size) == "token_inbox" or self.sums_at_destination(
+            ep_size, row_bytes, 4 * self.d_model)

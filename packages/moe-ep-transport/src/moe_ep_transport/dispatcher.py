@@ -360,6 +360,9 @@ def make_transport(
     from moe_ep_transport.transport import AllToAllTransport
 
     if backend == "all_to_all":
+        if cfg.copy_engine:
+            raise ValueError("EPConfig.copy_engine moves the rowwise transport's blocks; the all_to_all "
+                             "transport's collectives move their own: leave it False or take 'rowwise'")
         return AllToAllTransport(group, cfg.max_tokens)
     if backend != "rowwise":
         raise ValueError(f"unknown EP transport backend {backend!r}: 'all_to_all' or 'rowwise'")

@@ -106,6 +106,7 @@ class NvshmemPeerMemory:
         interop = self._nvshmem.interop.torch
         self._slabs = [interop.tensor((slab_bytes,), dtype=torch.uint8) for _ in range(N_SLABS)]
         self._tables = [self._peer_table(slab, device) for slab in self._slabs]
+        self._addresses = [table.tolist() for table in self._tables]  # for the copy engines (host side)
         # The barrier's flags: slot s of rank r's flags holds the last barrier s announced to r.
         self._flags = interop.tensor((self.world_size,), dtype=torch.int64)
         self._flags.zero_()
@@ -157,6 +158,7 @@ class NvshmemPeerMemory:
         inbox_stride: int = 0,
         meta_w_N: torch.Tensor | None = None,
         clear_N: torch.Tensor | None = None,
+        bulk: bool = False,
     ) -> None:
         from moe_ep_transport import _transport_kernels as kernels
 
@@ -166,6 +168,7 @@ class NvshmemPeerMemory:
             src_RW, dst_rank_N, dst_row_N, self._tables[slab], per_src=per_src,
             byte_offset=byte_offset, me=self.rank, local_dst=local_dst, skip_local=skip_local,
             meta_N=meta_N, inbox_stride=inbox_stride, meta_w_N=meta_w_N, clear_N=clear_N,
+            bulk_to=self._addresses[slab] if bulk else None,
         )
 
     def put_partial_sums(
@@ -179,6 +182,7 @@ class NvshmemPeerMemory:
         top_k: int,
         max_tokens: int,
         acc_dtype: torch.dtype,
+        bulk: bool = False,
     ) -> None:
         from moe_ep_transport import _transport_kernels as kernels
 
@@ -188,7 +192,7 @@ class NvshmemPeerMemory:
             raise ValueError(f"slab offset {byte_offset} is not 16-byte aligned")
         kernels.put_partial_sums(
             rows_CD, w_C, slots, self._tables[slab], top_k=top_k, max_tokens=max_tokens,
-            byte_offset=byte_offset, me=self.rank,
+            byte_offset=byte_offset, me=self.rank, bulk_to=self._addresses[slab] if bulk else None,
         )
 
     def barrier(self) -> None:
@@ -209,4 +213,4 @@ class NvshmemPeerMemory:
         self._host_barrier()  # no peer still signals into the flags
         for buffer in (*self._slabs, self._flags):
             self._nvshmem.interop.torch.free_tensor(buffer)
-        self._slabs, self._tables = [], []
+        self._slabs, self._tables, self._addresses = [], [], []

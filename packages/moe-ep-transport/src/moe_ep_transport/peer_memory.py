@@ -53,6 +53,7 @@ class PeerMemory(Protocol):
         inbox_stride: int = 0,
         meta_w_N: torch.Tensor | None = None,
         clear_N: torch.Tensor | None = None,
+        bulk: bool = False,
     ) -> None:
         """Write ``src[i // per_src]`` into row ``dst_row[i]`` of rank ``dst_rank[i]``'s slab.
 
@@ -62,7 +63,9 @@ class PeerMemory(Protocol):
         at the slab's start, at row ``dst_row[i]``; with ``meta_w_N`` (float32) it is
         ``ops.pack_meta(meta_N, meta_w_N)`` (the slot's weight travels with its index).
         With ``inbox_stride=S > 0`` rows for other ranks travel once per source row
-        instead (see :func:`inbox_targets`).
+        instead (see :func:`inbox_targets`); with ``bulk`` too, every source row lands in
+        every other rank's inbox, needed there or not (:func:`inbox_blocks`: one block per
+        rank, which a GPU's copy engines move without SMs).
         With ``clear_N``, this rank's own rows ``i`` from ``byte_offset`` are zeroed
         where ``clear_N[i] < 0`` (rows no put writes; same launch).
         Collective: every rank calls it; completion is only guaranteed after
@@ -81,13 +84,16 @@ class PeerMemory(Protocol):
         top_k: int,
         max_tokens: int,
         acc_dtype: torch.dtype,
+        bulk: bool = False,
     ) -> None:
         """Sum each (source ``s``, token ``t``)'s rows here and write the partial into ``s``.
 
         The partial (:func:`moe_ep_transport.ops.partial_sums_reference`, rows of
         ``acc_dtype``) lands at row ``rank * max_tokens + t`` of ``s``'s slab from
-        ``byte_offset``; tokens without a row here write nothing. Collective like
-        :meth:`put_rows`; one kernel launch on the GPU (FP32 only there).
+        ``byte_offset``; tokens without a row here write nothing, or with ``bulk`` rows
+        whose content is unspecified (``s``'s ``max_tokens`` rows move as one block, which
+        a GPU's copy engines move without SMs). Collective like :meth:`put_rows`; one kernel
+        launch on the GPU (FP32 only there), and with ``bulk`` one copy per other rank.
         """
         ...
 
@@ -123,6 +129,27 @@ def inbox_targets(
     rank_N = torch.where(remote_N & repeat_N, -1, dst_rank_N)
     row_N = torch.where(remote_N, me * inbox_stride + slot_N // per_src, dst_row_N)
     return rank_N, row_N
+
+
+def inbox_blocks(
+    dst_rank_N: torch.Tensor, dst_row_N: torch.Tensor, per_src: int, me: int, inbox_stride: int, world_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the rows of a bulk token inbox put go: ``(rank_B, row_B, src_row_B)``.
+
+    Every source row ``j`` lands at row ``me * inbox_stride + j`` of every other rank,
+    needed there or not (one contiguous block per rank); slots bound for this rank keep
+    their ``dst_row`` as in :func:`inbox_targets`.
+    """
+    device = dst_rank_N.device
+    n_src = dst_rank_N.numel() // per_src
+    others = torch.tensor([r for r in range(world_size) if r != me], dtype=torch.int64, device=device)
+    j = torch.arange(n_src, device=device)
+    local_N = dst_rank_N == me
+    local_slots = local_N.nonzero().view(-1)
+    rank_B = torch.cat([others.repeat_interleave(n_src), dst_rank_N[local_slots]])
+    row_B = torch.cat([(me * inbox_stride + j).repeat(others.numel()), dst_row_N[local_slots]])
+    src_row_B = torch.cat([j.repeat(others.numel()), local_slots // per_src])
+    return rank_B, row_B, src_row_B
 
 
 def slab_view(slab: torch.Tensor, byte_offset: int, dtype: torch.dtype, width: int) -> torch.Tensor:
@@ -176,35 +203,33 @@ class EmulatedPeerMemory:
         inbox_stride: int = 0,
         meta_w_N: torch.Tensor | None = None,
         clear_N: torch.Tensor | None = None,
+        bulk: bool = False,
     ) -> None:
         if local_dst is not None and skip_local:
             raise ValueError("put_rows: local_dst and skip_local exclude each other")
-        n = torch.tensor([dst_rank_N.numel()], device=dst_rank_N.device)
-        sizes = [torch.empty_like(n) for _ in range(self.world_size)]
-        dist.all_gather(sizes, n, group=self.group)
-        sizes = [int(s) for s in sizes]
-        n_max = max(sizes)
-
-        def gather_ranks(rank_N: torch.Tensor) -> list[torch.Tensor]:
-            ranks = self._all_gather(rank_N, n_max)
-            for s, size in enumerate(sizes):  # padding slots are skipped like dropped slots
-                ranks[s][size:] = -1
-            return ranks
-
         def deliver(rank_N: torch.Tensor, row_N: torch.Tensor, value_N: torch.Tensor, target) -> None:
             """Every rank's ``value[i]`` with ``rank[i] == me`` lands at ``target(source)[row[i]]``."""
-            ranks, rows = gather_ranks(rank_N), self._all_gather(row_N, n_max)
+            n = torch.tensor([rank_N.numel()], device=rank_N.device)
+            sizes = [torch.empty_like(n) for _ in range(self.world_size)]
+            dist.all_gather(sizes, n, group=self.group)
+            n_max = max(int(size) for size in sizes)
+            ranks, rows = self._all_gather(rank_N, n_max), self._all_gather(row_N, n_max)
             values = self._all_gather(value_N, n_max)
             for s in range(self.world_size):
                 if skip_local and s == self.rank:
                     continue
-                mine = ranks[s] == self.rank
-                target(s)[rows[s][mine]] = values[s][mine]
+                mine = ranks[s][: int(sizes[s])] == self.rank  # padding entries are never delivered
+                target(s)[rows[s][: int(sizes[s])][mine]] = values[s][: int(sizes[s])][mine]
 
+        if bulk and inbox_stride <= 0:
+            raise ValueError("put_rows: bulk moves token inbox blocks: it needs inbox_stride > 0")
         row_rank_N, row_at_N = dst_rank_N, dst_row_N
-        if inbox_stride > 0:
-            row_rank_N, row_at_N = inbox_targets(dst_rank_N, dst_row_N, per_src, self.rank, inbox_stride)
         src_N = torch.arange(dst_rank_N.numel(), device=src_RW.device) // per_src
+        if bulk:
+            row_rank_N, row_at_N, src_N = inbox_blocks(dst_rank_N, dst_row_N, per_src, self.rank, inbox_stride,
+                                                       self.world_size)
+        elif inbox_stride > 0:
+            row_rank_N, row_at_N = inbox_targets(dst_rank_N, dst_row_N, per_src, self.rank, inbox_stride)
         inbox = slab_view(self._slabs[slab], byte_offset, src_RW.dtype, src_RW.shape[1])
         deliver(row_rank_N, row_at_N, src_RW.index_select(0, src_N),
                 lambda s: local_dst if (s == self.rank and local_dst is not None) else inbox)
@@ -229,12 +254,15 @@ class EmulatedPeerMemory:
         top_k: int,
         max_tokens: int,
         acc_dtype: torch.dtype,
+        bulk: bool = False,
     ) -> None:
         from moe_ep_transport import ops
 
         partials_QD = ops.partial_sums_reference(rows_CD, w_C, slots, top_k, acc_dtype)
         q = torch.arange(partials_QD.shape[0], device=rows_CD.device)
         present = ops.slot_rows_valid(slots, top_k)[1].any(1)
+        if bulk:  # whole blocks to the other ranks (zeros where no row is here: unspecified)
+            present = present | (q // max_tokens != self.rank)
         dst_rank_Q = torch.where(present, q // max_tokens, -1)
         dst_row_Q = self.rank * max_tokens + q % max_tokens
         self.put_rows(slab, byte_offset, ops.as_words(partials_QD), dst_rank_Q, dst_row_Q)

@@ -104,6 +104,16 @@ class RowwiseTransport:
         # for rows up to FP32 (a store per receive row; ops.slot_table would cost launches).
         D = cfg.d_model
         self._writes_slot_table = cfg.sums_at_destination(self.world_size, 4 * D, 4 * D)
+        # Bulk moves by the copy engines (EPConfig.copy_engine): the token inbox sends and the
+        # partial sums, each one contiguous block per destination rank.
+        self.copy_engine = cfg.copy_engine
+        if cfg.copy_engine and not cfg.copy_engine_moves(self.world_size, 4 * D):  # rows up to FP32
+            raise ValueError(
+                f"EPConfig.copy_engine moves the token inbox sends and the partial sums summed at the "
+                f"destination, and an EP group of {self.world_size} ranks uses neither here (one row per "
+                f"slot: {self.world_size} * max_tokens > the capacity; combine={cfg.combine!r} sums at the "
+                f"source): leave it False or set combine='destination'"
+            )
         self._phase = 0  # advances identically on every rank (all ranks run the same calls)
         # The count exchange's fixed addressing: the counts to row `rank` of every peer.
         M, device = self.world_size, memory.slab(0).device
@@ -237,7 +247,7 @@ class RowwiseTransport:
         self.memory.put_rows(
             slab, self._meta_bytes, src_RW, plan.dst_rank_N, plan.dst_row_N, per_src=per_src,
             local_dst=out, meta_N=ops.index_range(plan.dst_rank_N.numel(), device) if first else None,
-            inbox_stride=stride, meta_w_N=slot_weights_N,
+            inbox_stride=stride, meta_w_N=slot_weights_N, bulk=dedup and self.copy_engine,
         )
         wait = self.memory.deferred_barrier()  # passed by the receive kernel
         buf = self.memory.slab(slab)
@@ -303,7 +313,7 @@ class RowwiseTransport:
         slab = self._next_slab()
         self.memory.put_partial_sums(
             slab, 0, rows_CD.contiguous(), w_C, slots, top_k=plan.top_k, max_tokens=T_max,
-            acc_dtype=acc_dtype,
+            acc_dtype=acc_dtype, bulk=self.copy_engine,
         )
         wait = self.memory.deferred_barrier()  # passed by the sum's kernel
         partials_QD = slab_view(self.memory.slab(slab), 0, acc_dtype, D)[: M * T_max]
@@ -326,7 +336,7 @@ class RowwiseTransport:
         slab = self._next_slab()
         local = words.new_empty(C, W)  # the rows this rank sends itself
         self.memory.put_rows(slab, self._meta_bytes, words, plan.dst_rank_N, plan.dst_row_N, per_src=plan.top_k,
-                             local_dst=local, inbox_stride=stride)
+                             local_dst=local, inbox_stride=stride, bulk=stride > 0 and self.copy_engine)
         wait = self.memory.deferred_barrier()  # passed by the receive kernel
         inbox = slab_view(self.memory.slab(slab), self._meta_bytes, grad_TD.dtype, grad_TD.shape[1])
         from moe_ep_transport import _transport_kernels as kernels
