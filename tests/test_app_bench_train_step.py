@@ -60,6 +60,20 @@ def test_device_busy_merges_overlapping_kernels_and_counts_launch_gaps():
     assert bench.device_busy([])["span_ms"] == 0.0
 
 
+def test_stream_overlap_measures_what_ran_under_the_busiest_stream():
+    bench = _tool()
+    # Stream 7 (compute, the busiest): [0, 100] and [150, 250]. Stream 13 (communication): a
+    # kernel half under compute [80, 120], a copy wholly under it [160, 200] and one in the
+    # open [300, 320]; a second kernel on stream 13 overlapping the copy counts once.
+    rows = bench.stream_overlap([(7, 0, 100, False), (7, 150, 250, False), (13, 80, 120, False),
+                                 (13, 160, 200, True), (13, 170, 190, False), (13, 300, 320, True)])
+    assert rows == [
+        {"stream": 7, "main": True, "busy_ms": 0.2, "copy_ms": 0.0, "under_main_ms": 0.2},
+        {"stream": 13, "main": False, "busy_ms": 0.1, "copy_ms": 0.06, "under_main_ms": 0.06},
+    ]
+    assert bench.stream_overlap([]) == []
+
+
 def test_methods_whose_layout_refuses_graphs_run_eagerly_and_say_why(tmp_path):
     """bench-1gpu replays CUDA graphs, and so does EP on the (default) rowwise transport; EP on
     all_to_all and FSDP2 cannot, so their rows must say they ran eagerly rather than fail or be

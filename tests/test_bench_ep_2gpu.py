@@ -56,6 +56,7 @@ def test_parts_follow_the_options(tmp_path):
     assert list(parts) == ["train_graphs", "train_eager", "transport"]
     train_cmd, train_json = parts["train_graphs"]
     assert "train.cuda_graphs=true" in train_cmd and train_json.parent == tmp_path
+    assert train_cmd[train_cmd.index("--profile") + 1] == str(train_json.with_suffix(".profile.txt"))
     assert train_cmd[train_cmd.index("--nproc-per-node") + 1] == "2"
     parts = bench.commands(bench.parse_args(["--out", str(out), "--graphs", "off", "--tests", "--skip",
                                              "transport", "--overlap-chunks", "none", "--interleave", "none"]))
@@ -171,16 +172,20 @@ def test_main_checks_each_interleaved_run_against_dp_and_its_unsplit_baseline(tm
         "train_graphs_mb1": {"runs": [_run("ep", "model", 36_000, 0.39)]},
         "train_graphs_interleave": {"runs": [_run("ep", "model", 41_000, 0.44)]},
         "train_graphs_interleave16": {"runs": [_run("ep", "model", 42_400, 0.45)]},
-        "train_graphs_interleave16_ce": {"runs": [_run("ep", "model", 43_000, 0.46)]},
+        "train_graphs_interleave16_ce": {"runs": [{**_run("ep", "model", 43_000, 0.46), "profile": {"streams": [
+            {"stream": 7, "main": True, "busy_ms": 2000.0, "copy_ms": 0.0, "under_main_ms": 2000.0},
+            {"stream": 13, "main": False, "busy_ms": 300.0, "copy_ms": 200.0, "under_main_ms": 240.0}]}}]},
     }, "on")
     every, bounded, copy_engine = result["interleave_graphs_checks"]
     assert not every["copy_engine"] and not bounded["copy_engine"]
     assert copy_engine["copy_engine"] and copy_engine["comm_sms"] == 16
     assert copy_engine["over_dp"] == pytest.approx(1.075) and copy_engine["met"]
+    assert copy_engine["hidden"] == pytest.approx(0.8) and every["hidden"] is None  # no profile there
     assert every["comm_sms"] is None and every["over_dp"] == pytest.approx(1.025) and not every["met"]
     assert every["over_unsplit"] == pytest.approx(41 / 36)
     assert bounded["comm_sms"] == 16 and bounded["over_dp"] == pytest.approx(1.06) and bounded["met"]
     out = capsys.readouterr().out
     assert "EP interleaved (16 SMs) 42,400 tok/s/GPU = 1.060x DP, 1.178x unsplit, MFU 45.0%: met" in out
     assert "EP interleaved (16 SMs, copy engines) 43,000 tok/s/GPU = 1.075x DP" in out
+    assert "MFU 46.0%, side streams 80% hidden: met" in out
     assert "train_graphs_mb1_checks" not in result  # the baseline is checked with the interleaved runs

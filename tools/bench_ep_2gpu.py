@@ -21,7 +21,10 @@ It runs, one after the other on the GPUs of this host (``torch.distributed.run``
    blocks moved by the copy engines, ``parallel.ep_copy_engine``) at ``--interleave-micro-batch`` sequences per microbatch (default
    1: at bench-2gpu's 2, two microbatches' activations take 129 GiB by ``pretrain plan``),
    with an unsplit EP2 run at that microbatch size as its baseline: tokens/s per GPU
-   over DP2's (the target) and over that unsplit EP2's (what the interleave gains);
+   over DP2's (the target) and over that unsplit EP2's (what the interleave gains).
+   Every run also profiles one more, untimed step (``--profile``): the share of its side
+   streams' device time (the EP communication stream, NCCL's) that ran under the main
+   stream's work ("side streams N% hidden"), what the step-time model's SM share guesses;
 2. ``tools/bench_ep_transport.py --graphs`` from 512 to 64k tokens per rank,
    balanced and Zipf routing: the rowwise transport over a bare NCCL
    ``all_to_all_single`` (targets: >= 1.0x at every size, >= 1.5x at 16-64 MiB of
@@ -162,14 +165,16 @@ def commands(a: argparse.Namespace) -> dict[str, tuple[list[str], Path]]:
             parts[f"train_{mode}"] = (
                 [*run, str(TOOLS / "bench_train_step.py"), graphs, "--config", a.config,
                  "--methods", "ddp", "ep", "--routing", *ROUTINGS, "--steps", str(a.steps),
-                 "--warmup", str(a.warmup), "--out", str(path)], path)
+                 "--warmup", str(a.warmup), "--out", str(path),
+                 "--profile", str(path.with_suffix(".profile.txt"))], path)
             for chunks in a.overlap:
                 path = a.out.with_name(f"{a.out.stem}_train_step_{mode}_overlap{chunks}.json")
                 sms = [] if a.comm_sms is None else [f"parallel.ep_comm_sms={a.comm_sms}"]
                 parts[f"train_{mode}_overlap{chunks}"] = (
                     [*run, str(TOOLS / "bench_train_step.py"), graphs, f"parallel.ep_overlap_chunks={chunks}",
                      *sms, "--config", a.config, "--methods", "ep", "--routing", *ROUTINGS,
-                     "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", str(path)], path)
+                     "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", str(path),
+                 "--profile", str(path.with_suffix(".profile.txt"))], path)
             if a.interleave_runs:
                 mb = f"train.micro_batch={a.interleave_micro_batch}"
                 ep_runs = {f"mb{a.interleave_micro_batch}": [mb]}
@@ -183,7 +188,8 @@ def commands(a: argparse.Namespace) -> dict[str, tuple[list[str], Path]]:
                     parts[f"train_{mode}_{variant}"] = (
                         [*run, str(TOOLS / "bench_train_step.py"), graphs, *overrides, "--config", a.config,
                          "--methods", "ep", "--routing", *ROUTINGS, "--steps", str(a.steps),
-                         "--warmup", str(a.warmup), "--out", str(path)], path)
+                         "--warmup", str(a.warmup), "--out", str(path),
+                 "--profile", str(path.with_suffix(".profile.txt"))], path)
     if "transport" not in a.skip:
         path = a.out.with_name(a.out.stem + "_transport.json")
         parts["transport"] = ([*run, str(TOOLS / "bench_ep_transport.py"), "--graphs", "--tokens", a.tokens,
@@ -195,6 +201,16 @@ def commands(a: argparse.Namespace) -> dict[str, tuple[list[str], Path]]:
                            *(str(TOOLS.parent / f) for f in GRAPH_TESTS[0]), *GRAPH_TESTS[1],
                            f"--junitxml={path}"], path)
     return parts
+
+
+def hidden_share(run: dict[str, Any] | None) -> float | None:
+    """The share of the side streams' device time (the EP communication stream, NCCL's) that
+    ran under the main stream's work in the run's profiled step (``bench_train_step.py
+    --profile``: ``stream_overlap``); ``None`` without a profile or side streams."""
+    streams = ((run or {}).get("profile") or {}).get("streams") or []
+    side = [s for s in streams if not s["main"]]
+    busy = sum(s["busy_ms"] for s in side)
+    return sum(s["under_main_ms"] for s in side) / busy if busy else None
 
 
 def train_checks(report: dict[str, Any], mode: str) -> list[dict[str, Any]]:
@@ -211,7 +227,8 @@ def train_checks(report: dict[str, Any], mode: str) -> list[dict[str, Any]]:
                            dp_cuda_graphs=dp.get("cuda_graphs"), ep_cuda_graphs=ep.get("cuda_graphs"),
                            dp_tokens_per_s_per_gpu=dp["tokens_per_s_per_gpu"],
                            ep_tokens_per_s_per_gpu=ep["tokens_per_s_per_gpu"], ep_over_dp=ratio,
-                           dp_mfu=dp["mfu"], ep_mfu=ep["mfu"],
+                           dp_mfu=dp["mfu"], ep_mfu=ep["mfu"], dp_hidden=hidden_share(dp),
+                           ep_hidden=hidden_share(ep),
                            met=ratio >= EP_OVER_DP and min(dp["mfu"] or 0, ep["mfu"] or 0) >= MFU))
     return checks
 
@@ -228,7 +245,7 @@ def overlap_checks(report: dict[str, Any], base: dict[str, Any] | None, mode: st
         over_dp = r["tokens_per_s_per_gpu"] / dp["tokens_per_s_per_gpu"] if dp else None
         checks.append(dict(mode=mode, routing=r["routing"], chunks=chunks, cuda_graphs=r.get("cuda_graphs"),
                            tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"], mfu=r["mfu"],
-                           over_dp=over_dp,
+                           over_dp=over_dp, hidden=hidden_share(r),
                            over_ep=r["tokens_per_s_per_gpu"] / ep["tokens_per_s_per_gpu"] if ep else None,
                            met=over_dp is not None and over_dp >= EP_OVER_DP
                            and min(dp["mfu"] or 0, r["mfu"] or 0) >= MFU))
@@ -249,6 +266,7 @@ def interleave_checks(report: dict[str, Any], base: dict[str, Any] | None, unspl
         checks.append(dict(mode=mode, routing=r["routing"], comm_sms=comm_sms, copy_engine=copy_engine,
                            cuda_graphs=r.get("cuda_graphs"),
                            tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"], mfu=r["mfu"], over_dp=over_dp,
+                           hidden=hidden_share(r),
                            over_unsplit=r["tokens_per_s_per_gpu"] / ep["tokens_per_s_per_gpu"] if ep else None,
                            met=over_dp is not None and over_dp >= EP_OVER_DP
                            and min(dp["mfu"] or 0, r["mfu"] or 0) >= MFU))
@@ -286,6 +304,10 @@ def run_part(cmd: list[str], timeout_s: float) -> tuple[int, bool]:
         return -signal.SIGKILL, True
 
 
+def _hidden(share: float | None) -> str:
+    return "" if share is None else f", side streams {share:.0%} hidden"
+
+
 def print_summary(result: dict[str, Any]) -> None:
     for name, part in result["parts"].items():
         if part["timed_out"]:
@@ -297,22 +319,22 @@ def print_summary(result: dict[str, Any]) -> None:
     for c in [c for name in GRAPH_MODES["both"] for c in result.get(f"train_{name}_checks", [])]:
         print(f"train {c['mode']:>6} {c['routing']:>8}: EP {c['ep_tokens_per_s_per_gpu']:,.0f} / DP "
               f"{c['dp_tokens_per_s_per_gpu']:,.0f} tok/s/GPU = {c['ep_over_dp']:.3f}x (>= {EP_OVER_DP}), "
-              f"MFU EP {c['ep_mfu'] or 0:.1%} DP {c['dp_mfu'] or 0:.1%} (>= {MFU:.0%}): "
+              f"MFU EP {c['ep_mfu'] or 0:.1%} DP {c['dp_mfu'] or 0:.1%} (>= {MFU:.0%}){_hidden(c.get('ep_hidden'))}: "
               f"{'met' if c['met'] else 'NOT met'}")
     for c in [c for name in GRAPH_MODES["both"] for c in result.get(f"overlap_{name}_checks", [])]:
         vs_dp = f"{c['over_dp']:.3f}x DP" if c["over_dp"] is not None else "no DP run"
         vs_ep = f"{c['over_ep']:.3f}x EP unsplit" if c["over_ep"] is not None else "no EP run"
         print(f"train {c['mode']:>6} {c['routing']:>8}: EP in {c['chunks']} chunks "
-              f"{c['tokens_per_s_per_gpu']:,.0f} tok/s/GPU = {vs_dp}, {vs_ep}, MFU {c['mfu'] or 0:.1%}: "
-              f"{'met' if c['met'] else 'NOT met'}")
+              f"{c['tokens_per_s_per_gpu']:,.0f} tok/s/GPU = {vs_dp}, {vs_ep}, MFU {c['mfu'] or 0:.1%}"
+              f"{_hidden(c.get('hidden'))}: {'met' if c['met'] else 'NOT met'}")
     for c in [c for name in GRAPH_MODES["both"] for c in result.get(f"interleave_{name}_checks", [])]:
         vs_dp = f"{c['over_dp']:.3f}x DP" if c["over_dp"] is not None else "no DP run"
         vs_ep = f"{c['over_unsplit']:.3f}x unsplit" if c["over_unsplit"] is not None else "no unsplit run"
         sms = "every SM" if c["comm_sms"] is None else f"{c['comm_sms']} SMs"
         sms += ", copy engines" if c["copy_engine"] else ""
         print(f"train {c['mode']:>6} {c['routing']:>8}: EP interleaved ({sms}) "
-              f"{c['tokens_per_s_per_gpu']:,.0f} tok/s/GPU = {vs_dp}, {vs_ep}, MFU {c['mfu'] or 0:.1%}: "
-              f"{'met' if c['met'] else 'NOT met'}")
+              f"{c['tokens_per_s_per_gpu']:,.0f} tok/s/GPU = {vs_dp}, {vs_ep}, MFU {c['mfu'] or 0:.1%}"
+              f"{_hidden(c.get('hidden'))}: {'met' if c['met'] else 'NOT met'}")
     for c in result.get("transport_checks", []):
         print(f"transport {c['tokens']:>6} {c['routing']:>8} {c['payload_mib']:>7.1f} MiB: "
               f"{c['x_nccl']:.2f}x NCCL (>= {c['want_x_nccl']}), {c['pct_put_ceiling']:.0f}% put: "

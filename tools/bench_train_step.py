@@ -193,8 +193,10 @@ def profile_step(trainer: Trainer, step: int, path: Path, title: str,
 
     Untimed; it says where the device time goes, which the phase breakdown cannot, and
     how long the device sat idle within the step (kernel intervals merged over every
-    stream: what the host's launches or a wait left empty). On CUDA only device activity
-    is recorded, which keeps the profiler's own host cost small. Only rank 0 writes.
+    stream: what the host's launches or a wait left empty), and per stream how much of its
+    work ran under the busiest stream's (``stream_overlap``: how much of an EP
+    communication stream hid under the compute). On CUDA only device activity is
+    recorded, which keeps the profiler's own host cost small. Only rank 0 writes.
     """
     on_cuda = torch.cuda.is_available()
     activities = [torch.profiler.ProfilerActivity.CUDA if on_cuda else torch.profiler.ProfilerActivity.CPU]
@@ -204,6 +206,12 @@ def profile_step(trainer: Trainer, step: int, path: Path, title: str,
     table = prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=70)
     busy = device_busy([(e.time_range.start, e.time_range.end) for e in prof.events()
                         if e.device_type == torch.autograd.DeviceType.CUDA]) if on_cuda else None
+    streams = None
+    if on_cuda:
+        streams = stream_overlap([(e.device_resource_id(), e.start_ns() / 1e3, e.end_ns() / 1e3,
+                                   "memcpy" in e.name().lower())
+                                  for e in prof.profiler.kineto_results.events()
+                                  if e.device_type() == torch.autograd.DeviceType.CUDA])
     if not dist.is_initialized() or dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:
@@ -211,8 +219,64 @@ def profile_step(trainer: Trainer, step: int, path: Path, title: str,
             if busy is not None:
                 f.write("device span {span_ms:.1f} ms, busy {busy_ms:.1f} ms, idle {idle_ms:.1f} ms "
                         "({gaps} gaps over 20 us: {gap_ms:.1f} ms)\n".format(**busy))
+            for row in streams or []:
+                f.write("stream {stream}{main}: busy {busy_ms:.1f} ms ({copy_ms:.1f} ms of copies), {under_main_ms:.1f} "
+                        "ms of it under the main stream's work\n".format(main=" (main)" if row["main"] else "", **row))
             f.write(f"{table}\n")
-    return {"file": str(path), "device": busy}
+    return {"file": str(path), "device": busy, "streams": streams}
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint sorted intervals covering ``intervals``."""
+    merged: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    return merged
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two disjoint sorted interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def stream_overlap(activities_us: list[tuple[int, float, float, bool]]) -> list[dict[str, Any]]:
+    """Per stream, from device activities ``(stream, start_us, end_us, is_copy)``: busy time
+    (the union of its activities), the copies' part of it, and how much of it ran while the
+    *main* stream (the busiest) was busy too, in ms; the main stream first, then by busy time.
+
+    With the EP transport on its own stream, ``under_main_ms`` over ``busy_ms`` of that
+    stream is how much of the transport hid under the compute (what the step-time model's
+    SM share stands for); copies by the copy engines take no SM, kernels do.
+    """
+    by_stream: dict[int, list[tuple[float, float]]] = {}
+    copies: dict[int, list[tuple[float, float]]] = {}
+    for stream, start, end, is_copy in activities_us:
+        by_stream.setdefault(stream, []).append((start, end))
+        if is_copy:
+            copies.setdefault(stream, []).append((start, end))
+    unions = {stream: _union(spans) for stream, spans in by_stream.items()}
+    if not unions:
+        return []
+    main = max(unions, key=lambda stream: _length(unions[stream]))
+    rows = [{"stream": stream, "main": stream == main, "busy_ms": _length(spans) / 1e3,
+             "copy_ms": _length(_union(copies.get(stream, []))) / 1e3,
+             "under_main_ms": _intersection(spans, unions[main]) / 1e3}
+            for stream, spans in unions.items()]
+    return sorted(rows, key=lambda r: (not r["main"], -r["busy_ms"]))
 
 
 def device_busy(intervals_us: list[tuple[float, float]], gap_us: float = 20.0) -> dict[str, float]:
