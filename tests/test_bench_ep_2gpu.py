@@ -33,13 +33,21 @@ def test_parts_follow_the_options(tmp_path):
     parts = bench.commands(bench.parse_args(["--out", str(out)]))
     assert list(parts) == ["train_graphs", "train_graphs_overlap2", "train_graphs_overlap4", "train_graphs_mb1",
                            "train_graphs_interleave", "train_graphs_interleave16", "train_graphs_interleave_ce",
-                           "train_graphs_interleave16_ce", "train_eager", "train_eager_overlap2",
+                           "train_graphs_interleave_ce_carve16", "train_eager", "train_eager_overlap2",
                            "train_eager_overlap4", "train_eager_mb1", "train_eager_interleave",
-                           "train_eager_interleave16", "train_eager_interleave_ce", "train_eager_interleave16_ce",
-                           "transport"]
-    assert "parallel.ep_copy_engine=true" in parts["train_graphs_interleave16_ce"][0]
-    assert "parallel.ep_comm_sms=16" in parts["train_graphs_interleave16_ce"][0]
+                           "train_eager_interleave16", "train_eager_interleave_ce",
+                           "train_eager_interleave_ce_carve16", "transport"]
+    carved = parts["train_graphs_interleave_ce_carve16"][0]
+    assert {"parallel.ep_copy_engine=true", "parallel.sm_carveout=16"} <= set(carved)
+    assert not any(c.startswith("parallel.ep_comm_sms") for c in carved)
+    assert "parallel.ep_copy_engine=true" in parts["train_graphs_interleave_ce"][0]
     assert "parallel.ep_copy_engine=true" not in parts["train_graphs_interleave16"][0]
+    custom = bench.commands(bench.parse_args(["--out", str(out), "--interleave", "16+ce,all+carve8"]))
+    assert {"parallel.ep_comm_sms=16", "parallel.ep_copy_engine=true"} <= set(
+        custom["train_graphs_interleave16_ce"][0])
+    assert "parallel.sm_carveout=8" in custom["train_graphs_interleave_carve8"][0]
+    for run in bench.parse_args(["--out", str(out), "--interleave", "all,16,16+ce,all+ce+carve16"]).interleave_runs:
+        assert bench.interleave_run_of_part(run.part) == run  # main reads the run back from the part's name
     interleave_cmd = parts["train_graphs_interleave16"][0]
     assert {"parallel.ep_overlap_microbatches=true", "parallel.ep_comm_sms=16",
             "train.micro_batch=1"} <= set(interleave_cmd)
@@ -93,8 +101,11 @@ def test_a_part_past_its_timeout_is_killed_with_its_children(tmp_path, setsid):
     (["--overlap-chunks", "1,2"], "2 or more chunks"),
     (["--overlap-chunks", "two"], "comma-separated integers or 'none'"),
     (["--overlap-chunks", "none", "--comm-sms", "8"], "for the --overlap-chunks runs"),
-    (["--interleave", "all,x"], "comma-separated SM counts or 'all', each with an optional '+ce', or 'none'"),
+    (["--interleave", "all,x"], "comma-separated SM counts or 'all', each with an optional '+ce' and "
+     "'+carveN', or 'none'"),
     (["--interleave", "16+cx"], "comma-separated SM counts or 'all'"),
+    (["--interleave", "all+carve0"], "positive SM counts expected"),
+    (["--interleave", "16+carve8"], "a carveout goes with 'all'"),
     (["--interleave", "0"], "positive SM counts expected"),
     (["--interleave-micro-batch", "0"], "a positive sequence count expected"),
 ])
@@ -172,13 +183,13 @@ def test_main_checks_each_interleaved_run_against_dp_and_its_unsplit_baseline(tm
         "train_graphs_mb1": {"runs": [_run("ep", "model", 36_000, 0.39)]},
         "train_graphs_interleave": {"runs": [_run("ep", "model", 41_000, 0.44)]},
         "train_graphs_interleave16": {"runs": [_run("ep", "model", 42_400, 0.45)]},
-        "train_graphs_interleave16_ce": {"runs": [{**_run("ep", "model", 43_000, 0.46), "profile": {"streams": [
+        "train_graphs_interleave_ce_carve16": {"runs": [{**_run("ep", "model", 43_000, 0.46), "profile": {"streams": [
             {"stream": 7, "main": True, "busy_ms": 2000.0, "copy_ms": 0.0, "under_main_ms": 2000.0},
             {"stream": 13, "main": False, "busy_ms": 300.0, "copy_ms": 200.0, "under_main_ms": 240.0}]}}]},
     }, "on")
     every, bounded, copy_engine = result["interleave_graphs_checks"]
-    assert not every["copy_engine"] and not bounded["copy_engine"]
-    assert copy_engine["copy_engine"] and copy_engine["comm_sms"] == 16
+    assert not every["copy_engine"] and not bounded["copy_engine"] and bounded["sm_carveout"] is None
+    assert copy_engine["copy_engine"] and copy_engine["comm_sms"] is None and copy_engine["sm_carveout"] == 16
     assert copy_engine["over_dp"] == pytest.approx(1.075) and copy_engine["met"]
     assert copy_engine["hidden"] == pytest.approx(0.8) and every["hidden"] is None  # no profile there
     assert every["comm_sms"] is None and every["over_dp"] == pytest.approx(1.025) and not every["met"]
@@ -186,6 +197,6 @@ def test_main_checks_each_interleaved_run_against_dp_and_its_unsplit_baseline(tm
     assert bounded["comm_sms"] == 16 and bounded["over_dp"] == pytest.approx(1.06) and bounded["met"]
     out = capsys.readouterr().out
     assert "EP interleaved (16 SMs) 42,400 tok/s/GPU = 1.060x DP, 1.178x unsplit, MFU 45.0%: met" in out
-    assert "EP interleaved (16 SMs, copy engines) 43,000 tok/s/GPU = 1.075x DP" in out
+    assert "EP interleaved (every SM, copy engines, GEMMs leave 16 SMs) 43,000 tok/s/GPU = 1.075x DP" in out
     assert "MFU 46.0%, side streams 80% hidden: met" in out
     assert "train_graphs_mb1_checks" not in result  # the baseline is checked with the interleaved runs

@@ -17,8 +17,10 @@ It runs, one after the other on the GPUs of this host (``torch.distributed.run``
    GPU over DP2's and over the unsplit EP2's, in the same mode;
    EP2 with two microbatches interleaved at the transport
    (``parallel.ep_overlap_microbatches``, one run per ``--interleave`` item: an SM bound of
-   the communication stream, every SM and 16 by default, each also with the transport's
-   blocks moved by the copy engines, ``parallel.ep_copy_engine``) at ``--interleave-micro-batch`` sequences per microbatch (default
+   the communication stream, optionally with the transport's blocks moved by the copy
+   engines, ``parallel.ep_copy_engine``, and with SMs every persistent GEMM leaves free,
+   ``parallel.sm_carveout``; by default every SM, 16, every SM with the copy engines, and
+   that with 16 SMs carved out of the GEMMs) at ``--interleave-micro-batch`` sequences per microbatch (default
    1: at bench-2gpu's 2, two microbatches' activations take 129 GiB by ``pretrain plan``),
    with an unsplit EP2 run at that microbatch size as its baseline: tokens/s per GPU
    over DP2's (the target) and over that unsplit EP2's (what the interleave gains).
@@ -59,9 +61,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,10 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "('none': no overlap runs)")
     p.add_argument("--comm-sms", type=int, default=None,
                    help="parallel.ep_comm_sms of the overlap runs (default: every SM)")
-    p.add_argument("--interleave", default="all,16,all+ce,16+ce",
+    p.add_argument("--interleave", default="all,16,all+ce,all+ce+carve16",
                    help="EP2 runs with parallel.ep_overlap_microbatches, one per communication-stream "
                         "SM bound, comma-separated ('all': every SM; '+ce': with parallel.ep_copy_engine; "
-                        "'none': no interleaved runs)")
+                        "'+carveN': with parallel.sm_carveout=N; 'none': no interleaved runs)")
     p.add_argument("--interleave-micro-batch", type=int, default=1,
                    help="train.micro_batch of the interleaved runs and of their unsplit EP2 baseline")
     p.add_argument("--tokens", default="512,1024,2048,4096,8192,16384,32768,65536",
@@ -136,13 +140,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--comm-sms {a.comm_sms}: a positive SM count, for the --overlap-chunks runs")
     try:
         a.interleave_runs = [] if a.interleave == "none" else [
-            (None if v.removesuffix("+ce") == "all" else int(v.removesuffix("+ce")), v.endswith("+ce"))
-            for v in a.interleave.split(",")]
+            interleave_run(v) for v in a.interleave.split(",")]
     except ValueError:
         p.error(f"--interleave {a.interleave!r}: comma-separated SM counts or 'all', each with an optional "
-                "'+ce', or 'none'")
-    if any(v is not None and v < 1 for v, _ in a.interleave_runs):
+                "'+ce' and '+carveN', or 'none'")
+    if any(run.comm_sms is not None and run.comm_sms < 1 or run.carveout == 0 for run in a.interleave_runs):
         p.error(f"--interleave {a.interleave!r}: positive SM counts expected")
+    if any(run.comm_sms is not None and run.carveout for run in a.interleave_runs):
+        p.error(f"--interleave {a.interleave!r}: a carveout goes with 'all' (parallel.sm_carveout refuses "
+                "parallel.ep_comm_sms)")
     if a.interleave_micro_batch < 1:
         p.error(f"--interleave-micro-batch {a.interleave_micro_batch}: a positive sequence count expected")
     bad = set(a.transport_routing.split(",")) - {"balanced", "random", "zipf"}
@@ -178,11 +184,8 @@ def commands(a: argparse.Namespace) -> dict[str, tuple[list[str], Path]]:
             if a.interleave_runs:
                 mb = f"train.micro_batch={a.interleave_micro_batch}"
                 ep_runs = {f"mb{a.interleave_micro_batch}": [mb]}
-                for sms, copy_engine in a.interleave_runs:
-                    ep_runs[f"interleave{sms or ''}{'_ce' if copy_engine else ''}"] = [
-                        mb, "parallel.ep_overlap_microbatches=true",
-                        *([] if sms is None else [f"parallel.ep_comm_sms={sms}"]),
-                        *(["parallel.ep_copy_engine=true"] if copy_engine else [])]
+                for item in a.interleave_runs:
+                    ep_runs[item.part] = [mb, "parallel.ep_overlap_microbatches=true", *item.overrides]
                 for variant, overrides in ep_runs.items():
                     path = a.out.with_name(f"{a.out.stem}_train_step_{mode}_{variant}.json")
                     parts[f"train_{mode}_{variant}"] = (
@@ -252,8 +255,56 @@ def overlap_checks(report: dict[str, Any], base: dict[str, Any] | None, mode: st
     return checks
 
 
+@dataclass(frozen=True)
+class InterleaveRun:
+    """One ``--interleave`` item: the communication stream's SM bound, the copy engines, the
+    GEMMs' SM carveout."""
+
+    comm_sms: int | None
+    copy_engine: bool
+    carveout: int | None
+
+    @property
+    def part(self) -> str:
+        """The part's name after ``train_{mode}_``."""
+        return (f"interleave{self.comm_sms or ''}{'_ce' if self.copy_engine else ''}"
+                f"{f'_carve{self.carveout}' if self.carveout is not None else ''}")
+
+    @property
+    def overrides(self) -> list[str]:
+        return [*([] if self.comm_sms is None else [f"parallel.ep_comm_sms={self.comm_sms}"]),
+                *(["parallel.ep_copy_engine=true"] if self.copy_engine else []),
+                *([] if self.carveout is None else [f"parallel.sm_carveout={self.carveout}"])]
+
+    @property
+    def label(self) -> str:
+        words = ["every SM" if self.comm_sms is None else f"{self.comm_sms} SMs"]
+        words += ["copy engines"] if self.copy_engine else []
+        words += [f"GEMMs leave {self.carveout} SMs"] if self.carveout is not None else []
+        return ", ".join(words)
+
+
+def interleave_run(item: str) -> InterleaveRun:
+    """``all`` or an SM count, then optional ``+ce`` and ``+carveN`` (ValueError otherwise)."""
+    bound, *extras = item.split("+")
+    carve = [e.removeprefix("carve") for e in extras if e.startswith("carve")]
+    if len(carve) > 1 or any(e != "ce" and not e.startswith("carve") for e in extras) or extras.count("ce") > 1:
+        raise ValueError(item)
+    return InterleaveRun(None if bound == "all" else int(bound), "ce" in extras,
+                         int(carve[0]) if carve else None)
+
+
+def interleave_run_of_part(part: str) -> InterleaveRun:
+    """The run a part name after ``train_{mode}_`` stands for (``InterleaveRun.part``)."""
+    match = re.fullmatch(r"interleave(\d*)(_ce)?(?:_carve(\d+))?", part)
+    if match is None:
+        raise ValueError(f"not an interleaved part: {part!r}")
+    sms, ce, carve = match.groups()
+    return InterleaveRun(int(sms) if sms else None, ce is not None, int(carve) if carve else None)
+
+
 def interleave_checks(report: dict[str, Any], base: dict[str, Any] | None, unsplit: dict[str, Any] | None,
-                      mode: str, comm_sms: int | None, copy_engine: bool) -> list[dict[str, Any]]:
+                      mode: str, run: InterleaveRun) -> list[dict[str, Any]]:
     """EP2 with interleaved microbatches over DP2 of ``base`` (the same mode's DP/EP report)
     and over ``unsplit`` (EP2 at the same microbatch size, not interleaved), per routing;
     the target is EP2's (>= 1.05x DP2, both MFUs >= 42%)."""
@@ -263,8 +314,8 @@ def interleave_checks(report: dict[str, Any], base: dict[str, Any] | None, unspl
     for r in report["runs"]:
         dp, ep = dps.get(r["routing"]), eps.get(r["routing"])
         over_dp = r["tokens_per_s_per_gpu"] / dp["tokens_per_s_per_gpu"] if dp else None
-        checks.append(dict(mode=mode, routing=r["routing"], comm_sms=comm_sms, copy_engine=copy_engine,
-                           cuda_graphs=r.get("cuda_graphs"),
+        checks.append(dict(mode=mode, routing=r["routing"], comm_sms=run.comm_sms, copy_engine=run.copy_engine,
+                           sm_carveout=run.carveout, label=run.label, cuda_graphs=r.get("cuda_graphs"),
                            tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"], mfu=r["mfu"], over_dp=over_dp,
                            hidden=hidden_share(r),
                            over_unsplit=r["tokens_per_s_per_gpu"] / ep["tokens_per_s_per_gpu"] if ep else None,
@@ -330,9 +381,7 @@ def print_summary(result: dict[str, Any]) -> None:
     for c in [c for name in GRAPH_MODES["both"] for c in result.get(f"interleave_{name}_checks", [])]:
         vs_dp = f"{c['over_dp']:.3f}x DP" if c["over_dp"] is not None else "no DP run"
         vs_ep = f"{c['over_unsplit']:.3f}x unsplit" if c["over_unsplit"] is not None else "no unsplit run"
-        sms = "every SM" if c["comm_sms"] is None else f"{c['comm_sms']} SMs"
-        sms += ", copy engines" if c["copy_engine"] else ""
-        print(f"train {c['mode']:>6} {c['routing']:>8}: EP interleaved ({sms}) "
+        print(f"train {c['mode']:>6} {c['routing']:>8}: EP interleaved ({c['label']}) "
               f"{c['tokens_per_s_per_gpu']:,.0f} tok/s/GPU = {vs_dp}, {vs_ep}, MFU {c['mfu'] or 0:.1%}"
               f"{_hidden(c.get('hidden'))}: {'met' if c['met'] else 'NOT met'}")
     for c in result.get("transport_checks", []):
@@ -354,12 +403,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["parts"][name] = {"command": cmd, "returncode": code, "timed_out": timed_out,
                                  "report": report, "file": str(json_path)}
         if report is not None and "_interleave" in name:
-            mode, variant = name.removeprefix("train_").split("_interleave")
-            sms = variant.removesuffix("_ce")
+            mode, variant = name.removeprefix("train_").split("_", 1)
             unsplit = result["parts"].get(f"train_{mode}_mb{a.interleave_micro_batch}", {}).get("report")
             base = result["parts"].get(f"train_{mode}", {}).get("report")
             result.setdefault(f"interleave_{mode}_checks", []).extend(
-                interleave_checks(report, base, unsplit, mode, int(sms) if sms else None, variant.endswith("_ce")))
+                interleave_checks(report, base, unsplit, mode, interleave_run_of_part(variant)))
         elif report is not None and "_mb" in name:
             pass  # the interleaved runs' baseline, checked with them
         elif report is not None and "_overlap" in name:

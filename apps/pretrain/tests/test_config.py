@@ -161,6 +161,12 @@ def test_toml_file_errors_name_the_key(tmp_path):
     (["parallel.ep=2", "parallel.ep_backend=rowwise", "parallel.ep_copy_engine=true", "model.top_k=1",
       "model.capacity_factor=1.0"], "parallel.ep_copy_engine moves the token inbox sends and the partial sums "
      "summed at the destination, and parallel.ep=2 uses neither"),
+    (["parallel.sm_carveout=0", "train.device=cuda"], "parallel.sm_carveout=0: a positive SM count expected"),
+    (["parallel.sm_carveout=8", "train.device=cpu"], "parallel.sm_carveout=8: it bounds a CUDA GPU's SMs: "
+     "train.device=cpu has none"),
+    (["parallel.sm_carveout=8", "train.device=cuda", "parallel.ep=2", "parallel.ep_overlap_chunks=2",
+      "parallel.ep_comm_sms=16"], "parallel.sm_carveout=8: parallel.ep_comm_sms=16 confines the communication "
+     "stream to SMs of its own"),
     (["parallel.ep_overlap_microbatches=true"], "parallel.ep_overlap_microbatches interleaves two "
      "microbatches at the EP transport: it needs parallel.ep > 1 or an all_to_all or rowwise "
      "parallel.ep_backend"),

@@ -416,6 +416,20 @@ def test_plan_command_prints_table_and_json(capsys):
     assert plan["ranks"][0]["persistent"] > 60 * 2**30  # 3.7B parameters x 18 B
 
 
+def test_plan_says_which_keys_it_leaves_out(capsys):
+    """The copy engines and the SM carveout are carried but not modelled: both reports say so,
+    and a plan without them says nothing."""
+    keys = ["parallel.ep=2", "parallel.ep_backend=rowwise", "parallel.ep_copy_engine=true",
+            "parallel.sm_carveout=8", "train.device=cuda"]
+    assert plan_command(["--config", "bench-2gpu", "--gpus", "2", "--time", *keys]) == 0
+    notes = [line.strip() for line in capsys.readouterr().out.splitlines() if "not modelled" in line]
+    assert len(notes) == 4 and notes[0] == notes[2] and notes[1] == notes[3]  # memory, then time
+    assert notes[0].startswith("not modelled: parallel.ep_copy_engine")
+    assert notes[1] == "not modelled: parallel.sm_carveout=8: planned with every SM"
+    assert plan_command(["--config", "bench-2gpu", "--gpus", "2", "--time", *keys[:2]]) == 0
+    assert "not modelled" not in capsys.readouterr().out
+
+
 def test_plan_follows_the_compute_dtype():
     """``auto`` plans the GPUs' bfloat16; float32 doubles the compute weights; a bad name is
     an error naming the field."""

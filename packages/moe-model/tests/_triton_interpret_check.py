@@ -7,6 +7,7 @@ import itertools
 
 import torch
 from moe_model._grouped_mm_launch import TileConfig, rows_mm, wgrad_mm
+from moe_model._triton_support import num_sms
 from moe_model.experts import grouped_mm, grouped_mm_reference
 
 
@@ -46,6 +47,17 @@ def main():
             close(dx[:valid], ref_dx[:valid], f"dx rows {tag} {cfg}")
             dw = wgrad_mm(x, dy, offsets, w, TileConfig(32, 16, 16, 1, 1, 1, False, False))
             close(dw.transpose(1, 2) if k_contiguous else dw, ref_dw, f"wgrad {tag}")
+            # torch's SM carveout: the persistent grid spreads over the SMs left (one program
+            # walks every tile here) and computes the same
+            torch._C._set_sm_carveout_experimental(num_sms(x.device) - 1)
+            try:
+                assert num_sms(x.device) == 1
+                cfg = TileConfig(16, 16, 16, 2, 1, 1, True, False)
+                close(rows_mm(x, w, offsets, cfg)[:valid], ref[:valid], f"rows, one program {tag}")
+                dw = wgrad_mm(x, dy, offsets, w, TileConfig(32, 16, 16, 1, 1, 1, False, False))
+                close(dw.transpose(1, 2) if k_contiguous else dw, ref_dw, f"wgrad, one program {tag}")
+            finally:
+                torch._C._set_sm_carveout_experimental(None)
     print("ok")
 
 

@@ -96,6 +96,13 @@ class ParallelConfig:
     # ep_overlap_chunks) takes no SMs from them (moe_ep_transport.EPConfig.copy_engine).
     # Needs ep_backend=rowwise. false until measured against the SM puts on GPUs
     ep_copy_engine: bool = False
+    # SMs every persistent GEMM leaves free (torch's SM carveout: cuBLAS, torch._grouped_mm, and
+    # moe_model's and moe_mxfp8's persistent Triton GEMMs; pretrain.sm_carveout), so that
+    # kernels of other streams (the EP communication stream's while microbatches or chunks
+    # overlap, NCCL's) run beside them instead of between them; the GEMMs run on the rest.
+    # CUDA only, not with ep_comm_sms (its green context's SMs are not the ones left free);
+    # none: every SM
+    sm_carveout: int | None = None
     # two microbatches' forwards interleaved at the EP transport: one's dispatch and combine
     # run on a communication stream under the other's attention and expert GEMMs, and the
     # backward of the pair interleaves the same way (moe_ep_transport.MicrobatchInterleave).
@@ -348,6 +355,8 @@ class PretrainConfig:
             self._check_ep_microbatch_overlap()
         if p.ep_copy_engine:
             self._check_ep_copy_engine()
+        if p.sm_carveout is not None:
+            self._check_sm_carveout()
         if self.model.tie_embeddings and p.pp > 1:
             raise ConfigError(
                 "model.tie_embeddings with parallel.pp > 1 is not supported: the embedding and the "
@@ -444,6 +453,27 @@ class PretrainConfig:
         if why is not None:
             raise ConfigError(f"parallel.ep_overlap_microbatches interleaves two microbatches at the EP "
                               f"transport: {why}")
+
+    def _check_sm_carveout(self) -> None:
+        """A positive count, on a GPU, with a torch that has the carveout, and no green context
+        for the communication stream (it runs on SMs of its own, not the ones left free)."""
+        import torch
+
+        from pretrain.sm_carveout import carveout_supported
+
+        p = self.parallel
+        why = None
+        if p.sm_carveout < 1:
+            why = "a positive SM count expected"
+        elif self.train.device == "cpu":
+            why = "it bounds a CUDA GPU's SMs: train.device=cpu has none"
+        elif p.ep_comm_sms is not None:
+            why = (f"parallel.ep_comm_sms={p.ep_comm_sms} confines the communication stream to SMs of its own, "
+                   "which the GEMMs may still hold; use one of the two")
+        elif not carveout_supported():
+            why = f"torch {torch.__version__} has no SM carveout (torch._C._set_sm_carveout_experimental)"
+        if why is not None:
+            raise ConfigError(f"parallel.sm_carveout={p.sm_carveout}: {why}")
 
     def _check_ep_copy_engine(self) -> None:
         """The copy engines move the rowwise transport's contiguous blocks, where it has any."""

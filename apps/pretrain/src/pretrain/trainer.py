@@ -93,6 +93,7 @@ from pretrain.reference_kernels import reference_kernels
 from pretrain.samples import SAMPLES_FILE, PromptSamples
 from pretrain.schedule import build_schedule
 from pretrain.signals import StopRequest
+from pretrain.sm_carveout import sm_carveout
 from pretrain.tokenizer_files import data_tokenizer
 
 PEAK_FLOPS = 989e12  # dense BF16 peak of one H200: the MFU denominator peers use
@@ -161,13 +162,15 @@ class Trainer:
         cfg = resolve_merge(cfg, mesh.layout.world_size, device)  # (auto: a count, here)
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.timer = phase_timer
-        # before anything runs a kernel (the MXFP8 weight caches); closed by close(), or here
+        # process-wide settings (the packages' reference-kernel switches, torch's SM carveout),
+        # before anything runs a kernel (the MXFP8 weight caches); restored by close(), or here
         # when the build fails, so that a failed trainer leaves the process as it found it
-        self._reference_kernels = reference_kernels(cfg.train.reference_kernels)
+        self._process_settings = reference_kernels(cfg.train.reference_kernels)
+        self._process_settings.enter_context(sm_carveout(cfg.parallel.sm_carveout))
         try:
             self._build(cfg, mesh, device)
         except BaseException:
-            self._reference_kernels.close()
+            self._process_settings.close()
             raise
 
     def _build(self, cfg: PretrainConfig, mesh: ParallelMesh, device: torch.device) -> None:
@@ -278,13 +281,14 @@ class Trainer:
 
     def close(self) -> None:
         """Release the EP transport (collective), detach the gradient hooks and restore the
-        packages' reference-kernel switches (``train.reference_kernels``)."""
+        packages' reference-kernel switches (``train.reference_kernels``) and torch's SM
+        carveout (``parallel.sm_carveout``)."""
         self.part.close()
         self.wiring = ModelWiring()  # (the count reducer is a bound method of the trainer)
         wire_model(self.model, self.wiring)
         self.ddp.close()
         self._graphs = None  # (it holds the trainer's bound methods)
-        self._reference_kernels.close()
+        self._process_settings.close()
 
     # -- the loop ------------------------------------------------------------------
 

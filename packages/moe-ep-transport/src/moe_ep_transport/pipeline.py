@@ -59,9 +59,13 @@ slots than the unsplit call would; dropless layers drop nothing either way.
 The SM split between the streams is the hardware's: the put and receive kernels'
 grids are sized by their rows, the persistent grouped GEMM launches one program per
 SM, and the block scheduler gives free SMs to the waiting blocks of the higher-priority
-stream first. ``EPConfig.comm_sms`` bounds the communication stream to that many SMs
-(a CUDA green context: its kernels run on a fixed SM partition, the GEMMs keep every
-SM), the knob to sweep with ``tools/bench_ep_overlap.py``.
+stream first. A persistent program holds its SM until its kernel ends, so while a
+persistent GEMM runs, the communication stream's kernels find no free SM unless the
+GEMMs leave some (torch's SM carveout, ``torch._C._set_sm_carveout_experimental``, which
+cuBLAS, ``torch._grouped_mm`` and moe_model's persistent GEMM honour); copies by the copy
+engines (``EPConfig.copy_engine``) need none. ``EPConfig.comm_sms`` bounds the
+communication stream to that many SMs (a CUDA green context: its kernels run on a fixed
+SM partition, the GEMMs keep every SM), the knob to sweep with ``tools/bench_ep_overlap.py``.
 
 On CPU there are no streams: the same calls run in the same order, one after another
 (what the CPU tests check against the unsplit layer and one process).

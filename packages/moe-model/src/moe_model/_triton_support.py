@@ -132,10 +132,21 @@ def _interpreting() -> bool:
 
 
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (persistent and per-SM grids)."""
-    if device.type != "cuda":
-        return _INTERPRETER_SMS
-    return _cuda_properties(_index(device))[0]
+    """Streaming multiprocessors the persistent and per-SM grids on ``device`` spread over.
+
+    Every SM less torch's SM carveout (``torch._C._set_sm_carveout_experimental``), which
+    cuBLAS and ``torch._grouped_mm`` leave free too: a persistent program holds its SM until
+    the kernel ends, so the carveout is what other streams' kernels (an overlapped
+    transport's, NCCL's) can run on meanwhile. At least one.
+    """
+    sms = _INTERPRETER_SMS if device.type != "cuda" else _cuda_properties(_index(device))[0]
+    return max(1, sms - (sm_carveout() or 0))
+
+
+def sm_carveout() -> int | None:
+    """torch's SM carveout for persistent matmul kernels (``None``: unset, or a torch without it)."""
+    get = getattr(torch._C, "_get_sm_carveout_experimental", None)
+    return get() if get is not None else None
 
 
 def row_chunks(rows: int, block_rows: int, device: torch.device, programs_per_sm: int) -> tuple[int, int]:

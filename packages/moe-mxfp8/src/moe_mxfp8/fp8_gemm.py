@@ -125,8 +125,17 @@ def default_fp8_tiles(device: torch.device, blockwise: bool, fast_accum: bool) -
     return FP8_TILES_GPU["fast" if fast_accum and not blockwise else "promoted"]
 
 
-@functools.cache
 def _sm_count(index: int) -> int:
+    """SMs the persistent grid spreads over: every SM less torch's SM carveout
+    (``torch._C._set_sm_carveout_experimental``, which cuBLAS and torch's grouped GEMMs
+    leave free too, for kernels of other streams), at least one."""
+    get = getattr(torch._C, "_get_sm_carveout_experimental", None)
+    carveout = (get() if get is not None else None) or 0
+    return max(1, _device_sms(index) - carveout)
+
+
+@functools.cache
+def _device_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 

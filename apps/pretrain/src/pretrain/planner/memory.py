@@ -78,6 +78,9 @@ class PlanRequest:
     ep_comm_sms: int | None = None  # parallel.ep_comm_sms: the EP communication stream's SMs
     ep_overlap_microbatches: bool = False  # parallel.ep_overlap_microbatches: pairs in flight
     ep_payload: str = "compute"  # parallel.ep_payload: what the forward dispatch sends
+    # parallel.ep_copy_engine and parallel.sm_carveout: carried, not modelled (not_modelled)
+    ep_copy_engine: bool = False
+    sm_carveout: int | None = None
     mxfp8_targets: tuple[str, ...] = ()
     mxfp8_save_activations: bool = False
     mxfp8_recipe: str = "mxfp8"  # moe_mxfp8.MXFP8Config.recipe: mxfp8 | fp8_rowwise | ...
@@ -183,7 +186,8 @@ class PlanRequest:
                    ep_backend=_ep_backend(p.resolved_ep_backend()), ep_combine=p.ep_combine,
                    ep_overlap_chunks=p.ep_overlap_chunks,
                    ep_comm_sms=p.ep_comm_sms, ep_overlap_microbatches=p.ep_overlap_microbatches,
-                   ep_payload=p.ep_payload, mxfp8_targets=tuple(cfg.mxfp8.targets),
+                   ep_payload=p.ep_payload, ep_copy_engine=p.ep_copy_engine, sm_carveout=p.sm_carveout,
+                   mxfp8_targets=tuple(cfg.mxfp8.targets),
                    mxfp8_save_activations=cfg.mxfp8.save_mxfp8_activations,
                    mxfp8_recipe=cfg.mxfp8.recipe, mxfp8_gemm=cfg.mxfp8.gemm,
                    merge_expert_grads=merge if p.fuse_grad_accumulation else 1,
@@ -246,6 +250,18 @@ class RankPlan:
     @property
     def persistent(self) -> int:
         return self.weights + self.grads + self.optimizer + self.mxfp8_caches + self.bookkeeping
+
+
+def not_modelled(req: PlanRequest) -> list[str]:
+    """The request's settings the planner leaves out, each with what it plans instead: a
+    report prints them, so that a prediction never silently ignores a key."""
+    notes = []
+    if req.ep > 1 and req.ep_copy_engine:
+        notes.append("parallel.ep_copy_engine: the copy engines' staging of the partial sums (memory) and "
+                     "their SM share (time; the profile's is fitted to SM puts)")
+    if req.sm_carveout is not None:
+        notes.append(f"parallel.sm_carveout={req.sm_carveout}: planned with every SM")
+    return notes
 
 
 @dataclass(frozen=True)

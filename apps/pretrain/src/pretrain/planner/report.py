@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pretrain.planner.memory import GIB, MemoryPlan
+from pretrain.planner.memory import GIB, MemoryPlan, not_modelled
 
 _ROWS: tuple[tuple[str, str], ...] = (
     ("compute weights (BF16)", "weights"),
@@ -70,6 +70,7 @@ def format_plan(plan: MemoryPlan, title: str) -> str:
         f"{r.gpu_gib:.0f} GiB ({usable:.0f} usable with {r.headroom:.0%} headroom); "
         f"torch.cuda.max_memory_allocated should read {worst.peak_allocated / GIB:.1f} GiB"
     )
+    lines += [f"not modelled: {note}" for note in not_modelled(r)]
     return "\n".join(lines)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pretrain.planner.memory import not_modelled
 from pretrain.planner.step_time import StepTime
 
 _COMPUTE = (("expert grouped GEMMs", "expert_gemm"), ("dense GEMMs", "dense_gemm"),
@@ -43,6 +44,7 @@ def format_step_time(st: StepTime) -> str:
             label = "EP dispatch/combine, interleaved"
         lines.append(f"  {label:34}{_ms(st.comm[key])}{_ms(st.exposed[key])}")
     lines.append(f"  {'pipeline bubble':34}{_ms(st.bubble_s)}")
+    lines += [f"  not modelled: {note}" for note in not_modelled(r)]
     return "\n".join(lines)
 
 
