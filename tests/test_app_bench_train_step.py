@@ -60,18 +60,25 @@ def test_device_busy_merges_overlapping_kernels_and_counts_launch_gaps():
     assert bench.device_busy([])["span_ms"] == 0.0
 
 
-def test_stream_overlap_measures_what_ran_under_the_busiest_stream():
+def test_comm_overlap_measures_what_of_the_communication_ran_under_compute():
     bench = _tool()
-    # Stream 7 (compute, the busiest): [0, 100] and [150, 250]. Stream 13 (communication): a
-    # kernel half under compute [80, 120], a copy wholly under it [160, 200] and one in the
-    # open [300, 320]; a second kernel on stream 13 overlapping the copy counts once.
-    rows = bench.stream_overlap([(7, 0, 100, False), (7, 150, 250, False), (13, 80, 120, False),
-                                 (13, 160, 200, True), (13, 170, 190, False), (13, 300, 320, True)])
-    assert rows == [
-        {"stream": 7, "main": True, "busy_ms": 0.2, "copy_ms": 0.0, "under_main_ms": 0.2},
-        {"stream": 13, "main": False, "busy_ms": 0.1, "copy_ms": 0.06, "under_main_ms": 0.06},
-    ]
-    assert bench.stream_overlap([]) == []
+    # Compute: [0, 100] and [150, 250]. Communication: a kernel half under compute [80, 120],
+    # a copy wholly under it [160, 200] and one in the open [300, 320]; a kernel overlapping
+    # the copy counts once.
+    got = bench.comm_overlap([(False, 0, 100, False), (False, 150, 250, False), (True, 80, 120, False),
+                              (True, 160, 200, True), (True, 170, 190, False), (True, 300, 320, True)])
+    assert got == {"comm_ms": 0.1, "comm_copy_ms": 0.06, "compute_ms": 0.2, "comm_under_compute_ms": 0.06}
+    assert bench.comm_overlap([])["comm_ms"] == 0.0
+
+
+def test_communication_is_told_by_kernel_name():
+    bench = _tool()
+    names = bench.communication_kernels()
+    for kernel in ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "Memcpy PtoP (Device -> Device)",
+                   "_put_rows_kernel", "_finish_receive_kernel", "_plan_cells_kernel", "_sum_partials_kernel"):
+        assert bench.is_communication(kernel, names), kernel
+    for kernel in ("rows_kernel", "_swiglu_forward_kernel", "flash_fwd_kernel", "Memset (Device)"):
+        assert not bench.is_communication(kernel, names), kernel
 
 
 def test_methods_whose_layout_refuses_graphs_run_eagerly_and_say_why(tmp_path):

@@ -183,9 +183,9 @@ def test_main_checks_each_interleaved_run_against_dp_and_its_unsplit_baseline(tm
         "train_graphs_mb1": {"runs": [_run("ep", "model", 36_000, 0.39)]},
         "train_graphs_interleave": {"runs": [_run("ep", "model", 41_000, 0.44)]},
         "train_graphs_interleave16": {"runs": [_run("ep", "model", 42_400, 0.45)]},
-        "train_graphs_interleave_ce_carve16": {"runs": [{**_run("ep", "model", 43_000, 0.46), "profile": {"streams": [
-            {"stream": 7, "main": True, "busy_ms": 2000.0, "copy_ms": 0.0, "under_main_ms": 2000.0},
-            {"stream": 13, "main": False, "busy_ms": 300.0, "copy_ms": 200.0, "under_main_ms": 240.0}]}}]},
+        "train_graphs_interleave_ce_carve16": {"runs": [{**_run("ep", "model", 43_000, 0.46), "profile": {
+            "overlap": {"comm_ms": 300.0, "comm_copy_ms": 200.0, "compute_ms": 2000.0,
+                        "comm_under_compute_ms": 240.0}}}]},
     }, "on")
     every, bounded, copy_engine = result["interleave_graphs_checks"]
     assert not every["copy_engine"] and not bounded["copy_engine"] and bounded["sm_carveout"] is None
@@ -198,5 +198,5 @@ def test_main_checks_each_interleaved_run_against_dp_and_its_unsplit_baseline(tm
     out = capsys.readouterr().out
     assert "EP interleaved (16 SMs) 42,400 tok/s/GPU = 1.060x DP, 1.178x unsplit, MFU 45.0%: met" in out
     assert "EP interleaved (every SM, copy engines, GEMMs leave 16 SMs) 43,000 tok/s/GPU = 1.075x DP" in out
-    assert "MFU 46.0%, side streams 80% hidden: met" in out
+    assert "MFU 46.0%, communication 80% hidden: met" in out
     assert "train_graphs_mb1_checks" not in result  # the baseline is checked with the interleaved runs

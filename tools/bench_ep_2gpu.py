@@ -24,9 +24,10 @@ It runs, one after the other on the GPUs of this host (``torch.distributed.run``
    1: at bench-2gpu's 2, two microbatches' activations take 129 GiB by ``pretrain plan``),
    with an unsplit EP2 run at that microbatch size as its baseline: tokens/s per GPU
    over DP2's (the target) and over that unsplit EP2's (what the interleave gains).
-   Every run also profiles one more, untimed step (``--profile``): the share of its side
-   streams' device time (the EP communication stream, NCCL's) that ran under the main
-   stream's work ("side streams N% hidden"), what the step-time model's SM share guesses;
+   Every run also profiles one more, untimed step (``--profile``): the share of its
+   communication's device time (the EP transport's kernels and copies, NCCL's) that ran
+   while compute ran too ("communication N% hidden"), what the step-time model's SM share
+   guesses;
 2. ``tools/bench_ep_transport.py --graphs`` from 512 to 64k tokens per rank,
    balanced and Zipf routing: the rowwise transport over a bare NCCL
    ``all_to_all_single`` (targets: >= 1.0x at every size, >= 1.5x at 16-64 MiB of
@@ -207,13 +208,12 @@ def commands(a: argparse.Namespace) -> dict[str, tuple[list[str], Path]]:
 
 
 def hidden_share(run: dict[str, Any] | None) -> float | None:
-    """The share of the side streams' device time (the EP communication stream, NCCL's) that
-    ran under the main stream's work in the run's profiled step (``bench_train_step.py
-    --profile``: ``stream_overlap``); ``None`` without a profile or side streams."""
-    streams = ((run or {}).get("profile") or {}).get("streams") or []
-    side = [s for s in streams if not s["main"]]
-    busy = sum(s["busy_ms"] for s in side)
-    return sum(s["under_main_ms"] for s in side) / busy if busy else None
+    """The share of the communication's device time (the EP transport, NCCL) that ran while
+    compute ran too in the run's profiled step (``bench_train_step.py --profile``:
+    ``comm_overlap``); ``None`` without a profile or communication."""
+    overlap = ((run or {}).get("profile") or {}).get("overlap") or {}
+    busy = overlap.get("comm_ms", 0.0)
+    return overlap["comm_under_compute_ms"] / busy if busy else None
 
 
 def train_checks(report: dict[str, Any], mode: str) -> list[dict[str, Any]]:
@@ -356,7 +356,7 @@ def run_part(cmd: list[str], timeout_s: float) -> tuple[int, bool]:
 
 
 def _hidden(share: float | None) -> str:
-    return "" if share is None else f", side streams {share:.0%} hidden"
+    return "" if share is None else f", communication {share:.0%} hidden"
 
 
 def print_summary(result: dict[str, Any]) -> None:

@@ -193,10 +193,10 @@ def profile_step(trainer: Trainer, step: int, path: Path, title: str,
 
     Untimed; it says where the device time goes, which the phase breakdown cannot, and
     how long the device sat idle within the step (kernel intervals merged over every
-    stream: what the host's launches or a wait left empty), and per stream how much of its
-    work ran under the busiest stream's (``stream_overlap``: how much of an EP
-    communication stream hid under the compute). On CUDA only device activity is
-    recorded, which keeps the profiler's own host cost small. Only rank 0 writes.
+    stream: what the host's launches or a wait left empty), and how much of the
+    communication ran while compute ran too (``comm_overlap``: what of the EP transport and
+    NCCL hid under the compute). On CUDA only device activity is recorded, which keeps the
+    profiler's own host cost small. Only rank 0 writes.
     """
     on_cuda = torch.cuda.is_available()
     activities = [torch.profiler.ProfilerActivity.CUDA if on_cuda else torch.profiler.ProfilerActivity.CPU]
@@ -206,12 +206,13 @@ def profile_step(trainer: Trainer, step: int, path: Path, title: str,
     table = prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=70)
     busy = device_busy([(e.time_range.start, e.time_range.end) for e in prof.events()
                         if e.device_type == torch.autograd.DeviceType.CUDA]) if on_cuda else None
-    streams = None
+    overlap = None
     if on_cuda:
-        streams = stream_overlap([(e.device_resource_id(), e.start_ns() / 1e3, e.end_ns() / 1e3,
-                                   "memcpy" in e.name().lower())
-                                  for e in prof.profiler.kineto_results.events()
-                                  if e.device_type() == torch.autograd.DeviceType.CUDA])
+        names = communication_kernels()
+        overlap = comm_overlap([(is_communication(e.name(), names), e.start_ns() / 1e3, e.end_ns() / 1e3,
+                                 "memcpy" in e.name().lower())
+                                for e in prof.profiler.kineto_results.events()
+                                if e.device_type() == torch.autograd.DeviceType.CUDA])
     if not dist.is_initialized() or dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:
@@ -219,11 +220,31 @@ def profile_step(trainer: Trainer, step: int, path: Path, title: str,
             if busy is not None:
                 f.write("device span {span_ms:.1f} ms, busy {busy_ms:.1f} ms, idle {idle_ms:.1f} ms "
                         "({gaps} gaps over 20 us: {gap_ms:.1f} ms)\n".format(**busy))
-            for row in streams or []:
-                f.write("stream {stream}{main}: busy {busy_ms:.1f} ms ({copy_ms:.1f} ms of copies), {under_main_ms:.1f} "
-                        "ms of it under the main stream's work\n".format(main=" (main)" if row["main"] else "", **row))
+            if overlap is not None:
+                f.write("communication {comm_ms:.1f} ms ({comm_copy_ms:.1f} ms of copies), {comm_under_compute_ms:.1f} "
+                        "ms of it under compute ({compute_ms:.1f} ms)\n".format(**overlap))
             f.write(f"{table}\n")
-    return {"file": str(path), "device": busy, "streams": streams}
+    return {"file": str(path), "device": busy, "overlap": overlap}
+
+
+def communication_kernels() -> tuple[str, ...]:
+    """Names of the device work that communicates: NCCL's kernels, the EP transport's Triton
+    kernels (``moe_ep_transport``'s kernel modules) and copies (every one: the copy engines'
+    peer copies, but also a local ``copy_``, which the split ``comm_copy_ms`` shows). By
+    name, not by stream: in a replayed CUDA graph every kernel may report the stream the
+    graph was launched on."""
+    names = ["nccl", "Memcpy"]
+    try:
+        from moe_ep_transport import _plan_kernels, _transport_kernels
+    except ImportError:  # no Triton here: the transport runs no kernels of its own
+        return tuple(names)
+    for module in (_plan_kernels, _transport_kernels):
+        names += [name for name in vars(module) if name.endswith("_kernel")]
+    return tuple(names)
+
+
+def is_communication(kernel: str, names: tuple[str, ...]) -> bool:
+    return kernel.startswith(names)
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -253,30 +274,19 @@ def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) ->
     return total
 
 
-def stream_overlap(activities_us: list[tuple[int, float, float, bool]]) -> list[dict[str, Any]]:
-    """Per stream, from device activities ``(stream, start_us, end_us, is_copy)``: busy time
-    (the union of its activities), the copies' part of it, and how much of it ran while the
-    *main* stream (the busiest) was busy too, in ms; the main stream first, then by busy time.
+def comm_overlap(activities_us: list[tuple[bool, float, float, bool]]) -> dict[str, float]:
+    """From device activities ``(is_communication, start_us, end_us, is_copy)``: the busy time
+    (union of intervals) of the communication and of the compute, the copies' part of the
+    communication, and the part of the communication that ran while compute ran too, in ms.
 
-    With the EP transport on its own stream, ``under_main_ms`` over ``busy_ms`` of that
-    stream is how much of the transport hid under the compute (what the step-time model's
-    SM share stands for); copies by the copy engines take no SM, kernels do.
+    ``comm_under_compute_ms / comm_ms`` is how much of the transport hid (what the step-time
+    model's SM share stands for); the copy engines' copies take no SM, kernels do.
     """
-    by_stream: dict[int, list[tuple[float, float]]] = {}
-    copies: dict[int, list[tuple[float, float]]] = {}
-    for stream, start, end, is_copy in activities_us:
-        by_stream.setdefault(stream, []).append((start, end))
-        if is_copy:
-            copies.setdefault(stream, []).append((start, end))
-    unions = {stream: _union(spans) for stream, spans in by_stream.items()}
-    if not unions:
-        return []
-    main = max(unions, key=lambda stream: _length(unions[stream]))
-    rows = [{"stream": stream, "main": stream == main, "busy_ms": _length(spans) / 1e3,
-             "copy_ms": _length(_union(copies.get(stream, []))) / 1e3,
-             "under_main_ms": _intersection(spans, unions[main]) / 1e3}
-            for stream, spans in unions.items()]
-    return sorted(rows, key=lambda r: (not r["main"], -r["busy_ms"]))
+    comm = _union([(s, e) for is_comm, s, e, _ in activities_us if is_comm])
+    compute = _union([(s, e) for is_comm, s, e, _ in activities_us if not is_comm])
+    copies = _union([(s, e) for is_comm, s, e, is_copy in activities_us if is_comm and is_copy])
+    return {"comm_ms": _length(comm) / 1e3, "comm_copy_ms": _length(copies) / 1e3,
+            "compute_ms": _length(compute) / 1e3, "comm_under_compute_ms": _intersection(comm, compute) / 1e3}
 
 
 def device_busy(intervals_us: list[tuple[float, float]], gap_us: float = 20.0) -> dict[str, float]:

@@ -31,6 +31,11 @@ that reads what it put (every program of the receive or sum waits for the peers'
 receive), two per combine (put, sum). Index tensors that do not change between calls are
 built once. Sizes are static: capacity C rows to receive, T_max*k slots to return.
 
+With ``EPConfig.copy_engine`` the two sends that are one contiguous block per destination
+rank, the token inbox (every source token, needed there or not) and the partial sums,
+travel by the GPU's copy engines after the kernel (``PeerMemory.put_rows(bulk=True)``,
+``put_partial_sums(bulk=True)``): no SM stores them.
+
 Consecutive phases use different slabs, chosen by a counter on the host. A CUDA graph
 replays the slabs its capture chose, so calls captured in a graph run inside
 :meth:`RowwiseTransport.replayable`, which rounds their phases up to a multiple of the
