@@ -450,3 +450,34 @@ def test_plan_kernels_equal_torch_reference_on_cuda() -> None:
 @pytest.mark.gpu
 def test_destination_sum_kernels_equal_torch_reference_on_cuda() -> None:
     check_partial_kernels("cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_copy_engine_copies_are_stream_ordered_and_replay_from_a_cuda_graph() -> None:
+    """``_copy_engine.copy_to`` (``cuMemcpyDtoDAsync`` to a raw address) on one GPU: after a
+    kernel that writes its source on a side stream (the copy waits for it), into a row
+    offset of a larger buffer (nothing around it touched), and captured into a CUDA graph
+    whose replays copy what the source holds then."""
+    from moe_ep_transport._copy_engine import copy_to
+
+    side = torch.cuda.Stream()
+    src = torch.empty(4096, 2048, dtype=torch.bfloat16, device="cuda")
+    dst = torch.zeros(3 * 4096, 2048, dtype=torch.bfloat16, device="cuda")
+    at = dst.data_ptr() + 4096 * 2048 * 2  # rows 4096.. of dst
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # the copy must wait for the fill behind it
+        src.fill_(3.0)
+        copy_to(at, src)
+    side.synchronize()
+    assert bool((dst[4096:8192] == 3.0).all()) and not dst[:4096].any() and not dst[8192:].any()
+
+    dst.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        copy_to(at, src)
+    for value in (5.0, -1.0):
+        src.fill_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert bool((dst[4096:8192] == value).all()) and not dst[:4096].any() and not dst[8192:].any()
