@@ -295,25 +295,14 @@ def device_busy(intervals_us: list[tuple[float, float]], gap_us: float = 20.0) -
     ``gaps``/``gap_ms``: the idle stretches longer than ``gap_us`` (a launch the device
     waited for, not the few microseconds between back-to-back kernels).
     """
-    if not intervals_us:
+    spans = _union(intervals_us)
+    if not spans:
         return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "gap_ms": 0.0}
-    spans = sorted(intervals_us)
-    busy = gap_sum = 0.0
-    gaps = 0
-    start, end = spans[0]
-    for s, e in spans[1:]:
-        if s > end:
-            busy += end - start
-            if s - end > gap_us:
-                gaps += 1
-                gap_sum += s - end
-            start, end = s, e
-        else:
-            end = max(end, e)
-    busy += end - start
-    span = end - spans[0][0]
+    idle = [start - end for (_, end), (start, _) in zip(spans, spans[1:])]
+    long_gaps = [g for g in idle if g > gap_us]
+    span, busy = spans[-1][1] - spans[0][0], _length(spans)
     return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
-            "gaps": gaps, "gap_ms": gap_sum / 1e3}
+            "gaps": len(long_gaps), "gap_ms": sum(long_gaps) / 1e3}
 
 
 def summarize(method: str, routing: str, cfg: Any, world: int, records: list[dict],
