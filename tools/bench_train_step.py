@@ -298,7 +298,7 @@ def device_busy(intervals_us: list[tuple[float, float]], gap_us: float = 20.0) -
     spans = _union(intervals_us)
     if not spans:
         return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "gap_ms": 0.0}
-    idle = [start - end for (_, end), (start, _) in zip(spans, spans[1:])]
+    idle = [start - end for (_, end), (start, _) in zip(spans, spans[1:], strict=False)]
     long_gaps = [g for g in idle if g > gap_us]
     span, busy = spans[-1][1] - spans[0][0], _length(spans)
     return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
