@@ -357,11 +357,12 @@ def put_rows(
     if n == 0 and n_clear == 0:
         return
     width = src_SW.shape[1]
+    src_SW = src_SW.contiguous()  # once: the kernel and the copies read the same rows
     dst_row_N = dst_row_N.contiguous()
     block_r = 4
     put_programs = triton.cdiv(n, block_r)
     _put_rows_kernel[(put_programs + triton.cdiv(n_clear, block_r),)](
-        src_SW.contiguous(), dst_rank_N.contiguous(), dst_row_N, table_M.contiguous(), byte_offset,
+        src_SW, dst_rank_N.contiguous(), dst_row_N, table_M.contiguous(), byte_offset,
         local_dst.data_ptr() if local_dst is not None else 0, me,
         meta_N.contiguous() if meta_N is not None else dst_row_N,
         meta_w_N.contiguous() if meta_w_N is not None else dst_row_N,
@@ -372,7 +373,6 @@ def put_rows(
         REMOTE_ROWS=bulk_to is None, BLOCK_R=block_r, BLOCK_W=_block_w(width), num_warps=8,
     )
     if bulk_to is not None:
-        src_SW = src_SW.contiguous()
         inbox_at = byte_offset + me * inbox_stride * width * src_SW.element_size()
         for rank, address in enumerate(bulk_to):
             if rank != me:
