@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -236,23 +235,32 @@ def train_checks(report: dict[str, Any], mode: str) -> list[dict[str, Any]]:
     return checks
 
 
-def overlap_checks(report: dict[str, Any], base: dict[str, Any] | None, mode: str,
-                   chunks: int) -> list[dict[str, Any]]:
-    """EP2 in ``chunks`` pipelined chunks over DP2 and over the unsplit EP2 of ``base`` (the
-    same mode's DP/EP report; ``None`` where that part left none), per routing; the target
-    is EP2's (>= 1.05x DP2, both MFUs >= 42%)."""
-    by = {(r["method"], r["routing"]): r for r in (base or {}).get("runs", [])}
+def _against_dp(runs: list[dict[str, Any]], base: dict[str, Any] | None, baseline: dict[str, Any] | None,
+                baseline_key: str, **fields: Any) -> list[dict[str, Any]]:
+    """Per routing of an overlapped EP2 run: its tokens/s per GPU over DP2's of ``base`` (the
+    same mode's DP/EP report) and over its EP2 ``baseline`` run's (``baseline_key``), the
+    communication's hidden share, and the target (>= 1.05x DP2, both MFUs >= 42%); ``fields``
+    say which run it was. ``None`` where a report left no run to compare with."""
+    dps = {r["routing"]: r for r in (base or {}).get("runs", []) if r["method"] == "ddp"}
+    eps = {r["routing"]: r for r in (baseline or {}).get("runs", []) if r["method"] == "ep"}
     checks = []
-    for r in report["runs"]:
-        dp, ep = by.get(("ddp", r["routing"])), by.get(("ep", r["routing"]))
+    for r in runs:
+        dp, ep = dps.get(r["routing"]), eps.get(r["routing"])
         over_dp = r["tokens_per_s_per_gpu"] / dp["tokens_per_s_per_gpu"] if dp else None
-        checks.append(dict(mode=mode, routing=r["routing"], chunks=chunks, cuda_graphs=r.get("cuda_graphs"),
-                           tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"], mfu=r["mfu"],
-                           over_dp=over_dp, hidden=hidden_share(r),
-                           over_ep=r["tokens_per_s_per_gpu"] / ep["tokens_per_s_per_gpu"] if ep else None,
+        checks.append(dict(routing=r["routing"], **fields,
+                           cuda_graphs=r.get("cuda_graphs"), tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"],
+                           mfu=r["mfu"], over_dp=over_dp, hidden=hidden_share(r),
+                           **{baseline_key: r["tokens_per_s_per_gpu"] / ep["tokens_per_s_per_gpu"] if ep else None},
                            met=over_dp is not None and over_dp >= EP_OVER_DP
                            and min(dp["mfu"] or 0, r["mfu"] or 0) >= MFU))
     return checks
+
+
+def overlap_checks(report: dict[str, Any], base: dict[str, Any] | None, mode: str,
+                   chunks: int) -> list[dict[str, Any]]:
+    """EP2 in ``chunks`` pipelined chunks over DP2 and over the unsplit EP2 of ``base`` (the
+    same mode's DP/EP report; ``None`` where that part left none), per routing."""
+    return _against_dp(report["runs"], base, base, "over_ep", mode=mode, chunks=chunks)
 
 
 @dataclass(frozen=True)
@@ -294,34 +302,12 @@ def interleave_run(item: str) -> InterleaveRun:
                          int(carve[0]) if carve else None)
 
 
-def interleave_run_of_part(part: str) -> InterleaveRun:
-    """The run a part name after ``train_{mode}_`` stands for (``InterleaveRun.part``)."""
-    match = re.fullmatch(r"interleave(\d*)(_ce)?(?:_carve(\d+))?", part)
-    if match is None:
-        raise ValueError(f"not an interleaved part: {part!r}")
-    sms, ce, carve = match.groups()
-    return InterleaveRun(int(sms) if sms else None, ce is not None, int(carve) if carve else None)
-
-
 def interleave_checks(report: dict[str, Any], base: dict[str, Any] | None, unsplit: dict[str, Any] | None,
                       mode: str, run: InterleaveRun) -> list[dict[str, Any]]:
     """EP2 with interleaved microbatches over DP2 of ``base`` (the same mode's DP/EP report)
-    and over ``unsplit`` (EP2 at the same microbatch size, not interleaved), per routing;
-    the target is EP2's (>= 1.05x DP2, both MFUs >= 42%)."""
-    dps = {r["routing"]: r for r in (base or {}).get("runs", []) if r["method"] == "ddp"}
-    eps = {r["routing"]: r for r in (unsplit or {}).get("runs", [])}
-    checks = []
-    for r in report["runs"]:
-        dp, ep = dps.get(r["routing"]), eps.get(r["routing"])
-        over_dp = r["tokens_per_s_per_gpu"] / dp["tokens_per_s_per_gpu"] if dp else None
-        checks.append(dict(mode=mode, routing=r["routing"], comm_sms=run.comm_sms, copy_engine=run.copy_engine,
-                           sm_carveout=run.carveout, label=run.label, cuda_graphs=r.get("cuda_graphs"),
-                           tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"], mfu=r["mfu"], over_dp=over_dp,
-                           hidden=hidden_share(r),
-                           over_unsplit=r["tokens_per_s_per_gpu"] / ep["tokens_per_s_per_gpu"] if ep else None,
-                           met=over_dp is not None and over_dp >= EP_OVER_DP
-                           and min(dp["mfu"] or 0, r["mfu"] or 0) >= MFU))
-    return checks
+    and over ``unsplit`` (EP2 at the same microbatch size, not interleaved), per routing."""
+    return _against_dp(report["runs"], base, unsplit, "over_unsplit", mode=mode, comm_sms=run.comm_sms,
+                       copy_engine=run.copy_engine, sm_carveout=run.carveout, label=run.label)
 
 
 def transport_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -372,18 +358,15 @@ def print_summary(result: dict[str, Any]) -> None:
               f"{c['dp_tokens_per_s_per_gpu']:,.0f} tok/s/GPU = {c['ep_over_dp']:.3f}x (>= {EP_OVER_DP}), "
               f"MFU EP {c['ep_mfu'] or 0:.1%} DP {c['dp_mfu'] or 0:.1%} (>= {MFU:.0%}){_hidden(c.get('ep_hidden'))}: "
               f"{'met' if c['met'] else 'NOT met'}")
-    for c in [c for name in GRAPH_MODES["both"] for c in result.get(f"overlap_{name}_checks", [])]:
-        vs_dp = f"{c['over_dp']:.3f}x DP" if c["over_dp"] is not None else "no DP run"
-        vs_ep = f"{c['over_ep']:.3f}x EP unsplit" if c["over_ep"] is not None else "no EP run"
-        print(f"train {c['mode']:>6} {c['routing']:>8}: EP in {c['chunks']} chunks "
-              f"{c['tokens_per_s_per_gpu']:,.0f} tok/s/GPU = {vs_dp}, {vs_ep}, MFU {c['mfu'] or 0:.1%}"
-              f"{_hidden(c.get('hidden'))}: {'met' if c['met'] else 'NOT met'}")
-    for c in [c for name in GRAPH_MODES["both"] for c in result.get(f"interleave_{name}_checks", [])]:
-        vs_dp = f"{c['over_dp']:.3f}x DP" if c["over_dp"] is not None else "no DP run"
-        vs_ep = f"{c['over_unsplit']:.3f}x unsplit" if c["over_unsplit"] is not None else "no unsplit run"
-        print(f"train {c['mode']:>6} {c['routing']:>8}: EP interleaved ({c['label']}) "
-              f"{c['tokens_per_s_per_gpu']:,.0f} tok/s/GPU = {vs_dp}, {vs_ep}, MFU {c['mfu'] or 0:.1%}"
-              f"{_hidden(c.get('hidden'))}: {'met' if c['met'] else 'NOT met'}")
+    for kind, baseline_key, baseline in (("overlap", "over_ep", "EP unsplit"), ("interleave", "over_unsplit", "unsplit")):
+        for c in [c for name in GRAPH_MODES["both"] for c in result.get(f"{kind}_{name}_checks", [])]:
+            what = f"in {c['chunks']} chunks" if kind == "overlap" else f"interleaved ({c['label']})"
+            vs_dp = f"{c['over_dp']:.3f}x DP" if c["over_dp"] is not None else "no DP run"
+            vs_base = (f"{c[baseline_key]:.3f}x {baseline}" if c[baseline_key] is not None
+                       else f"no {baseline.split()[0]} run")
+            print(f"train {c['mode']:>6} {c['routing']:>8}: EP {what} "
+                  f"{c['tokens_per_s_per_gpu']:,.0f} tok/s/GPU = {vs_dp}, {vs_base}, MFU {c['mfu'] or 0:.1%}"
+                  f"{_hidden(c.get('hidden'))}: {'met' if c['met'] else 'NOT met'}")
     for c in result.get("transport_checks", []):
         print(f"transport {c['tokens']:>6} {c['routing']:>8} {c['payload_mib']:>7.1f} MiB: "
               f"{c['x_nccl']:.2f}x NCCL (>= {c['want_x_nccl']}), {c['pct_put_ceiling']:.0f}% put: "
@@ -406,8 +389,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             mode, variant = name.removeprefix("train_").split("_", 1)
             unsplit = result["parts"].get(f"train_{mode}_mb{a.interleave_micro_batch}", {}).get("report")
             base = result["parts"].get(f"train_{mode}", {}).get("report")
+            runs = {item.part: item for item in a.interleave_runs}
             result.setdefault(f"interleave_{mode}_checks", []).extend(
-                interleave_checks(report, base, unsplit, mode, interleave_run_of_part(variant)))
+                interleave_checks(report, base, unsplit, mode, runs[variant]))
         elif report is not None and "_mb" in name:
             pass  # the interleaved runs' baseline, checked with them
         elif report is not None and "_overlap" in name:
