@@ -43,6 +43,9 @@ import argparse
 import json
 
 
+PARTS = ("kernels", "tiles", "gemms", "layers")
+
+
 def time_s(fn, iters: int, reps: int, host_ahead: bool = False) -> float:
     """Device seconds per call (``_bench.time_ms``); ``host_ahead`` for the layers, whose
     many launches a training step issues while the device is busy."""
@@ -216,16 +219,19 @@ def bench_gemms(args) -> dict:
 
 # Launch shapes per kernel kind of moe_mxfp8._fp8_kernels (its _TILES): BlockTile(elements,
 # warps[, groups[, chunk_rows]]) for the block kinds (groups: scale blocks side by side per
-# program; chunk_rows: 128x128 blocks in two passes of that many rows),
-# ColumnTile(rows, cols, warps) for the per-expert columns.
+# program; chunk_rows: 128x128 blocks in two passes of that many rows), for 128x128 blocks
+# also ("tma", warps, stages[, programs_per_sm]): TMABlockTile, the persistent kernel,
+# ColumnTile(slots, cols, warps) for the per-expert columns.
 TILE_CANDIDATES = {
     "rows": [(2048, 2), (4096, 4), (1024, 2), (2048, 1), (4096, 2), (8192, 4)],
     "tiles": [(1024, 1, 8), (2048, 2, 16), (4096, 4), (2048, 1, 16), (4096, 2, 16), (2048, 2, 8),
               (512, 1, 4), (1024, 1, 4), (1024, 2, 8), (2048, 1, 8)],
-    "blocks": [(16384, 4, 1, 32), (16384, 16, 2), (16384, 4), (16384, 16), (16384, 8, 2),
-               (16384, 4, 1, 16), (16384, 2, 1, 16), (16384, 4, 2, 16), (16384, 8, 2, 32),
-               (16384, 8, 4, 16)],
-    "group_columns": [(128, 64, 8), (64, 64, 4), (64, 128, 4), (32, 64, 4), (128, 128, 8)],
+    "blocks": [(16384, 4, 1, 32), (16384, 8), (16384, 16, 2), (16384, 4), (16384, 8, 1, 32),
+               (16384, 8, 1, 64), (16384, 4, 1, 64), (16384, 2, 1, 16), (16384, 8, 4, 16),
+               ("tma", 8, 3), ("tma", 8, 2), ("tma", 8, 4), ("tma", 16, 3), ("tma", 4, 3, 2),
+               ("tma", 4, 2, 2), ("tma", 8, 2, 2)],
+    "group_columns": [(128, 64, 4), (128, 64, 8), (64, 64, 4), (64, 128, 4), (128, 128, 8),
+                      (256, 64, 8), (128, 32, 4), (256, 128, 8)],
 }
 # moe_mxfp8._fp8_codec_kernels._TILES: RowTile(elements, warps).
 CODEC_TILE_CANDIDATES = {
@@ -291,9 +297,13 @@ def sweep_tiles(args) -> dict:
                         else fn(full))
 
             for cand in candidates:
-                tile_cls = (_fp8_codec_kernels.RowTile if module is _fp8_codec_kernels
-                            else _fp8_kernels.ColumnTile if kind == "group_columns" else _fp8_kernels.BlockTile)
-                tile = tile_cls(*cand)
+                if cand[0] == "tma":
+                    tile = _fp8_kernels.TMABlockTile(*cand[1:])
+                else:
+                    tile_cls = (_fp8_codec_kernels.RowTile if module is _fp8_codec_kernels
+                                else _fp8_kernels.ColumnTile if kind == "group_columns"
+                                else _fp8_kernels.BlockTile)
+                    tile = tile_cls(*cand)
                 entry = {"tile": list(cand), "default": tile == default[kind]}
                 module._TILES[kind] = tile  # what the launchers read at every call
                 try:
@@ -372,9 +382,15 @@ def main() -> None:
     ap.add_argument("--no-tile-sweep", dest="tile_sweep", action="store_false",
                     help="skip measuring the quantize kernels' launch shapes and the Triton "
                          "FP8 GEMM's tiles")
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"comma-separated parts to run, of {','.join(PARTS)} (the numbered "
+                         "items above: kernels and tiles are 3 and 4)")
     ap.add_argument("--no-blockwise", dest="blockwise", action="store_false",
                     help="skip the emulated fp8_blockwise layer (FP32 matmuls, the slowest part)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= set(PARTS):
+        ap.error(f"--parts: unknown {sorted(parts - set(PARTS))}; choose from {PARTS}")
 
     import torch
     from moe_mxfp8 import fp8_native_available
@@ -383,10 +399,11 @@ def main() -> None:
         raise SystemExit("bench_fp8_experts needs a CUDA GPU")
     if not fp8_native_available(torch.device("cuda")):
         raise SystemExit("bench_fp8_experts needs torch._scaled_grouped_mm on compute capability 9.x")
-    kernels = bench_kernels(args)
-    tiles = sweep_tiles(args) if args.tile_sweep else None
-    gemms = bench_gemms(args)
-    layers = {kind: bench_layers(args, kind) for kind in args.routing.split(",")}
+    kernels = bench_kernels(args) if "kernels" in parts else {}
+    tiles = sweep_tiles(args) if args.tile_sweep and "tiles" in parts else None
+    gemms = bench_gemms(args) if "gemms" in parts else {}
+    layers = ({kind: bench_layers(args, kind) for kind in args.routing.split(",")}
+              if "layers" in parts else {})
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "shape": vars(args), "kernels": kernels, "tile_sweep": tiles, "gemms": gemms, "experts": layers}
     with open(args.out, "w") as f:

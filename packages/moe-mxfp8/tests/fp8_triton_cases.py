@@ -61,6 +61,55 @@ def cases():
                         + int(not torch.equal(et, er)))
 
             yield f"group_columns/{dname}/pow2={pow2}", group
+
+    def group_columns_many_experts():
+        """Leading and inner empty experts, tiles that meet several experts, a large one
+        spread over several tiles, rows past the last offset; two launch shapes."""
+        from moe_mxfp8 import _fp8_kernels as k
+
+        x = sample((230, 70), torch.bfloat16, seed=11)
+        offsets = torch.tensor([0, 0, 3, 20, 20, 21, 50, 90, 90, 130, 131, 200], dtype=torch.int32)
+        saved = dict(k._TILES)
+        total = 0
+        try:
+            for tile in (saved["group_columns"], k.ColumnTile(16, 32, 1)):
+                k._TILES["group_columns"] = tile
+                (dt, st, et), (dr, sr, er) = (quantize_group_columns(x, offsets, False, backend=b)
+                                              for b in ("triton", "reference"))
+                used = int(er[-1])
+                total += (mismatches(dt[:, :used], dr[:, :used]) + mismatches(st, sr)
+                          + int(not torch.equal(et, er)))
+        finally:
+            k._TILES.update(saved)
+        return total
+
+    yield "group_columns/many_experts", group_columns_many_experts
+
+    def blocks_tma():
+        """128x128 blocks on the persistent kernel of tensor-memory copies: blocks cut in both
+        dims, more blocks than programs, every input dtype; rows it cannot take (200
+        columns) fall back to the pointer kernel."""
+        from moe_mxfp8 import _fp8_kernels as k
+
+        saved, launch = dict(k._TILES), k._quantize_square_tma
+        launched = []
+        k._TILES["blocks"] = k.TMABlockTile(4, 3, 2)
+        k._quantize_square_tma = lambda x, *a: launched.append(x.shape) or launch(x, *a)
+        total = 0
+        try:
+            for shape in ((2, 130, 272), (300, 128), (2, 130, 200)):
+                for dtype in DTYPES.values():
+                    for pow2 in (True, False):
+                        x = sample(shape, dtype, seed=12)
+                        got, ref = (quantize_fp8(x, (128, 128), pow2, backend=b)
+                                    for b in ("triton", "reference"))
+                        total += mismatches(got.data, ref.data) + mismatches(got.scale, ref.scale)
+        finally:
+            k._TILES.update(saved)
+            k._quantize_square_tma = launch
+        return total + abs(len(launched) - 12)  # the 200-column shape is the pointer kernel's
+
+    yield "blocks_tma", blocks_tma
     for dname, dtype in DTYPES.items():
         def codec_encode(dtype=dtype):
             total = 0
