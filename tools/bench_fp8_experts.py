@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 
-
 PARTS = ("kernels", "tiles", "gemms", "layers")
 
 

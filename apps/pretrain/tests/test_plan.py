@@ -32,7 +32,7 @@ from pretrain.mesh import build_mesh
 from pretrain.planner import FAMILY, PlanRequest, plan_memory, sweep
 from pretrain.planner.activations import Execution, block_inventory, local_rows
 from pretrain.planner.measure import LiveBytes
-from pretrain.planner.memory import KERNEL_WORKSPACES
+from pretrain.planner.memory import KERNEL_WORKSPACES, not_modelled
 from pretrain.planner.pipeline import rank_activations
 from pretrain.planner.stage import StageMemory, stage_memory
 from pretrain.runtime import distributed
@@ -149,7 +149,9 @@ def _part_and_cache_bytes(cfg):
                                 torch.device("cpu"), torch.bfloat16)
     storages = {}
     for _, module in mxfp8_modules(part.module):
-        for cache in (module.w13_cache, module.w2_cache):
+        caches = [getattr(module, name) for name in ("w13_cache", "w2_cache", "weight_cache")
+                  if hasattr(module, name)]
+        for cache in caches:
             for copy in (cache.rows, cache.cols):
                 for t in vars(copy).values():
                     if isinstance(t, torch.Tensor):
@@ -164,6 +166,22 @@ def test_planned_weight_caches_are_what_the_converted_experts_hold(recipe):
     cfg = _config(*LOW_PRECISION, f"mxfp8.recipe={recipe}")
     _, held = _part_and_cache_bytes(cfg)
     assert plan_memory(PlanRequest.from_config(cfg, 1), kernels="cpu").ranks[0].mxfp8_caches == held
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_planned_weight_caches_of_dense_targets_and_what_is_left_out(recipe):
+    """The attention projections and the head converted too: their caches byte for byte,
+    and the plan says it leaves out their GEMMs' quantized operands."""
+    cfg = _config("mxfp8.targets=[experts,attn.w?,head]", "model.expert_hidden=192",
+                  f"mxfp8.recipe={recipe}")
+    part, held = _part_and_cache_bytes(cfg)
+    assert len(part.mxfp8_layers) > 2 * cfg.model.n_layers
+    req = PlanRequest.from_config(cfg, 1)
+    assert plan_memory(req, kernels="cpu").ranks[0].mxfp8_caches == held
+    notes = not_modelled(req)
+    assert any(f"on {4 * cfg.model.n_layers + 1} dense layers" in n for n in notes), notes
+    assert not any("dense layers" in n
+                   for n in not_modelled(PlanRequest.from_config(_config(*LOW_PRECISION), 1)))
 
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)

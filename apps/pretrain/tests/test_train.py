@@ -532,6 +532,27 @@ def test_fp8_experts_take_the_gradient_sink_and_match_autograd(tmp_path):
         torch.testing.assert_close(with_sink[name], want, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_fp8_recipes_convert_the_targeted_dense_layers_and_train(tmp_path):
+    """``mxfp8.targets`` reaching the attention projections and the head with an FP8 recipe:
+    they become ``FP8Linear`` (the other dense layers stay ``Linear``, still wired to the
+    sink), their caches refresh after every update (a stale one refuses the forward), and
+    the run trains."""
+    from moe_mxfp8 import FP8Linear
+    args = [f"run_dir={tmp_path}", "mxfp8.targets=[experts,attn.w?,head]",
+            "mxfp8.recipe=fp8_rowwise_gw_hp", "model.n_dense_layers=1"]
+    with distributed("cpu"):
+        trainer = _trainer(load_config("tiny", args))
+        fp8 = sorted(n for n, m in trainer.model.named_modules() if isinstance(m, FP8Linear))
+        plain = [n for n, m in trainer.model.named_modules() if isinstance(m, Linear)]
+        trainer.close()
+    assert fp8 == sorted([*(f"blocks.{i}.attn.{w}" for i in range(2) for w in ("wq", "wk", "wv", "wo")),
+                          "head"])
+    assert len(plain) == 3  # the dense block's SwiGLU
+    assert main(["--config", "tiny", *args, "train.steps=6"]) == 0
+    losses = [r["loss"] for r in _metrics(tmp_path) if "loss" in r]
+    assert len(losses) == 6 and all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
 @pytest.mark.parametrize("recipe, capability", [("fp8_rowwise", "9.x"), ("mxfp8", "10.x")])
 def test_native_low_precision_gemms_without_the_tensor_cores_are_refused(tmp_path, capsys,
                                                                          recipe, capability):

@@ -12,7 +12,7 @@ import os
 assert os.environ.get("TRITON_INTERPRET") == "1", "run by moe_testing.run_under_triton_interpreter"
 
 import torch  # noqa: E402
-from moe_mxfp8 import FP8GroupedExperts, quantize_fp8  # noqa: E402
+from moe_mxfp8 import FP8GroupedExperts, FP8Linear, quantize_fp8  # noqa: E402
 from moe_mxfp8.fp8_gemm import FP8TileConfig, fp8_grouped_mm, triton_grouped_mm  # noqa: E402
 from torch import nn  # noqa: E402
 from triton_cases import report  # noqa: E402
@@ -86,6 +86,21 @@ def cases():
             return sum(far(got, ref, 2e-5) for got, ref in zip(results[1], results[0], strict=True))
 
         yield f"layer/{recipe}", layer
+
+        def linear(recipe=recipe):
+            g = torch.Generator().manual_seed(3)
+            w = torch.randn(136, 144, generator=g) * 0.2
+            x, dy = torch.randn(37, 144, generator=g), torch.randn(37, 136, generator=g)
+            results = []
+            for gemm in ("emulated", "triton"):
+                weight = nn.Parameter(w.clone())
+                xg = x.clone().requires_grad_()
+                y = FP8Linear(weight, recipe=recipe, gemm=gemm, fast_accum=())(xg)
+                y.backward(dy)
+                results.append([y.detach(), xg.grad, weight.grad])
+            return sum(far(got, ref, 2e-5) for got, ref in zip(results[1], results[0], strict=True))
+
+        yield f"linear/{recipe}", linear
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from moe_mxfp8 import (
     FP8GroupedExperts,
+    FP8Linear,
     FP8RowCodec,
     decode_fp8_rows,
     decode_fp8_rows_reference,
@@ -259,6 +260,28 @@ def test_triton_experts_match_emulated_experts(recipe, fast_accum):
     emulated = FP8GroupedExperts(triton_layer.w1, triton_layer.w3, triton_layer.w2, recipe=recipe,
                                  gemm="emulated")
     _layers_agree(triton_layer, emulated, LAYER_REL[() if recipe == "fp8_blockwise" else fast_accum])
+
+
+@needs_sm90
+@pytest.mark.parametrize(("recipe", "gemm", "fast_accum"),
+                         [("fp8_rowwise", "native", ()), ("fp8_rowwise", "native", ("output",)),
+                          ("fp8_rowwise_gw_hp", "native", ("output", "grad_input")),
+                          ("fp8_rowwise", "triton", ()), ("fp8_blockwise", "triton", ())])
+def test_fp8_linear_matches_the_emulation(recipe, gemm, fast_accum):
+    """A dense layer (``torch._scaled_mm`` natively, the grouped Triton GEMM over one group)
+    against the emulation of the same operands: output, input and weight gradients, in
+    norm (FP32 promotion: accumulation order and the BF16 rounding only)."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    weight = torch.nn.Parameter((torch.randn(1024, 2048, device="cuda", generator=g) * 0.02).bfloat16())
+    x = torch.randn(4, 1000, 2048, device="cuda", generator=g).bfloat16().requires_grad_()
+    dy = torch.randn(4, 1000, 1024, device="cuda", generator=g).bfloat16()
+    outs = []
+    for layer in (FP8Linear(weight, recipe=recipe, gemm=gemm, fast_accum=fast_accum),
+                  FP8Linear(weight, recipe=recipe, gemm="emulated")):
+        y = layer(x)
+        outs.append((y, *torch.autograd.grad(y, [x, weight], dy)))
+    for got, want in zip(*outs, strict=True):
+        assert _relative_error(got, want) < (FAST_ACCUM_REL if fast_accum else 2e-3)
 
 
 @needs_fp8_triton

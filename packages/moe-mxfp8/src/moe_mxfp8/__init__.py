@@ -13,7 +13,8 @@
 - ``MXFP8RowCodec``: an MXFP8 payload for expert-parallel dispatch (``RowCodec``).
 - ``quantize_fp8`` / ``FP8Tensor`` / ``quantize_group_columns``: E4M3 with FP32 scales
   per row, 1x128 tile or 128x128 block (torchao's float8 rowwise and DeepSeek-V3's
-  blockwise recipes); ``FP8GroupedExperts``: routed experts on FP8 grouped GEMMs
+  blockwise recipes); ``FP8GroupedExperts`` / ``FP8Linear``: routed experts and dense
+  layers on FP8 GEMMs
   (``torch._scaled_grouped_mm`` on Hopper, ``fp8_native_available``, or the package's
   Triton kernel for rowwise and blockwise scales, ``fp8_triton_available``), chosen by
   ``MXFP8Config.recipe`` and ``gemm``; ``FP8RowCodec``: the rowwise FP8 dispatch payload
@@ -69,6 +70,7 @@ from moe_mxfp8.fp8 import (
 )
 from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8GroupedExperts
 from moe_mxfp8.fp8_gemm import FP8_GEMMS, fp8_native_available, fp8_triton_available
+from moe_mxfp8.fp8_linear import FP8Linear
 from moe_mxfp8.gemm import native_mx_available
 from moe_mxfp8.linear import MXFP8Linear
 from moe_mxfp8.swiglu import (
@@ -91,6 +93,7 @@ __all__ = [
     "BLOCK_SIZE",
     "FP8RowCodec",
     "FP8GroupedExperts",
+    "FP8Linear",
     "FP8Tensor",
     "FP8_GEMMS",
     "FP8_RECIPES",

@@ -2,9 +2,8 @@
 
 Structural: with ``recipe="mxfp8"`` an ``nn.Linear`` becomes ``MXFP8Linear`` and any
 module with parameters ``w1``, ``w3``, ``w2`` (grouped experts) ``MXFP8GroupedExperts``;
-with an FP8 recipe (``fp8_rowwise``, ``fp8_rowwise_gw_hp``, ``fp8_blockwise``) grouped experts become
-``FP8GroupedExperts`` and a matching ``nn.Linear`` is refused (FP8 covers the routed
-experts only). The new modules hold the same ``nn.Parameter`` objects under the same
+with an FP8 recipe (``fp8_rowwise``, ``fp8_rowwise_gw_hp``, ``fp8_blockwise``) they become
+``FP8Linear`` and ``FP8GroupedExperts``. The new modules hold the same ``nn.Parameter`` objects under the same
 names, so parameter names, optimizer state, gradient buckets and checkpoints are untouched.
 
 Order in a training setup: build, initialise and partition the model (expert
@@ -24,10 +23,11 @@ from torch import nn
 from moe_mxfp8.experts import MXFP8GroupedExperts
 from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8GroupedExperts, check_fast_accum
 from moe_mxfp8.fp8_gemm import FAST_ACCUM_DEFAULT, FP8_GEMMS
+from moe_mxfp8.fp8_linear import FP8Linear
 from moe_mxfp8.linear import GEMMS, MXFP8Linear
 
 RECIPES = ("mxfp8", *FP8_RECIPES)
-_CONVERTED = (MXFP8Linear, MXFP8GroupedExperts, FP8GroupedExperts)
+_CONVERTED = (MXFP8Linear, MXFP8GroupedExperts, FP8Linear, FP8GroupedExperts)
 
 
 @dataclass
@@ -98,7 +98,7 @@ def unmatched_targets(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
 
 def mxfp8_modules(
     model: nn.Module,
-) -> Iterator[tuple[str, MXFP8Linear | MXFP8GroupedExperts | FP8GroupedExperts]]:
+) -> Iterator[tuple[str, MXFP8Linear | MXFP8GroupedExperts | FP8Linear | FP8GroupedExperts]]:
     """Every converted module (any recipe): the holders of weight caches."""
     for name, module in model.named_modules():
         if isinstance(module, _CONVERTED):
@@ -116,18 +116,15 @@ def apply_mxfp8(model: nn.Module, config: MXFP8Config | None = None) -> list[str
     matched = [(fqn, module) for fqn, module in model.named_modules()
                if fqn and not isinstance(module, _CONVERTED)
                and any(name_matches(fqn, t) for t in config.targets)]
-    if config.recipe != "mxfp8":  # refused before anything is replaced
-        linear = [fqn for fqn, module in matched if isinstance(module, nn.Linear)]
-        if linear:
-            raise ValueError(f"recipe {config.recipe} converts grouped experts only; the targets "
-                             f"match the linear layer(s) {linear}")
     replaced = []
     for fqn, module in matched:
-        if config.recipe != "mxfp8":
+        fp8_args = (config.recipe, config.gemm, tuple(config.fp8_fast_accum))
+        if config.recipe != "mxfp8" and isinstance(module, nn.Linear):
+            new: nn.Module = FP8Linear.from_module(module, *fp8_args)
+        elif config.recipe != "mxfp8":
             if not _is_grouped_experts(module):
                 continue
-            new: nn.Module = FP8GroupedExperts.from_module(module, config.recipe, config.gemm,
-                                                           tuple(config.fp8_fast_accum))
+            new = FP8GroupedExperts.from_module(module, *fp8_args)
         elif isinstance(module, nn.Linear):
             new = MXFP8Linear.from_module(module, config.save_mxfp8_activations, config.gemm)
         elif _is_grouped_experts(module):

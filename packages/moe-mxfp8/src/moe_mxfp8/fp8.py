@@ -136,7 +136,9 @@ def quantize_fp8_reference(x: torch.Tensor, block: tuple[int, int] = (1, 0), pow
     amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)
     amax = torch.where(blocks.isnan().any(dim=(-3, -1), keepdim=True), float("nan"), amax)
     scale = scale_from_amax(amax, pow2)
-    data = to_e4m3(blocks * scale).reshape(*x.shape[:-2], Mp, Np)[..., :M, :N].contiguous()
+    # a clone: a slice of whole padded rows is contiguous already and would keep the padding
+    data = to_e4m3(blocks * scale).reshape(*x.shape[:-2], Mp, Np)[..., :M, :N].clone(
+        memory_format=torch.contiguous_format)
     return FP8Tensor(data, scale.squeeze(-1).squeeze(-2).contiguous(), block)
 
 

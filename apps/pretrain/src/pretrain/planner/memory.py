@@ -261,6 +261,17 @@ def not_modelled(req: PlanRequest) -> list[str]:
                      "their SM share (time; the profile's is fitted to SM puts)")
     if req.sm_carveout is not None:
         notes.append(f"parallel.sm_carveout={req.sm_carveout}: planned with every SM")
+    if req.mxfp8_targets:
+        from torch import nn
+
+        dense = [fqn for fqn, module in ModelShapes(req.model).model.named_modules()
+                 if isinstance(module, nn.Linear)
+                 and any(name_matches(fqn, t) for t in req.mxfp8_targets)]
+        if dense:
+            notes.append(f"mxfp8.targets on {len(dense)} dense layers (e.g. {dense[0]}): their "
+                         f"weight caches are planned; their GEMMs' {req.mxfp8_recipe} copies of "
+                         "the inputs and output gradients and their weight gradients returned "
+                         "in BF16 (transient) are not")
     return notes
 
 

@@ -140,8 +140,8 @@ def _mxfp8_cache_bytes(params: list[HeldParam], targets: tuple[str, ...], recipe
     """The weight caches of every targeted linear's weight and of each targeted expert
     stack (gate and up share one [E, 2F, D] cache). MXFP8: both orientations (rows:
     blocked along the last dim, cols: along the one before). An FP8 recipe
-    (``moe_mxfp8.fp8_experts.FP8WeightCache``, experts only): the weight and its
-    contiguous transpose, each scaled by the recipe's weight block along its last dim."""
+    (``moe_mxfp8.fp8_experts.FP8WeightCache``): the weight and its contiguous transpose,
+    each scaled by the recipe's weight block along its last dim."""
     if not targets:
         return 0
     from moe_mxfp8 import FP8_RECIPES, name_matches
@@ -165,7 +165,7 @@ def _mxfp8_cache_bytes(params: list[HeldParam], targets: tuple[str, ...], recipe
                 total += both((p.shape[0], 2 * p.shape[1], p.shape[2]))
             elif leaf == "w2":
                 total += both(p.shape)
-        elif recipe == "mxfp8" and len(p.shape) == 2 and not module.endswith(("embed", "router")):
+        elif len(p.shape) == 2 and not module.endswith(("embed", "router")):
             total += both(p.shape)
     return total
 

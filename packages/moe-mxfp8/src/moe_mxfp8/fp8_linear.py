@@ -1,0 +1,157 @@
+"""FP8Linear: ``nn.Linear`` whose GEMMs read scaled E4M3 operands, by the FP8 recipes.
+
+Shape legend: M rows (all leading dims flattened), K in_features, N out_features. The
+recipes are ``FP8GroupedExperts``' (``moe_mxfp8.fp8_experts.FP8_RECIPES``), applied to one
+weight ``[N, K]``:
+
+- forward ``y = x @ w^T``: ``x`` scaled by the recipe's activation blocks along K, ``w``
+  from the cache's ``rows`` (scaled along K);
+- input gradient ``dx = dy @ w``: ``dy`` scaled along N, ``w`` from the cache's ``cols``
+  (the transpose, scaled along N);
+- weight gradient ``dw = dy^T @ x``: in FP8 where the recipe says (``fp8_rowwise``:
+  both operands scaled per column along the M rows), else in the compute dtype from the
+  unquantized operands.
+
+``gemm``: ``native`` (rowwise recipes: ``torch._scaled_mm``, the dense FP8 GEMM of torch
+on sm_90, and ``torch._scaled_grouped_mm`` for the FP8 weight gradient), ``triton`` (the
+package's FP8 grouped GEMM over one group, every recipe), ``emulated`` (dequantize, FP32
+matmul; every device). ``fast_accum`` as ``FP8GroupedExperts``'.
+
+The weight gradient goes back through autograd (this package stands alone): a data-
+parallel wrapper's hook adds it to its FP32 main grads, as for ``MXFP8Linear``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from moe_mxfp8.fp8 import FP8Tensor, quantize_fp8
+from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8WeightCache, check_fast_accum
+from moe_mxfp8.fp8_gemm import (
+    FAST_ACCUM_DEFAULT,
+    FP8_GEMMS,
+    check_native_widths,
+    fp8_grouped_mm,
+    fp8_grouped_wgrad,
+    fp8_native_available,
+    fp8_triton_available,
+)
+from moe_mxfp8.gemm import compute_dtype
+
+
+def _one_group(t: FP8Tensor) -> FP8Tensor:
+    """A weight copy ``[N, K]`` as the ``[1, N, K]`` stack the grouped GEMMs take."""
+    return FP8Tensor(t.data.unsqueeze(0), t.scale.unsqueeze(0), t.block)
+
+
+def _mm(a: FP8Tensor, b: FP8Tensor, gemm: str, dtype: torch.dtype, fast: bool) -> torch.Tensor:
+    """``a [M, K] @ b^T`` for ``b [N, K]``, both scaled along K."""
+    if gemm == "native":
+        return torch._scaled_mm(a.data, b.data.t(), a.scale.reciprocal(),
+                                b.scale.reciprocal().view(1, -1), out_dtype=dtype,
+                                use_fast_accum=fast)
+    rows = torch.full((1,), a.data.shape[0], dtype=torch.int32, device=a.data.device)
+    return fp8_grouped_mm(a, _one_group(b), rows, dtype, gemm, fast)
+
+
+class _FP8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x_MK: torch.Tensor, weight: torch.Tensor, layer: FP8Linear,
+                dtype: torch.dtype) -> torch.Tensor:
+        r = layer.recipe
+        x_q = quantize_fp8(x_MK, r.act_block, r.pow2)
+        y_MN = _mm(x_q, layer.weight_cache.rows, layer.gemm, dtype, "output" in layer.fast_accum)
+        ctx.save_for_backward(x_MK)
+        # The backward uses the weight copy this forward saw, whatever happens in between.
+        ctx.layer, ctx.dtype, ctx.w_cols = layer, dtype, layer.weight_cache.cols
+        return y_MN
+
+    @staticmethod
+    def backward(ctx: Any, dy_MN: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        layer, dtype = ctx.layer, ctx.dtype
+        r, fast = layer.recipe, layer.fast_accum
+        (x_MK,) = ctx.saved_tensors
+        dy_MN = dy_MN.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dy_q = quantize_fp8(dy_MN, r.act_block, r.pow2)
+            dx = _mm(dy_q, ctx.w_cols, layer.gemm, dtype, "grad_input" in fast)
+        if ctx.needs_input_grad[1]:
+            if r.fp8_wgrad:
+                rows = torch.full((1,), x_MK.shape[0], dtype=torch.int32, device=x_MK.device)
+                dw = fp8_grouped_wgrad(dy_MN, x_MK, rows, r.pow2, dtype, layer.gemm,
+                                       "grad_weight" in fast)[0]
+            else:
+                dw = dy_MN.t() @ x_MK
+            dw = dw.to(layer.weight.dtype)
+        return dx, dw, None, None
+
+
+class FP8Linear(nn.Module):
+    """A linear layer on FP8 GEMMs (a recipe of ``FP8_RECIPES``; module notes); holds the
+    same ``weight``/``bias``."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None,
+                 recipe: str = "fp8_rowwise", gemm: str = "emulated",
+                 fast_accum: tuple[str, ...] = FAST_ACCUM_DEFAULT) -> None:
+        super().__init__()
+        if weight.dim() != 2:
+            raise ValueError(f"FP8Linear weight must be 2-D [out, in], got {tuple(weight.shape)}")
+        if recipe not in FP8_RECIPES:
+            raise ValueError(f"recipe must be one of {tuple(FP8_RECIPES)}, got {recipe!r}")
+        if gemm not in FP8_GEMMS:
+            raise ValueError(f"gemm must be one of {FP8_GEMMS}, got {gemm!r}")
+        if gemm == "native":
+            if not FP8_RECIPES[recipe].native:
+                raise ValueError(f"recipe {recipe} has no native FP8 GEMM; use gemm='triton' "
+                                 "or 'emulated'")
+            check_native_widths(*weight.shape)
+        self.fast_accum = check_fast_accum(fast_accum, recipe, "fast_accum")
+        self.out_features, self.in_features = weight.shape
+        self.weight, self.bias = weight, bias
+        self.recipe_name, self.recipe, self.gemm = recipe, FP8_RECIPES[recipe], gemm
+        self.weight_cache = FP8WeightCache((weight,), self.recipe)
+
+    @classmethod
+    def from_module(cls, linear: nn.Linear, recipe: str = "fp8_rowwise", gemm: str = "emulated",
+                    fast_accum: tuple[str, ...] = FAST_ACCUM_DEFAULT) -> FP8Linear:
+        """Wrap an ``nn.Linear``'s own parameters (same objects, same names)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
+        return cls(linear.weight, linear.bias, recipe, gemm, fast_accum)
+
+    def refresh_weight_cache(self, in_place: bool = False) -> None:
+        """Re-derive the FP8 weight copies; call after every weight update
+        (``in_place``: see ``WeightCache.refresh``)."""
+        self.weight_cache.refresh((self.weight,), in_place)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"FP8Linear expects inputs [..., {self.in_features}], got {tuple(x.shape)}")
+        self.weight_cache.check_fresh(type(self).__name__, (self.weight,))
+        dtype = compute_dtype(x)
+        if self.gemm == "triton" and not fp8_triton_available(x.device):
+            raise RuntimeError(f"FP8Linear: gemm='triton' needs Triton and a CUDA device of compute "
+                               f"capability 8.9 or up (or CPU tensors under TRITON_INTERPRET=1); "
+                               f"the input is on {x.device}")
+        if self.gemm == "native":
+            if not fp8_native_available(x.device):
+                raise RuntimeError(f"FP8Linear: gemm='native' needs a CUDA device of compute "
+                                   f"capability 9.x; the input is on {x.device}")
+            if dtype != torch.bfloat16:
+                raise ValueError(f"FP8Linear: gemm='native' computes in BF16, got {dtype} inputs")
+        with torch.autocast(x.device.type, enabled=False):
+            y = _FP8LinearFn.apply(x.reshape(-1, self.in_features).to(dtype), self.weight, self,
+                                   dtype)
+            if self.bias is not None:
+                y = y + self.bias.to(dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        fast = ",".join(sorted(self.fast_accum)) or "none"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, recipe={self.recipe_name}, gemm={self.gemm}, "
+                f"fast_accum={fast}")

@@ -1,0 +1,89 @@
+"""FP8Linear (emulated GEMMs) against FP32 oracles built on torchao's quantization functions;
+the FP8 recipes converting dense layers in ``apply_mxfp8``."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from moe_mxfp8 import FP8Linear, MXFP8Config, apply_mxfp8, refresh_weight_caches
+from torch import nn
+
+pytest.importorskip("torchao.float8.float8_utils")
+sys.path.insert(0, str(Path(__file__).parent))
+from test_fp8_experts import TIGHT, ToyExperts, act_1x128, rowwise, weight_128x128  # noqa: E402
+
+
+def oracle(recipe: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor):
+    """``y``, ``dx``, ``dw`` from FP32 products of operands quantized by torchao's functions."""
+    wb = w.detach().bfloat16()  # the cache quantizes the BF16 weight
+    if recipe.startswith("fp8_rowwise"):
+        act, w_fwd, w_bwd = rowwise, rowwise(wb, -1), rowwise(wb, 0)
+    else:
+        act = act_1x128
+        w_fwd = w_bwd = weight_128x128(wb[None])[0]  # the transpose's blocks are the same
+    y = act(x) @ w_fwd.T
+    dx = act(dy) @ w_bwd
+    if recipe == "fp8_rowwise":  # per column, along the rows
+        dw = rowwise(dy, 0).T @ rowwise(x, 0)
+    else:  # in the compute dtype
+        dw = dy.T @ x
+    return y, dx, dw
+
+
+CASES = {"fp8_rowwise": (48, 40), "fp8_rowwise_gw_hp": (48, 40), "fp8_blockwise": (256, 128)}
+
+
+@pytest.mark.parametrize("recipe", list(CASES))
+def test_linear_matches_torchao_oracle(recipe):
+    n_in, n_out = CASES[recipe]
+    g = torch.Generator().manual_seed(2)
+    linear = nn.Linear(n_in, n_out)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n_out, n_in, generator=g) * 0.2)
+    layer = FP8Linear.from_module(linear, recipe)
+    x = (torch.randn(3, 7, n_in, generator=g) * 3).requires_grad_()  # leading dims flatten
+    dy = torch.randn(3, 7, n_out, generator=g)
+    y = layer(x)
+    y.backward(dy)
+    ref_y, ref_dx, ref_dw = oracle(recipe, x.detach().reshape(21, n_in), linear.weight,
+                                   dy.reshape(21, n_out))
+    torch.testing.assert_close(y, (ref_y + linear.bias.detach()).view(3, 7, n_out), **TIGHT)
+    torch.testing.assert_close(x.grad, ref_dx.view(3, 7, n_in), **TIGHT)
+    torch.testing.assert_close(linear.weight.grad, ref_dw, **TIGHT)
+    torch.testing.assert_close(linear.bias.grad, dy.sum((0, 1)), **TIGHT)
+    # the oracle is not the unquantized product: FP8 is seen
+    assert not torch.allclose(y, linear(x.detach()), rtol=1e-4, atol=1e-4)
+
+
+def test_recipes_convert_linear_layers_and_experts_and_refresh_their_caches():
+    model = nn.ModuleDict({"experts": ToyExperts(3, 64, 32), "proj": nn.Linear(64, 64, bias=False)})
+    params = list(model.parameters())
+    replaced = apply_mxfp8(model, MXFP8Config(targets=("experts", "proj"), recipe="fp8_rowwise_gw_hp"))
+    assert replaced == ["experts", "proj"] and isinstance(model["proj"], FP8Linear)
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+    assert "recipe=fp8_rowwise_gw_hp" in repr(model["proj"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rows, offsets = torch.randn(40, 64), torch.tensor([10, 25, 40], dtype=torch.int32)
+    model["proj"](model["experts"](rows, offsets)).square().sum().backward()
+    assert model["proj"].weight.grad is not None and model["experts"].w1.grad is not None
+    opt.step()
+    with pytest.raises(RuntimeError, match="refresh_weight_cache"):
+        model["proj"](rows)
+    assert refresh_weight_caches(model) == 2
+    fresh = FP8Linear(model["proj"].weight, recipe="fp8_rowwise_gw_hp")
+    assert torch.equal(model["proj"](rows), fresh(rows))
+
+
+def test_bad_construction_is_refused_naming_the_field():
+    w = nn.Parameter(torch.randn(40, 24))
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        FP8Linear(w, recipe="mxfp8")
+    with pytest.raises(ValueError, match="no native FP8 GEMM"):
+        FP8Linear(w, recipe="fp8_blockwise", gemm="native")
+    with pytest.raises(ValueError, match="divisible by 16"):
+        FP8Linear(w, gemm="native")
+    with pytest.raises(ValueError, match="drop grad_weight"):
+        FP8Linear(w, recipe="fp8_rowwise_gw_hp", fast_accum=("grad_weight",))
+    with pytest.raises(ValueError, match=r"inputs \[\.\.\., 24\]"):
+        FP8Linear(w)(torch.randn(3, 40))
