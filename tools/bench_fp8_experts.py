@@ -218,19 +218,16 @@ def bench_gemms(args) -> dict:
 
 # Launch shapes per kernel kind of moe_mxfp8._fp8_kernels (its _TILES): BlockTile(elements,
 # warps[, groups[, chunk_rows]]) for the block kinds (groups: scale blocks side by side per
-# program; chunk_rows: 128x128 blocks in two passes of that many rows), for 128x128 blocks
-# also ("tma", warps, stages[, programs_per_sm]): TMABlockTile, the persistent kernel,
-# ColumnTile(slots, cols, warps) for the per-expert columns.
+# program; chunk_rows: 128x128 blocks in two passes of that many rows),
+# ColumnTile(rows, cols, warps) for the per-expert columns.
 TILE_CANDIDATES = {
     "rows": [(2048, 2), (4096, 4), (1024, 2), (2048, 1), (4096, 2), (8192, 4)],
     "tiles": [(1024, 1, 8), (2048, 2, 16), (4096, 4), (2048, 1, 16), (4096, 2, 16), (2048, 2, 8),
               (512, 1, 4), (1024, 1, 4), (1024, 2, 8), (2048, 1, 8)],
-    "blocks": [(16384, 4, 1, 32), (16384, 8), (16384, 16, 2), (16384, 4), (16384, 8, 1, 32),
-               (16384, 8, 1, 64), (16384, 4, 1, 64), (16384, 2, 1, 16), (16384, 8, 4, 16),
-               ("tma", 8, 3), ("tma", 8, 2), ("tma", 8, 4), ("tma", 16, 3), ("tma", 4, 3, 2),
-               ("tma", 4, 2, 2), ("tma", 8, 2, 2)],
-    "group_columns": [(128, 64, 4), (128, 64, 8), (64, 64, 4), (64, 128, 4), (128, 128, 8),
-                      (256, 64, 8), (128, 32, 4), (256, 128, 8)],
+    "blocks": [(16384, 8, 1, 64), (16384, 4, 1, 32), (16384, 8, 1, 32), (16384, 4, 1, 64),
+               (16384, 16, 1, 64), (16384, 8, 1, 128), (16384, 16, 2), (16384, 4),
+               (16384, 8, 2, 64)],
+    "group_columns": [(128, 64, 8), (64, 64, 4), (64, 128, 4), (32, 64, 4), (128, 128, 8)],
 }
 # moe_mxfp8._fp8_codec_kernels._TILES: RowTile(elements, warps).
 CODEC_TILE_CANDIDATES = {
@@ -296,13 +293,9 @@ def sweep_tiles(args) -> dict:
                         else fn(full))
 
             for cand in candidates:
-                if cand[0] == "tma":
-                    tile = _fp8_kernels.TMABlockTile(*cand[1:])
-                else:
-                    tile_cls = (_fp8_codec_kernels.RowTile if module is _fp8_codec_kernels
-                                else _fp8_kernels.ColumnTile if kind == "group_columns"
-                                else _fp8_kernels.BlockTile)
-                    tile = tile_cls(*cand)
+                tile_cls = (_fp8_codec_kernels.RowTile if module is _fp8_codec_kernels
+                            else _fp8_kernels.ColumnTile if kind == "group_columns" else _fp8_kernels.BlockTile)
+                tile = tile_cls(*cand)
                 entry = {"tile": list(cand), "default": tile == default[kind]}
                 module._TILES[kind] = tile  # what the launchers read at every call
                 try:
@@ -342,6 +335,7 @@ def bench_kernels(args) -> dict:
     n, nw = x.numel(), w.numel()
     out = torch.empty_like(x)
     packed = encode_fp8_rows(x)
+    wide = torch.randn(8192, 100352, device="cuda", dtype=torch.bfloat16)
     cases = {
         "device copy (ceiling)": (lambda: out.copy_(x), 4 * n),
         "rowwise rows [R, D]": (lambda: quantize_fp8(x, (1, 0), True), 3 * n + 4 * rows_n),
@@ -349,6 +343,9 @@ def bench_kernels(args) -> dict:
         "per-expert columns, transposed [R, D]": (
             lambda: quantize_group_columns(x, offsets, True), 3 * n + 4 * args.experts * args.d_model),
         "rowwise weight [E, 2F, D]": (lambda: quantize_fp8(w, (1, 0), True), 3 * nw),
+        # an LM head's output gradient: rows of the vocabulary, walked in chunks
+        "rowwise rows [8192, 100352]": (lambda: quantize_fp8(wide, (1, 0), True),
+                                        3 * wide.numel() + 4 * wide.shape[0]),
         "128x128 weight [E, 2F, D]": (lambda: quantize_fp8(w, (128, 128), False), 3 * nw),
         # the row codec: BF16 rows <-> packed uint8 [R, D + 4], the kernel and the reference
         "row codec encode [R, D]": (lambda: encode_fp8_rows(x), 3 * n + 4 * rows_n),

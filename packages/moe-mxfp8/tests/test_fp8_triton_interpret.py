@@ -31,7 +31,7 @@ def _case_names() -> list[str]:
             names += [f"quantize/{name}/{dname}/pow2={p}" for p in (True, False)]
     for dname in ("f32", "bf16", "f16"):
         names += [f"group_columns/{dname}/pow2={p}" for p in (True, False)]
-    names += ["group_columns/many_experts", "blocks_tma"]
+    names += ["group_columns/many_experts", "wide_rows"]
     names += [f"codec/{way}/{dname}" for dname in ("f32", "bf16", "f16") for way in ("encode", "decode")]
     return names + ["small_tiles"] + [f"{k}/{d}" for k in ("swiglu", "swiglu_quantized")
                                       for d in ("f32", "bf16")]

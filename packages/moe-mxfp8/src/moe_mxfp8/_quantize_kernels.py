@@ -99,12 +99,7 @@ def _load_abs_sign(ptr, mask, IS_BF16: tl.constexpr):
 
     BF16 arrives as int16 bits and widens by a shift (exact, denormals too).
     """
-    return _abs_sign(tl.load(ptr, mask=mask, other=0), IS_BF16)
-
-
-@triton.jit
-def _abs_sign(raw, IS_BF16: tl.constexpr):
-    """``_load_abs_sign`` of values already loaded (BF16 as int16 bits)."""
+    raw = tl.load(ptr, mask=mask, other=0)
     if IS_BF16:
         w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
         abs_bits = (w << 16) & 0x7FFFFFFF
