@@ -427,7 +427,7 @@ def test_native_path_arguments_against_a_stand_in_gemm(recipe, fast_accum, monke
     ``use_fast_accum`` says, as the emulation)."""
     import functools
 
-    import moe_mxfp8.fp8_experts as fp8_experts
+    import moe_mxfp8.fp8_gemm as fp8_gemm
 
     experts = ToyExperts(5, 64, 48)
     for p in experts.parameters():
@@ -436,7 +436,7 @@ def test_native_path_arguments_against_a_stand_in_gemm(recipe, fast_accum, monke
     calls: list[tuple[str, bool]] = []
     monkeypatch.setattr(torch, "_scaled_grouped_mm",
                         functools.partial(stand_in_scaled_grouped_mm, calls=calls), raising=False)
-    monkeypatch.setattr(fp8_experts, "fp8_native_available", lambda device: True)
+    monkeypatch.setattr(fp8_gemm, "fp8_native_available", lambda device: True)
     native = FP8GroupedExperts.from_module(
         experts, recipe, gemm="native", **({} if fast_accum is None else {"fast_accum": fast_accum}))
     offsets = torch.tensor([7, 7, 30, 31, 50], dtype=torch.int32)  # uneven, an empty expert

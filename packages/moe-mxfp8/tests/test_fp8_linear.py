@@ -87,3 +87,22 @@ def test_bad_construction_is_refused_naming_the_field():
         FP8Linear(w, recipe="fp8_rowwise_gw_hp", fast_accum=("grad_weight",))
     with pytest.raises(ValueError, match=r"inputs \[\.\.\., 24\]"):
         FP8Linear(w)(torch.randn(3, 40))
+
+
+def test_native_linear_on_torch_scaled_mm_matches_the_emulation(monkeypatch):
+    """``gemm="native"`` runs ``torch._scaled_mm`` (on CPU here, the GPU check being
+    ``test_fp8_gpu.py``): the reciprocal scales in the shapes it takes, the cache's
+    transposed copy for the input gradient; equal to the emulation to the BF16 rounding."""
+    import moe_mxfp8.fp8_gemm as fp8_gemm
+
+    monkeypatch.setattr(fp8_gemm, "fp8_native_available", lambda device: True)
+    g = torch.Generator().manual_seed(5)
+    weight = nn.Parameter((torch.randn(48, 64, generator=g) * 0.2).bfloat16())
+    x = torch.randn(37, 64, generator=g).bfloat16().requires_grad_()
+    dy = torch.randn(37, 48, generator=g).bfloat16()
+    outs = []
+    for gemm in ("native", "emulated"):
+        y = FP8Linear(weight, recipe="fp8_rowwise_gw_hp", gemm=gemm)(x)
+        outs.append((y, *torch.autograd.grad(y, [x, weight], dy)))
+    for got, want in zip(*outs, strict=True):
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)

@@ -77,11 +77,10 @@ from moe_mxfp8.fp8_gemm import (
     FAST_ACCUM_DEFAULT,
     FP8_GEMM_ROLES,
     FP8_GEMMS,
+    check_gemm_runs,
     check_native_widths,
     fp8_grouped_mm,
     fp8_grouped_wgrad,
-    fp8_native_available,
-    fp8_triton_available,
 )
 from moe_mxfp8.gemm import compute_dtype, grouped_weight_grad
 from moe_mxfp8.swiglu import (
@@ -304,16 +303,7 @@ class FP8GroupedExperts(nn.Module):
     def forward(self, rows_RD: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
         check_expert_rows(self, rows_RD, group_offsets)
         dtype = compute_dtype(rows_RD)
-        if self.gemm == "triton" and not fp8_triton_available(rows_RD.device):
-            raise RuntimeError(f"{type(self).__name__}: gemm='triton' needs Triton and a CUDA device of "
-                               f"compute capability 8.9 or up (or CPU tensors under TRITON_INTERPRET=1); "
-                               f"rows are on {rows_RD.device}")
-        if self.gemm == "native":
-            if not fp8_native_available(rows_RD.device):
-                raise RuntimeError(f"{type(self).__name__}: gemm='native' needs a CUDA device of compute "
-                                   f"capability 9.x; rows are on {rows_RD.device}")
-            if dtype != torch.bfloat16:
-                raise ValueError(f"{type(self).__name__}: gemm='native' computes in BF16, got {dtype} rows")
+        check_gemm_runs(type(self).__name__, self.gemm, rows_RD, dtype)
         routes = tuple(_sink_route(self.grad_sink, w) for w in (self.w1, self.w3, self.w2))
         with torch.autocast(rows_RD.device.type, enabled=False):
             return _FP8ExpertsFn.apply(rows_RD.to(dtype), group_offsets, self.w1, self.w3,

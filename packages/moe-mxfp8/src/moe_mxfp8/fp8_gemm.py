@@ -69,6 +69,20 @@ def fp8_native_available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
+def check_gemm_runs(owner: str, gemm: str, x: torch.Tensor, dtype: torch.dtype) -> None:
+    """Raise, naming ``owner``, where ``gemm`` cannot run on ``x``'s device in ``dtype``."""
+    if gemm == "triton" and not fp8_triton_available(x.device):
+        raise RuntimeError(f"{owner}: gemm='triton' needs Triton and a CUDA device of compute "
+                           f"capability 8.9 or up (or CPU tensors under TRITON_INTERPRET=1); the "
+                           f"input is on {x.device}")
+    if gemm == "native":
+        if not fp8_native_available(x.device):
+            raise RuntimeError(f"{owner}: gemm='native' needs a CUDA device of compute capability "
+                               f"9.x; the input is on {x.device}")
+        if dtype != torch.bfloat16:
+            raise ValueError(f"{owner}: gemm='native' computes in BF16, got {dtype} inputs")
+
+
 def check_native_widths(*widths: int) -> None:
     bad = [w for w in widths if w % 16]
     if bad:

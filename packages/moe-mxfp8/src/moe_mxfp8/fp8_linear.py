@@ -33,11 +33,10 @@ from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8WeightCache, check_fast_accum
 from moe_mxfp8.fp8_gemm import (
     FAST_ACCUM_DEFAULT,
     FP8_GEMMS,
+    check_gemm_runs,
     check_native_widths,
     fp8_grouped_mm,
     fp8_grouped_wgrad,
-    fp8_native_available,
-    fp8_triton_available,
 )
 from moe_mxfp8.gemm import compute_dtype
 
@@ -133,16 +132,7 @@ class FP8Linear(nn.Module):
             raise ValueError(f"FP8Linear expects inputs [..., {self.in_features}], got {tuple(x.shape)}")
         self.weight_cache.check_fresh(type(self).__name__, (self.weight,))
         dtype = compute_dtype(x)
-        if self.gemm == "triton" and not fp8_triton_available(x.device):
-            raise RuntimeError(f"FP8Linear: gemm='triton' needs Triton and a CUDA device of compute "
-                               f"capability 8.9 or up (or CPU tensors under TRITON_INTERPRET=1); "
-                               f"the input is on {x.device}")
-        if self.gemm == "native":
-            if not fp8_native_available(x.device):
-                raise RuntimeError(f"FP8Linear: gemm='native' needs a CUDA device of compute "
-                                   f"capability 9.x; the input is on {x.device}")
-            if dtype != torch.bfloat16:
-                raise ValueError(f"FP8Linear: gemm='native' computes in BF16, got {dtype} inputs")
+        check_gemm_runs(type(self).__name__, self.gemm, x, dtype)
         with torch.autocast(x.device.type, enabled=False):
             y = _FP8LinearFn.apply(x.reshape(-1, self.in_features).to(dtype), self.weight, self,
                                    dtype)
