@@ -101,7 +101,7 @@ def test_fp8_convergence_refuses_to_repeat_its_training_data(tmp_path):
     assert not root.exists()
 
 
-def test_fast_accum_applies_to_the_fp8_recipes_only(tmp_path):
+def test_fast_accum_and_targets_apply_to_the_low_precision_recipes_only(tmp_path):
     """``--fast-accum`` sets ``mxfp8.fp8_fast_accum`` of the FP8 recipes; the BF16 reference
     (no low-precision layers) keeps the defaults, which would refuse the key."""
     bench = load_script(TOOL)
@@ -115,3 +115,9 @@ def test_fast_accum_applies_to_the_fp8_recipes_only(tmp_path):
     plain = bench.parse_args(["--config", "tiny", "--device", "cpu", "--run-root", str(tmp_path)])
     assert "fp8_fast_accum" not in " ".join(bench.recipe_overrides("fp8_rowwise", "native",
                                                                      plain.fast_accum))
+    assert tuple(fp8.mxfp8.targets) == ("experts",)
+    dense = bench.parse_args(["--config", "tiny", "--device", "cpu", "--run-root", str(tmp_path),
+                              "--targets", "experts", "attn.w?", "head"])
+    cfg = bench.recipe_config(dense, "fp8_rowwise_gw_hp", "synthetic", None, None)
+    assert tuple(cfg.mxfp8.targets) == ("experts", "attn.w?", "head")
+    assert not bench.recipe_config(dense, "bf16", "synthetic", None, None).mxfp8.targets

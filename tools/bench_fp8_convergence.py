@@ -11,10 +11,10 @@
         --steps 8 --run-root runs/conv_cpu --out conv.json
 
 Every recipe trains the same model from the same seed on the same data in the same
-order through the app's own ``pretrain.train.train``; only the routed experts' GEMMs
-differ: ``bf16`` is the plain model (no ``mxfp8.targets``; on a CPU it computes in
-FP32), every other recipe is ``mxfp8.targets=experts mxfp8.recipe=<recipe>
-mxfp8.gemm=<--gemm>``. Each recipe's run directory is ``<run-root>/<recipe>``; its
+order through the app's own ``pretrain.train.train``; only the GEMMs of the routed
+experts (and of the layers ``--targets`` adds) differ: ``bf16`` is the plain model (no
+``mxfp8.targets``; on a CPU it computes in FP32), every other recipe is
+``mxfp8.targets=[<--targets>] mxfp8.recipe=<recipe> mxfp8.gemm=<--gemm>``. Each recipe's run directory is ``<run-root>/<recipe>``; its
 ``metrics.jsonl`` holds the curves the report reads.
 
 The default config, ``fp8-conv-450m``, is ``bench-1gpu``'s shapes (d_model 2048, 16
@@ -117,6 +117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="mxfp8.fp8_fast_accum of the FP8 recipes: the GEMM roles (output, "
                         "grad_input, grad_weight) run with fast accumulation (default: the "
                         "package's, output)")
+    p.add_argument("--targets", nargs="+", default=["experts"], metavar="GLOB",
+                   help="mxfp8.targets of the low-precision recipes (default: experts; e.g. "
+                        "experts attn.w? head for the dense layers too)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--config", default=DEFAULT_CONFIG,
                    help=f"a named config ({', '.join(CONFIGS)}), a preset or a TOML file")
@@ -228,10 +231,11 @@ def resolve_data(a: argparse.Namespace) -> tuple[str, str | None, dict[str, Any]
 
 # -- configs ---------------------------------------------------------------------------
 
-def recipe_overrides(recipe: str, gemm: str, fast_accum: list[str] | None = None) -> list[str]:
+def recipe_overrides(recipe: str, gemm: str, fast_accum: list[str] | None = None,
+                     targets: tuple[str, ...] = ("experts",)) -> list[str]:
     if recipe == BASELINE:
         return ["mxfp8.targets=[]"]
-    keys = ["mxfp8.targets=experts", f"mxfp8.recipe={recipe}", f"mxfp8.gemm={gemm}"]
+    keys = [f"mxfp8.targets=[{','.join(targets)}]", f"mxfp8.recipe={recipe}", f"mxfp8.gemm={gemm}"]
     if fast_accum is not None and recipe != "mxfp8":
         keys.append(f"mxfp8.fp8_fast_accum=[{','.join(fast_accum)}]")
     return keys
@@ -255,7 +259,7 @@ def recipe_config(a: argparse.Namespace, recipe: str, data: str, val: str | None
         # emulated FP8 GEMMs read the expert offsets on the host; every recipe runs alike
         run.append("train.cuda_graphs=false")
     cfg = load_config(preset, [*named, *run, *a.overrides,
-                                      *recipe_overrides(recipe, a.gemm, a.fast_accum)])
+                                      *recipe_overrides(recipe, a.gemm, a.fast_accum, a.targets)])
     if "model.vocab_size" not in user_keys:  # the data's, as a run without a preset takes it
         cfg.key_sources.pop("model.vocab_size", None)
         resolve_vocab_size(cfg)
@@ -446,7 +450,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 torch.cuda.empty_cache()
             reached = steps_done(a.run_root / plan.recipe)
             stopped = reached < plan.target  # stopped by a signal: leave the rest for --resume
-        keys = recipe_overrides(plan.recipe, a.gemm, a.fast_accum)
+        keys = recipe_overrides(plan.recipe, a.gemm, a.fast_accum, a.targets)
         report["recipes"][plan.recipe] = {"overrides": keys,
                                           "run_dir": str(a.run_root / plan.recipe),
                                           **curves(a.run_root / plan.recipe)}
