@@ -240,7 +240,9 @@ _TILES: dict[str, BlockTile | ColumnTile] = {
 
 # Rowwise scales of rows wider than this many elements (an LM head's output gradient: the
 # vocabulary) walk each row twice in chunks of WIDE_ROWS.elements, one row per program,
-# instead of holding it whole in registers (a 131072-wide row took minutes to compile).
+# instead of holding it whole in registers (a bench-1gpu step with the head in FP8, whose
+# 100352-wide rows took 131072 elements per program, did not finish in two minutes). The
+# chunk and its warps are not tuned yet.
 ROW_WIDTH_MAX = 16384
 WIDE_ROWS = BlockTile(4096, 4)
 

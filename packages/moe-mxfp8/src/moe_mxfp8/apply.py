@@ -3,8 +3,9 @@
 Structural: with ``recipe="mxfp8"`` an ``nn.Linear`` becomes ``MXFP8Linear`` and any
 module with parameters ``w1``, ``w3``, ``w2`` (grouped experts) ``MXFP8GroupedExperts``;
 with an FP8 recipe (``fp8_rowwise``, ``fp8_rowwise_gw_hp``, ``fp8_blockwise``) they become
-``FP8Linear`` and ``FP8GroupedExperts``. The new modules hold the same ``nn.Parameter`` objects under the same
-names, so parameter names, optimizer state, gradient buckets and checkpoints are untouched.
+``FP8Linear`` and ``FP8GroupedExperts``. The new modules hold the same ``nn.Parameter``
+objects under the same names, so parameter names, optimizer state, gradient buckets and
+checkpoints are untouched.
 
 Order in a training setup: build, initialise and partition the model (expert
 narrowing replaces parameters), ``apply_mxfp8``, wrap for data parallelism, build
@@ -117,8 +118,8 @@ def apply_mxfp8(model: nn.Module, config: MXFP8Config | None = None) -> list[str
                if fqn and not isinstance(module, _CONVERTED)
                and any(name_matches(fqn, t) for t in config.targets)]
     replaced = []
+    fp8_args = (config.recipe, config.gemm, tuple(config.fp8_fast_accum))
     for fqn, module in matched:
-        fp8_args = (config.recipe, config.gemm, tuple(config.fp8_fast_accum))
         if config.recipe != "mxfp8" and isinstance(module, nn.Linear):
             new: nn.Module = FP8Linear.from_module(module, *fp8_args)
         elif config.recipe != "mxfp8":
