@@ -23,7 +23,7 @@ import os
 import torch
 from moe_model import ModelWiring, wire_model
 from moe_model import wiring as model_wiring
-from moe_mxfp8 import FP8_RECIPES, FP8GroupedExperts, fp8_experts, fp8_gemm, gemm
+from moe_mxfp8 import FP8_RECIPES, FP8GroupedExperts, fp8_gemm, gemm
 from moe_mxfp8 import _triton_support as triton_support
 from pretrain.planner.measure import LiveBytes
 
@@ -89,8 +89,8 @@ def main() -> None:
     torch.manual_seed(0)
     triton_support.fused_kernels_enabled = lambda device: True  # the kernels, as on CUDA
     model_wiring.fused_kernels_enabled = lambda device: True  # moe_model's, too
-    fp8_experts.fp8_native_available = lambda device: True
-    fp8_experts.fp8_triton_available = lambda device: True
+    fp8_gemm.fp8_native_available = lambda device: True  # the layers check through fp8_gemm
+    fp8_gemm.fp8_triton_available = lambda device: True
     fp8_gemm.triton_grouped_mm = _triton_grouped_mm
     gemm._fits_grouped_mm = lambda a, b: True
     torch._scaled_grouped_mm = _scaled_grouped_mm
