@@ -123,6 +123,19 @@ def check_fast_accum(fast_accum: tuple[str, ...], recipe: str, name: str) -> fro
     return frozenset(fast_accum)
 
 
+def check_layer_choices(recipe: str, gemm: str, fast_accum: tuple[str, ...]) -> frozenset[str]:
+    """A layer's ``recipe``, ``gemm`` and ``fast_accum`` (``check_fast_accum``'s set);
+    raises naming the argument that is wrong."""
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"recipe must be one of {tuple(FP8_RECIPES)}, got {recipe!r}")
+    if gemm not in FP8_GEMMS:
+        raise ValueError(f"gemm must be one of {FP8_GEMMS}, got {gemm!r}")
+    if gemm == "native" and not FP8_RECIPES[recipe].native:
+        raise ValueError(f"recipe {recipe} has no native FP8 GEMM; use gemm='triton' "
+                         "or 'emulated'")
+    return check_fast_accum(fast_accum, recipe, "fast_accum")
+
+
 class FP8WeightCache(WeightCache):
     """``rows``: the weight ``[..., out, in]`` scaled along ``in``; ``cols``: its transpose
     ``[..., in, out]`` (contiguous) scaled along ``out``, the input-gradient GEMM's operand."""
@@ -259,14 +272,7 @@ class FP8GroupedExperts(nn.Module):
                  recipe: str = "fp8_rowwise", gemm: str = "emulated",
                  fast_accum: tuple[str, ...] = FAST_ACCUM_DEFAULT) -> None:
         super().__init__()
-        if recipe not in FP8_RECIPES:
-            raise ValueError(f"recipe must be one of {tuple(FP8_RECIPES)}, got {recipe!r}")
-        if gemm not in FP8_GEMMS:
-            raise ValueError(f"gemm must be one of {FP8_GEMMS}, got {gemm!r}")
-        if gemm == "native" and not FP8_RECIPES[recipe].native:
-            raise ValueError(f"recipe {recipe} has no native grouped GEMM; use gemm='triton' "
-                             "or 'emulated'")
-        self.fast_accum = check_fast_accum(fast_accum, recipe, "fast_accum")
+        self.fast_accum = check_layer_choices(recipe, gemm, fast_accum)
         if w1.dim() != 3 or w1.shape != w3.shape:
             raise ValueError(
                 f"w1 and w3 must both be [E, F, D], got {tuple(w1.shape)} and {tuple(w3.shape)}"

@@ -29,10 +29,9 @@ import torch
 from torch import nn
 
 from moe_mxfp8.fp8 import FP8Tensor, quantize_fp8
-from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8WeightCache, check_fast_accum
+from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8WeightCache, check_layer_choices
 from moe_mxfp8.fp8_gemm import (
     FAST_ACCUM_DEFAULT,
-    FP8_GEMMS,
     check_gemm_runs,
     check_native_widths,
     fp8_grouped_mm,
@@ -46,13 +45,14 @@ def _one_group(t: FP8Tensor) -> FP8Tensor:
     return FP8Tensor(t.data.unsqueeze(0), t.scale.unsqueeze(0), t.block)
 
 
-def _mm(a: FP8Tensor, b: FP8Tensor, gemm: str, dtype: torch.dtype, fast: bool) -> torch.Tensor:
-    """``a [M, K] @ b^T`` for ``b [N, K]``, both scaled along K."""
+def _mm(a: FP8Tensor, b: FP8Tensor, rows: torch.Tensor, gemm: str, dtype: torch.dtype,
+        fast: bool) -> torch.Tensor:
+    """``a [M, K] @ b^T`` for ``b [N, K]``, both scaled along K; ``rows``: ``[M]``, the one
+    group's end, for the grouped GEMMs."""
     if gemm == "native":
         return torch._scaled_mm(a.data, b.data.t(), a.scale.reciprocal(),
                                 b.scale.reciprocal().view(1, -1), out_dtype=dtype,
                                 use_fast_accum=fast)
-    rows = torch.full((1,), a.data.shape[0], dtype=torch.int32, device=a.data.device)
     return fp8_grouped_mm(a, _one_group(b), rows, dtype, gemm, fast)
 
 
@@ -61,9 +61,11 @@ class _FP8LinearFn(torch.autograd.Function):
     def forward(ctx: Any, x_MK: torch.Tensor, weight: torch.Tensor, layer: FP8Linear,
                 dtype: torch.dtype) -> torch.Tensor:
         r = layer.recipe
+        rows = torch.full((1,), x_MK.shape[0], dtype=torch.int32, device=x_MK.device)
         x_q = quantize_fp8(x_MK, r.act_block, r.pow2)
-        y_MN = _mm(x_q, layer.weight_cache.rows, layer.gemm, dtype, "output" in layer.fast_accum)
-        ctx.save_for_backward(x_MK)
+        y_MN = _mm(x_q, layer.weight_cache.rows, rows, layer.gemm, dtype,
+                   "output" in layer.fast_accum)
+        ctx.save_for_backward(x_MK, rows)
         # The backward uses the weight copy this forward saw, whatever happens in between.
         ctx.layer, ctx.dtype, ctx.w_cols = layer, dtype, layer.weight_cache.cols
         return y_MN
@@ -72,15 +74,14 @@ class _FP8LinearFn(torch.autograd.Function):
     def backward(ctx: Any, dy_MN: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         layer, dtype = ctx.layer, ctx.dtype
         r, fast = layer.recipe, layer.fast_accum
-        (x_MK,) = ctx.saved_tensors
+        x_MK, rows = ctx.saved_tensors
         dy_MN = dy_MN.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dy_q = quantize_fp8(dy_MN, r.act_block, r.pow2)
-            dx = _mm(dy_q, ctx.w_cols, layer.gemm, dtype, "grad_input" in fast)
+            dx = _mm(dy_q, ctx.w_cols, rows, layer.gemm, dtype, "grad_input" in fast)
         if ctx.needs_input_grad[1]:
             if r.fp8_wgrad:
-                rows = torch.full((1,), x_MK.shape[0], dtype=torch.int32, device=x_MK.device)
                 dw = fp8_grouped_wgrad(dy_MN, x_MK, rows, r.pow2, dtype, layer.gemm,
                                        "grad_weight" in fast)[0]
             else:
@@ -99,16 +100,9 @@ class FP8Linear(nn.Module):
         super().__init__()
         if weight.dim() != 2:
             raise ValueError(f"FP8Linear weight must be 2-D [out, in], got {tuple(weight.shape)}")
-        if recipe not in FP8_RECIPES:
-            raise ValueError(f"recipe must be one of {tuple(FP8_RECIPES)}, got {recipe!r}")
-        if gemm not in FP8_GEMMS:
-            raise ValueError(f"gemm must be one of {FP8_GEMMS}, got {gemm!r}")
+        self.fast_accum = check_layer_choices(recipe, gemm, fast_accum)
         if gemm == "native":
-            if not FP8_RECIPES[recipe].native:
-                raise ValueError(f"recipe {recipe} has no native FP8 GEMM; use gemm='triton' "
-                                 "or 'emulated'")
             check_native_widths(*weight.shape)
-        self.fast_accum = check_fast_accum(fast_accum, recipe, "fast_accum")
         self.out_features, self.in_features = weight.shape
         self.weight, self.bias = weight, bias
         self.recipe_name, self.recipe, self.gemm = recipe, FP8_RECIPES[recipe], gemm
