@@ -219,7 +219,7 @@ def bench_gemms(args) -> dict:
 # Launch shapes per kernel kind of moe_mxfp8._fp8_kernels (its _TILES): BlockTile(elements,
 # warps[, groups[, chunk_rows]]) for the block kinds (groups: scale blocks side by side per
 # program; chunk_rows: 128x128 blocks in two passes of that many rows),
-# ColumnTile(rows, cols, warps) for the per-expert columns.
+# ColumnTile(rows, cols, warps[, pack[, reverse]]) for the per-expert columns.
 TILE_CANDIDATES = {
     "rows": [(2048, 2), (4096, 4), (1024, 2), (2048, 1), (4096, 2), (8192, 4)],
     "tiles": [(1024, 1, 8), (2048, 2, 16), (4096, 4), (2048, 1, 16), (4096, 2, 16), (2048, 2, 8),
@@ -227,7 +227,9 @@ TILE_CANDIDATES = {
     "blocks": [(16384, 8, 1, 64), (16384, 4, 1, 32), (16384, 8, 1, 32), (16384, 4, 1, 64),
                (16384, 16, 1, 64), (16384, 8, 1, 128), (16384, 16, 2), (16384, 4),
                (16384, 8, 2, 64)],
-    "group_columns": [(128, 64, 8), (64, 64, 4), (64, 128, 4), (32, 64, 4), (128, 128, 8)],
+    "group_columns": [(128, 64, 8), (128, 64, 8, 1, True), (128, 64, 8, 4), (128, 64, 8, 4, True),
+                      (64, 64, 4, 4), (256, 64, 8, 4), (128, 128, 8, 4), (64, 128, 4, 4, True),
+                      (256, 32, 4, 4, True)],
 }
 # moe_mxfp8._fp8_codec_kernels._TILES: RowTile(elements, warps).
 CODEC_TILE_CANDIDATES = {

@@ -165,10 +165,20 @@ def _quantize_square_in_chunks(x_ptr, sx_m, d_ptr, sd_m, s_ptr, pid_m, pid_n, M,
 
 
 @triton.jit
+def _encode_column_rows(x_ptr, sx_m, slots, p_start, start, end, cols, col_ok, scale,
+                        IN_BF16: tl.constexpr):
+    """E4M3 bytes (uint32) of the rows at ``slots`` of a strip, zero in the padding."""
+    rows = start + slots - p_start
+    mask = (rows < end)[:, None] & col_ok[None, :]
+    abs_bits, sign = _load_abs_sign(x_ptr + rows[:, None] * sx_m + cols[None, :], mask, IN_BF16)
+    return tl.where(mask, _encode(abs_bits, sign, scale[None, :]), 0).to(tl.uint32)
+
+
+@triton.jit
 def _group_columns_kernel(
     x_ptr, sx_m, offs_ptr, pends_ptr, d_ptr, sd_n, s_ptr, N,
-    BR: tl.constexpr, BN: tl.constexpr, POW2: tl.constexpr, IN_BF16: tl.constexpr,
-    EPS_BITS: tl.constexpr, SCALE_AT_EPS: tl.constexpr,
+    BR: tl.constexpr, BN: tl.constexpr, PACK: tl.constexpr, REVERSE: tl.constexpr,
+    POW2: tl.constexpr, IN_BF16: tl.constexpr, EPS_BITS: tl.constexpr, SCALE_AT_EPS: tl.constexpr,
 ):
     pid_n, e = tl.program_id(0), tl.program_id(1)
     start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
@@ -185,14 +195,29 @@ def _group_columns_kernel(
         amax = tl.maximum(amax, tl.max(abs_bits, axis=0))
     scale = _scale(amax, POW2, EPS_BITS, SCALE_AT_EPS)
     tl.store(s_ptr + e.to(tl.int64) * N + cols, scale, mask=col_ok)
-    for p0 in range(p_start, p_end, BR):
-        slots = (p0 + tl.arange(0, BR)).to(tl.int64)
-        rows = start + slots - p_start
-        mask = (rows < end)[:, None] & col_ok[None, :]
-        abs_bits, sign = _load_abs_sign(x_ptr + rows[:, None] * sx_m + cols[None, :], mask, IN_BF16)
-        q = tl.where(mask, _encode(abs_bits, sign, scale[None, :]), 0)  # padding: zero
-        ptrs = d_ptr + cols.to(tl.int64)[:, None] * sd_n + slots[None, :]
-        tl.store(ptrs, tl.trans(q), mask=col_ok[:, None] & (slots < p_end)[None, :])
+    # The encoding pass; REVERSE walks the tiles last first, so it starts on the rows the
+    # amax pass read last (the likeliest still in L2).
+    n_tiles = tl.cdiv(p_end - p_start, BR)
+    for t in range(0, n_tiles):
+        p0 = p_start + (n_tiles - 1 - t if REVERSE else t) * BR
+        if PACK == 1:
+            slots = (p0 + tl.arange(0, BR)).to(tl.int64)
+            q = _encode_column_rows(x_ptr, sx_m, slots, p_start, start, end, cols, col_ok, scale,
+                                    IN_BF16)
+            ptrs = d_ptr + cols.to(tl.int64)[:, None] * sd_n + slots[None, :]
+            tl.store(ptrs, tl.trans(q.to(tl.uint8)), mask=col_ok[:, None] & (slots < p_end)[None, :])
+        else:
+            # Four consecutive slots' bytes in one 32-bit word (little-endian: the first slot
+            # lowest), so the transpose moves words, not bytes; d_ptr is then the uint32 view
+            # (16-aligned group starts and width keep every word inside one group).
+            words = (p0 // 4 + tl.arange(0, BR // 4)).to(tl.int64)
+            w = tl.zeros([BR // 4, BN], tl.uint32)
+            for j in tl.static_range(4):
+                q = _encode_column_rows(x_ptr, sx_m, words * 4 + j, p_start, start, end, cols,
+                                        col_ok, scale, IN_BF16)
+                w = w | (q << (8 * j))
+            ptrs = d_ptr + cols.to(tl.int64)[:, None] * (sd_n // 4) + words[None, :]
+            tl.store(ptrs, tl.trans(w).to(tl.int32, bitcast=True), mask=col_ok[:, None] & (words < p_end // 4)[None, :])
 
 
 _CONSTS = dict(EPS_BITS=_EPS_BITS, SCALE_AT_EPS=_SCALE_AT_EPS)
@@ -213,11 +238,15 @@ class BlockTile:
 
 @dataclass(frozen=True)
 class ColumnTile:
-    """Launch shape of ``quantize_group_columns_t``: ``rows`` x ``cols`` tiles, ``warps``."""
+    """Launch shape of ``quantize_group_columns_t``: ``rows`` x ``cols`` tiles, ``warps``;
+    ``pack``: slots per transposed store element (1: bytes, 4: 32-bit words); ``reverse``:
+    the encoding pass walks the tiles last first."""
 
     rows: int
     cols: int
     warps: int
+    pack: int = 1
+    reverse: bool = False
 
 
 # Tuned on one H200 at the bench shapes (rows [131072, 2048] BF16, weight [64, 2048, 2048],
@@ -292,9 +321,11 @@ def quantize_group_columns_t(x: torch.Tensor, offsets: torch.Tensor, padded_ends
     scale = torch.empty(E, N, dtype=torch.float32, device=x.device)
     if N and E:
         tile = _TILES["group_columns"]
+        dest = data_t.view(torch.int32) if tile.pack == 4 else data_t
         _group_columns_kernel[(triton.cdiv(N, tile.cols), E)](
-            _bits_view(x), x.stride(0), offsets, padded_ends, data_t, data_t.stride(0), scale, N,
-            BR=tile.rows, BN=tile.cols, POW2=pow2, IN_BF16=x.dtype == torch.bfloat16,
+            _bits_view(x), x.stride(0), offsets, padded_ends, dest, data_t.stride(0), scale, N,
+            BR=tile.rows, BN=tile.cols, PACK=tile.pack, REVERSE=tile.reverse, POW2=pow2,
+            IN_BF16=x.dtype == torch.bfloat16,
             num_warps=tile.warps, enable_fp_fusion=False, **_CONSTS,
         )
     return data_t.view(torch.float8_e4m3fn), scale
