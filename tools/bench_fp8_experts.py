@@ -229,7 +229,8 @@ TILE_CANDIDATES = {
                (16384, 8, 2, 64)],
     "group_columns": [(128, 64, 8), (128, 64, 8, 1, True), (128, 64, 8, 4), (128, 64, 8, 4, True),
                       (64, 64, 4, 4), (256, 64, 8, 4), (128, 128, 8, 4), (64, 128, 4, 4, True),
-                      (256, 32, 4, 4, True)],
+                      (256, 32, 4, 4, True), (128, 32, 4, 4, True), (128, 32, 4, 4), (128, 32, 2, 4, True),
+                      (256, 16, 4, 4, True)],
 }
 # moe_mxfp8._fp8_codec_kernels._TILES: RowTile(elements, warps).
 CODEC_TILE_CANDIDATES = {
