@@ -100,6 +100,8 @@ def bench_layers(args, routing: str) -> dict:
     layers["fp8_rowwise_gw_hp triton"] = FP8GroupedExperts.from_module(bf16, "fp8_rowwise_gw_hp", "triton")
     layers["fp8_rowwise_gw_hp triton fast:output,grad_input"] = FP8GroupedExperts.from_module(
         bf16, "fp8_rowwise_gw_hp", "triton", fast_accum=fast_io)
+    layers["fp8_rowwise triton fast:all"] = FP8GroupedExperts.from_module(
+        bf16, "fp8_rowwise", "triton", fast_accum=FP8_GEMM_ROLES)
     layers["fp8_blockwise triton"] = FP8GroupedExperts.from_module(bf16, "fp8_blockwise", "triton")
     if args.blockwise:
         layers["fp8_blockwise (emulated)"] = FP8GroupedExperts.from_module(bf16, "fp8_blockwise")
