@@ -8,7 +8,10 @@ hardware and the interpreter).
 - ``quantize_blocks``: one program per tile of ``[B, M, N]``: ``ROWS`` rows by ``GROUPS``
   scale blocks side by side (a whole row, 128-column tiles, or 128x128 blocks; rows
   wider than ``ROW_WIDTH_MAX`` one per program, walked twice in chunks); amax is
-  an integer max over ``|x|`` bit patterns (NaN sorts above inf). 128x128 blocks either
+  an integer max over ``|x|`` bit patterns (NaN sorts above inf); the passes that walk
+  chunks keep an elementwise running max and reduce it across threads once, after the
+  loop, instead of once per chunk (a reduction across warps per chunk is a shared-memory
+  round trip and a barrier that stalls the next chunk's loads). 128x128 blocks either
   sit whole in registers (one read) or, with ``CHUNK``, are walked twice in chunks of
   rows, for the amax and then for the encoding, the second read mostly from L2: fewer
   registers per program, so more programs per SM hide the load latency.
@@ -123,11 +126,12 @@ def _quantize_rows_in_chunks(x_ptr, sx_m, d_ptr, sd_m, s_ptr, ss_m, pid_m, M, N,
     """``ROWS`` whole rows (one scale each), ``CHUNK`` columns at a time: their amax over
     every chunk, then each chunk read again, encoded and stored."""
     rows = (pid_m * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
-    amax = tl.zeros([ROWS, 1], tl.uint32)
+    running = tl.zeros([ROWS, CHUNK], tl.uint32)  # reduced once, after the loop
     for c0 in range(0, N, CHUNK):
         cols = (c0 + tl.arange(0, CHUNK))[None, :]
         abs_bits, _ = _load_abs_sign(x_ptr + rows * sx_m + cols, (rows < M) & (cols < N), IN_BF16)
-        amax = tl.maximum(amax, tl.max(abs_bits, axis=1, keep_dims=True))
+        running = tl.maximum(running, abs_bits)
+    amax = tl.max(running, axis=1, keep_dims=True)
     scale = _scale(amax, POW2, EPS_BITS, SCALE_AT_EPS)
     for c0 in range(0, N, CHUNK):
         cols = (c0 + tl.arange(0, CHUNK))[None, :]
@@ -146,12 +150,12 @@ def _quantize_square_in_chunks(x_ptr, sx_m, d_ptr, sd_m, s_ptr, pid_m, pid_n, M,
     every chunk, then each chunk read again, encoded and stored; ``s_ptr`` points at the
     blocks' row of scales."""
     cols = (pid_n * GROUPS * BN + tl.arange(0, GROUPS * BN))[None, :]
-    amax = tl.zeros([GROUPS], tl.uint32)
+    running = tl.zeros([CHUNK, GROUPS * BN], tl.uint32)  # reduced once, after the loop
     for r0 in range(0, ROWS, CHUNK):
         rows = (pid_m * ROWS + r0 + tl.arange(0, CHUNK)).to(tl.int64)[:, None]
         abs_bits, _ = _load_abs_sign(x_ptr + rows * sx_m + cols, (rows < M) & (cols < N), IN_BF16)
-        chunk_max = tl.max(tl.reshape(abs_bits, (CHUNK, GROUPS, BN)), axis=2)
-        amax = tl.maximum(amax, tl.max(chunk_max, axis=0))
+        running = tl.maximum(running, abs_bits)
+    amax = tl.max(tl.max(tl.reshape(running, (CHUNK, GROUPS, BN)), axis=2), axis=0)
     scale = _scale(amax, POW2, EPS_BITS, SCALE_AT_EPS)  # [GROUPS]
     spread = tl.reshape(tl.broadcast_to(scale[None, :, None], (CHUNK, GROUPS, BN)),
                         (CHUNK, GROUPS * BN))
@@ -187,12 +191,13 @@ def _group_columns_kernel(
     p_end = tl.load(pends_ptr + e)
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < N
-    amax = tl.zeros([BN], tl.uint32)
+    running = tl.zeros([BR, BN], tl.uint32)  # reduced once, after the loop
     for r0 in range(start, end, BR):
         rows = (r0 + tl.arange(0, BR)).to(tl.int64)
         mask = (rows < end)[:, None] & col_ok[None, :]
         abs_bits, _ = _load_abs_sign(x_ptr + rows[:, None] * sx_m + cols[None, :], mask, IN_BF16)
-        amax = tl.maximum(amax, tl.max(abs_bits, axis=0))
+        running = tl.maximum(running, abs_bits)
+    amax = tl.max(running, axis=0)
     scale = _scale(amax, POW2, EPS_BITS, SCALE_AT_EPS)
     tl.store(s_ptr + e.to(tl.int64) * N + cols, scale, mask=col_ok)
     # The encoding pass; REVERSE walks the tiles last first, so it starts on the rows the
