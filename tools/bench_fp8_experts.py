@@ -221,7 +221,8 @@ def bench_gemms(args) -> dict:
 # Launch shapes per kernel kind of moe_mxfp8._fp8_kernels (its _TILES): BlockTile(elements,
 # warps[, groups[, chunk_rows]]) for the block kinds (groups: scale blocks side by side per
 # program; chunk_rows: 128x128 blocks in two passes of that many rows),
-# ColumnTile(rows, cols, warps[, pack[, reverse]]) for the per-expert columns.
+# ColumnTile(rows, cols, warps[, pack[, reverse[, longest_first]]]) for the per-expert columns
+# (timed on Zipf routing and, as balanced_tb_per_s, on balanced routing).
 TILE_CANDIDATES = {
     "rows": [(2048, 2), (4096, 4), (1024, 2), (2048, 1), (4096, 2), (8192, 4)],
     "tiles": [(1024, 1, 8), (2048, 2, 16), (4096, 4), (2048, 1, 16), (4096, 2, 16), (2048, 2, 8),
@@ -229,10 +230,11 @@ TILE_CANDIDATES = {
     "blocks": [(16384, 8, 1, 64), (16384, 4, 1, 32), (16384, 8, 1, 32), (16384, 4, 1, 64),
                (16384, 16, 1, 64), (16384, 8, 1, 128), (16384, 16, 2), (16384, 4),
                (16384, 8, 2, 64)],
-    "group_columns": [(128, 64, 8), (128, 64, 8, 1, True), (128, 64, 8, 4), (128, 64, 8, 4, True),
-                      (64, 64, 4, 4), (256, 64, 8, 4), (128, 128, 8, 4), (64, 128, 4, 4, True),
-                      (256, 32, 4, 4, True), (128, 32, 4, 4, True), (128, 32, 4, 4), (128, 32, 2, 4, True),
-                      (256, 16, 4, 4, True)],
+    "group_columns": [(128, 64, 8), (128, 64, 8, 4, True), (256, 64, 8, 4), (256, 32, 4, 4, True),
+                      (256, 16, 4, 4, True), (256, 32, 4, 4, True, True), (256, 64, 8, 4, True, True),
+                      (256, 16, 4, 4, True, True), (512, 32, 8, 4, True, True),
+                      (512, 16, 4, 4, True, True), (256, 32, 8, 4, True, True),
+                      (256, 64, 16, 4, True, True)],
 }
 # moe_mxfp8._fp8_codec_kernels._TILES: RowTile(elements, warps).
 CODEC_TILE_CANDIDATES = {
@@ -256,6 +258,7 @@ def sweep_tiles(args) -> dict:
     x = torch.randn(rows_n, args.d_model, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(args.experts, 2 * args.hidden, args.d_model, device="cuda", dtype=torch.bfloat16)
     offsets = routed_offsets("zipf", args.tokens, args.experts, args.top_k)
+    balanced = routed_offsets("balanced", args.tokens, args.experts, args.top_k)
     n, nw = x.numel(), w.numel()
     out = torch.empty_like(x)
     copy = 4 * n / time_s(lambda: out.copy_(x), 10, 7)
@@ -312,6 +315,9 @@ def sweep_tiles(args) -> dict:
                     else:
                         rate = nbytes / time_s(timed, 10, 5)
                         entry.update(tb_per_s=rate / 1e12, fraction_of_copy=rate / copy)
+                        if kind == "group_columns":
+                            entry["balanced_tb_per_s"] = nbytes / time_s(
+                                lambda: quantize_group_columns(x, balanced, True), 10, 5) / 1e12
                 except Exception as e:  # noqa: BLE001 - a candidate that fails is reported
                     entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 results[f"{kind} {cand}"] = entry
@@ -337,6 +343,7 @@ def bench_kernels(args) -> dict:
     x = torch.randn(rows_n, args.d_model, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(args.experts, 2 * args.hidden, args.d_model, device="cuda", dtype=torch.bfloat16)
     offsets = routed_offsets("zipf", args.tokens, args.experts, args.top_k)
+    balanced = routed_offsets("balanced", args.tokens, args.experts, args.top_k)
     n, nw = x.numel(), w.numel()
     out = torch.empty_like(x)
     packed = encode_fp8_rows(x)
@@ -347,6 +354,8 @@ def bench_kernels(args) -> dict:
         "1x128 tiles [R, D]": (lambda: quantize_fp8(x, (1, 128), False), 3 * n + 4 * n // 128),
         "per-expert columns, transposed [R, D]": (
             lambda: quantize_group_columns(x, offsets, True), 3 * n + 4 * args.experts * args.d_model),
+        "per-expert columns, transposed [R, D], balanced": (
+            lambda: quantize_group_columns(x, balanced, True), 3 * n + 4 * args.experts * args.d_model),
         "rowwise weight [E, 2F, D]": (lambda: quantize_fp8(w, (1, 0), True), 3 * nw),
         # an LM head's output gradient: rows of the vocabulary, walked in chunks
         "rowwise rows [8192, 100352]": (lambda: quantize_fp8(wide, (1, 0), True),

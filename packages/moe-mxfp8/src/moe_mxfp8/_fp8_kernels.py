@@ -180,11 +180,14 @@ def _encode_column_rows(x_ptr, sx_m, slots, p_start, start, end, cols, col_ok, s
 
 @triton.jit
 def _group_columns_kernel(
-    x_ptr, sx_m, offs_ptr, pends_ptr, d_ptr, sd_n, s_ptr, N,
+    x_ptr, sx_m, offs_ptr, pends_ptr, order_ptr, d_ptr, sd_n, s_ptr, N,
     BR: tl.constexpr, BN: tl.constexpr, PACK: tl.constexpr, REVERSE: tl.constexpr,
-    POW2: tl.constexpr, IN_BF16: tl.constexpr, EPS_BITS: tl.constexpr, SCALE_AT_EPS: tl.constexpr,
+    ORDERED: tl.constexpr, POW2: tl.constexpr, IN_BF16: tl.constexpr, EPS_BITS: tl.constexpr,
+    SCALE_AT_EPS: tl.constexpr,
 ):
     pid_n, e = tl.program_id(0), tl.program_id(1)
+    if ORDERED:  # the GPU starts programs in index order: the longest experts first
+        e = tl.load(order_ptr + e)
     start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
     end = tl.load(offs_ptr + e)
     p_start = tl.load(pends_ptr + e - 1, mask=e > 0, other=0)
@@ -245,13 +248,16 @@ class BlockTile:
 class ColumnTile:
     """Launch shape of ``quantize_group_columns_t``: ``rows`` x ``cols`` tiles, ``warps``;
     ``pack``: slots per transposed store element (1: bytes, 4: 32-bit words); ``reverse``:
-    the encoding pass walks the tiles last first."""
+    the encoding pass walks the tiles last first; ``longest_first``: the experts with the
+    most rows get the first programs (one program walks a whole expert, so under skewed
+    routing the busiest expert's programs set the kernel's end unless they start first)."""
 
     rows: int
     cols: int
     warps: int
     pack: int = 1
     reverse: bool = False
+    longest_first: bool = False
 
 
 # Tuned on one H200 at the bench shapes (rows [131072, 2048] BF16, weight [64, 2048, 2048],
@@ -327,9 +333,14 @@ def quantize_group_columns_t(x: torch.Tensor, offsets: torch.Tensor, padded_ends
     if N and E:
         tile = _TILES["group_columns"]
         dest = data_t.view(torch.int32) if tile.pack == 4 else data_t
+        order = None
+        if tile.longest_first:
+            sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+            order = torch.argsort(sizes, descending=True, stable=True).to(torch.int32)
         _group_columns_kernel[(triton.cdiv(N, tile.cols), E)](
-            _bits_view(x), x.stride(0), offsets, padded_ends, dest, data_t.stride(0), scale, N,
-            BR=tile.rows, BN=tile.cols, PACK=tile.pack, REVERSE=tile.reverse, POW2=pow2,
+            _bits_view(x), x.stride(0), offsets, padded_ends, order, dest, data_t.stride(0), scale,
+            N, BR=tile.rows, BN=tile.cols, PACK=tile.pack, REVERSE=tile.reverse,
+            ORDERED=order is not None, POW2=pow2,
             IN_BF16=x.dtype == torch.bfloat16,
             num_warps=tile.warps, enable_fp_fusion=False, **_CONSTS,
         )
