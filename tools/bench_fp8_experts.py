@@ -221,7 +221,7 @@ def bench_gemms(args) -> dict:
 # Launch shapes per kernel kind of moe_mxfp8._fp8_kernels (its _TILES): BlockTile(elements,
 # warps[, groups[, chunk_rows]]) for the block kinds (groups: scale blocks side by side per
 # program; chunk_rows: 128x128 blocks in two passes of that many rows),
-# ColumnTile(rows, cols, warps[, pack[, reverse[, longest_first]]]) for the per-expert columns
+# ColumnTile(rows, cols, warps[, reverse[, longest_first]]) for the per-expert columns
 # (timed on Zipf routing and, as balanced_tb_per_s, on balanced routing).
 TILE_CANDIDATES = {
     "rows": [(2048, 2), (4096, 4), (1024, 2), (2048, 1), (4096, 2), (8192, 4)],
@@ -230,11 +230,9 @@ TILE_CANDIDATES = {
     "blocks": [(16384, 8, 1, 64), (16384, 4, 1, 32), (16384, 8, 1, 32), (16384, 4, 1, 64),
                (16384, 16, 1, 64), (16384, 8, 1, 128), (16384, 16, 2), (16384, 4),
                (16384, 8, 2, 64)],
-    "group_columns": [(128, 64, 8), (128, 64, 8, 4, True), (256, 64, 8, 4), (256, 32, 4, 4, True),
-                      (256, 16, 4, 4, True), (256, 32, 4, 4, True, True), (256, 64, 8, 4, True, True),
-                      (256, 16, 4, 4, True, True), (512, 32, 8, 4, True, True),
-                      (512, 16, 4, 4, True, True), (256, 32, 8, 4, True, True),
-                      (256, 64, 16, 4, True, True)],
+    "group_columns": [(512, 32, 8, True, True), (128, 64, 8), (128, 64, 8, True), (256, 64, 8),
+                      (256, 32, 4, True), (256, 32, 4, True, True), (256, 64, 8, True, True),
+                      (256, 16, 4, True, True), (512, 16, 4, True, True), (256, 32, 8, True, True)],
 }
 # moe_mxfp8._fp8_codec_kernels._TILES: RowTile(elements, warps).
 CODEC_TILE_CANDIDATES = {

@@ -16,9 +16,11 @@ hardware and the interpreter).
   rows, for the amax and then for the encoding, the second read mostly from L2: fewer
   registers per program, so more programs per SM hide the load latency.
 - ``quantize_group_columns_t``: one program per (expert, column strip): a pass over the
-  expert's rows for the column amax, a second that scales, encodes and writes the strip
-  transposed into the expert's 16-aligned slot of ``[N, W]`` (zeros in the padding).
-  Offsets are read on the device.
+  expert's rows for the column amax, a second (last rows first: those most likely still
+  in L2) that scales, encodes and writes the strip transposed into the expert's
+  16-aligned slot of ``[N, W]`` (zeros in the padding), four slots' bytes per 32-bit word
+  so that the transpose moves words; the busiest experts' programs start first. Offsets
+  are read on the device.
 
 Exactness: the scale is ``448 / amax`` divided in FP64 (IEEE on the GPU: ``div.rn.f64``)
 and rounded once to FP32; the ``1e-12`` floor is applied by comparing FP32 bit patterns
@@ -181,7 +183,7 @@ def _encode_column_rows(x_ptr, sx_m, slots, p_start, start, end, cols, col_ok, s
 @triton.jit
 def _group_columns_kernel(
     x_ptr, sx_m, offs_ptr, pends_ptr, order_ptr, d_ptr, sd_n, s_ptr, N,
-    BR: tl.constexpr, BN: tl.constexpr, PACK: tl.constexpr, REVERSE: tl.constexpr,
+    BR: tl.constexpr, BN: tl.constexpr, REVERSE: tl.constexpr,
     ORDERED: tl.constexpr, POW2: tl.constexpr, IN_BF16: tl.constexpr, EPS_BITS: tl.constexpr,
     SCALE_AT_EPS: tl.constexpr,
 ):
@@ -208,24 +210,18 @@ def _group_columns_kernel(
     n_tiles = tl.cdiv(p_end - p_start, BR)
     for t in range(0, n_tiles):
         p0 = p_start + (n_tiles - 1 - t if REVERSE else t) * BR
-        if PACK == 1:
-            slots = (p0 + tl.arange(0, BR)).to(tl.int64)
-            q = _encode_column_rows(x_ptr, sx_m, slots, p_start, start, end, cols, col_ok, scale,
-                                    IN_BF16)
-            ptrs = d_ptr + cols.to(tl.int64)[:, None] * sd_n + slots[None, :]
-            tl.store(ptrs, tl.trans(q.to(tl.uint8)), mask=col_ok[:, None] & (slots < p_end)[None, :])
-        else:
-            # Four consecutive slots' bytes in one 32-bit word (little-endian: the first slot
-            # lowest), so the transpose moves words, not bytes; d_ptr is then the uint32 view
-            # (16-aligned group starts and width keep every word inside one group).
-            words = (p0 // 4 + tl.arange(0, BR // 4)).to(tl.int64)
-            w = tl.zeros([BR // 4, BN], tl.uint32)
-            for j in tl.static_range(4):
-                q = _encode_column_rows(x_ptr, sx_m, words * 4 + j, p_start, start, end, cols,
-                                        col_ok, scale, IN_BF16)
-                w = w | (q << (8 * j))
-            ptrs = d_ptr + cols.to(tl.int64)[:, None] * (sd_n // 4) + words[None, :]
-            tl.store(ptrs, tl.trans(w).to(tl.int32, bitcast=True), mask=col_ok[:, None] & (words < p_end // 4)[None, :])
+        # Four consecutive slots' bytes in one 32-bit word (little-endian: the first slot
+        # lowest), so the transpose moves words, not bytes; d_ptr is the uint32 view of the
+        # output (16-aligned group starts and width keep every word inside one group).
+        words = (p0 // 4 + tl.arange(0, BR // 4)).to(tl.int64)
+        w = tl.zeros([BR // 4, BN], tl.uint32)
+        for j in tl.static_range(4):
+            q = _encode_column_rows(x_ptr, sx_m, words * 4 + j, p_start, start, end, cols,
+                                    col_ok, scale, IN_BF16)
+            w = w | (q << (8 * j))
+        ptrs = d_ptr + cols.to(tl.int64)[:, None] * (sd_n // 4) + words[None, :]
+        tl.store(ptrs, tl.trans(w).to(tl.int32, bitcast=True),
+                 mask=col_ok[:, None] & (words < p_end // 4)[None, :])
 
 
 _CONSTS = dict(EPS_BITS=_EPS_BITS, SCALE_AT_EPS=_SCALE_AT_EPS)
@@ -247,15 +243,13 @@ class BlockTile:
 @dataclass(frozen=True)
 class ColumnTile:
     """Launch shape of ``quantize_group_columns_t``: ``rows`` x ``cols`` tiles, ``warps``;
-    ``pack``: slots per transposed store element (1: bytes, 4: 32-bit words); ``reverse``:
-    the encoding pass walks the tiles last first; ``longest_first``: the experts with the
+    ``reverse``: the encoding pass walks the tiles last first; ``longest_first``: the experts with the
     most rows get the first programs (one program walks a whole expert, so under skewed
     routing the busiest expert's programs set the kernel's end unless they start first)."""
 
     rows: int
     cols: int
     warps: int
-    pack: int = 1
     reverse: bool = False
     longest_first: bool = False
 
@@ -268,13 +262,17 @@ class ColumnTile:
 # --routing balanced`, commit 27d8ba2); 128x128 blocks 2.69 TB/s one per program on eight
 # warps in two passes of 64-row chunks, against 2.58 in 32-row chunks, 2.41 on four warps
 # in 32-row chunks and 2.36 whole in registers at two per program on 16 warps (`--parts
-# kernels,tiles,layers --no-blockwise`, commit c2a11b3); per-expert columns 0.96 at
-# (128, 64, 8) against 0.77 at (64, 64, 4) (commit 14f9692).
+# kernels,tiles,layers --no-blockwise`, commit c2a11b3). Per-expert columns on one H100
+# (`--parts tiles --no-blockwise --routing zipf`, commit e1b7204, device copy 2.97 TB/s;
+# Zipf / balanced routing): 1.37 / 1.50 TB/s at (512, 32, 8) with the reversed pass and
+# the longest experts first, against 0.98 / 1.21 for byte stores at (128, 64, 8) in order,
+# 1.11 / 1.55 reversed with word stores at (128, 64, 8), 1.41 / 1.43 at (256, 64, 8)
+# longest first.
 _TILES: dict[str, BlockTile | ColumnTile] = {
     "rows": BlockTile(2048, 2),  # one scale per row
     "tiles": BlockTile(1024, 1, 8),  # 1x128
     "blocks": BlockTile(128 * 128, 8, 1, 64),  # 128x128
-    "group_columns": ColumnTile(128, 64, 8),
+    "group_columns": ColumnTile(512, 32, 8, True, True),
 }
 
 
@@ -332,14 +330,13 @@ def quantize_group_columns_t(x: torch.Tensor, offsets: torch.Tensor, padded_ends
     scale = torch.empty(E, N, dtype=torch.float32, device=x.device)
     if N and E:
         tile = _TILES["group_columns"]
-        dest = data_t.view(torch.int32) if tile.pack == 4 else data_t
         order = None
         if tile.longest_first:
             sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
             order = torch.argsort(sizes, descending=True, stable=True).to(torch.int32)
         _group_columns_kernel[(triton.cdiv(N, tile.cols), E)](
-            _bits_view(x), x.stride(0), offsets, padded_ends, order, dest, data_t.stride(0), scale,
-            N, BR=tile.rows, BN=tile.cols, PACK=tile.pack, REVERSE=tile.reverse,
+            _bits_view(x), x.stride(0), offsets, padded_ends, order, data_t.view(torch.int32),
+            data_t.stride(0), scale, N, BR=tile.rows, BN=tile.cols, REVERSE=tile.reverse,
             ORDERED=order is not None, POW2=pow2,
             IN_BF16=x.dtype == torch.bfloat16,
             num_warps=tile.warps, enable_fp_fusion=False, **_CONSTS,
