@@ -243,9 +243,10 @@ class BlockTile:
 @dataclass(frozen=True)
 class ColumnTile:
     """Launch shape of ``quantize_group_columns_t``: ``rows`` x ``cols`` tiles, ``warps``;
-    ``reverse``: the encoding pass walks the tiles last first; ``longest_first``: the experts with the
-    most rows get the first programs (one program walks a whole expert, so under skewed
-    routing the busiest expert's programs set the kernel's end unless they start first)."""
+    ``reverse``: the encoding pass walks the tiles last first; ``longest_first``: the
+    experts with the most rows get the first programs (one program walks a whole expert,
+    so under skewed routing the busiest expert's programs set the kernel's end unless
+    they start first)."""
 
     rows: int
     cols: int
