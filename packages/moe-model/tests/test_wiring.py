@@ -3,6 +3,7 @@
 import torch
 from moe_model import ExpertWeightGradient, ModelWiring, wire_model
 from moe_model import wiring as wiring_module
+from moe_model.linear import DenseWeightGradient
 from torch import nn
 
 
@@ -37,3 +38,28 @@ def test_a_foreign_layer_gets_the_sink_and_the_kernel_weight_gradient_where_kern
     plain.grad_sink = None  # a sink slot alone: nothing else is set
     wire_model(plain, ModelWiring(gradient_sink=sink))
     assert "weight_gradient" not in vars(plain)
+
+
+class ForeignDense(nn.Module):
+    """Declares ``grad_sink`` and ``dense_weight_gradient`` as moe_mxfp8's FP8Linear does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(4, 4))
+        self.grad_sink = None
+        self.dense_weight_gradient = None
+
+
+class OnCuda:
+    is_cuda = True
+
+
+def test_a_foreign_dense_layer_gets_the_dense_weight_gradient_on_cuda_only(monkeypatch):
+    layer, sink = ForeignDense(), Sink()
+    wire_model(layer, ModelWiring(gradient_sink=sink))  # CPU: the layer computes, the sink adds
+    assert layer.grad_sink is sink and layer.dense_weight_gradient is None
+    monkeypatch.setattr(ForeignDense, "parameters", lambda self: iter([OnCuda()]))
+    wire_model(layer, ModelWiring(gradient_sink=sink))
+    assert layer.dense_weight_gradient is DenseWeightGradient
+    wire_model(layer, ModelWiring())
+    assert layer.grad_sink is None and layer.dense_weight_gradient is None

@@ -11,7 +11,14 @@ from torch import nn
 
 pytest.importorskip("torchao.float8.float8_utils")
 sys.path.insert(0, str(Path(__file__).parent))
-from test_fp8_experts import TIGHT, ToyExperts, act_1x128, rowwise, weight_128x128  # noqa: E402
+from test_fp8_experts import (  # noqa: E402
+    TIGHT,
+    RecordingSink,
+    ToyExperts,
+    act_1x128,
+    rowwise,
+    weight_128x128,
+)
 
 
 def oracle(recipe: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor):
@@ -54,6 +61,55 @@ def test_linear_matches_torchao_oracle(recipe):
     torch.testing.assert_close(linear.bias.grad, dy.sum((0, 1)), **TIGHT)
     # the oracle is not the unquantized product: FP8 is seen
     assert not torch.allclose(y, linear(x.detach()), rtol=1e-4, atol=1e-4)
+
+
+class LaterDense:
+    """A dense weight-gradient maker's add (``FP8Linear.dense_weight_gradient``): records its
+    operands and adds ``dy^T @ x`` to the target when called."""
+
+    made: list = []
+
+    def __init__(self, x, dy):
+        self.x, self.dy = x, dy
+        LaterDense.made.append(self)
+
+    def __call__(self, target):
+        target.add_((self.dy.T @ self.x).reshape(-1))
+
+
+@pytest.mark.parametrize("maker", [None, LaterDense], ids=["computed", "maker"])
+@pytest.mark.parametrize("recipe", list(CASES))
+def test_linear_weight_gradient_goes_into_the_sink(recipe, maker):
+    """With a sink that takes the weight: its accumulator gets what autograd's path returns
+    (two microbatches summed), ``weight.grad`` stays None, the maker gets the operands in
+    the compute-dtype recipes (never in ``fp8_rowwise``, whose gradient is FP8), and a
+    backward that does not run the weight's node (a pipeline's input pass) adds nothing."""
+    n_in, n_out = CASES[recipe]
+    g = torch.Generator().manual_seed(3)
+    linear = nn.Linear(n_in, n_out, bias=False)
+    x = (torch.randn(2, 9, n_in, generator=g) * 3).requires_grad_()
+    dy = torch.randn(2, 9, n_out, generator=g)
+    FP8Linear.from_module(linear, recipe)(x).backward(dy)
+    want_dw, want_dx = linear.weight.grad.clone(), x.grad.clone()
+    linear.weight.grad = x.grad = None
+    linear.grad_sink = RecordingSink([linear.weight])
+    layer = FP8Linear.from_module(linear, recipe)
+    assert layer.grad_sink is linear.grad_sink
+    layer.dense_weight_gradient = maker
+    LaterDense.made = []
+    for _ in range(2):
+        layer(x).backward(dy)
+    sink = linear.grad_sink
+    assert sink.calls == 2 and linear.weight.grad is None
+    torch.testing.assert_close(sink.targets[id(linear.weight)], 2 * want_dw.reshape(-1), **TIGHT)
+    torch.testing.assert_close(x.grad, 2 * want_dx)
+    fp8_wgrad = recipe == "fp8_rowwise"
+    assert len(LaterDense.made) == (2 if maker and not fp8_wgrad else 0)
+    if LaterDense.made:
+        assert torch.equal(LaterDense.made[0].x, x.detach().reshape(18, n_in))
+        assert torch.equal(LaterDense.made[0].dy, dy.reshape(18, n_out))
+    torch.autograd.grad(layer(x).sum(), x)
+    assert sink.calls == 2
 
 
 def test_recipes_convert_linear_layers_and_experts_and_refresh_their_caches():

@@ -14,7 +14,11 @@ and, where it also declares ``weight_gradient`` (a maker of a sink's add from a 
 weight gradient's operands, ``(x_RK, dy_RN, offsets, like_EKN) -> add``), this package's
 ``ExpertWeightGradient.from_rows`` when a sink is wired and its parameters' device runs
 the fused kernels: the add then runs the Triton weight-gradient kernel that adds into the
-FP32 main grad in its epilogue and merges microbatches, as for ``GroupedExperts``.
+FP32 main grad in its epilogue and merges microbatches, as for ``GroupedExperts``; where
+it declares ``dense_weight_gradient`` (a maker of a sink's add from a dense weight
+gradient's operands, ``(x_MK, dy_MN) -> add``: moe_mxfp8's ``FP8Linear``), this
+package's ``DenseWeightGradient`` when a sink is wired and its parameters are on CUDA
+(cuBLAS's GEMM with FP32 output adds into the main grad, as for ``Linear``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from moe_model._triton_support import fused_kernels_enabled
 from moe_model.dispatch import TokenDispatcher
 from moe_model.embedding import Embedding
 from moe_model.experts import ExpertWeightGradient, GroupedExperts
-from moe_model.linear import Linear
+from moe_model.linear import DenseWeightGradient, Linear
 from moe_model.model import MoETransformer
 from moe_model.moe import CountReducer, MoELayer
 from moe_model.sink import GradientSink
@@ -75,6 +79,8 @@ def wire_model(model: nn.Module, wiring: ModelWiring) -> None:
             module.grad_sink = wiring.gradient_sink  # (e.g. moe_mxfp8's FP8 experts)
             if "weight_gradient" in vars(module):
                 module.weight_gradient = _kernel_weight_gradient(module, wiring.gradient_sink)
+            if "dense_weight_gradient" in vars(module):
+                module.dense_weight_gradient = _dense_weight_gradient(module, wiring.gradient_sink)
         elif isinstance(module, MoELayer):
             module.aux_loss_scale = wiring.aux_loss_scale
             module.count_reducer = wiring.count_reducer
@@ -90,3 +96,13 @@ def _kernel_weight_gradient(module: nn.Module, sink: GradientSink | None
     if sink is None or param is None or not fused_kernels_enabled(param.device):
         return None
     return ExpertWeightGradient.from_rows
+
+
+def _dense_weight_gradient(module: nn.Module, sink: GradientSink | None
+                           ) -> type[DenseWeightGradient] | None:
+    """``DenseWeightGradient`` for a dense layer of another package whose weight gradient
+    goes into ``sink`` on CUDA (``linear.sink_takes_dense``'s condition), else ``None``."""
+    param = next(module.parameters(), None)
+    if sink is None or param is None or not param.is_cuda:
+        return None
+    return DenseWeightGradient

@@ -68,7 +68,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
 
 from moe_mxfp8.cache import WeightCache
 from moe_mxfp8.experts import carry_attributes, check_expert_rows, expert_weights
@@ -83,6 +82,7 @@ from moe_mxfp8.fp8_gemm import (
     fp8_grouped_wgrad,
 )
 from moe_mxfp8.gemm import compute_dtype, grouped_weight_grad
+from moe_mxfp8.sink import AddGradient, SinkRoute, sink_route, will_run
 from moe_mxfp8.swiglu import (
     swiglu,
     swiglu_backward,
@@ -159,29 +159,10 @@ class FP8WeightCache(WeightCache):
         return rows, FP8Tensor(data.view(rows.data.dtype), scale, rows.block)
 
 
-SinkRoute = tuple[Any, Any]  # (the sink, the weight's AccumulateGrad node)
 # (x_RK, dy_RN, offsets_E, like_EKN) -> a sink's add of ``x_e^T @ dy_e`` (module notes)
 WeightGradientMaker = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                                Callable[[torch.Tensor], None]]
 
-
-def _sink_route(sink: Any, w: nn.Parameter) -> SinkRoute | None:
-    if sink is None or not w.requires_grad or not torch.is_grad_enabled() or not sink.accepts(w):
-        return None
-    return sink, get_gradient_edge(w).node
-
-
-class _AddGradient:
-    """Adds a computed weight gradient to a sink's FP32 accumulator (1-D, or rows of a bucket)."""
-
-    def __init__(self, grad: torch.Tensor) -> None:
-        self.grad = grad
-
-    def __call__(self, target: torch.Tensor) -> None:
-        if target.numel() != self.grad.numel():
-            raise ValueError(f"gradient target has {target.numel()} elements, the weight "
-                             f"{self.grad.numel()}")
-        target.add_(self.grad.reshape(target.shape))
 
 
 class _FP8ExpertsFn(torch.autograd.Function):
@@ -220,7 +201,7 @@ class _FP8ExpertsFn(torch.autograd.Function):
         # a weight's gradient is computed where autograd wants it back, or where its sink
         # takes it in a backward that runs the weight's node (not a pipeline's input pass)
         wanted = [ctx.needs_input_grad[2 + i]
-                  and (route is None or torch._C._will_engine_execute_node(route[1]))
+                  and (route is None or will_run(route))
                   for i, route in enumerate(ctx.routes)]
         hidden = h13_R2F.shape[1] // 2
         grads: list[torch.Tensor | None] = [None, None, None]
@@ -240,7 +221,7 @@ class _FP8ExpertsFn(torch.autograd.Function):
         returned: list[torch.Tensor | None] = []
         for param, grad, route, want in zip(ctx.params, grads, ctx.routes, wanted, strict=True):
             if want and route is not None:
-                route[0].add_gradient(param, _AddGradient(grad))
+                route[0].add_gradient(param, AddGradient(grad))
             returned.append(grad.to(param.dtype) if want and route is None else None)
         return drows, None, *returned, None, None, None
 
@@ -310,7 +291,7 @@ class FP8GroupedExperts(nn.Module):
         check_expert_rows(self, rows_RD, group_offsets)
         dtype = compute_dtype(rows_RD)
         check_gemm_runs(type(self).__name__, self.gemm, rows_RD, dtype)
-        routes = tuple(_sink_route(self.grad_sink, w) for w in (self.w1, self.w3, self.w2))
+        routes = tuple(sink_route(self.grad_sink, w) for w in (self.w1, self.w3, self.w2))
         with torch.autocast(rows_RD.device.type, enabled=False):
             return _FP8ExpertsFn.apply(rows_RD.to(dtype), group_offsets, self.w1, self.w3,
                                        self.w2, self, dtype, routes)

@@ -17,12 +17,22 @@ on sm_90, and ``torch._scaled_grouped_mm`` for the FP8 weight gradient), ``trito
 package's FP8 grouped GEMM over one group, every recipe), ``emulated`` (dequantize, FP32
 matmul; every device). ``fast_accum`` as ``FP8GroupedExperts``'.
 
-The weight gradient goes back through autograd (this package stands alone): a data-
-parallel wrapper's hook adds it to its FP32 main grads, as for ``MXFP8Linear``.
+Weight gradient into a sink, as ``FP8GroupedExperts``' (``moe_mxfp8.sink``): where
+``grad_sink`` accepts the weight and the backward runs its ``AccumulateGrad`` node, the
+gradient goes to the sink as an add into its FP32 accumulator and ``weight.grad`` stays
+``None``; otherwise it returns through autograd (this package stands alone). In the
+recipes whose weight gradient runs in the compute dtype (``FP8Recipe.fp8_wgrad`` false),
+``dense_weight_gradient(x_MK, dy_MN)``, when set, makes that add from the operands
+(``target += dy^T @ x`` in the weight's storage order): the model's wiring sets it to
+``moe_model.linear.DenseWeightGradient`` on CUDA, one cuBLAS GEMM with FP32 output adding into
+the main grad (the LM head at ``bench-1gpu``'s shapes: 4.64 ms per microbatch against
+4.98 for a BF16 gradient that the wrapper then re-reads and adds, ``moe_model.linear``).
+Unset, the layer computes the gradient and the sink adds it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +48,10 @@ from moe_mxfp8.fp8_gemm import (
     fp8_grouped_wgrad,
 )
 from moe_mxfp8.gemm import compute_dtype
+from moe_mxfp8.sink import AddGradient, SinkRoute, sink_route, will_run
+
+# (x_MK, dy_MN) -> a sink's add of ``dy^T @ x`` into an FP32 target (module notes)
+DenseWeightGradientMaker = Callable[[torch.Tensor, torch.Tensor], Callable[[torch.Tensor], None]]
 
 
 def _one_group(t: FP8Tensor) -> FP8Tensor:
@@ -59,7 +73,7 @@ def _mm(a: FP8Tensor, b: FP8Tensor, rows: torch.Tensor, gemm: str, dtype: torch.
 class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x_MK: torch.Tensor, weight: torch.Tensor, layer: FP8Linear,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, route: SinkRoute | None) -> torch.Tensor:
         r = layer.recipe
         rows = torch.full((1,), x_MK.shape[0], dtype=torch.int32, device=x_MK.device)
         x_q = quantize_fp8(x_MK, r.act_block, r.pow2)
@@ -67,7 +81,8 @@ class _FP8LinearFn(torch.autograd.Function):
                    "output" in layer.fast_accum)
         ctx.save_for_backward(x_MK, rows)
         # The backward uses the weight copy this forward saw, whatever happens in between.
-        ctx.layer, ctx.dtype, ctx.w_cols = layer, dtype, layer.weight_cache.cols
+        ctx.layer, ctx.dtype, ctx.w_cols, ctx.route = layer, dtype, layer.weight_cache.cols, route
+        ctx.weight_gradient = None if r.fp8_wgrad else layer.dense_weight_gradient
         return y_MN
 
     @staticmethod
@@ -80,14 +95,24 @@ class _FP8LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dy_q = quantize_fp8(dy_MN, r.act_block, r.pow2)
             dx = _mm(dy_q, ctx.w_cols, rows, layer.gemm, dtype, "grad_input" in fast)
-        if ctx.needs_input_grad[1]:
-            if r.fp8_wgrad:
-                dw = fp8_grouped_wgrad(dy_MN, x_MK, rows, r.pow2, dtype, layer.gemm,
-                                       "grad_weight" in fast)[0]
+        route = ctx.route
+        # computed where autograd wants it back, or where the sink takes it in a backward
+        # that runs the weight's node (not a pipeline's input pass)
+        if ctx.needs_input_grad[1] and (route is None or will_run(route)):
+            if route is not None and ctx.weight_gradient is not None:
+                route[0].add_gradient(layer.weight, ctx.weight_gradient(x_MK, dy_MN))
             else:
-                dw = dy_MN.t() @ x_MK
-            dw = dw.to(layer.weight.dtype)
-        return dx, dw, None, None
+                if r.fp8_wgrad:
+                    dw = fp8_grouped_wgrad(dy_MN, x_MK, rows, r.pow2, dtype, layer.gemm,
+                                           "grad_weight" in fast)[0]
+                else:
+                    dw = dy_MN.t() @ x_MK
+                if route is None:
+                    dw = dw.to(layer.weight.dtype)
+                else:
+                    route[0].add_gradient(layer.weight, AddGradient(dw))
+                    dw = None
+        return dx, dw, None, None, None
 
 
 class FP8Linear(nn.Module):
@@ -107,14 +132,19 @@ class FP8Linear(nn.Module):
         self.weight, self.bias = weight, bias
         self.recipe_name, self.recipe, self.gemm = recipe, FP8_RECIPES[recipe], gemm
         self.weight_cache = FP8WeightCache((weight,), self.recipe)
+        self.grad_sink: Any = None  # a GradientSink, see the module docstring
+        self.dense_weight_gradient: DenseWeightGradientMaker | None = None  # module docstring
 
     @classmethod
     def from_module(cls, linear: nn.Linear, recipe: str = "fp8_rowwise", gemm: str = "emulated",
                     fast_accum: tuple[str, ...] = FAST_ACCUM_DEFAULT) -> FP8Linear:
-        """Wrap an ``nn.Linear``'s own parameters (same objects, same names)."""
+        """Wrap an ``nn.Linear``'s own parameters (same objects, same names) and its
+        ``grad_sink``, where it has one."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
-        return cls(linear.weight, linear.bias, recipe, gemm, fast_accum)
+        layer = cls(linear.weight, linear.bias, recipe, gemm, fast_accum)
+        layer.grad_sink = getattr(linear, "grad_sink", None)
+        return layer
 
     def refresh_weight_cache(self, in_place: bool = False) -> None:
         """Re-derive the FP8 weight copies; call after every weight update
@@ -129,7 +159,7 @@ class FP8Linear(nn.Module):
         check_gemm_runs(type(self).__name__, self.gemm, x, dtype)
         with torch.autocast(x.device.type, enabled=False):
             y = _FP8LinearFn.apply(x.reshape(-1, self.in_features).to(dtype), self.weight, self,
-                                   dtype)
+                                   dtype, sink_route(self.grad_sink, self.weight))
             if self.bias is not None:
                 y = y + self.bias.to(dtype)
         return y.view(*x.shape[:-1], self.out_features)
