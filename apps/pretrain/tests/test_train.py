@@ -21,8 +21,9 @@ import torch
 from moe_model import layers as layers_module
 from moe_model import linear as linear_module
 from moe_model import wire_model
-from moe_model.linear import Linear
-from moe_mxfp8 import MXFP8Linear, dequantize, quantize
+from moe_model import wiring as wiring_module
+from moe_model.linear import DenseWeightGradient, Linear
+from moe_mxfp8 import FP8Linear, MXFP8Linear, dequantize, quantize
 from pretrain.cli import main
 from pretrain.config import ConfigError, OptimConfig, load_config, validate_layout
 from pretrain.data import prepare_data
@@ -341,6 +342,45 @@ def test_mxfp8_attention_projections_beside_the_dense_sink_route(tmp_path, monke
                                                             for _ in range(n_micro))
             else:
                 assert not delivered
+        trainer.close()
+    with_sink, without = grads
+    for name, want in without.items():
+        assert want.abs().sum() > 0, name
+        torch.testing.assert_close(with_sink[name], want, rtol=1e-5, atol=1e-7,
+                                   msg=f"{name} gradient, sink on vs off")
+
+
+@pytest.mark.parametrize("maker", [False, True], ids=["computed", "dense_gemm"])
+def test_fp8_dense_layers_deliver_their_weight_gradients_into_the_ddp_sink(tmp_path, monkeypatch, maker):
+    """FP8 attention projections and LM head (``FP8Linear``, BF16 weight gradients) hand
+    their weight gradients to the DDP sink once a microbatch, as a computed gradient (CPU)
+    or, with ``DenseWeightGradient`` forced on CPU as the wiring sets it on CUDA, as the
+    dense GEMM's add; one step's gradients equal those with the sink off."""
+    if maker:
+        monkeypatch.setattr(wiring_module, "_dense_weight_gradient",
+                            lambda module, sink: None if sink is None else DenseWeightGradient)
+    cfg = load_config("tiny", [f"run_dir={tmp_path}", "mxfp8.targets=[attn.w?,head]",
+                               "mxfp8.recipe=fp8_rowwise_gw_hp", "model.tie_embeddings=false"])
+    with distributed("cpu"):
+        trainer = _trainer(cfg)
+        model = trainer.model
+        fp8 = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+        assert len(fp8) == 2 * 4 + 1
+        assert all(m.dense_weight_gradient is (DenseWeightGradient if maker else None) for m in fp8.values())
+        delivered: list[nn.Parameter] = []
+        add_gradient = trainer.ddp.add_gradient
+        monkeypatch.setattr(trainer.ddp, "add_gradient",
+                            lambda p, add: (delivered.append(p), add_gradient(p, add))[-1])
+        grads = []
+        for sink in (trainer.ddp, None):
+            wire_model(model, dataclasses.replace(trainer.wiring, gradient_sink=sink))
+            delivered.clear()
+            trainer.forward_backward(1)
+            grads.append({n: trainer.ddp.main_grad(n).clone() for n, _ in model.named_parameters()})
+            trainer.ddp.zero_grad()
+            fp8_delivered = [p for p in delivered if any(p is m.weight for m in fp8.values())]
+            want = len(fp8) * trainer.data.n_microbatches if sink is not None else 0
+            assert len(fp8_delivered) == want
         trainer.close()
     with_sink, without = grads
     for name, want in without.items():
