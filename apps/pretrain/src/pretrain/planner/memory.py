@@ -268,10 +268,13 @@ def not_modelled(req: PlanRequest) -> list[str]:
                  if isinstance(module, nn.Linear)
                  and any(name_matches(fqn, t) for t in req.mxfp8_targets)]
         if dense:
+            # FP8Linear's weight gradient takes the BF16 layers' route (the gradient sink);
+            # MXFP8Linear's returns through autograd in BF16
+            wgrad = ("weight gradients returned in BF16 (transient) and " if req.mxfp8_recipe == "mxfp8"
+                     else "")
             notes.append(f"mxfp8.targets on {len(dense)} dense layers (e.g. {dense[0]}): their "
-                         f"weight caches are planned; their GEMMs' {req.mxfp8_recipe} copies of "
-                         "the inputs and output gradients and their weight gradients returned "
-                         "in BF16 (transient) are not")
+                         f"weight caches are planned; their {wgrad}GEMMs' {req.mxfp8_recipe} copies "
+                         "of the inputs and output gradients (transient) are not")
     return notes
 
 
