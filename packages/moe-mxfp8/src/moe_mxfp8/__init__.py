@@ -62,7 +62,9 @@ from moe_mxfp8.format import (
 )
 from moe_mxfp8.fp8 import (
     FP8Tensor,
+    GroupColumnsLayout,
     dequantize_fp8,
+    group_columns_layout,
     quantize_fp8,
     quantize_fp8_reference,
     quantize_group_columns,
@@ -105,6 +107,8 @@ __all__ = [
     "encode_fp8_rows_reference",
     "fp8_native_available",
     "fp8_triton_available",
+    "GroupColumnsLayout",
+    "group_columns_layout",
     "quantize_fp8",
     "quantize_fp8_reference",
     "quantize_group_columns",

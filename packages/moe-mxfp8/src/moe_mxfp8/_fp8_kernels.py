@@ -321,9 +321,20 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], pow2: bool
     return data.view(torch.float8_e4m3fn), scale
 
 
+def group_columns_program_order(offsets: torch.Tensor) -> torch.Tensor | None:
+    """The groups in the order ``quantize_group_columns_t``'s programs take them: the
+    largest first (int32 ``[E]``, on the device) where the tile says so, else ``None``."""
+    if not _TILES["group_columns"].longest_first:
+        return None
+    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    return torch.argsort(sizes, descending=True, stable=True).to(torch.int32)
+
+
 def quantize_group_columns_t(x: torch.Tensor, offsets: torch.Tensor, padded_ends: torch.Tensor,
-                             width: int, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """See ``moe_mxfp8.fp8.quantize_group_columns``; returns ``(data_t [N, width], scale [E, N])``."""
+                             order: torch.Tensor | None, width: int, pow2: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """See ``moe_mxfp8.fp8.quantize_group_columns``; ``order``: ``group_columns_program_order``'s
+    (``None``: by index); returns ``(data_t [N, width], scale [E, N])``."""
     x = x.contiguous()
     R, N = x.shape
     E = offsets.shape[0]
@@ -331,10 +342,6 @@ def quantize_group_columns_t(x: torch.Tensor, offsets: torch.Tensor, padded_ends
     scale = torch.empty(E, N, dtype=torch.float32, device=x.device)
     if N and E:
         tile = _TILES["group_columns"]
-        order = None
-        if tile.longest_first:
-            sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
-            order = torch.argsort(sizes, descending=True, stable=True).to(torch.int32)
         _group_columns_kernel[(triton.cdiv(N, tile.cols), E)](
             _bits_view(x), x.stride(0), offsets, padded_ends, order, data_t.view(torch.int32),
             data_t.stride(0), scale, N, BR=tile.rows, BN=tile.cols, REVERSE=tile.reverse,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -204,8 +205,30 @@ def group_columns_width(rows: int, n_groups: int, align: int = GROUP_ALIGN) -> i
     return -(-rows // align) * align + n_groups * align
 
 
+class GroupColumnsLayout(NamedTuple):
+    """Where :func:`quantize_group_columns` puts the groups of one ``offsets``, on the device:
+    the padded group ends ``[E]`` int32 and, on the Triton path, the order its programs
+    take the groups in (``None``: by index). Every operand quantized over the same groups
+    (both operands of a weight gradient) can share one."""
+
+    padded_ends: torch.Tensor
+    program_order: torch.Tensor | None
+
+
+def group_columns_layout(offsets: torch.Tensor, backend: Backend = "auto") -> GroupColumnsLayout:
+    """The layout of the groups ``offsets`` (int32 ``[E]`` cumulative ends) for
+    :func:`quantize_group_columns` with ``backend``."""
+    order = None
+    if resolve_backend(backend, offsets.device):
+        from moe_mxfp8._fp8_kernels import group_columns_program_order
+
+        order = group_columns_program_order(offsets)
+    return GroupColumnsLayout(padded_group_ends(offsets), order)
+
+
 def quantize_group_columns(x: torch.Tensor, offsets: torch.Tensor, pow2: bool = True,
-                           backend: Backend = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           backend: Backend = "auto", layout: GroupColumnsLayout | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per expert segment and column of ``x [R, N]``: one scale over the segment's rows.
 
     Returns ``data_t [N, W]`` (E4M3, ``x``'s segments transposed, each starting at a
@@ -214,14 +237,17 @@ def quantize_group_columns(x: torch.Tensor, offsets: torch.Tensor, pow2: bool = 
     and the padded group ends ``[E]`` int32. Rows past ``offsets[-1]`` are ignored; an
     empty group's scales are those of a zero block. Offsets stay on the device (on the
     Triton path; :func:`quantize_group_columns_reference` reads them). ``backend`` as
-    :func:`quantize_fp8`'s.
+    :func:`quantize_fp8`'s. ``layout``: ``group_columns_layout(offsets, backend)``, made
+    once for several operands over the same offsets (not checked: that would read them on
+    the host); by default made here.
     """
     _check_columns_input(x, offsets)
     if not resolve_backend(backend, x.device):
         return quantize_group_columns_reference(x, offsets, pow2)
     from moe_mxfp8._fp8_kernels import quantize_group_columns_t
 
-    padded_ends = padded_group_ends(offsets)
+    layout = layout or group_columns_layout(offsets, backend)
     width = group_columns_width(x.shape[0], offsets.shape[0])
-    data_t, scale = quantize_group_columns_t(x, offsets, padded_ends, width, pow2)
-    return data_t, scale, padded_ends
+    data_t, scale = quantize_group_columns_t(x, offsets, layout.padded_ends, layout.program_order,
+                                             width, pow2)
+    return data_t, scale, layout.padded_ends

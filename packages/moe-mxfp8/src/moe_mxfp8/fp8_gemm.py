@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_mxfp8._triton_support import _interpreting, triton_available
-from moe_mxfp8.fp8 import FP8Tensor, quantize_group_columns
+from moe_mxfp8.fp8 import FP8Tensor, group_columns_layout, quantize_group_columns
 
 FP8_GEMMS = ("emulated", "native", "triton")
 
@@ -246,8 +246,9 @@ def fp8_grouped_wgrad(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch.Te
     ``gemm="triton"`` runs natively where that is available (module notes)."""
     if gemm not in FP8_GEMMS:
         raise ValueError(f"gemm must be one of {FP8_GEMMS}, got {gemm!r}")
-    dy_t, dy_scale, padded_ends = quantize_group_columns(dy_RN, offsets, pow2)
-    x_t, x_scale, _ = quantize_group_columns(x_RK, offsets, pow2)
+    layout = group_columns_layout(offsets)  # one for both operands: the same groups
+    dy_t, dy_scale, padded_ends = quantize_group_columns(dy_RN, offsets, pow2, layout=layout)
+    x_t, x_scale, _ = quantize_group_columns(x_RK, offsets, pow2, layout=layout)
     if gemm == "native" or (gemm == "triton" and fp8_native_available(dy_RN.device)):
         return torch._scaled_grouped_mm(
             dy_t, x_t.t(), dy_scale.reciprocal().view(-1), x_scale.reciprocal().view(-1),
