@@ -274,6 +274,43 @@ def _mx(x: torch.Tensor) -> torch.Tensor:
     return dequantize(*quantize(x, -1, backend="reference"), -1, dtype=torch.float32, backend="reference")
 
 
+def _recorded_deliveries(trainer, monkeypatch) -> list[nn.Parameter]:
+    """The parameters whose gradients the DDP sink is handed, in order (it still adds them)."""
+    delivered: list[nn.Parameter] = []
+    add_gradient = trainer.ddp.add_gradient
+    monkeypatch.setattr(trainer.ddp, "add_gradient",
+                        lambda p, add: (delivered.append(p), add_gradient(p, add))[-1])
+    return delivered
+
+
+def _one_step_main_grads(trainer) -> dict[str, torch.Tensor]:
+    """One step's forward and backward: the FP32 main grads it left (then zeroed)."""
+    trainer.forward_backward(1)
+    grads = {n: trainer.ddp.main_grad(n).clone() for n, _ in trainer.model.named_parameters()}
+    trainer.ddp.zero_grad()
+    return grads
+
+
+def _assert_sink_on_equals_off(with_sink: dict[str, torch.Tensor], without: dict[str, torch.Tensor]) -> None:
+    for name, want in without.items():
+        assert want.abs().sum() > 0, name
+        torch.testing.assert_close(with_sink[name], want, rtol=1e-5, atol=1e-7,
+                                   msg=f"{name} gradient, sink on vs off")
+
+
+def _steps_with_the_sink_on_and_off(trainer, monkeypatch, check) -> None:
+    """One step's gradients with the DDP sink wired, then with it off, equal;
+    ``check(sink, delivered)`` after each step (``delivered``: the parameters handed to it)."""
+    delivered = _recorded_deliveries(trainer, monkeypatch)
+    grads = []
+    for sink in (trainer.ddp, None):
+        wire_model(trainer.model, dataclasses.replace(trainer.wiring, gradient_sink=sink))
+        delivered.clear()
+        grads.append(_one_step_main_grads(trainer))
+        check(sink, delivered)
+    _assert_sink_on_equals_off(*grads)
+
+
 @pytest.mark.parametrize("targets", ["experts,attn.w?", "attn.wq"])
 def test_mxfp8_attention_projections_beside_the_dense_sink_route(tmp_path, monkeypatch, targets):
     """The dense layers' sink route forced on CPU (as on CUDA, ``moe_model.linear``): MXFP8
@@ -306,10 +343,7 @@ def test_mxfp8_attention_projections_beside_the_dense_sink_route(tmp_path, monke
         for name, module in mxfp8.items():
             module.register_forward_hook(
                 lambda _m, args, out, name=name: seen[name].append((args[0].detach(), out.detach())))
-        delivered: list[nn.Parameter] = []
-        add_gradient = trainer.ddp.add_gradient
-        monkeypatch.setattr(trainer.ddp, "add_gradient",
-                            lambda p, add: (delivered.append(p), add_gradient(p, add))[-1])
+        delivered = _recorded_deliveries(trainer, monkeypatch)
         grads = []
         for sink in (trainer.ddp, None):
             wire_model(model, dataclasses.replace(trainer.wiring, gradient_sink=sink))
@@ -317,9 +351,7 @@ def test_mxfp8_attention_projections_beside_the_dense_sink_route(tmp_path, monke
                 hooked.clear()
             calls.clear()
             delivered.clear()
-            trainer.forward_backward(1)
-            grads.append({n: trainer.ddp.main_grad(n).clone() for n, _ in model.named_parameters()})
-            trainer.ddp.zero_grad()
+            grads.append(_one_step_main_grads(trainer))
             for name, hooked in seen.items():
                 assert len(hooked) == n_micro, f"{name}: MXFP8Linear called {len(hooked)} times"
                 w = _mx(mxfp8[name].weight.detach().bfloat16().float())  # the cache's rule
@@ -343,11 +375,7 @@ def test_mxfp8_attention_projections_beside_the_dense_sink_route(tmp_path, monke
             else:
                 assert not delivered
         trainer.close()
-    with_sink, without = grads
-    for name, want in without.items():
-        assert want.abs().sum() > 0, name
-        torch.testing.assert_close(with_sink[name], want, rtol=1e-5, atol=1e-7,
-                                   msg=f"{name} gradient, sink on vs off")
+    _assert_sink_on_equals_off(*grads)
 
 
 @pytest.mark.parametrize("maker", [False, True], ids=["computed", "dense_gemm"])
@@ -367,26 +395,13 @@ def test_fp8_dense_layers_deliver_their_weight_gradients_into_the_ddp_sink(tmp_p
         fp8 = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
         assert len(fp8) == 2 * 4 + 1
         assert all(m.dense_weight_gradient is (DenseWeightGradient if maker else None) for m in fp8.values())
-        delivered: list[nn.Parameter] = []
-        add_gradient = trainer.ddp.add_gradient
-        monkeypatch.setattr(trainer.ddp, "add_gradient",
-                            lambda p, add: (delivered.append(p), add_gradient(p, add))[-1])
-        grads = []
-        for sink in (trainer.ddp, None):
-            wire_model(model, dataclasses.replace(trainer.wiring, gradient_sink=sink))
-            delivered.clear()
-            trainer.forward_backward(1)
-            grads.append({n: trainer.ddp.main_grad(n).clone() for n, _ in model.named_parameters()})
-            trainer.ddp.zero_grad()
+
+        def check(sink, delivered):
             fp8_delivered = [p for p in delivered if any(p is m.weight for m in fp8.values())]
-            want = len(fp8) * trainer.data.n_microbatches if sink is not None else 0
-            assert len(fp8_delivered) == want
+            assert len(fp8_delivered) == (len(fp8) * trainer.data.n_microbatches if sink else 0)
+
+        _steps_with_the_sink_on_and_off(trainer, monkeypatch, check)
         trainer.close()
-    with_sink, without = grads
-    for name, want in without.items():
-        assert want.abs().sum() > 0, name
-        torch.testing.assert_close(with_sink[name], want, rtol=1e-5, atol=1e-7,
-                                   msg=f"{name} gradient, sink on vs off")
 
 
 @pytest.mark.parametrize("overrides, status, message", [
@@ -543,7 +558,7 @@ def test_a_failure_after_a_checkpoint_commit_warns_and_training_goes_on(tmp_path
     assert "resumed after step 4" in capsys.readouterr().out
 
 
-def test_fp8_experts_take_the_gradient_sink_and_match_autograd(tmp_path):
+def test_fp8_experts_take_the_gradient_sink_and_match_autograd(tmp_path, monkeypatch):
     """``mxfp8.recipe=fp8_rowwise``: the FP8 experts are wired to the DDP sink, and their
     weight gradients through it equal autograd's route (the sink removed)."""
     from moe_mxfp8.fp8_experts import FP8GroupedExperts
@@ -554,22 +569,13 @@ def test_fp8_experts_take_the_gradient_sink_and_match_autograd(tmp_path):
         model = trainer.model
         experts = [m for m in model.modules() if isinstance(m, FP8GroupedExperts)]
         assert experts and all(m.grad_sink is trainer.ddp for m in experts)
-        delivered: list[nn.Parameter] = []
-        add_gradient = trainer.ddp.add_gradient
-        trainer.ddp.add_gradient = lambda p, add: (delivered.append(p), add_gradient(p, add))[-1]
-        grads = []
-        for sink in (trainer.ddp, None):
-            wire_model(model, dataclasses.replace(trainer.wiring, gradient_sink=sink))
-            delivered.clear()
-            trainer.forward_backward(1)
-            grads.append({n: trainer.ddp.main_grad(n).clone() for n, _ in model.named_parameters()})
-            trainer.ddp.zero_grad()
-            expert_weights = {id(w) for m in experts for w in (m.w1, m.w3, m.w2)}
+        expert_weights = {id(w) for m in experts for w in (m.w1, m.w3, m.w2)}
+
+        def check(sink, delivered):
             assert expert_weights <= {id(p) for p in delivered} if sink is not None else not delivered
+
+        _steps_with_the_sink_on_and_off(trainer, monkeypatch, check)
         trainer.close()
-    with_sink, without = grads
-    for name, want in without.items():
-        torch.testing.assert_close(with_sink[name], want, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_fp8_recipes_convert_the_targeted_dense_layers_and_train(tmp_path):
