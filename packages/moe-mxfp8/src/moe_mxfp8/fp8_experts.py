@@ -164,7 +164,6 @@ WeightGradientMaker = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.
                                Callable[[torch.Tensor], None]]
 
 
-
 class _FP8ExpertsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows_RD: torch.Tensor, offsets_E: torch.Tensor, w1: torch.Tensor,
