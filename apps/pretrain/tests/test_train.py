@@ -21,7 +21,6 @@ import torch
 from moe_model import layers as layers_module
 from moe_model import linear as linear_module
 from moe_model import wire_model
-from moe_model import wiring as wiring_module
 from moe_model.linear import DenseWeightGradient, Linear
 from moe_mxfp8 import FP8Linear, MXFP8Linear, dequantize, quantize
 from pretrain.cli import main
@@ -378,23 +377,20 @@ def test_mxfp8_attention_projections_beside_the_dense_sink_route(tmp_path, monke
     _assert_sink_on_equals_off(*grads)
 
 
-@pytest.mark.parametrize("maker", [False, True], ids=["computed", "dense_gemm"])
-def test_fp8_dense_layers_deliver_their_weight_gradients_into_the_ddp_sink(tmp_path, monkeypatch, maker):
-    """FP8 attention projections and LM head (``FP8Linear``, BF16 weight gradients) hand
-    their weight gradients to the DDP sink once a microbatch, as a computed gradient (CPU)
-    or, with ``DenseWeightGradient`` forced on CPU as the wiring sets it on CUDA, as the
-    dense GEMM's add; one step's gradients equal those with the sink off."""
-    if maker:
-        monkeypatch.setattr(wiring_module, "_dense_weight_gradient",
-                            lambda module, sink: None if sink is None else DenseWeightGradient)
+@pytest.mark.parametrize("recipe", ["fp8_rowwise_gw_hp", "fp8_rowwise"])
+def test_fp8_dense_layers_deliver_their_weight_gradients_into_the_ddp_sink(tmp_path, monkeypatch, recipe):
+    """FP8 attention projections and LM head (``FP8Linear``) hand their weight gradients to
+    the DDP sink once a microbatch: BF16 gradients as the wired ``DenseWeightGradient``'s
+    GEMM, ``fp8_rowwise``'s FP8 gradient computed by the layer; one step's gradients equal
+    those with the sink off."""
     cfg = load_config("tiny", [f"run_dir={tmp_path}", "mxfp8.targets=[attn.w?,head]",
-                               "mxfp8.recipe=fp8_rowwise_gw_hp", "model.tie_embeddings=false"])
+                               f"mxfp8.recipe={recipe}", "model.tie_embeddings=false"])
     with distributed("cpu"):
         trainer = _trainer(cfg)
         model = trainer.model
         fp8 = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
         assert len(fp8) == 2 * 4 + 1
-        assert all(m.dense_weight_gradient is (DenseWeightGradient if maker else None) for m in fp8.values())
+        assert all(m.dense_weight_gradient is DenseWeightGradient for m in fp8.values())
 
         def check(sink, delivered):
             fp8_delivered = [p for p in delivered if any(p is m.weight for m in fp8.values())]

@@ -50,16 +50,9 @@ class ForeignDense(nn.Module):
         self.dense_weight_gradient = None
 
 
-class OnCuda:
-    is_cuda = True
-
-
-def test_a_foreign_dense_layer_gets_the_dense_weight_gradient_on_cuda_only(monkeypatch):
+def test_a_foreign_dense_layer_gets_the_dense_weight_gradient_where_a_sink_is_wired():
     layer, sink = ForeignDense(), Sink()
-    wire_model(layer, ModelWiring(gradient_sink=sink))  # CPU: the layer computes, the sink adds
-    assert layer.grad_sink is sink and layer.dense_weight_gradient is None
-    monkeypatch.setattr(ForeignDense, "parameters", lambda self: iter([OnCuda()]))
     wire_model(layer, ModelWiring(gradient_sink=sink))
-    assert layer.dense_weight_gradient is DenseWeightGradient
-    wire_model(layer, ModelWiring())
+    assert layer.grad_sink is sink and layer.dense_weight_gradient is DenseWeightGradient
+    wire_model(layer, ModelWiring())  # unwired: autograd's gradient, nothing made
     assert layer.grad_sink is None and layer.dense_weight_gradient is None

@@ -17,8 +17,8 @@ the fused kernels: the add then runs the Triton weight-gradient kernel that adds
 FP32 main grad in its epilogue and merges microbatches, as for ``GroupedExperts``; where
 it declares ``dense_weight_gradient`` (a maker of a sink's add from a dense weight
 gradient's operands, ``(x_MK, dy_MN) -> add``: moe_mxfp8's ``FP8Linear``), this
-package's ``DenseWeightGradient`` when a sink is wired and its parameters are on CUDA
-(cuBLAS's GEMM with FP32 output adds into the main grad, as for ``Linear``).
+package's ``DenseWeightGradient`` when a sink is wired: on CUDA cuBLAS's GEMM with FP32
+output adds into the main grad, as for ``Linear``; elsewhere its product is added.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def wire_model(model: nn.Module, wiring: ModelWiring) -> None:
             if "weight_gradient" in vars(module):
                 module.weight_gradient = _kernel_weight_gradient(module, wiring.gradient_sink)
             if "dense_weight_gradient" in vars(module):
-                module.dense_weight_gradient = _dense_weight_gradient(module, wiring.gradient_sink)
+                module.dense_weight_gradient = None if wiring.gradient_sink is None else DenseWeightGradient
         elif isinstance(module, MoELayer):
             module.aux_loss_scale = wiring.aux_loss_scale
             module.count_reducer = wiring.count_reducer
@@ -97,12 +97,3 @@ def _kernel_weight_gradient(module: nn.Module, sink: GradientSink | None
         return None
     return ExpertWeightGradient.from_rows
 
-
-def _dense_weight_gradient(module: nn.Module, sink: GradientSink | None
-                           ) -> type[DenseWeightGradient] | None:
-    """``DenseWeightGradient`` for a dense layer of another package whose weight gradient
-    goes into ``sink`` on CUDA (``linear.sink_takes_dense``'s condition), else ``None``."""
-    param = next(module.parameters(), None)
-    if sink is None or param is None or not param.is_cuda:
-        return None
-    return DenseWeightGradient

@@ -24,7 +24,7 @@ gradient goes to the sink as an add into its FP32 accumulator and ``weight.grad`
 recipes whose weight gradient runs in the compute dtype (``FP8Recipe.fp8_wgrad`` false),
 ``dense_weight_gradient(x_MK, dy_MN)``, when set, makes that add from the operands
 (``target += dy^T @ x`` in the weight's storage order): the model's wiring sets it to
-``moe_model.linear.DenseWeightGradient`` on CUDA, one cuBLAS GEMM with FP32 output
+``moe_model.linear.DenseWeightGradient``, on CUDA one cuBLAS GEMM with FP32 output
 adding into the main grad (the LM head at ``bench-1gpu``'s shapes: 4.64 ms per
 microbatch against 4.98 for a BF16 gradient that the wrapper then re-reads and adds,
 ``moe_model.linear``). Unset, the layer computes the gradient and the sink adds it.
