@@ -24,7 +24,9 @@
    scales (promoted and fast) and DeepSeek-V3's blockwise ones. Unless ``--no-tile-sweep``,
    also each tile of ``FP8_GEMM_TILE_CANDIDATES``, checked against the emulated GEMM first.
 3. Quantize kernels on the dispatched rows ``[131072, 2048]`` BF16 and the gate/up weight
-   ``[64, 2048, 2048]``, and the FP8 row codec's kernels (``encode_fp8_rows``: BF16 rows to
+   ``[64, 2048, 2048]`` (also both rowwise copies of it written into a cache, as the
+   weight refresh does, against concatenating, transposing and copying), and the FP8 row
+   codec's kernels (``encode_fp8_rows``: BF16 rows to
    packed ``uint8[R, D + 4]``; ``decode_fp8_rows``: packed to BF16), each beside its
    reference on the same GPU (several torch passes), with a device copy of the rows
    measured in the same run as the ceiling; bandwidth counts the bytes a kernel must read
@@ -335,6 +337,7 @@ def bench_kernels(args) -> dict:
         encode_fp8_rows_reference,
         quantize_fp8,
         quantize_group_columns,
+        quantize_weight_rowwise,
     )
 
     rows_n = args.tokens * args.top_k
@@ -346,6 +349,18 @@ def bench_kernels(args) -> dict:
     out = torch.empty_like(x)
     packed = encode_fp8_rows(x)
     wide = torch.randn(8192, 100352, device="cuda", dtype=torch.bfloat16)
+    # the gate/up weight cache's refresh in place: both copies of [w1; w3] written into the
+    # cache's tensors, and the way without quantize_weight_rowwise (concatenate, transpose in
+    # BF16, quantize each, copy into the cache); both counted as the bytes that must move
+    gate, up = w[:, :args.hidden].contiguous(), w[:, args.hidden:].contiguous()
+    cache = quantize_weight_rowwise([gate, up])
+
+    def copies_through_transpose():
+        whole = torch.cat([gate, up], dim=-2)
+        for dst, src in ((cache[0], whole), (cache[1], whole.mT.contiguous())):
+            q = quantize_fp8(src, (1, 0), True)
+            dst.data.copy_(q.data)
+            dst.scale.copy_(q.scale)
     cases = {
         "device copy (ceiling)": (lambda: out.copy_(x), 4 * n),
         "rowwise rows [R, D]": (lambda: quantize_fp8(x, (1, 0), True), 3 * n + 4 * rows_n),
@@ -359,6 +374,9 @@ def bench_kernels(args) -> dict:
         "rowwise rows [8192, 100352]": (lambda: quantize_fp8(wide, (1, 0), True),
                                         3 * wide.numel() + 4 * wide.shape[0]),
         "128x128 weight [E, 2F, D]": (lambda: quantize_fp8(w, (128, 128), False), 3 * nw),
+        "rowwise weight copies, gate and up [E, 2F, D]": (
+            lambda: quantize_weight_rowwise([gate, up], True, out=cache), 4 * nw),
+        "the same through a BF16 transpose": (copies_through_transpose, 4 * nw),
         # the row codec: BF16 rows <-> packed uint8 [R, D + 4], the kernel and the reference
         "row codec encode [R, D]": (lambda: encode_fp8_rows(x), 3 * n + 4 * rows_n),
         "row codec encode, reference": (lambda: encode_fp8_rows_reference(x), 3 * n + 4 * rows_n),

@@ -18,7 +18,9 @@ from moe_mxfp8 import (  # noqa: E402
     encode_fp8_rows_reference,
     group_columns_layout,
     quantize_fp8,
+    quantize_fp8_reference,
     quantize_group_columns,
+    quantize_weight_rowwise,
     swiglu,
     swiglu_backward,
     swiglu_backward_quantized,
@@ -115,6 +117,38 @@ def cases():
         return total
 
     yield "wide_rows", wide_rows
+    for dname, dtype in DTYPES.items():
+        def weight_rowwise(dtype=dtype):
+            """Both copies of one weight or of gate and up, against quantizing their
+            concatenation and its transpose: the column kernel with word stores (M a multiple
+            of 4) and byte stores, tiles cut by the rows and both walking orders, the
+            transposed-copy fallback (too few column strips), and into given copies."""
+            from moe_mxfp8 import _fp8_kernels as k
+
+            total = 0
+            saved = k._TILES["group_columns"], k.WEIGHT_COLUMNS_MIN_PROGRAMS
+            cases = [((3, 8, 64), (3, 12, 64)), ((37, 77),), ((2, 5, 40), (2, 6, 40))]
+            try:
+                for tile, min_programs in ((saved[0], 1), (k.ColumnTile(16, 32, 1), 1),
+                                           (k.ColumnTile(8, 16, 2, True), 1), (saved[0], saved[1])):
+                    k._TILES["group_columns"], k.WEIGHT_COLUMNS_MIN_PROGRAMS = tile, min_programs
+                    for i, shapes in enumerate(cases):
+                        parts = [sample(shape, dtype, seed=20 + i + j) for j, shape in enumerate(shapes)]
+                        weight = torch.cat(parts, dim=-2)
+                        for pow2 in (True, False):
+                            want = (quantize_fp8_reference(weight, (1, 0), pow2),
+                                    quantize_fp8_reference(weight.mT.contiguous(), (1, 0), pow2))
+                            fresh = quantize_weight_rowwise(parts, pow2, backend="triton")
+                            into = quantize_weight_rowwise(parts, not pow2, backend="triton")
+                            got = quantize_weight_rowwise(parts, pow2, out=into, backend="triton")
+                            total += int(not (got[0] is into[0] and got[1] is into[1]))
+                            for g, w in [*zip(fresh, want, strict=True), *zip(got, want, strict=True)]:
+                                total += mismatches(g.data, w.data) + mismatches(g.scale, w.scale)
+            finally:
+                k._TILES["group_columns"], k.WEIGHT_COLUMNS_MIN_PROGRAMS = saved
+            return total
+
+        yield f"weight_rowwise/{dname}", weight_rowwise
     for dname, dtype in DTYPES.items():
         def codec_encode(dtype=dtype):
             total = 0

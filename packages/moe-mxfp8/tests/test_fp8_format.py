@@ -2,7 +2,14 @@
 
 import pytest
 import torch
-from moe_mxfp8 import FP8RowCodec, FP8Tensor, dequantize_fp8, quantize_fp8, quantize_group_columns
+from moe_mxfp8 import (
+    FP8RowCodec,
+    FP8Tensor,
+    dequantize_fp8,
+    quantize_fp8,
+    quantize_group_columns,
+    quantize_weight_rowwise,
+)
 
 torchao_float8 = pytest.importorskip("torchao.float8.float8_utils")
 from torchao.float8.config import ScalingGranularity  # noqa: E402
@@ -65,6 +72,37 @@ def test_rowwise_matches_torchao(dtype, pow2):
     data, scale = torchao_axiswise(w, -2, pow2)
     assert mismatches(q.data, data.transpose(-2, -1)) == 0
     assert mismatches(q.scale, scale.transpose(-2, -1)) == 0
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_weight_rowwise_copies_match_torchao_along_both_axes_of_gate_and_up(pow2):
+    """Rows scaled along ``in`` and the transpose along ``out``, over gate and up as one
+    weight (the adversarial rows fall in both parts); written into given copies."""
+    w = adversarial(60, 40, torch.bfloat16, seed=2).view(3, 20, 40)
+    gate, up = w[:, :8], w[:, 8:]
+    rows, cols = quantize_weight_rowwise([gate, up], pow2, backend="reference")
+    assert rows.block == cols.block == (1, 0) and cols.data.shape == (3, 40, 20)
+    data, scale = torchao_axiswise(w, -1, pow2)
+    assert mismatches(rows.data, data) == 0 and mismatches(rows.scale, scale) == 0
+    data, scale = torchao_axiswise(w, -2, pow2)
+    assert mismatches(cols.data, data.transpose(-2, -1)) == 0
+    assert mismatches(cols.scale, scale.transpose(-2, -1)) == 0
+    into = quantize_weight_rowwise([w], not pow2, backend="reference")
+    got = quantize_weight_rowwise([w], pow2, out=into, backend="reference")
+    assert got[0] is into[0] and got[1] is into[1]
+    for g, want in zip(got, (rows, cols), strict=True):
+        assert mismatches(g.data, want.data) == 0 and mismatches(g.scale, want.scale) == 0
+
+
+def test_weight_rowwise_bad_input_names_the_argument():
+    w = torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match="parts: one or two"):
+        quantize_weight_rowwise([w, w, w])
+    with pytest.raises(ValueError, match="parts: one dtype"):
+        quantize_weight_rowwise([w, torch.randn(2, 4, 6)])
+    rows, cols = quantize_weight_rowwise([w])
+    with pytest.raises(ValueError, match="out cols"):
+        quantize_weight_rowwise([w], out=(rows, rows))
 
 
 def test_non_finite_rows_dequantize_to_nan_and_zero_rows_stay_zero():

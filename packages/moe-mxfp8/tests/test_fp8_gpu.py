@@ -88,6 +88,24 @@ def test_group_columns_bit_exact_at_real_sizes(pow2):
     assert mismatches(dt[:, :used], dr[:, :used]) == 0
 
 
+@pytest.mark.parametrize("pow2", [True, False])
+def test_weight_rowwise_copies_bit_exact_at_real_sizes(pow2):
+    """Gate and up of 64 experts (the column kernel, word stores), one down weight, an odd
+    stack (byte stores) and an LM head (the transposed-copy fallback), into given copies."""
+    from moe_mxfp8 import quantize_weight_rowwise
+
+    for i, shapes in enumerate((((64, 1024, 2048), (64, 1024, 2048)), ((64, 2048, 1024),),
+                                ((8, 333, 520), (8, 77, 520)), ((100352, 2048),))):
+        parts = [sample(shape, torch.bfloat16, seed=i + j) for j, shape in enumerate(shapes)]
+        weight = torch.cat(parts, dim=-2)
+        want = (quantize_fp8(weight, (1, 0), pow2, backend="reference"),
+                quantize_fp8(weight.mT.contiguous(), (1, 0), pow2, backend="reference"))
+        into = quantize_weight_rowwise(parts, not pow2)
+        for got in (quantize_weight_rowwise(parts, pow2), quantize_weight_rowwise(parts, pow2, out=into)):
+            for g, w in zip(got, want, strict=True):
+                assert mismatches(g.data, w.data) == 0 and mismatches(g.scale, w.scale) == 0, shapes
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_swiglu_quantization_equals_the_unfused_kernels(dtype):
     from moe_mxfp8.swiglu import (

@@ -32,6 +32,7 @@ def _case_names() -> list[str]:
     for dname in ("f32", "bf16", "f16"):
         names += [f"group_columns/{dname}/pow2={p}" for p in (True, False)]
     names += ["group_columns/many_experts", "wide_rows"]
+    names += [f"weight_rowwise/{dname}" for dname in ("f32", "bf16", "f16")]
     names += [f"codec/{way}/{dname}" for dname in ("f32", "bf16", "f16") for way in ("encode", "decode")]
     return names + ["small_tiles"] + [f"{k}/{d}" for k in ("swiglu", "swiglu_quantized")
                                       for d in ("f32", "bf16")]

@@ -21,6 +21,10 @@ hardware and the interpreter).
   16-aligned slot of ``[N, W]`` (zeros in the padding), four slots' bytes per 32-bit word
   so that the transpose moves words; the busiest experts' programs start first. Offsets
   are read on the device.
+- ``quantize_weight_cols_t``: the same two passes per (matrix, column strip) of a weight
+  stack ``[B, M, K]`` given as one or two parts along ``M`` (gate and up), written into
+  ``[B, K, M]``: the input-gradient copy of a rowwise FP8 weight without the BF16
+  concatenation and transpose.
 
 Exactness: the scale is ``448 / amax`` divided in FP64 (IEEE on the GPU: ``div.rn.f64``)
 and rounded once to FP32; the ``1e-12`` floor is applied by comparing FP32 bit patterns
@@ -224,6 +228,66 @@ def _group_columns_kernel(
                  mask=col_ok[:, None] & (words < p_end // 4)[None, :])
 
 
+@triton.jit
+def _load_two_parts(a_ptr, sa_m, b_ptr, sb_m, M_A, rows, cols, mask, IN_BF16: tl.constexpr):
+    """``|x|`` bits and signs at ``rows`` x ``cols`` of two parts stacked along the rows
+    (rows below ``M_A`` from the first); masked loads, so each element is read once."""
+    in_a = (rows < M_A)[:, None]
+    abs_a, sign_a = _load_abs_sign(a_ptr + rows[:, None] * sa_m + cols[None, :], mask & in_a,
+                                   IN_BF16)
+    rows_b = tl.maximum(rows - M_A, 0)
+    abs_b, sign_b = _load_abs_sign(b_ptr + rows_b[:, None] * sb_m + cols[None, :],
+                                   mask & ~in_a, IN_BF16)
+    return tl.where(in_a, abs_a, abs_b), tl.where(in_a, sign_a, sign_b)
+
+
+@triton.jit
+def _weight_columns_kernel(
+    a_ptr, sa_b, sa_m, b_ptr, sb_b, sb_m, M_A, d_ptr, sd_b, sd_k, s_ptr, ss_b, M, K,
+    BR: tl.constexpr, BN: tl.constexpr, REVERSE: tl.constexpr, WORDS: tl.constexpr,
+    POW2: tl.constexpr, IN_BF16: tl.constexpr, EPS_BITS: tl.constexpr,
+    SCALE_AT_EPS: tl.constexpr,
+):
+    pid_k, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    a_ptr += b * sa_b
+    b_ptr += b * sb_b
+    cols = pid_k * BN + tl.arange(0, BN)
+    col_ok = cols < K
+    running = tl.zeros([BR, BN], tl.uint32)  # reduced once, after the loop
+    for r0 in range(0, M, BR):
+        rows = (r0 + tl.arange(0, BR)).to(tl.int64)
+        mask = (rows < M)[:, None] & col_ok[None, :]
+        abs_bits, _ = _load_two_parts(a_ptr, sa_m, b_ptr, sb_m, M_A, rows, cols, mask, IN_BF16)
+        running = tl.maximum(running, abs_bits)
+    scale = _scale(tl.max(running, axis=0), POW2, EPS_BITS, SCALE_AT_EPS)
+    tl.store(s_ptr + b * ss_b + cols, scale, mask=col_ok)
+    n_tiles = tl.cdiv(M, BR)
+    for t in range(0, n_tiles):
+        r0 = (n_tiles - 1 - t if REVERSE else t) * BR
+        if WORDS:  # four rows' bytes per 32-bit word, as _group_columns_kernel's
+            words = (r0 // 4 + tl.arange(0, BR // 4)).to(tl.int64)
+            w = tl.zeros([BR // 4, BN], tl.uint32)
+            for j in tl.static_range(4):
+                rows = words * 4 + j
+                mask = (rows < M)[:, None] & col_ok[None, :]
+                abs_bits, sign = _load_two_parts(a_ptr, sa_m, b_ptr, sb_m, M_A, rows, cols,
+                                                 mask, IN_BF16)
+                q = tl.where(mask, _encode(abs_bits, sign, scale[None, :]), 0).to(tl.uint32)
+                w = w | (q << (8 * j))
+            ptrs = (d_ptr + b * (sd_b // 4) + cols.to(tl.int64)[:, None] * (sd_k // 4)
+                    + words[None, :])
+            tl.store(ptrs, tl.trans(w).to(tl.int32, bitcast=True),
+                     mask=col_ok[:, None] & (words < M // 4)[None, :])
+        else:
+            rows = (r0 + tl.arange(0, BR)).to(tl.int64)
+            mask = (rows < M)[:, None] & col_ok[None, :]
+            abs_bits, sign = _load_two_parts(a_ptr, sa_m, b_ptr, sb_m, M_A, rows, cols, mask,
+                                             IN_BF16)
+            q = _encode(abs_bits, sign, scale[None, :])
+            tl.store(d_ptr + b * sd_b + cols.to(tl.int64)[:, None] * sd_k + rows[None, :],
+                     tl.trans(q), mask=col_ok[:, None] & (rows < M)[None, :])
+
+
 _CONSTS = dict(EPS_BITS=_EPS_BITS, SCALE_AT_EPS=_SCALE_AT_EPS)
 
 
@@ -290,16 +354,22 @@ def _block_kind(block: tuple[int, int]) -> str:
     return "blocks" if block[0] > 1 else "rows" if block[1] == 0 else "tiles"
 
 
-def quantize_blocks(x: torch.Tensor, block: tuple[int, int], pow2: bool
+def quantize_blocks(x: torch.Tensor, block: tuple[int, int], pow2: bool,
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., M, N]`` -> (E4M3 data, FP32 scales ``[..., ceil(M/bm), ceil(N/bn)]``)."""
+    """``x [..., M, N]`` -> (E4M3 data, FP32 scales ``[..., ceil(M/bm), ceil(N/bn)]``);
+    ``out``: write into these (views of those shapes whose leading dims merge, e.g. rows
+    of a larger copy) and return them."""
     bm, bn = block
     x = x.contiguous()
     M, N = x.shape[-2:]
     B = math.prod(x.shape[:-2])
     n_cols = -(-N // bn) if bn else 1
-    data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    scale = torch.empty(*x.shape[:-2], -(-M // bm), n_cols, dtype=torch.float32, device=x.device)
+    if out is None:
+        data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+        scale = torch.empty(*x.shape[:-2], -(-M // bm), n_cols, dtype=torch.float32, device=x.device)
+    else:
+        data, scale = out[0].view(torch.uint8), out[1]
     if x.numel() == 0:
         return data.view(torch.float8_e4m3fn), scale.fill_(_SCALE_AT_EPS if M and not N else 0)
     tile = _TILES[_block_kind(block)]
@@ -309,7 +379,8 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], pow2: bool
     chunk = tile.chunk_rows if bm > 1 else 0
     if not bn and width > ROW_WIDTH_MAX:  # a whole row no longer fits a program's registers
         tile, width, rows, chunk = WIDE_ROWS, WIDE_ROWS.elements, 1, WIDE_ROWS.elements
-    x3, d3, s3 = (t.reshape(B, t.shape[-2], t.shape[-1]) for t in (_bits_view(x), data, scale))
+    # views: a reshape that copied would drop the writes into ``out``
+    x3, d3, s3 = (t.view(B, t.shape[-2], t.shape[-1]) for t in (_bits_view(x), data, scale))
     grid = (triton.cdiv(M, rows), triton.cdiv(n_cols, groups), B)
     _quantize_blocks_kernel[grid](
         x3, x3.stride(0), x3.stride(1), d3, d3.stride(0), d3.stride(1),
@@ -350,3 +421,37 @@ def quantize_group_columns_t(x: torch.Tensor, offsets: torch.Tensor, padded_ends
             num_warps=tile.warps, enable_fp_fusion=False, **_CONSTS,
         )
     return data_t.view(torch.float8_e4m3fn), scale
+
+
+# Fewer programs than this (one per column strip and stacked matrix) leave most SMs idle
+# while each walks a whole strip: an LM head [100352, 2048] would get 64. Such weights take
+# the transposed copy and the row kernel instead (quantize_weight_cols_t returns False).
+WEIGHT_COLUMNS_MIN_PROGRAMS = 256
+
+
+def quantize_weight_cols_t(parts: list[torch.Tensor], data: torch.Tensor, scale: torch.Tensor,
+                           pow2: bool) -> bool:
+    """``cat(parts, dim=-2)`` (one or two ``[..., M_i, K]``) scaled per column along its
+    ``M`` rows, written transposed into ``data [..., K, M]`` and ``scale [..., K, 1]``
+    (views whose leading dims merge) without building the concatenation or the transpose.
+    Returns False, writing nothing, where the weight has too few column strips for this
+    kernel (``WEIGHT_COLUMNS_MIN_PROGRAMS``) or no elements."""
+    a, b = parts[0].contiguous(), parts[-1].contiguous()
+    M_A, K = a.shape[-2], a.shape[-1]
+    M = M_A + (b.shape[-2] if len(parts) == 2 else 0)
+    B = math.prod(a.shape[:-2])
+    tile = _TILES["group_columns"]
+    if B * triton.cdiv(K, tile.cols) < WEIGHT_COLUMNS_MIN_PROGRAMS or M * K == 0:
+        return False
+    a3, b3 = (_bits_view(t).view(B, t.shape[-2], K) for t in (a, b))
+    d3, s3 = data.view(torch.uint8).view(B, K, M), scale.view(B, K)
+    words = (M % 4 == 0 and d3.stride(0) % 4 == 0 and d3.stride(1) % 4 == 0
+             and d3.data_ptr() % 4 == 0)
+    _weight_columns_kernel[(triton.cdiv(K, tile.cols), B)](
+        a3, a3.stride(0), a3.stride(1), b3, b3.stride(0), b3.stride(1), M_A if len(parts) == 2 else M,
+        d3.view(torch.int32) if words else d3, d3.stride(0), d3.stride(1), s3, s3.stride(0), M, K,
+        BR=tile.rows, BN=tile.cols, REVERSE=tile.reverse, WORDS=words, POW2=pow2,
+        IN_BF16=a.dtype == torch.bfloat16,
+        num_warps=tile.warps, enable_fp_fusion=False, **_CONSTS,
+    )
+    return True

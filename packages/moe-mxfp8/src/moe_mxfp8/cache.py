@@ -32,6 +32,11 @@ CACHE_SOURCE_DTYPE = torch.bfloat16  # the compute-weight dtype the cache is der
 Params = tuple[nn.Parameter, ...]
 
 
+def cat_parts(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The weight ``cat(parts, dim=-2)`` (no copy for one part)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+
+
 def _stamp(params: Params) -> tuple[tuple[int, int, int, torch.device], ...]:
     return tuple((id(p), p.data_ptr(), p._version, p.device) for p in params)
 
@@ -66,26 +71,29 @@ class WeightCache:
         self._stamp: tuple[tuple[int, int, int, torch.device], ...] = ()
         self.refresh(params)
 
-    def _derive(self, weight: torch.Tensor) -> tuple[Any, Any]:
-        """``(rows, cols)`` of the BF16 weight ``[..., out, in]``."""
+    def _derive(self, parts: list[torch.Tensor], into: tuple[Any, Any] | None) -> tuple[Any, Any]:
+        """``(rows, cols)`` of the BF16 weight ``cat(parts, dim=-2)`` ``[..., out, in]``.
+        ``into``: the current copies, when refreshing in place; a subclass may write the new
+        values into them and return them (no second copy), or return new ones."""
         raise NotImplementedError
 
     @torch.no_grad()
     def refresh(self, params: Params, in_place: bool = False) -> None:
         """Re-derive both orientations from the current weight values.
 
-        ``in_place``: copy the new values into the current cache tensors where shapes,
-        dtypes and devices are unchanged, so their addresses stay (what a captured CUDA
-        graph reads); a backward of a forward run before the refresh then sees the new
-        values. Otherwise the cache gets new tensors.
+        ``in_place``: keep the current cache tensors where shapes, dtypes and devices are
+        unchanged, so their addresses stay (what a captured CUDA graph reads), writing the
+        new values into them; a backward of a forward run before the refresh then sees the
+        new values. Otherwise the cache gets new tensors.
         """
-        ps = [p.detach().to(CACHE_SOURCE_DTYPE) for p in params]
-        weight = ps[0] if len(ps) == 1 else torch.cat(ps, dim=-2)
-        rows, cols = self._derive(weight)
-        if in_place and _same_layout((self.rows, self.cols), (rows, cols)):
-            for old, new in zip(_tensors((self.rows, self.cols)), _tensors((rows, cols)), strict=True):
+        parts = [p.detach().to(CACHE_SOURCE_DTYPE) for p in params]
+        into = (self.rows, self.cols) if in_place and self.rows is not None else None
+        rows, cols = self._derive(parts, into)
+        written = into is not None and rows is into[0] and cols is into[1]
+        if not written and into is not None and _same_layout(into, (rows, cols)):
+            for old, new in zip(_tensors(into), _tensors((rows, cols)), strict=True):
                 old.copy_(new)
-        else:
+        elif not written:
             self.rows, self.cols = rows, cols
         self._stamp = _stamp(params)
 
@@ -111,5 +119,6 @@ class MXFP8WeightCache(WeightCache):
         self.block_size = block_size
         super().__init__(params)
 
-    def _derive(self, weight: torch.Tensor) -> tuple[MXFP8Tensor, MXFP8Tensor]:
-        return quantize_rows_and_cols(weight, self.block_size)
+    def _derive(self, parts: list[torch.Tensor], into: tuple[Any, Any] | None
+                ) -> tuple[MXFP8Tensor, MXFP8Tensor]:
+        return quantize_rows_and_cols(cat_parts(parts), self.block_size)

@@ -194,6 +194,65 @@ def quantize_fp8(x: torch.Tensor, block: tuple[int, int] = (1, 0), pow2: bool = 
     return quantize_fp8_reference(x, block, pow2)
 
 
+def quantize_weight_rowwise(parts: list[torch.Tensor] | tuple[torch.Tensor, ...], pow2: bool = True,
+                            out: tuple[FP8Tensor, FP8Tensor] | None = None,
+                            backend: Backend = "auto") -> tuple[FP8Tensor, FP8Tensor]:
+    """Both rowwise copies of the weight ``w = cat(parts, dim=-2) [..., M, K]``: ``rows``
+    (``w`` scaled along ``K``) and ``cols`` (``w`` transposed to ``[..., K, M]``,
+    contiguous, scaled along ``M``), bit for bit ``quantize_fp8(w)`` and
+    ``quantize_fp8(w.mT.contiguous())``.
+
+    ``parts``: one or two ``[..., M_i, K]`` (gate and up), of one dtype and device.
+    ``out``: write into these copies (e.g. a cache whose addresses a captured CUDA graph
+    reads) and return them. On the Triton path neither the concatenation nor the BF16
+    transpose is built: each part is quantized straight into its rows of ``rows``, and
+    the columns kernel reads the parts where they lie (weights with few column strips,
+    such as one LM head, take the transposed copy: ``_fp8_kernels.quantize_weight_cols_t``).
+    """
+    parts = list(parts)
+    if len(parts) not in (1, 2):
+        raise ValueError(f"parts: one or two tensors, got {len(parts)}")
+    for t in parts:
+        _check_input(t)
+    a = parts[0]
+    if any(t.dtype != a.dtype or t.device != a.device or t.shape[:-2] != a.shape[:-2]
+           or t.shape[-1] != a.shape[-1] for t in parts):
+        raise ValueError("parts: one dtype and device, and shapes [..., M_i, K] that differ only "
+                         f"in M_i, got {[(tuple(t.shape), t.dtype) for t in parts]}")
+    lead, K = list(a.shape[:-2]), a.shape[-1]
+    M = sum(t.shape[-2] for t in parts)
+    if out is None:
+        out = tuple(FP8Tensor(torch.empty(*lead, m, n, dtype=torch.float8_e4m3fn, device=a.device),
+                              torch.empty(*lead, m, 1, dtype=torch.float32, device=a.device), (1, 0))
+                    for m, n in ((M, K), (K, M)))
+    for name, t, (m, n) in zip(("rows", "cols"), out, ((M, K), (K, M)), strict=True):
+        want = ((*lead, m, n), (*lead, m, 1), torch.float8_e4m3fn, a.device)
+        if (tuple(t.data.shape), tuple(t.scale.shape), t.data.dtype, t.data.device) != want:
+            raise ValueError(f"out {name}: expected E4M3 {want[0]} and FP32 scale {want[1]} on "
+                             f"{a.device}, got {t.data.dtype} {tuple(t.data.shape)} and "
+                             f"{tuple(t.scale.shape)} on {t.data.device}")
+    rows, cols = out
+    if not resolve_backend(backend, a.device):
+        weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+        for dst, src in ((rows, weight), (cols, weight.mT)):
+            ref = quantize_fp8_reference(src, (1, 0), pow2)
+            dst.data.copy_(ref.data)
+            dst.scale.copy_(ref.scale)
+        return rows, cols
+    from moe_mxfp8._fp8_kernels import quantize_blocks, quantize_weight_cols_t
+
+    start = 0
+    for t in parts:
+        m = t.shape[-2]
+        quantize_blocks(t, (1, 0), pow2, out=(rows.data[..., start:start + m, :],
+                                              rows.scale[..., start:start + m, :]))
+        start += m
+    if not quantize_weight_cols_t(parts, cols.data, cols.scale, pow2):
+        weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+        quantize_blocks(weight.mT, (1, 0), pow2, out=(cols.data, cols.scale))
+    return rows, cols
+
+
 def padded_group_ends(offsets: torch.Tensor, align: int = GROUP_ALIGN) -> torch.Tensor:
     """Cumulative group ends with every group's size rounded up to ``align`` (on the device)."""
     sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
