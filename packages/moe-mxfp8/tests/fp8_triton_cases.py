@@ -269,6 +269,21 @@ def cases():
                 total += mismatches(dh13.view(torch.int16 if dtype == torch.bfloat16 else torch.float32),
                                     plain.view(torch.int16 if dtype == torch.bfloat16 else torch.float32))
                 total += mismatches(got.data, ref.data) + mismatches(got.scale, ref.scale)
+            # both backward kernels also write the forward's value, bit for bit, into a
+            # strided view, and leave their own outputs as they were
+            bits = torch.int16 if dtype == torch.bfloat16 else torch.float32
+            want_h = swiglu(h13, backend="triton").view(bits)
+            for block in ((1, 0), (1, 128)):
+                h_out = torch.full((37, 160), 7.0, dtype=dtype)[:, 3:153]
+                dh13, got = swiglu_backward_quantized(h13, dh, dtype, block, True, backend="triton",
+                                                      h_out=h_out)
+                ref_dh13, ref = swiglu_backward_quantized(h13, dh, dtype, block, True, backend="triton")
+                total += mismatches(h_out.view(bits), want_h) + mismatches(dh13.view(bits), ref_dh13.view(bits))
+                total += mismatches(got.data, ref.data) + mismatches(got.scale, ref.scale)
+            h_out = torch.empty(37, 150, dtype=dtype)
+            plain = swiglu_backward(h13, dh, dtype, backend="triton", h_out=h_out)
+            total += mismatches(h_out.view(bits), want_h)
+            total += mismatches(plain.view(bits), swiglu_backward(h13, dh, dtype, backend="triton").view(bits))
             return total
 
         yield f"swiglu_quantized/{dname}", quantized_swiglu

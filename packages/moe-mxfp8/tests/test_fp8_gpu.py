@@ -126,6 +126,13 @@ def test_fused_swiglu_quantization_equals_the_unfused_kernels(dtype):
     plain = quantize_fp8(plain_dh13, (1, 0), True)
     assert torch.equal(dh13, plain_dh13)
     assert mismatches(fused.data, plain.data) == 0 and mismatches(fused.scale, plain.scale) == 0
+    # the forward's value from the backward kernels, as the forward kernel writes it
+    h = swiglu(h13)
+    for backward in (lambda h_out: swiglu_backward_quantized(h13, dh, dtype, (1, 0), True, h_out=h_out),
+                     lambda h_out: swiglu_backward(h13, dh, dtype, h_out=h_out)):
+        h_out = torch.empty_like(h)
+        backward(h_out)
+        assert mismatches(h_out, h) == 0
 
 
 def test_row_codec_on_gpu_matches_the_cpu_encoding():

@@ -146,3 +146,16 @@ def test_swiglu_references_match_autograd_in_float64():
         dh13, q = swiglu_backward_quantized_reference(h13, dh, torch.bfloat16, block, pow2)
         assert same_bits(dh13, swiglu_backward_reference(h13, dh, torch.bfloat16))
         assert same_bits(q, quantize_fp8_reference(dh13, block, pow2))
+        h_out = torch.empty(5, 40)
+        swiglu_backward_quantized_reference(h13, dh, torch.bfloat16, block, pow2, h_out=h_out)
+        assert same_bits(h_out, swiglu_reference(h13))
+
+
+def test_swiglu_backward_h_out_must_match_h():
+    h13, dh = torch.randn(5, 80), torch.randn(5, 40)
+    for bad in (torch.empty(5, 80), torch.empty(5, 40, dtype=torch.bfloat16), torch.empty(40, 5).t()):
+        with pytest.raises(ValueError, match="h_out must be"):
+            swiglu_backward(h13, dh, torch.float32, h_out=bad)
+    h_out = torch.empty(5, 40)
+    swiglu_backward(h13, dh, torch.float32, h_out=h_out)
+    assert same_bits(h_out, swiglu_reference(h13))

@@ -4,7 +4,9 @@ Imported lazily. The plain kernels take a ``[ROWS, COLS]`` tile of ``h`` and the
 tiles of ``h1`` and ``h3`` (columns ``c`` and ``F + c`` of ``h13``). The quantizing ones
 take whole rows (the rowwise scale needs the row's amax) and also write the result
 quantized rowwise (``moe_mxfp8.fp8`` numerics), so ``h`` never goes to memory in the
-forward and ``dh13`` is read once less in the backward.
+forward and ``dh13`` is read once less in the backward. The backward kernels can also
+write ``h`` (what the down projection's weight gradient reads), from the values they
+hold anyway, instead of a separate forward kernel reading ``h13`` again.
 
 BF16 results are rounded to nearest-even by integer operations and stored as their bits,
 and the quantizing kernels quantize exactly those BF16 values, so a fused result equals
@@ -56,7 +58,8 @@ def _swiglu_fwd_kernel(h_ptr, o_ptr, R, F, s_h, s_o, OUT_BF16: tl.constexpr,
 
 
 @triton.jit
-def _swiglu_bwd_kernel(h_ptr, dh_ptr, o_ptr, R, F, s_h, s_dh, s_o, OUT_BF16: tl.constexpr,
+def _swiglu_bwd_kernel(h_ptr, dh_ptr, o_ptr, fwd_ptr, R, F, s_h, s_dh, s_o, s_fwd,
+                       OUT_BF16: tl.constexpr, FWD: tl.constexpr, FWD_BF16: tl.constexpr,
                        ROWS: tl.constexpr, COLS: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
     cols = (tl.program_id(1) * COLS + tl.arange(0, COLS))[None, :]
@@ -67,6 +70,8 @@ def _swiglu_bwd_kernel(h_ptr, dh_ptr, o_ptr, R, F, s_h, s_dh, s_o, OUT_BF16: tl.
     sig = _sigmoid(g)
     _store_from_f32(o_ptr + rows * s_o + cols, dh * u * sig * (1 + g * (1 - sig)), mask, OUT_BF16)
     _store_from_f32(o_ptr + rows * s_o + F + cols, dh * g * sig, mask, OUT_BF16)
+    if FWD:  # the forward's value, as _swiglu_fwd_kernel computes and stores it
+        _store_from_f32(fwd_ptr + rows * s_fwd + cols, g * sig * u, mask, FWD_BF16)
 
 
 @triton.jit
@@ -85,10 +90,10 @@ def _swiglu_quant_kernel(h_ptr, d_ptr, s_ptr, R, F, s_h, s_d, POW2: tl.constexpr
 
 
 @triton.jit
-def _swiglu_bwd_quant_kernel(h_ptr, dh_ptr, o_ptr, d_ptr, s_ptr, R, F, s_h, s_dh, s_o, s_d,
-                             POW2: tl.constexpr, BF16: tl.constexpr, ROWS: tl.constexpr,
-                             BF: tl.constexpr, EPS_BITS: tl.constexpr,
-                             SCALE_AT_EPS: tl.constexpr):
+def _swiglu_bwd_quant_kernel(h_ptr, dh_ptr, o_ptr, d_ptr, s_ptr, fwd_ptr, R, F, s_h, s_dh, s_o,
+                             s_d, s_fwd, POW2: tl.constexpr, BF16: tl.constexpr,
+                             FWD: tl.constexpr, ROWS: tl.constexpr, BF: tl.constexpr,
+                             EPS_BITS: tl.constexpr, SCALE_AT_EPS: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
     cols = tl.arange(0, BF)[None, :]
     mask = (rows < R) & (cols < F)
@@ -105,6 +110,8 @@ def _swiglu_bwd_quant_kernel(h_ptr, dh_ptr, o_ptr, d_ptr, s_ptr, R, F, s_h, s_dh
     tl.store(d_ptr + rows * s_d + cols, _encode(abs_g, sign_g, scale), mask=mask)
     tl.store(d_ptr + rows * s_d + F + cols, _encode(abs_u, sign_u, scale), mask=mask)
     tl.store(s_ptr + rows, scale, mask=rows < R)
+    if FWD:  # the forward's value, as _swiglu_fwd_kernel computes and stores it
+        _store_from_f32(fwd_ptr + rows * s_fwd + cols, g * sig * u, mask, BF16)
 
 
 def _grid(R: int, F: int) -> tuple[int, int]:
@@ -128,14 +135,19 @@ def swiglu_forward(h13: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def swiglu_backward(h13: torch.Tensor, dh: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def swiglu_backward(h13: torch.Tensor, dh: torch.Tensor, dtype: torch.dtype,
+                    h_out: torch.Tensor | None = None) -> torch.Tensor:
+    """``dh13`` in ``dtype``; ``h_out``: ``[R, F]`` in ``h13``'s dtype (row stride free,
+    unit column stride) to receive ``swiglu(h13)`` as well."""
     h13, dh = h13.contiguous(), dh.contiguous()
     R, F = dh.shape
     out = torch.empty(R, 2 * F, dtype=dtype, device=h13.device)
     if out.numel():
-        _swiglu_bwd_kernel[_grid(R, F)](h13, dh, _bits_view(out), R, F, h13.stride(0),
-                                        dh.stride(0), out.stride(0),
-                                        OUT_BF16=dtype == torch.bfloat16, ROWS=_ROWS,
+        fwd = out if h_out is None else _bits_view(h_out)
+        _swiglu_bwd_kernel[_grid(R, F)](h13, dh, _bits_view(out), fwd, R, F, h13.stride(0),
+                                        dh.stride(0), out.stride(0), fwd.stride(0),
+                                        OUT_BF16=dtype == torch.bfloat16, FWD=h_out is not None,
+                                        FWD_BF16=h13.dtype == torch.bfloat16, ROWS=_ROWS,
                                         COLS=_COLS, enable_fp_fusion=False)
     return out
 
@@ -155,9 +167,11 @@ def swiglu_quantize_rows(h13: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, t
     return data.view(torch.float8_e4m3fn), scale
 
 
-def swiglu_backward_quantize_rows(h13: torch.Tensor, dh: torch.Tensor, pow2: bool
+def swiglu_backward_quantize_rows(h13: torch.Tensor, dh: torch.Tensor, pow2: bool,
+                                  h_out: torch.Tensor | None = None
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``dh13`` in ``h13``'s dtype (BF16 or FP32) and its rowwise E4M3 ``(data, scale)``."""
+    """``dh13`` in ``h13``'s dtype (BF16 or FP32) and its rowwise E4M3 ``(data, scale)``;
+    ``h_out`` as :func:`swiglu_backward`'s."""
     h13, dh = h13.contiguous(), dh.contiguous()
     R, F = dh.shape
     out = torch.empty(R, 2 * F, dtype=h13.dtype, device=h13.device)
@@ -165,8 +179,10 @@ def swiglu_backward_quantize_rows(h13: torch.Tensor, dh: torch.Tensor, pow2: boo
     scale = torch.empty(R, 1, dtype=torch.float32, device=h13.device)
     if R:
         rows, width = _row_tile(F)
+        fwd = out if h_out is None else _bits_view(h_out)
         _swiglu_bwd_quant_kernel[(triton.cdiv(R, rows),)](
-            h13, dh, _bits_view(out), data, scale, R, F, h13.stride(0), dh.stride(0),
-            out.stride(0), data.stride(0), POW2=pow2, BF16=h13.dtype == torch.bfloat16,
-            ROWS=rows, BF=width, num_warps=4, enable_fp_fusion=False, **_CONSTS)
+            h13, dh, _bits_view(out), data, scale, fwd, R, F, h13.stride(0), dh.stride(0),
+            out.stride(0), data.stride(0), fwd.stride(0), POW2=pow2,
+            BF16=h13.dtype == torch.bfloat16, FWD=h_out is not None, ROWS=rows, BF=width,
+            num_warps=4, enable_fp_fusion=False, **_CONSTS)
     return out, data.view(torch.float8_e4m3fn), scale

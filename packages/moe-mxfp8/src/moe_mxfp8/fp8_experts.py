@@ -84,7 +84,6 @@ from moe_mxfp8.fp8_gemm import (
 from moe_mxfp8.gemm import compute_dtype, grouped_weight_grad
 from moe_mxfp8.sink import AddGradient, SinkRoute, sink_route, will_run
 from moe_mxfp8.swiglu import (
-    swiglu,
     swiglu_backward,
     swiglu_backward_quantized,
     swiglu_quantized,
@@ -196,18 +195,21 @@ class _FP8ExpertsFn(torch.autograd.Function):
         dy_RD = dy_RD.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
         dy_q = quantize_fp8(dy_RD, r.act_block, r.pow2)
         dh_RF = fp8_grouped_mm(dy_q, ctx.w2_cols, offsets_E, dtype, gemm, dgrad_fast)
-        drows = None
-        if ctx.needs_input_grad[0]:
-            dh13_R2F, dh13_q = swiglu_backward_quantized(h13_R2F, dh_RF, dtype, r.act_block, r.pow2)
-            drows = fp8_grouped_mm(dh13_q, ctx.w13_cols, offsets_E, dtype, gemm, dgrad_fast)
-        else:
-            dh13_R2F = swiglu_backward(h13_R2F, dh_RF, dtype)
         # a weight's gradient is computed where autograd wants it back, or where its sink
         # takes it in a backward that runs the weight's node (not a pipeline's input pass)
         wanted = [ctx.needs_input_grad[2 + i]
                   and (route is None or will_run(route))
                   for i, route in enumerate(ctx.routes)]
         hidden = h13_R2F.shape[1] // 2
+        # h = swiglu(h13), which w2's gradient reads, written by the SwiGLU backward kernel
+        h_RF = h13_R2F.new_empty(h13_R2F.shape[0], hidden) if wanted[2] else None
+        drows = None
+        if ctx.needs_input_grad[0]:
+            dh13_R2F, dh13_q = swiglu_backward_quantized(h13_R2F, dh_RF, dtype, r.act_block, r.pow2,
+                                                         h_out=h_RF)
+            drows = fp8_grouped_mm(dh13_q, ctx.w13_cols, offsets_E, dtype, gemm, dgrad_fast)
+        else:
+            dh13_R2F = swiglu_backward(h13_R2F, dh_RF, dtype, h_out=h_RF)
         grads: list[torch.Tensor | None] = [None, None, None]
         for i in (0, 1):  # gate, up: the halves of dh13
             if _hand_over(ctx, i, wanted[i], rows_RD, dh13_R2F[:, i * hidden:(i + 1) * hidden],
@@ -217,7 +219,6 @@ class _FP8ExpertsFn(torch.autograd.Function):
             dw13 = _wgrad(r, dh13_R2F, rows_RD, offsets_E, dtype, gemm, wgrad_fast)
             grads[0], grads[1] = dw13[:, :hidden], dw13[:, hidden:]
         if wanted[2]:
-            h_RF = swiglu(h13_R2F)  # recomputed
             wanted[2] = not _hand_over(ctx, 2, True, h_RF, dy_RD, offsets_E)
             if wanted[2]:
                 grads[2] = _wgrad(r, dy_RD, h_RF, offsets_E, dtype, gemm, wgrad_fast)

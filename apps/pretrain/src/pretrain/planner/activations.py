@@ -520,16 +520,17 @@ def _emulated_gemm(R: int, K: int, N: int, E: int, b: int) -> int:
 
 def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: set[str]) -> None:
     """moe_mxfp8.FP8GroupedExperts (every FP8 recipe): one autograd function that saves the
-    rows (the dispatcher's tensor) and h13 [R, 2F] in the compute dtype and recomputes h.
+    rows (the dispatcher's tensor) and h13 [R, 2F] in the compute dtype; its backward's
+    SwiGLU kernel writes h [R, F] again beside dh13.
 
-    Its backward keeps every result until it returns: dy's FP8 form, dh [R, F], dh13 [R, 2F]
-    and its FP8 form (the recipe's activation blocks, ``moe_mxfp8.fp8.fp8_nbytes``), the
-    input gradient [R, D], dw13 [E, 2F, D], dw2 [E, D, F]. Moments, in order: the two
+    Its backward keeps every result until it returns: dy's FP8 form, dh [R, F], h, dh13
+    [R, 2F] and its FP8 form (the recipe's activation blocks, ``moe_mxfp8.fp8.fp8_nbytes``),
+    the input gradient [R, D], dw13 [E, 2F, D], dw2 [E, D, F]. Moments, in order: the two
     input-gradient GEMMs (emulated: ``_emulated_gemm``'s FP32 operands and product); dw13's
-    GEMM and dw2's (with h recomputed), or, where moe_model's kernel adds them
-    (``fp8_wgrads_in_kernel``), the gate's, the up projection's and the down projection's
-    gradient added one after another, the first two from contiguous copies of their
-    halves of dh13, the third after h is recomputed: no gradient tensor. Recipes with FP8 weight gradients
+    GEMM and dw2's, or, where moe_model's kernel adds them (``fp8_wgrads_in_kernel``), the
+    gate's, the up projection's and the down projection's gradient added one after
+    another, the first two from contiguous copies of their halves of dh13: no gradient
+    tensor. Recipes with FP8 weight gradients
     (``FP8Recipe.fp8_wgrad``) quantize both operands per expert and column into E4M3
     copies transposed to ``[width, group_columns_width(R, E)]`` with FP32 scales (and
     their reciprocals, the native GEMM's arguments) and int32 padded group ends
@@ -551,20 +552,19 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
     inv.add("experts.dh13", b * R * 2 * F)
     inv.add("experts.dh13_q", fp8_nbytes((R, 2 * F), recipe.act_block))
     inv.add("experts.drows", b * R * D)
-    inv.add("experts.h", b * R * F)  # recomputed: dw2's operand
+    inv.add("experts.h", b * R * F)  # dw2's operand, from the SwiGLU backward
     dy = {"grad_out", "experts.dy_down", "experts.dy_q"}
     captured = {"experts.dy_down"}
     if emulated:
         inv.add("experts.gemm_dh", _emulated_gemm(R, D, F, E, b))
         inv.add("experts.gemm_drows", _emulated_gemm(R, 2 * F, D, E, b))
         inv.moment(freed, dy | {"experts.gemm_dh"}, captured=captured)
-        inv.moment(freed, dy | {"experts.d_h", "experts.dh13", "experts.dh13_q",
+        inv.moment(freed, dy | {"experts.d_h", "experts.h", "experts.dh13", "experts.dh13_q",
                                 "experts.gemm_drows"})
-    inputs = dy | {"experts.d_h", "experts.dh13", "experts.dh13_q", "experts.drows"}
+    inputs = dy | {"experts.d_h", "experts.h", "experts.dh13", "experts.dh13_q", "experts.drows"}
     if fp8_wgrads_in_kernel(ex):
         inv.add("experts.d_gate_rows", b * R * F)  # a half of dh13, contiguous
         inv.moment(freed, inputs, {"experts.d_gate_rows"}, captured=captured)
-        inv.moment(freed, inputs, {"experts.h"})
         return
     inv.add("experts.dw13", b * E * 2 * F * D)
     inv.add("experts.dw2", b * E * D * F)
@@ -581,12 +581,12 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
 
     wgrad13 = {"experts.dw13", *operands("experts.wgrad13_operands", 2 * F, D)}
     inv.moment(freed, inputs, wgrad13, captured=captured)
-    wgrad2 = {"experts.dw13", "experts.h", "experts.dw2",
-              *operands("experts.wgrad2_operands", D, F)}
+    wgrad2 = {"experts.dw13", "experts.dw2", *operands("experts.wgrad2_operands", D, F)}
     inv.moment(freed, inputs, wgrad2)
     if ex.expert_grad_sink:
         inv.add("experts.dw_flat", b * E * F * D)
-        inv.moment(freed, inputs, {"experts.dw13", "experts.dw2", "experts.dw_flat"})
+        # h is released before the gradients are added
+        inv.moment(freed, inputs - {"experts.h"}, {"experts.dw13", "experts.dw2", "experts.dw_flat"})
 
 
 def fp8_wgrads_in_kernel(ex: Execution) -> bool:
