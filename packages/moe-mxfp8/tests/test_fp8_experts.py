@@ -320,6 +320,26 @@ def test_weight_cache_copies_equal_quantizing_the_weight_and_its_transpose(recip
     assert len(set(storages)) == 4  # two copies, none a view of the other
 
 
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise"])
+def test_in_place_refresh_of_parameters_of_another_shape_replaces_the_copies(recipe):
+    """In place only where the copies keep their layout: a parameter of another shape gets
+    new copies of its own shape (a captured graph would need recapturing anyway)."""
+    from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8WeightCache
+
+    r = FP8_RECIPES[recipe]
+    cache = FP8WeightCache((nn.Parameter(torch.randn(2, 128, 128)),), r)
+    before = cache.rows.data.data_ptr()
+    w = nn.Parameter(torch.randn(2, 256, 128))
+    cache.refresh((w,), in_place=True)
+    fresh = FP8WeightCache((w,), r)
+    assert cache.rows.data.shape == (2, 256, 128) and cache.cols.data.shape == (2, 128, 256)
+    assert cache.rows.data.data_ptr() != before
+    for got, want in ((cache.rows, fresh.rows), (cache.cols, fresh.cols)):
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.scale, want.scale)
+    cache.check_fresh("layer", (w,))
+
+
 def test_bad_recipe_settings_are_refused_with_the_field():
     with pytest.raises(ValueError, match="recipe"):
         MXFP8Config(recipe="fp8")

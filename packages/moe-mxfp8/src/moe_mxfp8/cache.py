@@ -25,16 +25,12 @@ import torch
 from torch import nn
 
 from moe_mxfp8.format import BLOCK_SIZE, MXFP8Tensor, quantize_rows_and_cols
+from moe_mxfp8.fp8 import cat_parts
 
 CACHE_SOURCE_DTYPE = torch.bfloat16  # the compute-weight dtype the cache is derived from
 
 
 Params = tuple[nn.Parameter, ...]
-
-
-def cat_parts(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The weight ``cat(parts, dim=-2)`` (no copy for one part)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
 
 
 def _stamp(params: Params) -> tuple[tuple[int, int, int, torch.device], ...]:
@@ -46,13 +42,10 @@ def _tensors(copies: tuple[Any, ...]) -> list[torch.Tensor]:
     return [v for c in copies for v in vars(c).values() if isinstance(v, torch.Tensor)]
 
 
-def _same_layout(old: tuple[Any, ...], new: tuple[Any, ...]) -> bool:
-    if any(c is None for c in old):
-        return False
-    a, b = _tensors(old), _tensors(new)
-    return len(a) == len(b) and all(
-        (x.shape, x.dtype, x.device, x.stride()) == (y.shape, y.dtype, y.device, y.stride())
-        for x, y in zip(a, b, strict=True))
+def _source_layout(params: Params) -> tuple[tuple[tuple[int, ...], torch.device], ...]:
+    """What fixes the copies' shapes: the parameters' shapes and devices (the copies derive
+    from their BF16 values, whatever their dtype)."""
+    return tuple((tuple(p.shape), p.device) for p in params)
 
 
 class WeightCache:
@@ -69,12 +62,14 @@ class WeightCache:
         self.rows: Any = None
         self.cols: Any = None
         self._stamp: tuple[tuple[int, int, int, torch.device], ...] = ()
+        self._source: tuple[tuple[tuple[int, ...], torch.device], ...] = ()
         self.refresh(params)
 
     def _derive(self, parts: list[torch.Tensor], into: tuple[Any, Any] | None) -> tuple[Any, Any]:
         """``(rows, cols)`` of the BF16 weight ``cat(parts, dim=-2)`` ``[..., out, in]``.
-        ``into``: the current copies, when refreshing in place; a subclass may write the new
-        values into them and return them (no second copy), or return new ones."""
+        ``into``: the current copies, when refreshing in place from parameters of unchanged
+        shapes and devices (so they have the layout these parts derive); a subclass may write
+        the new values into them and return them (no second copy), or return new ones."""
         raise NotImplementedError
 
     @torch.no_grad()
@@ -87,14 +82,15 @@ class WeightCache:
         new values. Otherwise the cache gets new tensors.
         """
         parts = [p.detach().to(CACHE_SOURCE_DTYPE) for p in params]
-        into = (self.rows, self.cols) if in_place and self.rows is not None else None
+        source = _source_layout(params)
+        into = (self.rows, self.cols) if in_place and source == self._source else None
         rows, cols = self._derive(parts, into)
-        written = into is not None and rows is into[0] and cols is into[1]
-        if not written and into is not None and _same_layout(into, (rows, cols)):
+        if into is None:
+            self.rows, self.cols = rows, cols
+        elif not (rows is into[0] and cols is into[1]):
             for old, new in zip(_tensors(into), _tensors((rows, cols)), strict=True):
                 old.copy_(new)
-        elif not written:
-            self.rows, self.cols = rows, cols
+        self._source = source
         self._stamp = _stamp(params)
 
     def check_fresh(self, owner: str, params: Params) -> None:

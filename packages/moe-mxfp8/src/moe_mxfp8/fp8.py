@@ -194,6 +194,11 @@ def quantize_fp8(x: torch.Tensor, block: tuple[int, int] = (1, 0), pow2: bool = 
     return quantize_fp8_reference(x, block, pow2)
 
 
+def cat_parts(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The weight ``cat(parts, dim=-2)`` of its parts (no copy for one part)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+
+
 def quantize_weight_rowwise(parts: list[torch.Tensor] | tuple[torch.Tensor, ...], pow2: bool = True,
                             out: tuple[FP8Tensor, FP8Tensor] | None = None,
                             backend: Backend = "auto") -> tuple[FP8Tensor, FP8Tensor]:
@@ -233,7 +238,7 @@ def quantize_weight_rowwise(parts: list[torch.Tensor] | tuple[torch.Tensor, ...]
                              f"{tuple(t.scale.shape)} on {t.data.device}")
     rows, cols = out
     if not resolve_backend(backend, a.device):
-        weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+        weight = cat_parts(parts)
         for dst, src in ((rows, weight), (cols, weight.mT)):
             ref = quantize_fp8_reference(src, (1, 0), pow2)
             dst.data.copy_(ref.data)
@@ -248,8 +253,7 @@ def quantize_weight_rowwise(parts: list[torch.Tensor] | tuple[torch.Tensor, ...]
                                               rows.scale[..., start:start + m, :]))
         start += m
     if not quantize_weight_cols_t(parts, cols.data, cols.scale, pow2):
-        weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
-        quantize_blocks(weight.mT, (1, 0), pow2, out=(cols.data, cols.scale))
+        quantize_blocks(cat_parts(parts).mT, (1, 0), pow2, out=(cols.data, cols.scale))
     return rows, cols
 
 

@@ -69,9 +69,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from moe_mxfp8.cache import WeightCache, cat_parts
+from moe_mxfp8.cache import WeightCache
 from moe_mxfp8.experts import carry_attributes, check_expert_rows, expert_weights
-from moe_mxfp8.fp8 import FP8Tensor, quantize_fp8, quantize_weight_rowwise
+from moe_mxfp8.fp8 import FP8Tensor, cat_parts, quantize_fp8, quantize_weight_rowwise
 from moe_mxfp8.fp8_gemm import (
     FAST_ACCUM_DEFAULT,
     FP8_GEMM_ROLES,
@@ -147,11 +147,7 @@ class FP8WeightCache(WeightCache):
                 ) -> tuple[FP8Tensor, FP8Tensor]:
         r = self.recipe
         if r.weight_block == (1, 0):  # rowwise: the transpose scales other lines
-            lead, K = parts[0].shape[:-2], parts[0].shape[-1]
-            M = sum(p.shape[-2] for p in parts)
-            fits = (into is not None and into[0].data.shape == (*lead, M, K)
-                    and into[1].data.shape == (*lead, K, M) and into[0].data.device == parts[0].device)
-            return quantize_weight_rowwise(parts, r.pow2, out=into if fits else None)
+            return quantize_weight_rowwise(parts, r.pow2, out=into)
         rows = quantize_fp8(cat_parts(parts), r.weight_block, r.pow2)
         # Square blocks: the transpose's blocks hold the same elements, so its codes and
         # scales are the transposes of these, bit for bit: a byte transpose instead of a
