@@ -68,3 +68,28 @@ def test_kernels_are_attributed_to_the_launching_op_and_node():
     lost = rows[("forward", "(unattributed)")]
     assert lost["kernels"] == 1 and abs(lost["gap_ms"] - 1_500e-6) < 1e-12
     assert sum(r["kernels"] for r in rows.values()) == len(device)
+
+
+def test_replay_timeline_and_names_count_overlaps_once():
+    kernels = [
+        _Event("gemm<float, 128>", 1_000, 1_000, on_device=True),
+        _Event("gemm<bf16, 64>", 1_500, 1_000, on_device=True),   # overlaps the first by 500
+        _Event("small", 3_000, 100, on_device=True),              # 500 ns idle before
+        _Event("inside", 3_020, 20, on_device=True),              # inside "small": no gap
+        _Event("tail", 13_100, 100, on_device=True),              # 10_000 ns idle before
+    ]
+    tool = _tool()
+    names = tool.by_kernel(kernels)
+    assert names["gemm"]["kernels"] == 2 and abs(names["gemm"]["device_ms"] - 2e-3) < 1e-12
+    assert abs(names["tail"]["gap_ms"] - 10e-3) < 1e-12 and names["inside"]["gap_ms"] == 0.0
+    span = tool.timeline(kernels)
+    assert abs(span["span_ms"] - 12.2e-3) < 1e-12           # 1_000 to 13_200
+    assert abs(span["busy_ms"] - 1.7e-3) < 1e-12            # 1_500 + 100 + 100
+    assert abs(span["idle_ms"] - 10.5e-3) < 1e-12
+    assert span["gaps_over_10us"] == 0                      # 10 us exactly is not over
+    largest = span["largest_gaps"][0]
+    assert (largest["after"], largest["before"]) == ("small", "tail")
+    assert abs(largest["ms"] - 10e-3) < 1e-12
+    rows = tool.differences(names, {"gemm": {"kernels": 2, "device_ms": 1e-3}}, 1)
+    assert rows == [{"kernel": "gemm", "replay_ms": names["gemm"]["device_ms"], "eager_ms": 1e-3,
+                     "replay_kernels": 2, "eager_kernels": 2}]
