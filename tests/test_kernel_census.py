@@ -93,3 +93,21 @@ def test_replay_timeline_and_names_count_overlaps_once():
     rows = tool.differences(names, {"gemm": {"kernels": 2, "device_ms": 1e-3}}, 1)
     assert rows == [{"kernel": "gemm", "replay_ms": names["gemm"]["device_ms"], "eager_ms": 1e-3,
                      "replay_kernels": 2, "eager_kernels": 2}]
+
+
+def test_rows_name_their_kernels_and_innermost_ops():
+    host = [
+        _Event("_FP8ExpertsFnBackward", 0, 1_000),
+        _Event("aten::contiguous", 10, 100),
+        _Event("aten::copy_", 20, 50),
+        _Event("cudaLaunchKernel", 30, 5, correlation=1),
+        _Event("cuLaunchKernel", 500, 5, correlation=2),
+    ]
+    device = [
+        _Event("elementwise_kernel<128, 4>", 2_000, 300, on_device=True, correlation=1),
+        _Event("fp8_rows_kernel", 2_400, 900, on_device=True, correlation=2),
+    ]
+    (row,) = _tool().census(host + device)
+    assert (row["op"], row["kernels"]) == ("_FP8ExpertsFnBackward", 2)
+    assert [(q["kernel"], q["inner_op"], q["kernels"]) for q in row["parts"]] == [
+        ("fp8_rows_kernel", "_FP8ExpertsFnBackward", 1), ("elementwise_kernel", "aten::copy_", 1)]

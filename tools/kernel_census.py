@@ -49,8 +49,10 @@ def _is_runtime_call(name: str) -> bool:
     return name.startswith(("cuda", "cu")) and not name.startswith("cudnn")
 
 
-def census(events: list) -> list[dict]:
-    """Rows of (node, op, kernels, device ms, gap ms before), most kernels first."""
+def census(events: list, n_parts: int = 4) -> list[dict]:
+    """Rows of (node, op, kernels, device ms, gap ms before), most kernels first; each with
+    its ``n_parts`` largest (kernel name, innermost op) pairs by device time, which say
+    what inside an autograd Function or a composite op the time went to."""
     kernels = _device_kernels(events)
     host = [e for e in events if e.device_type() != torch.autograd.DeviceType.CUDA]
     launches = {e.correlation_id(): e for e in host if _is_runtime_call(e.name())}
@@ -65,11 +67,14 @@ def census(events: list) -> list[dict]:
         return [e.name() for e in ops[max(0, i - _WINDOW):i] if e.start_ns() + e.duration_ns() >= t]
 
     rows: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    parts: dict[tuple[str, str], dict[tuple[str, str], list[float]]] = defaultdict(
+        lambda: defaultdict(lambda: [0, 0.0]))
     busy_until = kernels[0].start_ns() if kernels else 0
     for k in kernels:
         launch = launches.get(k.correlation_id())
         stack = enclosing(launch.start_ns()) if launch is not None else []
-        op = next((n for n in stack if not n.startswith(_NOT_AN_OP)), "(unattributed)")
+        named = [n for n in stack if not n.startswith(_NOT_AN_OP)]
+        op = named[0] if named else "(unattributed)"
         node = next((n.removeprefix("autograd::engine::evaluate_function: ") for n in stack
                      if n.startswith("autograd::engine")), "forward")
         row = rows[(node, op)]
@@ -77,7 +82,13 @@ def census(events: list) -> list[dict]:
         row[1] += k.duration_ns() / 1e6
         row[2] += max(0, k.start_ns() - busy_until) / 1e6
         busy_until = max(busy_until, k.start_ns() + k.duration_ns())
-    return [{"node": n, "op": o, "kernels": int(c), "device_ms": d, "gap_ms": g}
+        part = parts[(node, op)][(_short(k.name()), named[-1] if named else op)]
+        part[0] += 1
+        part[1] += k.duration_ns() / 1e6
+    return [{"node": n, "op": o, "kernels": int(c), "device_ms": d, "gap_ms": g,
+             "parts": [{"kernel": kn, "inner_op": io, "kernels": int(pc), "device_ms": pd}
+                       for (kn, io), (pc, pd) in sorted(parts[(n, o)].items(),
+                                                        key=lambda kv: -kv[1][1])[:n_parts]]}
             for (n, o), (c, d, g) in sorted(rows.items(), key=lambda kv: -kv[1][0])]
 
 
@@ -145,6 +156,7 @@ def main() -> None:
     p.add_argument("--against", type=Path, default=None,
                    help="an eager census's JSON: list the kernels whose device time differs most")
     p.add_argument("--rows", type=int, default=40, help="rows printed")
+    p.add_argument("--parts", type=int, default=8, help="rows printed with their kernels (eager)")
     p.add_argument("--out", type=Path, default=None, help="JSON file")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     a = p.parse_args()
@@ -194,6 +206,11 @@ def main() -> None:
         print(f"{'kernels':>8} {'dev ms':>8} {'gap ms':>7}  node | op")
         for r in rows[:a.rows]:
             print(f"{r['kernels']:8d} {r['device_ms']:8.1f} {r['gap_ms']:7.1f}  {r['node'][:45]} | {r['op'][:50]}")
+        print("the largest rows by device time, by kernel and innermost op:")
+        for r in sorted(rows, key=lambda r: -r["device_ms"])[:a.parts]:
+            print(f"  {r['node'][:40]} | {r['op'][:40]}: {r['device_ms']:.1f} ms")
+            for q in r["parts"]:
+                print(f"    {q['kernels']:6d} {q['device_ms']:8.1f}  {q['kernel'][:50]} | {q['inner_op'][:40]}")
     else:
         print(f"{'kernels':>8} {'dev ms':>8} {'gap ms':>7}  kernel")
         for n, r in list(names.items())[:a.rows]:

@@ -1,5 +1,6 @@
 """Run by test_grouped_mm.py with TRITON_INTERPRET=1: the weight-gradient kernel's
-accumulating epilogue (one batch of rows, and up to four in one launch), and expert weight gradients
+accumulating epilogue (one batch of rows, and up to four in one launch; operands that are
+column slices of wider rows, read in place), and expert weight gradients
 delivered into a gradient sink (full backward, a split input/weight backward, the
 GroupedExperts module, two microbatches merged into one launch), on CPU."""
 
@@ -128,6 +129,43 @@ def check_merged_sources(g):
             raise AssertionError(f"refusal expected: {what}")
 
 
+def check_row_strided_operands(g):
+    """Operands that are column slices of wider rows (the gate and up halves of an FP8
+    layer's ``[R, 2F]`` dh13; x a slice too) are read in place, not copied, alone and merged
+    with sources of other row strides (then every source is made contiguous first)."""
+    from moe_model._grouped_mm_launch import _same_row_strides, _wgrad_operands
+
+    E, N, K = 5, 40, 32
+    offsets = torch.tensor([7, 7, 20, 41, 41], dtype=torch.int32)
+    valid, R = 41, 45
+    store = torch.zeros(E, N, K)
+    like = store.transpose(1, 2)
+    wide_x, wide_dy = torch.randn(R, K + 8, generator=g), torch.randn(R, 2 * N, generator=g)
+    x, dy = wide_x[:, 8:], wide_dy[:, N:]  # row strides K + 8 and 2N
+    a, b, _ = _wgrad_operands(x, dy, like)
+    assert (a.data_ptr(), b.data_ptr()) == (dy.data_ptr(), x.data_ptr()), "a column slice was copied"
+    assert _wgrad_operands(x.t().contiguous().t(), dy, like)[1].is_contiguous()  # column-major: copied
+    want = reference(x.clone().requires_grad_(), store.clone().requires_grad_(), offsets, valid, dy,
+                     True)[1].reshape(-1)
+    for cfg in (None, TileConfig(32, 16, 16, 1, 1, 1, False, False)):
+        flat = torch.randn(store.numel(), generator=g)
+        expect = flat + want
+        wgrad_accumulate_(flat, x, dy, offsets, like, cfg)
+        close(flat, expect, f"column slices {cfg}")
+    # merged: the same slices twice (one row stride), then with a contiguous pair
+    x2, dy2 = x.contiguous(), dy.contiguous()
+    same = [_wgrad_operands(x, dy, like) for _ in range(2)]
+    assert _same_row_strides([(a, b, offsets) for a, b, _ in same])[1][0].data_ptr() == dy.data_ptr()
+    mixed = _same_row_strides([(*_wgrad_operands(x, dy, like)[:2], offsets),
+                               (*_wgrad_operands(x2, dy2, like)[:2], offsets)])
+    assert len({(a.stride(0), b.stride(0)) for a, b, _ in mixed}) == 1
+    for more in ([(x, dy, offsets)], [(x2, dy2, offsets)], [(x2, dy2, offsets), (x, dy, offsets)]):
+        flat = torch.randn(store.numel(), generator=g)
+        expect = flat + want * (1 + len(more))
+        wgrad_accumulate_(flat, x, dy, offsets, like, more=more)
+        close(flat, expect, f"column slices merged with {len(more)} more")
+
+
 class MergingSink(DictSink):
     """Holds each parameter's first gradient and adds it merged with the next (as moe_ddp
     does under no_sync with merge_microbatch_gradients)."""
@@ -244,6 +282,7 @@ def main():
     g = torch.Generator().manual_seed(0)
     check_kernel(g)
     check_merged_sources(g)
+    check_row_strided_operands(g)
     check_sink(g)
     check_merged_microbatches(g)
     print("ok")

@@ -299,9 +299,27 @@ def _wgrad_operands(
             f"grouped weight gradient: x {tuple(x_RK.shape)}, dy {tuple(dy_RN.shape)} and weight "
             f"{tuple(like_EKN.shape)} do not match"
         )
-    x_RK, dy_RN = x_RK.contiguous(), dy_RN.contiguous()
+    x_RK, dy_RN = _row_major(x_RK), _row_major(dy_RN)
     transposed = like_EKN.stride(1) == 1 and like_EKN.stride(2) != 1
     return (dy_RN, x_RK, True) if transposed else (x_RK, dy_RN, False)
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where the weight-gradient kernel can read it in place (rows of unit-stride
+    elements, any row stride at least the width: e.g. the gate half of ``[R, 2F]``
+    gate/up gradients), else a contiguous copy. Reading a column slice in place saves a
+    copy of it per microbatch (two of ``[R, F]`` per FP8 expert layer)."""
+    ok = t.shape[1] <= 1 or t.stride(1) == 1
+    return t if ok and t.stride(0) >= t.shape[1] else t.contiguous()
+
+
+def _same_row_strides(sources: list[WgradOperands]) -> list[WgradOperands]:
+    """The sources with one row stride for all ``a`` and one for all ``b`` (the kernel takes
+    the first source's): the others as they are where they match, else all contiguous."""
+    a0, b0, _ = sources[0]
+    if all(a.stride(0) == a0.stride(0) and b.stride(0) == b0.stride(0) for a, b, _ in sources):
+        return sources
+    return [(a.contiguous(), b.contiguous(), offsets) for a, b, offsets in sources]
 
 
 def _element_offset(base: torch.Tensor, other: torch.Tensor) -> int:
@@ -323,8 +341,8 @@ def _launch_wgrad(
     """``c[g] = sum_s a_(s,g)^T @ b_(s,g)`` (``c`` [E, M, N]) over up to
     ``MAX_WGRAD_SOURCES`` sources, or, with ``accumulate=(piece, stride)``, ``+=`` into the
     FP32 accumulator ``c`` laid out as ``_grouped_mm_kernels.wgrad_kernel`` says. The
-    sources come from ``_wgrad_operands`` for one weight: contiguous, of the same widths,
-    hence the same row strides."""
+    sources come from ``_wgrad_operands`` for one weight: rows of unit-stride elements, of
+    the same widths and (``_same_row_strides``) the same row strides."""
     a, b, offsets_E = sources[0]
     M, Nc = a.shape[1], b.shape[1]
     long = sum(src[0].shape[0] for src in sources) >= LONG_REDUCTION_ROWS * E
@@ -403,7 +421,7 @@ def wgrad_accumulate_(
                              f"weight's {like_EKN.shape[0]} experts")
         a, b, _ = _wgrad_operands(x, dy, like_EKN)
         sources.append((a, b, offsets))
-    _launch_wgrad(sources, target, like_EKN.shape[0], config, (piece, stride))
+    _launch_wgrad(_same_row_strides(sources), target, like_EKN.shape[0], config, (piece, stride))
 
 
 # ----------------------------------------------------------------- custom ops

@@ -526,11 +526,12 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
     Its backward keeps every result until it returns: dy's FP8 form, dh [R, F], h, dh13
     [R, 2F] and its FP8 form (the recipe's activation blocks, ``moe_mxfp8.fp8.fp8_nbytes``),
     the input gradient [R, D], dw13 [E, 2F, D], dw2 [E, D, F]. Moments, in order: the two
-    input-gradient GEMMs (emulated: ``_emulated_gemm``'s FP32 operands and product); dw13's
+    input-gradient GEMMs (emulated: ``_emulated_gemm``'s FP32 operands and product; native:
+    the second's FP32 scale reciprocals, the GEMM's arguments); dw13's
     GEMM and dw2's, or, where moe_model's kernel adds them (``fp8_wgrads_in_kernel``), the
     gate's, the up projection's and the down projection's gradient added one after
-    another, the first two from contiguous copies of their halves of dh13: no gradient
-    tensor. Recipes with FP8 weight gradients
+    another, the first two read from their halves of dh13 in place: no gradient tensor
+    and no copy. Recipes with FP8 weight gradients
     (``FP8Recipe.fp8_wgrad``) quantize both operands per expert and column into E4M3
     copies transposed to ``[width, group_columns_width(R, E)]`` with FP32 scales (and
     their reciprocals, the native GEMM's arguments) and int32 padded group ends
@@ -562,9 +563,11 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
         inv.moment(freed, dy | {"experts.d_h", "experts.h", "experts.dh13", "experts.dh13_q",
                                 "experts.gemm_drows"})
     inputs = dy | {"experts.d_h", "experts.h", "experts.dh13", "experts.dh13_q", "experts.drows"}
-    if fp8_wgrads_in_kernel(ex):
-        inv.add("experts.d_gate_rows", b * R * F)  # a half of dh13, contiguous
-        inv.moment(freed, inputs, {"experts.d_gate_rows"}, captured=captured)
+    if ex.mxfp8_gemm == "native":  # torch._scaled_grouped_mm takes the scales' reciprocals
+        inv.add("experts.drows_scales_inv", FP32 * (R + E * D))  # dh13_q's rows, w13's columns
+        inv.moment(freed, inputs | {"experts.drows_scales_inv"}, captured=captured)
+    if fp8_wgrads_in_kernel(ex):  # the kernel reads the halves of dh13 where they lie
+        inv.moment(freed, inputs, captured=captured)
         return
     inv.add("experts.dw13", b * E * 2 * F * D)
     inv.add("experts.dw2", b * E * D * F)
