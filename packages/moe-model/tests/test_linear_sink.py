@@ -162,3 +162,38 @@ def test_layers_without_the_route_stay_nn_linear(monkeypatch):
     assert untied.head.grad_sink is not None
     wire_model(untied, ModelWiring(gradient_sink=None))
     assert all(m.grad_sink is None for m in untied.modules() if isinstance(m, Linear))
+
+
+class _SharedInput(torch.nn.Module):
+    """A projection whose class runs layers sharing one input together (as moe_mxfp8's
+    FP8Linear does): records the calls."""
+
+    calls: list = []
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n_out, n_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()
+
+    @staticmethod
+    def shared_input_forward(x: torch.Tensor, layers: tuple) -> tuple[torch.Tensor, ...]:
+        _SharedInput.calls.append(len(layers))
+        return tuple(layer(x) for layer in layers)
+
+
+def test_shared_input_linears_hands_layers_to_their_class():
+    """Attention's q, k and v go through ``shared_input_forward`` where their class has one
+    (not the ``Linear`` path); plain modules are called one by one."""
+    from moe_model.linear import shared_input_linears
+
+    x = torch.randn(5, 8)
+    layers = (_SharedInput(8, 6), _SharedInput(8, 4), _SharedInput(8, 4))
+    _SharedInput.calls = []
+    ys = shared_input_linears(x, layers)
+    assert _SharedInput.calls == [3]
+    assert all(torch.equal(y, layer(x)) for y, layer in zip(ys, layers, strict=True))
+    plain = (torch.nn.Linear(8, 6, bias=False), torch.nn.Linear(8, 4, bias=False))
+    ys = shared_input_linears(x, plain)
+    assert _SharedInput.calls == [3] and all(torch.equal(y, m(x)) for y, m in zip(ys, plain, strict=True))

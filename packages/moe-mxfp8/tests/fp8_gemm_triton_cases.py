@@ -67,6 +67,24 @@ def cases():
 
     yield "gemm/blockwise/k_step32", wide_k_step
 
+    def accumulate():  # y += a @ b^T in the epilogue: FP32 and BF16 results, padding rows kept
+        a, b = operands("rowwise", 200, 144, seed=2)
+        ref = fp8_grouped_mm(a, b, offsets, torch.float32, "emulated", False)
+        errors = 0
+        for dtype in (torch.float32, torch.bfloat16):
+            start = torch.randn(48, 144, generator=torch.Generator().manual_seed(4)).to(dtype)
+            got = start.clone()
+            out = fp8_grouped_mm(a, b, offsets, dtype, "triton", False, accumulate_into=got)
+            want = ref[:end] + start[:end].float()
+            if dtype == torch.float32:
+                errors += far(got[:end], want)
+            else:  # one rounding of the FP32 sum (the interpreter truncates: within one unit)
+                errors += int(((got[:end].float() - want).abs() > want.abs() * 2.0**-7 + 1e-30).sum())
+            errors += int(out is not got) + int(not torch.equal(got[end:], start[end:]))
+        return errors
+
+    yield "gemm/rowwise/accumulate", accumulate
+
     for recipe in ("fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise"):
         def layer(recipe=recipe):
             g = torch.Generator().manual_seed(2)
@@ -101,6 +119,23 @@ def cases():
             return sum(far(got, ref, 2e-5) for got, ref in zip(results[1], results[0], strict=True))
 
         yield f"linear/{recipe}", linear
+
+        def shared(recipe=recipe):  # q, k and v: one quantisation, input gradients added in the GEMMs
+            g = torch.Generator().manual_seed(5)
+            ws = [torch.randn(n, 144, generator=g) * 0.2 for n in (136, 128, 128)]
+            x = torch.randn(37, 144, generator=g)
+            dys = [torch.randn(37, w.shape[0], generator=g) for w in ws]
+            results = []
+            for gemm in ("emulated", "triton"):
+                weights = [nn.Parameter(w.clone()) for w in ws]
+                layers = tuple(FP8Linear(w, recipe=recipe, gemm=gemm, fast_accum=()) for w in weights)
+                xg = x.clone().requires_grad_()
+                ys = FP8Linear.shared_input_forward(xg, layers)
+                torch.autograd.backward(ys, dys)
+                results.append([*(y.detach() for y in ys), xg.grad, *(w.grad for w in weights)])
+            return sum(far(got, ref, 2e-5) for got, ref in zip(results[1], results[0], strict=True))
+
+        yield f"shared/{recipe}", shared
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """The FP8 grouped GEMM kernel (``gemm="triton"``) under TRITON_INTERPRET=1 against the
-emulated GEMM, alone and inside ``FP8GroupedExperts`` and ``FP8Linear`` for every FP8
-recipe (outputs, input and weight gradients); refusals on CPU.
+emulated GEMM, alone (and adding into its output) and inside ``FP8GroupedExperts``,
+``FP8Linear`` and ``FP8Linear.shared_input_forward`` for every FP8 recipe (outputs, input
+and weight gradients); refusals on CPU.
 
 The cases run in one child process (fp8_gemm_triton_cases.py) so the interpreter setting
 never reaches this process; each case is its own test.
@@ -21,8 +22,8 @@ pytest.importorskip("triton")
 CASES_FILE = Path(__file__).with_name("fp8_gemm_triton_cases.py")
 CASES = ([f"gemm/{kind}/{shape}/fast={fast}" for kind in ("rowwise", "blockwise")
           for shape in ("K200xN144", "K160xN128") for fast in (False, True)]
-         + ["gemm/blockwise/k_step32"]
-         + [f"{kind}/{r}" for kind in ("layer", "linear")
+         + ["gemm/blockwise/k_step32", "gemm/rowwise/accumulate"]
+         + [f"{kind}/{r}" for kind in ("layer", "linear", "shared")
             for r in ("fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise")])
 
 

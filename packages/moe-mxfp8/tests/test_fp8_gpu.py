@@ -310,6 +310,29 @@ def test_fp8_linear_matches_the_emulation(recipe, gemm, fast_accum):
         assert _relative_error(got, want) < (FAST_ACCUM_REL if fast_accum else 2e-3)
 
 
+@needs_sm90
+@pytest.mark.parametrize("gemm", ["native", "triton"])
+def test_fp8_linears_sharing_an_input_match_separate_calls(gemm):
+    """Attention's q, k and v at bench-1gpu's shapes through ``shared_input_forward``: the
+    outputs and weight gradients of separate calls bit for bit, the input gradient (added
+    in the Triton GEMM's epilogue, rounded once) within BF16 rounding of theirs."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    weights = [torch.nn.Parameter((torch.randn(n, 2048, device="cuda", generator=g) * 0.02).bfloat16())
+               for n in (2048, 512, 512)]
+    x = torch.randn(8192, 2048, device="cuda", generator=g).bfloat16().requires_grad_()
+    dys = [torch.randn(8192, w.shape[0], device="cuda", generator=g).bfloat16() for w in weights]
+    outs = []
+    for shared in (False, True):
+        layers = tuple(FP8Linear(w, recipe="fp8_rowwise_gw_hp", gemm=gemm,
+                                 fast_accum=("output", "grad_input")) for w in weights)
+        ys = FP8Linear.shared_input_forward(x, layers) if shared else tuple(layer(x) for layer in layers)
+        outs.append((ys, torch.autograd.grad(ys, [x, *weights], dys)))
+    (ys0, (dx0, *dw0)), (ys1, (dx1, *dw1)) = outs
+    for a, b in zip([*ys0, *dw0], [*ys1, *dw1], strict=True):
+        assert torch.equal(a, b)
+    assert _relative_error(dx1, dx0) < 4e-3
+
+
 @needs_fp8_triton
 @pytest.mark.parametrize("recipe", ["fp8_rowwise_gw_hp", "fp8_blockwise"])
 def test_no_host_sync_in_a_warm_triton_step(recipe):

@@ -161,3 +161,74 @@ def test_native_linear_on_torch_scaled_mm_matches_the_emulation(monkeypatch):
         outs.append((y, *torch.autograd.grad(y, [x, weight], dy)))
     for got, want in zip(*outs, strict=True):
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+
+
+def _three_projections(recipe: str, seed: int):
+    """q, k and v shaped projections of one input width (nn.Linear, no bias), and an input."""
+    n_in, n_out = CASES[recipe]
+    g = torch.Generator().manual_seed(seed)
+    linears = [nn.Linear(n_in, n, bias=False) for n in (n_out, n_out // 2, n_out // 2)]
+    with torch.no_grad():
+        for linear in linears:
+            linear.weight.copy_(torch.randn(linear.weight.shape, generator=g) * 0.2)
+    x = torch.randn(2, 9, n_in, generator=g) * 3
+    dys = [torch.randn(2, 9, linear.out_features, generator=g) for linear in linears]
+    return linears, x, dys
+
+
+@pytest.mark.parametrize("recipe", list(CASES))
+def test_layers_sharing_an_input_quantize_it_once_and_match_separate_calls(recipe, monkeypatch):
+    """``shared_input_forward`` (attention's q, k and v): the same outputs and weight
+    gradients as calling each layer, bit for bit, and the same input gradient up to the
+    order of the additions, from one quantisation of the input instead of three."""
+    from moe_mxfp8 import fp8_linear
+
+    linears, x, dys = _three_projections(recipe, seed=4)
+    results, calls = [], []
+    quantize = fp8_linear.quantize_fp8
+    monkeypatch.setattr(fp8_linear, "quantize_fp8", lambda t, *a: calls.append(t.shape) or quantize(t, *a))
+    for shared in (False, True):
+        for linear in linears:
+            linear.weight.grad = None
+        layers = tuple(FP8Linear.from_module(linear, recipe) for linear in linears)
+        xg = x.clone().requires_grad_()
+        calls.clear()
+        ys = FP8Linear.shared_input_forward(xg, layers) if shared else tuple(layer(xg) for layer in layers)
+        forward_quantizations = len(calls)
+        torch.autograd.backward(ys, dys)
+        results.append((ys, xg.grad, [linear.weight.grad for linear in linears], forward_quantizations))
+    (ys0, dx0, dw0, n0), (ys1, dx1, dw1, n1) = results
+    assert (n0, n1) == (3, 1)
+    for a, b in zip([*ys0, *dw0], [*ys1, *dw1], strict=True):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(dx1, dx0, rtol=1e-6, atol=1e-6)
+
+
+def test_layers_of_other_recipes_sharing_an_input_are_called_one_by_one():
+    linears, x, dys = _three_projections("fp8_rowwise", seed=5)
+    layers = (FP8Linear.from_module(linears[0], "fp8_rowwise"),
+              FP8Linear.from_module(linears[1], "fp8_rowwise_gw_hp"), linears[2])
+    ys = FP8Linear.shared_input_forward(x, layers)
+    for y, layer in zip(ys, layers, strict=True):
+        assert torch.equal(y, layer(x))
+
+
+def test_layers_sharing_an_input_give_their_weight_gradients_to_the_sink():
+    """Through the sink (``dense_weight_gradient`` set, as the model wires it): each weight's
+    add gets its own output gradient and the shared input rows."""
+    linears, x, dys = _three_projections("fp8_rowwise_gw_hp", seed=6)
+    sink = RecordingSink([linear.weight for linear in linears])
+    layers = []
+    for linear in linears:
+        linear.grad_sink = sink
+        layer = FP8Linear.from_module(linear, "fp8_rowwise_gw_hp")
+        layer.dense_weight_gradient = LaterDense
+        layers.append(layer)
+    LaterDense.made = []
+    xg = x.clone().requires_grad_()
+    torch.autograd.backward(FP8Linear.shared_input_forward(xg, tuple(layers)), dys)
+    assert sink.calls == 3 and all(linear.weight.grad is None for linear in linears)
+    assert [made.dy.shape[1] for made in LaterDense.made] == [linear.out_features for linear in linears]
+    for linear, dy in zip(linears, dys, strict=True):
+        want = dy.reshape(18, -1).T @ x.reshape(18, -1)
+        torch.testing.assert_close(sink.targets[id(linear.weight)], want.reshape(-1), **TIGHT)

@@ -148,8 +148,13 @@ class Linear(nn.Linear):
 def shared_input_linears(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
     """``tuple(layer(x) for layer in layers)``; when every layer is a ``Linear`` whose weight
     gradient goes into a sink, in one autograd node whose input gradient adds the layers'
-    into one tensor (``_LinearsIntoSink``). Other modules (e.g. an MXFP8 replacement of a
-    projection) are simply called."""
+    into one tensor (``_LinearsIntoSink``). Layers of another class that has a
+    ``shared_input_forward(x, layers)`` (e.g. moe_mxfp8's ``FP8Linear``, which quantizes
+    ``x`` once for all) go through it when the first layer's class has one; other modules
+    are simply called."""
+    shared = getattr(type(layers[0]), "shared_input_forward", None)
+    if shared is not None and not isinstance(layers[0], Linear):
+        return tuple(shared(x, layers))
     routes = tuple(layer.sink_route(x) if isinstance(layer, Linear) else None for layer in layers)
     if any(route is None for route in routes):
         return tuple(layer(x) for layer in layers)

@@ -46,7 +46,7 @@ def fp8_rows_kernel(
     stride_ar, stride_be, stride_bn, stride_yr, stride_asr, stride_bse, stride_bsn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     E_BLOCK: tl.constexpr, BLOCKWISE: tl.constexpr, FAST: tl.constexpr,
-    USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr, EVEN_K: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """``y[r] = (a[r] / sa) @ (b[g(r)] / sb)^T`` for the rows of every group, E4M3 operands.
 
@@ -62,7 +62,8 @@ def fp8_rows_kernel(
     Persistent: each program walks its tiles in one flat (tile, k-step) loop, so the
     software pipeline fetches the next tile's first blocks while the current one ends.
     Rows past a group's end are read (the next group's rows, or zeros past R) and never
-    stored; columns past N likewise.
+    stored; columns past N likewise. ``ACCUMULATE``: ``y += ...`` (``y`` read in the
+    epilogue and the sum rounded once), for products that add up to one result.
     """
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BN)
@@ -120,5 +121,7 @@ def fp8_rows_kernel(
             out_cols = col0 + rn
             y_ptrs = y_ptr + out_rows.to(tl.int64)[:, None] * stride_yr + out_cols[None, :]
             mask = (out_rows[:, None] < g_end) & (out_cols[None, :] < N)
+            if ACCUMULATE:
+                acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
             acc = tl.zeros((BM, BN), dtype=tl.float32)

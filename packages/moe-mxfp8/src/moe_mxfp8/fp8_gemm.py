@@ -166,9 +166,11 @@ def _check_pair(a: FP8Tensor, b: FP8Tensor) -> bool:
 
 
 def triton_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
-                      fast_accum: bool, config: FP8TileConfig | None = None) -> torch.Tensor:
+                      fast_accum: bool, config: FP8TileConfig | None = None,
+                      accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
     """``fp8_grouped_mm`` with ``gemm="triton"`` (module notes); ``config`` overrides the
-    device's default tiles. Offsets stay on the device; rows past ``offsets[-1]`` are unset."""
+    device's default tiles. Offsets stay on the device; rows past ``offsets[-1]`` are unset
+    (``accumulate_into``: left as they were)."""
     blockwise = _check_pair(a, b)
     R, K = a.data.shape
     E, N, _ = b.data.shape
@@ -179,7 +181,9 @@ def triton_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dty
     cfg = config or default_fp8_tiles(a.data.device, blockwise, fast_accum)
     if blockwise and 128 % cfg.block_k:
         raise ValueError(f"FP8 grouped GEMM: blockwise scales need a K step dividing 128, got {cfg.block_k}")
-    y = torch.empty(R, N, dtype=out_dtype, device=a.data.device)
+    if accumulate_into is not None:
+        _check_accumulator(accumulate_into, (R, N), out_dtype, a.data.device)
+    y = torch.empty(R, N, dtype=out_dtype, device=a.data.device) if accumulate_into is None else accumulate_into
     if R == 0 or N == 0:
         return y
     import triton
@@ -207,18 +211,38 @@ def triton_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dty
         a_scale.stride(0), b_scale.stride(0), b_scale.stride(1),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         E_BLOCK=triton.next_power_of_2(E), BLOCKWISE=blockwise, FAST=fast_accum and not blockwise,
-        USE_TMA=use_tma, EVEN_K=K % cfg.block_k == 0,
+        USE_TMA=use_tma, EVEN_K=K % cfg.block_k == 0, ACCUMULATE=accumulate_into is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
 
 
+def _check_accumulator(y: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype,
+                       device: torch.device) -> None:
+    """``accumulate_into`` must be the GEMM's result as it would allocate it, rows of
+    unit-stride elements (any row stride at least the width)."""
+    if (tuple(y.shape), y.dtype, y.device) != (shape, dtype, device) or (
+            y.numel() and (y.stride(1) != 1 or y.stride(0) < shape[1])):
+        raise ValueError(f"FP8 grouped GEMM: accumulate_into must be {dtype} {shape} on {device} "
+                         f"with unit-stride rows, got {y.dtype} {tuple(y.shape)} strides "
+                         f"{y.stride()} on {y.device}")
+
+
 def fp8_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
-                   gemm: str, fast_accum: bool) -> torch.Tensor:
+                   gemm: str, fast_accum: bool,
+                   accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
     """``a [R, K] @ b[e]^T`` per expert segment; ``b`` is ``[E, N, K]``, both scaled along K
-    (rowwise, or blockwise with ``gemm`` ``triton`` or ``emulated``)."""
-    if gemm == "triton":
-        return triton_grouped_mm(a, b, offsets, out_dtype, fast_accum)  # checks the pair itself
+    (rowwise, or blockwise with ``gemm`` ``triton`` or ``emulated``).
+
+    ``accumulate_into``: an ``[R, N]`` tensor of ``out_dtype`` the product is added to and
+    returned; the Triton GEMM adds it in its epilogue (one rounding, no second result),
+    the others add their result to it."""
+    if gemm == "triton":  # checks the pair itself
+        return triton_grouped_mm(a, b, offsets, out_dtype, fast_accum, accumulate_into=accumulate_into)
+    if accumulate_into is not None:
+        _check_accumulator(accumulate_into, (a.data.shape[0], b.data.shape[1]), out_dtype,
+                           a.data.device)
+        return accumulate_into.add_(fp8_grouped_mm(a, b, offsets, out_dtype, gemm, fast_accum))
     blockwise = _check_pair(a, b)
     if gemm == "native":
         if blockwise:

@@ -60,59 +60,99 @@ def _one_group(t: FP8Tensor) -> FP8Tensor:
 
 
 def _mm(a: FP8Tensor, b: FP8Tensor, rows: torch.Tensor, gemm: str, dtype: torch.dtype,
-        fast: bool) -> torch.Tensor:
+        fast: bool, accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
     """``a [M, K] @ b^T`` for ``b [N, K]``, both scaled along K; ``rows``: ``[M]``, the one
-    group's end, for the grouped GEMMs."""
+    group's end, for the grouped GEMMs; ``accumulate_into``: ``fp8_grouped_mm``'s."""
     if gemm == "native":
-        return torch._scaled_mm(a.data, b.data.t(), a.scale.reciprocal(),
-                                b.scale.reciprocal().view(1, -1), out_dtype=dtype,
-                                use_fast_accum=fast)
-    return fp8_grouped_mm(a, _one_group(b), rows, dtype, gemm, fast)
+        y = torch._scaled_mm(a.data, b.data.t(), a.scale.reciprocal(),
+                             b.scale.reciprocal().view(1, -1), out_dtype=dtype,
+                             use_fast_accum=fast)
+        return y if accumulate_into is None else accumulate_into.add_(y)
+    return fp8_grouped_mm(a, _one_group(b), rows, dtype, gemm, fast, accumulate_into)
 
 
-class _FP8LinearFn(torch.autograd.Function):
+class _FP8LinearsFn(torch.autograd.Function):
+    """``y_i = x @ w_i^T`` for one or more ``FP8Linear`` layers of one recipe, GEMM and fast
+    accumulation that share the input ``x`` (one layer's forward, or attention's q, k and v
+    through ``FP8Linear.shared_input_forward``): ``x`` is quantized once for all, and the
+    input gradient ``sum_i dy_i @ w_i`` adds up in the GEMMs (the Triton GEMM's epilogue)
+    instead of separate ``[M, K]`` results that autograd adds afterwards."""
+
     @staticmethod
-    def forward(ctx: Any, x_MK: torch.Tensor, weight: torch.Tensor, layer: FP8Linear,
-                dtype: torch.dtype, route: SinkRoute | None) -> torch.Tensor:
-        r = layer.recipe
+    def forward(ctx: Any, x_MK: torch.Tensor, layers: tuple[FP8Linear, ...], dtype: torch.dtype,
+                routes: tuple[SinkRoute | None, ...], *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        first = layers[0]
+        r, fast = first.recipe, "output" in first.fast_accum
         rows = torch.full((1,), x_MK.shape[0], dtype=torch.int32, device=x_MK.device)
         x_q = quantize_fp8(x_MK, r.act_block, r.pow2)
-        y_MN = _mm(x_q, layer.weight_cache.rows, rows, layer.gemm, dtype,
-                   "output" in layer.fast_accum)
+        ys = tuple(_mm(x_q, layer.weight_cache.rows, rows, first.gemm, dtype, fast) for layer in layers)
         ctx.save_for_backward(x_MK, rows)
-        # The backward uses the weight copy this forward saw, whatever happens in between.
-        ctx.layer, ctx.dtype, ctx.w_cols, ctx.route = layer, dtype, layer.weight_cache.cols, route
-        ctx.weight_gradient = None if r.fp8_wgrad else layer.dense_weight_gradient
-        return y_MN
+        # The backward uses the weight copies this forward saw, whatever happens in between.
+        ctx.layers, ctx.dtype, ctx.routes = layers, dtype, routes
+        ctx.w_cols = tuple(layer.weight_cache.cols for layer in layers)
+        ctx.weight_gradients = tuple(None if r.fp8_wgrad else layer.dense_weight_gradient
+                                     for layer in layers)
+        return ys
 
     @staticmethod
-    def backward(ctx: Any, dy_MN: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        layer, dtype = ctx.layer, ctx.dtype
-        r, fast = layer.recipe, layer.fast_accum
+    def backward(ctx: Any, *dys: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        first, dtype = ctx.layers[0], ctx.dtype
+        r, fast = first.recipe, first.fast_accum
         x_MK, rows = ctx.saved_tensors
-        dy_MN = dy_MN.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dy_q = quantize_fp8(dy_MN, r.act_block, r.pow2)
-            dx = _mm(dy_q, ctx.w_cols, rows, layer.gemm, dtype, "grad_input" in fast)
-        route = ctx.route
-        # computed where autograd wants it back, or where the sink takes it in a backward
-        # that runs the weight's node (not a pipeline's input pass)
-        if ctx.needs_input_grad[1] and (route is None or will_run(route)):
-            if route is not None and ctx.weight_gradient is not None:
-                route[0].add_gradient(layer.weight, ctx.weight_gradient(x_MK, dy_MN))
-            else:
-                if r.fp8_wgrad:
-                    dw = fp8_grouped_wgrad(dy_MN, x_MK, rows, r.pow2, dtype, layer.gemm,
-                                           "grad_weight" in fast)[0]
-                else:
-                    dw = dy_MN.t() @ x_MK
-                if route is None:
-                    dw = dw.to(layer.weight.dtype)
-                else:
-                    route[0].add_gradient(layer.weight, AddGradient(dw))
-                    dw = None
-        return dx, dw, None, None, None
+        dx = None
+        grads: list[torch.Tensor | None] = []
+        for i, dy_MN in enumerate(dys):
+            if dy_MN is None:
+                grads.append(None)
+                continue
+            dy_MN = dy_MN.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
+            if ctx.needs_input_grad[0]:
+                dy_q = quantize_fp8(dy_MN, r.act_block, r.pow2)
+                dx = _mm(dy_q, ctx.w_cols[i], rows, first.gemm, dtype, "grad_input" in fast, dx)
+            grads.append(_weight_gradient(ctx, i, x_MK, dy_MN, rows))
+        return dx, None, None, None, *grads
+
+
+def _weight_gradient(ctx: Any, i: int, x_MK: torch.Tensor, dy_MN: torch.Tensor,
+                     rows: torch.Tensor) -> torch.Tensor | None:
+    """Layer ``i``'s weight gradient, returned through autograd or handed to its sink
+    (module notes); computed where autograd wants it back, or where the sink takes it in a
+    backward that runs the weight's node (not a pipeline's input pass)."""
+    layer, route = ctx.layers[i], ctx.routes[i]
+    if not ctx.needs_input_grad[4 + i] or (route is not None and not will_run(route)):
+        return None
+    if route is not None and ctx.weight_gradients[i] is not None:
+        route[0].add_gradient(layer.weight, ctx.weight_gradients[i](x_MK, dy_MN))
+        return None
+    r = layer.recipe
+    if r.fp8_wgrad:
+        dw = fp8_grouped_wgrad(dy_MN, x_MK, rows, r.pow2, ctx.dtype, layer.gemm,
+                               "grad_weight" in layer.fast_accum)[0]
+    else:
+        dw = dy_MN.t() @ x_MK
+    if route is None:
+        return dw.to(layer.weight.dtype)
+    route[0].add_gradient(layer.weight, AddGradient(dw))
+    return None
+
+
+def _linears(x: torch.Tensor, layers: tuple[FP8Linear, ...]) -> tuple[torch.Tensor, ...]:
+    """``tuple(layer(x) for layer in layers)`` through one ``_FP8LinearsFn``; the layers share
+    one recipe, GEMM and fast accumulation (``FP8Linear.shared_input_forward`` checks)."""
+    first = layers[0]
+    for layer in layers:
+        if x.shape[-1] != layer.in_features:
+            raise ValueError(f"FP8Linear expects inputs [..., {layer.in_features}], got {tuple(x.shape)}")
+        layer.weight_cache.check_fresh(type(layer).__name__, (layer.weight,))
+    dtype = compute_dtype(x)
+    check_gemm_runs(type(first).__name__, first.gemm, x, dtype)
+    routes = tuple(sink_route(layer.grad_sink, layer.weight) for layer in layers)
+    with torch.autocast(x.device.type, enabled=False):
+        ys = _FP8LinearsFn.apply(x.reshape(-1, first.in_features).to(dtype), layers, dtype, routes,
+                                 *(layer.weight for layer in layers))
+        ys = tuple(y if layer.bias is None else y + layer.bias.to(dtype)
+                   for y, layer in zip(ys, layers, strict=True))
+    return tuple(y.view(*x.shape[:-1], layer.out_features) for y, layer in zip(ys, layers, strict=True))
 
 
 class FP8Linear(nn.Module):
@@ -152,17 +192,22 @@ class FP8Linear(nn.Module):
         self.weight_cache.refresh((self.weight,), in_place)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"FP8Linear expects inputs [..., {self.in_features}], got {tuple(x.shape)}")
-        self.weight_cache.check_fresh(type(self).__name__, (self.weight,))
-        dtype = compute_dtype(x)
-        check_gemm_runs(type(self).__name__, self.gemm, x, dtype)
-        with torch.autocast(x.device.type, enabled=False):
-            y = _FP8LinearFn.apply(x.reshape(-1, self.in_features).to(dtype), self.weight, self,
-                                   dtype, sink_route(self.grad_sink, self.weight))
-            if self.bias is not None:
-                y = y + self.bias.to(dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+        return _linears(x, (self,))[0]
+
+    @staticmethod
+    def shared_input_forward(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+        """``tuple(layer(x) for layer in layers)``, the way ``moe_model.linear.
+        shared_input_linears`` calls it for attention's q, k and v: where every layer is an
+        ``FP8Linear`` of one recipe, GEMM and fast accumulation, ``x`` is quantized once and
+        the input gradient adds up in the GEMMs (``_FP8LinearsFn``); otherwise each layer
+        is called. At ``bench-1gpu``'s shapes this saves two quantisations of ``x`` and two
+        adds of ``[8192, 2048]`` per layer and microbatch."""
+        first = layers[0]
+        same = all(isinstance(layer, FP8Linear) and (layer.recipe_name, layer.gemm, layer.fast_accum)
+                   == (first.recipe_name, first.gemm, first.fast_accum) for layer in layers)
+        if not same:
+            return tuple(layer(x) for layer in layers)
+        return _linears(x, tuple(layers))
 
     def extra_repr(self) -> str:
         fast = ",".join(sorted(self.fast_accum)) or "none"
