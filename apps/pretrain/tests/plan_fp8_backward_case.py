@@ -40,8 +40,10 @@ def _scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum):
     return torch.zeros(shape, dtype=out_dtype)
 
 
-def _triton_grouped_mm(a, b, offsets, out_dtype, fast_accum, config=None):
-    """The Triton FP8 GEMM's output: [R, N] from [R, K] x [E, N, K]."""
+def _triton_grouped_mm(a, b, offsets, out_dtype, fast_accum, config=None, accumulate_into=None):
+    """The Triton FP8 GEMM's output: [R, N] from [R, K] x [E, N, K] (or the tensor it adds to)."""
+    if accumulate_into is not None:
+        return accumulate_into
     return torch.empty(a.data.shape[0], b.data.shape[1], dtype=out_dtype)
 
 
