@@ -34,7 +34,8 @@
 4. Unless ``--no-tile-sweep``: each of those kernels under each launch shape of
    ``TILE_CANDIDATES`` (``moe_mxfp8._fp8_kernels._TILES``) and ``CODEC_TILE_CANDIDATES``
    (``moe_mxfp8._fp8_codec_kernels._TILES``), checked bit-exact against the torch
-   reference first, so those tables can be set from one run.
+   reference first, so those tables can be set from one run; ``wide_rows`` on an LM
+   head's output gradient ``[--head-tokens, --vocab]`` BF16.
 Prints a table last and writes JSON. Needs a CUDA GPU (compute capability 9.x for the
 native path); ``--help`` works anywhere.
 """
@@ -227,6 +228,7 @@ def bench_gemms(args) -> dict:
 # (timed on Zipf routing and, as balanced_tb_per_s, on balanced routing).
 TILE_CANDIDATES = {
     "rows": [(2048, 2), (4096, 4), (1024, 2), (2048, 1), (4096, 2), (8192, 4)],
+    "wide_rows": [(4096, 4), (2048, 2), (2048, 4), (4096, 8), (8192, 4), (8192, 8), (16384, 16)],
     "tiles": [(1024, 1, 8), (2048, 2, 16), (4096, 4), (2048, 1, 16), (4096, 2, 16), (2048, 2, 8),
               (512, 1, 4), (1024, 1, 4), (1024, 2, 8), (2048, 1, 8)],
     "blocks": [(16384, 8, 1, 64), (16384, 4, 1, 32), (16384, 8, 1, 32), (16384, 4, 1, 64),
@@ -274,8 +276,12 @@ def sweep_tiles(args) -> dict:
     head = x[:4096]
     tail = x[int(offsets[-9]):int(offsets[-1])]  # the last 8 experts' rows, for the check
     packed = encode_fp8_rows(x)
+    # an LM head's output gradient: one microbatch's tokens by the vocabulary
+    logits = torch.randn(args.head_tokens, args.vocab, device="cuda", dtype=torch.bfloat16)
     work = {
         "rows": (lambda t, b="auto": blocks(t, (1, 0), True, b), x, head, 3 * n + 4 * rows_n),
+        "wide_rows": (lambda t, b="auto": blocks(t, (1, 0), True, b), logits, logits[:64],
+                      3 * logits.numel() + 4 * logits.shape[0]),
         "tiles": (lambda t, b="auto": blocks(t, (1, 128), False, b), x, head, 3 * n + n // 32),
         "blocks": (lambda t, b="auto": blocks(t, (128, 128), False, b), w, w[:2], 3 * nw),
         "group_columns": (None, x, tail, 3 * n + 4 * args.experts * args.d_model),
@@ -286,6 +292,7 @@ def sweep_tiles(args) -> dict:
     defaults = {_fp8_kernels: dict(_fp8_kernels._TILES), _fp8_codec_kernels: dict(_fp8_codec_kernels._TILES)}
     groups = [(_fp8_kernels, kind, cands) for kind, cands in TILE_CANDIDATES.items()]
     groups += [(_fp8_codec_kernels, kind, cands) for kind, cands in CODEC_TILE_CANDIDATES.items()]
+    groups = [g for g in groups if args.tile_kinds is None or g[1] in args.tile_kinds]
     results = {"copy_tb_per_s": copy / 1e12}
     try:
         for module, kind, candidates in groups:
@@ -404,6 +411,12 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=100352,
+                    help="row width of the wide-row sweep (an LM head's output gradient)")
+    ap.add_argument("--head-tokens", type=int, default=8192, help="rows of the wide-row sweep")
+    ap.add_argument("--tile-kinds", nargs="+", default=None,
+                    choices=[*TILE_CANDIDATES, *CODEC_TILE_CANDIDATES],
+                    help="the kernels the tile sweep covers (default: all)")
     ap.add_argument("--routing", default="balanced,zipf", help="comma-separated: balanced, zipf")
     ap.add_argument("--no-tile-sweep", dest="tile_sweep", action="store_false",
                     help="skip measuring the quantize kernels' launch shapes and the Triton "

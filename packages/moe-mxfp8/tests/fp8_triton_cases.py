@@ -102,8 +102,8 @@ def cases():
         x = sample((2, k.ROW_WIDTH_MAX + 300), torch.bfloat16, seed=13)
         got, ref = (quantize_fp8(x, (1, 0), True, backend=b) for b in ("triton", "reference"))
         total += mismatches(got.data, ref.data) + mismatches(got.scale, ref.scale)
-        saved = k.ROW_WIDTH_MAX, k.WIDE_ROWS
-        k.ROW_WIDTH_MAX, k.WIDE_ROWS = 64, k.BlockTile(32, 1)
+        saved = k.ROW_WIDTH_MAX, k._TILES["wide_rows"]
+        k.ROW_WIDTH_MAX, k._TILES["wide_rows"] = 64, k.BlockTile(32, 1)
         try:
             for shape in ((5, 300), (2, 3, 77)):
                 for dtype in DTYPES.values():
@@ -113,7 +113,7 @@ def cases():
                                     for b in ("triton", "reference"))
                         total += mismatches(got.data, ref.data) + mismatches(got.scale, ref.scale)
         finally:
-            k.ROW_WIDTH_MAX, k.WIDE_ROWS = saved
+            k.ROW_WIDTH_MAX, k._TILES["wide_rows"] = saved
         return total
 
     yield "wide_rows", wide_rows

@@ -338,16 +338,17 @@ _TILES: dict[str, BlockTile | ColumnTile] = {
     "tiles": BlockTile(1024, 1, 8),  # 1x128
     "blocks": BlockTile(128 * 128, 8, 1, 64),  # 128x128
     "group_columns": ColumnTile(512, 32, 8, True, True),
+    # rows wider than ROW_WIDTH_MAX, one per program in chunks of ``elements``: not tuned
+    # yet (the sweep's "wide_rows" candidates, on an LM head's output gradient)
+    "wide_rows": BlockTile(4096, 4),
 }
 
 
 # Rowwise scales of rows wider than this many elements (an LM head's output gradient: the
-# vocabulary) walk each row twice in chunks of WIDE_ROWS.elements, one row per program,
+# vocabulary) walk each row twice in chunks (``_TILES["wide_rows"]``), one row per program,
 # instead of holding it whole in registers (a bench-1gpu step with the head in FP8, whose
-# 100352-wide rows took 131072 elements per program, did not finish in two minutes). The
-# chunk and its warps are not tuned yet.
+# 100352-wide rows took 131072 elements per program, did not finish in two minutes).
 ROW_WIDTH_MAX = 16384
-WIDE_ROWS = BlockTile(4096, 4)
 
 
 def _block_kind(block: tuple[int, int]) -> str:
@@ -378,7 +379,8 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], pow2: bool,
     rows = bm if bm > 1 else max(1, tile.elements // (groups * width))
     chunk = tile.chunk_rows if bm > 1 else 0
     if not bn and width > ROW_WIDTH_MAX:  # a whole row no longer fits a program's registers
-        tile, width, rows, chunk = WIDE_ROWS, WIDE_ROWS.elements, 1, WIDE_ROWS.elements
+        tile = _TILES["wide_rows"]
+        width, rows, chunk = tile.elements, 1, tile.elements
     # views: a reshape that copied would drop the writes into ``out``
     x3, d3, s3 = (t.view(B, t.shape[-2], t.shape[-1]) for t in (_bits_view(x), data, scale))
     grid = (triton.cdiv(M, rows), triton.cdiv(n_cols, groups), B)
