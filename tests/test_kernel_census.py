@@ -1,6 +1,7 @@
 """tools/kernel_census.py's attribution on synthetic profiler events: each kernel goes to the
-outermost op around its launch call and to the autograd node it ran in, and the idle time
-before a kernel is counted once, against the latest end of the kernels before it."""
+outermost op around its launch call and to the autograd node it ran in (with its innermost
+op in the row's parts), and the idle time before a kernel is counted once, against the
+latest end of the kernels before it; a replay's kernels by name, its span and its gaps."""
 
 from __future__ import annotations
 
