@@ -69,8 +69,7 @@ def census(events: list, n_parts: int = 4) -> list[dict]:
     rows: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     parts: dict[tuple[str, str], dict[tuple[str, str], list[float]]] = defaultdict(
         lambda: defaultdict(lambda: [0, 0.0]))
-    busy_until = kernels[0].start_ns() if kernels else 0
-    for k in kernels:
+    for k, gap in _with_gaps(kernels):
         launch = launches.get(k.correlation_id())
         stack = enclosing(launch.start_ns()) if launch is not None else []
         named = [n for n in stack if not n.startswith(_NOT_AN_OP)]
@@ -80,8 +79,7 @@ def census(events: list, n_parts: int = 4) -> list[dict]:
         row = rows[(node, op)]
         row[0] += 1
         row[1] += k.duration_ns() / 1e6
-        row[2] += max(0, k.start_ns() - busy_until) / 1e6
-        busy_until = max(busy_until, k.start_ns() + k.duration_ns())
+        row[2] += gap / 1e6
         part = parts[(node, op)][(_short(k.name()), named[-1] if named else op)]
         part[0] += 1
         part[1] += k.duration_ns() / 1e6
@@ -97,6 +95,19 @@ def _device_kernels(events: list) -> list:
     return sorted((e for e in events if e.device_type() == on_device), key=lambda e: e.start_ns())
 
 
+def _with_gaps(kernels: list):
+    """Each kernel (in start order) with the device's idle ns just before it, counted once:
+    against the latest end of the kernels before it (kernels of other streams overlap)."""
+    busy_until = kernels[0].start_ns() if kernels else 0
+    for k in kernels:
+        yield k, max(0, k.start_ns() - busy_until)
+        busy_until = max(busy_until, k.start_ns() + k.duration_ns())
+
+
+def _end(kernel) -> int:
+    return kernel.start_ns() + kernel.duration_ns()
+
+
 def _short(name: str) -> str:
     """A kernel's name without its template arguments (aten kernels' names run to pages)."""
     return name.split("<", 1)[0][:100]
@@ -105,13 +116,11 @@ def _short(name: str) -> str:
 def by_kernel(kernels: list) -> dict[str, dict]:
     """Per kernel name: launches, device ms, and the device's idle ms just before them."""
     rows: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    busy_until = kernels[0].start_ns() if kernels else 0
-    for k in kernels:
+    for k, gap in _with_gaps(kernels):
         row = rows[_short(k.name())]
         row[0] += 1
         row[1] += k.duration_ns() / 1e6
-        row[2] += max(0, k.start_ns() - busy_until) / 1e6
-        busy_until = max(busy_until, k.start_ns() + k.duration_ns())
+        row[2] += gap / 1e6
     return {n: {"kernels": int(c), "device_ms": d, "gap_ms": g}
             for n, (c, d, g) in sorted(rows.items(), key=lambda kv: -kv[1][1])}
 
@@ -122,18 +131,15 @@ def timeline(kernels: list, n_gaps: int = 15) -> dict:
     on either side (a gap where the device waits on the host, a copy or another rank)."""
     if not kernels:
         return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "largest_gaps": []}
-    gaps, busy, busy_until = [], 0, kernels[0].start_ns()
-    prev = kernels[0]
-    for k in kernels:
-        start, end = k.start_ns(), k.start_ns() + k.duration_ns()
-        if start > busy_until:
-            gaps.append((start - busy_until, _short(prev.name()), _short(k.name())))
-        busy += max(0, end - max(start, busy_until))
-        if end >= busy_until:
-            busy_until, prev = end, k
-    span = busy_until - kernels[0].start_ns()
+    gaps, last = [], kernels[0]  # last: the kernel that ends latest so far
+    for k, gap in _with_gaps(kernels):
+        if gap:
+            gaps.append((gap, _short(last.name()), _short(k.name())))
+        if _end(k) >= _end(last):
+            last = k
+    span, idle = _end(last) - kernels[0].start_ns(), sum(g[0] for g in gaps)
     gaps.sort(reverse=True)
-    return {"span_ms": span / 1e6, "busy_ms": busy / 1e6, "idle_ms": (span - busy) / 1e6,
+    return {"span_ms": span / 1e6, "busy_ms": (span - idle) / 1e6, "idle_ms": idle / 1e6,
             "gaps_over_10us": sum(1 for g in gaps if g[0] > 10_000),
             "largest_gaps": [{"ms": g / 1e6, "after": a, "before": b} for g, a, b in gaps[:n_gaps]]}
 

@@ -204,11 +204,19 @@ def test_layers_sharing_an_input_quantize_it_once_and_match_separate_calls(recip
     torch.testing.assert_close(dx1, dx0, rtol=1e-6, atol=1e-6)
 
 
-def test_layers_of_other_recipes_sharing_an_input_are_called_one_by_one():
+def test_layers_of_other_recipes_sharing_an_input_are_called_one_by_one(monkeypatch):
+    """Each FP8 layer quantizes the input itself (two quantisations for two FP8 layers of
+    different recipes), and a plain layer among them is called as it is."""
+    from moe_mxfp8 import fp8_linear
+
     linears, x, dys = _three_projections("fp8_rowwise", seed=5)
     layers = (FP8Linear.from_module(linears[0], "fp8_rowwise"),
               FP8Linear.from_module(linears[1], "fp8_rowwise_gw_hp"), linears[2])
+    calls = []
+    quantize = fp8_linear.quantize_fp8
+    monkeypatch.setattr(fp8_linear, "quantize_fp8", lambda t, *a: calls.append(t.shape) or quantize(t, *a))
     ys = FP8Linear.shared_input_forward(x, layers)
+    assert len(calls) == 2
     for y, layer in zip(ys, layers, strict=True):
         assert torch.equal(y, layer(x))
 
