@@ -1,4 +1,4 @@
-"""What the FP8 experts' backward allocates on the GPU path, measured on CPU.
+"""What the FP8 experts' and FP8Linear's backward allocate on the GPU path, measured on CPU.
 
 Run by ``test_plan.py`` in a child process with ``TRITON_INTERPRET=1`` (set before Triton
 is imported, see ``moe_testing.run_under_triton_interpreter``): moe_mxfp8's Triton
@@ -9,9 +9,17 @@ stood in for by their output allocations (``torch._scaled_grouped_mm``,
 wires it on CUDA (``moe_model.wire_model``: the recipes with BF16 weight gradients hand
 them to moe_model's kernel, run here in the interpreter).
 
+FP8Linear likewise (``LINEARS``: attention's q, k and v through
+``FP8Linear.shared_input_forward``, then one layer alone), on the Triton GEMM and, for the
+recipes that have one, the native ``torch._scaled_mm`` (stood in for by its output); its
+weight gradients go to the sink as on CUDA, where the recipe computes them in BF16 by
+moe_model's ``dense_grad_accumulate_`` (one cuBLAS GEMM into the FP32 target there:
+nothing allocated, so stood in for by nothing).
+
 Prints one JSON line ``{"shape": {...}, recipe: [held after the forward, backward
-high-water mark above what was live when it started]}`` and ``ok``; bytes from
-``pretrain.planner.measure.LiveBytes``.
+high-water mark above what was live when it started], "linears": {"<recipe> <gemm>":
+[[held, peak] of q, k and v, [held, peak] of the single layer]}}`` and ``ok``; bytes
+from ``pretrain.planner.measure.LiveBytes``.
 """
 
 from __future__ import annotations
@@ -22,8 +30,9 @@ import os
 
 import torch
 from moe_model import ModelWiring, wire_model
+from moe_model import linear as model_linear
 from moe_model import wiring as model_wiring
-from moe_mxfp8 import FP8_RECIPES, FP8GroupedExperts, fp8_gemm, gemm
+from moe_mxfp8 import FP8_RECIPES, FP8GroupedExperts, FP8Linear, fp8_gemm, gemm
 from moe_mxfp8 import _triton_support as triton_support
 from pretrain.planner.measure import LiveBytes
 
@@ -32,6 +41,9 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run by moe_testing.run_under_
 # test_plan.py's LOW_PRECISION model: d_model 128, expert hidden 192, 8 experts, and the
 # 2 x 64 tokens of a microbatch routed top-2 (R = 256 rows)
 SHAPE = {"rows": 768, "d_model": 128, "hidden": 192, "experts": 8}
+# FP8Linear: M rows of K features into the output widths of q, k and v (shared input),
+# then into one output width alone
+LINEARS = {"rows": 128, "in": 128, "qkv": [128, 64, 64], "single": 512}
 
 
 def _scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum):
@@ -87,6 +99,33 @@ def measure(recipe: str) -> list[int]:
         return [held, live.peak - start]
 
 
+def _scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum):
+    """The native dense FP8 GEMM's output: [M, N] from [M, K] x [K, N]."""
+    return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+
+
+def measure_linears(recipe: str, gemm_name: str) -> list[list[int]]:
+    M, K = LINEARS["rows"], LINEARS["in"]
+    results = []
+    for widths in (LINEARS["qkv"], [LINEARS["single"]]):
+        torch.manual_seed(0)
+        layers = [FP8Linear(torch.nn.Parameter(torch.randn(n, K, dtype=torch.bfloat16) / 8), None,
+                            recipe, gemm_name) for n in widths]
+        for layer in layers:
+            layer.refresh_weight_cache()
+            wire_model(layer, ModelWiring(gradient_sink=_Sink((layer.weight,))))
+        x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
+        dys = [torch.randn(M, n, dtype=torch.bfloat16) for n in widths]
+        with LiveBytes() as live:
+            ys = FP8Linear.shared_input_forward(x, tuple(layers))
+            held = live.live - sum(y.untyped_storage().nbytes() for y in ys)
+            start = live.live
+            live.reset_peak()
+            torch.autograd.backward(ys, dys)
+            results.append([held, live.peak - start])
+    return results
+
+
 def main() -> None:
     torch.manual_seed(0)
     triton_support.fused_kernels_enabled = lambda device: True  # the kernels, as on CUDA
@@ -97,6 +136,8 @@ def main() -> None:
     gemm._fits_grouped_mm = lambda a, b: True
     torch._scaled_grouped_mm = _scaled_grouped_mm
     torch._grouped_mm = _grouped_mm
+    torch._scaled_mm = _scaled_mm
+    model_linear._addmm_ = lambda out, a, b: None  # cuBLAS adds into the FP32 target in place
     from triton.runtime.interpreter import GridExecutor
 
     launch = GridExecutor.__call__
@@ -110,7 +151,9 @@ def main() -> None:
             gc.collect()
 
     GridExecutor.__call__ = launch_and_collect
-    print(json.dumps({"shape": SHAPE, **{r: measure(r) for r in FP8_RECIPES}}))
+    linears = {f"{r} {g}": measure_linears(r, g) for r in FP8_RECIPES
+               for g in (("triton", "native") if FP8_RECIPES[r].native else ("triton",))}
+    print(json.dumps({"shape": SHAPE, **{r: measure(r) for r in FP8_RECIPES}, "linears": linears}))
     print("ok")
 
 

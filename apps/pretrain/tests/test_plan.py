@@ -32,7 +32,8 @@ from pretrain.mesh import build_mesh
 from pretrain.planner import FAMILY, PlanRequest, plan_memory, sweep
 from pretrain.planner.activations import Execution, block_inventory, local_rows
 from pretrain.planner.measure import LiveBytes
-from pretrain.planner.memory import KERNEL_WORKSPACES, not_modelled
+from pretrain.planner.memory import KERNEL_WORKSPACES, fp8_linears, not_modelled
+from pretrain.planner.persistent import ModelShapes
 from pretrain.planner.pipeline import rank_activations
 from pretrain.planner.stage import StageMemory, stage_memory
 from pretrain.runtime import distributed
@@ -85,7 +86,8 @@ def _planned_execution(cfg) -> Execution:
                      ep_backend=cfg.parallel.resolved_ep_backend(), kernels="cpu",
                      mxfp8_expert_layers=mxfp8,
                      mxfp8_save_activations=cfg.mxfp8.save_mxfp8_activations,
-                     mxfp8_recipe=cfg.mxfp8.recipe, mxfp8_gemm=cfg.mxfp8.gemm)
+                     mxfp8_recipe=cfg.mxfp8.recipe, mxfp8_gemm=cfg.mxfp8.gemm,
+                     fp8_linears=fp8_linears(PlanRequest.from_config(cfg, 1), ModelShapes(m)))
 
 
 WIDE_VOCAB = ["model.vocab_size=8192", "train.seq_len=8", "train.micro_batch=1", "train.global_batch=1"]
@@ -171,7 +173,9 @@ def test_planned_weight_caches_are_what_the_converted_experts_hold(recipe):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_planned_weight_caches_of_dense_targets_and_what_is_left_out(recipe):
     """The attention projections and the head converted too: their caches byte for byte,
-    and the plan says it leaves out their GEMMs' quantized operands."""
+    and what the plan says it leaves out: MXFP8Linear's GEMMs and weight gradients; of
+    FP8Linear only the attention projections' forward copies, and the GEMMs of the
+    linears it does not model (q, k and v converted apart)."""
     cfg = _config("mxfp8.targets=[experts,attn.w?,head]", "model.expert_hidden=192",
                   f"mxfp8.recipe={recipe}")
     part, held = _part_and_cache_bytes(cfg)
@@ -179,11 +183,47 @@ def test_planned_weight_caches_of_dense_targets_and_what_is_left_out(recipe):
     req = PlanRequest.from_config(cfg, 1)
     assert plan_memory(req, kernels="cpu").ranks[0].mxfp8_caches == held
     notes = not_modelled(req)
-    note = next(n for n in notes if f"on {4 * cfg.model.n_layers + 1} dense layers" in n)
-    # FP8Linear's weight gradients go into the sink as the BF16 layers' (planned); MXFP8Linear's not
-    assert ("weight gradients returned in BF16" in note) == (recipe == "mxfp8"), note
+    if recipe == "mxfp8":
+        note = next(n for n in notes if f"on {4 * cfg.model.n_layers + 1} dense layers" in n)
+        assert "weight gradients returned in BF16" in note, note
+    else:
+        assert not any("dense layers" in n for n in notes), notes
+        assert any("attention projections' forward" in n for n in notes), notes
+        apart = not_modelled(PlanRequest.from_config(_config("mxfp8.targets=[attn.wq,head]",
+                                                             f"mxfp8.recipe={recipe}"), 1))
+        assert any(f"on {cfg.model.n_layers} dense layers other than" in n for n in apart), apart
     assert not any("dense layers" in n
                    for n in not_modelled(PlanRequest.from_config(_config(*LOW_PRECISION), 1)))
+
+
+# FP8Linear where its backward sets the microbatch's high-water mark: the head of a wide
+# vocabulary; attention projections wider than tiny experts
+FP8_DENSE = {
+    "head": ["mxfp8.targets=[head]", "model.vocab_size=4096"],
+    "attention": ["mxfp8.targets=[attn.w?]", "model.n_experts=4", "model.top_k=1",
+                  "model.expert_hidden=16", "model.d_model=256", "model.n_heads=8",
+                  "model.n_kv_heads=8", "model.head_dim=64"],
+}
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+@pytest.mark.parametrize("case", FP8_DENSE)
+def test_fp8_dense_microbatch_matches_measurement(case, recipe):
+    """FP8Linear's backward (the gradients' E4M3 copies, the emulated GEMMs' FP32 operands,
+    FP8 weight gradients' column copies) as planned; planned as BF16 linears it would be
+    short by more than the tolerance (the case exercises the FP8 moments)."""
+    cfg = _config(*FP8_DENSE[case], f"mxfp8.recipe={recipe}")
+    held, forward_peak, backward_peak = _measure_microbatch(cfg)
+    ex = _planned_execution(cfg)
+    assert ex.fp8_linears
+    m = cfg.model
+    planned = stage_memory(m, range(m.n_layers), True, True, ex)
+    as_bf16 = stage_memory(m, range(m.n_layers), True, True, replace(ex, fp8_linears=frozenset()))
+    assert planned.held == pytest.approx(held, rel=0.01)
+    assert planned.bwd_peak == pytest.approx(backward_peak, rel=0.002)
+    assert as_bf16.bwd_peak < backward_peak * 0.99
+    if case == "head":  # the head's forward GEMM is planned too
+        assert planned.fwd_peak == pytest.approx(forward_peak, rel=0.002)
 
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
@@ -227,20 +267,22 @@ def test_fp8_expert_microbatch_matches_measurement(recipe):
 @pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.multiprocess
-def test_fp8_expert_backward_on_the_gpu_path_matches_measurement():
-    """The FP8 experts as they run on an H200 (Triton kernels, native grouped GEMMs where the
-    recipe has them, else the Triton GEMM, the weight gradients into a sink), measured on CPU in a child process
-    (plan_fp8_backward_case.py: the kernels under the Triton interpreter, the GEMMs by their
-    outputs): what the forward leaves for the backward and the backward's high-water mark
-    above what it starts with, exactly as planned for CUDA."""
+def test_fp8_backward_on_the_gpu_path_matches_measurement():
+    """The FP8 experts and FP8Linear as they run on an H200 (Triton kernels, native GEMMs
+    where the recipe has them, else the Triton GEMM, the weight gradients into a sink),
+    measured on CPU in a child process (plan_fp8_backward_case.py: the kernels under the
+    Triton interpreter, the GEMMs by their outputs): what the forward leaves for the
+    backward and the backward's high-water mark above what it starts with, exactly as
+    planned for CUDA."""
     from pathlib import Path
 
     from moe_testing import run_under_triton_interpreter
 
     out = run_under_triton_interpreter(Path(__file__).with_name("plan_fp8_backward_case.py"),
-                                       timeout=300)
+                                       timeout=400)
     measured = json.loads(out.strip().splitlines()[-2])
     shape = measured.pop("shape")
+    _check_fp8_linears_on_the_gpu_path(measured.pop("linears"))
     m = replace(_config(*LOW_PRECISION).model, n_experts=shape["experts"])
     assert (m.d_model, m.expert_hidden, m.top_k) == (shape["d_model"], shape["hidden"], 2)
     assert set(measured) == set(FP8_RECIPES)
@@ -258,6 +300,27 @@ def test_fp8_expert_backward_on_the_gpu_path_matches_measurement():
                       for mo in inv.bwd_moments if "experts.dy_q" in mo.temps)
         assert (recipe, held) == (recipe, inv.bytes(own))
         assert (recipe, backward_peak) == (recipe, planned)
+
+
+def _check_fp8_linears_on_the_gpu_path(measured: dict[str, list[list[int]]]) -> None:
+    """FP8Linear's measured [held, backward peak] (q, k and v sharing their input; one layer
+    alone: plan_fp8_backward_case.LINEARS) against ``_fp8_linears_backward``'s moments."""
+    from pretrain.planner.activations import Inventory, _fp8_linear_wgrad, _fp8_linears_backward
+
+    M, K = 128, 128
+    assert {key.split()[0] for key in measured} == set(FP8_RECIPES)
+    for key, cases in measured.items():
+        recipe, gemm_name = key.split()
+        ex = Execution(1, M, mxfp8_recipe=recipe, mxfp8_gemm=gemm_name, expert_grad_sink=True,
+                       dense_grads_in_gemm=True)
+        for widths, (held, backward_peak) in zip(([128, 64, 64], [512]), cases, strict=True):
+            inv = Inventory()
+            outputs = [(f"out{i}", n, _fp8_linear_wgrad(inv, ex, f"l{i}.weight", f"dw{i}", n, K, M))
+                       for i, n in enumerate(widths)]
+            _fp8_linears_backward(inv, "linears", ex, M, K, outputs, "dx", set(), set(), set())
+            planned = max(inv.bytes(mo.temps | mo.wgrad) for mo in inv.bwd_moments)
+            assert (key, widths, held) == (key, widths, inv.bytes(inv.saved))
+            assert (key, widths, backward_peak) == (key, widths, planned)
 
 
 def _measure_trainer(overrides: list[str], world: int) -> dict[str, float]:

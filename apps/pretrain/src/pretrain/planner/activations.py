@@ -77,6 +77,9 @@ class Execution:
     mxfp8_save_activations: bool = False  # MXFP8 layers keep their saved tensors in MXFP8
     mxfp8_recipe: str = "mxfp8"  # moe_mxfp8.MXFP8Config.recipe of those layers
     mxfp8_gemm: str = "emulated"  # moe_mxfp8.MXFP8Config.gemm: emulated | native | triton
+    # dense Linear modules (the model's names, e.g. "blocks.0.attn.wq", "head") that run
+    # moe_mxfp8.FP8Linear: mxfp8_recipe is an FP8 recipe, on mxfp8_gemm
+    fp8_linears: frozenset[str] = frozenset()
     # the trainer wires moe_model's gradient sink (parallel.fuse_grad_accumulation): FP8
     # experts hand it their weight gradients on every device
     expert_grad_sink: bool = False
@@ -249,7 +252,12 @@ def _shared_input_moments(inv: Inventory, freed: set[str], temps: set[str], dx: 
 
 
 def _attention(inv: Inventory, cfg: MoEConfig, ex: Execution, layer: int) -> None:
-    """Projections, QK-norm, RoPE, SDPA (keeps q, k, v, out and the log-sum-exp)."""
+    """Projections, QK-norm, RoPE, SDPA (keeps q, k, v, out and the log-sum-exp).
+
+    Projections that run ``moe_mxfp8.FP8Linear`` (``ex.fp8_linears``: the output
+    projection, or q, k and v together): their backward as ``_fp8_linears_backward``
+    runs it. Their forward's E4M3 copy of the input lives only through the GEMMs, before
+    the block holds its MLP's tensors, and is not planned (``memory.not_modelled``)."""
     T, b, D = ex.tokens, ex.compute_bytes, cfg.d_model
     H, Dh = cfg.n_heads, cfg.head_dim
     Q, KV = H * Dh, cfg.n_kv_heads * Dh
@@ -282,9 +290,14 @@ def _attention(inv: Inventory, cfg: MoEConfig, ex: Execution, layer: int) -> Non
     # ("grad_out" stands for it from here on); a moment of the ordinary backward only where
     # its weight gradient is an FP32 temporary.
     param = f"blocks.{layer}.attn"
-    dw_o = _dense_wgrad(inv, ex, f"{param}.wo.weight", "attn.dw_o", D, Q)
-    inv.moment(mlp, {"grad_out", "attn.d_out"}, dw_o, captured={"grad_out"},
-               split_only=not dw_o or not ex.dense_grads_in_gemm)
+    if f"{param}.wo" in ex.fp8_linears:
+        dw_o = _fp8_linear_wgrad(inv, ex, f"{param}.wo.weight", "attn.dw_o", D, Q, T)
+        _fp8_linears_backward(inv, "attn.wo", ex, T, Q, [("out", D, dw_o)], "attn.d_out", mlp,
+                              {"grad_out"}, {"grad_out"})
+    else:
+        dw_o = _dense_wgrad(inv, ex, f"{param}.wo.weight", "attn.dw_o", D, Q)
+        inv.moment(mlp, {"grad_out", "attn.d_out"}, dw_o, captured={"grad_out"},
+                   split_only=not dw_o or not ex.dense_grads_in_gemm)
     inv.moment(mlp, temps)  # runs after the MLP's backward has freed its tensors
     # q, k and v projections: their output gradients are the dy operands (and the QK-norm
     # gains' before them); the input gradient of the three; one weight gradient at a time
@@ -293,15 +306,23 @@ def _attention(inv: Inventory, cfg: MoEConfig, ex: Execution, layer: int) -> Non
     if cfg.qk_norm:
         inv.add("attn.dqk_norm", b * T * (Q + KV))
         captured.add("attn.dqk_norm")
-    dw_qkv: set[str] = set()
-    for name, n_out in (("wq", Q), ("wk", KV), ("wv", KV)):
-        dw = _dense_wgrad(inv, ex, f"{param}.{name}.weight", f"attn.dw_{name}", n_out, D)
-        if dw and inv.bytes(dw) > inv.bytes(dw_qkv):
-            dw_qkv = dw
     projections_only = {n for n in inv.sizes if not n.startswith(("attn_norm", "input", "grad_out"))}
-    _shared_input_moments(inv, projections_only, {"grad_out", "attn.dqkv"}, "attn.dx_qkv",
-                          b * T * D, not ex.dense_grads_in_gemm, dw_qkv, captured,
-                          split_only=not dw_qkv or not ex.dense_grads_in_gemm)
+    qkv = (("wq", Q), ("wk", KV), ("wv", KV))
+    if all(f"{param}.{name}" in ex.fp8_linears for name, _ in qkv):  # one shared-input function
+        outputs = [(name, n_out, _fp8_linear_wgrad(inv, ex, f"{param}.{name}.weight", f"attn.dw_{name}",
+                                                    n_out, D, T)) for name, n_out in qkv]
+        projections_only |= {n for n in inv.sizes if n.startswith("attn.dw_")}
+        _fp8_linears_backward(inv, "attn.qkv", ex, T, D, outputs, "attn.dx_qkv", projections_only,
+                              {"grad_out", "attn.dqkv"}, captured)
+    else:
+        dw_qkv: set[str] = set()
+        for name, n_out in qkv:
+            dw = _dense_wgrad(inv, ex, f"{param}.{name}.weight", f"attn.dw_{name}", n_out, D)
+            if dw and inv.bytes(dw) > inv.bytes(dw_qkv):
+                dw_qkv = dw
+        _shared_input_moments(inv, projections_only, {"grad_out", "attn.dqkv"}, "attn.dx_qkv",
+                              b * T * D, not ex.dense_grads_in_gemm, dw_qkv, captured,
+                              split_only=not dw_qkv or not ex.dense_grads_in_gemm)
     _norm_backward(inv, "attn_norm", T, D, ex)
 
 
@@ -518,6 +539,99 @@ def _emulated_gemm(R: int, K: int, N: int, E: int, b: int) -> int:
                FP32 * (R * K + E * N * K + R * N) + rounded)
 
 
+
+def _emulated_dense_gemm(M: int, K: int, N: int, b: int) -> int:
+    """``_emulated_gemm`` of one group (an ``FP8Linear``'s GEMM): there the FP32 product of
+    the group's rows is the whole ``[M, N]``, a temporary beside the FP32 result it is
+    copied into."""
+    rounded = b * M * N if b != FP32 else 0
+    return max(3 * FP32 * M * K, FP32 * M * K + 3 * FP32 * N * K,
+               FP32 * (M * K + N * K + 2 * M * N), FP32 * (M * K + N * K + M * N) + rounded)
+
+
+def _fp8_linear_gemm(M: int, K: int, N: int, ex: Execution, into: bool = False) -> int:
+    """Bytes alive inside one GEMM of ``moe_mxfp8.FP8Linear``, ``[M, K] @ [N, K]^T`` from
+    E4M3 operands, its ``[M, N]`` result included: emulated, ``_emulated_dense_gemm``'s;
+    native (``torch._scaled_mm``), the result and the scales' FP32 reciprocals; Triton,
+    the result. ``into``: the result adds to an existing ``[M, N]`` (q, k and v's input
+    gradient): the Triton GEMM adds in its epilogue, the others make a result and add it."""
+    b = ex.compute_bytes
+    if ex.mxfp8_gemm == "emulated":
+        return _emulated_dense_gemm(M, K, N, b)
+    if ex.mxfp8_gemm == "native":
+        return b * M * N + FP32 * (M + N)
+    return 0 if into else b * M * N
+
+
+def _fp8_wgrad_operands(n: int, k: int, R: int, E: int, ex: Execution, group_rows: int = 0) -> int:
+    """Bytes of ``moe_mxfp8.fp8_grouped_wgrad``'s operands for ``[E, n, k]`` gradients over
+    ``R`` rows: both quantized per group and column into E4M3 copies transposed to
+    ``[width, group_columns_width(R, E)]``, their FP32 scales and the scales'
+    reciprocals, int32 padded group ends; emulated, FP32 widenings of the copies and an
+    FP32 result, and while a group's product is formed its two scaled operands and the
+    product (FP32, ``group_rows`` rows: one group's, left out where there are many)."""
+    from moe_mxfp8.fp8 import group_columns_width
+
+    width = group_columns_width(R, E)
+    nbytes = (n + k) * width + 2 * FP32 * E * (n + k) + 2 * OFFSET * E
+    if ex.mxfp8_gemm == "emulated":
+        nbytes += FP32 * ((n + k) * width + E * n * k)
+        nbytes += FP32 * ((n + k) * group_rows + n * k) if group_rows else 0
+    return nbytes
+
+
+def _fp8_linears_backward(inv: Inventory, prefix: str, ex: Execution, M: int, K: int,
+                          outputs: list[tuple[str, int, set[str]]], dx: str, freed: set[str],
+                          temps: set[str], captured: set[str]) -> None:
+    """The backward of one ``moe_mxfp8.FP8Linear`` (or of several sharing their input:
+    attention's q, k and v, ``FP8Linear.shared_input_forward``), as
+    ``moe_mxfp8.fp8_linear._FP8LinearsFn`` runs it: per output ``(name, width N, weight
+    gradient)`` in order, its gradient quantized (``dy_q``, the recipe's activation blocks;
+    the previous output's still referenced while it is made), the input-gradient GEMM
+    into ``dx`` ([M, K], made by the first, added to by the rest), then the weight
+    gradient with ``dy_q`` and ``dx`` alive. ``dy_q`` are freed when the function returns."""
+    from moe_mxfp8 import FP8_RECIPES
+    from moe_mxfp8.fp8 import fp8_nbytes
+
+    block = FP8_RECIPES[ex.mxfp8_recipe].act_block
+    inv.add(f"{prefix}.rows", FP32, "saved")  # the function saves its int32 [1] row count
+    inv.add(dx, ex.compute_bytes * M * K)
+    previous: set[str] = set()
+    for i, (name, N, wgrad) in enumerate(outputs):
+        dy_q = f"{prefix}.{name}.dy_q"
+        gemm = f"{prefix}.{name}.gemm"
+        inv.add(dy_q, fp8_nbytes((M, N), block))
+        inv.add(gemm, _fp8_linear_gemm(M, N, K, ex, into=i > 0))
+        made = {dx} if i > 0 else set()
+        inv.moment(freed, temps | previous | {dy_q} | made, captured=captured)
+        inv.moment(freed, temps | {dy_q, gemm} | made, captured=captured)
+        inv.moment(freed, temps | {dy_q, dx} | wgrad, wgrad, captured=captured)
+        previous = {dy_q}
+
+
+def _fp8_linear_wgrad(inv: Inventory, ex: Execution, param: str, name: str, n_out: int,
+                      n_in: int, M: int) -> set[str]:
+    """The weight-gradient temporaries of ``moe_mxfp8.FP8Linear`` ``param``: in the recipes
+    whose weight gradients run in the compute dtype, the BF16 layers' (``_dense_wgrad``:
+    the layer hands the sink the same add); with FP8 weight gradients
+    (``FP8Recipe.fp8_wgrad``), ``fp8_grouped_wgrad``'s operands (one group) and its
+    ``[n_out, n_in]`` result in the compute dtype."""
+    from moe_mxfp8 import FP8_RECIPES
+
+    if not FP8_RECIPES[ex.mxfp8_recipe].fp8_wgrad:
+        return _dense_wgrad(inv, ex, param, name, n_out, n_in)
+    inv.add(f"{name}_fp8", _fp8_dense_wgrad(n_out, n_in, M, ex))
+    return {f"{name}_fp8"}
+
+
+def _fp8_dense_wgrad(n: int, k: int, M: int, ex: Execution) -> int:
+    """The high-water mark of ``fp8_grouped_wgrad`` over one group of ``M`` rows: its
+    operands with the ``[n, k]`` result in the compute dtype, or, emulated, with the
+    group's FP32 product being formed (more than the rounded result made after it)."""
+    operands = _fp8_wgrad_operands(n, k, M, 1, ex, group_rows=M)
+    return operands if ex.mxfp8_gemm == "emulated" else operands + ex.compute_bytes * n * k
+
+
 def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: set[str]) -> None:
     """moe_mxfp8.FP8GroupedExperts (every FP8 recipe): one autograd function that saves the
     rows (the dispatcher's tensor) and h13 [R, 2F] in the compute dtype; its backward's
@@ -541,7 +655,7 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
     is one node (its output gradient is captured), and its whole backward replays in the
     weight pass. Checked on CPU against the module run as on an H200 (test_plan.py)."""
     from moe_mxfp8 import FP8_RECIPES
-    from moe_mxfp8.fp8 import fp8_nbytes, group_columns_width
+    from moe_mxfp8.fp8 import fp8_nbytes
 
     D, F, b = cfg.d_model, cfg.expert_hidden, ex.compute_bytes
     E = cfg.n_experts // ex.ep
@@ -575,11 +689,7 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
     def operands(name: str, n: int, k: int) -> set[str]:
         if not recipe.fp8_wgrad:
             return set()
-        width = group_columns_width(R, E)
-        nbytes = (n + k) * width + 2 * FP32 * E * (n + k) + 2 * OFFSET * E  # + padded ends
-        if emulated:
-            nbytes += FP32 * ((n + k) * width + E * n * k)
-        inv.add(name, nbytes)
+        inv.add(name, _fp8_wgrad_operands(n, k, R, E, ex))
         return {name}
 
     wgrad13 = {"experts.dw13", *operands("experts.wgrad13_operands", 2 * F, D)}
@@ -716,6 +826,23 @@ class EdgeMemory:
     weight_pass_temporaries: int = 0
 
 
+def _fp8_head(ex: Execution, T: int, D: int, V: int, head_grads: int) -> tuple[int, int, int]:
+    """An ``FP8Linear`` head (``moe_mxfp8.fp8_linear._FP8LinearsFn``): the forward's GEMM
+    moment (the input's E4M3 copy and the GEMM with the logits it makes); the backward's
+    largest moment beside the logits' gradient (the gradient's E4M3 copy, alive to the
+    end, with the input-gradient GEMM, then with the input gradient and the weight's
+    gradient: ``_fp8_linear_wgrad``'s); the head's gradients for the other moments."""
+    from moe_mxfp8 import FP8_RECIPES
+    from moe_mxfp8.fp8 import fp8_nbytes
+
+    recipe = FP8_RECIPES[ex.mxfp8_recipe]
+    forward = fp8_nbytes((T, D), recipe.act_block) + _fp8_linear_gemm(T, D, V, ex)
+    dy_q = fp8_nbytes((T, V), recipe.act_block)
+    if recipe.fp8_wgrad:
+        head_grads = ex.compute_bytes * T * D + _fp8_dense_wgrad(V, D, T, ex)
+    return forward, dy_q + max(_fp8_linear_gemm(T, V, D, ex), head_grads), head_grads
+
+
 def head_memory(cfg: MoEConfig, ex: Execution) -> EdgeMemory:
     """Final norm, head and cross-entropy (``lm_loss_sum``); the trainer and the pipeline
     pass the logits straight to the loss, so they die with it.
@@ -754,6 +881,10 @@ def head_memory(cfg: MoEConfig, ex: Execution) -> EdgeMemory:
     after_loss = dlogits + b * T * D + (b if ex.kernels == "cuda" else 5 * FP32) * T * D
     deferred = dlogits + b * T * D
     head_is_sink_node = ex.dense_grads_in_gemm and not cfg.tie_embeddings
+    fp8_forward = fp8_backward = 0  # an FP8Linear head's moments beyond the BF16 head's
+    if "head" in ex.fp8_linears:
+        norm += FP32  # the function saves its int32 [1] row count
+        fp8_forward, fp8_backward, head_grads = _fp8_head(ex, T, D, V, head_grads)
     if ex.kernels == "cuda":
         logits = b * T * V
         loss_saved = logits + 3 * FP32 * T
@@ -761,17 +892,17 @@ def head_memory(cfg: MoEConfig, ex: Execution) -> EdgeMemory:
         # The loss's backward: its BF16 gradient beside the logits; then the head's, with
         # the logits freed and their gradient (same size) in their place.
         freed = loss_saved if head_is_sink_node else 0
-        return EdgeMemory(held=held, fwd_peak=held,
-                          bwd_peak=max(held + logits, held + head_grads),
+        return EdgeMemory(held=held, fwd_peak=max(held, norm + fp8_forward),
+                          bwd_peak=max(held + logits, held + head_grads, held + fp8_backward),
                           input_pass_peak=max(held + logits, held - freed + after_loss),
                           deferred=deferred, freed_by_input_pass=freed,
                           weight_pass_temporaries=head_dw)
     log_probs = FP32 * T * V
     held = norm + log_probs
     copy32 = FP32 * T * V if b != FP32 else 0  # logits.float(): the logits themselves in FP32
-    fwd = norm + b * T * V + copy32 + log_probs
+    fwd = max(norm + b * T * V + copy32 + log_probs, norm + fp8_forward)
     ce_backward = held + 2 * FP32 * T * V
-    head_backward = held - log_probs + b * T * V + head_grads
+    head_backward = held - log_probs + b * T * V + max(head_grads, fp8_backward)
     freed = log_probs if head_is_sink_node else 0
     return EdgeMemory(held=held, fwd_peak=fwd, bwd_peak=max(ce_backward, head_backward),
                       input_pass_peak=max(ce_backward, held - freed + after_loss),

@@ -262,20 +262,58 @@ def not_modelled(req: PlanRequest) -> list[str]:
     if req.sm_carveout is not None:
         notes.append(f"parallel.sm_carveout={req.sm_carveout}: planned with every SM")
     if req.mxfp8_targets:
-        from torch import nn
-
-        dense = [fqn for fqn, module in ModelShapes(req.model).model.named_modules()
-                 if isinstance(module, nn.Linear)
-                 and any(name_matches(fqn, t) for t in req.mxfp8_targets)]
-        if dense:
-            # FP8Linear's weight gradient takes the BF16 layers' route (the gradient sink);
-            # MXFP8Linear's returns through autograd in BF16
-            wgrad = ("weight gradients returned in BF16 (transient) and " if req.mxfp8_recipe == "mxfp8"
-                     else "")
+        dense = _dense_targets(req, ModelShapes(req.model))
+        if req.mxfp8_recipe == "mxfp8" and dense:
+            # MXFP8Linear's weight gradient returns through autograd in BF16
             notes.append(f"mxfp8.targets on {len(dense)} dense layers (e.g. {dense[0]}): their "
-                         f"weight caches are planned; their {wgrad}GEMMs' {req.mxfp8_recipe} copies "
-                         "of the inputs and output gradients (transient) are not")
+                         "weight caches are planned; their weight gradients returned in BF16 "
+                         "(transient) and GEMMs' mxfp8 copies of the inputs and output gradients "
+                         "(transient) are not")
+        elif dense:
+            planned = _planned_fp8_linears(dense)
+            others = [fqn for fqn in dense if fqn not in planned]
+            if others:
+                notes.append(f"mxfp8.targets on {len(others)} dense layers other than the head and "
+                             f"whole attention projection groups (e.g. {others[0]}): their weight "
+                             f"caches are planned; their GEMMs' {req.mxfp8_recipe} copies of the inputs "
+                             "and output gradients (transient) are not")
+            if any(fqn != "head" for fqn in planned):
+                notes.append("the attention projections' forward in FP8: the inputs' E4M3 copies "
+                             "(transient, before the block's forward peak) are not planned; their "
+                             "backward is")
     return notes
+
+
+def _dense_targets(req: PlanRequest, shapes: ModelShapes) -> list[str]:
+    """The model's ``nn.Linear`` modules that ``mxfp8_targets`` convert."""
+    from torch import nn
+
+    return [fqn for fqn, module in shapes.model.named_modules()
+            if isinstance(module, nn.Linear) and any(name_matches(fqn, t) for t in req.mxfp8_targets)]
+
+
+def _planned_fp8_linears(dense: list[str]) -> frozenset[str]:
+    """The converted linears whose FP8 memory the planner models: the head, each attention
+    output projection, and q, k and v where all three of a block are converted (they then
+    run as one function, ``FP8Linear.shared_input_forward``)."""
+    converted = set(dense)
+    planned = {fqn for fqn in converted if fqn == "head" or fqn.endswith(".attn.wo")}
+    for fqn in converted:
+        if fqn.endswith(".attn.wq"):
+            group = {fqn[:-2] + name for name in ("wq", "wk", "wv")}
+            if group <= converted:
+                planned |= group
+    return frozenset(planned)
+
+
+def fp8_linears(req: PlanRequest, shapes: ModelShapes) -> frozenset[str]:
+    """``Execution.fp8_linears`` of ``req``: the linears an FP8 recipe converts whose memory
+    the planner models (``_planned_fp8_linears``); none for other recipes."""
+    from moe_mxfp8 import FP8_RECIPES
+
+    if req.mxfp8_recipe not in FP8_RECIPES or not req.mxfp8_targets:
+        return frozenset()
+    return _planned_fp8_linears(_dense_targets(req, shapes))
 
 
 @dataclass(frozen=True)
@@ -363,6 +401,7 @@ def plan_memory(req: PlanRequest, shapes: ModelShapes | None = None,
         mxfp8_expert_layers=req.low_precision_expert_layers,
         mxfp8_save_activations=req.mxfp8_save_activations,
         mxfp8_recipe=req.mxfp8_recipe, mxfp8_gemm=req.mxfp8_gemm,
+        fp8_linears=fp8_linears(req, shapes),
         expert_grad_sink=req.fused_grad_accumulation,
         kernels=kernels,  # type: ignore[arg-type]
         dense_grads_in_gemm=req.fused_grad_accumulation and kernels == "cuda",
