@@ -539,7 +539,6 @@ def _emulated_gemm(R: int, K: int, N: int, E: int, b: int) -> int:
                FP32 * (R * K + E * N * K + R * N) + rounded)
 
 
-
 def _emulated_dense_gemm(M: int, K: int, N: int, b: int) -> int:
     """``_emulated_gemm`` of one group (an ``FP8Linear``'s GEMM): there the FP32 product of
     the group's rows is the whole ``[M, N]``, a temporary beside the FP32 result it is

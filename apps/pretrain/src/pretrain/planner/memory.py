@@ -281,6 +281,9 @@ def not_modelled(req: PlanRequest) -> list[str]:
                 notes.append("the attention projections' forward in FP8: the inputs' E4M3 copies "
                              "(transient, before the block's forward peak) are not planned; their "
                              "backward is")
+            if planned and req.pp > 1 and req.schedule == "zero_bubble":
+                notes.append("parallel.pp_schedule=zero_bubble: the input and weight passes of the "
+                             "FP8 dense layers are planned as the BF16 layers'")
     return notes
 
 
