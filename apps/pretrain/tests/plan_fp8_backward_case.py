@@ -17,8 +17,9 @@ moe_model's ``dense_grad_accumulate_`` (one cuBLAS GEMM into the FP32 target the
 nothing allocated, so stood in for by nothing).
 
 Prints one JSON line ``{"shape": {...}, recipe: [held after the forward, backward
-high-water mark above what was live when it started], "linears": {"<recipe> <gemm>":
-[[held, peak] of q, k and v, [held, peak] of the single layer]}}`` and ``ok``; bytes
+high-water mark above what was live when it started], "linears_shape": LINEARS,
+"linears": {"<recipe> <gemm>": [[held, peak] of q, k and v, [held, peak] of the single
+layer]}}`` and ``ok``; bytes
 from ``pretrain.planner.measure.LiveBytes``.
 """
 
@@ -153,7 +154,8 @@ def main() -> None:
     GridExecutor.__call__ = launch_and_collect
     linears = {f"{r} {g}": measure_linears(r, g) for r in FP8_RECIPES
                for g in (("triton", "native") if FP8_RECIPES[r].native else ("triton",))}
-    print(json.dumps({"shape": SHAPE, **{r: measure(r) for r in FP8_RECIPES}, "linears": linears}))
+    print(json.dumps({"shape": SHAPE, **{r: measure(r) for r in FP8_RECIPES},
+                      "linears_shape": LINEARS, "linears": linears}))
     print("ok")
 
 

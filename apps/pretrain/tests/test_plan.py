@@ -282,7 +282,7 @@ def test_fp8_backward_on_the_gpu_path_matches_measurement():
                                        timeout=400)
     measured = json.loads(out.strip().splitlines()[-2])
     shape = measured.pop("shape")
-    _check_fp8_linears_on_the_gpu_path(measured.pop("linears"))
+    _check_fp8_linears_on_the_gpu_path(measured.pop("linears_shape"), measured.pop("linears"))
     m = replace(_config(*LOW_PRECISION).model, n_experts=shape["experts"])
     assert (m.d_model, m.expert_hidden, m.top_k) == (shape["d_model"], shape["hidden"], 2)
     assert set(measured) == set(FP8_RECIPES)
@@ -302,18 +302,19 @@ def test_fp8_backward_on_the_gpu_path_matches_measurement():
         assert (recipe, backward_peak) == (recipe, planned)
 
 
-def _check_fp8_linears_on_the_gpu_path(measured: dict[str, list[list[int]]]) -> None:
+def _check_fp8_linears_on_the_gpu_path(shape: dict, measured: dict[str, list[list[int]]]) -> None:
     """FP8Linear's measured [held, backward peak] (q, k and v sharing their input; one layer
-    alone: plan_fp8_backward_case.LINEARS) against ``_fp8_linears_backward``'s moments."""
+    alone: ``shape``, plan_fp8_backward_case.LINEARS) against ``_fp8_linears_backward``'s
+    moments."""
     from pretrain.planner.activations import Inventory, _fp8_linear_wgrad, _fp8_linears_backward
 
-    M, K = 128, 128
+    M, K = shape["rows"], shape["in"]
     assert {key.split()[0] for key in measured} == set(FP8_RECIPES)
     for key, cases in measured.items():
         recipe, gemm_name = key.split()
         ex = Execution(1, M, mxfp8_recipe=recipe, mxfp8_gemm=gemm_name, expert_grad_sink=True,
                        dense_grads_in_gemm=True)
-        for widths, (held, backward_peak) in zip(([128, 64, 64], [512]), cases, strict=True):
+        for widths, (held, backward_peak) in zip((shape["qkv"], [shape["single"]]), cases, strict=True):
             inv = Inventory()
             outputs = [(f"out{i}", n, _fp8_linear_wgrad(inv, ex, f"l{i}.weight", f"dw{i}", n, K, M))
                        for i, n in enumerate(widths)]
