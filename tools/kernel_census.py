@@ -101,7 +101,7 @@ def _with_gaps(kernels: list):
     busy_until = kernels[0].start_ns() if kernels else 0
     for k in kernels:
         yield k, max(0, k.start_ns() - busy_until)
-        busy_until = max(busy_until, k.start_ns() + k.duration_ns())
+        busy_until = max(busy_until, _end(k))
 
 
 def _end(kernel) -> int:

@@ -311,7 +311,6 @@ def _attention(inv: Inventory, cfg: MoEConfig, ex: Execution, layer: int) -> Non
     if all(f"{param}.{name}" in ex.fp8_linears for name, _ in qkv):  # one shared-input function
         outputs = [(name, n_out, _fp8_linear_wgrad(inv, ex, f"{param}.{name}.weight", f"attn.dw_{name}",
                                                     n_out, D, T)) for name, n_out in qkv]
-        projections_only |= {n for n in inv.sizes if n.startswith("attn.dw_")}
         _fp8_linears_backward(inv, "attn.qkv", ex, T, D, outputs, "attn.dx_qkv", projections_only,
                               {"grad_out", "attn.dqkv"}, captured)
     else:
@@ -528,35 +527,29 @@ def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool,
     inv.moment(freed, {"grad_out", *replay}, replay, captured={"experts.dy_down"})
 
 
-def _emulated_gemm(R: int, K: int, N: int, E: int, b: int) -> int:
+def _emulated_gemm(R: int, K: int, N: int, E: int, b: int, product_rows: int = 0) -> int:
     """Peak bytes inside ``moe_mxfp8.fp8_gemm.fp8_grouped_mm``'s emulation of ``[R, K] @
     [E, N, K]^T``, its result in the compute dtype included: ``dequantize_fp8`` makes each
     operand FP32 through two FP32 temporaries of its size (the data widened, the scales
-    spread), the FP32 product [R, N] is then rounded to the compute dtype. One expert's
-    FP32 product at a time is left out (a segment of the rows, small beside these)."""
+    spread), each expert's FP32 product (``product_rows`` rows: one group's, the whole
+    ``[R, N]`` for an ``FP8Linear``; left out where there are many groups, a segment small
+    beside these) is copied into the FP32 result, which is then rounded to the compute
+    dtype."""
     rounded = b * R * N if b != FP32 else 0
+    operands = FP32 * (R * K + E * N * K + R * N)
     return max(3 * FP32 * R * K, FP32 * R * K + 3 * FP32 * E * N * K,
-               FP32 * (R * K + E * N * K + R * N) + rounded)
-
-
-def _emulated_dense_gemm(M: int, K: int, N: int, b: int) -> int:
-    """``_emulated_gemm`` of one group (an ``FP8Linear``'s GEMM): there the FP32 product of
-    the group's rows is the whole ``[M, N]``, a temporary beside the FP32 result it is
-    copied into."""
-    rounded = b * M * N if b != FP32 else 0
-    return max(3 * FP32 * M * K, FP32 * M * K + 3 * FP32 * N * K,
-               FP32 * (M * K + N * K + 2 * M * N), FP32 * (M * K + N * K + M * N) + rounded)
+               operands + FP32 * product_rows * N, operands + rounded)
 
 
 def _fp8_linear_gemm(M: int, K: int, N: int, ex: Execution, into: bool = False) -> int:
     """Bytes alive inside one GEMM of ``moe_mxfp8.FP8Linear``, ``[M, K] @ [N, K]^T`` from
-    E4M3 operands, its ``[M, N]`` result included: emulated, ``_emulated_dense_gemm``'s;
+    E4M3 operands, its ``[M, N]`` result included: emulated, ``_emulated_gemm``'s (one group);
     native (``torch._scaled_mm``), the result and the scales' FP32 reciprocals; Triton,
     the result. ``into``: the result adds to an existing ``[M, N]`` (q, k and v's input
     gradient): the Triton GEMM adds in its epilogue, the others make a result and add it."""
     b = ex.compute_bytes
     if ex.mxfp8_gemm == "emulated":
-        return _emulated_dense_gemm(M, K, N, b)
+        return _emulated_gemm(M, K, N, 1, b, product_rows=M)
     if ex.mxfp8_gemm == "native":
         return b * M * N + FP32 * (M + N)
     return 0 if into else b * M * N
