@@ -1,11 +1,12 @@
-"""FP8 experts wired as the trainer wires them on CUDA, with the kernels under the
-Triton interpreter (run by ``test_fp8_wiring.py`` with ``TRITON_INTERPRET=1``).
+"""FP8 and MXFP8 experts wired as the trainer wires them on CUDA, with the kernels under
+the Triton interpreter (run by ``test_fp8_wiring.py`` with ``TRITON_INTERPRET=1``).
 
-``wire_model`` hands moe_mxfp8's FP8 experts moe_model's ``ExpertWeightGradient`` as
-their weight-gradient maker (here with moe_model's kernels on, as on CUDA): for the
-recipes with compute-dtype weight gradients the sink gets those adds, two microbatches'
-merged into one launch of the epilogue-accumulating kernel (its gate and up operands are
-strided halves of dh13), and the FP32 targets hold what autograd computes without a sink.
+``wire_model`` hands moe_mxfp8's experts moe_model's ``ExpertWeightGradient`` as their
+weight-gradient maker (here with moe_model's kernels on, as on CUDA): for the recipes
+with compute-dtype weight gradients (MXFP8's among them) the sink gets those adds, two
+microbatches' merged into one launch of the epilogue-accumulating kernel (its gate and up
+operands are strided halves of dh13), and the FP32 targets hold what autograd computes
+without a sink.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import torch
 from moe_model import ExpertWeightGradient, ModelWiring, wire_model
 from moe_model import wiring as model_wiring
-from moe_mxfp8 import FP8_RECIPES, FP8GroupedExperts
+from moe_mxfp8 import FP8_RECIPES, FP8GroupedExperts, MXFP8GroupedExperts
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run by moe_testing.run_under_triton_interpreter"
 
@@ -40,6 +41,12 @@ class HoldingSink:
             merged(self.targets[key])
 
 
+def layer_of(recipe: str, w1, w3, w2):
+    if recipe == "mxfp8":
+        return MXFP8GroupedExperts(w1, w3, w2)
+    return FP8GroupedExperts(w1, w3, w2, recipe)
+
+
 def check(recipe: str) -> None:
     E, D, F = 3, 128, 128
     g = torch.Generator().manual_seed(0)
@@ -47,13 +54,13 @@ def check(recipe: str) -> None:
                   for s in ((E, F, D), (E, F, D), (E, D, F)))
     offsets = torch.tensor([9, 9, 40], dtype=torch.int32)  # expert 1 empty
     batches = [(torch.randn(40, D, generator=g), torch.randn(40, D, generator=g)) for _ in range(2)]
-    plain = FP8GroupedExperts(w1, w3, w2, recipe)
+    plain = layer_of(recipe, w1, w3, w2)
     for rows, dy in batches:
         plain(rows, offsets).backward(dy)
     want = [w.grad.clone() for w in (w1, w3, w2)]
     for w in (w1, w3, w2):
         w.grad = None
-    layer = FP8GroupedExperts(w1, w3, w2, recipe)
+    layer = layer_of(recipe, w1, w3, w2)
     sink = HoldingSink((w1, w3, w2))
     wire_model(layer, ModelWiring(gradient_sink=sink))
     assert layer.weight_gradient == ExpertWeightGradient.from_rows
@@ -70,7 +77,7 @@ def main() -> None:
     model_wiring.fused_kernels_enabled = lambda device: True  # moe_model's kernels, as on CUDA
     later = [r for r, recipe in FP8_RECIPES.items() if not recipe.fp8_wgrad]
     assert later == ["fp8_rowwise_gw_hp", "fp8_blockwise"], later
-    for recipe in later:
+    for recipe in ("mxfp8", *later):
         check(recipe)
     print("ok")
 

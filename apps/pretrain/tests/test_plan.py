@@ -808,6 +808,12 @@ def test_fp32_dense_weight_gradients_are_planned_where_the_bucket_forms_them():
         planned = fp32_dense_wgrads(m, params, StateLayout(dp=2, ep=1, bucket_cap_mb=cap))
         assert planned == measured[cap]
         assert ("head.weight" in planned) == (cap == 64.0) and "blocks.0.mlp.w1.weight" in planned
+        # a converted head hands the sink the same add where its recipe computes the weight
+        # gradient in the compute dtype; fp8_rowwise adds a computed FP8 gradient instead
+        for recipe in RECIPES:
+            state = StateLayout(dp=2, ep=1, bucket_cap_mb=cap, mxfp8_targets=("head",), mxfp8_recipe=recipe)
+            fp8_wgrad = recipe != "mxfp8" and FP8_RECIPES[recipe].fp8_wgrad
+            assert fp32_dense_wgrads(m, params, state) == planned - ({"head.weight"} if fp8_wgrad else set())
 
     wide = replace(load_config("bench-1gpu").model, d_model=8192, n_heads=64, n_kv_heads=8)
     ex = Execution(micro_batch=1, seq_len=1024, dense_grads_in_gemm=True)

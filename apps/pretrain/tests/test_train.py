@@ -22,7 +22,7 @@ from moe_model import layers as layers_module
 from moe_model import linear as linear_module
 from moe_model import wire_model
 from moe_model.linear import DenseWeightGradient, Linear
-from moe_mxfp8 import FP8Linear, MXFP8Linear, dequantize, quantize
+from moe_mxfp8 import FP8Linear, MXFP8GroupedExperts, MXFP8Linear, dequantize, quantize
 from pretrain.cli import main
 from pretrain.config import ConfigError, OptimConfig, load_config, validate_layout
 from pretrain.data import prepare_data
@@ -314,9 +314,9 @@ def _steps_with_the_sink_on_and_off(trainer, monkeypatch, check) -> None:
 def test_mxfp8_attention_projections_beside_the_dense_sink_route(tmp_path, monkeypatch, targets):
     """The dense layers' sink route forced on CPU (as on CUDA, ``moe_model.linear``): MXFP8
     attention projections (all four, or q alone beside k and v taking the route) are each
-    called, their outputs are the MXFP8 GEMM's; the other dense layers (k/v, the dense
-    block's gate/up and w2, the head) deliver into the DDP sink; one step's gradients equal
-    those with the sink off."""
+    called, their outputs are the MXFP8 GEMM's; every dense weight (the MXFP8 projections',
+    the dense block's gate/up and w2, the head's) and the MXFP8 experts' weights deliver
+    into the DDP sink; one step's gradients equal those with the sink off."""
     monkeypatch.setattr(linear_module, "sink_takes_dense", lambda x: True)
     calls: list[tuple[tuple[nn.Module, ...], torch.Tensor, tuple[torch.Tensor, ...]]] = []
     shared = layers_module.shared_input_linears  # whatever the model calls (wrapped, not replaced)
@@ -368,9 +368,12 @@ def test_mxfp8_attention_projections_beside_the_dense_sink_route(tmp_path, monke
                             if isinstance(mod, MXFP8Linear) else x_TI @ mod.weight.detach().t())
                     torch.testing.assert_close(y.reshape(want.shape), want, rtol=2e-5, atol=2e-6,
                                                msg=f"{type(mod).__name__} output in attention")
-            if sink is not None:  # every plain dense weight took the route, once a microbatch
-                assert sorted(map(id, delivered)) == sorted(id(p) for p in dense.values()
-                                                            for _ in range(n_micro))
+            if sink is not None:  # every dense weight and MXFP8 expert weight took the route,
+                experts = [m for m in model.modules() if isinstance(m, MXFP8GroupedExperts)]
+                assert len(experts) == (1 if "experts" in targets else 0)  # one MoE block
+                routed = [*dense.values(), *(m.weight for m in mxfp8.values()),  # once a microbatch
+                          *(p for m in experts for p in (m.w1, m.w3, m.w2))]
+                assert sorted(map(id, delivered)) == sorted(id(p) for p in routed for _ in range(n_micro))
             else:
                 assert not delivered
         trainer.close()

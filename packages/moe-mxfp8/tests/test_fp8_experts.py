@@ -1,6 +1,9 @@
 """FP8GroupedExperts (emulated GEMMs) against per-expert FP32 oracles built on torchao's
 quantization functions; recipes in MXFP8Config; the gradient sink route."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +16,9 @@ from moe_mxfp8 import (
     unmatched_targets,
 )
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sink_helpers import LaterGradient, RecordingSink  # noqa: E402
 
 torchao_float8 = pytest.importorskip("torchao.float8.float8_utils")
 from torchao.float8.config import ScalingGranularity  # noqa: E402
@@ -150,21 +156,6 @@ def test_quantization_error_is_bounded_against_fp32(recipe):
         assert 0.01 < rel < 0.1, rel
 
 
-class RecordingSink:
-    """A GradientSink with FP32 accumulators for the weights it accepts."""
-
-    def __init__(self, params):
-        self.targets = {id(p): torch.zeros(p.numel()) for p in params}
-        self.calls = 0
-
-    def accepts(self, param):
-        return id(param) in self.targets
-
-    def add_gradient(self, param, add):
-        add(self.targets[id(param)])
-        self.calls += 1
-
-
 def test_weight_gradients_go_into_the_sink():
     experts = ToyExperts(3, 32, 16)
     rows = torch.randn(20, 32, requires_grad=True)
@@ -190,26 +181,6 @@ def test_weight_gradients_go_into_the_sink():
     # a backward that does not run the weights' nodes (a pipeline's input pass) adds nothing
     torch.autograd.grad(layer(rows, offsets), rows, dy)
     assert sink.calls == 4
-
-
-class LaterGradient:
-    """A weight-gradient maker's add (``FP8GroupedExperts.weight_gradient``): records its
-    operands and adds ``x_e^T @ dy_e`` per expert, in the weight's storage order, when called."""
-
-    made: list = []
-
-    def __init__(self, x, dy, offsets, like):
-        self.x, self.dy, self.offsets, self.like = x, dy, offsets, like
-        LaterGradient.made.append(self)
-
-    def __call__(self, target):
-        dw = torch.zeros(self.like.shape)
-        start = 0
-        for e, end in enumerate(self.offsets.tolist()):
-            dw[e] = self.x[start:end].T @ self.dy[start:end]
-            start = end
-        assert self.like.transpose(1, 2).is_contiguous()  # [E, K, N] view of an [E, N, K] weight
-        target.add_(dw.transpose(1, 2).reshape(-1))
 
 
 @pytest.mark.parametrize("recipe", list(CASES))

@@ -11,9 +11,9 @@ from torch import nn
 
 pytest.importorskip("torchao.float8.float8_utils")
 sys.path.insert(0, str(Path(__file__).parent))
+from sink_helpers import LaterDense, RecordingSink  # noqa: E402
 from test_fp8_experts import (  # noqa: E402
     TIGHT,
-    RecordingSink,
     ToyExperts,
     act_1x128,
     rowwise,
@@ -61,20 +61,6 @@ def test_linear_matches_torchao_oracle(recipe):
     torch.testing.assert_close(linear.bias.grad, dy.sum((0, 1)), **TIGHT)
     # the oracle is not the unquantized product: FP8 is seen
     assert not torch.allclose(y, linear(x.detach()), rtol=1e-4, atol=1e-4)
-
-
-class LaterDense:
-    """A dense weight-gradient maker's add (``FP8Linear.dense_weight_gradient``): records its
-    operands and adds ``dy^T @ x`` to the target when called."""
-
-    made: list = []
-
-    def __init__(self, x, dy):
-        self.x, self.dy = x, dy
-        LaterDense.made.append(self)
-
-    def __call__(self, target):
-        target.add_((self.dy.T @ self.x).reshape(-1))
 
 
 @pytest.mark.parametrize("maker", [None, LaterDense], ids=["computed", "maker"])

@@ -1,5 +1,8 @@
 """MXFP8 layers against the "dequantize, then multiply in FP32" reference; weight caches."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +19,9 @@ from moe_mxfp8 import (
 )
 from moe_testing import saved_tensor_bytes
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sink_helpers import LaterDense, LaterGradient, RecordingSink  # noqa: E402
 
 TIGHT = dict(rtol=2e-5, atol=2e-6)  # FP32 accumulation-order differences only
 
@@ -109,6 +115,70 @@ def test_linear_matches_reference_and_keeps_parameters():
     torch.testing.assert_close(x.grad.reshape(-1, 40), mx(dy2) @ mx_weight(lin.weight, 0), **TIGHT)
     torch.testing.assert_close(lin.weight.grad, dy2.T @ x2, **TIGHT)
     torch.testing.assert_close(lin.bias.grad, dy2.sum(0), **TIGHT)
+
+
+@pytest.mark.parametrize("maker", [None, LaterGradient], ids=["computed", "maker"])
+@pytest.mark.parametrize("mx_saved", [False, True])
+def test_experts_weight_gradients_go_into_the_sink(mx_saved, maker):
+    """With a sink that takes w1 and w2: its accumulators get the reference's gradients of two
+    microbatches, their ``.grad`` stays None, w3 (not the sink's) keeps autograd's path, a
+    maker gets the operands (the rows as the backward reads them, the gate half of dh13,
+    h, dy), and a backward that does not run the weights' nodes (a pipeline's input pass)
+    adds nothing."""
+    E, D, F_ = 4, 40, 24
+    experts = ToyExperts(E, D, F_)
+    offsets = torch.tensor([5, 5, 18, 27], dtype=torch.int32)
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randn(27, D, generator=g, requires_grad=True)
+    dy = torch.randn(27, D, generator=g)
+    ref = reference_experts(rows.detach(), offsets, experts.w1, experts.w3, experts.w2, dy, mx_saved)
+    experts.grad_sink = RecordingSink([experts.w1, experts.w2])
+    layer = MXFP8GroupedExperts.from_module(experts, save_mxfp8_activations=mx_saved)
+    assert layer.grad_sink is experts.grad_sink
+    layer.weight_gradient = maker
+    LaterGradient.made = []
+    for _ in range(2):
+        layer(rows, offsets).backward(dy)
+    sink = experts.grad_sink
+    assert sink.calls == 4 and experts.w1.grad is None and experts.w2.grad is None
+    torch.testing.assert_close(sink.targets[id(experts.w1)], 2 * ref[2].reshape(-1), **TIGHT)
+    torch.testing.assert_close(sink.targets[id(experts.w2)], 2 * ref[4].reshape(-1), **TIGHT)
+    torch.testing.assert_close(experts.w3.grad, 2 * ref[3], **TIGHT)
+    torch.testing.assert_close(rows.grad, 2 * ref[1], **TIGHT)
+    assert len(LaterGradient.made) == (4 if maker else 0)
+    if maker:
+        gate, down = LaterGradient.made[:2]
+        torch.testing.assert_close(gate.x, mx(rows.detach()) if mx_saved else rows.detach(), rtol=0, atol=0)
+        assert gate.dy.shape == (27, F_) and down.x.shape == (27, F_) and torch.equal(down.dy, dy)
+    torch.autograd.grad(layer(rows, offsets), rows, dy)
+    assert sink.calls == 4
+
+
+@pytest.mark.parametrize("maker", [None, LaterDense], ids=["computed", "maker"])
+def test_linear_weight_gradient_goes_into_the_sink(maker):
+    """The sink's accumulator gets the reference's weight gradient of two microbatches,
+    ``weight.grad`` stays None, a maker gets the operands, and an input-gradient pass adds
+    nothing."""
+    lin = nn.Linear(40, 56, bias=False)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 7, 40, generator=g, requires_grad=True)
+    dy = torch.randn(3, 7, 56, generator=g)
+    x2, dy2 = x.detach().reshape(-1, 40), dy.reshape(-1, 56)
+    lin.grad_sink = RecordingSink([lin.weight])
+    layer = MXFP8Linear.from_module(lin)
+    assert layer.grad_sink is lin.grad_sink
+    layer.dense_weight_gradient = maker
+    LaterDense.made = []
+    for _ in range(2):
+        layer(x).backward(dy)
+    assert lin.grad_sink.calls == 2 and lin.weight.grad is None
+    torch.testing.assert_close(lin.grad_sink.targets[id(lin.weight)], 2 * (dy2.T @ x2).reshape(-1), **TIGHT)
+    torch.testing.assert_close(x.grad.reshape(-1, 40), 2 * mx(dy2) @ mx_weight(lin.weight, 0), **TIGHT)
+    assert len(LaterDense.made) == (2 if maker else 0)
+    if maker:
+        assert torch.equal(LaterDense.made[0].x, x2) and torch.equal(LaterDense.made[0].dy, dy2)
+    torch.autograd.grad(layer(x).sum(), x)
+    assert lin.grad_sink.calls == 2
 
 
 def test_bf16_autocast_runs_a_bf16_gemm_on_exact_operands():

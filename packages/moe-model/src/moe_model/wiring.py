@@ -9,14 +9,14 @@ parallelism). ``wire_model`` sets all of them from one ``ModelWiring``, so what 
 runs with is stated in one place; it sets them on the modules that use them (the
 experts, linear layers, embedding and MoE layers), which every view of the model that
 shares those modules (a pipeline stage) sees too. A module of another package that
-declares a ``grad_sink`` attribute of its own (moe_mxfp8's FP8 experts) gets the sink too,
+declares a ``grad_sink`` attribute of its own (moe_mxfp8's FP8 and MXFP8 layers) gets the sink too,
 and, where it also declares ``weight_gradient`` (a maker of a sink's add from a grouped
 weight gradient's operands, ``(x_RK, dy_RN, offsets, like_EKN) -> add``), this package's
 ``ExpertWeightGradient.from_rows`` when a sink is wired and its parameters' device runs
 the fused kernels: the add then runs the Triton weight-gradient kernel that adds into the
 FP32 main grad in its epilogue and merges microbatches, as for ``GroupedExperts``; where
 it declares ``dense_weight_gradient`` (a maker of a sink's add from a dense weight
-gradient's operands, ``(x_MK, dy_MN) -> add``: moe_mxfp8's ``FP8Linear``), this
+gradient's operands, ``(x_MK, dy_MN) -> add``: moe_mxfp8's ``FP8Linear`` and ``MXFP8Linear``), this
 package's ``DenseWeightGradient`` when a sink is wired: on CUDA cuBLAS's GEMM with FP32
 output adds into the main grad, as for ``Linear``; elsewhere its product is added.
 """
@@ -76,7 +76,7 @@ def wire_model(model: nn.Module, wiring: ModelWiring) -> None:
         elif isinstance(module, Embedding):
             module.grad_sink = None if id(module) in tied_embeddings else wiring.gradient_sink
         elif "grad_sink" in vars(module):  # another package's layer that takes the sink
-            module.grad_sink = wiring.gradient_sink  # (e.g. moe_mxfp8's FP8 experts)
+            module.grad_sink = wiring.gradient_sink  # (e.g. moe_mxfp8's layers)
             if "weight_gradient" in vars(module):
                 module.weight_gradient = _kernel_weight_gradient(module, wiring.gradient_sink)
             if "dense_weight_gradient" in vars(module):

@@ -14,6 +14,14 @@ Per layer, with every GEMM accumulating in FP32:
   quantized along D/2F and the weights from the caches' ``cols`` orientation.
 - weight gradients ``dw = dy^T @ x`` per expert in the compute dtype (not quantized).
 
+Weight gradients into a sink, as ``FP8GroupedExperts``' (``moe_mxfp8.fp8_experts``): with a
+``grad_sink`` that accepts a weight, in a backward that runs the weight's ``AccumulateGrad``
+node, the gradient is added to the sink's FP32 accumulator and ``param.grad`` stays
+``None``; with ``weight_gradient`` set as well (the model's wiring sets moe_model's
+``ExpertWeightGradient.from_rows`` on CUDA) the sink gets that maker's add of the GEMM's
+operands instead of a computed gradient: rows and the gate or up half of ``dh13``, ``h``
+and ``dy``. Unset (the default; this package stands alone), autograd gets the gradients.
+
 ``save_mxfp8_activations`` keeps the tensors saved for backward in MXFP8: ``rows``
 and ``h`` in the form the forward GEMMs already used, and the SwiGLU input ``h13``
 quantized once more; otherwise ``rows`` and ``h13`` are kept in the compute dtype
@@ -22,6 +30,7 @@ and ``h`` is recomputed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,9 +39,14 @@ from torch import nn
 from moe_mxfp8.cache import MXFP8WeightCache
 from moe_mxfp8.format import MXFP8Tensor, quantize, quantize_dequantize
 from moe_mxfp8.gemm import carrier_dtype, compute_dtype, grouped_mm, grouped_weight_grad
+from moe_mxfp8.sink import SinkRoute, carry_grad_sink, computes_now, deliver, hand_over, sink_route
 from moe_mxfp8.swiglu import swiglu, swiglu_backward
 
 _CARRIED_ATTRS = (bool, int, float, str, type(None))
+
+# (x_RK, dy_RN, offsets_E, like_EKN) -> a sink's add of ``x_e^T @ dy_e`` (module notes)
+WeightGradientMaker = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                               Callable[[torch.Tensor], None]]
 
 
 def expert_weights(experts: nn.Module) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
@@ -69,11 +83,21 @@ def check_expert_rows(module: nn.Module, rows_RD: torch.Tensor, group_offsets: t
     module.w2_cache.check_fresh(name, (module.w2,))
 
 
+def hand_over_expert_gradient(ctx: Any, i: int, x_RK: torch.Tensor, dy_RN: torch.Tensor,
+                              offsets_E: torch.Tensor) -> bool:
+    """Hand expert weight ``ctx.params[i]``'s gradient ``x_e^T @ dy_e`` to its sink as the
+    add ``ctx.weight_gradient`` makes of the operands (module notes); False, with nothing
+    handed, where the weight is not the sink's (``ctx.routes[i]``) or no maker is set."""
+    param = ctx.params[i]
+    return hand_over(ctx.routes[i], param, ctx.weight_gradient, x_RK, dy_RN, offsets_E,
+                     param.detach().transpose(1, 2))
+
+
 class _MXFP8ExpertsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows_RD: torch.Tensor, offsets_E: torch.Tensor, w1: torch.Tensor,
                 w3: torch.Tensor, w2: torch.Tensor, layer: MXFP8GroupedExperts,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, routes: tuple[SinkRoute | None, ...]) -> torch.Tensor:
         carrier = carrier_dtype(dtype)
         keep = layer.save_mxfp8_activations
         w13, w2c = layer.w13_cache, layer.w2_cache
@@ -91,8 +115,8 @@ class _MXFP8ExpertsFn(torch.autograd.Function):
             ctx.save_for_backward(offsets_E, rows_RD, h13_R2F)
         # The backward uses the weight copies this forward saw, whatever happens in between.
         ctx.w13_cols, ctx.w2_cols = w13.cols, w2c.cols
-        ctx.keep, ctx.dtype = keep, dtype
-        ctx.param_dtypes = (w1.dtype, w3.dtype, w2.dtype)
+        ctx.keep, ctx.dtype, ctx.routes = keep, dtype, routes
+        ctx.params, ctx.weight_gradient = (w1, w3, w2), layer.weight_gradient
         return y_RD.to(dtype)
 
     @staticmethod
@@ -100,12 +124,15 @@ class _MXFP8ExpertsFn(torch.autograd.Function):
         dtype = ctx.dtype
         carrier = carrier_dtype(dtype)
         offsets_E, *saved = ctx.saved_tensors
+        # a weight's gradient is computed where autograd wants it back, or where its sink
+        # takes it in a backward that runs the weight's node (not a pipeline's input pass)
+        wanted = [computes_now(route, ctx.needs_input_grad[2 + i]) for i, route in enumerate(ctx.routes)]
         if ctx.keep:
             rows_RD, h13_R2F, h_RF = (MXFP8Tensor(saved[i], saved[i + 1], axis=1).dequantize(dtype)
                                       for i in (0, 2, 4))
         else:
             rows_RD, h13_R2F = saved
-            h_RF = swiglu(h13_R2F)
+            h_RF = swiglu(h13_R2F) if wanted[2] else None  # w2's gradient reads it
         dy_RD = dy_RD.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
         dy_deq, _ = quantize_dequantize(dy_RD, carrier)
         dh_RF = grouped_mm(dy_deq, ctx.w2_cols.dequantize(carrier), offsets_E)
@@ -114,14 +141,20 @@ class _MXFP8ExpertsFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dh13_deq, _ = quantize_dequantize(dh13_R2F, carrier)
             drows = grouped_mm(dh13_deq, ctx.w13_cols.dequantize(carrier), offsets_E).to(dtype)
-        dw1 = dw3 = dw2 = None
-        if any(ctx.needs_input_grad[2:5]):
-            hidden = h13_R2F.shape[1] // 2
+        hidden = h13_R2F.shape[1] // 2
+        grads: list[torch.Tensor | None] = [None, None, None]
+        for i in (0, 1):  # gate, up: the halves of dh13
+            if wanted[i] and hand_over_expert_gradient(ctx, i, rows_RD,
+                                                       dh13_R2F[:, i * hidden:(i + 1) * hidden], offsets_E):
+                wanted[i] = False
+        if wanted[0] or wanted[1]:
             dw13 = grouped_weight_grad(dh13_R2F, rows_RD, offsets_E)
-            dw1 = dw13[:, :hidden].to(ctx.param_dtypes[0])
-            dw3 = dw13[:, hidden:].to(ctx.param_dtypes[1])
-            dw2 = grouped_weight_grad(dy_RD, h_RF, offsets_E).to(ctx.param_dtypes[2])
-        return drows, None, dw1, dw3, dw2, None, None
+            grads[0], grads[1] = dw13[:, :hidden], dw13[:, hidden:]
+        if wanted[2] and hand_over_expert_gradient(ctx, 2, h_RF, dy_RD, offsets_E):
+            wanted[2] = False
+        if wanted[2]:
+            grads[2] = grouped_weight_grad(dy_RD, h_RF, offsets_E)
+        return drows, None, *deliver(ctx.params, grads, ctx.routes, wanted), None, None, None
 
 
 class MXFP8GroupedExperts(nn.Module):
@@ -139,6 +172,8 @@ class MXFP8GroupedExperts(nn.Module):
             raise ValueError(f"w2 must be [E, D, F] = {(E, D, F_)}, got {tuple(w2.shape)}")
         self.w1, self.w3, self.w2 = w1, w3, w2
         self.save_mxfp8_activations = save_mxfp8_activations
+        self.grad_sink: Any = None  # a GradientSink, see the module docstring
+        self.weight_gradient: WeightGradientMaker | None = None  # see the module docstring
         self.w13_cache = MXFP8WeightCache((w1, w3))
         self.w2_cache = MXFP8WeightCache((w2,))
 
@@ -149,11 +184,12 @@ class MXFP8GroupedExperts(nn.Module):
 
         Any module with those three parameters qualifies (matched by structure, no
         import of the model package). Its public plain attributes (e.g. the expert
-        range ``expert_start``/``n_local``) are carried over so code reading them keeps
-        working. Narrow expert ranges before converting.
+        range ``expert_start``/``n_local``) and its ``grad_sink`` are carried over so code
+        reading them keeps working. Narrow expert ranges before converting.
         """
         layer = cls(*expert_weights(experts), save_mxfp8_activations)
         carry_attributes(experts, layer)
+        carry_grad_sink(experts, layer)
         return layer
 
     def refresh_weight_cache(self, in_place: bool = False) -> None:
@@ -165,9 +201,10 @@ class MXFP8GroupedExperts(nn.Module):
     def forward(self, rows_RD: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
         check_expert_rows(self, rows_RD, group_offsets)
         dtype = compute_dtype(rows_RD)
+        routes = tuple(sink_route(self.grad_sink, w) for w in (self.w1, self.w3, self.w2))
         with torch.autocast(rows_RD.device.type, enabled=False):
             return _MXFP8ExpertsFn.apply(rows_RD.to(dtype), group_offsets, self.w1, self.w3,
-                                         self.w2, self, dtype)
+                                         self.w2, self, dtype, routes)
 
     def extra_repr(self) -> str:
         E, F_, D = self.w1.shape

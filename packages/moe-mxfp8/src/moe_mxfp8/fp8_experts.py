@@ -62,7 +62,6 @@ default; this package stands alone): computed here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +69,13 @@ import torch
 from torch import nn
 
 from moe_mxfp8.cache import WeightCache
-from moe_mxfp8.experts import carry_attributes, check_expert_rows, expert_weights
+from moe_mxfp8.experts import (
+    WeightGradientMaker,
+    carry_attributes,
+    check_expert_rows,
+    expert_weights,
+    hand_over_expert_gradient,
+)
 from moe_mxfp8.fp8 import FP8Tensor, cat_parts, quantize_fp8, quantize_weight_rowwise
 from moe_mxfp8.fp8_gemm import (
     FAST_ACCUM_DEFAULT,
@@ -82,7 +87,7 @@ from moe_mxfp8.fp8_gemm import (
     fp8_grouped_wgrad,
 )
 from moe_mxfp8.gemm import compute_dtype, grouped_weight_grad
-from moe_mxfp8.sink import AddGradient, SinkRoute, sink_route, will_run
+from moe_mxfp8.sink import SinkRoute, carry_grad_sink, computes_now, deliver, sink_route
 from moe_mxfp8.swiglu import (
     swiglu_backward,
     swiglu_backward_quantized,
@@ -159,11 +164,6 @@ class FP8WeightCache(WeightCache):
         return rows, FP8Tensor(data.view(rows.data.dtype), scale, rows.block)
 
 
-# (x_RK, dy_RN, offsets_E, like_EKN) -> a sink's add of ``x_e^T @ dy_e`` (module notes)
-WeightGradientMaker = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                               Callable[[torch.Tensor], None]]
-
-
 class _FP8ExpertsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows_RD: torch.Tensor, offsets_E: torch.Tensor, w1: torch.Tensor,
@@ -193,9 +193,7 @@ class _FP8ExpertsFn(torch.autograd.Function):
         dh_RF = fp8_grouped_mm(dy_q, ctx.w2_cols, offsets_E, dtype, gemm, dgrad_fast)
         # a weight's gradient is computed where autograd wants it back, or where its sink
         # takes it in a backward that runs the weight's node (not a pipeline's input pass)
-        wanted = [ctx.needs_input_grad[2 + i]
-                  and (route is None or will_run(route))
-                  for i, route in enumerate(ctx.routes)]
+        wanted = [computes_now(route, ctx.needs_input_grad[2 + i]) for i, route in enumerate(ctx.routes)]
         hidden = h13_R2F.shape[1] // 2
         # h = swiglu(h13), which w2's gradient reads, written by the SwiGLU backward kernel
         h_RF = h13_R2F.new_empty(h13_R2F.shape[0], hidden) if wanted[2] else None
@@ -208,35 +206,18 @@ class _FP8ExpertsFn(torch.autograd.Function):
             dh13_R2F = swiglu_backward(h13_R2F, dh_RF, dtype, h_out=h_RF)
         grads: list[torch.Tensor | None] = [None, None, None]
         for i in (0, 1):  # gate, up: the halves of dh13
-            if _hand_over(ctx, i, wanted[i], rows_RD, dh13_R2F[:, i * hidden:(i + 1) * hidden],
-                          offsets_E):
+            if wanted[i] and hand_over_expert_gradient(ctx, i, rows_RD,
+                                                       dh13_R2F[:, i * hidden:(i + 1) * hidden], offsets_E):
                 wanted[i] = False
         if wanted[0] or wanted[1]:
             dw13 = _wgrad(r, dh13_R2F, rows_RD, offsets_E, dtype, gemm, wgrad_fast)
             grads[0], grads[1] = dw13[:, :hidden], dw13[:, hidden:]
         if wanted[2]:
-            wanted[2] = not _hand_over(ctx, 2, True, h_RF, dy_RD, offsets_E)
+            wanted[2] = not hand_over_expert_gradient(ctx, 2, h_RF, dy_RD, offsets_E)
             if wanted[2]:
                 grads[2] = _wgrad(r, dy_RD, h_RF, offsets_E, dtype, gemm, wgrad_fast)
             del h_RF  # not alive while the gradients below are added
-        returned: list[torch.Tensor | None] = []
-        for param, grad, route, want in zip(ctx.params, grads, ctx.routes, wanted, strict=True):
-            if want and route is not None:
-                route[0].add_gradient(param, AddGradient(grad))
-            returned.append(grad.to(param.dtype) if want and route is None else None)
-        return drows, None, *returned, None, None, None
-
-
-def _hand_over(ctx: Any, i: int, wanted: bool, x_RK: torch.Tensor, dy_RN: torch.Tensor,
-               offsets: torch.Tensor) -> bool:
-    """Hand weight ``i``'s gradient to its sink as ``ctx.weight_gradient``'s add of the
-    operands (module notes); False where it is not wanted, not the sink's, or no maker is set."""
-    param, route = ctx.params[i], ctx.routes[i]
-    if not wanted or route is None or ctx.weight_gradient is None:
-        return False
-    route[0].add_gradient(param, ctx.weight_gradient(x_RK, dy_RN, offsets,
-                                                     param.detach().transpose(1, 2)))
-    return True
+        return drows, None, *deliver(ctx.params, grads, ctx.routes, wanted), None, None, None
 
 
 def _wgrad(r: FP8Recipe, dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch.Tensor,
@@ -279,7 +260,7 @@ class FP8GroupedExperts(nn.Module):
         ``MXFP8GroupedExperts.from_module`` does. Narrow expert ranges before converting."""
         layer = cls(*expert_weights(experts), recipe, gemm, fast_accum)
         carry_attributes(experts, layer)
-        layer.grad_sink = getattr(experts, "grad_sink", None)
+        carry_grad_sink(experts, layer)
         return layer
 
     def refresh_weight_cache(self, in_place: bool = False) -> None:

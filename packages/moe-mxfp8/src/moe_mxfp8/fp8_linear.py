@@ -32,7 +32,6 @@ microbatch against 4.98 for a BF16 gradient that the wrapper then re-reads and a
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,10 +47,8 @@ from moe_mxfp8.fp8_gemm import (
     fp8_grouped_wgrad,
 )
 from moe_mxfp8.gemm import compute_dtype
-from moe_mxfp8.sink import AddGradient, SinkRoute, sink_route, will_run
-
-# (x_MK, dy_MN) -> a sink's add of ``dy^T @ x`` into an FP32 target (module notes)
-DenseWeightGradientMaker = Callable[[torch.Tensor, torch.Tensor], Callable[[torch.Tensor], None]]
+from moe_mxfp8.linear import DenseWeightGradientMaker
+from moe_mxfp8.sink import SinkRoute, carry_grad_sink, computes_now, deliver, hand_over, sink_route
 
 
 def _one_group(t: FP8Tensor) -> FP8Tensor:
@@ -119,10 +116,8 @@ def _weight_gradient(ctx: Any, i: int, x_MK: torch.Tensor, dy_MN: torch.Tensor,
     (module notes); computed where autograd wants it back, or where the sink takes it in a
     backward that runs the weight's node (not a pipeline's input pass)."""
     layer, route = ctx.layers[i], ctx.routes[i]
-    if not ctx.needs_input_grad[4 + i] or (route is not None and not will_run(route)):
-        return None
-    if route is not None and ctx.weight_gradients[i] is not None:
-        route[0].add_gradient(layer.weight, ctx.weight_gradients[i](x_MK, dy_MN))
+    if (not computes_now(route, ctx.needs_input_grad[4 + i])
+            or hand_over(route, layer.weight, ctx.weight_gradients[i], x_MK, dy_MN)):
         return None
     r = layer.recipe
     if r.fp8_wgrad:
@@ -130,10 +125,7 @@ def _weight_gradient(ctx: Any, i: int, x_MK: torch.Tensor, dy_MN: torch.Tensor,
                                "grad_weight" in layer.fast_accum)[0]
     else:
         dw = dy_MN.t() @ x_MK
-    if route is None:
-        return dw.to(layer.weight.dtype)
-    route[0].add_gradient(layer.weight, AddGradient(dw))
-    return None
+    return deliver((layer.weight,), (dw,), (route,), (True,))[0]
 
 
 def _linears(x: torch.Tensor, layers: tuple[FP8Linear, ...]) -> tuple[torch.Tensor, ...]:
@@ -183,7 +175,7 @@ class FP8Linear(nn.Module):
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
         layer = cls(linear.weight, linear.bias, recipe, gemm, fast_accum)
-        layer.grad_sink = getattr(linear, "grad_sink", None)
+        carry_grad_sink(linear, layer)
         return layer
 
     def refresh_weight_cache(self, in_place: bool = False) -> None:

@@ -10,10 +10,18 @@ Shape legend: M rows (all leading dims flattened), K in_features, N out_features
 All three accumulate in FP32. ``save_mxfp8_input`` keeps ``x`` for the weight
 gradient in its MXFP8 form (already computed for the forward) instead of in the
 compute dtype: about half the saved bytes, at the cost of a quantized ``x`` in ``dw``.
+
+Weight gradient into a sink, as ``FP8Linear``'s (``moe_mxfp8.fp8_linear``): where
+``grad_sink`` accepts the weight and the backward runs its ``AccumulateGrad`` node, the
+gradient is added to the sink's FP32 accumulator and ``weight.grad`` stays ``None``; with
+``dense_weight_gradient(x_MK, dy_MN)`` set as well (the model's wiring sets moe_model's
+``DenseWeightGradient``), the sink gets that maker's add of the operands instead of a
+computed gradient. Unset (the default; this package stands alone), autograd gets it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,14 +30,18 @@ from torch import nn
 from moe_mxfp8.cache import MXFP8WeightCache
 from moe_mxfp8.format import MXFP8Tensor, quantize, quantize_dequantize
 from moe_mxfp8.gemm import carrier_dtype, compute_dtype, native_mx_available, native_mx_mm
+from moe_mxfp8.sink import SinkRoute, carry_grad_sink, computes_now, deliver, hand_over, sink_route
 
 GEMMS = ("emulated", "native")
+
+# (x_MK, dy_MN) -> a sink's add of ``dy^T @ x`` into an FP32 target (module notes)
+DenseWeightGradientMaker = Callable[[torch.Tensor, torch.Tensor], Callable[[torch.Tensor], None]]
 
 
 class _MXFP8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x_MK: torch.Tensor, weight: torch.Tensor, layer: MXFP8Linear,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, route: SinkRoute | None) -> torch.Tensor:
         cache = layer.weight_cache
         carrier = carrier_dtype(dtype)
         if layer.gemm == "native":
@@ -43,7 +55,8 @@ class _MXFP8LinearFn(torch.autograd.Function):
         else:
             ctx.save_for_backward(x_MK)
         # The backward uses the weight copy this forward saw, whatever happens in between.
-        ctx.layer, ctx.dtype, ctx.w_cols = layer, dtype, cache.cols
+        ctx.layer, ctx.dtype, ctx.w_cols, ctx.route = layer, dtype, cache.cols, route
+        ctx.weight_gradient = layer.dense_weight_gradient
         return y_MN
 
     @staticmethod
@@ -66,9 +79,10 @@ class _MXFP8LinearFn(torch.autograd.Function):
             else:
                 dy_deq, _ = quantize_dequantize(dy_MN, carrier)
                 dx = (dy_deq @ w_cols.dequantize(carrier)).to(dtype)
-        if ctx.needs_input_grad[1]:
-            dw = (dy_MN.t() @ x_MK).to(layer.weight.dtype)
-        return dx, dw, None, None
+        if (computes_now(ctx.route, ctx.needs_input_grad[1])
+                and not hand_over(ctx.route, layer.weight, ctx.weight_gradient, x_MK, dy_MN)):
+            (dw,) = deliver((layer.weight,), (dy_MN.t() @ x_MK,), (ctx.route,), (True,))
+        return dx, dw, None, None, None
 
 
 class MXFP8Linear(nn.Module):
@@ -97,14 +111,19 @@ class MXFP8Linear(nn.Module):
         self.save_mxfp8_input = save_mxfp8_input
         self.gemm = gemm
         self.weight_cache = MXFP8WeightCache((weight,))
+        self.grad_sink: Any = None  # a GradientSink, see the module docstring
+        self.dense_weight_gradient: DenseWeightGradientMaker | None = None  # module docstring
 
     @classmethod
     def from_module(cls, linear: nn.Linear, save_mxfp8_input: bool = False,
                     gemm: str = "emulated") -> MXFP8Linear:
-        """Wrap an ``nn.Linear``'s own parameters (same objects, same names)."""
+        """Wrap an ``nn.Linear``'s own parameters (same objects, same names) and its
+        ``grad_sink``, where it has one."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
-        return cls(linear.weight, linear.bias, save_mxfp8_input, gemm)
+        layer = cls(linear.weight, linear.bias, save_mxfp8_input, gemm)
+        carry_grad_sink(linear, layer)
+        return layer
 
     def refresh_weight_cache(self, in_place: bool = False) -> None:
         """Re-derive the MXFP8 weight copies; call after every weight update
@@ -120,7 +139,7 @@ class MXFP8Linear(nn.Module):
         dtype = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             y = _MXFP8LinearFn.apply(x.reshape(-1, self.in_features).to(dtype), self.weight, self,
-                                     dtype)
+                                     dtype, sink_route(self.grad_sink, self.weight))
             if self.bias is not None:
                 y = y + self.bias.to(dtype)
         return y.view(*x.shape[:-1], self.out_features)

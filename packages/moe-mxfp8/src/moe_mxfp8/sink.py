@@ -12,6 +12,7 @@ each gradient lands exactly once however the backward is split.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +32,42 @@ def sink_route(sink: Any, w: nn.Parameter) -> SinkRoute | None:
 def will_run(route: SinkRoute) -> bool:
     """Whether the backward now running runs the weight's ``AccumulateGrad`` node."""
     return torch._C._will_engine_execute_node(route[1])
+
+
+def carry_grad_sink(source: nn.Module, layer: nn.Module) -> None:
+    """Give a converted layer the ``grad_sink`` of the module it replaces, where it has one."""
+    layer.grad_sink = getattr(source, "grad_sink", None)
+
+
+def computes_now(route: SinkRoute | None, needs_grad: bool) -> bool:
+    """Whether a weight's gradient is wanted from the backward now running: autograd asks
+    for it and, where a sink takes it, this backward runs the weight's node (a pipeline's
+    input pass does not; its weight pass does)."""
+    return needs_grad and (route is None or will_run(route))
+
+
+def hand_over(route: SinkRoute | None, param: nn.Parameter, maker: Callable[..., Any] | None,
+              *operands: torch.Tensor) -> bool:
+    """Hand ``param``'s gradient to its sink as ``maker(*operands)``: an add built from the
+    GEMM's operands that runs when the sink calls it (a kernel adding into the FP32 target
+    in its epilogue). False, with nothing handed, without a route or a maker."""
+    if route is None or maker is None:
+        return False
+    route[0].add_gradient(param, maker(*operands))
+    return True
+
+
+def deliver(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None],
+            routes: Sequence[SinkRoute | None], computed: Sequence[bool]) -> list[torch.Tensor | None]:
+    """What autograd gets back for each weight: a gradient computed here goes to its sink
+    as an add (``None`` back) or, without a route, back in the weight's dtype; ``None``
+    where none was computed (not wanted, or handed over already)."""
+    returned: list[torch.Tensor | None] = []
+    for param, grad, route, done in zip(params, grads, routes, computed, strict=True):
+        if done and grad is not None and route is not None:
+            route[0].add_gradient(param, AddGradient(grad))
+        returned.append(grad.to(param.dtype) if done and grad is not None and route is None else None)
+    return returned
 
 
 class AddGradient:

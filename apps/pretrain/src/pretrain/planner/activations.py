@@ -486,7 +486,8 @@ def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool,
     E_local = cfg.n_experts // ex.ep
     inv.add("experts.out", b * R * D, *(("saved",) if out_saved else ()), "selective", "fwd_live")
     inv.add("experts.dy_down", b * R * D)
-    if (mxfp8 and ex.mxfp8_recipe == "mxfp8") or (not mxfp8 and not ex.dense_grads_in_gemm):
+    if ((mxfp8 and ex.mxfp8_recipe == "mxfp8" and not mxfp8_wgrads_in_kernel(ex))
+            or (not mxfp8 and not ex.dense_grads_in_gemm)):
         # else the sink adds it in the GEMM's epilogue (FP8: see _fp8_experts)
         inv.add("experts.dw", b * E_local * F * D)
     # By the SwiGLU's gradient, the down projection's backward has freed its input h
@@ -523,7 +524,7 @@ def _experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, mxfp8: bool,
     # The FP32 SwiGLU gradient: h1, h3, dh, sigmoid (4 x R*F) and the [R, 2F] result.
     inv.add("experts.swiglu_grad32", FP32 * R * F * 6)
     inv.add("experts.d_h", b * R * F)
-    replay = {"experts.d_h", "experts.swiglu_grad32", "experts.dw"}
+    replay = {"experts.d_h", "experts.swiglu_grad32", *({"experts.dw"} & inv.sizes.keys())}
     inv.moment(freed, {"grad_out", *replay}, replay, captured={"experts.dy_down"})
 
 
@@ -634,7 +635,7 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
     the input gradient [R, D], dw13 [E, 2F, D], dw2 [E, D, F]. Moments, in order: the two
     input-gradient GEMMs (emulated: ``_emulated_gemm``'s FP32 operands and product; native:
     the second's FP32 scale reciprocals, the GEMM's arguments); dw13's
-    GEMM and dw2's, or, where moe_model's kernel adds them (``fp8_wgrads_in_kernel``), the
+    GEMM and dw2's, or, where moe_model's kernel adds them (``mxfp8_wgrads_in_kernel``), the
     gate's, the up projection's and the down projection's gradient added one after
     another, the first two read from their halves of dh13 in place: no gradient tensor
     and no copy. Recipes with FP8 weight gradients
@@ -672,7 +673,7 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
     if ex.mxfp8_gemm == "native":  # torch._scaled_grouped_mm takes the scales' reciprocals
         inv.add("experts.drows_scales_inv", FP32 * (R + E * D))  # dh13_q's rows, w13's columns
         inv.moment(freed, inputs | {"experts.drows_scales_inv"}, captured=captured)
-    if fp8_wgrads_in_kernel(ex):  # the kernel reads the halves of dh13 where they lie
+    if mxfp8_wgrads_in_kernel(ex):  # the kernel reads the halves of dh13 where they lie
         inv.moment(freed, inputs, captured=captured)
         return
     inv.add("experts.dw13", b * E * 2 * F * D)
@@ -694,28 +695,29 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
         inv.moment(freed, inputs - {"experts.h"}, {"experts.dw13", "experts.dw2", "experts.dw_flat"})
 
 
-def fp8_wgrads_in_kernel(ex: Execution) -> bool:
-    """Whether FP8 experts hand their weight gradients to moe_model's kernel (their recipe
-    computes them in the compute dtype, a sink takes them, CUDA: ``moe_model.wire_model``)."""
+def mxfp8_wgrads_in_kernel(ex: Execution) -> bool:
+    """Whether moe_mxfp8's experts hand their weight gradients to moe_model's kernel (their
+    recipe computes them in the compute dtype: MXFP8's and the FP8 recipes without FP8
+    weight gradients; a sink takes them; CUDA: ``moe_model.wire_model``)."""
     from moe_mxfp8 import FP8_RECIPES
 
     recipe = FP8_RECIPES.get(ex.mxfp8_recipe)
-    return (recipe is not None and not recipe.fp8_wgrad and ex.kernels == "cuda"
-            and ex.expert_grad_sink)
+    compute_dtype_wgrads = ex.mxfp8_recipe == "mxfp8" or (recipe is not None and not recipe.fp8_wgrad)
+    return compute_dtype_wgrads and ex.kernels == "cuda" and ex.expert_grad_sink
 
 
 def merged_wgrad_operands(cfg: MoEConfig, layers: Iterable[int], ex: Execution, R: int) -> int:
     """Bytes of one microbatch's expert weight-gradient operands held for merging with the
     next microbatch's (moe_ddp's ``merge_microbatch_gradients``, CUDA only): per MoE layer
-    whose weight gradients run in moe_model's kernel (the BF16 grouped GEMMs, FP8 experts
-    where ``fp8_wgrads_in_kernel``), what the three weight gradients read, the rows and the
-    down projection's output gradient ([R, D] each), the gate and up gradients and the
-    SwiGLU output h ([R, F] each; FP8 experts: dh13 and the recomputed h). Held from that
-    layer's backward to the next one's."""
+    whose weight gradients run in moe_model's kernel (the BF16 grouped GEMMs, moe_mxfp8's
+    experts where ``mxfp8_wgrads_in_kernel``), what the three weight gradients read, the
+    rows and the down projection's output gradient ([R, D] each), the gate and up gradients
+    and the SwiGLU output h ([R, F] each; moe_mxfp8's experts: dh13 and the recomputed or
+    dequantized h). Held from that layer's backward to the next one's."""
     if ex.kernels != "cuda":
         return 0
     D, F, b = cfg.d_model, cfg.expert_hidden, ex.compute_bytes
-    in_kernel = fp8_wgrads_in_kernel(ex)
+    in_kernel = mxfp8_wgrads_in_kernel(ex)
     moe = [layer for layer in layers if cfg.is_moe_layer(layer)
            and (layer not in ex.mxfp8_expert_layers or in_kernel)]
     return len(moe) * b * R * (2 * D + 3 * F)

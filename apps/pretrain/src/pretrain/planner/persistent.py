@@ -194,8 +194,13 @@ def fp32_dense_wgrads(cfg: MoEConfig, params: list[HeldParam], state: StateLayou
     the GEMM when it is flat, or when each of its ``[G, piece]`` rows (a reduce-scattered
     weight's slice of an owner-major bucket shared with other tensors) holds whole rows
     of the weight: ``G`` divides ``out``. Otherwise it forms the gradient once and adds it
-    piece by piece. A tied head has no sink; MXFP8 layers are not ``Linear``s."""
-    from moe_mxfp8 import name_matches
+    piece by piece. A tied head has no sink. moe_mxfp8's converted layers hand the sink the
+    same add (``DenseWeightGradient``) where their recipe computes the weight gradient in
+    the compute dtype; with FP8 weight gradients (``fp8_rowwise``) they add a computed one."""
+    from moe_mxfp8 import FP8_RECIPES, name_matches
+
+    recipe = FP8_RECIPES.get(state.mxfp8_recipe)
+    fp8_wgrad_targets = state.mxfp8_targets if recipe is not None and recipe.fp8_wgrad else ()
 
     cap_numel = max(1, int(state.bucket_cap_mb * 2**20) // FP32)
     entries = [_bucket_entry(p, state) for p in params]
@@ -209,7 +214,7 @@ def fp32_dense_wgrads(cfg: MoEConfig, params: list[HeldParam], state: StateLayou
             if (piece == bucket.region_numel  # the bucket's only tensor: a contiguous view
                     or not _SINK_LINEAR.fullmatch(p.name)
                     or (cfg.tie_embeddings and p.name == "head.weight")
-                    or any(name_matches(module, t) for t in state.mxfp8_targets)):
+                    or any(name_matches(module, t) for t in fp8_wgrad_targets)):
                 continue
             if piece % p.shape[1]:
                 found.add(p.name)
