@@ -5,9 +5,11 @@ is imported, see ``moe_testing.run_under_triton_interpreter``): moe_mxfp8's Trit
 kernels run in the interpreter as they would on CUDA (quantization, fused SwiGLU), and
 the GEMMs a GPU runs (native where the recipe has one, else moe_mxfp8's Triton GEMM) are
 stood in for by their output allocations (``torch._scaled_grouped_mm``,
-``torch._grouped_mm`` and ``triton_grouped_mm`` write one tensor each). The layer hands its weight gradients to a gradient sink, wired as the trainer
-wires it on CUDA (``moe_model.wire_model``: the recipes with BF16 weight gradients hand
-them to moe_model's kernel, run here in the interpreter).
+``torch._grouped_mm`` and ``triton_grouped_mm`` write one tensor each). The layer hands
+its weight gradients to a gradient sink, wired as the trainer wires it on CUDA
+(``moe_model.wire_model``: the recipes with BF16 weight gradients hand them to
+moe_model's kernel, whose launch adds into the FP32 target in place and allocates
+nothing, so it is stood in for by nothing: in the interpreter it took half the run).
 
 FP8Linear likewise (``LINEARS``: attention's q, k and v through
 ``FP8Linear.shared_input_forward``, then one layer alone), on the Triton GEMM and, for the
@@ -31,6 +33,7 @@ import os
 
 import torch
 from moe_model import ModelWiring, wire_model
+from moe_model import _grouped_mm_launch as grouped_mm_launch
 from moe_model import linear as model_linear
 from moe_model import wiring as model_wiring
 from moe_mxfp8 import FP8_RECIPES, FP8GroupedExperts, FP8Linear, fp8_gemm, gemm
@@ -139,6 +142,7 @@ def main() -> None:
     torch._grouped_mm = _grouped_mm
     torch._scaled_mm = _scaled_mm
     model_linear._addmm_ = lambda out, a, b: None  # cuBLAS adds into the FP32 target in place
+    grouped_mm_launch._launch_wgrad = lambda *args: None  # the kernel adds into it in place
     from triton.runtime.interpreter import GridExecutor
 
     launch = GridExecutor.__call__
