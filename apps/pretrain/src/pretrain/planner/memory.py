@@ -264,11 +264,10 @@ def not_modelled(req: PlanRequest) -> list[str]:
     if req.mxfp8_targets:
         dense = _dense_targets(req, ModelShapes(req.model))
         if req.mxfp8_recipe == "mxfp8" and dense:
-            # MXFP8Linear's weight gradient returns through autograd in BF16
+            # MXFP8Linear's weight gradient takes the BF16 layers' route (the same sink add)
             notes.append(f"mxfp8.targets on {len(dense)} dense layers (e.g. {dense[0]}): their "
-                         "weight caches are planned; their weight gradients returned in BF16 "
-                         "(transient) and GEMMs' mxfp8 copies of the inputs and output gradients "
-                         "(transient) are not")
+                         "weight caches and weight gradients are planned; their GEMMs' mxfp8 "
+                         "copies of the inputs and output gradients (transient) are not")
         elif dense:
             planned = _planned_fp8_linears(dense)
             others = [fqn for fqn in dense if fqn not in planned]
