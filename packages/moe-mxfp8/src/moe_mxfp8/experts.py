@@ -83,6 +83,32 @@ def check_expert_rows(module: nn.Module, rows_RD: torch.Tensor, group_offsets: t
     module.w2_cache.check_fresh(name, (module.w2,))
 
 
+def expert_weight_gradients(
+    ctx: Any, wanted: list[bool], rows_RD: torch.Tensor, dh13_R2F: torch.Tensor,
+    h_RF: torch.Tensor | None, dy_RD: torch.Tensor, offsets_E: torch.Tensor,
+    wgrad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> list[torch.Tensor | None]:
+    """The gradients of ``ctx.params`` (w1, w3, w2) a SwiGLU experts' backward computes:
+    each weight ``wanted`` goes to its sink as a maker's add of its GEMM's operands where
+    it can (``hand_over_expert_gradient``; ``wanted`` is then cleared), else it is
+    computed by ``wgrad(dy_RN, x_RK) -> [E, N, K]`` (gate and up in one call over dh13).
+    ``deliver`` takes the result and ``wanted`` from here."""
+    hidden = dh13_R2F.shape[1] // 2
+    grads: list[torch.Tensor | None] = [None, None, None]
+    for i in (0, 1):  # gate, up: the halves of dh13
+        if wanted[i] and hand_over_expert_gradient(ctx, i, rows_RD,
+                                                   dh13_R2F[:, i * hidden:(i + 1) * hidden], offsets_E):
+            wanted[i] = False
+    if wanted[0] or wanted[1]:
+        dw13 = wgrad(dh13_R2F, rows_RD)
+        grads[0], grads[1] = dw13[:, :hidden], dw13[:, hidden:]
+    if wanted[2] and h_RF is not None and hand_over_expert_gradient(ctx, 2, h_RF, dy_RD, offsets_E):
+        wanted[2] = False
+    if wanted[2] and h_RF is not None:
+        grads[2] = wgrad(dy_RD, h_RF)
+    return grads
+
+
 def hand_over_expert_gradient(ctx: Any, i: int, x_RK: torch.Tensor, dy_RN: torch.Tensor,
                               offsets_E: torch.Tensor) -> bool:
     """Hand expert weight ``ctx.params[i]``'s gradient ``x_e^T @ dy_e`` to its sink as the
@@ -141,19 +167,8 @@ class _MXFP8ExpertsFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dh13_deq, _ = quantize_dequantize(dh13_R2F, carrier)
             drows = grouped_mm(dh13_deq, ctx.w13_cols.dequantize(carrier), offsets_E).to(dtype)
-        hidden = h13_R2F.shape[1] // 2
-        grads: list[torch.Tensor | None] = [None, None, None]
-        for i in (0, 1):  # gate, up: the halves of dh13
-            if wanted[i] and hand_over_expert_gradient(ctx, i, rows_RD,
-                                                       dh13_R2F[:, i * hidden:(i + 1) * hidden], offsets_E):
-                wanted[i] = False
-        if wanted[0] or wanted[1]:
-            dw13 = grouped_weight_grad(dh13_R2F, rows_RD, offsets_E)
-            grads[0], grads[1] = dw13[:, :hidden], dw13[:, hidden:]
-        if wanted[2] and hand_over_expert_gradient(ctx, 2, h_RF, dy_RD, offsets_E):
-            wanted[2] = False
-        if wanted[2]:
-            grads[2] = grouped_weight_grad(dy_RD, h_RF, offsets_E)
+        grads = expert_weight_gradients(ctx, wanted, rows_RD, dh13_R2F, h_RF, dy_RD, offsets_E,
+                                        lambda dy, x: grouped_weight_grad(dy, x, offsets_E))
         return drows, None, *deliver(ctx.params, grads, ctx.routes, wanted), None, None, None
 
 

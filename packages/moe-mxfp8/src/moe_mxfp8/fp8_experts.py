@@ -73,8 +73,8 @@ from moe_mxfp8.experts import (
     WeightGradientMaker,
     carry_attributes,
     check_expert_rows,
+    expert_weight_gradients,
     expert_weights,
-    hand_over_expert_gradient,
 )
 from moe_mxfp8.fp8 import FP8Tensor, cat_parts, quantize_fp8, quantize_weight_rowwise
 from moe_mxfp8.fp8_gemm import (
@@ -204,19 +204,10 @@ class _FP8ExpertsFn(torch.autograd.Function):
             drows = fp8_grouped_mm(dh13_q, ctx.w13_cols, offsets_E, dtype, gemm, dgrad_fast)
         else:
             dh13_R2F = swiglu_backward(h13_R2F, dh_RF, dtype, h_out=h_RF)
-        grads: list[torch.Tensor | None] = [None, None, None]
-        for i in (0, 1):  # gate, up: the halves of dh13
-            if wanted[i] and hand_over_expert_gradient(ctx, i, rows_RD,
-                                                       dh13_R2F[:, i * hidden:(i + 1) * hidden], offsets_E):
-                wanted[i] = False
-        if wanted[0] or wanted[1]:
-            dw13 = _wgrad(r, dh13_R2F, rows_RD, offsets_E, dtype, gemm, wgrad_fast)
-            grads[0], grads[1] = dw13[:, :hidden], dw13[:, hidden:]
-        if wanted[2]:
-            wanted[2] = not hand_over_expert_gradient(ctx, 2, h_RF, dy_RD, offsets_E)
-            if wanted[2]:
-                grads[2] = _wgrad(r, dy_RD, h_RF, offsets_E, dtype, gemm, wgrad_fast)
-            del h_RF  # not alive while the gradients below are added
+        grads = expert_weight_gradients(
+            ctx, wanted, rows_RD, dh13_R2F, h_RF, dy_RD, offsets_E,
+            lambda dy, x: _wgrad(r, dy, x, offsets_E, dtype, gemm, wgrad_fast))
+        del h_RF  # not alive while the gradients are added
         return drows, None, *deliver(ctx.params, grads, ctx.routes, wanted), None, None, None
 
 
