@@ -33,6 +33,7 @@ def results() -> dict:
     return json.loads(out.strip().splitlines()[-2])
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.parametrize("case", CASES)
 def test_triton_gemm_matches_the_emulation(results, case):
@@ -40,6 +41,7 @@ def test_triton_gemm_matches_the_emulation(results, case):
     assert results[case] == 0, results[case]
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 def test_every_case_is_listed(results):
     assert sorted(results) == sorted(CASES)

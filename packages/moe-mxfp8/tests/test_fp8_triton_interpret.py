@@ -38,6 +38,7 @@ def _case_names() -> list[str]:
                                       for d in ("f32", "bf16")]
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.parametrize("case", _case_names())
 def test_kernel_matches_reference(results, case):
@@ -45,6 +46,7 @@ def test_kernel_matches_reference(results, case):
     assert results[case] == 0, results[case]
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 def test_every_case_is_listed(results):
     assert sorted(results) == sorted(_case_names())
