@@ -21,8 +21,13 @@
    accumulation (the layer's forward GEMMs by default, ``MXFP8Config.fp8_fast_accum``), on
    the forward (2d x 3d) and weight-gradient (2d x 2d) shapes of the gate/up projection;
    and this package's Triton FP8 GEMM (``gemm="triton"``) on the forward shape with rowwise
-   scales (promoted and fast) and DeepSeek-V3's blockwise ones. Unless ``--no-tile-sweep``,
-   also each tile of ``FP8_GEMM_TILE_CANDIDATES``, checked against the emulated GEMM first.
+   scales (promoted and fast) and DeepSeek-V3's blockwise ones. Then the dense GEMMs of
+   ``FP8Linear`` at ``bench-1gpu``'s shapes (``--head-tokens`` rows: the LM head's forward
+   and input gradient, the attention projections' ``[2048, 2048]`` and ``[512, 2048]``),
+   rowwise with fast accumulation, the two GEMMs the layer can take side by side: torch's
+   ``_scaled_mm`` (``gemm="native"``) and the Triton GEMM over one group
+   (``gemm="triton"``), beside BF16 ``torch.mm``. Unless ``--no-tile-sweep``, also each
+   tile of ``FP8_GEMM_TILE_CANDIDATES``, checked against the emulated GEMM first.
 3. Quantize kernels on the dispatched rows ``[131072, 2048]`` BF16 and the gate/up weight
    ``[64, 2048, 2048]`` (also both rowwise copies of it written into a cache, as the
    weight refresh does, against concatenating, transposing and copying), and the FP8 row
@@ -198,6 +203,7 @@ def bench_gemms(args) -> dict:
     for name, fn in cases.items():
         seconds = time_s(fn, 5, 5)
         results[name] = {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12}
+    results.update(bench_dense_gemms(args))
     if not args.tile_sweep:
         return results
     # every tile candidate is checked against the emulated GEMM (FP32) before it is timed
@@ -219,6 +225,46 @@ def bench_gemms(args) -> dict:
                 continue
             results[name] = {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12, "rel_error": err}
     return results
+
+
+KV_WIDTH = 512  # bench-1gpu's k and v projections: 4 KV heads of 128
+
+
+def bench_dense_gemms(args) -> dict:
+    """``FP8Linear``'s GEMMs, rowwise with fast accumulation: ``_scaled_mm`` against the
+    Triton GEMM over one group, and BF16 (module notes, item 2)."""
+    M, D, V = args.head_tokens, args.d_model, args.vocab
+    shapes = {"head forward": (V, D), "head input gradient": (D, V), "q/o forward": (D, D),
+              "k/v forward": (KV_WIDTH, D), "k/v input gradient": (D, KV_WIDTH)}
+    results = {}
+    for name, (N, K) in shapes.items():
+        for gemm, r in _dense_gemm_rates(M, N, K).items():
+            results[f"dense {name} [{M}, {K}] x [{N}, {K}] {gemm}"] = r
+    return results
+
+
+def _dense_gemm_rates(M: int, N: int, K: int) -> dict:
+    """``[M, K] @ [N, K]^T`` by each GEMM ``FP8Linear`` can take, and BF16."""
+    import torch
+    from moe_mxfp8 import quantize_fp8
+    from moe_mxfp8.fp8_gemm import fp8_grouped_mm
+    from moe_mxfp8.fp8_linear import _one_group
+
+    a_bf, b_bf = (torch.randn(n, K, device="cuda", dtype=torch.bfloat16) for n in (M, N))
+    a, b = quantize_fp8(a_bf), quantize_fp8(b_bf)
+    inv_a, inv_b = a.scale.reciprocal(), b.scale.reciprocal().view(1, -1)  # _scaled_mm's
+    rows = torch.full((1,), M, dtype=torch.int32, device="cuda")
+    cases = {
+        "native _scaled_mm": lambda: torch._scaled_mm(a.data, b.data.t(), inv_a, inv_b,
+                                                      out_dtype=torch.bfloat16, use_fast_accum=True),
+        "triton": lambda: fp8_grouped_mm(a, _one_group(b), rows, torch.bfloat16, "triton", True),
+        "bf16 mm": lambda: torch.mm(a_bf, b_bf.t()),
+    }
+    rates = {}
+    for gemm, fn in cases.items():
+        seconds = time_s(fn, 5, 5)
+        rates[gemm] = {"ms": seconds * 1e3, "tflops": 2 * M * N * K / seconds / 1e12}
+    return rates
 
 
 # Launch shapes per kernel kind of moe_mxfp8._fp8_kernels (its _TILES): BlockTile(elements,
@@ -462,10 +508,11 @@ def main() -> None:
                 rate = (f"{r['tb_per_s']:7.2f} {r['fraction_of_copy']:8.0%}" if "error" not in r
                         else r["error"][:60])
                 print(f"{name + mark:40s} {rate}")
-    print(f"\n{'grouped GEMM (gate/up shapes, balanced)':58s} {'ms':>8s} {'TFLOP/s':>8s}")
+    print(f"\n{'GEMMs (grouped: gate/up shapes, balanced; dense: FP8Linear)':72s} {'ms':>8s} "
+          f"{'TFLOP/s':>8s}")
     for name, r in gemms.items():
         rate = f"{r['ms']:8.3f} {r['tflops']:8.0f}" if "error" not in r else r["error"][:60]
-        print(f"{name:58s} {rate}")
+        print(f"{name:72s} {rate}")
     print(f"\n{'routing':9s} {'layer':48s} {'fwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
           f"{'vs bf16':>8s} {'rel err':>8s}")
     for kind, res in layers.items():
