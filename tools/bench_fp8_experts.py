@@ -254,10 +254,11 @@ def _dense_gemm_rates(M: int, N: int, K: int) -> dict:
     a, b = quantize_fp8(a_bf), quantize_fp8(b_bf)
     inv_a, inv_b = a.scale.reciprocal(), b.scale.reciprocal().view(1, -1)  # _scaled_mm's
     rows = torch.full((1,), M, dtype=torch.int32, device="cuda")
+    b_group = _one_group(b)
     cases = {
         "native _scaled_mm": lambda: torch._scaled_mm(a.data, b.data.t(), inv_a, inv_b,
                                                       out_dtype=torch.bfloat16, use_fast_accum=True),
-        "triton": lambda: fp8_grouped_mm(a, _one_group(b), rows, torch.bfloat16, "triton", True),
+        "triton": lambda: fp8_grouped_mm(a, b_group, rows, torch.bfloat16, "triton", True),
         "bf16 mm": lambda: torch.mm(a_bf, b_bf.t()),
     }
     rates = {}

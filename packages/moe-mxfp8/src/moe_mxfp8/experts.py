@@ -102,10 +102,11 @@ def expert_weight_gradients(
     if wanted[0] or wanted[1]:
         dw13 = wgrad(dh13_R2F, rows_RD)
         grads[0], grads[1] = dw13[:, :hidden], dw13[:, hidden:]
-    if wanted[2] and h_RF is not None and hand_over_expert_gradient(ctx, 2, h_RF, dy_RD, offsets_E):
-        wanted[2] = False
-    if wanted[2] and h_RF is not None:
-        grads[2] = wgrad(dy_RD, h_RF)
+    if wanted[2]:  # then h_RF is there: the backward makes it for this gradient
+        if hand_over_expert_gradient(ctx, 2, h_RF, dy_RD, offsets_E):
+            wanted[2] = False
+        else:
+            grads[2] = wgrad(dy_RD, h_RF)
     return grads
 
 

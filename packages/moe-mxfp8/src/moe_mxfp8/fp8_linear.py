@@ -48,7 +48,7 @@ from moe_mxfp8.fp8_gemm import (
 )
 from moe_mxfp8.gemm import compute_dtype
 from moe_mxfp8.linear import DenseWeightGradientMaker
-from moe_mxfp8.sink import SinkRoute, carry_grad_sink, computes_now, deliver, hand_over, sink_route
+from moe_mxfp8.sink import SinkRoute, carry_grad_sink, computes_now, give, hand_over, sink_route
 
 
 def _one_group(t: FP8Tensor) -> FP8Tensor:
@@ -125,7 +125,7 @@ def _weight_gradient(ctx: Any, i: int, x_MK: torch.Tensor, dy_MN: torch.Tensor,
                                "grad_weight" in layer.fast_accum)[0]
     else:
         dw = dy_MN.t() @ x_MK
-    return deliver((layer.weight,), (dw,), (route,), (True,))[0]
+    return give(route, layer.weight, dw)
 
 
 def _linears(x: torch.Tensor, layers: tuple[FP8Linear, ...]) -> tuple[torch.Tensor, ...]:

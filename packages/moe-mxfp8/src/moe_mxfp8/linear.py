@@ -30,7 +30,7 @@ from torch import nn
 from moe_mxfp8.cache import MXFP8WeightCache
 from moe_mxfp8.format import MXFP8Tensor, quantize, quantize_dequantize
 from moe_mxfp8.gemm import carrier_dtype, compute_dtype, native_mx_available, native_mx_mm
-from moe_mxfp8.sink import SinkRoute, carry_grad_sink, computes_now, deliver, hand_over, sink_route
+from moe_mxfp8.sink import SinkRoute, carry_grad_sink, computes_now, give, hand_over, sink_route
 
 GEMMS = ("emulated", "native")
 
@@ -81,7 +81,7 @@ class _MXFP8LinearFn(torch.autograd.Function):
                 dx = (dy_deq @ w_cols.dequantize(carrier)).to(dtype)
         if (computes_now(ctx.route, ctx.needs_input_grad[1])
                 and not hand_over(ctx.route, layer.weight, ctx.weight_gradient, x_MK, dy_MN)):
-            (dw,) = deliver((layer.weight,), (dy_MN.t() @ x_MK,), (ctx.route,), (True,))
+            dw = give(ctx.route, layer.weight, dy_MN.t() @ x_MK)
         return dx, dw, None, None, None
 
 

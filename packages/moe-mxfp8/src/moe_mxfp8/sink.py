@@ -57,17 +57,21 @@ def hand_over(route: SinkRoute | None, param: nn.Parameter, maker: Callable[...,
     return True
 
 
+def give(route: SinkRoute | None, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor | None:
+    """A gradient computed here: to its sink as an add (``None`` goes back to autograd) or,
+    without a route, back to autograd in the weight's dtype."""
+    if route is None:
+        return grad.to(param.dtype)
+    route[0].add_gradient(param, AddGradient(grad))
+    return None
+
+
 def deliver(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None],
             routes: Sequence[SinkRoute | None], computed: Sequence[bool]) -> list[torch.Tensor | None]:
-    """What autograd gets back for each weight: a gradient computed here goes to its sink
-    as an add (``None`` back) or, without a route, back in the weight's dtype; ``None``
-    where none was computed (not wanted, or handed over already)."""
-    returned: list[torch.Tensor | None] = []
-    for param, grad, route, done in zip(params, grads, routes, computed, strict=True):
-        if done and grad is not None and route is not None:
-            route[0].add_gradient(param, AddGradient(grad))
-        returned.append(grad.to(param.dtype) if done and grad is not None and route is None else None)
-    return returned
+    """``give`` for each weight whose gradient was computed here; ``None`` for the others
+    (not wanted, or handed over already)."""
+    return [give(route, param, grad) if done and grad is not None else None
+            for param, grad, route, done in zip(params, grads, routes, computed, strict=True)]
 
 
 class AddGradient:
