@@ -304,6 +304,29 @@ def test_a_gpu_gemm_on_a_cpu_run_is_refused_in_one_line(recipe, gemm, needs):
                                    torch.device("cpu"))  # emulated: runs anywhere
 
 
+def test_a_gpu_dense_gemm_on_a_cpu_run_is_refused_naming_dense_gemm():
+    from pretrain.build import refuse_unavailable_native_gemm
+
+    cfg = load_config("tiny", ["train.device=cpu", "mxfp8.targets=[experts,head]",
+                               "mxfp8.recipe=fp8_rowwise_gw_hp", "mxfp8.dense_gemm=native"])
+    with pytest.raises(ConfigError, match="^mxfp8.dense_gemm=native with mxfp8.recipe=fp8_rowwise_gw_hp "
+                                          "needs a GPU of compute capability 9.x.*train.device=cpu"):
+        refuse_unavailable_native_gemm(cfg, torch.device("cpu"))
+
+
+def test_emulated_dense_gemms_are_refused_under_cuda_graphs():
+    with pytest.raises(ConfigError, match="train.cuda_graphs is not supported with mxfp8.recipe="
+                                          "fp8_rowwise_gw_hp and mxfp8.dense_gemm=emulated: the "
+                                          "emulated FP8 GEMMs read"):
+        load_config("tiny", ["train.cuda_graphs=true", "mxfp8.targets=[experts,head]",
+                             "mxfp8.recipe=fp8_rowwise_gw_hp", "mxfp8.gemm=triton",
+                             "mxfp8.dense_gemm=emulated"])
+    cfg = load_config("tiny", ["train.cuda_graphs=true", "mxfp8.targets=[experts,head]",
+                               "mxfp8.recipe=fp8_rowwise_gw_hp", "mxfp8.gemm=triton",
+                               "mxfp8.dense_gemm=native"])
+    assert cfg.mxfp8.resolved_dense_gemm == "native"
+
+
 def test_fp8_weight_gradients_without_their_native_gemm_are_refused_under_cuda_graphs(monkeypatch):
     """fp8_rowwise on the Triton GEMM still runs its FP8 weight gradients natively, else
     emulated (host reads): on a GPU without the native GEMM, graphs are refused in one line."""

@@ -226,24 +226,27 @@ def test_interleaved_microbatches_on_one_gpu_replay_like_eager_steps_without_hos
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe, gemm, targets", [
-    ("mxfp8", "emulated", "experts"), ("fp8_rowwise", "native", "experts"),
-    ("fp8_rowwise_gw_hp", "native", "experts"), ("fp8_rowwise", "triton", "experts"),
-    ("fp8_blockwise", "triton", "experts"),
-    ("fp8_rowwise_gw_hp", "native", "[experts,attn.w?,head]"),
-    ("fp8_blockwise", "triton", "[experts,attn.w?,head]")])
+@pytest.mark.parametrize("recipe, gemm, targets, dense_gemm", [
+    ("mxfp8", "emulated", "experts", None), ("fp8_rowwise", "native", "experts", None),
+    ("fp8_rowwise_gw_hp", "native", "experts", None), ("fp8_rowwise", "triton", "experts", None),
+    ("fp8_blockwise", "triton", "experts", None),
+    ("fp8_rowwise_gw_hp", "native", "[experts,attn.w?,head]", None),
+    ("fp8_rowwise_gw_hp", "triton", "[experts,attn.w?,head]", "native"),
+    ("fp8_blockwise", "triton", "[experts,attn.w?,head]", None)])
 def test_low_precision_experts_replayed_from_cuda_graphs_train_exactly_like_eager(recipe, gemm,
-                                                                                  targets):
+                                                                                  targets, dense_gemm):
     """The weight caches (the experts', and the dense layers' where targeted) refresh in place
     after every update, so the replayed graphs read this step's quantised weights: the same
     losses and weights as eager steps, bit for bit
     (a cache refreshed into new tensors would leave the graphs on the first step's)."""
-    if gemm == "native" and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the native FP8 grouped GEMM needs compute capability 9.x")
+    if "native" in (gemm, dense_gemm) and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the native FP8 GEMMs need compute capability 9.x")
     if gemm == "triton" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("the Triton FP8 grouped GEMM needs compute capability 8.9 or up")
     common = [*NO_SYNC, "train.global_batch=8", f"mxfp8.targets={targets}",
               f"mxfp8.recipe={recipe}", f"mxfp8.gemm={gemm}"]
+    if dense_gemm is not None:
+        common.append(f"mxfp8.dense_gemm={dense_gemm}")
     eager, eager_params = _train_steps(common, 5)
     graphed, graphed_params = _train_steps([*common, "train.cuda_graphs=true"], 5)
     for ours, ref in zip(graphed, eager, strict=True):

@@ -87,7 +87,8 @@ def _planned_execution(cfg) -> Execution:
                      mxfp8_expert_layers=mxfp8,
                      mxfp8_save_activations=cfg.mxfp8.save_mxfp8_activations,
                      mxfp8_recipe=cfg.mxfp8.recipe, mxfp8_gemm=cfg.mxfp8.gemm,
-                     fp8_linears=fp8_linears(PlanRequest.from_config(cfg, 1), ModelShapes(m)))
+                     fp8_linears=fp8_linears(PlanRequest.from_config(cfg, 1), ModelShapes(m)),
+                     fp8_dense_gemm=cfg.mxfp8.resolved_dense_gemm)
 
 
 WIDE_VOCAB = ["model.vocab_size=8192", "train.seq_len=8", "train.micro_batch=1", "train.global_batch=1"]
@@ -228,6 +229,24 @@ def test_fp8_dense_microbatch_matches_measurement(case, recipe):
         assert planned.fwd_peak == pytest.approx(forward_peak, rel=0.002)
 
 
+def test_dense_gemm_plans_the_dense_layers_on_their_own_gemm():
+    """``mxfp8.dense_gemm`` moves the FP8 dense layers (and only them) to another GEMM: with
+    dense targets alone, the plan of experts on native GEMMs and dense layers emulated is
+    the all-emulated plan, and differs from the all-native one."""
+    dense = [*FP8_DENSE["head"], "mxfp8.targets=[attn.w?,head]", "mxfp8.recipe=fp8_rowwise_gw_hp"]
+
+    def peak(*overrides: str) -> int:
+        cfg = _config(*dense, *overrides)
+        return plan_memory(PlanRequest.from_config(cfg, 1)).ranks[0].activations_peak
+
+    split = peak("mxfp8.gemm=native", "mxfp8.dense_gemm=emulated")
+    assert split == peak("mxfp8.gemm=emulated") != peak("mxfp8.gemm=native")
+    req = PlanRequest.from_config(_config(*dense, "mxfp8.gemm=triton", "mxfp8.dense_gemm=native"), 1)
+    assert req.fp8_dense_gemm == "native"
+    with pytest.raises(ValueError, match="PlanRequest: MXFP8Config.dense_gemm must be one of"):
+        replace(req, mxfp8_dense_gemm="fast")
+
+
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_planned_fp8_expert_saved_tensors_are_what_autograd_keeps(recipe):
     """What the FP8 experts' function saves for the backward (the rows and their offsets,
@@ -314,7 +333,7 @@ def _check_fp8_linears_on_the_gpu_path(shape: dict, measured: dict[str, list[lis
     assert {key.split()[0] for key in measured} == set(FP8_RECIPES)
     for key, cases in measured.items():
         recipe, gemm_name = key.split()
-        ex = Execution(1, M, mxfp8_recipe=recipe, mxfp8_gemm=gemm_name, expert_grad_sink=True,
+        ex = Execution(1, M, mxfp8_recipe=recipe, fp8_dense_gemm=gemm_name, expert_grad_sink=True,
                        dense_grads_in_gemm=True)
         for widths, (held, backward_peak) in zip((shape["qkv"], [shape["single"]]), cases, strict=True):
             inv = Inventory()

@@ -116,6 +116,28 @@ def test_recipes_convert_linear_layers_and_experts_and_refresh_their_caches():
     assert torch.equal(model["proj"](rows), fresh(rows))
 
 
+def test_dense_gemm_sets_the_linear_layers_gemm_and_leaves_the_experts_on_gemm():
+    model = nn.ModuleDict({"experts": ToyExperts(3, 64, 32), "proj": nn.Linear(64, 64, bias=False)})
+    config = MXFP8Config(targets=("experts", "proj"), recipe="fp8_rowwise_gw_hp", gemm="triton",
+                         dense_gemm="native")
+    apply_mxfp8(model, config)
+    assert (model["experts"].gemm, model["proj"].gemm) == ("triton", "native")
+    same = nn.ModuleDict({"experts": ToyExperts(3, 64, 32), "proj": nn.Linear(64, 64, bias=False)})
+    apply_mxfp8(same, MXFP8Config(targets=("experts", "proj"), recipe="fp8_rowwise", gemm="triton"))
+    assert (same["experts"].gemm, same["proj"].gemm) == ("triton", "triton")  # None: gemm's
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"recipe": "fp8_rowwise", "dense_gemm": "fast"}, "dense_gemm must be one of"),
+    ({"recipe": "fp8_blockwise", "gemm": "triton", "dense_gemm": "native"},
+     "dense_gemm: recipe fp8_blockwise has no native"),
+    ({"recipe": "mxfp8", "dense_gemm": "native"}, "dense_gemm applies to the FP8 recipes"),
+])
+def test_bad_dense_gemm_is_refused_naming_the_field(fields, match):
+    with pytest.raises(ValueError, match=match):
+        MXFP8Config(**fields)
+
+
 def test_bad_construction_is_refused_naming_the_field():
     w = nn.Parameter(torch.randn(40, 24))
     with pytest.raises(ValueError, match="recipe must be one of"):

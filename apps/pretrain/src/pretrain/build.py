@@ -81,14 +81,14 @@ def _moe_layer_index(name: str, n_dense_layers: int) -> int:
 
 
 def refuse_unavailable_native_gemm(cfg: PretrainConfig, device: torch.device) -> None:
-    """``mxfp8.gemm=native`` or ``triton`` where this device has no such tensor cores: one
-    line before anything is built, rather than a traceback at the first forward. MXFP8's
-    block-scaled GEMM needs compute capability 10.x, the FP8 recipes' native grouped GEMM
-    9.x, their Triton GEMM 8.9 or up (and ``fp8_rowwise``'s weight gradients, which have no
-    Triton GEMM, 9.x to be replayed from CUDA graphs); emulation (``mxfp8.gemm=emulated``,
-    the default) runs anywhere."""
+    """``mxfp8.gemm`` or ``mxfp8.dense_gemm`` native or triton where this device has no such
+    tensor cores: one line before anything is built, rather than a traceback at the first
+    forward. MXFP8's block-scaled GEMM needs compute capability 10.x, the FP8 recipes'
+    native GEMMs 9.x, their Triton GEMM 8.9 or up (and ``fp8_rowwise``'s weight gradients,
+    which have no Triton GEMM, 9.x to be replayed from CUDA graphs); emulation (the
+    default) runs anywhere."""
     x = cfg.mxfp8
-    if not x.targets or x.gemm == "emulated":
+    if not x.targets:
         return
     from moe_mxfp8 import (
         FP8_RECIPES,
@@ -97,26 +97,31 @@ def refuse_unavailable_native_gemm(cfg: PretrainConfig, device: torch.device) ->
         native_mx_available,
     )
 
-    if x.recipe == "mxfp8":
-        available, needs = native_mx_available, "10.x"
-    elif x.gemm == "native":
-        available, needs = fp8_native_available, "9.x"
-    else:
-        available, needs = fp8_triton_available, "8.9 or up and Triton installed"
-    if available(device) and device.type == "cuda":
-        if (x.gemm == "triton" and cfg.train.cuda_graphs and FP8_RECIPES[x.recipe].fp8_wgrad
+    choices = {"mxfp8.gemm": x.gemm}
+    if x.recipe != "mxfp8" and x.dense_gemm is not None:
+        choices["mxfp8.dense_gemm"] = x.dense_gemm
+    for key, gemm in choices.items():
+        if gemm == "emulated":
+            continue
+        if x.recipe == "mxfp8":
+            available, needs = native_mx_available, "10.x"
+        elif gemm == "native":
+            available, needs = fp8_native_available, "9.x"
+        else:
+            available, needs = fp8_triton_available, "8.9 or up and Triton installed"
+        if not (available(device) and device.type == "cuda"):
+            here = (f"{torch.cuda.get_device_name(device)} (compute capability "
+                    f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
+                    if device.type == "cuda" else f"train.device={device.type}")
+            raise ConfigError(f"{key}={gemm} with mxfp8.recipe={x.recipe} needs a GPU of compute "
+                              f"capability {needs}; this run has {here} ({key}=emulated runs "
+                              "anywhere)")
+        if (gemm == "triton" and cfg.train.cuda_graphs and FP8_RECIPES[x.recipe].fp8_wgrad
                 and not fp8_native_available(device)):
-            raise ConfigError(f"mxfp8.recipe={x.recipe} with mxfp8.gemm=triton runs its FP8 weight "
+            raise ConfigError(f"mxfp8.recipe={x.recipe} with {key}=triton runs its FP8 weight "
                               "gradients natively (compute capability 9.x) or else emulated, which "
-                              "reads the expert offsets on the host: not with train.cuda_graphs "
+                              "reads the group offsets on the host: not with train.cuda_graphs "
                               "on this GPU (mxfp8.recipe=fp8_rowwise_gw_hp has no FP8 weight gradients)")
-        return
-    here = (f"{torch.cuda.get_device_name(device)} (compute capability "
-            f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
-            if device.type == "cuda" else f"train.device={device.type}")
-    raise ConfigError(f"mxfp8.gemm={x.gemm} with mxfp8.recipe={x.recipe} needs a GPU of compute "
-                      f"capability {needs}; this run has {here} "
-                      "(mxfp8.gemm=emulated runs anywhere)")
 
 
 def build_model_part(cfg: PretrainConfig, mesh: ParallelMesh, device: torch.device,

@@ -388,9 +388,10 @@ class PretrainConfig:
                  f"parallel.ep={p.ep} / ep_backend={p.ep_backend}: the all_to_all transport reads "
                  "its split sizes on the host every call; use parallel.ep_backend=rowwise"),
                 (bool(self.mxfp8.targets) and self.mxfp8.recipe != "mxfp8"
-                 and self.mxfp8.gemm == "emulated",
-                 f"mxfp8.recipe={self.mxfp8.recipe} and mxfp8.gemm=emulated: the emulated FP8 "
-                 "GEMMs read the expert offsets on the host; use mxfp8.gemm=native or triton"),
+                 and "emulated" in (self.mxfp8.gemm, self.mxfp8.resolved_dense_gemm),
+                 f"mxfp8.recipe={self.mxfp8.recipe} and mxfp8."
+                 f"{'gemm' if self.mxfp8.gemm == 'emulated' else 'dense_gemm'}=emulated: the "
+                 "emulated FP8 GEMMs read the group offsets on the host; use native or triton"),
                 (self.train.device == "cpu", "train.device=cpu: CUDA graphs need a GPU"),
                 (self.train.reference_kernels, "train.reference_kernels: the reference expert "
                  "GEMMs read the expert offsets on the host"),

@@ -40,6 +40,11 @@ class MXFP8Config:
     # fp8_blockwise: emulated | triton
     gemm: str = "emulated"
     recipe: str = "mxfp8"  # mxfp8 | fp8_rowwise | fp8_rowwise_gw_hp | fp8_blockwise
+    # FP8 recipes: the GEMM of the dense targets (nn.Linear) when it differs from the experts';
+    # None: ``gemm``. On Hopper, torch's dense FP8 GEMM (native) outruns the grouped Triton
+    # GEMM over one group at every dense shape of bench-1gpu (docs/performance.md,
+    # ``tools/bench_fp8_experts.py --parts gemms``), while the experts want ``triton``.
+    dense_gemm: str | None = None
     # FP8 recipes, gemm native or triton: the GEMM roles (output, grad_input, grad_weight) run with
     # the tensor cores' fast accumulation, the others promote to FP32; default: torchao's
     # float8 rowwise choice (output only)
@@ -64,9 +69,25 @@ class MXFP8Config:
             if self.gemm == "native" and not FP8_RECIPES[self.recipe].native:
                 raise ValueError(f"MXFP8Config.gemm: recipe {self.recipe} has no native grouped "
                                  "GEMM; use gemm='triton' or 'emulated'")
+            if self.dense_gemm is not None and self.dense_gemm not in FP8_GEMMS:
+                raise ValueError(f"MXFP8Config.dense_gemm must be one of {FP8_GEMMS} or None, "
+                                 f"got {self.dense_gemm!r}")
+            if self.dense_gemm == "native" and not FP8_RECIPES[self.recipe].native:
+                raise ValueError(f"MXFP8Config.dense_gemm: recipe {self.recipe} has no native "
+                                 "FP8 GEMM; use dense_gemm='triton' or 'emulated'")
             check_fast_accum(self.fp8_fast_accum, self.recipe, "MXFP8Config.fp8_fast_accum")
-        elif tuple(self.fp8_fast_accum) != FAST_ACCUM_DEFAULT:
-            raise ValueError(f"MXFP8Config.fp8_fast_accum applies to the FP8 recipes, not {self.recipe}")
+        else:
+            if tuple(self.fp8_fast_accum) != FAST_ACCUM_DEFAULT:
+                raise ValueError(f"MXFP8Config.fp8_fast_accum applies to the FP8 recipes, not "
+                                 f"{self.recipe}")
+            if self.dense_gemm is not None:
+                raise ValueError("MXFP8Config.dense_gemm applies to the FP8 recipes; recipe mxfp8 "
+                                 "runs only its dense layers on MXFP8Config.gemm")
+
+    @property
+    def resolved_dense_gemm(self) -> str:
+        """The GEMM the dense targets run on: ``dense_gemm``, or ``gemm`` where it is None."""
+        return self.gemm if self.dense_gemm is None else self.dense_gemm
 
 
 def name_matches(fqn: str, pattern: str) -> bool:
@@ -118,14 +139,15 @@ def apply_mxfp8(model: nn.Module, config: MXFP8Config | None = None) -> list[str
                if fqn and not isinstance(module, _CONVERTED)
                and any(name_matches(fqn, t) for t in config.targets)]
     replaced = []
-    fp8_args = (config.recipe, config.gemm, tuple(config.fp8_fast_accum))
+    fast = tuple(config.fp8_fast_accum)
     for fqn, module in matched:
         if config.recipe != "mxfp8" and isinstance(module, nn.Linear):
-            new: nn.Module = FP8Linear.from_module(module, *fp8_args)
+            new: nn.Module = FP8Linear.from_module(module, config.recipe,
+                                                   config.resolved_dense_gemm, fast)
         elif config.recipe != "mxfp8":
             if not _is_grouped_experts(module):
                 continue
-            new = FP8GroupedExperts.from_module(module, *fp8_args)
+            new = FP8GroupedExperts.from_module(module, config.recipe, config.gemm, fast)
         elif isinstance(module, nn.Linear):
             new = MXFP8Linear.from_module(module, config.save_mxfp8_activations, config.gemm)
         elif _is_grouped_experts(module):

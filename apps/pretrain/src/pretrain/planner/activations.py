@@ -78,8 +78,9 @@ class Execution:
     mxfp8_recipe: str = "mxfp8"  # moe_mxfp8.MXFP8Config.recipe of those layers
     mxfp8_gemm: str = "emulated"  # moe_mxfp8.MXFP8Config.gemm: emulated | native | triton
     # dense Linear modules (the model's names, e.g. "blocks.0.attn.wq", "head") that run
-    # moe_mxfp8.FP8Linear: mxfp8_recipe is an FP8 recipe, on mxfp8_gemm
+    # moe_mxfp8.FP8Linear: mxfp8_recipe is an FP8 recipe, on fp8_dense_gemm
     fp8_linears: frozenset[str] = frozenset()
+    fp8_dense_gemm: str = "emulated"  # moe_mxfp8.MXFP8Config.resolved_dense_gemm
     # the trainer wires moe_model's gradient sink (parallel.fuse_grad_accumulation): FP8
     # experts hand it their weight gradients on every device
     expert_grad_sink: bool = False
@@ -547,27 +548,29 @@ def _fp8_linear_gemm(M: int, K: int, N: int, ex: Execution, into: bool = False) 
     E4M3 operands, its ``[M, N]`` result included: emulated, ``_emulated_gemm``'s (one group);
     native (``torch._scaled_mm``), the result and the scales' FP32 reciprocals; Triton,
     the result. ``into``: the result adds to an existing ``[M, N]`` (q, k and v's input
-    gradient): the Triton GEMM adds in its epilogue, the others make a result and add it."""
+    gradient): the Triton GEMM adds in its epilogue, the others make a result and add it.
+    The GEMM is ``ex.fp8_dense_gemm``."""
     b = ex.compute_bytes
-    if ex.mxfp8_gemm == "emulated":
+    if ex.fp8_dense_gemm == "emulated":
         return _emulated_gemm(M, K, N, 1, b, product_rows=M)
-    if ex.mxfp8_gemm == "native":
+    if ex.fp8_dense_gemm == "native":
         return b * M * N + FP32 * (M + N)
     return 0 if into else b * M * N
 
 
-def _fp8_wgrad_operands(n: int, k: int, R: int, E: int, ex: Execution, group_rows: int = 0) -> int:
+def _fp8_wgrad_operands(n: int, k: int, R: int, E: int, gemm: str, group_rows: int = 0) -> int:
     """Bytes of ``moe_mxfp8.fp8_grouped_wgrad``'s operands for ``[E, n, k]`` gradients over
     ``R`` rows: both quantized per group and column into E4M3 copies transposed to
     ``[width, group_columns_width(R, E)]``, their FP32 scales and the scales'
     reciprocals, int32 padded group ends; emulated, FP32 widenings of the copies and an
     FP32 result, and while a group's product is formed its two scaled operands and the
-    product (FP32, ``group_rows`` rows: one group's, left out where there are many)."""
+    product (FP32, ``group_rows`` rows: one group's, left out where there are many);
+    ``gemm``: ``fp8_grouped_wgrad``'s."""
     from moe_mxfp8.fp8 import group_columns_width
 
     width = group_columns_width(R, E)
     nbytes = (n + k) * width + 2 * FP32 * E * (n + k) + 2 * OFFSET * E
-    if ex.mxfp8_gemm == "emulated":
+    if gemm == "emulated":
         nbytes += FP32 * ((n + k) * width + E * n * k)
         nbytes += FP32 * ((n + k) * group_rows + n * k) if group_rows else 0
     return nbytes
@@ -621,8 +624,8 @@ def _fp8_dense_wgrad(n: int, k: int, M: int, ex: Execution) -> int:
     """The high-water mark of ``fp8_grouped_wgrad`` over one group of ``M`` rows: its
     operands with the ``[n, k]`` result in the compute dtype, or, emulated, with the
     group's FP32 product being formed (more than the rounded result made after it)."""
-    operands = _fp8_wgrad_operands(n, k, M, 1, ex, group_rows=M)
-    return operands if ex.mxfp8_gemm == "emulated" else operands + ex.compute_bytes * n * k
+    operands = _fp8_wgrad_operands(n, k, M, 1, ex.fp8_dense_gemm, group_rows=M)
+    return operands if ex.fp8_dense_gemm == "emulated" else operands + ex.compute_bytes * n * k
 
 
 def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: set[str]) -> None:
@@ -682,7 +685,7 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
     def operands(name: str, n: int, k: int) -> set[str]:
         if not recipe.fp8_wgrad:
             return set()
-        inv.add(name, _fp8_wgrad_operands(n, k, R, E, ex))
+        inv.add(name, _fp8_wgrad_operands(n, k, R, E, ex.mxfp8_gemm))
         return {name}
 
     wgrad13 = {"experts.dw13", *operands("experts.wgrad13_operands", 2 * F, D)}

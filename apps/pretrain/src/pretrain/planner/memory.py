@@ -85,6 +85,7 @@ class PlanRequest:
     mxfp8_save_activations: bool = False
     mxfp8_recipe: str = "mxfp8"  # moe_mxfp8.MXFP8Config.recipe: mxfp8 | fp8_rowwise | ...
     mxfp8_gemm: str = "emulated"  # moe_mxfp8.MXFP8Config.gemm: emulated | native | triton
+    mxfp8_dense_gemm: str | None = None  # moe_mxfp8.MXFP8Config.dense_gemm; None: mxfp8_gemm
     compute_dtype: str = "bfloat16"  # bfloat16 | float32: compute weights and activations
     merge_expert_grads: int = 1  # microbatches' expert weight gradients added in one launch
     fused_grad_accumulation: bool = True  # parallel.fuse_grad_accumulation (CUDA kernels)
@@ -144,9 +145,15 @@ class PlanRequest:
 
         try:
             MXFP8Config(targets=self.mxfp8_targets, recipe=self.mxfp8_recipe, gemm=self.mxfp8_gemm,
+                        dense_gemm=self.mxfp8_dense_gemm,
                         save_mxfp8_activations=self.mxfp8_save_activations)
         except ValueError as e:
             raise ValueError(f"PlanRequest: {e}") from None
+
+    @property
+    def fp8_dense_gemm(self) -> str:
+        """The GEMM of the FP8 dense layers (``MXFP8Config.resolved_dense_gemm``)."""
+        return self.mxfp8_gemm if self.mxfp8_dense_gemm is None else self.mxfp8_dense_gemm
 
     @property
     def low_precision_expert_layers(self) -> frozenset[int]:
@@ -190,6 +197,7 @@ class PlanRequest:
                    mxfp8_targets=tuple(cfg.mxfp8.targets),
                    mxfp8_save_activations=cfg.mxfp8.save_mxfp8_activations,
                    mxfp8_recipe=cfg.mxfp8.recipe, mxfp8_gemm=cfg.mxfp8.gemm,
+                   mxfp8_dense_gemm=cfg.mxfp8.dense_gemm,
                    merge_expert_grads=merge if p.fuse_grad_accumulation else 1,
                    fused_grad_accumulation=p.fuse_grad_accumulation,
                    **planner)  # type: ignore[arg-type]
@@ -403,7 +411,7 @@ def plan_memory(req: PlanRequest, shapes: ModelShapes | None = None,
         mxfp8_expert_layers=req.low_precision_expert_layers,
         mxfp8_save_activations=req.mxfp8_save_activations,
         mxfp8_recipe=req.mxfp8_recipe, mxfp8_gemm=req.mxfp8_gemm,
-        fp8_linears=fp8_linears(req, shapes),
+        fp8_linears=fp8_linears(req, shapes), fp8_dense_gemm=req.fp8_dense_gemm,
         expert_grad_sink=req.fused_grad_accumulation,
         kernels=kernels,  # type: ignore[arg-type]
         dense_grads_in_gemm=req.fused_grad_accumulation and kernels == "cuda",

@@ -47,7 +47,9 @@ def format_plan(plan: MemoryPlan, title: str) -> str:
         f"expert hidden {m.expert_hidden})",
         _layout(plan),
         f"expert rows per MoE layer and microbatch: {plan.capacity_rows:,}"
-        + (f"; {r.mxfp8_recipe} ({r.mxfp8_gemm}): {', '.join(r.mxfp8_targets)}"
+        + (f"; {r.mxfp8_recipe} ({r.mxfp8_gemm}"
+           + (f", dense {r.fp8_dense_gemm}" if r.fp8_dense_gemm != r.mxfp8_gemm else "")
+           + f"): {', '.join(r.mxfp8_targets)}"
            if r.mxfp8_targets else ""),
         "",
     ]
