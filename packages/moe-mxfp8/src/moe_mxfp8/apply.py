@@ -40,10 +40,9 @@ class MXFP8Config:
     # fp8_blockwise: emulated | triton
     gemm: str = "emulated"
     recipe: str = "mxfp8"  # mxfp8 | fp8_rowwise | fp8_rowwise_gw_hp | fp8_blockwise
-    # FP8 recipes: the GEMM of the dense targets (nn.Linear) when it differs from the experts';
-    # None: ``gemm``. On Hopper, torch's dense FP8 GEMM (native) outruns the grouped Triton
-    # GEMM over one group at every dense shape of bench-1gpu (docs/performance.md,
-    # ``tools/bench_fp8_experts.py --parts gemms``), while the experts want ``triton``.
+    # FP8 recipes: the dense targets' (nn.Linear) GEMM, gemm's choices; None: gemm. On Hopper
+    # native is the faster dense GEMM while the experts want triton (measured by
+    # tools/bench_fp8_experts.py --parts gemms)
     dense_gemm: str | None = None
     # FP8 recipes, gemm native or triton: the GEMM roles (output, grad_input, grad_weight) run with
     # the tensor cores' fast accumulation, the others promote to FP32; default: torchao's
