@@ -338,8 +338,10 @@ _TILES: dict[str, BlockTile | ColumnTile] = {
     "tiles": BlockTile(1024, 1, 8),  # 1x128
     "blocks": BlockTile(128 * 128, 8, 1, 64),  # 128x128
     "group_columns": ColumnTile(512, 32, 8, True, True),
-    # rows wider than ROW_WIDTH_MAX, one per program in chunks of ``elements``: not tuned
-    # yet (the sweep's "wide_rows" candidates, on an LM head's output gradient)
+    # rows wider than ROW_WIDTH_MAX, one per program in chunks of ``elements``: on one H100
+    # every "wide_rows" candidate of the sweep (an LM head's output gradient, [8192, 100352])
+    # ran at 1.66-1.82 TB/s, this one 1.78 (`--parts tiles --tile-kinds wide_rows`, commit
+    # 92fc999): the launch shape does not limit it
     "wide_rows": BlockTile(4096, 4),
 }
 
