@@ -227,7 +227,8 @@ def test_interleaved_microbatches_on_one_gpu_replay_like_eager_steps_without_hos
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe, gemm, targets, dense_gemm", [
-    ("mxfp8", "emulated", "experts", None), ("fp8_rowwise", "native", "experts", None),
+    ("mxfp8", "emulated", "experts", None), ("mxfp8", "emulated", "[experts,attn.w?]", None),
+    ("fp8_rowwise", "native", "experts", None),
     ("fp8_rowwise_gw_hp", "native", "experts", None), ("fp8_rowwise", "triton", "experts", None),
     ("fp8_blockwise", "triton", "experts", None),
     ("fp8_rowwise_gw_hp", "native", "[experts,attn.w?,head]", None),
