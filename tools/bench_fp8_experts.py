@@ -269,17 +269,13 @@ def _dense_gemm_rates(M: int, N: int, K: int) -> dict:
 
 
 # Launch shapes per kernel kind of moe_mxfp8._fp8_kernels (its _TILES): BlockTile(elements,
-# warps[, groups[, chunk_rows[, programs_per_sm]]]) for the block kinds (groups: scale blocks
-# side by side per program; chunk_rows: 128x128 blocks in two passes of that many rows;
-# programs_per_sm: wide rows walked by at most that many programs per SM),
+# warps[, groups[, chunk_rows]]) for the block kinds (groups: scale blocks side by side per
+# program; chunk_rows: 128x128 blocks in two passes of that many rows),
 # ColumnTile(rows, cols, warps[, reverse[, longest_first]]) for the per-expert columns
 # (timed on Zipf routing and, as balanced_tb_per_s, on balanced routing).
 TILE_CANDIDATES = {
     "rows": [(2048, 2), (4096, 4), (1024, 2), (2048, 1), (4096, 2), (8192, 4)],
-    "wide_rows": [(4096, 4), (2048, 2), (4096, 8), (8192, 8), (16384, 16),
-                  (4096, 4, 1, 0, 4), (4096, 4, 1, 0, 2), (8192, 8, 1, 0, 2), (8192, 8, 1, 0, 1),
-                  (8192, 4, 1, 0, 2), (16384, 16, 1, 0, 1), (16384, 8, 1, 0, 1),
-                  (32768, 16, 1, 0, 1)],
+    "wide_rows": [(4096, 4), (2048, 2), (2048, 4), (4096, 8), (8192, 4), (8192, 8), (16384, 16)],
     "tiles": [(1024, 1, 8), (2048, 2, 16), (4096, 4), (2048, 1, 16), (4096, 2, 16), (2048, 2, 8),
               (512, 1, 4), (1024, 1, 4), (1024, 2, 8), (2048, 1, 8)],
     "blocks": [(16384, 8, 1, 64), (16384, 4, 1, 32), (16384, 8, 1, 32), (16384, 4, 1, 64),

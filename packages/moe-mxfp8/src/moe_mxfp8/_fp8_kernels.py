@@ -43,7 +43,6 @@ import triton
 import triton.language as tl
 
 from moe_mxfp8._quantize_kernels import _bits_view, _e4m3, _load_abs_sign
-from moe_mxfp8._triton_support import sm_count
 from moe_mxfp8.fp8 import E4M3_MAX, EPS
 
 
@@ -84,11 +83,10 @@ def _quantize_blocks_kernel(
     SCALE_AT_EPS: tl.constexpr,
 ):
     pid_m, pid_n, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    if not SQUARE and CHUNK > 0:  # a grid smaller than the rows walks them (persistent)
-        for m in range(pid_m, tl.cdiv(M, ROWS), tl.num_programs(0)):
-            _quantize_rows_in_chunks(x_ptr + b * sx_b, sx_m, d_ptr + b * sd_b, sd_m,
-                                     s_ptr + b * ss_b, ss_m, m, M, N, ROWS, CHUNK, POW2, IN_BF16,
-                                     EPS_BITS, SCALE_AT_EPS)
+    if not SQUARE and CHUNK > 0:
+        _quantize_rows_in_chunks(x_ptr + b * sx_b, sx_m, d_ptr + b * sd_b, sd_m, s_ptr + b * ss_b,
+                                 ss_m, pid_m, M, N, ROWS, CHUNK, POW2, IN_BF16, EPS_BITS,
+                                 SCALE_AT_EPS)
         return
     if SQUARE and CHUNK > 0:
         _quantize_square_in_chunks(x_ptr + b * sx_b, sx_m, d_ptr + b * sd_b, sd_m,
@@ -298,16 +296,12 @@ class BlockTile:
     """Launch shape of ``quantize_blocks``: about ``elements`` per program (whole rows of
     ``groups`` scale blocks side by side; 128x128 blocks: ``groups`` of them per program
     whatever ``elements``), ``warps``; 128x128 blocks only: ``chunk_rows`` rows at a time
-    in two passes (0: the whole blocks in registers, one pass); wide rows only:
-    ``programs_per_sm`` > 0 launches at most that many programs per SM, each walking rows
-    until all are done (0: one program per row). Each wide row is read twice, and fewer
-    rows in flight leave more of the first read in L2 for the second."""
+    in two passes (0: the whole blocks in registers, one pass)."""
 
     elements: int
     warps: int
     groups: int = 1
     chunk_rows: int = 0
-    programs_per_sm: int = 0
 
 
 @dataclass(frozen=True)
@@ -347,7 +341,9 @@ _TILES: dict[str, BlockTile | ColumnTile] = {
     # rows wider than ROW_WIDTH_MAX, one per program in chunks of ``elements``: on one H100
     # every "wide_rows" candidate of the sweep (an LM head's output gradient, [8192, 100352])
     # ran at 1.66-1.82 TB/s, this one 1.78 (`--parts tiles --tile-kinds wide_rows`, commit
-    # 92fc999): the launch shape does not limit it
+    # 92fc999): the launch shape does not limit it. Nor do the rows in flight: persistent
+    # grids of 1 to 4 programs per SM walking the rows (measured at 3ea7c20, reverted) ran
+    # at 1.29-1.89 TB/s, and the best of them left the FP8 head step where it was
     "wide_rows": BlockTile(4096, 4),
 }
 
@@ -386,17 +382,12 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], pow2: bool,
     groups = tile.groups if bn else 1  # a whole row is one group
     rows = bm if bm > 1 else max(1, tile.elements // (groups * width))
     chunk = tile.chunk_rows if bm > 1 else 0
-    row_programs = triton.cdiv(M, rows)
     if not bn and width > ROW_WIDTH_MAX:  # a whole row no longer fits a program's registers
         tile = _TILES["wide_rows"]
         width, rows, chunk = tile.elements, 1, tile.elements
-        row_programs = M
-        if tile.programs_per_sm:  # the interpreter (CPU tensors) counts one SM
-            sms = sm_count(x.device.index or 0) if x.is_cuda else 1
-            row_programs = min(M, tile.programs_per_sm * sms)
     # views: a reshape that copied would drop the writes into ``out``
     x3, d3, s3 = (t.view(B, t.shape[-2], t.shape[-1]) for t in (_bits_view(x), data, scale))
-    grid = (row_programs, triton.cdiv(n_cols, groups), B)
+    grid = (triton.cdiv(M, rows), triton.cdiv(n_cols, groups), B)
     _quantize_blocks_kernel[grid](
         x3, x3.stride(0), x3.stride(1), d3, d3.stride(0), d3.stride(1),
         s3, s3.stride(0), s3.stride(1), M, N, n_cols,

@@ -15,8 +15,7 @@ backward on its own threads and the backward must see the same switch as the for
 
 Each package keeps its own copy of this module, word for word where the packages agree,
 because each installs and runs alone; ``moe_testing.check_reference_switch`` and
-``check_backend_api`` hold every copy to the same contract. ``sm_count`` is this
-package's own: the SMs its persistent kernels spread over.
+``check_backend_api`` hold every copy to the same contract.
 """
 
 from __future__ import annotations
@@ -103,17 +102,3 @@ class use_reference_kernels:
     def __exit__(self, *exc: object) -> None:
         global _reference_kernels
         _reference_kernels = self.previous
-
-
-def sm_count(index: int) -> int:
-    """SMs the persistent grid spreads over: every SM less torch's SM carveout
-    (``torch._C._set_sm_carveout_experimental``, which cuBLAS and torch's grouped GEMMs
-    leave free too, for kernels of other streams), at least one."""
-    get = getattr(torch._C, "_get_sm_carveout_experimental", None)
-    carveout = (get() if get is not None else None) or 0
-    return max(1, _device_sms(index) - carveout)
-
-
-@functools.cache
-def _device_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -42,11 +42,12 @@ promoted whatever ``fast_accum`` says. Which GEMM of a layer takes which:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from moe_mxfp8._triton_support import _interpreting, sm_count, triton_available
+from moe_mxfp8._triton_support import _interpreting, triton_available
 from moe_mxfp8.fp8 import FP8Tensor, group_columns_layout, quantize_group_columns
 
 FP8_GEMMS = ("emulated", "native", "triton")
@@ -138,6 +139,20 @@ def default_fp8_tiles(device: torch.device, blockwise: bool, fast_accum: bool) -
     return FP8_TILES_GPU["fast" if fast_accum and not blockwise else "promoted"]
 
 
+def _sm_count(index: int) -> int:
+    """SMs the persistent grid spreads over: every SM less torch's SM carveout
+    (``torch._C._set_sm_carveout_experimental``, which cuBLAS and torch's grouped GEMMs
+    leave free too, for kernels of other streams), at least one."""
+    get = getattr(torch._C, "_get_sm_carveout_experimental", None)
+    carveout = (get() if get is not None else None) or 0
+    return max(1, _device_sms(index) - carveout)
+
+
+@functools.cache
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _check_pair(a: FP8Tensor, b: FP8Tensor) -> bool:
     """Whether the operands are blockwise (else rowwise); raises for anything else."""
     if a.data.dim() != 2 or b.data.dim() != 3 or a.data.shape[1] != b.data.shape[2]:
@@ -179,7 +194,7 @@ def triton_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dty
     a_scale, b_scale = a.scale.contiguous(), b.scale.contiguous()
     tiles_n = triton.cdiv(N, cfg.block_n)
     max_tiles = (triton.cdiv(R, cfg.block_m) + E) * tiles_n
-    grid = (min(max_tiles, cfg.programs_per_sm * sm_count(a.data.device.index or 0)) if on_gpu
+    grid = (min(max_tiles, cfg.programs_per_sm * _sm_count(a.data.device.index or 0)) if on_gpu
             else max_tiles)
     use_tma = (cfg.use_tma and K % cfg.block_k == 0 and K % 16 == 0
                and a_data.data_ptr() % 16 == 0 and b_data.data_ptr() % 16 == 0)
