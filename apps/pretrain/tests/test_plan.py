@@ -29,7 +29,7 @@ from pretrain.build import build_model_part
 from pretrain.cli import main
 from pretrain.config import load_config, validate_layout
 from pretrain.mesh import build_mesh
-from pretrain.planner import FAMILY, PlanRequest, plan_memory, sweep
+from pretrain.planner import FAMILY, PlanRequest, format_plan, plan_memory, sweep
 from pretrain.planner.activations import Execution, block_inventory, local_rows
 from pretrain.planner.measure import LiveBytes
 from pretrain.planner.memory import KERNEL_WORKSPACES, fp8_linears, not_modelled
@@ -243,6 +243,7 @@ def test_dense_gemm_plans_the_dense_layers_on_their_own_gemm():
     assert split == peak("mxfp8.gemm=emulated") != peak("mxfp8.gemm=native")
     req = PlanRequest.from_config(_config(*dense, "mxfp8.gemm=triton", "mxfp8.dense_gemm=native"), 1)
     assert req.fp8_dense_gemm == "native"
+    assert "fp8_rowwise_gw_hp (triton, dense native): attn.w?, head" in format_plan(plan_memory(req), "plan")
     with pytest.raises(ValueError, match="PlanRequest: MXFP8Config.dense_gemm must be one of"):
         replace(req, mxfp8_dense_gemm="fast")
 
