@@ -247,18 +247,14 @@ def _dense_gemm_rates(M: int, N: int, K: int) -> dict:
     """``[M, K] @ [N, K]^T`` by each GEMM ``FP8Linear`` can take, and BF16."""
     import torch
     from moe_mxfp8 import quantize_fp8
-    from moe_mxfp8.fp8_gemm import fp8_grouped_mm
-    from moe_mxfp8.fp8_linear import _one_group
+    from moe_mxfp8.fp8_linear import _mm
 
     a_bf, b_bf = (torch.randn(n, K, device="cuda", dtype=torch.bfloat16) for n in (M, N))
     a, b = quantize_fp8(a_bf), quantize_fp8(b_bf)
-    inv_a, inv_b = a.scale.reciprocal(), b.scale.reciprocal().view(1, -1)  # _scaled_mm's
     rows = torch.full((1,), M, dtype=torch.int32, device="cuda")
-    b_group = _one_group(b)
-    cases = {
-        "native _scaled_mm": lambda: torch._scaled_mm(a.data, b.data.t(), inv_a, inv_b,
-                                                      out_dtype=torch.bfloat16, use_fast_accum=True),
-        "triton": lambda: fp8_grouped_mm(a, b_group, rows, torch.bfloat16, "triton", True),
+    cases = {  # the layer's own GEMM call, scale reciprocals and one-group view included
+        "native _scaled_mm": lambda: _mm(a, b, rows, "native", torch.bfloat16, True),
+        "triton": lambda: _mm(a, b, rows, "triton", torch.bfloat16, True),
         "bf16 mm": lambda: torch.mm(a_bf, b_bf.t()),
     }
     rates = {}

@@ -65,23 +65,22 @@ class MXFP8Config:
             if self.save_mxfp8_activations:
                 raise ValueError(f"MXFP8Config.save_mxfp8_activations applies to recipe mxfp8, "
                                  f"not {self.recipe}")
-            if self.gemm == "native" and not FP8_RECIPES[self.recipe].native:
-                raise ValueError(f"MXFP8Config.gemm: recipe {self.recipe} has no native grouped "
-                                 "GEMM; use gemm='triton' or 'emulated'")
             if self.dense_gemm is not None and self.dense_gemm not in FP8_GEMMS:
                 raise ValueError(f"MXFP8Config.dense_gemm must be one of {FP8_GEMMS} or None, "
                                  f"got {self.dense_gemm!r}")
-            if self.dense_gemm == "native" and not FP8_RECIPES[self.recipe].native:
-                raise ValueError(f"MXFP8Config.dense_gemm: recipe {self.recipe} has no native "
-                                 "FP8 GEMM; use dense_gemm='triton' or 'emulated'")
+            for field, gemm in (("gemm", self.gemm), ("dense_gemm", self.dense_gemm)):
+                if gemm == "native" and not FP8_RECIPES[self.recipe].native:
+                    raise ValueError(f"MXFP8Config.{field}: recipe {self.recipe} has no native "
+                                     f"FP8 GEMM; use {field}='triton' or 'emulated'")
             check_fast_accum(self.fp8_fast_accum, self.recipe, "MXFP8Config.fp8_fast_accum")
         else:
             if tuple(self.fp8_fast_accum) != FAST_ACCUM_DEFAULT:
                 raise ValueError(f"MXFP8Config.fp8_fast_accum applies to the FP8 recipes, not "
                                  f"{self.recipe}")
             if self.dense_gemm is not None:
-                raise ValueError("MXFP8Config.dense_gemm applies to the FP8 recipes; recipe mxfp8 "
-                                 "runs only its dense layers on MXFP8Config.gemm")
+                raise ValueError("MXFP8Config.dense_gemm applies to the FP8 recipes; recipe "
+                                 "mxfp8's gemm already is its dense layers' (its experts are "
+                                 "emulated)")
 
     @property
     def resolved_dense_gemm(self) -> str:
