@@ -282,6 +282,13 @@ TILE_CANDIDATES = {
                       (256, 32, 4, True), (256, 32, 4, True, True), (256, 64, 8, True, True),
                       (256, 16, 4, True, True), (512, 16, 4, True, True), (256, 32, 8, True, True)],
 }
+# moe_mxfp8._swiglu_kernels._TILES: BlockTile(elements, warps), whole rows per program.
+SWIGLU_TILE_CANDIDATES = {
+    "swiglu": [(2048, 4), (1024, 1), (1024, 2), (1024, 4), (2048, 2), (2048, 8), (4096, 4),
+               (4096, 8), (8192, 8)],
+    "swiglu_backward": [(2048, 4), (1024, 1), (1024, 2), (1024, 4), (2048, 2), (2048, 8),
+                        (4096, 4), (4096, 8), (8192, 8)],
+}
 # moe_mxfp8._fp8_codec_kernels._TILES: RowTile(elements, warps).
 CODEC_TILE_CANDIDATES = {
     "encode": [(2048, 2), (2048, 4), (1024, 1), (1024, 2), (4096, 4), (8192, 8)],
@@ -294,10 +301,13 @@ def sweep_tiles(args) -> dict:
     from moe_mxfp8 import (
         _fp8_codec_kernels,
         _fp8_kernels,
+        _swiglu_kernels,
         decode_fp8_rows,
         encode_fp8_rows,
         quantize_fp8,
         quantize_group_columns,
+        swiglu_backward_quantized,
+        swiglu_quantized,
     )
 
     rows_n = args.tokens * args.top_k
@@ -320,6 +330,20 @@ def sweep_tiles(args) -> dict:
     head = x[:4096]
     tail = x[int(offsets[-9]):int(offsets[-1])]  # the last 8 experts' rows, for the check
     packed = encode_fp8_rows(x)
+    # the experts' SwiGLU: h13 [R, 2F] (and dh [R, F] for the backward, which also writes h)
+    h13 = torch.randn(rows_n, 2 * args.hidden, device="cuda", dtype=torch.bfloat16)
+    dh = torch.randn(rows_n, args.hidden, device="cuda", dtype=torch.bfloat16)
+    h_out = torch.empty_like(dh)
+
+    def swiglu_fwd(t, b="auto"):
+        q = swiglu_quantized(t, (1, 0), True, b)
+        return [q.data.view(torch.uint8), q.scale]
+
+    def swiglu_bwd(t, b="auto"):
+        h = h_out[:t.shape[0]]
+        dh13, q = swiglu_backward_quantized(t, dh[:t.shape[0]], t.dtype, (1, 0), True, b, h)
+        return [dh13, q.data.view(torch.uint8), q.scale, h]
+    nh = dh.numel()
     # an LM head's output gradient: one microbatch's tokens by the vocabulary
     logits = torch.randn(args.head_tokens, args.vocab, device="cuda", dtype=torch.bfloat16)
     work = {
@@ -332,10 +356,19 @@ def sweep_tiles(args) -> dict:
         "encode": (lambda t, b="auto": [encode_fp8_rows(t, b)], x, head, 3 * n + 4 * rows_n),
         "decode": (lambda t, b="auto": [decode_fp8_rows(t, torch.bfloat16, b)], packed, packed[:4096],
                    3 * n + 4 * rows_n),
+        # bytes: h13 read, the E4M3 rows and scales written (the backward: h13 and dh read;
+        # dh13, its E4M3 rows, scales and h written)
+        "swiglu": (swiglu_fwd, h13, h13[:4096], 4 * nh + nh + 4 * rows_n),
+        "swiglu_backward": (swiglu_bwd, h13, h13[:4096], 4 * nh + 2 * nh + 4 * nh + 2 * nh + 4 * rows_n + 2 * nh),
     }
-    defaults = {_fp8_kernels: dict(_fp8_kernels._TILES), _fp8_codec_kernels: dict(_fp8_codec_kernels._TILES)}
+    defaults = {_fp8_kernels: dict(_fp8_kernels._TILES), _fp8_codec_kernels: dict(_fp8_codec_kernels._TILES),
+                _swiglu_kernels: dict(_swiglu_kernels._TILES)}
+    # The SwiGLU kernels compute in FP32 with exp, which the torch reference rounds
+    # differently: their candidates are checked against the default shape's bytes instead.
+    expected = {kind: [t.clone() for t in work[kind][0](work[kind][2])] for kind in SWIGLU_TILE_CANDIDATES}
     groups = [(_fp8_kernels, kind, cands) for kind, cands in TILE_CANDIDATES.items()]
     groups += [(_fp8_codec_kernels, kind, cands) for kind, cands in CODEC_TILE_CANDIDATES.items()]
+    groups += [(_swiglu_kernels, kind, cands) for kind, cands in SWIGLU_TILE_CANDIDATES.items()]
     groups = [g for g in groups if args.tile_kinds is None or g[1] in args.tile_kinds]
     results = {"copy_tb_per_s": copy / 1e12}
     try:
@@ -344,8 +377,9 @@ def sweep_tiles(args) -> dict:
             default = defaults[module]
 
             def check(kind=kind, fn=fn, sample=sample):
-                return ((columns(sample), columns(sample, "reference")) if kind == "group_columns"
-                        else (fn(sample), fn(sample, "reference")))
+                if kind == "group_columns":
+                    return columns(sample), columns(sample, "reference")
+                return fn(sample), expected[kind] if kind in expected else fn(sample, "reference")
 
             def timed(kind=kind, fn=fn, full=full):
                 return (quantize_group_columns(full, offsets, True) if kind == "group_columns"
@@ -459,7 +493,7 @@ def main() -> None:
                     help="row width of the wide-row sweep (an LM head's output gradient)")
     ap.add_argument("--head-tokens", type=int, default=8192, help="rows of the wide-row sweep")
     ap.add_argument("--tile-kinds", nargs="+", default=None,
-                    choices=[*TILE_CANDIDATES, *CODEC_TILE_CANDIDATES],
+                    choices=[*TILE_CANDIDATES, *CODEC_TILE_CANDIDATES, *SWIGLU_TILE_CANDIDATES],
                     help="the kernels the tile sweep covers (default: all)")
     ap.add_argument("--routing", default="balanced,zipf", help="comma-separated: balanced, zipf")
     ap.add_argument("--no-tile-sweep", dest="tile_sweep", action="store_false",

@@ -34,8 +34,8 @@ def _case_names() -> list[str]:
     names += ["group_columns/many_experts", "wide_rows"]
     names += [f"weight_rowwise/{dname}" for dname in ("f32", "bf16", "f16")]
     names += [f"codec/{way}/{dname}" for dname in ("f32", "bf16", "f16") for way in ("encode", "decode")]
-    return names + ["small_tiles"] + [f"{k}/{d}" for k in ("swiglu", "swiglu_quantized")
-                                      for d in ("f32", "bf16")]
+    return names + ["small_tiles", "swiglu_quantized/launch_shapes"] + [
+        f"{k}/{d}" for k in ("swiglu", "swiglu_quantized") for d in ("f32", "bf16")]
 
 
 @pytest.mark.slow

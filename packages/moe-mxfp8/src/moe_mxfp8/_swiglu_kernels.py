@@ -21,10 +21,20 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_mxfp8._fp8_kernels import _CONSTS, _encode, _scale
+from moe_mxfp8._fp8_kernels import _CONSTS, BlockTile, _encode, _scale
 from moe_mxfp8._quantize_kernels import _bits_view, _store_from_f32
 
 _ROWS, _COLS = 16, 128
+
+# Launch shapes of the quantizing kernels, which hold whole rows: about ``elements`` per
+# program (at least one row), ``warps`` (``BlockTile``'s first two fields). Tuned by
+# ``tools/from_source.sh python3 tools/bench_fp8_experts.py --parts tiles --tile-kinds
+# swiglu swiglu_backward`` (each candidate checked bit for bit against this default's
+# output first); the default is the shape these kernels were written with.
+_TILES: dict[str, BlockTile] = {
+    "swiglu": BlockTile(2048, 4),
+    "swiglu_backward": BlockTile(2048, 4),
+}
 
 
 @triton.jit
@@ -118,10 +128,11 @@ def _grid(R: int, F: int) -> tuple[int, int]:
     return triton.cdiv(R, _ROWS), triton.cdiv(F, _COLS)
 
 
-def _row_tile(F: int) -> tuple[int, int]:
-    """(rows per program, padded row width) of the quantizing kernels: whole rows."""
+def _row_tile(kind: str, F: int) -> tuple[int, int, int]:
+    """(rows per program, padded row width, warps) of quantizing kernel ``kind``: whole rows."""
+    tile = _TILES[kind]
     width = triton.next_power_of_2(F)
-    return max(1, 2048 // width), width
+    return max(1, tile.elements // width), width, tile.warps
 
 
 def swiglu_forward(h13: torch.Tensor) -> torch.Tensor:
@@ -159,10 +170,10 @@ def swiglu_quantize_rows(h13: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, t
     data = torch.empty(R, F, dtype=torch.uint8, device=h13.device)
     scale = torch.empty(R, 1, dtype=torch.float32, device=h13.device)
     if R:
-        rows, width = _row_tile(F)
+        rows, width, warps = _row_tile("swiglu", F)
         _swiglu_quant_kernel[(triton.cdiv(R, rows),)](
             h13, data, scale, R, F, h13.stride(0), data.stride(0), POW2=pow2,
-            BF16=h13.dtype == torch.bfloat16, ROWS=rows, BF=width, num_warps=4,
+            BF16=h13.dtype == torch.bfloat16, ROWS=rows, BF=width, num_warps=warps,
             enable_fp_fusion=False, **_CONSTS)
     return data.view(torch.float8_e4m3fn), scale
 
@@ -178,11 +189,11 @@ def swiglu_backward_quantize_rows(h13: torch.Tensor, dh: torch.Tensor, pow2: boo
     data = torch.empty(R, 2 * F, dtype=torch.uint8, device=h13.device)
     scale = torch.empty(R, 1, dtype=torch.float32, device=h13.device)
     if R:
-        rows, width = _row_tile(F)
+        rows, width, warps = _row_tile("swiglu_backward", F)
         fwd = out if h_out is None else _bits_view(h_out)
         _swiglu_bwd_quant_kernel[(triton.cdiv(R, rows),)](
             h13, dh, _bits_view(out), data, scale, fwd, R, F, h13.stride(0), dh.stride(0),
             out.stride(0), data.stride(0), fwd.stride(0), POW2=pow2,
             BF16=h13.dtype == torch.bfloat16, FWD=h_out is not None, ROWS=rows, BF=width,
-            num_warps=4, enable_fp_fusion=False, **_CONSTS)
+            num_warps=warps, enable_fp_fusion=False, **_CONSTS)
     return out, data.view(torch.float8_e4m3fn), scale
