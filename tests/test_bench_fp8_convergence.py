@@ -121,3 +121,17 @@ def test_fast_accum_and_targets_apply_to_the_low_precision_recipes_only(tmp_path
     cfg = bench.recipe_config(dense, "fp8_rowwise_gw_hp", "synthetic", None, None)
     assert tuple(cfg.mxfp8.targets) == ("experts", "attn.w?", "head")
     assert not bench.recipe_config(dense, "bf16", "synthetic", None, None).mxfp8.targets
+    assert cfg.mxfp8.dense_gemm is None
+
+
+def test_dense_gemm_applies_to_the_fp8_recipes_only(tmp_path):
+    """``--dense-gemm`` sets ``mxfp8.dense_gemm`` of the FP8 recipes; the BF16 reference and
+    ``mxfp8`` (whose config refuses the key) keep the default."""
+    bench = load_script(TOOL)
+    a = bench.parse_args(["--config", "tiny", "--device", "cpu", "--run-root", str(tmp_path),
+                          "--gemm", "emulated", "--dense-gemm", "emulated",
+                          "--targets", "experts", "attn.w?"])
+    fp8 = bench.recipe_config(a, "fp8_rowwise_gw_hp", "synthetic", None, None)
+    assert (fp8.mxfp8.gemm, fp8.mxfp8.dense_gemm) == ("emulated", "emulated")
+    for recipe in ("bf16", "mxfp8"):
+        assert bench.recipe_config(a, recipe, "synthetic", None, None).mxfp8.dense_gemm is None

@@ -14,7 +14,8 @@ Every recipe trains the same model from the same seed on the same data in the sa
 order through the app's own ``pretrain.train.train``; only the GEMMs of the routed
 experts (and of the layers ``--targets`` adds) differ: ``bf16`` is the plain model (no
 ``mxfp8.targets``; on a CPU it computes in FP32), every other recipe is
-``mxfp8.targets=[<--targets>] mxfp8.recipe=<recipe> mxfp8.gemm=<--gemm>``. Each recipe's run directory is ``<run-root>/<recipe>``; its
+``mxfp8.targets=[<--targets>] mxfp8.recipe=<recipe> mxfp8.gemm=<--gemm>`` (and
+``mxfp8.dense_gemm=<--dense-gemm>``, given one). Each recipe's run directory is ``<run-root>/<recipe>``; its
 ``metrics.jsonl`` holds the curves the report reads.
 
 The default config, ``fp8-conv-450m``, is ``bench-1gpu``'s shapes (d_model 2048, 16
@@ -113,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"expert recipes; {BASELINE} (the reference) must be among them")
     p.add_argument("--gemm", choices=["native", "triton", "emulated"], default=None,
                    help="mxfp8.gemm of the FP8 recipes (default: native on CUDA, else emulated)")
+    p.add_argument("--dense-gemm", choices=["native", "triton", "emulated"], default=None,
+                   help="mxfp8.dense_gemm of the FP8 recipes: the GEMM of the dense layers "
+                        "--targets adds (default: --gemm's)")
     p.add_argument("--fast-accum", nargs="*", default=None, metavar="ROLE",
                    help="mxfp8.fp8_fast_accum of the FP8 recipes: the GEMM roles (output, "
                         "grad_input, grad_weight) run with fast accumulation (default: the "
@@ -232,12 +236,16 @@ def resolve_data(a: argparse.Namespace) -> tuple[str, str | None, dict[str, Any]
 # -- configs ---------------------------------------------------------------------------
 
 def recipe_overrides(recipe: str, gemm: str, fast_accum: list[str] | None = None,
-                     targets: tuple[str, ...] = ("experts",)) -> list[str]:
+                     targets: tuple[str, ...] = ("experts",), dense_gemm: str | None = None) -> list[str]:
+    """The config keys of ``recipe``; ``fast_accum`` and ``dense_gemm`` (the FP8 recipes'
+    settings, None: the package's defaults) are left out of ``mxfp8``, which has neither."""
     if recipe == BASELINE:
         return ["mxfp8.targets=[]"]
     keys = [f"mxfp8.targets=[{','.join(targets)}]", f"mxfp8.recipe={recipe}", f"mxfp8.gemm={gemm}"]
     if fast_accum is not None and recipe != "mxfp8":
         keys.append(f"mxfp8.fp8_fast_accum=[{','.join(fast_accum)}]")
+    if dense_gemm is not None and recipe != "mxfp8":
+        keys.append(f"mxfp8.dense_gemm={dense_gemm}")
     return keys
 
 
@@ -259,7 +267,7 @@ def recipe_config(a: argparse.Namespace, recipe: str, data: str, val: str | None
         # emulated FP8 GEMMs read the expert offsets on the host; every recipe runs alike
         run.append("train.cuda_graphs=false")
     cfg = load_config(preset, [*named, *run, *a.overrides,
-                                      *recipe_overrides(recipe, a.gemm, a.fast_accum, a.targets)])
+                                      *recipe_overrides(recipe, a.gemm, a.fast_accum, a.targets, a.dense_gemm)])
     if "model.vocab_size" not in user_keys:  # the data's, as a run without a preset takes it
         cfg.key_sources.pop("model.vocab_size", None)
         resolve_vocab_size(cfg)
@@ -450,7 +458,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 torch.cuda.empty_cache()
             reached = steps_done(a.run_root / plan.recipe)
             stopped = reached < plan.target  # stopped by a signal: leave the rest for --resume
-        keys = recipe_overrides(plan.recipe, a.gemm, a.fast_accum, a.targets)
+        keys = recipe_overrides(plan.recipe, a.gemm, a.fast_accum, a.targets, a.dense_gemm)
         report["recipes"][plan.recipe] = {"overrides": keys,
                                           "run_dir": str(a.run_root / plan.recipe),
                                           **curves(a.run_root / plan.recipe)}
