@@ -171,6 +171,20 @@ def test_planned_weight_caches_are_what_the_converted_experts_hold(recipe):
     assert plan_memory(PlanRequest.from_config(cfg, 1), kernels="cpu").ranks[0].mxfp8_caches == held
 
 
+@pytest.mark.parametrize("recipe", [r for r in FP8_RECIPES if FP8_RECIPES[r].native])
+def test_planned_cache_of_a_linear_on_the_native_gemm_holds_its_dequant_scales(recipe):
+    """An FP8Linear on torch's dense FP8 GEMM keeps its weight copies' scale reciprocals in
+    its cache: planned byte for byte, and nothing more on the other GEMMs."""
+    from moe_mxfp8 import FP8Linear
+    from pretrain.planner.persistent import HeldParam, _mxfp8_cache_bytes
+
+    shape = (96, 64)
+    held = [HeldParam("head.weight", shape, "dense")]
+    for gemm in ("native", "triton", "emulated"):
+        layer = FP8Linear(torch.nn.Parameter(torch.randn(shape).bfloat16()), recipe=recipe, gemm=gemm)
+        assert _mxfp8_cache_bytes(held, ("head",), recipe, gemm) == layer.weight_cache.nbytes, gemm
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_planned_weight_caches_of_dense_targets_and_what_is_left_out(recipe):
     """The attention projections and the head converted too: their caches byte for byte,

@@ -171,6 +171,38 @@ def test_native_linear_on_torch_scaled_mm_matches_the_emulation(monkeypatch):
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
 
 
+def test_native_linear_keeps_its_weight_dequant_scales_fresh_through_refreshes(monkeypatch):
+    """A layer on the native GEMM holds its weight copies' ``1 / scale`` in the cache, derived
+    with the copies (in place by an in-place refresh, at the same address a captured graph
+    reads), so a GEMM after an update uses the new scales; other GEMMs hold none."""
+    import moe_mxfp8.fp8_gemm as fp8_gemm
+
+    monkeypatch.setattr(fp8_gemm, "fp8_native_available", lambda device: True)
+    g = torch.Generator().manual_seed(6)
+    weight = nn.Parameter((torch.randn(48, 64, generator=g) * 0.2).bfloat16())
+    x = torch.randn(37, 64, generator=g).bfloat16().requires_grad_()
+    dy = torch.randn(37, 48, generator=g).bfloat16()
+    layer = FP8Linear(weight, recipe="fp8_rowwise_gw_hp", gemm="native")
+    cache = layer.weight_cache
+    held = (cache.rows_dequant, cache.cols_dequant)
+    before = [t.clone() for t in held]
+    with torch.no_grad():
+        weight.mul_(torch.linspace(0.01, 40, 48).bfloat16()[:, None])  # new scales on most rows
+    layer.refresh_weight_cache(in_place=True)
+    assert cache.rows_dequant is held[0] and cache.cols_dequant is held[1]
+    for inverse, copy, old in zip(held, (cache.rows, cache.cols), before, strict=True):
+        assert torch.equal(inverse, copy.scale.reciprocal()) and not torch.equal(inverse, old)
+    outs = []
+    for model in (layer, FP8Linear(weight, recipe="fp8_rowwise_gw_hp", gemm="emulated")):
+        y = model(x)
+        outs.append((y, *torch.autograd.grad(y, [x], dy)))
+    for got, want in zip(*outs, strict=True):
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+    layer.refresh_weight_cache()
+    assert cache.rows_dequant is not held[0] and torch.equal(cache.rows_dequant, held[0])
+    assert FP8Linear(weight, recipe="fp8_rowwise_gw_hp", gemm="emulated").weight_cache.rows_dequant is None
+
+
 def _three_projections(recipe: str, seed: int):
     """q, k and v shaped projections of one input width (nn.Linear, no bias), and an input."""
     n_in, n_out = CASES[recipe]

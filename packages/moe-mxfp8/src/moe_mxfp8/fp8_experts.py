@@ -142,11 +142,37 @@ def check_layer_choices(recipe: str, gemm: str, fast_accum: tuple[str, ...]) -> 
 
 class FP8WeightCache(WeightCache):
     """``rows``: the weight ``[..., out, in]`` scaled along ``in``; ``cols``: its transpose
-    ``[..., in, out]`` (contiguous) scaled along ``out``, the input-gradient GEMM's operand."""
+    ``[..., in, out]`` (contiguous) scaled along ``out``, the input-gradient GEMM's operand.
 
-    def __init__(self, params: tuple[nn.Parameter, ...], recipe: FP8Recipe) -> None:
+    ``dequant_scales``: also keep ``rows_dequant`` and ``cols_dequant``, each copy's
+    ``1 / scale`` (what ``torch._scaled_mm`` multiplies by), derived in every refresh (in
+    place with the copies), so that a GEMM call inverts no weight scale: two launches
+    fewer per dense GEMM, which matter at the small projections' sizes. ``None`` without."""
+
+    def __init__(self, params: tuple[nn.Parameter, ...], recipe: FP8Recipe,
+                 dequant_scales: bool = False) -> None:
         self.recipe = recipe
+        self.dequant_scales = dequant_scales
+        self.rows_dequant: torch.Tensor | None = None
+        self.cols_dequant: torch.Tensor | None = None
         super().__init__(params)
+
+    @torch.no_grad()
+    def refresh(self, params: tuple[nn.Parameter, ...], in_place: bool = False) -> None:
+        super().refresh(params, in_place)
+        if not self.dequant_scales:
+            return
+        for name, copy in (("rows_dequant", self.rows), ("cols_dequant", self.cols)):
+            held = getattr(self, name)
+            if in_place and held is not None and held.shape == copy.scale.shape and held.device == copy.scale.device:
+                torch.reciprocal(copy.scale, out=held)  # the address a captured graph reads
+            else:
+                setattr(self, name, copy.scale.reciprocal())
+
+    @property
+    def nbytes(self) -> int:
+        held = [t for t in (self.rows_dequant, self.cols_dequant) if t is not None]
+        return super().nbytes + sum(t.nbytes for t in held)
 
     def _derive(self, parts: list[torch.Tensor], into: tuple[Any, Any] | None
                 ) -> tuple[FP8Tensor, FP8Tensor]:

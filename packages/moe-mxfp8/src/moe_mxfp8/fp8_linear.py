@@ -56,16 +56,25 @@ def _one_group(t: FP8Tensor) -> FP8Tensor:
     return FP8Tensor(t.data.unsqueeze(0), t.scale.unsqueeze(0), t.block)
 
 
-def _mm(a: FP8Tensor, b: FP8Tensor, rows: torch.Tensor, gemm: str, dtype: torch.dtype,
-        fast: bool, accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
+def _mm(a: FP8Tensor, b: FP8Tensor, rows: torch.Tensor | None, gemm: str, dtype: torch.dtype,
+        fast: bool, accumulate_into: torch.Tensor | None = None,
+        dequant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``a [M, K] @ b^T`` for ``b [N, K]``, both scaled along K; ``rows``: ``[M]``, the one
-    group's end, for the grouped GEMMs; ``accumulate_into``: ``fp8_grouped_mm``'s."""
+    group's end, for the grouped GEMMs; ``accumulate_into``: ``fp8_grouped_mm``'s;
+    ``dequant``: ``native`` only, ``(1 / a.scale, 1 / b.scale)`` computed ahead (else here)."""
     if gemm == "native":
-        y = torch._scaled_mm(a.data, b.data.t(), a.scale.reciprocal(),
-                             b.scale.reciprocal().view(1, -1), out_dtype=dtype,
+        a_inv, b_inv = dequant if dequant is not None else (a.scale.reciprocal(), b.scale.reciprocal())
+        y = torch._scaled_mm(a.data, b.data.t(), a_inv, b_inv.view(1, -1), out_dtype=dtype,
                              use_fast_accum=fast)
         return y if accumulate_into is None else accumulate_into.add_(y)
     return fp8_grouped_mm(a, _one_group(b), rows, dtype, gemm, fast, accumulate_into)
+
+
+def _dequant(a_inv: torch.Tensor | None, w_inv: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``_mm``'s ``dequant`` where both factors are at hand: the input's ``1 / scale`` and
+    the weight copy's, which the cache holds for layers built on the native GEMM."""
+    return None if a_inv is None or w_inv is None else (a_inv, w_inv)
 
 
 class _FP8LinearsFn(torch.autograd.Function):
@@ -80,13 +89,18 @@ class _FP8LinearsFn(torch.autograd.Function):
                 routes: tuple[SinkRoute | None, ...], *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
         first = layers[0]
         r, fast = first.recipe, "output" in first.fast_accum
-        rows = torch.full((1,), x_MK.shape[0], dtype=torch.int32, device=x_MK.device)
+        # the one group's end, which the grouped GEMMs (and FP8 weight gradients) read
+        rows = (torch.full((1,), x_MK.shape[0], dtype=torch.int32, device=x_MK.device)
+                if first.gemm != "native" or r.fp8_wgrad else None)
         x_q = quantize_fp8(x_MK, r.act_block, r.pow2)
-        ys = tuple(_mm(x_q, layer.weight_cache.rows, rows, first.gemm, dtype, fast) for layer in layers)
+        x_inv = x_q.scale.reciprocal() if first.gemm == "native" else None  # once for every layer
+        ys = tuple(_mm(x_q, c.rows, rows, first.gemm, dtype, fast, None, _dequant(x_inv, c.rows_dequant))
+                   for c in (layer.weight_cache for layer in layers))
         ctx.save_for_backward(x_MK, rows)
         # The backward uses the weight copies this forward saw, whatever happens in between.
         ctx.layers, ctx.dtype, ctx.routes = layers, dtype, routes
         ctx.w_cols = tuple(layer.weight_cache.cols for layer in layers)
+        ctx.w_cols_inv = tuple(layer.weight_cache.cols_dequant for layer in layers)
         ctx.weight_gradients = tuple(None if r.fp8_wgrad else layer.dense_weight_gradient
                                      for layer in layers)
         return ys
@@ -105,13 +119,15 @@ class _FP8LinearsFn(torch.autograd.Function):
             dy_MN = dy_MN.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
             if ctx.needs_input_grad[0]:
                 dy_q = quantize_fp8(dy_MN, r.act_block, r.pow2)
-                dx = _mm(dy_q, ctx.w_cols[i], rows, first.gemm, dtype, "grad_input" in fast, dx)
+                dx = _mm(dy_q, ctx.w_cols[i], rows, first.gemm, dtype, "grad_input" in fast, dx,
+                         _dequant(dy_q.scale.reciprocal() if first.gemm == "native" else None,
+                                  ctx.w_cols_inv[i]))  # (not held past the GEMM)
             grads.append(_weight_gradient(ctx, i, x_MK, dy_MN, rows))
         return dx, None, None, None, *grads
 
 
 def _weight_gradient(ctx: Any, i: int, x_MK: torch.Tensor, dy_MN: torch.Tensor,
-                     rows: torch.Tensor) -> torch.Tensor | None:
+                     rows: torch.Tensor | None) -> torch.Tensor | None:
     """Layer ``i``'s weight gradient, returned through autograd or handed to its sink
     (module notes); computed where autograd wants it back, or where the sink takes it in a
     backward that runs the weight's node (not a pipeline's input pass)."""
@@ -163,7 +179,7 @@ class FP8Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.weight, self.bias = weight, bias
         self.recipe_name, self.recipe, self.gemm = recipe, FP8_RECIPES[recipe], gemm
-        self.weight_cache = FP8WeightCache((weight,), self.recipe)
+        self.weight_cache = FP8WeightCache((weight,), self.recipe, dequant_scales=gemm == "native")
         self.grad_sink: Any = None  # a GradientSink, see the module docstring
         self.dense_weight_gradient: DenseWeightGradientMaker | None = None  # module docstring
 

@@ -546,7 +546,8 @@ def _emulated_gemm(R: int, K: int, N: int, E: int, b: int, product_rows: int = 0
 def _fp8_linear_gemm(M: int, K: int, N: int, ex: Execution, into: bool = False) -> int:
     """Bytes alive inside one GEMM of ``moe_mxfp8.FP8Linear``, ``[M, K] @ [N, K]^T`` from
     E4M3 operands, its ``[M, N]`` result included: emulated, ``_emulated_gemm``'s (one group);
-    native (``torch._scaled_mm``), the result and the scales' FP32 reciprocals; Triton,
+    native (``torch._scaled_mm``), the result and the input scales' FP32 reciprocals (the
+    weight's are held by its cache); Triton,
     the result. ``into``: the result adds to an existing ``[M, N]`` (q, k and v's input
     gradient): the Triton GEMM adds in its epilogue, the others make a result and add it.
     The GEMM is ``ex.fp8_dense_gemm``."""
@@ -554,7 +555,7 @@ def _fp8_linear_gemm(M: int, K: int, N: int, ex: Execution, into: bool = False) 
     if ex.fp8_dense_gemm == "emulated":
         return _emulated_gemm(M, K, N, 1, b, product_rows=M)
     if ex.fp8_dense_gemm == "native":
-        return b * M * N + FP32 * (M + N)
+        return b * M * N + FP32 * M
     return 0 if into else b * M * N
 
 
@@ -589,8 +590,10 @@ def _fp8_linears_backward(inv: Inventory, prefix: str, ex: Execution, M: int, K:
     from moe_mxfp8 import FP8_RECIPES
     from moe_mxfp8.fp8 import fp8_nbytes
 
-    block = FP8_RECIPES[ex.mxfp8_recipe].act_block
-    inv.add(f"{prefix}.rows", FP32, "saved")  # the function saves its int32 [1] row count
+    recipe = FP8_RECIPES[ex.mxfp8_recipe]
+    block = recipe.act_block
+    if ex.fp8_dense_gemm != "native" or recipe.fp8_wgrad:  # the grouped GEMMs read it
+        inv.add(f"{prefix}.rows", FP32, "saved")  # the function saves its int32 [1] row count
     inv.add(dx, ex.compute_bytes * M * K)
     previous: set[str] = set()
     for i, (name, N, wgrad) in enumerate(outputs):

@@ -418,7 +418,8 @@ def plan_memory(req: PlanRequest, shapes: ModelShapes | None = None,
     )
     state_layout = StateLayout(dp=req.dp, ep=req.ep, ddp_mode=req.ddp_mode, param_bytes=b,
                                bucket_cap_mb=req.bucket_cap_mb, optimizer=req.optimizer,
-                               mxfp8_targets=req.mxfp8_targets, mxfp8_recipe=req.mxfp8_recipe)
+                               mxfp8_targets=req.mxfp8_targets, mxfp8_recipe=req.mxfp8_recipe,
+                               fp8_dense_gemm=req.fp8_dense_gemm)
     stage_layers = shapes.stage_layers(req.pp, req.virtual, req.pp_split, req.seq_len)
     n_stages = len(stage_layers)
     # rows the experts run on: the local dispatcher's (capacity applied), or what one rank

@@ -83,6 +83,7 @@ class StateLayout:
     param_bytes: int = 2
     mxfp8_targets: tuple[str, ...] = ()  # module-name globs (moe_mxfp8.MXFP8Config.targets)
     mxfp8_recipe: str = "mxfp8"  # moe_mxfp8.MXFP8Config.recipe: mxfp8 | an FP8 recipe
+    fp8_dense_gemm: str = "emulated"  # MXFP8Config.resolved_dense_gemm: the FP8 dense layers'
 
     @property
     def ep_dp(self) -> int:
@@ -136,12 +137,14 @@ class ModelShapes:
         return held
 
 
-def _mxfp8_cache_bytes(params: list[HeldParam], targets: tuple[str, ...], recipe: str) -> int:
+def _mxfp8_cache_bytes(params: list[HeldParam], targets: tuple[str, ...], recipe: str,
+                      dense_gemm: str = "emulated") -> int:
     """The weight caches of every targeted linear's weight and of each targeted expert
     stack (gate and up share one [E, 2F, D] cache). MXFP8: both orientations (rows:
     blocked along the last dim, cols: along the one before). An FP8 recipe
     (``moe_mxfp8.fp8_experts.FP8WeightCache``): the weight and its contiguous transpose,
-    each scaled by the recipe's weight block along its last dim."""
+    each scaled by the recipe's weight block along its last dim; a linear on the native
+    GEMM (``dense_gemm``) also holds both copies' FP32 scale reciprocals."""
     if not targets:
         return 0
     from moe_mxfp8 import FP8_RECIPES, name_matches
@@ -167,6 +170,8 @@ def _mxfp8_cache_bytes(params: list[HeldParam], targets: tuple[str, ...], recipe
                 total += both(p.shape)
         elif len(p.shape) == 2 and not module.endswith(("embed", "router")):
             total += both(p.shape)
+            if recipe != "mxfp8" and dense_gemm == "native":
+                total += FP32 * (p.shape[0] + p.shape[1])
     return total
 
 
@@ -262,7 +267,8 @@ def persistent_memory(cfg: MoEConfig, params: list[HeldParam],
     bookkeeping = n_moe * (2 * INDEX * cfg.n_experts + 2 * FP32 + INDEX)
     return PersistentMemory(
         weights=weights, grads=grads, optimizer=optimizer,
-        mxfp8_caches=_mxfp8_cache_bytes(params, state.mxfp8_targets, state.mxfp8_recipe),
+        mxfp8_caches=_mxfp8_cache_bytes(params, state.mxfp8_targets, state.mxfp8_recipe,
+                                        state.fp8_dense_gemm),
         bookkeeping=bookkeeping, n_params=sum(p.numel for p in params),
         largest_gather_chunk=largest_chunk, muon_owned=muon_owned, muon_exchanged=muon_exchanged,
         muon_largest_batch=max(muon_batches.values(), default=0),
