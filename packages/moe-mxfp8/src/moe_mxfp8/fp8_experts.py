@@ -146,8 +146,8 @@ class FP8WeightCache(WeightCache):
 
     ``dequant_scales``: also keep ``rows_dequant`` and ``cols_dequant``, each copy's
     ``1 / scale`` (what ``torch._scaled_mm`` multiplies by), derived in every refresh (in
-    place with the copies), so that a GEMM call inverts no weight scale: two launches
-    fewer per dense GEMM, which matter at the small projections' sizes. ``None`` without."""
+    place with the copies), so that a GEMM call inverts no weight scale: a launch fewer
+    per dense GEMM, which matters at the small projections' sizes. ``None`` without."""
 
     def __init__(self, params: tuple[nn.Parameter, ...], recipe: FP8Recipe,
                  dequant_scales: bool = False) -> None:
