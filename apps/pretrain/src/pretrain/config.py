@@ -141,7 +141,8 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when present
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     # replay the microbatches' forward + backward from CUDA graphs captured after the first
-    # step (pretrain.graphs); one CUDA rank, not with pipeline or expert parallelism or MXFP8
+    # step (pretrain.graphs); CUDA only, not with pipeline parallelism, the all_to_all EP
+    # transport, emulated FP8 GEMMs or reference kernels (validate says why)
     cuda_graphs: bool = False
     # restart a run that aborted for non-finite steps on the same learning rates (it would
     # return to the same checkpoint; pretrain.divergence)
