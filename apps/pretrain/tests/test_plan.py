@@ -181,8 +181,14 @@ def test_planned_cache_of_a_linear_on_the_native_gemm_holds_its_dequant_scales(r
     shape = (96, 64)
     held = [HeldParam("head.weight", shape, "dense")]
     for gemm in ("native", "triton", "emulated"):
-        layer = FP8Linear(torch.nn.Parameter(torch.randn(shape).bfloat16()), recipe=recipe, gemm=gemm)
-        assert _mxfp8_cache_bytes(held, ("head",), recipe, gemm) == layer.weight_cache.nbytes, gemm
+        cache = FP8Linear(torch.nn.Parameter(torch.randn(shape).bfloat16()), recipe=recipe,
+                          gemm=gemm).weight_cache
+        tensors = [t for copy in (cache.rows, cache.cols) for t in vars(copy).values()
+                   if isinstance(t, torch.Tensor)] + [cache.rows_dequant, cache.cols_dequant]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in tensors if t is not None}
+        assert _mxfp8_cache_bytes(held, ("head",), recipe, gemm) == sum(storages.values()), gemm
+        assert cache.nbytes == sum(storages.values()), gemm
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

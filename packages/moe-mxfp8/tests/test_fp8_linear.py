@@ -198,6 +198,20 @@ def test_native_linear_keeps_its_weight_dequant_scales_fresh_through_refreshes(m
         outs.append((y, *torch.autograd.grad(y, [x], dy)))
     for got, want in zip(*outs, strict=True):
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+    # q, k and v on the native GEMM share the input's factor: the same outputs as one by one,
+    # bit for bit, and the same input gradient up to the BF16 rounding of its additions
+    layers = tuple(FP8Linear(nn.Parameter((torch.randn(n, 64, generator=g) * 0.2).bfloat16()),
+                             recipe="fp8_rowwise_gw_hp", gemm="native") for n in (48, 32, 32))
+    xs = torch.randn(2, 9, 64, generator=g).bfloat16()
+    dys = [torch.randn(2, 9, m.out_features, generator=g).bfloat16() for m in layers]
+    runs = []
+    for shared in (True, False):
+        xg = xs.clone().requires_grad_()
+        ys = FP8Linear.shared_input_forward(xg, layers) if shared else tuple(m(xg) for m in layers)
+        runs.append((ys, torch.autograd.grad(ys, [xg], dys)[0]))
+    (ys_shared, dx_shared), (ys_alone, dx_alone) = runs
+    assert all(torch.equal(a, b) for a, b in zip(ys_shared, ys_alone, strict=True))
+    torch.testing.assert_close(dx_shared, dx_alone, rtol=1.6e-2, atol=1e-2)
     layer.refresh_weight_cache()
     assert cache.rows_dequant is not held[0] and torch.equal(cache.rows_dequant, held[0])
     assert FP8Linear(weight, recipe="fp8_rowwise_gw_hp", gemm="emulated").weight_cache.rows_dequant is None

@@ -70,13 +70,6 @@ def _mm(a: FP8Tensor, b: FP8Tensor, rows: torch.Tensor | None, gemm: str, dtype:
     return fp8_grouped_mm(a, _one_group(b), rows, dtype, gemm, fast, accumulate_into)
 
 
-def _dequant(a_inv: torch.Tensor | None, w_inv: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``_mm``'s ``dequant`` where both factors are at hand: the input's ``1 / scale`` and
-    the weight copy's, which the cache holds for layers built on the native GEMM."""
-    return None if a_inv is None or w_inv is None else (a_inv, w_inv)
-
-
 class _FP8LinearsFn(torch.autograd.Function):
     """``y_i = x @ w_i^T`` for one or more ``FP8Linear`` layers of one recipe, GEMM and fast
     accumulation that share the input ``x`` (one layer's forward, or attention's q, k and v
@@ -93,14 +86,18 @@ class _FP8LinearsFn(torch.autograd.Function):
         rows = (torch.full((1,), x_MK.shape[0], dtype=torch.int32, device=x_MK.device)
                 if first.gemm != "native" or r.fp8_wgrad else None)
         x_q = quantize_fp8(x_MK, r.act_block, r.pow2)
-        x_inv = x_q.scale.reciprocal() if first.gemm == "native" else None  # once for every layer
-        ys = tuple(_mm(x_q, c.rows, rows, first.gemm, dtype, fast, None, _dequant(x_inv, c.rows_dequant))
-                   for c in (layer.weight_cache for layer in layers))
+        caches = [layer.weight_cache for layer in layers]
+        # the native GEMM's dequant factors: the weights' held by their caches (layers built
+        # on it), the input's made once for every layer
+        held = first.gemm == "native" and all(c.rows_dequant is not None for c in caches)
+        x_inv = x_q.scale.reciprocal() if held else None
+        ys = tuple(_mm(x_q, c.rows, rows, first.gemm, dtype, fast, None,
+                       (x_inv, c.rows_dequant) if held else None) for c in caches)
         ctx.save_for_backward(x_MK, rows)
         # The backward uses the weight copies this forward saw, whatever happens in between.
         ctx.layers, ctx.dtype, ctx.routes = layers, dtype, routes
-        ctx.w_cols = tuple(layer.weight_cache.cols for layer in layers)
-        ctx.w_cols_inv = tuple(layer.weight_cache.cols_dequant for layer in layers)
+        ctx.w_cols = tuple(c.cols for c in caches)
+        ctx.w_cols_inv = tuple(c.cols_dequant if held else None for c in caches)
         ctx.weight_gradients = tuple(None if r.fp8_wgrad else layer.dense_weight_gradient
                                      for layer in layers)
         return ys
@@ -119,9 +116,9 @@ class _FP8LinearsFn(torch.autograd.Function):
             dy_MN = dy_MN.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
             if ctx.needs_input_grad[0]:
                 dy_q = quantize_fp8(dy_MN, r.act_block, r.pow2)
+                w_inv = ctx.w_cols_inv[i]
                 dx = _mm(dy_q, ctx.w_cols[i], rows, first.gemm, dtype, "grad_input" in fast, dx,
-                         _dequant(dy_q.scale.reciprocal() if first.gemm == "native" else None,
-                                  ctx.w_cols_inv[i]))  # (not held past the GEMM)
+                         None if w_inv is None else (dy_q.scale.reciprocal(), w_inv))
             grads.append(_weight_gradient(ctx, i, x_MK, dy_MN, rows))
         return dx, None, None, None, *grads
 
