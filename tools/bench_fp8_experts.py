@@ -138,9 +138,12 @@ def bench_layers(args, routing: str) -> dict:
 
 
 # Tiles of the Triton FP8 GEMM (moe_mxfp8.fp8_gemm.FP8TileConfig: block_m, block_n, block_k,
-# group_m, warps, stages, TMA, programs per SM), measured on the forward shape with rowwise
-# (promoted and fast accumulation) and blockwise scales.
+# group_m, warps, stages, TMA loads, programs per SM, TMA store), measured on the forward
+# shape with rowwise (promoted and fast accumulation) and blockwise scales.
 FP8_GEMM_TILE_CANDIDATES = [
+    (128, 256, 128, 8, 8, 4, True, 1, True), (128, 256, 128, 8, 8, 3, True, 1, True),
+    (64, 128, 128, 8, 4, 3, True, 2, True), (64, 128, 128, 8, 4, 4, True, 2, True),
+    (128, 128, 128, 8, 8, 4, True, 1, True), (64, 256, 128, 8, 4, 4, True, 1, True),
     (128, 256, 128, 8, 8, 3, True, 1), (128, 256, 128, 8, 8, 4, True, 1),
     (256, 128, 128, 8, 8, 3, True, 1), (64, 256, 128, 8, 4, 4, True, 1),
     (64, 128, 128, 8, 4, 4, True, 2), (64, 128, 128, 8, 4, 3, True, 2),

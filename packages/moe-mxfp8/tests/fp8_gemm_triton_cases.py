@@ -8,6 +8,7 @@ string). Prints one line of JSON, then ``ok``."""
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run by moe_testing.run_under_triton_interpreter"
 
@@ -84,6 +85,30 @@ def cases():
         return errors
 
     yield "gemm/rowwise/accumulate", accumulate
+
+    def tma_store():  # the tile leaves by TMA in two halves, confined to its group's rows
+        errors = 0
+        cfg = FP8TileConfig(16, 32, 16, 2, 1, 1, True, 1, True)
+        fill = torch.empty  # every fresh result starts as a sentinel, to see what is written
+        sentinel = 7.0
+
+        def filled(*shape, **kwargs):
+            return fill(*shape, **kwargs).fill_(sentinel)
+
+        for kind, fast, dtype in (("rowwise", True, torch.bfloat16), ("rowwise", False, torch.float32),
+                                  ("blockwise", False, torch.bfloat16)):
+            a, b = operands(kind, 160, 144, seed=3)  # N 144: the last n-tile's right half is cut
+            ref = fp8_grouped_mm(a, b, offsets, torch.float32, "emulated", fast)[:end]
+            with mock.patch.object(torch, "empty", filled):
+                got = triton_grouped_mm(a, b, offsets, dtype, fast, cfg)
+            if dtype == torch.float32:
+                errors += far(got[:end], ref)
+            else:  # one rounding of the FP32 result (the interpreter truncates: within one unit)
+                errors += int(((got[:end].float() - ref).abs() > ref.abs() * 2.0**-7 + 1e-30).sum())
+            errors += int((got[end:] != sentinel).sum())  # the last group's tile overhangs its end
+        return errors
+
+    yield "gemm/tma_store", tma_store
 
     for recipe in ("fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise"):
         def layer(recipe=recipe):

@@ -2,8 +2,10 @@
 GEMMs (torch._scaled_grouped_mm, sm_90) and the Triton grouped GEMM against the exact
 emulation; no host sync."""
 
+import dataclasses
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from moe_mxfp8 import (
     quantize_fp8,
     quantize_group_columns,
 )
-from moe_mxfp8.fp8_gemm import fp8_grouped_mm, fp8_grouped_wgrad
+from moe_mxfp8.fp8_gemm import FP8_TILES_GPU, fp8_grouped_mm, fp8_grouped_wgrad, triton_grouped_mm
 from moe_testing import assert_no_host_sync
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -273,6 +275,35 @@ def test_triton_grouped_gemm_equals_the_emulation_of_the_same_operands(scales, f
         _grouped_mm_equals_the_emulation("triton", fast_accum, K, N)
     else:
         _grouped_mm_equals_the_emulation("triton", fast_accum, K, N, ((1, 128), (128, 128)), False)
+
+
+@needs_fp8_triton
+@pytest.mark.parametrize("tiles", ["fast", "promoted"])
+@pytest.mark.parametrize(("K", "N"), [(2048, 1024), (1024, 2056)])
+def test_triton_gemm_tma_store_equals_the_pointer_store(tiles, K, N):
+    """The epilogue through TMA (``FP8TileConfig.tma_store``) writes the same bits as the
+    masked pointer store and nothing past a group's end: uneven groups with an empty one,
+    rows past the last group kept as they were (N 2056: a cut last n-tile)."""
+    R, E = 8192, 16
+    offsets = routed_offsets(R - 100, E)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    a = quantize_fp8(torch.randn(R, K, device="cuda", generator=g).bfloat16())
+    b = quantize_fp8((torch.randn(E, N, K, device="cuda", generator=g) * 0.02).bfloat16())
+    base = FP8_TILES_GPU[tiles]
+    results, empty = [], torch.empty
+    for tma_store in (False, True):
+        cfg = dataclasses.replace(base, tma_store=tma_store)
+        y = torch.full((R, N), 7.0, device="cuda", dtype=torch.bfloat16)
+
+        def result_buffer(*shape, y=y, **kwargs):  # the GEMM's result starts as the sentinel
+            return y if shape == (R, N) else empty(*shape, **kwargs)
+
+        with mock.patch.object(torch, "empty", result_buffer):
+            out = triton_grouped_mm(a, b, offsets, torch.bfloat16, tiles == "fast", cfg)
+        assert out is y
+        results.append(out)
+    assert mismatches(results[0], results[1]) == 0
+    assert (results[1][R - 100:] == 7.0).all()
 
 
 @needs_fp8_triton

@@ -40,13 +40,30 @@ def _band_order(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _store_group_rows(y_desc, start, rows, row, col, tile):
+    """Store ``tile`` at ``(row, col)`` of a group whose rows are ``[start, start + rows)``
+    through ``y_desc`` (``fp8_gemm.group_rows_descriptor``): the copy engine drops the rows
+    past the group's end, so a tile that overhangs it leaves the next group's rows alone.
+
+    The descriptor is 4-D ``[2^31, 2^31, 2^30, N]`` with strides ``[2^34 - s, s, s, 1]``
+    (``s`` the row stride, in elements); the coordinates ``(2^30, start + rows, 2^30 - rows +
+    row, col)`` address element ``(start + row) * s + col`` once the 64-bit address wraps
+    around, and the third one is in bounds exactly while ``row < rows``. The same trick as
+    Triton's ``triton.tools.ragged_tma``, whose device function does not run under the
+    interpreter."""
+    big = 0x40000000
+    y_desc.store([big, start + rows, big - rows + row, col],
+                 tl.reshape(tile, [1, 1, tile.shape[0], tile.shape[1]]))
+
+
+@triton.jit
 def fp8_rows_kernel(
-    a, b, y_ptr, offs_ptr, a_scale_ptr, b_scale_ptr,
+    a, b, y_ptr, y_desc, offs_ptr, a_scale_ptr, b_scale_ptr,
     R, N, K, E, num_progs,
     stride_ar, stride_be, stride_bn, stride_yr, stride_asr, stride_bse, stride_bsn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     E_BLOCK: tl.constexpr, BLOCKWISE: tl.constexpr, FAST: tl.constexpr,
-    USE_TMA: tl.constexpr, EVEN_K: tl.constexpr, ACCUMULATE: tl.constexpr,
+    USE_TMA: tl.constexpr, EVEN_K: tl.constexpr, ACCUMULATE: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
     """``y[r] = (a[r] / sa) @ (b[g(r)] / sb)^T`` for the rows of every group, E4M3 operands.
 
@@ -64,6 +81,9 @@ def fp8_rows_kernel(
     Rows past a group's end are read (the next group's rows, or zeros past R) and never
     stored; columns past N likewise. ``ACCUMULATE``: ``y += ...`` (``y`` read in the
     epilogue and the sum rounded once), for products that add up to one result.
+    ``TMA_STORE`` (not with ``ACCUMULATE``): the finished tile leaves through ``y_desc`` in
+    two column halves (``_store_group_rows``), an asynchronous store the next tile's loads
+    run under; half a tile of staging memory leaves room for another pipeline stage.
     """
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BN)
@@ -76,6 +96,7 @@ def fp8_rows_kernel(
     tile = pid - num_progs
     ki = -1
     g = 0
+    g_start = 0
     g_end = 0
     row0 = 0
     col0 = 0
@@ -117,11 +138,17 @@ def fp8_rows_kernel(
                 sa = tl.load(a_scale_ptr + rows.to(tl.int64) * stride_asr)
                 sb = tl.load(b_scale_ptr + g.to(tl.int64) * stride_bse + cols * stride_bsn)
                 acc = acc * (1.0 / sa)[:, None] * (1.0 / sb)[None, :]
-            out_rows = row0 + rm
-            out_cols = col0 + rn
-            y_ptrs = y_ptr + out_rows.to(tl.int64)[:, None] * stride_yr + out_cols[None, :]
-            mask = (out_rows[:, None] < g_end) & (out_cols[None, :] < N)
-            if ACCUMULATE:
-                acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            if TMA_STORE:
+                halves = tl.permute(tl.reshape(acc.to(y_ptr.dtype.element_ty), (BM, 2, BN // 2)), (0, 2, 1))
+                left, right = tl.split(halves)
+                _store_group_rows(y_desc, g_start, g_end - g_start, row0 - g_start, col0, left)
+                _store_group_rows(y_desc, g_start, g_end - g_start, row0 - g_start, col0 + BN // 2, right)
+            else:
+                out_rows = row0 + rm
+                out_cols = col0 + rn
+                y_ptrs = y_ptr + out_rows.to(tl.int64)[:, None] * stride_yr + out_cols[None, :]
+                mask = (out_rows[:, None] < g_end) & (out_cols[None, :] < N)
+                if ACCUMULATE:
+                    acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
             acc = tl.zeros((BM, BN), dtype=tl.float32)

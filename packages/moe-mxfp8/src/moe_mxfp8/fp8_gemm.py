@@ -12,7 +12,8 @@ W the padded token width of a weight-gradient operand.
   the row-segmented GEMM ``fp8_grouped_mm``, rowwise or blockwise scales, any widths. It
   is the only grouped GEMM here that reads DeepSeek-V3's 1x128 / 128x128 scales (torch has
   none for sm_90), and it is written for the shapes the expert layers run: a persistent
-  grid over (group, m-tile, n-tile) found on the device, TMA loads, K steps of 128. The
+  grid over (group, m-tile, n-tile) found on the device, TMA loads, K steps of 128, and
+  (``FP8TileConfig.tma_store``) the finished tile stored by TMA, kept to its group's rows. The
   weight gradients over tokens (``fp8_grouped_wgrad``) have no Triton kernel: with
   ``triton`` they run natively where ``fp8_native_available``, emulated elsewhere.
 - ``emulated`` (any device; the reference both are checked against): dequantize both
@@ -104,9 +105,11 @@ def fp8_triton_available(device: torch.device) -> bool:
 class FP8TileConfig:
     """Tiles of ``fp8_rows_kernel``: the output tile ``block_m x block_n``, the K step
     ``block_k`` (dividing 128 for blockwise scales), ``group_m`` m-tiles per L2 band,
-    warps, pipeline stages, whether operands load through TMA where they allow it, and
-    the persistent programs per SM (two let one program's FP32 promotion run while the
-    other's tensor cores work, where registers and shared memory allow two)."""
+    warps, pipeline stages, whether operands load through TMA where they allow it, the
+    persistent programs per SM (two let one program's FP32 promotion run while the
+    other's tensor cores work, where registers and shared memory allow two), and whether
+    the finished tile is stored through TMA where the output allows it (rows of 16-byte
+    multiples, not ``accumulate_into``), in two column halves."""
 
     block_m: int
     block_n: int
@@ -116,18 +119,21 @@ class FP8TileConfig:
     num_stages: int
     use_tma: bool
     programs_per_sm: int = 1
+    tma_store: bool = False
 
 
-# The fastest at the bench-1gpu expert shapes on an H200, per accumulation (the tile sweep
-# of ``tools/from_source.sh python3 tools/bench_fp8_experts.py --no-blockwise --routing
-# balanced``, commit fd4ff16): with the running sum in the tensor cores one wide tile per
-# SM (1,220 TFLOP/s; 1,233 with four stages, within the spread between runs); where every
-# K step's product is promoted (rowwise) or scaled and promoted (blockwise) in FP32
-# registers, the program waits for its tensor cores before that work, and two programs of
-# narrower tiles per SM let one program's FP32 work run under the other's products (877
-# and 505 TFLOP/s, against 738 and 409 with the wide tile). The interpreter's small tiles
-# keep CPU tests fast.
-FP8_TILES_GPU = {"fast": FP8TileConfig(128, 256, 128, 8, 8, 3, True),
+# The fastest at the bench-1gpu expert shapes, per accumulation (the tile sweep of
+# ``tools/from_source.sh python3 tools/bench_fp8_experts.py --parts gemms --no-blockwise``):
+# with the running sum in the tensor cores one wide tile per SM, four stages and the tile
+# stored through TMA (one H100: 1,294 TFLOP/s against 1,229 with three stages and the
+# pointer store, 1,252 with four stages alone; three stages with the pointer store led on an
+# H200 at commit fd4ff16, 1,220 against 1,233 with four); where every K step's product is
+# promoted (rowwise) or scaled and promoted (blockwise) in FP32 registers, the program
+# waits for its tensor cores before that work, and two programs of narrower tiles per SM
+# let one program's FP32 work run under the other's products (H200: 877 and 505 TFLOP/s,
+# against 738 and 409 with the wide tile; the TMA store moves them by under 1% on the
+# H100). The interpreter's small tiles keep CPU tests fast.
+FP8_TILES_GPU = {"fast": FP8TileConfig(128, 256, 128, 8, 8, 4, True, 1, True),
                  "promoted": FP8TileConfig(64, 128, 128, 8, 4, 3, True, 2)}
 FP8_TILES_CPU = FP8TileConfig(16, 16, 16, 2, 1, 1, False)
 
@@ -204,17 +210,38 @@ def triton_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dty
 
         a_arg = TensorDescriptor.from_tensor(a_data, [cfg.block_m, cfg.block_k])
         b_arg = TensorDescriptor.from_tensor(b_data.view(E * N, K), [cfg.block_n, cfg.block_k])
+    tma_store = (cfg.tma_store and accumulate_into is None and cfg.block_n % 2 == 0
+                 and _tma_rows(y, cfg.block_n // 2))
+    y_desc = group_rows_descriptor(y, [cfg.block_m, cfg.block_n // 2]) if tma_store else y
     fp8_rows_kernel[(grid,)](
-        a_arg, b_arg, y, offsets, a_scale, b_scale,
+        a_arg, b_arg, y, y_desc, offsets, a_scale, b_scale,
         R, N, K, E, grid,
         a_data.stride(0), b_data.stride(0), b_data.stride(1), y.stride(0),
         a_scale.stride(0), b_scale.stride(0), b_scale.stride(1),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         E_BLOCK=triton.next_power_of_2(E), BLOCKWISE=blockwise, FAST=fast_accum and not blockwise,
         USE_TMA=use_tma, EVEN_K=K % cfg.block_k == 0, ACCUMULATE=accumulate_into is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TMA_STORE=tma_store, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
+
+
+def _tma_rows(y: torch.Tensor, box_cols: int) -> bool:
+    """Whether TMA can store boxes ``box_cols`` wide into the rows of ``y``: a 16-byte
+    aligned start, unit-stride rows a multiple of 16 bytes apart, boxes of 16-byte rows."""
+    size = y.element_size()
+    return (y.stride(1) == 1 and y.data_ptr() % 16 == 0 and (y.stride(0) * size) % 16 == 0
+            and (box_cols * size) % 16 == 0)
+
+
+def group_rows_descriptor(y: torch.Tensor, block: list[int]):
+    """A TMA descriptor of ``y [R, N]`` for ``_fp8_gemm_kernels._store_group_rows`` (its
+    docstring shows how the 4-D shape confines a store to one group's rows)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    stride = y.stride(0)
+    return TensorDescriptor(y, [0x7FFF0000, 0x7FFF0000, 0x40000000, y.shape[1]],
+                            [2**34 - stride, stride, stride, 1], [1, 1, *block])
 
 
 def _check_accumulator(y: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype,
