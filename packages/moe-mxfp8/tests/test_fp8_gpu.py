@@ -307,6 +307,27 @@ def test_triton_gemm_tma_store_equals_the_pointer_store(tiles, K, N):
 
 
 @needs_fp8_triton
+@pytest.mark.parametrize("fast_accum", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_triton_gemm_default_tiles_fit_every_result_dtype(fast_accum, out_dtype):
+    """The default tiles compile within the GPU's shared memory for BF16 and FP32 results,
+    alone and adding into a result (the wide fast tile's FP32 epilogue does not fit an
+    sm_90 SM), and equal the emulation (``FAST_ACCUM_REL`` in norm)."""
+    R, K, N, E = 8192, 2048, 1024, 16
+    offsets = routed_offsets(R, E)
+    end = int(offsets[-1])
+    g = torch.Generator(device="cuda").manual_seed(4)
+    a = quantize_fp8(torch.randn(R, K, device="cuda", generator=g).bfloat16())
+    b = quantize_fp8((torch.randn(E, N, K, device="cuda", generator=g) * 0.02).bfloat16())
+    want = fp8_grouped_mm(a, b, offsets, torch.float32, "emulated", fast_accum)[:end]
+    start = torch.randn(R, N, device="cuda", generator=g).to(out_dtype)
+    alone = triton_grouped_mm(a, b, offsets, out_dtype, fast_accum)[:end]
+    added = triton_grouped_mm(a, b, offsets, out_dtype, fast_accum, accumulate_into=start.clone())[:end]
+    assert _relative_error(alone, want) < FAST_ACCUM_REL
+    assert _relative_error(added.float() - start[:end].float(), want) < FAST_ACCUM_REL
+
+
+@needs_fp8_triton
 @pytest.mark.parametrize(("recipe", "fast_accum"), [("fp8_rowwise_gw_hp", ()),
                                                     ("fp8_rowwise_gw_hp", ("output",)),
                                                     ("fp8_blockwise", ())])

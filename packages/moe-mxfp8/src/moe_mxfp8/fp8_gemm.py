@@ -132,17 +132,23 @@ class FP8TileConfig:
 # waits for its tensor cores before that work, and two programs of narrower tiles per SM
 # let one program's FP32 work run under the other's products (H200: 877 and 505 TFLOP/s,
 # against 738 and 409 with the wide tile; the TMA store moves them by under 1% on the
-# H100). The interpreter's small tiles keep CPU tests fast.
+# H100). FP32 results take the fast tile at half its width: the wide tile's FP32 epilogue
+# (staging, or the layout change of an added result) needs 263-328 KiB of shared memory,
+# more than an sm_90 SM has (227 KiB). The interpreter's small tiles keep CPU tests fast.
 FP8_TILES_GPU = {"fast": FP8TileConfig(128, 256, 128, 8, 8, 4, True, 1, True),
+                 "fast_fp32": FP8TileConfig(128, 128, 128, 8, 8, 4, True, 1, True),
                  "promoted": FP8TileConfig(64, 128, 128, 8, 4, 3, True, 2)}
 FP8_TILES_CPU = FP8TileConfig(16, 16, 16, 2, 1, 1, False)
 
 
-def default_fp8_tiles(device: torch.device, blockwise: bool, fast_accum: bool) -> FP8TileConfig:
+def default_fp8_tiles(device: torch.device, blockwise: bool, fast_accum: bool,
+                      out_dtype: torch.dtype = torch.bfloat16) -> FP8TileConfig:
     """The tiles ``triton_grouped_mm`` takes on ``device`` when given none."""
     if device.type != "cuda":
         return FP8_TILES_CPU
-    return FP8_TILES_GPU["fast" if fast_accum and not blockwise else "promoted"]
+    if not fast_accum or blockwise:
+        return FP8_TILES_GPU["promoted"]
+    return FP8_TILES_GPU["fast" if out_dtype.itemsize <= 2 else "fast_fp32"]
 
 
 def _sm_count(index: int) -> int:
@@ -184,7 +190,7 @@ def triton_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dty
         raise ValueError(f"FP8 grouped GEMM: offsets must be int32 [{E}], got {offsets.dtype} "
                          f"{tuple(offsets.shape)}")
     on_gpu = a.data.device.type == "cuda"
-    cfg = config or default_fp8_tiles(a.data.device, blockwise, fast_accum)
+    cfg = config or default_fp8_tiles(a.data.device, blockwise, fast_accum, out_dtype)
     if blockwise and 128 % cfg.block_k:
         raise ValueError(f"FP8 grouped GEMM: blockwise scales need a K step dividing 128, got {cfg.block_k}")
     if accumulate_into is not None:
