@@ -26,8 +26,13 @@
    and input gradient, the attention projections' ``[2048, 2048]`` and ``[512, 2048]``),
    rowwise with fast accumulation, the two GEMMs the layer can take side by side: torch's
    ``_scaled_mm`` (``gemm="native"``) and the Triton GEMM over one group
-   (``gemm="triton"``), beside BF16 ``torch.mm``. Unless ``--no-tile-sweep``, also each
-   tile of ``FP8_GEMM_TILE_CANDIDATES``, checked against the emulated GEMM first.
+   (``gemm="triton"``), beside BF16 ``torch.mm``; and the LM head's weight gradient added
+   into an FP32 main grad (``[vocab, d_model]``, over the head's tokens): in BF16 as the
+   layer makes it today (one cuBLAS GEMM with FP32 output, beta 1), against FP8 from
+   operands quantized per column along the tokens (the quantisation timed apart; the GEMM
+   on the Triton kernel adding in its epilogue, and on ``_scaled_mm`` then an add).
+   Unless ``--no-tile-sweep``, also each tile of ``FP8_GEMM_TILE_CANDIDATES``, checked
+   against the emulated GEMM first.
 3. Quantize kernels on the dispatched rows ``[131072, 2048]`` BF16 and the gate/up weight
    ``[64, 2048, 2048]`` (also both rowwise copies of it written into a cache, as the
    weight refresh does, against concatenating, transposing and copying), and the FP8 row
@@ -243,7 +248,43 @@ def bench_dense_gemms(args) -> dict:
     for name, (N, K) in shapes.items():
         for gemm, r in _dense_gemm_rates(M, N, K).items():
             results[f"dense {name} [{M}, {K}] x [{N}, {K}] {gemm}"] = r
+    for case, r in _head_weight_gradient_rates(M, D, V).items():
+        results[f"dense head weight gradient [{V}, {D}] over {M} tokens {case}"] = r
     return results
+
+
+def _head_weight_gradient_rates(M: int, D: int, V: int) -> dict:
+    """``main += dy^T @ x`` for the LM head (``dy [M, V]``, ``x [M, D]``, ``main`` FP32
+    ``[V, D]``): BF16 as ``moe_model.linear`` adds it, and the FP8 alternative's parts."""
+    import torch
+    from moe_mxfp8 import quantize_group_columns
+    from moe_mxfp8.fp8 import FP8Tensor
+    from moe_mxfp8.fp8_gemm import triton_grouped_mm
+
+    x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(M, V, device="cuda", dtype=torch.bfloat16) * 1e-4
+    main = torch.zeros(V, D, device="cuda", dtype=torch.float32)
+    one = torch.tensor([M], dtype=torch.int32, device="cuda")
+    dy_t, dy_scale, _ = quantize_group_columns(dy, one)  # [V, W]: the tokens, padded to 16
+    x_t, x_scale, _ = quantize_group_columns(x, one)
+    a = FP8Tensor(dy_t[:, :M].contiguous(), dy_scale.view(V, 1), (1, 0))
+    b = FP8Tensor(x_t[:, :M].contiguous().view(1, D, M), x_scale.view(1, D, 1), (1, 0))
+    a_inv, b_inv = dy_scale.reciprocal().view(V, 1), x_scale.reciprocal().view(1, D)
+    all_rows = torch.tensor([V], dtype=torch.int32, device="cuda")
+    cases = {
+        "bf16 addmm (FP32 out, beta 1)": lambda: torch.addmm(main, dy.t(), x, out_dtype=torch.float32, out=main),
+        "fp8 column quantisation of dy and x": lambda: (quantize_group_columns(dy, one),
+                                                         quantize_group_columns(x, one)),
+        "fp8 triton, added in the epilogue": lambda: triton_grouped_mm(a, b, all_rows, torch.float32, True,
+                                                                       accumulate_into=main),
+        "fp8 native _scaled_mm FP32, then add_": lambda: main.add_(torch._scaled_mm(
+            a.data, b.data[0].t(), a_inv, b_inv, out_dtype=torch.float32, use_fast_accum=True)),
+    }
+    rates = {}
+    for case, fn in cases.items():
+        seconds = time_s(fn, 5, 3, host_ahead=True)
+        rates[case] = {"ms": seconds * 1e3, "tflops": 2 * M * D * V / seconds / 1e12}
+    return rates
 
 
 def _dense_gemm_rates(M: int, N: int, K: int) -> dict:
