@@ -42,11 +42,11 @@ def _band_order(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _store_group_rows(y_desc, start, rows, row, col, tile):
     """Store ``tile`` at ``(row, col)`` of a group whose rows are ``[start, start + rows)``
-    through ``y_desc`` (``fp8_gemm.group_rows_descriptor``): the copy engine drops the rows
+    through ``y_desc`` (``fp8_gemm._group_rows_descriptor``): the TMA unit drops the rows
     past the group's end, so a tile that overhangs it leaves the next group's rows alone.
 
-    The descriptor is 4-D ``[2^31, 2^31, 2^30, N]`` with strides ``[2^34 - s, s, s, 1]``
-    (``s`` the row stride, in elements); the coordinates ``(2^30, start + rows, 2^30 - rows +
+    The descriptor is 4-D, ``[2^31 - 2^16, 2^31 - 2^16, 2^30, N]`` with strides ``[2^34 -
+    s, s, s, 1]`` (``s`` the row stride, in elements; fewer than 2^30 rows); the coordinates ``(2^30, start + rows, 2^30 - rows +
     row, col)`` address element ``(start + row) * s + col`` once the 64-bit address wraps
     around, and the third one is in bounds exactly while ``row < rows``. The same trick as
     Triton's ``triton.tools.ragged_tma``, whose device function does not run under the

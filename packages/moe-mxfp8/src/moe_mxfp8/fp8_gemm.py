@@ -45,11 +45,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from moe_mxfp8._triton_support import _interpreting, triton_available
 from moe_mxfp8.fp8 import FP8Tensor, group_columns_layout, quantize_group_columns
+
+if TYPE_CHECKING:
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
 FP8_GEMMS = ("emulated", "native", "triton")
 
@@ -218,7 +222,7 @@ def triton_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dty
         b_arg = TensorDescriptor.from_tensor(b_data.view(E * N, K), [cfg.block_n, cfg.block_k])
     tma_store = (cfg.tma_store and accumulate_into is None and cfg.block_n % 2 == 0
                  and _tma_rows(y, cfg.block_n // 2))
-    y_desc = group_rows_descriptor(y, [cfg.block_m, cfg.block_n // 2]) if tma_store else y
+    y_desc = _group_rows_descriptor(y, [cfg.block_m, cfg.block_n // 2]) if tma_store else y
     fp8_rows_kernel[(grid,)](
         a_arg, b_arg, y, y_desc, offsets, a_scale, b_scale,
         R, N, K, E, grid,
@@ -233,14 +237,15 @@ def triton_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dty
 
 
 def _tma_rows(y: torch.Tensor, box_cols: int) -> bool:
-    """Whether TMA can store boxes ``box_cols`` wide into the rows of ``y``: a 16-byte
-    aligned start, unit-stride rows a multiple of 16 bytes apart, boxes of 16-byte rows."""
+    """Whether TMA can store boxes ``box_cols`` wide into the rows of ``y`` through
+    ``_group_rows_descriptor``: a 16-byte aligned start, unit-stride rows a multiple of 16
+    bytes apart, boxes of 16-byte rows, fewer than 2^30 rows."""
     size = y.element_size()
     return (y.stride(1) == 1 and y.data_ptr() % 16 == 0 and (y.stride(0) * size) % 16 == 0
-            and (box_cols * size) % 16 == 0)
+            and (box_cols * size) % 16 == 0 and y.shape[0] < 2**30)
 
 
-def group_rows_descriptor(y: torch.Tensor, block: list[int]):
+def _group_rows_descriptor(y: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A TMA descriptor of ``y [R, N]`` for ``_fp8_gemm_kernels._store_group_rows`` (its
     docstring shows how the 4-D shape confines a store to one group's rows)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
