@@ -83,7 +83,7 @@ class StateLayout:
     param_bytes: int = 2
     mxfp8_targets: tuple[str, ...] = ()  # module-name globs (moe_mxfp8.MXFP8Config.targets)
     mxfp8_recipe: str = "mxfp8"  # moe_mxfp8.MXFP8Config.recipe: mxfp8 | an FP8 recipe
-    fp8_dense_gemm: str = "emulated"  # MXFP8Config.resolved_dense_gemm: the FP8 dense layers'
+    fp8_dense_gemm: str = "emulated"  # MXFP8Config.resolved_dense_gemm: the FP8 dense layers' GEMM
 
     @property
     def ep_dp(self) -> int:
