@@ -1,10 +1,13 @@
 """Run by test_fused_cross_entropy.py in a subprocess with TRITON_INTERPRET=1 (set before
 Triton is imported, and never in the test process itself): the fused cross-entropy
-kernels on CPU against ``F.cross_entropy`` on FP32 logits, loss and gradient; and the
-public ``lm_loss_sum(..., backend="triton")`` against ``lm_loss_sum_reference``."""
+kernels on CPU against ``F.cross_entropy`` on FP32 logits, loss and gradient; the
+public ``lm_loss_sum(..., backend="triton")`` against ``lm_loss_sum_reference``; and a
+``GradientRowEncoder`` served by the backward against the gradient it writes."""
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from moe_model._cross_entropy_kernels import (
     IGNORE_INDEX,
     CrossEntropyConfig,
@@ -12,7 +15,7 @@ from moe_model._cross_entropy_kernels import (
     cross_entropy_forward,
     fused_cross_entropy_sum,
 )
-from moe_model.loss import lm_loss_sum, lm_loss_sum_reference
+from moe_model.loss import GRADIENT_ROW_ENCODER, lm_loss_sum, lm_loss_sum_reference
 
 
 def reference(logits, targets, scale):
@@ -86,10 +89,93 @@ def main():
         bad[1], bad[2] = 50, -3
         rows, m, ls = cross_entropy_forward(logits, bad, config=cfg)
         assert rows[1].isnan() and rows[2].isnan() and rows[[0, 3, 4, 5]].isfinite().all()
-        grad = cross_entropy_backward(logits, bad, m, ls, torch.tensor(1.0), config=cfg)
+        grad, codes, scales = cross_entropy_backward(logits, bad, m, ls, torch.tensor(1.0), config=cfg)
         assert grad[1:3].isnan().all() and grad[[0, 3, 4, 5]].isfinite().all()
+        assert codes is None and scales is None
     check_public_op(g)
+    check_gradient_row_encoder(g)
     print("ok")
+
+
+@triton.jit
+def _amax_as_scale(amax):
+    return amax
+
+
+@triton.jit
+def _sign_or_peak(values, scale):
+    """3 where ``|value|`` is the row's scale (its amax here), else the sign as 1 / 2 / 0."""
+    code = tl.where(values > 0, 1, tl.where(values < 0, 2, 0))
+    return tl.where(tl.abs(values) == scale, 3, code).to(tl.uint8)
+
+
+class _Encoder:
+    """A test encoder whose scale is the row amax itself and whose codes mark signs and
+    the positions of the row's largest magnitude, so both are checked exactly."""
+
+    row_scale, row_encode = _amax_as_scale, _sign_or_peak
+
+    def __init__(self):
+        self.received = []
+
+    def receive(self, grad, codes, scales):
+        self.received.append((grad, codes, scales))
+
+
+def expected_codes(grad):
+    grad = grad.float()
+    amax = grad.abs().amax(1, keepdim=True)
+    code = torch.where(grad > 0, 1, torch.where(grad < 0, 2, 0))
+    code = torch.where((grad.abs() == amax) & (amax > 0), 3, code)
+    return amax, code.to(torch.uint8)
+
+
+def check_gradient_row_encoder(g):
+    """The scales the backward writes are the amax of the stored gradient rows, bit for
+    bit, whichever element holds it: the target's (ordinary rows), another logit's (the
+    target holds nearly all the mass, so ``p_t - 1`` rounds to 0; the target is the
+    largest logit by a hair), zero for ignored rows, NaN for an out-of-range target; the
+    gradient is the one written without an encoder; ``lm_loss_sum`` serves the logits'
+    ``GRADIENT_ROW_ENCODER`` and only on exactly that tensor."""
+    for dtype, V, block_v in ((torch.bfloat16, 100, 32), (torch.float32, 37, 16)):
+        cfg = CrossEntropyConfig(block_v=block_v, num_warps=1)
+        tag = f"{dtype} V={V}"
+        logits, targets = make_case(g, 12, V, dtype)
+        with torch.no_grad():
+            logits[6, targets[6]] = 60.0  # p_t rounds to 1: another logit holds the amax
+            logits[7] = torch.linspace(-1, 1, V, dtype=dtype)
+            targets[7] = V - 1  # the largest logit, the next one a hair below
+            logits[8] = 0.0
+            logits[8, targets[8]] = 40.0  # and every other logit holds the amax
+            targets[9] = V  # out of range: NaN row and scale
+        enc = _Encoder()
+        loss = fused_cross_entropy_sum(logits, targets, config=cfg, encoder=enc)
+        (grad,) = torch.autograd.grad(loss * 0.37, logits)
+        plain = fused_cross_entropy_sum(logits, targets, config=cfg)
+        (plain_grad,) = torch.autograd.grad(plain * 0.37, logits)
+        assert torch.equal(grad[:9], plain_grad[:9]) and loss.isnan() and plain.isnan(), tag
+        assert len(enc.received) == 1, tag
+        got_grad, codes, scales = enc.received[0]
+        assert got_grad is grad and codes.dtype == torch.uint8 and scales.shape == (12, 1), tag
+        amax, code = expected_codes(grad)
+        finite = torch.ones(12, dtype=torch.bool)
+        finite[9] = False
+        assert torch.equal(scales[finite], amax[finite]), f"{tag}: {scales.flatten()} vs {amax.flatten()}"
+        assert torch.equal(codes[finite], code[finite]), tag
+        assert scales[9].isnan() and (scales[[0, 5]] == 0).all() and (codes[[0, 5]] == 0).all(), tag
+        assert grad[6, targets[6]] == 0 and amax[6] > 0, f"{tag}: the other logit's amax case"
+        assert (codes[8] == 3).sum() == V - 1, tag
+
+    # through lm_loss_sum: the attribute on the logits it is given, nothing on a copy
+    logits, targets = make_case(g, 8, 100, torch.bfloat16)
+    logits_BSV = logits.detach().view(2, 4, 100).requires_grad_()
+    enc = _Encoder()
+    setattr(logits_BSV, GRADIENT_ROW_ENCODER, enc)
+    (grad,) = torch.autograd.grad(lm_loss_sum(logits_BSV, targets.view(2, 4), backend="triton"), logits_BSV)
+    assert len(enc.received) == 1 and enc.received[0][0].data_ptr() == grad.data_ptr()
+    assert torch.equal(enc.received[0][2], expected_codes(grad.view(8, 100))[0])
+    lm_loss_sum(logits_BSV * 1, targets.view(2, 4), backend="triton").backward()
+    assert len(enc.received) == 1, "a tensor computed from the logits carries no encoder"
 
 
 def check_public_op(g):

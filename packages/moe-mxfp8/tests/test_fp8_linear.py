@@ -294,3 +294,44 @@ def test_layers_sharing_an_input_give_their_weight_gradients_to_the_sink():
     for linear, dy in zip(linears, dys, strict=True):
         want = dy.reshape(18, -1).T @ x.reshape(18, -1)
         torch.testing.assert_close(sink.targets[id(linear.weight)], want.reshape(-1), **TIGHT)
+
+
+def test_output_gradient_rows_attach_and_take():
+    """A rowwise layer that will compute an input gradient tags its output with an
+    ``OutputGradientRows`` (none for a blockwise recipe, without grad mode or an input
+    that needs no gradient); what it received is used only for the very tensor it came
+    with, once; the layer's backward then skips quantizing ``dy`` and uses those codes."""
+    from moe_mxfp8.fp8 import quantize_fp8_reference
+    from moe_mxfp8.fp8_linear import GRADIENT_ROW_ENCODER, OutputGradientRows
+
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(24, 16))
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    layer = FP8Linear(w, recipe="fp8_rowwise_gw_hp")
+    y = layer(x)
+    enc = getattr(y, GRADIENT_ROW_ENCODER)
+    assert isinstance(enc, OutputGradientRows) and enc.pow2
+    assert not hasattr(layer(x.detach()), GRADIENT_ROW_ENCODER)
+    with torch.no_grad():
+        assert not hasattr(layer(x), GRADIENT_ROW_ENCODER)
+    assert not hasattr(FP8Linear(w, recipe="fp8_blockwise")(x), GRADIENT_ROW_ENCODER)
+
+    dy = torch.randn(10, 24)
+    q = quantize_fp8_reference(dy, (1, 0), True)
+    got = OutputGradientRows(True)
+    got.receive(dy, q.data.view(torch.uint8), q.scale)
+    assert got.take(dy.clone()) is None and got.take(dy) is None  # another tensor; then forgotten
+    got.receive(dy, q.data.view(torch.uint8), q.scale)
+    taken = got.take(dy.view(2, 5, 24).view(10, 24))
+    assert torch.equal(taken.data.view(torch.uint8), q.data.view(torch.uint8)) and taken.block == (1, 0)
+
+    # the backward uses received codes: deliberately wrong ones (zeros) show in dx, not in dw
+    ref_dx, ref_dw = torch.autograd.grad(layer(x), (x, w), dy.view(2, 5, 24))
+    y = layer(x)
+    getattr(y, GRADIENT_ROW_ENCODER).receive(dy, torch.zeros(10, 24, dtype=torch.uint8), q.scale)
+    dx, dw = torch.autograd.grad(y, (x, w), dy.view(2, 5, 24))
+    assert torch.equal(dw, ref_dw) and (dx == 0).all() and ref_dx.abs().sum() > 0
+    y = layer(x)
+    getattr(y, GRADIENT_ROW_ENCODER).receive(dy, q.data.view(torch.uint8), q.scale)
+    dx, _ = torch.autograd.grad(y, (x, w), dy.view(2, 5, 24))
+    assert torch.equal(dx, ref_dx)

@@ -54,7 +54,13 @@ from moe_model.layers import (
     swiglu,
     swiglu_reference,
 )
-from moe_model.loss import IGNORE_INDEX, lm_loss_sum, lm_loss_sum_reference
+from moe_model.loss import (
+    GRADIENT_ROW_ENCODER,
+    IGNORE_INDEX,
+    GradientRowEncoder,
+    lm_loss_sum,
+    lm_loss_sum_reference,
+)
 from moe_model.model import Block, MoETransformer
 from moe_model.moe import CountReducer, MoELayer, attach_aux_loss
 from moe_model.params import (
@@ -86,6 +92,8 @@ __all__ = [
     "EXPERT_DIM",
     "ExpertWeightGradient",
     "ExpertsFn",
+    "GRADIENT_ROW_ENCODER",
+    "GradientRowEncoder",
     "GradientSink",
     "GroupedExperts",
     "IGNORE_INDEX",

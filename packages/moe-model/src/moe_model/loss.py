@@ -15,6 +15,15 @@ in the logits' dtype. Row losses are summed with ``torch.sum`` (no atomics, so t
 sum is deterministic). On CPU the loss stays the plain ``F.cross_entropy`` call: it
 is the reference of the layout-equivalence tests.
 
+A layer whose output becomes the logits may want their gradient in an encoded per-row
+form as well (moe_mxfp8's FP8 head quantizes it rowwise to E4M3 for its input-gradient
+GEMM, reading the 1.6 GB gradient of a microbatch twice). Such a layer sets
+``GRADIENT_ROW_ENCODER`` on its output tensor to a ``GradientRowEncoder``; where the
+fused cross-entropy runs on exactly that tensor, its backward writes the codes in the
+pass that writes the gradient and hands both to the encoder. Anywhere else (the CPU
+reference, logits changed before the loss) nothing is received and the layer encodes
+the gradient itself, so the attribute never changes a result.
+
 Target ids: the CPU path raises on an id outside ``[0, V)``. The CUDA path checks
 nothing on the host (that would be a sync per microbatch); the data layer
 validates token ids against the vocabulary when it opens the token files, and the
@@ -24,12 +33,35 @@ NaN, so the step is skipped as non-finite rather than silently wrong.
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
 import torch.nn.functional as F
 
 from moe_model._triton_support import Backend, use_fused
 
 IGNORE_INDEX = -100
+
+# The attribute of a logits tensor that holds its producer's ``GradientRowEncoder``.
+GRADIENT_ROW_ENCODER = "gradient_row_encoder"
+
+
+class GradientRowEncoder(Protocol):
+    """A per-row encoding of the logits' gradient ``[N, V]`` that the fused cross-entropy
+    writes beside the gradient (module notes).
+
+    ``row_scale`` and ``row_encode`` are Triton device functions the backward kernel calls:
+    ``row_scale(amax)`` maps a row's largest gradient magnitude (FP32 scalar, NaN where the
+    row holds a NaN) to its FP32 scale; ``row_encode(values, scale)`` maps FP32 values (the
+    gradient as stored, in its dtype) to uint8 codes. ``receive(grad, codes, scales)``
+    gets the gradient ``[N, V]``, its codes ``[N, V]`` (uint8) and scales ``[N, 1]``
+    (FP32) when the backward has written them.
+    """
+
+    row_scale: Any
+    row_encode: Any
+
+    def receive(self, grad: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None: ...
 
 
 def lm_loss_sum_reference(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
@@ -45,10 +77,11 @@ def lm_loss_sum_reference(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) ->
 
 def lm_loss_sum(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, backend: Backend = "auto") -> torch.Tensor:
     """``lm_loss_sum_reference``'s loss; the fused path is the Triton cross-entropy of
-    ``_cross_entropy_kernels`` (see the module docstring)."""
+    ``_cross_entropy_kernels`` (see the module docstring), which also serves the logits'
+    ``GRADIENT_ROW_ENCODER``."""
     if use_fused("lm_loss_sum", backend, logits_BSV.device):
         from moe_model._cross_entropy_kernels import fused_cross_entropy_sum
 
         return fused_cross_entropy_sum(logits_BSV.reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1),
-                                       IGNORE_INDEX)
+                                       IGNORE_INDEX, encoder=getattr(logits_BSV, GRADIENT_ROW_ENCODER, None))
     return lm_loss_sum_reference(logits_BSV, targets_BS)

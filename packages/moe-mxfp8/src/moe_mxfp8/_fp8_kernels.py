@@ -289,6 +289,33 @@ def _weight_columns_kernel(
 
 
 _CONSTS = dict(EPS_BITS=_EPS_BITS, SCALE_AT_EPS=_SCALE_AT_EPS)
+_EPS_BITS_C = tl.constexpr(_EPS_BITS)
+_SCALE_AT_EPS_C = tl.constexpr(_SCALE_AT_EPS)
+
+
+# Device functions of a rowwise encoding done inside another package's kernel
+# (``fp8_linear.OutputGradientRows``, served by moe_model's fused cross-entropy): the same
+# scale and E4M3 encoding as ``quantize_blocks``, from a row's FP32 ``amax`` given by the
+# caller. Kernels calling them must launch with ``enable_fp_fusion=False`` (module notes).
+
+
+@triton.jit
+def row_scale_pow2(amax):
+    """Power-of-two scale of a row whose largest magnitude is FP32 ``amax`` (NaN: NaN)."""
+    return _scale(amax.to(tl.uint32, bitcast=True), True, _EPS_BITS_C, _SCALE_AT_EPS_C)
+
+
+@triton.jit
+def row_scale_fp32(amax):
+    """FP32 scale of a row whose largest magnitude is FP32 ``amax`` (NaN: NaN)."""
+    return _scale(amax.to(tl.uint32, bitcast=True), False, _EPS_BITS_C, _SCALE_AT_EPS_C)
+
+
+@triton.jit
+def encode_e4m3(values, scale):
+    """E4M3 bytes (uint8) of FP32 ``values * scale``, as ``quantize_blocks`` encodes."""
+    bits = values.to(tl.uint32, bitcast=True)
+    return _encode(bits & 0x7FFFFFFF, (bits >> 24) & 0x80, scale)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,16 @@ recipes whose weight gradient runs in the compute dtype (``FP8Recipe.fp8_wgrad``
 adding into the main grad (the LM head at ``bench-1gpu``'s shapes: 4.64 ms per
 microbatch against 4.98 for a BF16 gradient that the wrapper then re-reads and adds,
 ``moe_model.linear``). Unset, the layer computes the gradient and the sink adds it.
+
+Output gradient encoded by its producer: a layer of a rowwise recipe (one scale per row
+of ``dy``) sets an ``OutputGradientRows`` as ``GRADIENT_ROW_ENCODER`` on its output.
+moe_model's fused cross-entropy, given that output as logits, writes ``dy``'s E4M3 codes
+and scales in the pass that writes ``dy`` (``moe_model.loss.GradientRowEncoder``), and the
+input gradient uses them instead of quantizing ``dy`` again: for an LM head that saves
+reading the ``[8192, 100352]`` BF16 gradient twice per microbatch. They are the codes
+``quantize_fp8`` gives for that ``dy`` (tests check it bit for bit), and they are used only
+where the gradient the layer receives is the very tensor they were made from (so not
+where anything else added to it); otherwise the layer quantizes as always.
 """
 
 from __future__ import annotations
@@ -49,6 +59,54 @@ from moe_mxfp8.fp8_gemm import (
 from moe_mxfp8.gemm import compute_dtype
 from moe_mxfp8.linear import DenseWeightGradientMaker
 from moe_mxfp8.sink import SinkRoute, carry_grad_sink, computes_now, give, hand_over, sink_route
+
+# The attribute of a layer output that a consumer computing its gradient may serve: the
+# name moe_model's fused cross-entropy reads (``moe_model.loss.GRADIENT_ROW_ENCODER``).
+GRADIENT_ROW_ENCODER = "gradient_row_encoder"
+
+
+class OutputGradientRows:
+    """Receives a layer's output gradient with its rowwise E4M3 codes and scales from the
+    kernel that computes that gradient (module notes), for one backward.
+
+    ``row_scale`` / ``row_encode`` are the Triton device functions that kernel calls
+    (``_fp8_kernels``: the scale of a row from its amax, power-of-two where ``pow2``, and
+    the E4M3 encoding), loaded when read, so that building this object needs no Triton.
+    """
+
+    def __init__(self, pow2: bool) -> None:
+        self.pow2 = pow2
+        self._received: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def row_scale(self) -> Any:
+        from moe_mxfp8._fp8_kernels import row_scale_fp32, row_scale_pow2
+
+        return row_scale_pow2 if self.pow2 else row_scale_fp32
+
+    @property
+    def row_encode(self) -> Any:
+        from moe_mxfp8._fp8_kernels import encode_e4m3
+
+        return encode_e4m3
+
+    def receive(self, grad: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Hold ``grad [R, N]`` with its codes ``[R, N]`` (uint8) and scales ``[R, 1]``;
+        holding ``grad`` also keeps autograd from adding another gradient into it in place."""
+        self._received = (grad, codes, scales)
+
+    def take(self, dy_MN: torch.Tensor) -> FP8Tensor | None:
+        """The rowwise FP8 ``dy_MN`` received, if ``dy_MN`` is the received gradient itself
+        (same memory, dtype and size, contiguous); else ``None``. Forgets it either way."""
+        received, self._received = self._received, None
+        if received is None:
+            return None
+        grad, codes, scales = received
+        if (dy_MN.data_ptr() != grad.data_ptr() or dy_MN.dtype != grad.dtype
+                or dy_MN.numel() != grad.numel() or not dy_MN.is_contiguous()):
+            return None
+        M = dy_MN.shape[0]
+        return FP8Tensor(codes.view(torch.float8_e4m3fn).view(dy_MN.shape), scales.view(M, 1), (1, 0))
 
 
 def _one_group(t: FP8Tensor) -> FP8Tensor:
@@ -75,11 +133,13 @@ class _FP8LinearsFn(torch.autograd.Function):
     accumulation that share the input ``x`` (one layer's forward, or attention's q, k and v
     through ``FP8Linear.shared_input_forward``): ``x`` is quantized once for all, and the
     input gradient ``sum_i dy_i @ w_i`` adds up in the GEMMs (the Triton GEMM's epilogue)
-    instead of separate ``[M, K]`` results that autograd adds afterwards."""
+    instead of separate ``[M, K]`` results that autograd adds afterwards. ``grad_rows``:
+    where one layer's ``dy`` may arrive already quantized (module notes)."""
 
     @staticmethod
     def forward(ctx: Any, x_MK: torch.Tensor, layers: tuple[FP8Linear, ...], dtype: torch.dtype,
-                routes: tuple[SinkRoute | None, ...], *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                routes: tuple[SinkRoute | None, ...], grad_rows: OutputGradientRows | None,
+                *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
         first = layers[0]
         r, fast = first.recipe, "output" in first.fast_accum
         # the one group's end, which the grouped GEMMs (and FP8 weight gradients) read
@@ -95,7 +155,7 @@ class _FP8LinearsFn(torch.autograd.Function):
                        (x_inv, c.rows_dequant) if held else None) for c in caches)
         ctx.save_for_backward(x_MK, rows)
         # The backward uses the weight copies this forward saw, whatever happens in between.
-        ctx.layers, ctx.dtype, ctx.routes = layers, dtype, routes
+        ctx.layers, ctx.dtype, ctx.routes, ctx.grad_rows = layers, dtype, routes, grad_rows
         ctx.w_cols = tuple(c.cols for c in caches)
         ctx.w_cols_inv = tuple(c.cols_dequant if held else None for c in caches)
         ctx.weight_gradients = tuple(None if r.fp8_wgrad else layer.dense_weight_gradient
@@ -115,12 +175,14 @@ class _FP8LinearsFn(torch.autograd.Function):
                 continue
             dy_MN = dy_MN.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
             if ctx.needs_input_grad[0]:
-                dy_q = quantize_fp8(dy_MN, r.act_block, r.pow2)
+                dy_q = None if ctx.grad_rows is None else ctx.grad_rows.take(dy_MN)
+                if dy_q is None:
+                    dy_q = quantize_fp8(dy_MN, r.act_block, r.pow2)
                 w_inv = ctx.w_cols_inv[i]
                 dx = _mm(dy_q, ctx.w_cols[i], rows, first.gemm, dtype, "grad_input" in fast, dx,
                          None if w_inv is None else (dy_q.scale.reciprocal(), w_inv))
             grads.append(_weight_gradient(ctx, i, x_MK, dy_MN, rows))
-        return dx, None, None, None, *grads
+        return dx, None, None, None, None, *grads
 
 
 def _weight_gradient(ctx: Any, i: int, x_MK: torch.Tensor, dy_MN: torch.Tensor,
@@ -129,7 +191,7 @@ def _weight_gradient(ctx: Any, i: int, x_MK: torch.Tensor, dy_MN: torch.Tensor,
     (module notes); computed where autograd wants it back, or where the sink takes it in a
     backward that runs the weight's node (not a pipeline's input pass)."""
     layer, route = ctx.layers[i], ctx.routes[i]
-    if (not computes_now(route, ctx.needs_input_grad[4 + i])
+    if (not computes_now(route, ctx.needs_input_grad[5 + i])
             or hand_over(route, layer.weight, ctx.weight_gradients[i], x_MK, dy_MN)):
         return None
     r = layer.recipe
@@ -152,12 +214,20 @@ def _linears(x: torch.Tensor, layers: tuple[FP8Linear, ...]) -> tuple[torch.Tens
     dtype = compute_dtype(x)
     check_gemm_runs(type(first).__name__, first.gemm, x, dtype)
     routes = tuple(sink_route(layer.grad_sink, layer.weight) for layer in layers)
+    # one layer of a rowwise recipe whose input gradient will be computed: its dy may come
+    # quantized by whatever computes it (module notes)
+    grad_rows = (OutputGradientRows(first.recipe.pow2)
+                 if len(layers) == 1 and first.recipe.act_block == (1, 0) and torch.is_grad_enabled()
+                 and x.requires_grad else None)
     with torch.autocast(x.device.type, enabled=False):
         ys = _FP8LinearsFn.apply(x.reshape(-1, first.in_features).to(dtype), layers, dtype, routes,
-                                 *(layer.weight for layer in layers))
+                                 grad_rows, *(layer.weight for layer in layers))
         ys = tuple(y if layer.bias is None else y + layer.bias.to(dtype)
                    for y, layer in zip(ys, layers, strict=True))
-    return tuple(y.view(*x.shape[:-1], layer.out_features) for y, layer in zip(ys, layers, strict=True))
+    outs = tuple(y.view(*x.shape[:-1], layer.out_features) for y, layer in zip(ys, layers, strict=True))
+    if grad_rows is not None:
+        setattr(outs[0], GRADIENT_ROW_ENCODER, grad_rows)
+    return outs
 
 
 class FP8Linear(nn.Module):
