@@ -175,6 +175,7 @@ class _FP8LinearsFn(torch.autograd.Function):
                 continue
             dy_MN = dy_MN.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
             if ctx.needs_input_grad[0]:
+                # (assigned first, so the previous output's codes are gone before these are made)
                 dy_q = None if ctx.grad_rows is None else ctx.grad_rows.take(dy_MN)
                 if dy_q is None:
                     dy_q = quantize_fp8(dy_MN, r.act_block, r.pow2)

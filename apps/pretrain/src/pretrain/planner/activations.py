@@ -584,9 +584,9 @@ def _fp8_linears_backward(inv: Inventory, prefix: str, ex: Execution, M: int, K:
     attention's q, k and v, ``FP8Linear.shared_input_forward``), as
     ``moe_mxfp8.fp8_linear._FP8LinearsFn`` runs it: per output ``(name, width N, weight
     gradient)`` in order, its gradient quantized (``dy_q``, the recipe's activation blocks;
-    the previous output's still referenced while it is made), the input-gradient GEMM
-    into ``dx`` ([M, K], made by the first, added to by the rest), then the weight
-    gradient with ``dy_q`` and ``dx`` alive. ``dy_q`` are freed when the function returns."""
+    the previous output's released first), the input-gradient GEMM into ``dx`` ([M, K],
+    made by the first, added to by the rest), then the weight gradient with ``dy_q`` and
+    ``dx`` alive. The last ``dy_q`` is freed when the function returns."""
     from moe_mxfp8 import FP8_RECIPES
     from moe_mxfp8.fp8 import fp8_nbytes
 
@@ -595,17 +595,14 @@ def _fp8_linears_backward(inv: Inventory, prefix: str, ex: Execution, M: int, K:
     if ex.fp8_dense_gemm != "native" or recipe.fp8_wgrad:  # the grouped GEMMs read it
         inv.add(f"{prefix}.rows", FP32, "saved")  # the function saves its int32 [1] row count
     inv.add(dx, ex.compute_bytes * M * K)
-    previous: set[str] = set()
     for i, (name, N, wgrad) in enumerate(outputs):
         dy_q = f"{prefix}.{name}.dy_q"
         gemm = f"{prefix}.{name}.gemm"
         inv.add(dy_q, fp8_nbytes((M, N), block))
         inv.add(gemm, _fp8_linear_gemm(M, N, K, ex, into=i > 0))
         made = {dx} if i > 0 else set()
-        inv.moment(freed, temps | previous | {dy_q} | made, captured=captured)
         inv.moment(freed, temps | {dy_q, gemm} | made, captured=captured)
         inv.moment(freed, temps | {dy_q, dx} | wgrad, wgrad, captured=captured)
-        previous = {dy_q}
 
 
 def _fp8_linear_wgrad(inv: Inventory, ex: Execution, param: str, name: str, n_out: int,
@@ -852,7 +849,10 @@ def head_memory(cfg: MoEConfig, ex: Execution) -> EdgeMemory:
     backward: the loss gradient [T,V] FP32, log-softmax's input gradient FP32, then the
     BF16 logits gradient and the head's BF16 weight gradient (freed by the DDP hook).
     Fused (CUDA): the BF16 logits (kept) and 12 bytes per row; backward: the BF16
-    logits gradient while the logits are alive, then the head's gradients.
+    logits gradient while the logits are alive, then the head's gradients. An FP8Linear
+    head of a rowwise recipe: 16 bytes per row, and the loss's backward also writes the
+    gradient's E4M3 codes, which live on through the head's backward
+    (``moe_model.loss.GradientRowEncoder``).
 
     A tied head's weight gradient is autograd's BF16 [V, D] (no sink): on a stage that
     also holds the embedding it waits there for the embedding's (``stage_memory``).
@@ -882,19 +882,28 @@ def head_memory(cfg: MoEConfig, ex: Execution) -> EdgeMemory:
     deferred = dlogits + b * T * D
     head_is_sink_node = ex.dense_grads_in_gemm and not cfg.tie_embeddings
     fp8_forward = fp8_backward = 0  # an FP8Linear head's moments beyond the BF16 head's
+    dy_codes = 0  # the head's E4M3 dy where the fused loss writes it (a rowwise recipe)
     if "head" in ex.fp8_linears:
         norm += FP32  # the function saves its int32 [1] row count
         fp8_forward, fp8_backward, head_grads = _fp8_head(ex, T, D, V, head_grads)
+        from moe_mxfp8 import FP8_RECIPES
+        from moe_mxfp8.fp8 import fp8_nbytes
+
+        if ex.kernels == "cuda" and FP8_RECIPES[ex.mxfp8_recipe].act_block == (1, 0):
+            dy_codes = fp8_nbytes((T, V), (1, 0))
     if ex.kernels == "cuda":
         logits = b * T * V
-        loss_saved = logits + 3 * FP32 * T
+        # the loss saves the logits and per row 3 FP32 statistics, 4 for an FP8 head's codes
+        loss_saved = logits + (4 if dy_codes else 3) * FP32 * T
         held = norm + loss_saved
-        # The loss's backward: its BF16 gradient beside the logits; then the head's, with
-        # the logits freed and their gradient (same size) in their place.
+        # The loss's backward: its BF16 gradient (and an FP8 head's codes of it) beside the
+        # logits; then the head's, with the logits freed and their gradient (same size) in
+        # their place.
+        loss_backward = held + logits + dy_codes
         freed = loss_saved if head_is_sink_node else 0
         return EdgeMemory(held=held, fwd_peak=max(held, norm + fp8_forward),
-                          bwd_peak=max(held + logits, held + head_grads, held + fp8_backward),
-                          input_pass_peak=max(held + logits, held - freed + after_loss),
+                          bwd_peak=max(loss_backward, held + head_grads, held + fp8_backward),
+                          input_pass_peak=max(loss_backward, held - freed + after_loss),
                           deferred=deferred, freed_by_input_pass=freed,
                           weight_pass_temporaries=head_dw)
     log_probs = FP32 * T * V
