@@ -28,6 +28,7 @@ from moe_mxfp8 import (  # noqa: E402
     swiglu_quantized,
     swiglu_reference,
 )
+from row_encoding import row_encoding_mismatches  # noqa: E402
 from triton_cases import mismatches, report, sample  # noqa: E402
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -317,38 +318,8 @@ def cases():
 
     for dname in ("f32", "bf16"):
         for pow2 in (True, False):
-            yield f"row_encoding/{dname}/pow2={pow2}", lambda d=DTYPES[dname], p=pow2: _row_encoding(d, p)
-
-
-def _row_encoding(dtype: torch.dtype, pow2: bool) -> int:
-    """``OutputGradientRows``' device functions, called from another kernel with each row's
-    amax given (as moe_model's cross-entropy calls them), equal ``quantize_fp8``'s rowwise
-    codes and scales: random rows and adversarial ones (zeros, the dtype's extremes,
-    subnormals, E4M3's largest code, an infinity, a NaN)."""
-    import triton
-    import triton.language as tl
-    from moe_mxfp8.fp8_linear import OutputGradientRows
-
-    @triton.jit
-    def encode_rows(x_ptr, amax_ptr, codes_ptr, scales_ptr, N, ROW_SCALE: tl.constexpr,
-                    ROW_ENCODE: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        scale = ROW_SCALE(tl.load(amax_ptr + row))
-        cols = tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * N + cols, mask=cols < N).to(tl.float32)
-        tl.store(codes_ptr + row * N + cols, ROW_ENCODE(x, scale), mask=cols < N)
-        tl.store(scales_ptr + row, scale)
-
-    x = torch.cat([sample((9, 40), dtype, seed=5), adversarial_rows(dtype)])
-    wide = x.float()
-    amax = torch.where(wide.isnan().any(1), float("nan"), wide.abs().amax(1))
-    enc = OutputGradientRows(pow2)
-    codes = torch.empty(x.shape, dtype=torch.uint8)
-    scales = torch.empty(x.shape[0], 1)
-    encode_rows[(x.shape[0],)](x, amax, codes, scales, x.shape[1], enc.row_scale, enc.row_encode,
-                               BLOCK=64, enable_fp_fusion=False)
-    ref = quantize_fp8_reference(x, (1, 0), pow2)
-    return mismatches(codes.view(torch.float8_e4m3fn), ref.data) + mismatches(scales, ref.scale)
+            yield (f"row_encoding/{dname}/pow2={pow2}",
+                   lambda d=DTYPES[dname], p=pow2: row_encoding_mismatches(d, p))
 
 
 def main() -> None:

@@ -137,6 +137,17 @@ def test_fused_swiglu_quantization_equals_the_unfused_kernels(dtype):
         assert mismatches(h_out, h) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("pow2", [True, False])
+def test_output_gradient_row_encoding_by_conversion_is_bit_exact(dtype, pow2):
+    """The GPU's E4M3 conversion that ``OutputGradientRows`` hands a kernel gives the
+    reference's bytes on random and adversarial rows (the interpreter runs the bit-level
+    encoding instead)."""
+    from row_encoding import row_encoding_mismatches
+
+    assert row_encoding_mismatches(dtype, pow2, "cuda") == 0
+
+
 def test_row_codec_on_gpu_matches_the_cpu_encoding():
     x = sample((4096, 2048), torch.bfloat16)
     codec = FP8RowCodec()

@@ -74,11 +74,14 @@ def forward_kernel(
         for start in range(0, V, BLOCK_V):
             idx = start + cols
             x = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, axis=0))
+            chunk_max = tl.max(x, axis=0)
+            m_new = tl.maximum(m, chunk_max)
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
             m = m_new
-            if OTHER_MAX:
-                m_other = tl.maximum(m_other, tl.max(tl.where(idx == tgt, float("-inf"), x), axis=0))
+            if OTHER_MAX:  # only the target's chunk masks (a select per element is not free)
+                if (tgt >= start) & (tgt < start + BLOCK_V):
+                    chunk_max = tl.max(tl.where(idx == tgt, float("-inf"), x), axis=0)
+                m_other = tl.maximum(m_other, chunk_max)
         logsum = tl.log(s)
         in_range = (tgt >= 0) & (tgt < V)
         x_t = tl.load(row_ptr + tgt, mask=in_range, other=float("nan")).to(tl.float32)
