@@ -139,10 +139,9 @@ def test_fused_swiglu_quantization_equals_the_unfused_kernels(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("pow2", [True, False])
-def test_output_gradient_row_encoding_by_conversion_is_bit_exact(dtype, pow2):
-    """The GPU's E4M3 conversion that ``OutputGradientRows`` hands a kernel gives the
-    reference's bytes on random and adversarial rows (the interpreter runs the bit-level
-    encoding instead)."""
+def test_output_gradient_row_encoding_is_bit_exact(dtype, pow2):
+    """The device functions ``OutputGradientRows`` hands a kernel give the reference's
+    bytes on the GPU, on random and adversarial rows."""
     from row_encoding import row_encoding_mismatches
 
     assert row_encoding_mismatches(dtype, pow2, "cuda") == 0

@@ -318,16 +318,6 @@ def encode_e4m3(values, scale):
     return _encode(bits & 0x7FFFFFFF, (bits >> 24) & 0x80, scale)
 
 
-@triton.jit
-def encode_e4m3_by_conversion(values, scale):
-    """``encode_e4m3`` by the GPU's conversion instruction (sm_89 and later: round to
-    nearest even, saturating, NaN to 0x7F), for kernels whose arithmetic already fills the
-    ALUs: about 2 instructions per element against about 15 (the LM head's output gradient,
-    written by moe_model's cross-entropy backward, took 1.84 ms per microbatch with the
-    bit-level encoding, against 1.14 without codes, on one H100). The interpreter's
-    emulation of the conversion rounds differently, so it runs ``encode_e4m3``."""
-    return (values * scale).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-
 
 @dataclass(frozen=True)
 class BlockTile:
