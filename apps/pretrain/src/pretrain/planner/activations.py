@@ -823,12 +823,14 @@ class EdgeMemory:
     weight_pass_temporaries: int = 0
 
 
-def _fp8_head(ex: Execution, T: int, D: int, V: int, head_grads: int) -> tuple[int, int, int]:
+def _fp8_head(ex: Execution, T: int, D: int, V: int, head_grads: int) -> tuple[int, int, int, int]:
     """An ``FP8Linear`` head (``moe_mxfp8.fp8_linear._FP8LinearsFn``): the forward's GEMM
     moment (the input's E4M3 copy and the GEMM with the logits it makes); the backward's
     largest moment beside the logits' gradient (the gradient's E4M3 copy, alive to the
     end, with the input-gradient GEMM, then with the input gradient and the weight's
-    gradient: ``_fp8_linear_wgrad``'s); the head's gradients for the other moments."""
+    gradient: ``_fp8_linear_wgrad``'s); the head's gradients for the other moments; that
+    E4M3 copy where the fused loss (CUDA) writes it beside its gradient (a rowwise recipe:
+    ``moe_model.loss.GradientRowEncoder``), else 0."""
     from moe_mxfp8 import FP8_RECIPES
     from moe_mxfp8.fp8 import fp8_nbytes
 
@@ -837,7 +839,8 @@ def _fp8_head(ex: Execution, T: int, D: int, V: int, head_grads: int) -> tuple[i
     dy_q = fp8_nbytes((T, V), recipe.act_block)
     if recipe.fp8_wgrad:
         head_grads = ex.compute_bytes * T * D + _fp8_dense_wgrad(V, D, T, ex)
-    return forward, dy_q + max(_fp8_linear_gemm(T, V, D, ex), head_grads), head_grads
+    by_loss = dy_q if ex.kernels == "cuda" and recipe.act_block == (1, 0) else 0
+    return forward, dy_q + max(_fp8_linear_gemm(T, V, D, ex), head_grads), head_grads, by_loss
 
 
 def head_memory(cfg: MoEConfig, ex: Execution) -> EdgeMemory:
@@ -885,12 +888,7 @@ def head_memory(cfg: MoEConfig, ex: Execution) -> EdgeMemory:
     dy_codes = 0  # the head's E4M3 dy where the fused loss writes it (a rowwise recipe)
     if "head" in ex.fp8_linears:
         norm += FP32  # the function saves its int32 [1] row count
-        fp8_forward, fp8_backward, head_grads = _fp8_head(ex, T, D, V, head_grads)
-        from moe_mxfp8 import FP8_RECIPES
-        from moe_mxfp8.fp8 import fp8_nbytes
-
-        if ex.kernels == "cuda" and FP8_RECIPES[ex.mxfp8_recipe].act_block == (1, 0):
-            dy_codes = fp8_nbytes((T, V), (1, 0))
+        fp8_forward, fp8_backward, head_grads, dy_codes = _fp8_head(ex, T, D, V, head_grads)
     if ex.kernels == "cuda":
         logits = b * T * V
         # the loss saves the logits and per row 3 FP32 statistics, 4 for an FP8 head's codes
