@@ -13,10 +13,10 @@ from unittest import mock
 assert os.environ.get("TRITON_INTERPRET") == "1", "run by moe_testing.run_under_triton_interpreter"
 
 import torch  # noqa: E402
+from case_helpers import report  # noqa: E402
 from moe_mxfp8 import FP8GroupedExperts, FP8Linear, quantize_fp8  # noqa: E402
 from moe_mxfp8.fp8_gemm import FP8TileConfig, fp8_grouped_mm, triton_grouped_mm  # noqa: E402
 from torch import nn  # noqa: E402
-from triton_cases import report  # noqa: E402
 
 # An empty expert, a one-row expert, a group across tiles; rows 41.. are padding.
 OFFSETS = [9, 9, 10, 41]

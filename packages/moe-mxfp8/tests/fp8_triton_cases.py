@@ -10,6 +10,7 @@ import os
 assert os.environ.get("TRITON_INTERPRET") == "1", "run by moe_testing.run_under_triton_interpreter"
 
 import torch  # noqa: E402
+from case_helpers import mismatches, report, sample  # noqa: E402
 from fp8_codec_cases import CODEC_WIDTHS, adversarial_packed, adversarial_rows  # noqa: E402
 from moe_mxfp8 import (  # noqa: E402
     decode_fp8_rows,
@@ -29,7 +30,6 @@ from moe_mxfp8 import (  # noqa: E402
     swiglu_reference,
 )
 from row_encoding import row_encoding_mismatches  # noqa: E402
-from triton_cases import mismatches, report, sample  # noqa: E402
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 # (name, shape, block): whole rows of odd and power-of-two widths, a stack, 1x128 tiles with

@@ -8,13 +8,12 @@ number of mismatching elements, or an error string), then ``ok``.
 
 from __future__ import annotations
 
-import json
 import os
-import traceback
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run by moe_testing.run_under_triton_interpreter"
 
 import torch  # noqa: E402
+from case_helpers import mismatches, report, sample  # noqa: E402
 from moe_mxfp8 import (  # noqa: E402
     MXFP8RowCodec,
     dequantize,
@@ -25,34 +24,6 @@ from moe_mxfp8 import (  # noqa: E402
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 SHAPES = {"37x77": (37, 77), "5x3x45": (5, 3, 45), "3x33x65": (3, 33, 65), "64x96": (64, 96)}
-
-
-def sample(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """Random rows over many magnitudes with special values sprinkled in."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g)
-    if dtype == torch.float16:
-        x = x * torch.exp2(torch.randint(-20, 12, (*shape[:-1], 1), generator=g).float())
-    else:
-        x = x * torch.exp2(torch.randint(-140, 120, (*shape[:-1], 1), generator=g).float())
-    flat = x.view(-1)
-    flat[:40] = 0.0
-    flat[41] = -0.0
-    flat[50] = 6e4 if dtype == torch.float16 else 1e30
-    flat[60:70] = torch.randn(10, generator=g) * (1e-6 if dtype == torch.float16 else 1e-40)
-    flat[100] = float("inf")
-    flat[130] = float("nan")
-    flat[200:240] = 448.0
-    flat[300] = -float("inf")
-    return x.to(dtype)
-
-
-def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return -1
-    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
-    both_nan = a.float().isnan() & b.float().isnan()
-    return int(((a.view(as_int) != b.view(as_int)) & ~both_nan).sum())
 
 
 def cases():
@@ -175,19 +146,6 @@ def tile_cases():
                 _quantize_kernels._TILES.update(saved)
 
         yield f"tiles/{kind}/{i}", run
-
-
-def report(named_cases) -> None:
-    """Run every ``(name, fn)`` case; print one JSON line (name -> its result, or the
-    traceback of an exception, reported to the parent test), then ``ok``."""
-    results = {}
-    for name, fn in named_cases:
-        try:
-            results[name] = fn()
-        except Exception:  # noqa: BLE001 - reported to the parent test
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
-    print("ok")
 
 
 def main() -> None:
