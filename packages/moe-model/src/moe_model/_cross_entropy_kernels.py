@@ -168,17 +168,20 @@ class CrossEntropyConfig:
 # warps is 32 elements, four 16-byte BF16 loads, per thread (with V and the row stride
 # multiples of 16, which Triton's argument specialisation sees; 100352 is); sm_90 ptxas
 # gives the forward 53 registers (4 programs per SM) and the backward 32 (8 per SM), no
-# spills. Not tuned on a GPU yet (the fused step ran with these). CPU runs are the
+# spills. Not tuned on a GPU yet (the fused step ran with these); the backward that writes
+# codes takes narrower chunks. CPU runs are the
 # Triton interpreter (tests), where small chunks keep the multi-chunk paths exercised.
 _GPU = {
     "forward": CrossEntropyConfig(block_v=8192, num_warps=8),
     "backward": CrossEntropyConfig(block_v=8192, num_warps=8),
+    "backward_codes": CrossEntropyConfig(block_v=2048, num_warps=4),
 }
 _CPU = CrossEntropyConfig(block_v=32, num_warps=1)
 
 
 def default_cross_entropy_config(kind: str, device: torch.device) -> CrossEntropyConfig:
-    """Configuration of kernel ``kind`` (``forward`` or ``backward``) on ``device``."""
+    """Configuration of kernel ``kind`` (``forward``, ``backward``, or ``backward_codes``,
+    the backward that also writes an encoder's codes) on ``device``."""
     if kind not in _GPU:
         raise ValueError(f"cross-entropy kernel kind must be one of {sorted(_GPU)}, got {kind!r}")
     return _GPU[kind] if device.type == "cuda" else _CPU
@@ -227,7 +230,8 @@ def cross_entropy_backward(
         scales_N1 = torch.empty((N, 1), dtype=torch.float32, device=logits_NV.device)
     if N == 0:
         return grad_NV, codes_NV, scales_N1
-    cfg = config or default_cross_entropy_config("backward", logits_NV.device)
+    cfg = config or default_cross_entropy_config("backward" if encoding is None else "backward_codes",
+                                                 logits_NV.device)
     encoder, other_max_N = encoding if encoding is not None else (None, max_N)
     backward_kernel[(N,)](
         logits_NV, targets_N, max_N, logsum_N, other_max_N, grad_out.reshape(()).float(), grad_NV,

@@ -318,7 +318,6 @@ def encode_e4m3(values, scale):
     return _encode(bits & 0x7FFFFFFF, (bits >> 24) & 0x80, scale)
 
 
-
 @dataclass(frozen=True)
 class BlockTile:
     """Launch shape of ``quantize_blocks``: about ``elements`` per program (whole rows of
