@@ -72,9 +72,9 @@ class OutputGradientRows:
     ``row_scale`` / ``row_encode`` are the Triton device functions that kernel calls
     (``_fp8_kernels``: the scale of a row from its amax, power-of-two where ``pow2``, and
     the E4M3 encoding), loaded when read, so that building this object needs no Triton.
-    The encoding is ``quantize_blocks``' bit-level one, not the GPU's conversion
-    instruction: that one differed from the reference on adversarial rows (one H100),
-    and was only 3% faster inside moe_model's cross-entropy backward.
+    The encoding is ``quantize_blocks``' bit-level one, checked bit for bit on the GPU,
+    not the GPU's conversion instruction, which was only 3% faster inside moe_model's
+    cross-entropy backward and whose bytes on adversarial rows were never compared.
     """
 
     def __init__(self, pow2: bool) -> None:
