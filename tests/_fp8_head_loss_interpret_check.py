@@ -11,10 +11,15 @@ from moe_mxfp8.fp8 import quantize_fp8_reference
 from torch import nn
 
 
-def grads(layer, x, targets, extra=False, strip=False):
+def _halve_in_place(grad):
+    grad.mul_(0.5)
+
+
+def grads(layer, x, targets, extra=False, strip=False, hook=False):
     """Input and weight gradients of ``lm_loss_sum(layer(x)) * 0.3``, and the row
     quantisations the layer ran; ``extra``: the logits also feed a second term;
-    ``strip``: the layer's output carries no encoder."""
+    ``strip``: the layer's output carries no encoder; ``hook``: a gradient hook on the
+    logits halves their gradient in place."""
     quantized = []
     real = fp8_linear.quantize_fp8
 
@@ -26,6 +31,8 @@ def grads(layer, x, targets, extra=False, strip=False):
         logits = layer(x)
         if strip:
             delattr(logits, GRADIENT_ROW_ENCODER)
+        if hook:
+            logits.register_hook(_halve_in_place)
         loss = lm_loss_sum(logits, targets, backend="triton") * 0.3
         if extra:
             loss = loss + logits.float().square().sum() * 1e-3
@@ -64,6 +71,12 @@ def main():
         dx, dw, quantized = grads(layer, x, targets, extra=True)
         ref_dx, ref_dw, _ = grads(layer, x, targets, extra=True, strip=True)
         assert torch.equal(dx, ref_dx) and torch.equal(dw, ref_dw), recipe
+        assert (12, V) in quantized, (recipe, quantized)
+        # a hook that edits the gradient in place makes the codes stale: not used either
+        dx, dw, quantized = grads(layer, x, targets, hook=True)
+        ref_dx, ref_dw, _ = grads(layer, x, targets, hook=True, strip=True)
+        assert torch.equal(dx, ref_dx) and torch.equal(dw, ref_dw), recipe
+        assert not torch.equal(dx, grads(layer, x, targets)[0]), recipe  # the hook took effect
         assert (12, V) in quantized, (recipe, quantized)
     assert fp8_linear.GRADIENT_ROW_ENCODER == GRADIENT_ROW_ENCODER
     print("ok")

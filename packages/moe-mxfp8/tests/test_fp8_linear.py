@@ -324,6 +324,9 @@ def test_output_gradient_rows_attach_and_take():
     got.receive(dy, q.data.view(torch.uint8), q.scale)
     taken = got.take(dy.view(2, 5, 24).view(10, 24))
     assert torch.equal(taken.data.view(torch.uint8), q.data.view(torch.uint8)) and taken.block == (1, 0)
+    got.receive(dy, q.data.view(torch.uint8), q.scale)
+    dy.view(2, 5, 24).mul_(1)  # changed in place through a view (a hook editing its argument)
+    assert got.take(dy) is None
 
     # the backward uses received codes: deliberately wrong ones (zeros) show in dx, not in dw
     ref_dx, ref_dw = torch.autograd.grad(layer(x), (x, w), dy.view(2, 5, 24))

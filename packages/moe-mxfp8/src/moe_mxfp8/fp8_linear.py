@@ -36,8 +36,9 @@ and scales in the pass that writes ``dy`` (``moe_model.loss.GradientRowEncoder``
 input gradient uses them instead of quantizing ``dy`` again: for an LM head that saves
 reading the ``[8192, 100352]`` BF16 gradient twice per microbatch. They are the codes
 ``quantize_fp8`` gives for that ``dy`` (tests check it bit for bit), and they are used only
-where the gradient the layer receives is the very tensor they were made from (so not
-where anything else added to it); otherwise the layer quantizes as always.
+where the gradient the layer receives is the very tensor they were made from and unchanged
+since (so not where anything else added to it, nor after a gradient hook edited it in
+place); otherwise the layer quantizes as always.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class OutputGradientRows:
 
     def __init__(self, pow2: bool) -> None:
         self.pow2 = pow2
-        self._received: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._received: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
 
     @property
     def row_scale(self) -> Any:
@@ -95,18 +96,22 @@ class OutputGradientRows:
 
     def receive(self, grad: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """Hold ``grad [R, N]`` with its codes ``[R, N]`` (uint8) and scales ``[R, 1]``;
-        holding ``grad`` also keeps autograd from adding another gradient into it in place."""
-        self._received = (grad, codes, scales)
+        holding ``grad`` also keeps autograd from adding another gradient into it in place.
+        Its version counter is recorded: a change in place after this (a gradient hook that
+        edits its argument) makes the codes stale, and ``take`` refuses them."""
+        self._received = (grad, codes, scales, grad._version)
 
     def take(self, dy_MN: torch.Tensor) -> FP8Tensor | None:
         """The rowwise FP8 ``dy_MN`` received, if ``dy_MN`` is the received gradient itself
-        (same memory, dtype and size, contiguous); else ``None``. Forgets it either way."""
+        (same memory, dtype and size, contiguous) and unchanged since (its version counter);
+        else ``None``. Forgets it either way."""
         received, self._received = self._received, None
         if received is None:
             return None
-        grad, codes, scales = received
+        grad, codes, scales, version = received
         if (dy_MN.data_ptr() != grad.data_ptr() or dy_MN.dtype != grad.dtype
-                or dy_MN.numel() != grad.numel() or not dy_MN.is_contiguous()):
+                or dy_MN.numel() != grad.numel() or not dy_MN.is_contiguous()
+                or dy_MN._version != version):
             return None
         M = dy_MN.shape[0]
         return FP8Tensor(codes.view(torch.float8_e4m3fn).view(dy_MN.shape), scales.view(M, 1), (1, 0))
