@@ -23,7 +23,8 @@ def test_gradient_codes_at_bench_shapes():
     """8192 tokens, top-8 of 64 experts, d_model 2048 (one bench-1gpu microbatch's layer):
     the codes and scales the combine writes equal ``quantize_fp8``'s of the gradient (with
     a zero token, a subnormal one, a huge element), and every gradient equals the one
-    computed without them."""
+    computed without them: bit for bit, but for the routing weights' (the combine kernel
+    runs without FMA contraction when it writes codes, and sums over D in its own order)."""
     from moe_model import GRADIENT_ROW_ENCODER, LocalDispatcher
     from moe_mxfp8 import FP8GroupedExperts, quantize_fp8
     from torch import nn
@@ -65,5 +66,8 @@ def test_gradient_codes_at_bench_shapes():
     assert torch.equal(scales, ref.scale)
     del d_rows, codes, scales, ref, received
     want, _ = run(strip=True)
-    for a, b in zip(grads, want, strict=True):
-        assert torch.equal(a, b)
+    for name, a, b in zip(("x", "w", "w1", "w3", "w2"), grads, want, strict=True):
+        if name == "w":
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+        else:
+            assert torch.equal(a, b), name

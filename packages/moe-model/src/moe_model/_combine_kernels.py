@@ -199,8 +199,9 @@ def combine_backward(
     ``encoder`` (``moe_model.loss.GradientRowEncoder``; only where every row is written,
     not ``zero_fill``): also its codes ``[n_rows, D]`` (uint8) and scales ``[n_rows, 1]``
     (FP32) of ``d_rows``, written in the same pass (kernel notes); else ``None`` for both.
-    The kernel runs without FMA contraction either way (an encoder's rounding steps
-    need it), so ``d_w`` is the same bits with or without an encoder.
+    With an encoder the kernel runs without FMA contraction (its rounding steps need
+    that), and ``d_w``, a sum over D, may differ from the plain launch's in its last bits
+    (both are deterministic); ``d_rows`` is the same either way.
     """
     T, D = dy_TD.shape
     k = w_S.shape[0] // max(T, 1)
@@ -234,6 +235,6 @@ def combine_backward(
         BLOCK_T=block_t, BLOCK_D=block_d, ENCODE=encoder is not None,
         ROW_SCALE=None if encoder is None else encoder.row_scale,
         ROW_ENCODE=None if encoder is None else encoder.row_encode,
-        num_warps=_GPU_NUM_WARPS, enable_fp_fusion=False,
+        num_warps=_GPU_NUM_WARPS, enable_fp_fusion=encoder is None,
     )
     return d_rows_RD, d_weights_Tk, codes_RD, scales_R1
