@@ -22,7 +22,7 @@ import torch
 from moe_mxfp8.fp8 import FP8Tensor
 
 # The attribute of a layer output that a consumer computing its gradient may serve: the
-# name moe_model's fused cross-entropy reads (``moe_model.loss.GRADIENT_ROW_ENCODER``).
+# name moe_model's fused cross-entropy and combine read (``moe_model.loss.GRADIENT_ROW_ENCODER``).
 GRADIENT_ROW_ENCODER = "gradient_row_encoder"
 
 
