@@ -43,7 +43,7 @@
    and write. Also the LM head's output gradient ``[8192, 100352]`` as the FP8 head's
    input gradient takes it: moe_model's fused cross-entropy backward alone, followed by
    the rowwise quantisation, and writing the FP8 codes in its own pass
-   (``moe_mxfp8.gradient_rows.OutputGradientRows``).
+   (``moe_mxfp8.fp8_linear.OutputGradientRows``).
 4. Unless ``--no-tile-sweep``: each of those kernels under each launch shape of
    ``TILE_CANDIDATES`` (``moe_mxfp8._fp8_kernels._TILES``) and ``CODEC_TILE_CANDIDATES``
    (``moe_mxfp8._fp8_codec_kernels._TILES``), checked bit-exact against the torch
@@ -501,7 +501,7 @@ def bench_kernels(args) -> dict:
     # the LM head's output gradient, made by the fused cross-entropy from [8192, 100352]
     # logits, with the FP8 head's rowwise dy written apart or in the same pass
     from moe_model._cross_entropy_kernels import cross_entropy_backward, cross_entropy_forward
-    from moe_mxfp8.gradient_rows import OutputGradientRows
+    from moe_mxfp8.fp8_linear import OutputGradientRows
 
     targets = torch.randint(0, wide.shape[1], (wide.shape[0],), device="cuda")
     _, row_max, logsum, other_max = cross_entropy_forward(wide, targets, other_max=True)

@@ -6,7 +6,7 @@
 For each ``CrossEntropyConfig`` (vocabulary chunk per program, warps) it times moe_model's
 four kernel variants: the forward, the forward that also records the largest logit other
 than the target's, the backward, and the backward that also writes the FP8 head's rowwise
-``dy`` codes (``moe_mxfp8.gradient_rows.OutputGradientRows``, power-of-two scales, the
+``dy`` codes (``moe_mxfp8.fp8_linear.OutputGradientRows``, power-of-two scales, the
 ``fp8_rowwise_gw_hp`` recipe's). Every codes run is checked bit for bit against
 ``quantize_fp8`` of the gradient it wrote. TB/s counts the bytes read plus written (the
 logits and, for the backward, the gradient and codes); the device copy of the logits,
@@ -45,7 +45,7 @@ def main() -> None:
         default_cross_entropy_config,
     )
     from moe_mxfp8 import quantize_fp8
-    from moe_mxfp8.gradient_rows import OutputGradientRows
+    from moe_mxfp8.fp8_linear import OutputGradientRows
 
     device = torch.device("cuda")
     N, V = args.rows, args.vocab

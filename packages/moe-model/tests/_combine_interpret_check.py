@@ -8,8 +8,7 @@ reference) selves."""
 import functools
 
 import torch
-from _cross_entropy_interpret_check import _Encoder, expected_codes
-from moe_model import GRADIENT_ROW_ENCODER, LocalDispatcher, _combine_kernels, dispatch
+from moe_model import LocalDispatcher, _combine_kernels, dispatch
 
 _PUBLIC_OPS = ("weighted_gather_sum", "combine_backward")
 _AUTO = {name: getattr(dispatch, name) for name in _PUBLIC_OPS}
@@ -79,96 +78,15 @@ def check_direct():
     torch.testing.assert_close(y, (ref * kept.view(T, k, 1)).sum(1).bfloat16())
     w = torch.rand(T * k, generator=g) * kept
     dy = torch.randn(T, D, generator=g)
-    d_rows, d_w, codes, scales = _combine_kernels.combine_backward(dy, rows, row_of_slot, w, kept, R)
-    assert codes is None and scales is None
+    d_rows, d_w = _combine_kernels.combine_backward(dy, rows, row_of_slot, w, kept, R)
     want = torch.zeros(R, D)
     want[row_of_slot] = torch.where(kept[:, None] > 0, w[:, None] * dy.repeat_interleave(k, 0), 0.0)
     torch.testing.assert_close(d_rows, want, rtol=0, atol=0)
     torch.testing.assert_close(d_w, (ref * dy[:, None]).sum(-1) * kept.view(T, k))
 
 
-def _amax_bits(rows):
-    """Each row's largest magnitude, NaN where the row holds one (a max over bit patterns)."""
-    bits = rows.float().abs().view(torch.int32).amax(1, keepdim=True)
-    return bits.view(torch.float32)
-
-
-def check_gradient_row_encoder():
-    """With an encoder, the backward also writes each ``d_rows`` row's scale, the amax of
-    the stored row bit for bit (from ``|w| * max|dy[t]|``: a token's NaN or infinity, a
-    zero weight times an infinity, a zero token, FP32 subnormals), and its codes; ``d_rows``
-    and ``d_w`` are the bits written without one (here; a GPU's ``d_w`` may differ in the
-    last bits, the GPU test at the workspace root). The dispatcher's combine serves the
-    expert output's ``GRADIENT_ROW_ENCODER``, only on exactly that tensor and only where
-    every row is written (not with capacity drops or padding rows)."""
-    g = torch.Generator().manual_seed(3)
-    T, D, E, k = 13, 40, 6, 3
-    for dtype in (torch.bfloat16, torch.float32):
-        tag = str(dtype)
-        ids = _ids(T, E, k, g, skew=False)
-        x = torch.randn(T, D, generator=g).to(dtype)
-        disp = LocalDispatcher(E, None)
-        rows, _, h = disp.dispatch(x, ids)
-        rows_out = torch.randn(rows.shape, generator=g).to(dtype)
-        w = torch.rand(T * k, generator=g)
-        w[5 * k] = 0.0
-        w[2 * k + 1] = 0.0  # times the infinity of token 2: a NaN row
-        dy = torch.randn(T, D, generator=g).to(dtype)
-        dy[1, 7] = float("nan")
-        dy[2, 3] = float("inf")
-        dy[3] = 0.0
-        if dtype == torch.float32:  # the interpreter's FP32 -> BF16 conversion of subnormals is
-            dy[4] = torch.randn(D, generator=g) * 1e-39  # not monotone (the GPU's is: its test)
-        dy[6, 9] = -1e30
-        enc = _Encoder()
-        d_rows, d_w = dispatch.combine_backward(dy, rows_out, w, h, backend="triton", encoder=enc)
-        plain_rows, plain_w = dispatch.combine_backward(dy, rows_out, w, h, backend="triton")
-        assert torch.equal(d_rows.view(torch.uint8), plain_rows.view(torch.uint8)), tag
-        assert torch.equal(d_w.nan_to_num(7.0), plain_w.nan_to_num(7.0)), tag
-        assert len(enc.received) == 1, tag
-        got_rows, codes, scales = enc.received[0]
-        assert got_rows is d_rows and codes.shape == d_rows.shape and scales.shape == (rows.shape[0], 1), tag
-        amax = _amax_bits(d_rows)
-        nan = amax.isnan()
-        # token 1's rows, and token 2's row of weight zero (0 * inf); its others are infinite
-        assert nan.sum() == k + 1 and amax.isinf().sum() == k - 1, f"{tag}: {nan.sum()} NaN rows"
-        assert torch.equal(scales.isnan(), nan), tag
-        assert torch.equal(scales[~nan], amax[~nan]), f"{tag}: {scales.flatten()} vs {amax.flatten()}"
-        some = (~nan & (amax > 0)).flatten()  # (the test encoder's codes of a zero row are 3s)
-        assert torch.equal(codes[some], expected_codes(d_rows[some])[1]), tag
-        assert (scales[~nan] == 0).sum() == k + 1 and (scales > 0).sum() > 0, tag  # token 3, w = 0
-
-        # through the dispatcher: the attribute of the expert output it combines
-        combine_bwd = dispatch.combine_backward
-        dispatch.combine_backward = functools.partial(combine_bwd, backend="triton")
-        try:
-            for capacity_factor, feeds, got in ((None, "it", 1), (None, "a copy", 0), (0.75, "it", 0)):
-                disp = LocalDispatcher(E, capacity_factor)
-                rows, _, h = disp.dispatch(x, _ids(T, E, k, g, skew=capacity_factor is not None))
-                out = rows_out[: rows.shape[0]].clone().requires_grad_()
-                enc = _Encoder()
-                setattr(out, GRADIENT_ROW_ENCODER, enc)
-                wk = torch.rand(T, k, generator=g)
-                y = disp.combine(out if feeds == "it" else out * 1, wk, h)
-                (d_out,) = torch.autograd.grad(y, out, dy.nan_to_num(0.0, 0.0, 0.0))
-                assert len(enc.received) == got, f"{tag} cf={capacity_factor} {feeds}"
-                if got:
-                    assert enc.received[0][0].data_ptr() == d_out.data_ptr(), tag
-                    assert torch.equal(enc.received[0][2], _amax_bits(d_out)), tag
-        finally:
-            dispatch.combine_backward = combine_bwd
-    try:
-        _combine_kernels.combine_backward(dy, rows_out, h.row_of_slot, w, None, rows.shape[0], zero_fill=True,
-                                          encoder=_Encoder())
-    except ValueError as e:
-        assert "every row written" in str(e)
-    else:
-        raise AssertionError("an encoder with zero-filled rows was accepted")
-
-
 def main():
     check_direct()
-    check_gradient_row_encoder()
     for dtype in (torch.float32, torch.bfloat16):
         check(13, 40, 6, 1, None, dtype)  # dropless, k=1
         check(13, 40, 10, 8, None, dtype)  # dropless, k=8

@@ -11,8 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_model.loss import GradientRowEncoder
-
 
 @triton.jit
 def weighted_gather_sum_kernel(
@@ -52,24 +50,15 @@ def weighted_gather_sum_kernel(
 
 @triton.jit
 def combine_backward_kernel(
-    dy_ptr, rows_ptr, row_of_slot_ptr, w_ptr, kept_ptr, d_rows_ptr, d_w_ptr, codes_ptr, scales_ptr,
-    T, D, stride_dy, stride_r, stride_dr, stride_c,
+    dy_ptr, rows_ptr, row_of_slot_ptr, w_ptr, kept_ptr, d_rows_ptr, d_w_ptr,
+    T, D, stride_dy, stride_r, stride_dr,
     K: tl.constexpr, K_BLOCK: tl.constexpr, HAS_KEPT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    ENCODE: tl.constexpr, ROW_SCALE: tl.constexpr, ROW_ENCODE: tl.constexpr,
 ):
     """For a block of tokens and all their slots, walking D: ``d_rows[row_of_slot[s]] =
     w[s] * dy[t(s)]`` (kept slots only) and ``d_w[s] = kept[s] * dot(rows[row_of_slot[s]],
     dy[t(s)])`` in FP32. Each token's ``dy`` block is broadcast over its ``K`` slots
-    ([BLOCK_T, K_BLOCK, BLOCK_D] tiles); no atomics.
-
-    ``ENCODE``: also ``codes[row] = ROW_ENCODE(d_rows[row], scales[row])`` with
-    ``scales[row] = ROW_SCALE(amax of the stored row)``. A row is ``w[s] * dy[t]`` rounded
-    to its dtype, and rounding is monotone and symmetric in sign, so its amax is
-    ``|w[s]| * max|dy[t]|`` rounded the same way: one walk of the token's ``dy`` first
-    (``D`` elements, not ``k * D``) gives every row's scale before the row is written.
-    The maximum is taken over the magnitudes' bit patterns, where NaN sorts above
-    infinity, so a row holding a NaN gets a NaN amax."""
+    ([BLOCK_T, K_BLOCK, BLOCK_D] tiles); no atomics."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, K_BLOCK)
     t_ok = t < T
@@ -85,23 +74,10 @@ def combine_backward_kernel(
     x_base = (rows_ptr + r * stride_r)[:, :, None]  # [BLOCK_T, K_BLOCK, 1]
     dr_base = (d_rows_ptr + r * stride_dr)[:, :, None]
     dy_base = (dy_ptr + t64 * stride_dy)[:, None, None]  # [BLOCK_T, 1, 1]: shared by the slots
-    t_ok3 = t_ok[:, None, None]
-    cols = tl.arange(0, BLOCK_D)[None, None, :]
-    if ENCODE:
-        peak = tl.zeros((BLOCK_T, 1, BLOCK_D), dtype=tl.uint32)
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + cols
-            g = tl.load(dy_base + d, mask=t_ok3 & (d < D), other=0.0).to(tl.float32)
-            peak = tl.maximum(peak, g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF)
-        amax_t = tl.max(tl.max(peak, axis=2), axis=1).to(tl.float32, bitcast=True)  # [BLOCK_T]
-        row_amax = (tl.abs(w) * amax_t[:, None]).to(d_rows_ptr.dtype.element_ty).to(tl.float32)
-        scale = ROW_SCALE(row_amax)  # [BLOCK_T, K_BLOCK]
-        tl.store(scales_ptr + r, scale, mask=ok)
-        codes_base = (codes_ptr + r * stride_c)[:, :, None]
-        scale = scale[:, :, None]
     ok = ok[:, :, None]
-    t_ok = t_ok3
+    t_ok = t_ok[:, None, None]
     w = w[:, :, None]
+    cols = tl.arange(0, BLOCK_D)[None, None, :]
     # Per-block reductions over D (within a warp) keep registers low: no 3-D accumulator.
     dw = tl.zeros((BLOCK_T, K_BLOCK), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -111,10 +87,7 @@ def combine_backward_kernel(
         m = ok & d_ok
         x = tl.load(x_base + d, mask=m, other=0.0).to(tl.float32)
         dw += tl.sum(x * g, axis=2)
-        d_row = (w * g).to(d_rows_ptr.dtype.element_ty)
-        tl.store(dr_base + d, d_row, mask=m)
-        if ENCODE:
-            tl.store(codes_base + d, ROW_ENCODE(d_row.to(tl.float32), scale), mask=m)
+        tl.store(dr_base + d, (w * g).to(d_rows_ptr.dtype.element_ty), mask=m)
     if HAS_KEPT:
         dw = dw * kept
     tl.store(d_w_ptr + s, dw, mask=s_ok)
@@ -184,8 +157,7 @@ def weighted_gather_sum(
 def combine_backward(
     dy_TD: torch.Tensor, rows_out_RD: torch.Tensor, row_of_slot_S: torch.Tensor,
     w_S: torch.Tensor, kept_S: torch.Tensor | None, n_rows: int, zero_fill: bool | None = None,
-    encoder: GradientRowEncoder | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``y[t] = sum_j w_S[t*k+j] * rows_out[row_of_slot[t*k+j]]`` (Triton).
 
     ``w_S`` are the FP32 slot weights already multiplied by ``kept_S``. Returns
@@ -195,32 +167,18 @@ def combine_backward(
     in dropless mode every row is written), and ``d_w[T, k]`` FP32, ``d_w[t,j] =
     kept * dot(rows_out[row_of_slot[t*k+j]], dy[t])``. One program per token block
     walks all of D: it reads ``rows_out`` and ``dy`` once and writes ``d_rows`` once.
-
-    ``encoder`` (``moe_model.loss.GradientRowEncoder``; only where every row is written,
-    not ``zero_fill``): also its codes ``[n_rows, D]`` (uint8) and scales ``[n_rows, 1]``
-    (FP32) of ``d_rows``, written in the same pass (kernel notes); else ``None`` for both.
-    With an encoder the kernel runs without FMA contraction (its rounding steps need
-    that), and ``d_w``, a sum over D, may differ from the plain launch's in its last bits
-    (both are deterministic); ``d_rows`` is the same either way.
     """
     T, D = dy_TD.shape
     k = w_S.shape[0] // max(T, 1)
     if zero_fill is None:
         zero_fill = kept_S is not None
-    if encoder is not None and zero_fill:
-        raise ValueError("combine_backward: an encoder needs every row written (zero_fill=False)")
     alloc = torch.zeros if zero_fill else torch.empty
-    device = rows_out_RD.device
-    d_rows_RD = alloc(n_rows, D, dtype=rows_out_RD.dtype, device=device)
-    d_weights_Tk = torch.empty(T, k, dtype=torch.float32, device=device)
-    codes_RD = scales_R1 = None
-    if encoder is not None:
-        codes_RD = torch.empty(n_rows, D, dtype=torch.uint8, device=device)
-        scales_R1 = torch.empty(n_rows, 1, dtype=torch.float32, device=device)
+    d_rows_RD = alloc(n_rows, D, dtype=rows_out_RD.dtype, device=rows_out_RD.device)
+    d_weights_Tk = torch.empty(T, k, dtype=torch.float32, device=rows_out_RD.device)
     if T == 0 or k == 0:
-        return d_rows_RD, d_weights_Tk, codes_RD, scales_R1
+        return d_rows_RD, d_weights_Tk
     if D == 0:
-        return d_rows_RD, d_weights_Tk.zero_(), codes_RD, scales_R1
+        return d_rows_RD, d_weights_Tk.zero_()
     dy_TD, rows_out_RD = _row_major(dy_TD), _row_major(rows_out_RD)
     row_of_slot_S, w_S = row_of_slot_S.contiguous(), w_S.contiguous()
     kept_S = kept_S.contiguous() if kept_S is not None else None
@@ -228,13 +186,9 @@ def combine_backward(
     block_t, block_d = _blocks(rows_out_RD.device, T, D, _GPU_BACKWARD_TILE // k_block)
     combine_backward_kernel[(triton.cdiv(T, block_t),)](
         dy_TD, rows_out_RD, row_of_slot_S, w_S, kept_S if kept_S is not None else w_S,
-        d_rows_RD, d_weights_Tk, d_rows_RD if codes_RD is None else codes_RD,
-        w_S if scales_R1 is None else scales_R1,
-        T, D, dy_TD.stride(0), rows_out_RD.stride(0), d_rows_RD.stride(0), D,
+        d_rows_RD, d_weights_Tk,
+        T, D, dy_TD.stride(0), rows_out_RD.stride(0), d_rows_RD.stride(0),
         K=k, K_BLOCK=k_block, HAS_KEPT=kept_S is not None,
-        BLOCK_T=block_t, BLOCK_D=block_d, ENCODE=encoder is not None,
-        ROW_SCALE=None if encoder is None else encoder.row_scale,
-        ROW_ENCODE=None if encoder is None else encoder.row_encode,
-        num_warps=_GPU_NUM_WARPS, enable_fp_fusion=encoder is None,
+        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_GPU_NUM_WARPS,
     )
-    return d_rows_RD, d_weights_Tk, codes_RD, scales_R1
+    return d_rows_RD, d_weights_Tk

@@ -60,7 +60,6 @@ import torch
 from torch import nn
 
 from moe_model._triton_support import Backend, use_fused
-from moe_model.loss import GRADIENT_ROW_ENCODER, GradientRowEncoder
 from moe_model.router import count_per_expert
 
 _HASH_MULTIPLIER = 2654435761  # odd, so t -> t * m mod 2^32 is a bijection (Knuth)
@@ -201,27 +200,18 @@ def combine_backward_reference(
 
 def combine_backward(
     dy_TD: torch.Tensor, rows_out_RD: torch.Tensor, w_S: torch.Tensor, h: LocalDispatchHandle,
-    backend: Backend = "auto", encoder: GradientRowEncoder | None = None,
+    backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``combine_backward_reference``'s gradients (``d_weights`` FP32 on the fused path); the
     fused path (float rows) is one Triton kernel (``_combine_kernels``) that reads
     ``rows_out`` and ``dy`` once and writes ``d_rows`` once, routing-weight gradients
-    reduced in the same pass.
-
-    ``encoder`` (the expert output's ``GRADIENT_ROW_ENCODER``): where the fused path runs
-    and every row is written (dropless, no padding rows), the same pass writes the
-    encoder's codes and scales of ``d_rows`` and hands all three to ``encoder.receive``;
-    elsewhere nothing is received (the expert layer then encodes ``d_rows`` itself)."""
+    reduced in the same pass."""
     if use_fused("combine_backward", backend, rows_out_RD.device, lambda: _unfit_dtype(rows_out_RD)):
         from moe_model import _combine_kernels as k
 
-        zero_fill = h.kept_of_slot is not None or h.valid_rows is not None
-        d_rows, d_weights, codes, scales = k.combine_backward(
+        return k.combine_backward(
             dy_TD, rows_out_RD, h.row_of_slot, w_S, h.kept_of_slot, rows_out_RD.shape[0],
-            zero_fill=zero_fill, encoder=None if zero_fill else encoder)
-        if codes is not None:
-            encoder.receive(d_rows, codes, scales)
-        return d_rows, d_weights
+            zero_fill=h.kept_of_slot is not None or h.valid_rows is not None)
     return combine_backward_reference(dy_TD, rows_out_RD, w_S, h)
 
 
@@ -239,13 +229,12 @@ class _Combine(torch.autograd.Function):
             w_S = w_S * h.kept_of_slot.to(acc)
         ctx.save_for_backward(rows_out_RD, w_S)
         ctx.handle, ctx.weights_dtype = h, weights_Tk.dtype
-        ctx.encoder = getattr(rows_out_RD, GRADIENT_ROW_ENCODER, None)
         return weighted_gather_sum(rows_out_RD, h.row_of_slot, T, w_S, h.kept_of_slot)
 
     @staticmethod
     def backward(ctx: Any, dy_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         rows_out_RD, w_S = ctx.saved_tensors
-        d_rows, d_weights_Tk = combine_backward(dy_TD, rows_out_RD, w_S, ctx.handle, encoder=ctx.encoder)
+        d_rows, d_weights_Tk = combine_backward(dy_TD, rows_out_RD, w_S, ctx.handle)
         return d_rows, d_weights_Tk.to(ctx.weights_dtype), None
 
 

@@ -42,16 +42,13 @@ from moe_model._triton_support import Backend, use_fused
 
 IGNORE_INDEX = -100
 
-# The attribute of a layer output (logits, expert output rows) that holds its producer's
-# ``GradientRowEncoder``.
+# The attribute of a logits tensor that holds its producer's ``GradientRowEncoder``.
 GRADIENT_ROW_ENCODER = "gradient_row_encoder"
 
 
 class GradientRowEncoder(Protocol):
-    """A per-row encoding of a layer output's gradient ``[N, V]`` that the fused kernel
-    computing that gradient writes beside it (module notes): the cross-entropy for the
-    logits, the local dispatcher's combine for the expert output rows
-    (``moe_model.dispatch.combine_backward``).
+    """A per-row encoding of the logits' gradient ``[N, V]`` that the fused cross-entropy
+    writes beside the gradient (module notes).
 
     ``row_scale`` and ``row_encode`` are Triton device functions the backward kernel calls:
     ``row_scale(amax)`` maps a row's largest gradient magnitude (FP32 scalar, NaN where the

@@ -374,13 +374,11 @@ def ep_capacity(cfg: MoEConfig, tokens: int, ep: int) -> int:
     return min(ep * slots, max(1, math.ceil(cfg.capacity_factor * slots)))
 
 
-def _local_dispatch(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, fp8_experts: bool) -> None:
+def _local_dispatch(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int) -> None:
     """moe_model.LocalDispatcher: index vectors on the handle (ctx); the combine keeps
     rows_out and w. Eager (CPU): ``bmm(w, rows_out[row_of_slot].float())`` with its
     FP32 temporaries both ways. Fused (CUDA): the FP32 sum stays in registers; the
-    backward writes d_rows and the weights' gradient directly, and, dropless in front of
-    ``fp8_experts`` of a rowwise recipe, d_rows' E4M3 codes and row scales too
-    (``moe_mxfp8.gradient_rows``)."""
+    backward writes d_rows and the weights' gradient directly."""
     T, D, E, b = ex.tokens, cfg.d_model, cfg.n_experts, ex.compute_bytes
     N = T * cfg.top_k
     if cfg.capacity_factor is None:
@@ -400,16 +398,7 @@ def _local_dispatch(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, fp8_e
     if ex.kernels == "cuda":
         inv.add("combine.y", b * T * D, "fwd_live", "selective")
         inv.add("combine.d_rows", b * R * D)
-        backward = {"grad_out", "combine.d_rows", "combine.d_weights"}
-        if fp8_experts and cfg.capacity_factor is None and ex.mxfp8_recipe != "mxfp8":
-            from moe_mxfp8 import FP8_RECIPES
-            from moe_mxfp8.fp8 import fp8_nbytes
-
-            block = FP8_RECIPES[ex.mxfp8_recipe].act_block
-            if block == (1, 0):
-                inv.add("combine.d_rows_codes", fp8_nbytes((R, D), block))
-                backward.add("combine.d_rows_codes")
-        inv.moment((), backward)
+        inv.moment((), {"grad_out", "combine.d_rows", "combine.d_weights"})
         return
     inv.add("combine.gathered", b * N * D, "fwd_live")
     inv.add("combine.gathered32", FP32 * N * D, "fwd_live")
@@ -794,7 +783,7 @@ def block_inventory(cfg: MoEConfig, layer: int, ex: Execution) -> Inventory:
             out_saved = _sums_at_destination(cfg, ex)
         else:
             R = local_rows(cfg, T)
-            _local_dispatch(inv, cfg, ex, R, layer in ex.mxfp8_expert_layers)
+            _local_dispatch(inv, cfg, ex, R)
             out_saved = True
         _experts(inv, cfg, ex, R, layer in ex.mxfp8_expert_layers, out_saved)
     else:
