@@ -31,6 +31,8 @@ def sample(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.T
 
 
 def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements whose bits differ (a NaN against a NaN counts as equal); -1 where the
+    shapes or dtypes differ."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return -1
     as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
