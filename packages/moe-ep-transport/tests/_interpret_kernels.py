@@ -17,7 +17,13 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _oracle import check_partial_kernels, check_plan_kernels  # noqa: E402
+from _oracle import (  # noqa: E402
+    assert_passed,
+    check_partial_kernels,
+    check_plan_kernels,
+    check_plan_launch,
+    peer_wait,
+)
 from moe_ep_transport import _transport_kernels as kernels  # noqa: E402
 from moe_ep_transport import ops  # noqa: E402
 from moe_ep_transport.peer_memory import inbox_targets  # noqa: E402
@@ -208,26 +214,6 @@ def check_combine_grads() -> None:
     assert scaled.shape == (0, D) and grad_w.shape == (0,)
 
 
-def check_scan_blocks() -> None:
-    # More blocks than one chunk: the carry between chunks (at 256 Ki slots there are 2048
-    # blocks of 128, two chunks of 1024; the plan cases below stay within one chunk).
-    from moe_ep_transport import _plan_kernels as plan_kernels
-
-    hist = torch.randint(0, 9, (37, 5), generator=torch.Generator().manual_seed(4), dtype=torch.int32)
-    for chunk in (8, 64):
-        assert torch.equal(plan_kernels.scan_blocks(hist, chunk), hist.cumsum(0, dtype=torch.int32)), chunk
-    # Publishing: the totals land in row `me` of an int32 [M, E] table at each rank's address.
-    for M, me in ((3, 1), (1, 0)):
-        slabs = [torch.full((32 + M * 5 * 4,), 7, dtype=torch.uint8) for _ in range(M)]
-        want = [s.clone() for s in slabs]
-        for w in want:
-            w[32:].view(torch.int32).view(M, 5)[me] = hist.sum(0, dtype=torch.int32)
-        table = torch.tensor([s.data_ptr() for s in slabs])
-        cum = plan_kernels.scan_blocks(hist, 8, plan_kernels.CountPublish(table, 32, me))
-        assert torch.equal(cum, hist.cumsum(0, dtype=torch.int32))
-        assert all(torch.equal(a, b) for a, b in zip(slabs, want, strict=True)), (M, me)
-
-
 def check_signal_barrier() -> None:
     # Rank 1 of 3, the other ranks already announced barrier 1 (and rank 2 barrier 2 too):
     # rank 1 takes number 1 (parity 0), leaves 2 for the next, announces 1 to everyone and
@@ -258,25 +244,6 @@ def check_plan_cells_passes_the_barrier() -> None:
         assert epochs.tolist() == [6, 5] and [int(f[1]) for f in flags] == [5, 5, 5], backend
 
 
-def _peer_wait(me: int, number: int, parity: int, ranks: int = 3):
-    """A barrier of rank ``me`` whose number is ``number`` with every other rank's flag here
-    already at it (their signals came): ``(wait, epochs, flags)``."""
-    flags = [torch.zeros(ranks, dtype=torch.int64) for _ in range(ranks)]
-    for r in range(ranks):
-        if r != me:
-            flags[me][r] = number
-    epochs = torch.zeros(2, dtype=torch.int64)
-    epochs[parity] = number
-    return ops.PeerWait(epochs, torch.tensor([f.data_ptr() for f in flags]), me, parity), epochs, flags
-
-
-def _assert_passed(epochs, flags, me: int, number: int, parity: int, where: str) -> None:
-    """The barrier was passed once: the next number left in the other counter, this rank's
-    number announced to every rank."""
-    assert int(epochs[1 - parity]) == number + 1 and int(epochs[parity]) == number, (where, epochs)
-    assert [int(f[me]) for f in flags] == [number] * len(flags), (where, flags)
-
-
 def check_receive_kernels_pass_the_put_barrier() -> None:
     # Each receive with a wait: the kernels (many programs) and the reference path give the
     # results they give without one and pass the barrier once (program 0 signals, every
@@ -289,11 +256,11 @@ def check_receive_kernels_pass_the_put_barrier() -> None:
         for rows in (C, 0):
             want = torch.zeros(rows, W, dtype=torch.int32)
             ops.finish_receive(want, inbox[:rows], row_src[:rows], me, backend=backend)
-            wait, epochs, flags = _peer_wait(me, 7, 1)
+            wait, epochs, flags = peer_wait(me, 7, 1)
             got = torch.zeros(rows, W, dtype=torch.int32)
             ops.finish_receive(got, inbox[:rows], row_src[:rows], me, backend=backend, wait=wait)
             assert torch.equal(got, want), (backend, rows)
-            _assert_passed(epochs, flags, me, 7, 1, f"finish_receive {backend} {rows}")
+            assert_passed(epochs, flags, me, 7, 1, f"finish_receive {backend} {rows}")
 
     dst_rank = torch.randint(-1, 3, (T * k,), generator=gen)
     dst_row = torch.randint(0, C, (T * k,), generator=gen)
@@ -305,28 +272,28 @@ def check_receive_kernels_pass_the_put_barrier() -> None:
             n = tokens * k
             want = ops.topk_gather_sum(x[:n], local, dst_rank[:n], dst_row[:n], me, w[:n], k, torch.float32,
                                        True, backend=backend)
-            wait, epochs, flags = _peer_wait(me, 4, 0)
+            wait, epochs, flags = peer_wait(me, 4, 0)
             got = ops.topk_gather_sum(x[:n], local, dst_rank[:n], dst_row[:n], me, w[:n], k, torch.float32,
                                       True, backend=backend, wait=wait)
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (backend, tokens)
-            _assert_passed(epochs, flags, me, 4, 0, f"topk_gather_sum {backend} {tokens}")
+            assert_passed(epochs, flags, me, 4, 0, f"topk_gather_sum {backend} {tokens}")
 
     M, T_max = 3, 6
     partials = torch.randn(M * T_max, W, generator=gen)
     ranks = torch.randint(-1, M, (5 * k,), generator=gen)
     for backend in ("triton", "reference"):
         want = ops.sum_partials(partials, ranks, M, T_max, k, torch.float32, backend=backend)
-        wait, epochs, flags = _peer_wait(me, 9, 0)
+        wait, epochs, flags = peer_wait(me, 9, 0)
         got = ops.sum_partials(partials, ranks, M, T_max, k, torch.float32, backend=backend, wait=wait)
         assert torch.equal(got, want), backend
-        _assert_passed(epochs, flags, me, 9, 0, f"sum_partials {backend}")
+        assert_passed(epochs, flags, me, 9, 0, f"sum_partials {backend}")
 
     for backend in ("triton", "reference"):
         for rows in (C, 0):
-            wait, epochs, flags = _peer_wait(me, 2, 0)
+            wait, epochs, flags = peer_wait(me, 2, 0)
             copied = ops.copy_rows(inbox[:rows], wait, backend=backend)
             assert torch.equal(copied, inbox[:rows]) and copied.data_ptr() != inbox.data_ptr(), (backend, rows)
-            _assert_passed(epochs, flags, me, 2, 0, f"copy_rows {backend} {rows}")
+            assert_passed(epochs, flags, me, 2, 0, f"copy_rows {backend} {rows}")
 
     g_local = torch.randn(C, W, generator=gen)
     g_inbox = torch.randn(C, W, generator=gen)
@@ -334,11 +301,11 @@ def check_receive_kernels_pass_the_put_barrier() -> None:
     w_C = torch.rand(C, generator=gen)
     rows_CD = torch.randn(C, W, generator=gen)
     want = kernels.receive_grads(g_local, g_inbox, row_src, origin, me, w_C, rows_CD, True)
-    wait, epochs, flags = _peer_wait(me, 3, 1)
+    wait, epochs, flags = peer_wait(me, 3, 1)
     got = kernels.receive_grads(g_local, g_inbox, row_src, origin, me, w_C, rows_CD, True, wait=wait)
     valid = row_src >= 0  # padding rows' results are unset
     assert torch.equal(got[0][valid], want[0][valid]) and torch.equal(got[1][valid], want[1][valid])
-    _assert_passed(epochs, flags, me, 3, 1, "receive_grads")
+    assert_passed(epochs, flags, me, 3, 1, "receive_grads")
 
 
 def check_weights_in_metadata() -> None:
@@ -463,7 +430,7 @@ if __name__ == "__main__":
     check_topk_gather_sum()
     check_combine_grads()
     check_any_strides()
-    check_scan_blocks()
+    check_plan_launch("cpu")
     check_signal_barrier()
     check_plan_cells_passes_the_barrier()
     check_receive_kernels_pass_the_put_barrier()

@@ -148,6 +148,82 @@ def check_plan_kernels(device: str) -> None:
     assert ops.plan_rows(bad, slots, cells, 1, 8, backend="triton")[0].tolist() == [0, -1, -1, 0]
 
 
+def peer_wait(me: int, number: int, parity: int, ranks: int = 3, device: str = "cpu"):
+    """A barrier of rank ``me`` whose number is ``number`` with every other rank's flag here
+    already at it (their signals came): ``(wait, epochs, flags)``."""
+    from moe_ep_transport import ops
+
+    flags = [torch.zeros(ranks, dtype=torch.int64, device=device) for _ in range(ranks)]
+    for r in range(ranks):
+        if r != me:
+            flags[me][r] = number
+    epochs = torch.zeros(2, dtype=torch.int64, device=device)
+    epochs[parity] = number
+    table = torch.tensor([f.data_ptr() for f in flags], device=device)
+    return ops.PeerWait(epochs, table, me, parity), epochs, flags
+
+
+def assert_passed(epochs, flags, me: int, number: int, parity: int, where: str) -> None:
+    """The barrier was passed once: the next number left in the other counter, this rank's
+    number announced to every rank."""
+    assert int(epochs[1 - parity]) == number + 1 and int(epochs[parity]) == number, (where, epochs)
+    assert [int(f[me]) for f in flags] == [number] * len(flags), (where, flags)
+
+
+def check_plan_launch(device: str) -> None:
+    """The plan's first launch on ``device`` equals the PyTorch definitions bit for bit: the
+    block scan over several chunks, and with the count exchange folded in (the counts put
+    into every rank, the exchange's barrier passed, the cells and the telemetry)."""
+    from moe_ep_transport import _plan_kernels as plan_kernels
+    from moe_ep_transport import ops
+    from moe_ep_transport.plan_reference import slot_block
+
+    def same(got, want) -> bool:
+        return all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
+
+    # The block ranked last scans the [B, E] block table, CHUNK blocks at a time with a carry:
+    # 256 experts take 32 blocks a chunk; 4101 slots take 65 blocks of 64 (three chunks),
+    # 8192 slots the most blocks, 128 of 64 (four chunks).
+    gen = torch.Generator().manual_seed(4)
+    for n, E, blocks in ((4101, 256, 65), (8192, 256, 128), (300, 7, 2)):
+        assert -(-n // slot_block(n, E)) == blocks, (n, E, slot_block(n, E))
+        expert_N = torch.randint(0, E, (n,), generator=gen)
+        assert same(plan_kernels.rank_slots(expert_N.to(device), E), ops.rank_slots_reference(expert_N, E)), (n, E)
+
+    # One launch: the slot ranks, the counts put into row `me` of every rank's table, the
+    # exchange's barrier (the others already announced it), the cells from the table in this
+    # rank's slab (the other ranks' rows already there), and the telemetry sum. Twice with
+    # one ticket counter, which each launch leaves at zero.
+    M, me, E, n, capacity, salt = 3, 1, 6, 41, 20, 3
+    tickets = torch.zeros(1, dtype=torch.int32, device=device)
+    for launch in range(2):
+        expert_N = torch.randint(0, E, (n,), generator=gen)
+        want_slots = ops.rank_slots_reference(expert_N, E)
+        counts_ME = torch.randint(0, 9, (M, E), generator=gen, dtype=torch.int32)
+        counts_ME[me] = want_slots.counts_E
+        slabs = [torch.full((32 + M * E * 4,), 7, dtype=torch.uint8, device=device) for _ in range(M)]
+        table_ME = slabs[me][32:].view(torch.int32).view(M, E)
+        table_ME.copy_(counts_ME)
+        table_ME[me] = -1  # the launch's put overwrites it
+        stats_sum = torch.arange(2 * M * E, dtype=torch.int64).view(2, M, E)
+        want_sum = stats_sum.clone()
+        want_cells = ops.plan_cells_reference(counts_ME, capacity, salt, me, want_sum)
+        stats_sum = stats_sum.to(device)
+        wait, epochs, flags = peer_wait(me, 5 + launch, (5 + launch) % 2, M, device)
+        peers = torch.tensor([s.data_ptr() for s in slabs], device=device)
+        slots, cells = plan_kernels.rank_slots_and_cells(
+            expert_N.to(device), E, tickets, plan_kernels.CountPublish(peers, 32, me),
+            plan_kernels.CellRequest(table_ME, capacity, salt, me, stats_sum, wait))
+        assert same(slots, want_slots), launch
+        assert same(cells, want_cells), launch
+        assert torch.equal(stats_sum.cpu(), want_sum), launch
+        for r, slab in enumerate(slabs):
+            assert torch.equal(slab[32:].view(torch.int32).view(M, E)[me].cpu(), want_slots.counts_E), (launch, r)
+            assert (slab[:32] == 7).all(), (launch, r, "stored outside the table")
+        assert_passed(epochs, flags, me, 5 + launch, (5 + launch) % 2, f"launch {launch}")
+        assert int(tickets) == 0, launch
+
+
 def check_partial_kernels(device: str, out_dtype: torch.dtype) -> None:
     """The destination-sum kernels (slot table from the receive kernel, partial sums put,
     partials' sum) equal the PyTorch references bit for bit. ``out_dtype`` of the final sum: BF16 on CUDA; FP32 under

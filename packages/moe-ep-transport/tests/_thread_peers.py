@@ -85,6 +85,7 @@ class ThreadPeerMemory:
         self.rank = rank
         self.world_size = peers.world_size
         self.slab_bytes = peers.slab_bytes
+        self.barriers_in_kernels = False  # kernels cannot spin while launches take turns
 
     def slab(self, index: int) -> torch.Tensor:
         return self.peers.slabs[self.rank][index]

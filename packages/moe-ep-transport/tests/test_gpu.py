@@ -20,7 +20,13 @@ import torch.distributed as dist
 from moe_testing import run_distributed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _oracle import BytesCodec, check_partial_kernels, check_plan_kernels, forward_backward  # noqa: E402
+from _oracle import (  # noqa: E402
+    BytesCodec,
+    check_partial_kernels,
+    check_plan_kernels,
+    check_plan_launch,
+    forward_backward,
+)
 from moe_ep_transport import EPConfig, EPDispatcher, EPOverflowError, make_transport, ops  # noqa: E402
 
 E, K, D, T = 64, 8, 1024, 2048
@@ -445,6 +451,11 @@ def test_triton_kernels_equal_torch_reference_on_cuda() -> None:
 @pytest.mark.gpu
 def test_plan_kernels_equal_torch_reference_on_cuda() -> None:
     check_plan_kernels("cuda")
+
+
+@pytest.mark.gpu
+def test_plan_launch_with_the_count_exchange_equals_torch_reference_on_cuda() -> None:
+    check_plan_launch("cuda")
 
 
 @pytest.mark.gpu

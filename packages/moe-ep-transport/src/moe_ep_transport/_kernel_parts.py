@@ -84,6 +84,13 @@ def wait_in_every_program(epoch_ptr, parity, flag_table_ptr, me, n_ranks, pid,
         seen = tl.load(my_flags + r, mask=peers, other=0, volatile=True)
         waiting = tl.sum((peers & (seen < epoch)).to(tl.int32), axis=0)
     if FENCE:
-        tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.b32 $0, $1;", "=r,r", [r.to(tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        fence_system(r)
     tl.debug_barrier()  # every thread of the program reads after the fence
+
+
+@triton.jit
+def fence_system(lanes):
+    """``fence.acq_rel.sys`` in every thread that holds an element of ``lanes`` (any int
+    tensor; inline assembly, so CUDA only: the Triton interpreter runs none)."""
+    tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.b32 $0, $1;", "=r,r", [lanes.to(tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)

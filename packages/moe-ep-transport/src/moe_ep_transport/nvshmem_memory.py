@@ -102,6 +102,7 @@ class NvshmemPeerMemory:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.slab_bytes = slab_bytes
+        self.barriers_in_kernels = True
         self._nvshmem = bootstrap(group, device, N_SLABS * slab_bytes)
         interop = self._nvshmem.interop.torch
         self._slabs = [interop.tensor((slab_bytes,), dtype=torch.uint8) for _ in range(N_SLABS)]

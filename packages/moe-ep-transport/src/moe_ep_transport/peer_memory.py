@@ -28,6 +28,9 @@ class PeerMemory(Protocol):
     rank: int
     world_size: int
     slab_bytes: int
+    # Whether :meth:`deferred_barrier` hands its barrier to the next kernel (which may then
+    # also put before it, in the same launch) rather than passing it at once on the host.
+    barriers_in_kernels: bool
 
     def slab(self, index: int) -> torch.Tensor:
         """This rank's slab ``index`` (uint8 ``[slab_bytes]``)."""
@@ -172,6 +175,7 @@ class EmulatedPeerMemory:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.slab_bytes = slab_bytes
+        self.barriers_in_kernels = False
         self._slabs = [torch.zeros(slab_bytes, dtype=torch.uint8, device=device) for _ in range(N_SLABS)]
 
     def slab(self, index: int) -> torch.Tensor:

@@ -10,14 +10,15 @@ order. The layout needs only the count matrix ``counts_ME[s, g]`` (rows source
 ``s`` routes to expert ``g``), which every rank holds after the count exchange, so
 each source computes the destination row of each of its slots by itself.
 
-The plan takes four device launches on CUDA (:mod:`moe_ep_transport.plan_reference`
-defines the steps): slot ranks (per block, then the block scan) before the count
-exchange, the cell tables and the per-row destinations after it. The per-row step keeps
-its own kernel: folded into the token put (each program planning its slots and, for the
-once-per-rank check, the token's earlier ones again) the put compiled to 255 registers
-with spills for sm_90, and a dispatch of 32k tokens per rank took 6.27 ms instead of 1.14
-on two H200s (``tools/bench_ep_transport.py``, ``dispatch_ms``, commit b57a150 against
-8587cb1).
+The plan takes two device launches on CUDA (:mod:`moe_ep_transport.plan_reference`
+defines the steps): the slot ranks and the cell tables in one (in the rowwise transport
+with the count exchange inside: the block ranked last puts the counts into every
+rank, passes the exchange's barrier and plans the cells), the per-row destinations
+in the other. The per-row step keeps its own kernel: folded into the token put (each
+program planning its slots and, for the once-per-rank check, the token's earlier ones
+again) the put compiled to 255 registers with spills for sm_90, and a dispatch of 32k
+tokens per rank took 6.27 ms instead of 1.14 on two H200s
+(``tools/bench_ep_transport.py``, ``dispatch_ms``, commit b57a150 against 8587cb1).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_ep_transport import ops
-from moe_ep_transport.plan_reference import SlotRanks
+from moe_ep_transport.plan_reference import CellPlan, SlotRanks
 
 
 @dataclass
@@ -88,8 +89,14 @@ def plan_routes(
     ``stats_2ME`` to, in its own launch (:class:`~moe_ep_transport.telemetry.EPTelemetry`);
     ``wait``: the count exchange's barrier, still to pass (the cell kernel passes it first).
     """
-    M, E = counts_ME.shape
     cells = ops.plan_cells(counts_ME, capacity, salt, rank, stats_sum_2ME, wait)
+    return route_plan(expert_N, slots, cells, rank=rank, top_k=top_k, capacity=capacity)
+
+
+def route_plan(expert_N: torch.Tensor, slots: SlotRanks, cells: CellPlan, *, rank: int, top_k: int,
+               capacity: int) -> RoutePlan:
+    """The plan from its first two steps' outputs (``slots``, ``cells``): the per-row step."""
+    M, E = cells.stats_2ME.shape[1:]
     dst_rank_N, dst_row_N, row_src_C = ops.plan_rows(expert_N, slots, cells, M, capacity)
     return RoutePlan(
         rank=rank,

@@ -23,11 +23,11 @@ saves copying the expert output into a symmetric buffer first, and stores travel
 faster than loads over NVLink.
 
 Every step is one launch (a put, a barrier, a kernel of :mod:`moe_ep_transport.ops`),
-and on CUDA the steps fold: the dispatch's count exchange into the plan's kernels (the
-slot ranking's block scan stores the counts into the peers and the cell kernel passes
-the barrier, :meth:`RowwiseTransport.plan_routes`), and a put's barrier into the kernel
+and on CUDA the steps fold: the dispatch's count exchange into the plan's first kernel
+(the block ranked last stores the counts into the peers, passes the barrier and plans
+the cells, :meth:`RowwiseTransport.plan_routes`), and a put's barrier into the kernel
 that reads what it put (every program of the receive or sum waits for the peers' flags;
-``_kernel_parts``): six launches per dispatch (slot ranks, block scan, cells, rows, put,
+``_kernel_parts``): four launches per dispatch (slot ranks and cells, rows, put,
 receive), two per combine (put, sum). Index tensors that do not change between calls are
 built once. Sizes are static: capacity C rows to receive, T_max*k slots to return.
 
@@ -55,7 +55,7 @@ from moe_ep_transport import ops
 from moe_ep_transport._triton_support import resolve_backend
 from moe_ep_transport.config import EPConfig
 from moe_ep_transport.peer_memory import N_SLABS, PeerMemory, slab_view
-from moe_ep_transport.plan import RoutePlan, plan_routes
+from moe_ep_transport.plan import RoutePlan, plan_routes, route_plan
 from moe_ep_transport.transport import check_send, send_then_grads
 
 _ALIGN = 256
@@ -124,6 +124,9 @@ class RowwiseTransport:
         M, device = self.world_size, memory.slab(0).device
         self._count_rank_M = torch.arange(M, device=device)
         self._count_row_M = torch.full((M,), self.rank, dtype=torch.int64, device=device)
+        # The plan launch's ticket counters, one per slab (a launch leaves its counter at zero;
+        # launches that share a slab never overlap).
+        self._tickets = torch.zeros(N_SLABS, dtype=torch.int32, device=device)
 
     def close(self) -> None:
         """Release the symmetric buffers (collective; NVSHMEM memory only)."""
@@ -193,17 +196,26 @@ class RowwiseTransport:
         self, expert_N: torch.Tensor, n_experts: int, *, top_k: int, capacity: int, salt: int,
         stats_sum_2ME: torch.Tensor | None = None,
     ) -> RoutePlan:
-        """The call's plan (``transport.Transport``), the count exchange folded into its kernels:
-        where the plan runs its kernels and the peers' slabs have addresses (NVSHMEM), the
-        block scan of ``rank_slots`` stores the counts into every peer (no put of their own),
-        and the cell kernel passes the barrier before it reads them (no barrier launch)."""
+        """The call's plan (``transport.Transport``), the count exchange folded into its kernels
+        where the plan runs its kernels and the peers' slabs have addresses (NVSHMEM): the
+        launch that ranks the slots also puts the counts into every peer, and where the
+        memory passes barriers in kernels it passes the exchange's barrier and plans the
+        cells too (``_plan_kernels.rank_slots_and_cells``: the plan's first launch of two)."""
         E = n_experts
         slab, counts_ME = self._count_slab(E)
         table = self.memory.peer_table(slab)
         if table is not None and resolve_backend("auto", expert_N.device):
             from moe_ep_transport import _plan_kernels as plan_kernels
 
-            slots = plan_kernels.rank_slots(expert_N, E, plan_kernels.CountPublish(table, 0, self.rank))
+            tickets, publish = self._tickets[slab : slab + 1], plan_kernels.CountPublish(table, 0, self.rank)
+            if self.memory.barriers_in_kernels:
+                wait = self.memory.deferred_barrier()
+                slots, cells = plan_kernels.rank_slots_and_cells(
+                    expert_N, E, tickets, publish,
+                    plan_kernels.CellRequest(counts_ME, capacity, salt, self.rank, stats_sum_2ME, wait),
+                )
+                return route_plan(expert_N, slots, cells, rank=self.rank, top_k=top_k, capacity=capacity)
+            slots = plan_kernels.rank_slots(expert_N, E, tickets, publish)
         else:
             slots = ops.rank_slots(expert_N, E)
             self._put_counts(slab, slots.counts_E)
