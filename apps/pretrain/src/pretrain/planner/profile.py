@@ -26,7 +26,7 @@ LINK_CLASSES = ("nvlink", "network")
 # (parallel.ep_comm_sms unset; its grids are sized by their rows and run at the highest
 # priority). About what a put-based transport needs to keep NVLink at its rate:
 # DeepSeek-V3 runs its dispatch and combine on 20 of an H800's 132 SMs. Our own puts take
-# more: the bundled h200 profile holds 0.64, fitted to two H200s' replayed steps
+# more: the bundled h200 profile holds 0.65, fitted to two H200s' replayed steps
 # (profiles/h200.json). tools/bench_ep_overlap.py measures the pipelined layer;
 # ``step_time.fit_comm_sm_share`` turns its row into this share.
 EP_COMM_SM_SHARE = 20 / 132
