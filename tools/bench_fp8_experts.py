@@ -40,10 +40,9 @@
    packed ``uint8[R, D + 4]``; ``decode_fp8_rows``: packed to BF16), each beside its
    reference on the same GPU (several torch passes), with a device copy of the rows
    measured in the same run as the ceiling; bandwidth counts the bytes a kernel must read
-   and write. Also the LM head's output gradient ``[8192, 100352]`` as the FP8 head's
-   input gradient takes it: moe_model's fused cross-entropy backward alone, followed by
-   the rowwise quantisation, and writing the FP8 codes in its own pass
-   (``moe_mxfp8.fp8_linear.OutputGradientRows``).
+   and write. Also the rowwise quantisation of an LM head's output gradient
+   ``[8192, 100352]`` (``tools/sweep_cross_entropy.py`` times the cross-entropy kernels
+   that make it, and write its codes in their pass).
 4. Unless ``--no-tile-sweep``: each of those kernels under each launch shape of
    ``TILE_CANDIDATES`` (``moe_mxfp8._fp8_kernels._TILES``) and ``CODEC_TILE_CANDIDATES``
    (``moe_mxfp8._fp8_codec_kernels._TILES``), checked bit-exact against the torch
@@ -498,20 +497,6 @@ def bench_kernels(args) -> dict:
             q = quantize_fp8(src, (1, 0), True)
             dst.data.copy_(q.data)
             dst.scale.copy_(q.scale)
-    # the LM head's output gradient, made by the fused cross-entropy from [8192, 100352]
-    # logits, with the FP8 head's rowwise dy written apart or in the same pass
-    from moe_model._cross_entropy_kernels import cross_entropy_backward, cross_entropy_forward
-    from moe_mxfp8.fp8_linear import OutputGradientRows
-
-    targets = torch.randint(0, wide.shape[1], (wide.shape[0],), device="cuda")
-    _, row_max, logsum, other_max = cross_entropy_forward(wide, targets, other_max=True)
-    grad_out = torch.tensor(1 / 3000, device="cuda")
-    encoder = OutputGradientRows(pow2=True)
-
-    def loss_backward(encoding=None):
-        return cross_entropy_backward(wide, targets, row_max, logsum, grad_out, encoding=encoding)
-
-    wn, wr = wide.numel(), wide.shape[0]
     cases = {
         "device copy (ceiling)": (lambda: out.copy_(x), 4 * n),
         "rowwise rows [R, D]": (lambda: quantize_fp8(x, (1, 0), True), 3 * n + 4 * rows_n),
@@ -524,11 +509,6 @@ def bench_kernels(args) -> dict:
         # an LM head's output gradient: rows of the vocabulary, walked in chunks
         "rowwise rows [8192, 100352]": (lambda: quantize_fp8(wide, (1, 0), True),
                                         3 * wide.numel() + 4 * wide.shape[0]),
-        "cross-entropy backward [8192, 100352]": (loss_backward, 4 * wn),
-        "the same, then rowwise rows": (lambda: quantize_fp8(loss_backward()[0], (1, 0), True),
-                                        7 * wn + 4 * wr),
-        "the same, writing rowwise FP8 in its pass": (
-            lambda: loss_backward((encoder, other_max)), 5 * wn + 4 * wr),
         "128x128 weight [E, 2F, D]": (lambda: quantize_fp8(w, (128, 128), False), 3 * nw),
         "rowwise weight copies, gate and up [E, 2F, D]": (
             lambda: quantize_weight_rowwise([gate, up], True, out=cache), 4 * nw),
