@@ -21,7 +21,7 @@ from _oracle import (  # noqa: E402
     assert_passed,
     check_partial_kernels,
     check_plan_kernels,
-    check_plan_launch,
+    check_plan_with_the_count_exchange,
     peer_wait,
 )
 from moe_ep_transport import _transport_kernels as kernels  # noqa: E402
@@ -212,6 +212,26 @@ def check_combine_grads() -> None:
     # A rank without tokens: empty results, no launch.
     scaled, grad_w = ops.combine_grads(torch.zeros(0, D), torch.zeros(0), torch.zeros(0, D), torch.float32, True, backend="triton")
     assert scaled.shape == (0, D) and grad_w.shape == (0,)
+
+
+def check_scan_blocks() -> None:
+    # More blocks than one chunk: the carry between chunks (at 256 Ki slots there are 2048
+    # blocks of 128, two chunks of 1024; the plan cases below stay within one chunk).
+    from moe_ep_transport import _plan_kernels as plan_kernels
+
+    hist = torch.randint(0, 9, (37, 5), generator=torch.Generator().manual_seed(4), dtype=torch.int32)
+    for chunk in (8, 64):
+        assert torch.equal(plan_kernels.scan_blocks(hist, chunk), hist.cumsum(0, dtype=torch.int32)), chunk
+    # Publishing: the totals land in row `me` of an int32 [M, E] table at each rank's address.
+    for M, me in ((3, 1), (1, 0)):
+        slabs = [torch.full((32 + M * 5 * 4,), 7, dtype=torch.uint8) for _ in range(M)]
+        want = [s.clone() for s in slabs]
+        for w in want:
+            w[32:].view(torch.int32).view(M, 5)[me] = hist.sum(0, dtype=torch.int32)
+        table = torch.tensor([s.data_ptr() for s in slabs])
+        cum = plan_kernels.scan_blocks(hist, 8, plan_kernels.CountPublish(table, 32, me))
+        assert torch.equal(cum, hist.cumsum(0, dtype=torch.int32))
+        assert all(torch.equal(a, b) for a, b in zip(slabs, want, strict=True)), (M, me)
 
 
 def check_signal_barrier() -> None:
@@ -430,7 +450,8 @@ if __name__ == "__main__":
     check_topk_gather_sum()
     check_combine_grads()
     check_any_strides()
-    check_plan_launch("cpu")
+    check_scan_blocks()
+    check_plan_with_the_count_exchange("cpu")
     check_signal_barrier()
     check_plan_cells_passes_the_barrier()
     check_receive_kernels_pass_the_put_barrier()

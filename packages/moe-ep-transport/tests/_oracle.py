@@ -170,30 +170,22 @@ def assert_passed(epochs, flags, me: int, number: int, parity: int, where: str) 
     assert [int(f[me]) for f in flags] == [number] * len(flags), (where, flags)
 
 
-def check_plan_launch(device: str) -> None:
-    """The plan's first launch on ``device`` equals the PyTorch definitions bit for bit: the
-    block scan over several chunks, and with the count exchange folded in (the counts put
-    into every rank, the exchange's barrier passed, the cells and the telemetry)."""
+def check_plan_with_the_count_exchange(device: str) -> None:
+    """The plan's first steps with the count exchange folded in, on ``device``, equal the
+    PyTorch definitions bit for bit: the slot ranks, the counts put into every rank, and in
+    the block scan's program that finishes last the exchange's barrier, the cells and the
+    telemetry."""
     from moe_ep_transport import _plan_kernels as plan_kernels
     from moe_ep_transport import ops
-    from moe_ep_transport.plan_reference import slot_block
 
     def same(got, want) -> bool:
         return all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
 
-    # The block ranked last scans the [B, E] block table, CHUNK blocks at a time with a carry:
-    # 256 experts take 32 blocks a chunk; 4101 slots take 65 blocks of 64 (three chunks),
-    # 8192 slots the most blocks, 128 of 64 (four chunks).
     gen = torch.Generator().manual_seed(4)
-    for n, E, blocks in ((4101, 256, 65), (8192, 256, 128), (300, 7, 2)):
-        assert -(-n // slot_block(n, E)) == blocks, (n, E, slot_block(n, E))
-        expert_N = torch.randint(0, E, (n,), generator=gen)
-        assert same(plan_kernels.rank_slots(expert_N.to(device), E), ops.rank_slots_reference(expert_N, E)), (n, E)
-
-    # One launch: the slot ranks, the counts put into row `me` of every rank's table, the
-    # exchange's barrier (the others already announced it), the cells from the table in this
-    # rank's slab (the other ranks' rows already there), and the telemetry sum. Twice with
-    # one ticket counter, which each launch leaves at zero.
+    # The counts put into row `me` of every rank's table, the exchange's barrier (the others
+    # already announced it), the cells from the table in this rank's slab (the other ranks'
+    # rows already there), and the telemetry sum; 6 experts, 6 programs take tickets. Twice
+    # with one ticket counter, which each launch leaves at zero.
     M, me, E, n, capacity, salt = 3, 1, 6, 41, 20, 3
     tickets = torch.zeros(1, dtype=torch.int32, device=device)
     for launch in range(2):

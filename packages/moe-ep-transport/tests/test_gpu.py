@@ -24,7 +24,7 @@ from _oracle import (  # noqa: E402
     BytesCodec,
     check_partial_kernels,
     check_plan_kernels,
-    check_plan_launch,
+    check_plan_with_the_count_exchange,
     forward_backward,
 )
 from moe_ep_transport import EPConfig, EPDispatcher, EPOverflowError, make_transport, ops  # noqa: E402
@@ -454,8 +454,8 @@ def test_plan_kernels_equal_torch_reference_on_cuda() -> None:
 
 
 @pytest.mark.gpu
-def test_plan_launch_with_the_count_exchange_equals_torch_reference_on_cuda() -> None:
-    check_plan_launch("cuda")
+def test_plan_with_the_count_exchange_equals_torch_reference_on_cuda() -> None:
+    check_plan_with_the_count_exchange("cuda")
 
 
 @pytest.mark.gpu

@@ -110,22 +110,25 @@ def test_plan_kernels_compile_for_hopper() -> None:
     """The plan kernels lower for sm_90 at the benchmark's shapes (64 experts, 2 ranks)."""
     from moe_ep_transport import _plan_kernels as plan_kernels
 
-    fused = _ptx(plan_kernels._rank_slots_kernel,
-                 {"expert_ptr": "*i64", "rank_ptr": "*i32", "hist_ptr": "*i32", "cum_ptr": "*i32",
-                  "ticket_ptr": "*i32", "n_slots": "i32", "n_experts": "i32", "slot_block": "i32",
-                  "n_blocks": "i32", "peer_table_ptr": "*i64", "byte_offset": "i32", "me": "i32",
-                  "n_ranks": "i32", "counts_ptr": "*i32", "stats_ptr": "*i64", "table_ptr": "*i64",
-                  "recv_ptr": "*i64", "offsets_ptr": "*i32", "sum_ptr": "*i64", "capacity": "i32",
-                  "salt": "i32", "epoch_ptr": "*i64", "parity": "i32", "flag_table_ptr": "*i64",
-                  "TILE": "constexpr", "E_P": "constexpr", "CHUNK": "constexpr", "M_P": "constexpr",
-                  "PUBLISH": "constexpr", "CELLS": "constexpr", "ACCUMULATE": "constexpr", "WAIT": "constexpr",
-                  "FLAGS_P": "constexpr", "FENCE": "constexpr"},
-                 {"TILE": 128, "E_P": 64, "CHUNK": 128, "M_P": 2, "PUBLISH": True, "CELLS": True,
-                  "ACCUMULATE": True, "WAIT": True, "FLAGS_P": 2, "FENCE": True}, aligned=(), num_warps=4)
-    _assert_system_scope_barrier(fused)  # the count exchange's barrier, passed by the block ranked last
-    assert _count(fused, "fence.acq_rel.sys") > 0  # the counts' puts ordered before the barrier's signal
+    _ptx(plan_kernels._rank_slots_kernel,
+         {"expert_ptr": "*i64", "rank_ptr": "*i32", "hist_ptr": "*i32", "n_slots": "i32", "n_experts": "i32",
+          "BLOCK_S": "constexpr", "E_P": "constexpr"},
+         {"BLOCK_S": 128, "E_P": 64}, aligned=(), num_warps=4)
+    scan = _ptx(plan_kernels._cumsum_blocks_kernel,
+                {"hist_ptr": "*i32", "cum_ptr": "*i32", "n_blocks": "i32", "n_experts": "i32",
+                 "peer_table_ptr": "*i64", "byte_offset": "i32", "me": "i32", "n_ranks": "i32",
+                 "ticket_ptr": "*i32", "counts_ptr": "*i32", "stats_ptr": "*i64", "table_ptr": "*i64",
+                 "recv_ptr": "*i64", "offsets_ptr": "*i32", "sum_ptr": "*i64", "capacity": "i32", "salt": "i32",
+                 "epoch_ptr": "*i64", "parity": "i32", "flag_table_ptr": "*i64",
+                 "CHUNK": "constexpr", "PUBLISH": "constexpr", "M_P": "constexpr", "E_P": "constexpr",
+                 "CELLS": "constexpr", "ACCUMULATE": "constexpr", "WAIT": "constexpr", "FLAGS_P": "constexpr",
+                 "FENCE": "constexpr"},
+                {"CHUNK": 1024, "PUBLISH": True, "M_P": 2, "E_P": 64, "CELLS": True, "ACCUMULATE": True,
+                 "WAIT": True, "FLAGS_P": 2, "FENCE": True}, aligned=(), num_warps=4)
+    _assert_system_scope_barrier(scan)  # the count exchange's barrier, passed by the scan's last program
+    assert _count(scan, "fence.acq_rel.sys") > 0  # each program's count puts ordered before its ticket
     # The ticket: one atomic add per program at GPU scope, acquiring and releasing.
-    assert _count(fused, "atom.global.gpu.acq_rel.add") == 1, _count(fused, "atom.")
+    assert _count(scan, "atom.global.gpu.acq_rel.add") == 1, _count(scan, "atom.")
     cells = _ptx(plan_kernels._plan_cells_kernel,
                  {"counts_ptr": "*i32", "stats_ptr": "*i64", "table_ptr": "*i64", "recv_ptr": "*i64",
                   "offsets_ptr": "*i32", "sum_ptr": "*i64", "capacity": "i32", "salt": "i32", "me": "i32",
@@ -138,9 +141,9 @@ def test_plan_kernels_compile_for_hopper() -> None:
     _ptx(plan_kernels._plan_rows_kernel,
          {"expert_ptr": "*i64", "rank_in_block_ptr": "*i32", "cum_ptr": "*i32", "table_ptr": "*i64",
           "recv_end_ptr": "*i64", "dst_rank_ptr": "*i64", "dst_row_ptr": "*i64", "row_src_ptr": "*i64",
-          "n_slots": "i32", "n_rows": "i32", "n_ranks": "i32", "n_experts": "i32", "slot_block": "i32",
-          "TILE": "constexpr", "E_P": "constexpr"},
-         {"TILE": 128, "E_P": 64}, aligned=(), num_warps=4)
+          "n_slots": "i32", "n_rows": "i32", "n_ranks": "i32", "n_experts": "i32",
+          "BLOCK": "constexpr", "E_P": "constexpr"},
+         {"BLOCK": 128, "E_P": 64}, aligned=(), num_warps=4)
 
 
 def test_signal_barrier_orders_at_system_scope() -> None:

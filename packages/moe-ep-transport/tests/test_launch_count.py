@@ -18,15 +18,15 @@ pytest.importorskip("triton")
 
 # Launches per direction (Triton kernels + barrier kernels, aten ops), by combine site.
 # Every put's barrier is passed by the kernel that reads what it put. Dispatch: slot ranks
-# (+ block scan, count put), cell plan (+ the counts' barrier, telemetry), row plan, token
-# put, receive. On NVSHMEM the cell plan folds into the slot ranks' launch (four), which the
-# rank threads cannot do: their barriers are host waits (``barriers_in_kernels``), passed
-# between launches; ``test_gpu`` runs that path. Combine: put, sum. Combine's backward at the source: scaled
+# (hist, block scan + count put), cell plan (+ the counts' barrier, telemetry), row plan,
+# token put, receive. On NVSHMEM the cell plan runs in the block scan's last program (five),
+# which the rank threads cannot do: their barriers are host waits between launches
+# (``barriers_in_kernels``); ``test_gpu`` runs that path. Combine: put, sum. Combine's backward at the source: scaled
 # gradients, put, receive; at the destination: token put, receive (+ row and weight
 # gradients), weight put (+ zeroing the dropped slots), the copy out of the slab.
 _KERNELS = {
-    "source": {"dispatch": 5, "combine": 2, "combine_backward": 3, "dispatch_backward": 2, "no_grad": 7},
-    "destination": {"dispatch": 5, "combine": 2, "combine_backward": 4, "dispatch_backward": 2, "no_grad": 7},
+    "source": {"dispatch": 6, "combine": 2, "combine_backward": 3, "dispatch_backward": 2, "no_grad": 8},
+    "destination": {"dispatch": 6, "combine": 2, "combine_backward": 4, "dispatch_backward": 2, "no_grad": 8},
 }
 _ATEN: dict[str, dict[str, int]] = {"source": {}, "destination": {}}
 

@@ -10,15 +10,21 @@ order. The layout needs only the count matrix ``counts_ME[s, g]`` (rows source
 ``s`` routes to expert ``g``), which every rank holds after the count exchange, so
 each source computes the destination row of each of its slots by itself.
 
-The plan takes two device launches on CUDA (:mod:`moe_ep_transport.plan_reference`
-defines the steps): the slot ranks and the cell tables in one (in the rowwise transport
-with the count exchange inside: the block ranked last puts the counts into every
-rank, passes the exchange's barrier and plans the cells), the per-row destinations
-in the other. The per-row step keeps its own kernel: folded into the token put (each
-program planning its slots and, for the once-per-rank check, the token's earlier ones
-again) the put compiled to 255 registers with spills for sm_90, and a dispatch of 32k
-tokens per rank took 6.27 ms instead of 1.14 on two H200s
-(``tools/bench_ep_transport.py``, ``dispatch_ms``, commit b57a150 against 8587cb1).
+The plan takes three device launches on CUDA (:mod:`moe_ep_transport.plan_reference`
+defines the steps): slot ranks (per block, then the block scan) before the count
+exchange, the per-row destinations after it. The cell tables take no launch of their
+own: the block scan's program that finishes last plans them (in the rowwise transport
+after the exchange's barrier, which it passes), and an all-to-all transport plans them
+in a single-program kernel (four launches). Folding the block scan into the slot
+ranking's launch as well (its last block scanning the whole table) took a plan of 32k
+tokens per rank from 70 to 80 us on one H100: one program's scan, and the larger blocks
+that keep its table small, cost more than a launch replayed from a CUDA graph
+(``tools/bench_ep_plan.py``, commit 47316d0 against 9c93953). The per-row step keeps
+its own kernel: folded into the token put (each program planning its slots and, for
+the once-per-rank check, the token's earlier ones again) the put compiled to 255
+registers with spills for sm_90, and a dispatch of 32k tokens per rank took 6.27 ms
+instead of 1.14 on two H200s (``tools/bench_ep_transport.py``, ``dispatch_ms``, commit
+b57a150 against 8587cb1).
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ M EP ranks, L = E/M local experts, C rank capacity, B slot blocks of
 expert; a destination receives its cells in the order ``j = l*M + s`` (local
 expert, then source).
 
-On CUDA two Triton launches (``_plan_kernels``) compute the same integers bit for
-bit: one for steps 1 and 2 (the block ranked last scans the block table and plans
-the cells), one for step 3:
+The plan is cut into the pieces that need no global synchronisation inside them,
+so that on CUDA each is one Triton program (``_plan_kernels``; step 2 runs in the last
+program of step 1's block scan) computing the same integers bit for bit:
 
 1. :func:`rank_slots_reference`: per block of slots, how many slots chose each
    expert (running over blocks: ``cum_BE``), and each slot's rank among the
@@ -28,27 +28,16 @@ import torch
 
 from moe_ep_transport.overflow import counts_seed, dropped_window, fair_allocation
 
-SLOT_TILE_ELEMENTS = 8192  # the [tile, E] one-hot of a slot tile stays in one program's registers
-SCAN_ELEMENTS = 32768  # the [blocks, E] table that one program scans after the blocks are ranked
+SLOT_BLOCK_ELEMENTS = 8192  # the [block, E] one-hot of a slot block stays in one program's registers
 
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def slot_tile(n_experts: int) -> int:
-    """Slots a plan program holds at once (step 1 ranks a block tile by tile; step 3 plans one tile)."""
-    return max(16, min(256, SLOT_TILE_ELEMENTS // next_power_of_2(n_experts)))
-
-
-def slot_block(n_slots: int, n_experts: int) -> int:
-    """Slots per block of step 1: whole tiles, as few per block as keep the ``[B, E]`` block
-    table within ``SCAN_ELEMENTS`` (padded to a power of two experts), so that the one
-    program that scans it, the last block's, stays short."""
-    tile = slot_tile(n_experts)
-    tiles = -(-max(n_slots, 1) // tile)
-    max_blocks = max(1, SCAN_ELEMENTS // next_power_of_2(n_experts))
-    return tile * -(-tiles // max_blocks)
+def slot_block(n_experts: int) -> int:
+    """Slots per block of step 1 (and per program of step 3)."""
+    return max(16, min(256, SLOT_BLOCK_ELEMENTS // next_power_of_2(n_experts)))
 
 
 class SlotRanks(NamedTuple):
@@ -77,7 +66,7 @@ def rank_slots_reference(expert_N: torch.Tensor, n_experts: int) -> SlotRanks:
     n, E = expert_N.numel(), n_experts
     if n and not (0 <= int(expert_N.min()) and int(expert_N.max()) < E):  # CPU path: checking is free
         raise ValueError(f"expert_ids must lie in [0, {E}) (EPConfig.n_experts)")
-    block = slot_block(n, E)
+    block = slot_block(E)
     n_blocks = max(1, -(-n // block))
     slot_N = torch.arange(n, device=expert_N.device)
     bucket_N = (slot_N // block) * E + expert_N
@@ -126,7 +115,7 @@ def plan_rows_reference(
     padding receive rows source -1."""
     expert_N = expert_N.to(torch.int64)
     n, E = expert_N.numel(), cells.slot_table_4E.shape[1]
-    block = slot_block(n, E)
+    block = slot_block(E)
     block_N = torch.arange(n, device=expert_N.device) // block
     earlier_N = torch.where(
         block_N > 0,

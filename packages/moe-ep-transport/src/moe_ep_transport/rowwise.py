@@ -23,12 +23,12 @@ saves copying the expert output into a symmetric buffer first, and stores travel
 faster than loads over NVLink.
 
 Every step is one launch (a put, a barrier, a kernel of :mod:`moe_ep_transport.ops`),
-and on CUDA the steps fold: the dispatch's count exchange into the plan's first kernel
-(the block ranked last stores the counts into the peers, passes the barrier and plans
-the cells, :meth:`RowwiseTransport.plan_routes`), and a put's barrier into the kernel
-that reads what it put (every program of the receive or sum waits for the peers' flags;
-``_kernel_parts``): four launches per dispatch (slot ranks and cells, rows, put,
-receive), two per combine (put, sum). Index tensors that do not change between calls are
+and on CUDA the steps fold: the dispatch's count exchange into the plan's kernels
+(the slot ranking's block scan stores the counts into the peers, and its program that
+finishes last passes the barrier and plans the cells, :meth:`RowwiseTransport.plan_routes`),
+and a put's barrier into the kernel that reads what it put (every program of the receive
+or sum waits for the peers' flags; ``_kernel_parts``): five launches per dispatch (slot
+ranks, block scan and cells, rows, put, receive), two per combine (put, sum). Index tensors that do not change between calls are
 built once. Sizes are static: capacity C rows to receive, T_max*k slots to return.
 
 With ``EPConfig.copy_engine`` the two sends that are one contiguous block per destination
@@ -198,24 +198,24 @@ class RowwiseTransport:
     ) -> RoutePlan:
         """The call's plan (``transport.Transport``), the count exchange folded into its kernels
         where the plan runs its kernels and the peers' slabs have addresses (NVSHMEM): the
-        launch that ranks the slots also puts the counts into every peer, and where the
-        memory passes barriers in kernels it passes the exchange's barrier and plans the
-        cells too (``_plan_kernels.rank_slots_and_cells``: the plan's first launch of two)."""
+        slot ranking's block scan also puts the counts into every peer, and where the memory
+        passes barriers in kernels its program that finishes last passes the exchange's
+        barrier and plans the cells too (``_plan_kernels.rank_slots_and_cells``)."""
         E = n_experts
         slab, counts_ME = self._count_slab(E)
         table = self.memory.peer_table(slab)
         if table is not None and resolve_backend("auto", expert_N.device):
             from moe_ep_transport import _plan_kernels as plan_kernels
 
-            tickets, publish = self._tickets[slab : slab + 1], plan_kernels.CountPublish(table, 0, self.rank)
+            publish = plan_kernels.CountPublish(table, 0, self.rank)
             if self.memory.barriers_in_kernels:
                 wait = self.memory.deferred_barrier()
                 slots, cells = plan_kernels.rank_slots_and_cells(
-                    expert_N, E, tickets, publish,
+                    expert_N, E, self._tickets[slab : slab + 1], publish,
                     plan_kernels.CellRequest(counts_ME, capacity, salt, self.rank, stats_sum_2ME, wait),
                 )
                 return route_plan(expert_N, slots, cells, rank=self.rank, top_k=top_k, capacity=capacity)
-            slots = plan_kernels.rank_slots(expert_N, E, tickets, publish)
+            slots = plan_kernels.rank_slots(expert_N, E, publish)
         else:
             slots = ops.rank_slots(expert_N, E)
             self._put_counts(slab, slots.counts_E)

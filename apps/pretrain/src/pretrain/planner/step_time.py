@@ -81,11 +81,11 @@ REBUILD_BYTES = 6  # FP32 main weight read, compute weight written
 UNFUSED_ACCUMULATION_BYTES = 10  # BF16 gradient read, FP32 main grad read and written
 NEWTON_SCHULZ_STEPS = 5
 # Launches each extra EP chunk adds (parallel.ep_overlap_chunks), forward and backward:
-# the rowwise transport's dispatch + combine on NVSHMEM, 6 forward and 6 backward summing
+# the rowwise transport's dispatch + combine on NVSHMEM, 7 forward and 6 backward summing
 # at the destination (5 backward at the source; moe_ep_transport's README; its
 # test_launch_count.py pins them on CPU, one more forward there), and, an assumption, 3
 # forward and 5 backward of the chunk's grouped GEMMs and SwiGLU.
-KERNELS_PER_CHUNK_FORWARD = 6 + 3
+KERNELS_PER_CHUNK_FORWARD = 7 + 3
 KERNELS_PER_CHUNK_BACKWARD = 6 + 5
 
 
