@@ -166,12 +166,14 @@ class CrossEntropyConfig:
 # the resident programs per SM hide the load latency (Triton does not software-pipeline
 # loads that feed no dot, so num_stages has no effect here). Chosen by
 # `tools/from_source.sh python3 tools/sweep_cross_entropy.py` at the LM head's shape
-# ([8192, 100352] BF16; one H100, commit 404178d, `sweep_cross_entropy_h100.json`):
-# the forward and the plain backward run at 94-102% of the device copy over most
+# ([8192, 100352] BF16; one H100, commit 19adba6, `sweep_cross_entropy_h100.json`):
+# the forward and the plain backward run at 92-101% of the device copy over most
 # shapes, so they keep 8192-wide chunks on 8 warps (32 elements, four 16-byte loads, per
-# thread). The backward that also writes an encoder's codes holds more per element (the
-# row scale, the bit-level E4M3 encoding): 2048-wide chunks on 8 warps ran at 1.46 ms
-# (93% of copy) against 1.69 for 8192 on 8 (80%) and 1.50 for 2048 on 4. CPU runs are
+# thread; within 1.6% of their best shape, 3.3% for the forward that also records the
+# largest other logit). The backward that also writes an encoder's
+# codes holds more per element (the row scale, the bit-level E4M3 encoding): 2048-wide
+# chunks on 8 warps ran at 1.46 ms (93% of copy) against 1.71 for 8192 on 8 (79%) and
+# 1.50 for 2048 on 4. CPU runs are
 # the Triton interpreter (tests), where small chunks keep the multi-chunk paths exercised.
 _GPU = {
     "forward": CrossEntropyConfig(block_v=8192, num_warps=8),
