@@ -99,8 +99,9 @@ def wait_for_peers(wait: PeerWait | None) -> None:
 def rank_slots(expert_N: torch.Tensor, n_experts: int, backend: Backend = "auto") -> SlotRanks:
     """Per-block expert counts and ranks of the slots (plan step 1; :func:`rank_slots_reference`).
 
-    The rowwise transport's ``plan_routes`` fuses the count exchange and step 2 into the
-    kernel's launch (``_plan_kernels.rank_slots_and_cells``) where it runs the kernels."""
+    The rowwise transport's ``plan_routes`` folds the count exchange's put into the block
+    scan, and where its memory passes barriers in kernels, the exchange's barrier and
+    step 2 too (``_plan_kernels.rank_slots_and_cells``)."""
     if resolve_backend(backend, expert_N.device):
         from moe_ep_transport import _plan_kernels as plan_kernels
 

@@ -23,13 +23,13 @@ saves copying the expert output into a symmetric buffer first, and stores travel
 faster than loads over NVLink.
 
 Every step is one launch (a put, a barrier, a kernel of :mod:`moe_ep_transport.ops`),
-and on CUDA the steps fold: the dispatch's count exchange into the plan's kernels
-(the slot ranking's block scan stores the counts into the peers, and its program that
+and on CUDA the steps fold: the dispatch's count exchange into the plan's kernels (the
+slot ranking's block scan stores the counts into the peers, and its program that
 finishes last passes the barrier and plans the cells, :meth:`RowwiseTransport.plan_routes`),
 and a put's barrier into the kernel that reads what it put (every program of the receive
 or sum waits for the peers' flags; ``_kernel_parts``): five launches per dispatch (slot
-ranks, block scan and cells, rows, put, receive), two per combine (put, sum). Index tensors that do not change between calls are
-built once. Sizes are static: capacity C rows to receive, T_max*k slots to return.
+ranks, block scan and cells, rows, put, receive), two per combine (put, sum). Index
+tensors that do not change between calls are built once. Sizes are static: capacity C rows to receive, T_max*k slots to return.
 
 With ``EPConfig.copy_engine`` the two sends that are one contiguous block per destination
 rank, the token inbox (every source token, needed there or not) and the partial sums,
