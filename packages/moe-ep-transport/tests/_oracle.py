@@ -205,7 +205,7 @@ def check_plan_with_the_count_exchange(device: str) -> None:
         peers = torch.tensor([s.data_ptr() for s in slabs], device=device)
         slots, cells = plan_kernels.rank_slots_and_cells(
             expert_N.to(device), E, tickets, plan_kernels.CountPublish(peers, 32, me),
-            plan_kernels.CellRequest(table_ME, capacity, salt, me, stats_sum, wait))
+            plan_kernels.CellRequest(table_ME, capacity, salt, stats_sum, wait))
         assert same(slots, want_slots), launch
         assert same(cells, want_cells), launch
         assert torch.equal(stats_sum.cpu(), want_sum), launch

@@ -220,12 +220,11 @@ class CountPublish(NamedTuple):
 class CellRequest(NamedTuple):
     """Step 2's inputs for the block scan's launch (:func:`rank_slots_and_cells`): the int32
     ``[M, E]`` count table where the exchange's puts land (this rank's slab), and
-    :func:`plan_cells`'s other arguments."""
+    :func:`plan_cells`'s other arguments (the rank is the publishing one, ``CountPublish.me``)."""
 
     counts_ME: torch.Tensor
     capacity: int
     salt: int
-    rank: int
     stats_sum_2ME: torch.Tensor | None
     wait: PeerWait | None
 
@@ -256,10 +255,9 @@ def rank_slots_and_cells(expert_N: torch.Tensor, n_experts: int, tickets_1: torc
     finishes last, passes the exchange's barrier (``cells.wait``) and plans the cells from
     the exchanged counts (``cells``). ``tickets_1``: an int32 counter at zero, left at zero
     (shared by launches that cannot run concurrently)."""
-    if cells.rank != publish.me or cells.counts_ME.shape != (publish.table_M.numel(), n_experts):
-        raise ValueError(f"rank_slots_and_cells: the cells of rank {cells.rank} from counts "
-                         f"{tuple(cells.counts_ME.shape)} and the counts of rank {publish.me} put into "
-                         f"{publish.table_M.numel()} ranks of {n_experts} experts must describe one exchange")
+    if cells.counts_ME.shape != (publish.table_M.numel(), n_experts):
+        raise ValueError(f"rank_slots_and_cells: cells.counts_ME has shape {tuple(cells.counts_ME.shape)}, "
+                         f"but the counts are put into {publish.table_M.numel()} ranks of {n_experts} experts")
     rank_N, hist_BE = _rank_blocks(expert_N, n_experts)
     cum_BE, plan = _scan(hist_BE, 1024, publish, tickets_1, cells)
     assert plan is not None

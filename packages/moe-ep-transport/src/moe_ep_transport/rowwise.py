@@ -29,7 +29,8 @@ finishes last passes the barrier and plans the cells, :meth:`RowwiseTransport.pl
 and a put's barrier into the kernel that reads what it put (every program of the receive
 or sum waits for the peers' flags; ``_kernel_parts``): five launches per dispatch (slot
 ranks, block scan and cells, rows, put, receive), two per combine (put, sum). Index
-tensors that do not change between calls are built once. Sizes are static: capacity C rows to receive, T_max*k slots to return.
+tensors that do not change between calls are built once. Sizes are static: capacity C
+rows to receive, T_max*k slots to return.
 
 With ``EPConfig.copy_engine`` the two sends that are one contiguous block per destination
 rank, the token inbox (every source token, needed there or not) and the partial sums,
@@ -212,7 +213,7 @@ class RowwiseTransport:
                 wait = self.memory.deferred_barrier()
                 slots, cells = plan_kernels.rank_slots_and_cells(
                     expert_N, E, self._tickets[slab : slab + 1], publish,
-                    plan_kernels.CellRequest(counts_ME, capacity, salt, self.rank, stats_sum_2ME, wait),
+                    plan_kernels.CellRequest(counts_ME, capacity, salt, stats_sum_2ME, wait),
                 )
                 return route_plan(expert_N, slots, cells, rank=self.rank, top_k=top_k, capacity=capacity)
             slots = plan_kernels.rank_slots(expert_N, E, publish)
