@@ -176,7 +176,7 @@ def check_plan_with_the_count_exchange(device: str) -> None:
     the block scan's program that finishes last the exchange's barrier, the cells and the
     telemetry."""
     from moe_ep_transport import _plan_kernels as plan_kernels
-    from moe_ep_transport import ops
+    from moe_ep_transport import ops, plan_reference
 
     def same(got, want) -> bool:
         return all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
@@ -185,10 +185,12 @@ def check_plan_with_the_count_exchange(device: str) -> None:
     # The counts put into row `me` of every rank's table, the exchange's barrier (the others
     # already announced it), the cells from the table in this rank's slab (the other ranks'
     # rows already there), and the telemetry sum; 6 experts, 6 programs take tickets. Twice
-    # with one ticket counter, which each launch leaves at zero.
-    M, me, E, n, capacity, salt = 3, 1, 6, 41, 20, 3
+    # with one ticket counter, which each launch leaves at zero; the second launch's slots
+    # span three blocks, so the totals put are the scan's last row, not its first.
+    M, me, E, capacity, salt = 3, 1, 6, 20, 3
+    assert -(-700 // plan_reference.slot_block(E)) == 3
     tickets = torch.zeros(1, dtype=torch.int32, device=device)
-    for launch in range(2):
+    for launch, n in enumerate((41, 700)):
         expert_N = torch.randint(0, E, (n,), generator=gen)
         want_slots = ops.rank_slots_reference(expert_N, E)
         counts_ME = torch.randint(0, 9, (M, E), generator=gen, dtype=torch.int32)
