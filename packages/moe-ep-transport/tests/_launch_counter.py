@@ -41,6 +41,26 @@ _NO_LAUNCH = {
 }
 DIRECTIONS = ("dispatch", "combine", "combine_backward", "dispatch_backward", "no_grad")
 
+# Launches per direction (Triton kernels + barrier kernels), by combine site, on the rank
+# threads; no aten op launches. Every put's barrier is passed by the kernel that reads what
+# it put. Dispatch: slot ranks (hist, block scan + count put), cell plan (+ the counts'
+# barrier, telemetry), row plan, token put, receive. Combine: put, sum. Combine's backward
+# at the source: scaled gradients, put, receive; at the destination: token put, receive
+# (+ row and weight gradients), weight put (+ zeroing the dropped slots), the copy out of
+# the slab.
+KERNELS = {
+    "source": {"dispatch": 6, "combine": 2, "combine_backward": 3, "dispatch_backward": 2, "no_grad": 8},
+    "destination": {"dispatch": 6, "combine": 2, "combine_backward": 4, "dispatch_backward": 2, "no_grad": 8},
+}
+# Where barriers pass inside kernels (NVSHMEM; ``PeerMemory.barriers_in_kernels``) the cell
+# plan runs in the block scan's last program: one launch fewer per dispatch. The rank threads
+# cannot run that path (their barriers are host waits between launches); ``test_gpu``
+# counts it on a GPU.
+KERNELS_WITH_BARRIERS_IN_KERNELS = {
+    site: {d: n - (d in ("dispatch", "no_grad")) for d, n in per_direction.items()}
+    for site, per_direction in KERNELS.items()
+}
+
 
 class LaunchCounter(TorchDispatchMode):
     """Counts launches by direction (``phase``); see the module docstring."""

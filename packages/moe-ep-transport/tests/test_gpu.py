@@ -1,5 +1,6 @@
 """GPU tests: NVSHMEM rowwise == all-to-all bit for bit, no host sync, CUDA graph replay,
-overflow, kernels, the two-stream pipeline of ``run_experts``, interleaved microbatches.
+overflow, kernels, launches per direction, the two-stream pipeline of ``run_experts``,
+interleaved microbatches.
 
 Run on two GPUs with nvshmem4py installed:
     tools/from_source.sh python3 -m pytest -p moe_testing.pytest_plugin \
@@ -410,6 +411,66 @@ def test_overflow_error_policy_raises_on_both_ranks() -> None:
     out = run_distributed(_overflow_error, 2, backend="nccl", timeout=300)
     for raised, dropped in out:
         assert "capacity" in raised and dropped == 0
+
+
+def _device_work_per_direction(combine: str) -> dict[str, list[str]]:
+    """Every device operation (kernel, copy, fill) the profiler records in each direction
+    of ``_launch_counter``'s training step, on an NVSHMEM EP group of one GPU; warmed up.
+    Backward directions run as two backward calls, combine's output gradient fed to
+    dispatch's by hand, so that each is recorded alone."""
+    from moe_ep_transport import nvshmem_memory
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    cfg = EPConfig(E, K, T, D, capacity_factor=1.0, combine=combine)
+    transport = make_transport("rowwise", cfg, device=device)
+    dispatcher = EPDispatcher(cfg, transport)
+    x, ids, w, g, _ = _inputs(dist.get_rank(), 1.0, device)
+    g = g.to(x.dtype)
+    found: dict[str, list[str]] = {}
+
+    def recorded(direction: str, fn: Callable[[], object]):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = fn()
+            torch.cuda.synchronize()
+        found[direction] = sorted(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        return out
+
+    def training() -> None:  # as the MoE layer calls them: the weights are given to dispatch too
+        xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        rows, _, handle = recorded("dispatch", lambda: dispatcher.dispatch(xg, ids, wg))
+        rows_in = rows.detach().requires_grad_(True)
+        y = recorded("combine", lambda: dispatcher.combine(rows_in, wg, handle))
+        recorded("combine_backward", lambda: y.backward(g))
+        recorded("dispatch_backward", lambda: rows.backward(rows_in.grad))
+        recorded("no_grad", no_grad)
+
+    @torch.no_grad()
+    def no_grad() -> torch.Tensor:
+        rows, _, handle = dispatcher.dispatch(x, ids, w)
+        return dispatcher.combine(rows, w, handle)
+
+    training()
+    found.clear()
+    training()
+    transport.close()
+    nvshmem_memory.finalize()
+    return found
+
+
+@pytest.mark.multiprocess
+@pytest.mark.gpu
+@pytest.mark.parametrize("combine", ["source", "destination"])
+def test_launches_per_direction_on_nvshmem(combine: str) -> None:
+    """The launch counts ``test_launch_count`` pins on the rank threads, less the cell plan's
+    launch, which runs in the block scan's last program where barriers pass inside kernels:
+    counted as device work under the profiler, so aten ops and copies count too."""
+    from _launch_counter import KERNELS_WITH_BARRIERS_IN_KERNELS
+
+    [found] = run_distributed(_device_work_per_direction, 1, combine, backend="nccl", timeout=300)
+    for direction, want in KERNELS_WITH_BARRIERS_IN_KERNELS[combine].items():
+        assert len(found[direction]) == want, (combine, direction, found[direction])
 
 
 @pytest.mark.gpu
