@@ -65,6 +65,28 @@ def test_triton_gemm_refusals():
         triton_grouped_mm(a, b_blocks, offsets.long(), torch.float32, False)
 
 
+def test_tiles_the_gpu_cannot_hold_are_named(monkeypatch):
+    """Triton knows a tile's shared memory only once compiled and refuses it at the launch;
+    the error names the FP8TileConfig (a stand-in launch raises Triton's refusal here; the
+    GPU test compiles real oversized tiles)."""
+    import moe_mxfp8._fp8_gemm_kernels as kernels
+    from triton.runtime.errors import OutOfResources
+
+    class Refused:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise OutOfResources(294912, 232448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(kernels, "fp8_rows_kernel", Refused())
+    a = quantize_fp8(torch.randn(8, 32))
+    b = quantize_fp8(torch.randn(2, 16, 32))
+    tiles = FP8TileConfig(256, 256, 128, 8, 8, 6, False)
+    with pytest.raises(ValueError, match=r"tiles FP8TileConfig\(block_m=256, .* need shared memory 294912, "
+                                         r"this GPU allows 232448: pass a smaller FP8TileConfig"):
+        triton_grouped_mm(a, b, torch.tensor([4, 8], dtype=torch.int32), torch.bfloat16, False, tiles)
+
+
 def test_triton_gemm_is_a_config_choice_for_every_fp8_recipe(monkeypatch):
     for recipe in ("fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise"):
         MXFP8Config(recipe=recipe, gemm="triton")

@@ -22,7 +22,13 @@ from moe_mxfp8 import (
     quantize_fp8,
     quantize_group_columns,
 )
-from moe_mxfp8.fp8_gemm import FP8_TILES_GPU, fp8_grouped_mm, fp8_grouped_wgrad, triton_grouped_mm
+from moe_mxfp8.fp8_gemm import (
+    FP8_TILES_GPU,
+    FP8TileConfig,
+    fp8_grouped_mm,
+    fp8_grouped_wgrad,
+    triton_grouped_mm,
+)
 from moe_testing import assert_no_host_sync
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -285,6 +291,18 @@ def test_triton_grouped_gemm_equals_the_emulation_of_the_same_operands(scales, f
         _grouped_mm_equals_the_emulation("triton", fast_accum, K, N)
     else:
         _grouped_mm_equals_the_emulation("triton", fast_accum, K, N, ((1, 128), (128, 128)), False)
+
+
+@needs_fp8_triton
+def test_tiles_larger_than_shared_memory_are_refused_by_name():
+    """Eight stages of the fast 128 x 256 x 128 FP8 tile (384 KiB of operand buffers)
+    compile, then cannot launch on an sm_90 SM (227 KiB): a ValueError naming the config."""
+    a = quantize_fp8(torch.randn(512, 256, device="cuda").bfloat16())
+    b = quantize_fp8(torch.randn(2, 256, 256, device="cuda").bfloat16())
+    tiles = FP8TileConfig(128, 256, 128, 8, 8, 8, False)
+    with pytest.raises(ValueError, match=r"tiles FP8TileConfig\(block_m=128, block_n=256, .* need shared memory"):
+        triton_grouped_mm(a, b, torch.tensor([256, 512], dtype=torch.int32, device="cuda"), torch.bfloat16,
+                          False, tiles)
 
 
 @needs_fp8_triton

@@ -223,16 +223,22 @@ def triton_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dty
     tma_store = (cfg.tma_store and accumulate_into is None and cfg.block_n % 2 == 0
                  and _tma_rows(y, cfg.block_n // 2))
     y_desc = _group_rows_descriptor(y, [cfg.block_m, cfg.block_n // 2]) if tma_store else y
-    fp8_rows_kernel[(grid,)](
-        a_arg, b_arg, y, y_desc, offsets, a_scale, b_scale,
-        R, N, K, E, grid,
-        a_data.stride(0), b_data.stride(0), b_data.stride(1), y.stride(0),
-        a_scale.stride(0), b_scale.stride(0), b_scale.stride(1),
-        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-        E_BLOCK=triton.next_power_of_2(E), BLOCKWISE=blockwise, FAST=fast_accum and not blockwise,
-        USE_TMA=use_tma, EVEN_K=K % cfg.block_k == 0, ACCUMULATE=accumulate_into is not None,
-        TMA_STORE=tma_store, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        fp8_rows_kernel[(grid,)](
+            a_arg, b_arg, y, y_desc, offsets, a_scale, b_scale,
+            R, N, K, E, grid,
+            a_data.stride(0), b_data.stride(0), b_data.stride(1), y.stride(0),
+            a_scale.stride(0), b_scale.stride(0), b_scale.stride(1),
+            BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+            E_BLOCK=triton.next_power_of_2(E), BLOCKWISE=blockwise, FAST=fast_accum and not blockwise,
+            USE_TMA=use_tma, EVEN_K=K % cfg.block_k == 0, ACCUMULATE=accumulate_into is not None,
+            TMA_STORE=tma_store, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    except OutOfResources as e:  # what the compiled tiles need is known only after compiling them
+        raise ValueError(f"FP8 grouped GEMM: the tiles {cfg} need {e.name} {e.required}, this GPU "
+                         f"allows {e.limit}: pass a smaller FP8TileConfig (block sizes, num_stages)") from e
     return y
 
 
