@@ -186,7 +186,7 @@ def check_plan_with_the_count_exchange(device: str) -> None:
     # already announced it), the cells from the table in this rank's slab (the other ranks'
     # rows already there), and the telemetry sum; 6 experts, 6 programs take tickets. Twice
     # with one ticket counter, which each launch leaves at zero; the second launch's slots
-    # span three blocks, so the totals put are the scan's last row, not its first.
+    # span three blocks, so each column's total sums them all.
     M, me, E, capacity, salt = 3, 1, 6, 20, 3
     assert -(-700 // plan_reference.slot_block(E)) == 3
     tickets = torch.zeros(1, dtype=torch.int32, device=device)

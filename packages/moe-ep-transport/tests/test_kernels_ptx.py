@@ -126,7 +126,7 @@ def test_plan_kernels_compile_for_hopper() -> None:
                 {"CHUNK": 1024, "PUBLISH": True, "M_P": 2, "E_P": 64, "CELLS": True, "ACCUMULATE": True,
                  "WAIT": True, "FLAGS_P": 2, "FENCE": True}, aligned=(), num_warps=4)
     _assert_system_scope_barrier(scan)  # the count exchange's barrier, passed by the scan's last program
-    assert _count(scan, "fence.acq_rel.sys") > 0  # the last program's count puts ordered before its signal
+    assert _count(scan, "fence.acq_rel.sys") > 0  # each program's count puts ordered before its ticket
     # The ticket: one atomic add per program at GPU scope, acquiring and releasing.
     assert _count(scan, "atom.global.gpu.acq_rel.add") == 1, _count(scan, "atom.")
     cells = _ptx(plan_kernels._plan_cells_kernel,

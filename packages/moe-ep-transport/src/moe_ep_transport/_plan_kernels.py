@@ -101,35 +101,23 @@ def _cumsum_blocks_kernel(hist_ptr, cum_ptr, n_blocks, n_experts, peer_table_ptr
         h = tl.load(hist_ptr + b * n_experts + e, mask=live, other=0)
         tl.store(cum_ptr + b * n_experts + e, tl.cumsum(h, axis=0) + carry, mask=live)
         carry += tl.sum(h, axis=0)
-    if PUBLISH and not CELLS:  # the count exchange's put: the total into int32 [M, E] row `me` of every rank
+    if PUBLISH:  # the count exchange's put: the total into int32 [M, E] row `me` of every rank's slab
         r = tl.arange(0, M_P)
         peer = r < n_ranks
         slab = tl.load(peer_table_ptr + r, mask=peer, other=0) + byte_offset
         counts = slab.to(tl.pointer_type(tl.int32)) + me * n_experts + e
         tl.store(counts, tl.zeros([M_P], dtype=tl.int32) + carry, mask=peer)
     if CELLS:
-        # The program that finishes last (the last ticket of a counter: each program's
-        # totals, the last row of cum, are ordered before its ticket, and the last one
-        # acquires them all) puts every column's total into row `me` of every rank's slab,
-        # fences at system scope (FENCE), passes the count exchange's barrier (WAIT) and
-        # plans the cells. One program puts, so one fence per launch, not one per column.
-        # It resets the counter for the next launch, so graph replays find it at zero.
-        tl.debug_barrier()  # every thread's stores before the ticket
+        # The program that finishes last (the last ticket of a counter: each program's puts
+        # are ordered before its ticket, at system scope with FENCE, and the last one acquires
+        # them all) passes the count exchange's barrier (WAIT) and plans the cells. It resets
+        # the counter for the next launch, so graph replays find it at zero.
+        tl.debug_barrier()  # every thread's puts before the ticket
+        if FENCE:
+            fence_system(tl.arange(0, FLAGS_P))
         ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
         if ticket == n_experts - 1:
             tl.store(ticket_ptr, 0)
-            cols = tl.arange(0, E_P)
-            column = cols < n_experts
-            totals = tl.load(cum_ptr + (n_blocks - 1) * n_experts + cols, mask=column, other=0)
-            r = tl.arange(0, M_P)
-            peer = r < n_ranks
-            slab = tl.load(peer_table_ptr + r, mask=peer, other=0) + byte_offset
-            counts = slab.to(tl.pointer_type(tl.int32))[:, None] + me * n_experts + cols[None, :]
-            tl.store(counts, tl.zeros([M_P, E_P], dtype=tl.int32) + totals[None, :],
-                     mask=peer[:, None] & column[None, :])
-            tl.debug_barrier()  # every thread's puts before the fence and the barrier's signal
-            if FENCE:
-                fence_system(cols)
             if WAIT:
                 peer_barrier(epoch_ptr, parity, flag_table_ptr, me, n_ranks, FLAGS_P)
             _cells(counts_ptr, stats_ptr, table_ptr, recv_ptr, offsets_ptr, sum_ptr, capacity, salt, me, n_ranks,
