@@ -19,21 +19,24 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from moe_model import total_params
 from moe_model.hf import check_representable
 
 from pretrain import divergence
 from pretrain.checkpoint import RunCheckpoints
-from pretrain.config import PretrainConfig, config_toml, validate_layout
+from pretrain.config import ConfigError, PretrainConfig, config_toml, validate_layout
 from pretrain.config_tree import to_tree
 from pretrain.data import document_eos_id, resolve_vocab_size
 from pretrain.init_from import adopt_source_model, load_initial_weights
@@ -80,6 +83,23 @@ def warn_if_not_exportable(cfg: PretrainConfig) -> None:
               flush=True)
 
 
+def fp8_eager_note(cfg: PretrainConfig, device: torch.device) -> str | None:
+    """One line when FP8 layers run eagerly on a GPU in a run that could replay its steps
+    from CUDA graphs: the FP8 layers launch many small kernels (quantisation, scaled GEMMs),
+    whose launch cost the replay hides (docs/performance.md, FP8 experts)."""
+    x = cfg.mxfp8
+    if device.type != "cuda" or cfg.train.cuda_graphs or not x.targets or x.recipe == "mxfp8":
+        return None
+    graphed = copy.copy(cfg)
+    graphed.train = replace(cfg.train, cuda_graphs=True)
+    try:
+        graphed.validate()
+    except ConfigError:
+        return None
+    return (f"note: mxfp8.recipe={x.recipe} launches many small kernels; replaying the step from "
+            "CUDA graphs (train.cuda_graphs=true) hides their launch cost")
+
+
 def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
     """Train per ``cfg`` as one rank of the launcher's world; returns this process's records."""
     started = time.perf_counter()
@@ -121,6 +141,9 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
                     if weights_note:
                         print(weights_note, flush=True)
                     warn_if_not_exportable(cfg)
+                    fp8_note = fp8_eager_note(cfg, rt.device)
+                    if fp8_note:
+                        print(fp8_note, flush=True)
                     if resumed is not None:
                         saved = resumed.metadata["layout"]
                         print(f"resumed after step {done} (checkpoint.resume="
