@@ -20,9 +20,8 @@ ranking's launch as well (its last block scanning the whole table) took a plan o
 tokens per rank from 70 to 80 us on one H100: one program's scan, and the larger blocks
 that keep its table small, cost more than a launch replayed from a CUDA graph
 (``tools/bench_ep_plan.py``, commit 47316d0 against 9c93953,
-``ep_plan_fused_ranking_h100.json``); the cells in the scan's last program took it
-from 70.9 to 64.8 us, and from 148.6 to 151.9 us over 256 experts (45144f5,
-``ep_plan_h100.json``). The per-row step keeps
+``ep_plan_fused_ranking_h100.json``); what planning the cells in the scan's last program
+gains and costs is in the README's design notes. The per-row step keeps
 its own kernel: folded into the token put (each program planning its slots and, for
 the once-per-rank check, the token's earlier ones again) the put compiled to 255
 registers with spills for sm_90, and a dispatch of 32k tokens per rank took 6.27 ms
