@@ -281,10 +281,11 @@ class PretrainConfig:
         # default. Not a config field: it is neither written nor read back.
         self.key_sources: dict[str, str] = {}
 
-    def with_parallel(self, **changes: Any) -> PretrainConfig:
-        """A copy whose ``parallel`` table has ``changes`` (the other tables shared)."""
+    def with_changes(self, table: str, **changes: Any) -> PretrainConfig:
+        """A copy whose ``table`` (e.g. ``"parallel"``) has ``changes`` (the other tables
+        shared); not validated."""
         derived = copy.copy(self)
-        derived.parallel = replace(self.parallel, **changes)
+        setattr(derived, table, replace(getattr(self, table), **changes))
         return derived
 
     def validate(self) -> None:

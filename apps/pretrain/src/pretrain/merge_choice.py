@@ -26,4 +26,4 @@ def resolve_merge(cfg: PretrainConfig, world: int, device: torch.device) -> Pret
             least = torch.tensor([n], device=device)
             dist.all_reduce(least, op=dist.ReduceOp.MIN)
             n = int(least.item())
-    return cfg.with_parallel(merge_expert_grad_microbatches=n)
+    return cfg.with_changes("parallel", merge_expert_grad_microbatches=n)

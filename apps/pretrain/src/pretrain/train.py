@@ -19,13 +19,11 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +88,8 @@ def fp8_eager_note(cfg: PretrainConfig, device: torch.device) -> str | None:
     x = cfg.mxfp8
     if device.type != "cuda" or cfg.train.cuda_graphs or not x.targets or x.recipe == "mxfp8":
         return None
-    graphed = copy.copy(cfg)
-    graphed.train = replace(cfg.train, cuda_graphs=True)
     try:
-        graphed.validate()
+        cfg.with_changes("train", cuda_graphs=True).validate()
     except ConfigError:
         return None
     return (f"note: mxfp8.recipe={x.recipe} launches many small kernels; replaying the step from "

@@ -217,7 +217,7 @@ def fitting_merge(cfg: PretrainConfig, world: int, **planner: object) -> int:
     if not cfg.parallel.fuse_grad_accumulation:
         return 1
     for n in range(MAX_WGRAD_SOURCES, 1, -1):
-        trial = cfg.with_parallel(merge_expert_grad_microbatches=n)
+        trial = cfg.with_changes("parallel", merge_expert_grad_microbatches=n)
         if plan_memory(PlanRequest.from_config(trial, world, **planner)).fits:
             return n
     return 1
