@@ -40,9 +40,11 @@
    packed ``uint8[R, D + 4]``; ``decode_fp8_rows``: packed to BF16), each beside its
    reference on the same GPU (several torch passes), with a device copy of the rows
    measured in the same run as the ceiling; bandwidth counts the bytes a kernel must read
-   and write. Also the rowwise quantisation of an LM head's output gradient
-   ``[8192, 100352]`` (``tools/sweep_cross_entropy.py`` times the cross-entropy kernels
-   that make it, and write its codes in their pass).
+   and write. Also moe_model's combine backward at those rows (dropless: ``[tokens,
+   d_model]`` to the rows), then the experts' rowwise quantisation of its ``d_rows``,
+   against the same pass writing the codes itself; and the rowwise quantisation of an LM
+   head's output gradient ``[8192, 100352]`` (``tools/sweep_cross_entropy.py`` times the
+   cross-entropy kernels that make it, and write its codes in their pass).
 4. Unless ``--no-tile-sweep``: each of those kernels under each launch shape of
    ``TILE_CANDIDATES`` (``moe_mxfp8._fp8_kernels._TILES``) and ``CODEC_TILE_CANDIDATES``
    (``moe_mxfp8._fp8_codec_kernels._TILES``), checked bit-exact against the torch
@@ -497,8 +499,32 @@ def bench_kernels(args) -> dict:
             q = quantize_fp8(src, (1, 0), True)
             dst.data.copy_(q.data)
             dst.scale.copy_(q.scale)
+    # the local dispatcher's combine backward ([T, D] -> [R, D] d_rows, dropless) and the
+    # experts' rowwise quantisation of those d_rows: two passes, or the codes written by the
+    # combine's own pass (``moe_model.gradient_rows``); both counted as the bytes that must
+    # move (rows_out and dy read; d_rows, codes and scales written)
+    from moe_model._combine_kernels import combine_backward
+    from moe_mxfp8.gradient_rows import OutputGradientRows
+
+    T = args.tokens
+    dy_TD = torch.randn(T, args.d_model, device="cuda", dtype=torch.bfloat16)
+    row_of_slot = torch.randperm(rows_n, device="cuda")
+    w_S = torch.rand(rows_n, device="cuda")
+    encoder = OutputGradientRows(True)
+
+    def combine_then_quantize():
+        d_rows = combine_backward(dy_TD, x, row_of_slot, w_S, None, rows_n)[0]
+        quantize_fp8(d_rows, (1, 0), True)
+    combine_bytes = 4 * n + 2 * dy_TD.numel()
     cases = {
         "device copy (ceiling)": (lambda: out.copy_(x), 4 * n),
+        "combine backward [T, D] -> [R, D]": (
+            lambda: combine_backward(dy_TD, x, row_of_slot, w_S, None, rows_n), combine_bytes),
+        "combine backward, then rowwise quantisation": (combine_then_quantize,
+                                                        combine_bytes + n + 4 * rows_n),
+        "combine backward writing the codes": (
+            lambda: combine_backward(dy_TD, x, row_of_slot, w_S, None, rows_n, encoder=encoder),
+            combine_bytes + n + 4 * rows_n),
         "rowwise rows [R, D]": (lambda: quantize_fp8(x, (1, 0), True), 3 * n + 4 * rows_n),
         "1x128 tiles [R, D]": (lambda: quantize_fp8(x, (1, 128), False), 3 * n + 4 * n // 128),
         "per-expert columns, transposed [R, D]": (

@@ -9,6 +9,8 @@ import functools
 
 import torch
 from moe_model import LocalDispatcher, _combine_kernels, dispatch
+from moe_model.gradient_rows import GRADIENT_ROW_ENCODER
+from sign_peak_encoder import SignPeakEncoder, expected_codes
 
 _PUBLIC_OPS = ("weighted_gather_sum", "combine_backward")
 _AUTO = {name: getattr(dispatch, name) for name in _PUBLIC_OPS}
@@ -78,15 +80,89 @@ def check_direct():
     torch.testing.assert_close(y, (ref * kept.view(T, k, 1)).sum(1).bfloat16())
     w = torch.rand(T * k, generator=g) * kept
     dy = torch.randn(T, D, generator=g)
-    d_rows, d_w = _combine_kernels.combine_backward(dy, rows, row_of_slot, w, kept, R)
+    d_rows, d_w, codes, scales = _combine_kernels.combine_backward(dy, rows, row_of_slot, w, kept, R)
+    assert codes is None and scales is None
     want = torch.zeros(R, D)
     want[row_of_slot] = torch.where(kept[:, None] > 0, w[:, None] * dy.repeat_interleave(k, 0), 0.0)
     torch.testing.assert_close(d_rows, want, rtol=0, atol=0)
     torch.testing.assert_close(d_w, (ref * dy[:, None]).sum(-1) * kept.view(T, k))
 
 
+def check_gradient_row_encoder():
+    """The combine backward serving an encoder: its scales are the amax of the stored
+    ``d_rows`` rows, bit for bit, and its codes mark their signs and peaks, for tokens
+    with a NaN, an infinity, zeros only, one huge element, and slots whose weight is zero
+    or infinite (NaN rows from ``inf * 0``); ``d_rows`` and ``d_w`` are those of the
+    launch without an encoder. Through the dispatcher: received once, for exactly the
+    gradient of the tensor that carries the encoder; nothing with a capacity (padding
+    rows), nor for a tensor computed from it."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        T, k, D = 9, 3, 37
+        R = T * k
+        tag = f"{dtype}"
+        rows = torch.randn(R, D, generator=g).to(dtype)
+        row_of_slot = torch.randperm(R, generator=g)
+        w = torch.rand(T * k, generator=g)
+        dy = torch.randn(T, D, generator=g).to(dtype)
+        dy[1, 5] = float("nan")
+        dy[2, 7] = float("inf")
+        dy[3] = 0.0
+        dy[4, 30] = 3e4
+        w[5 * k] = 0.0  # a zero weight: a zero row
+        w[6 * k + 1] = float("inf")  # inf * dy: inf rows, NaN where dy is 0
+        dy[6, 3] = 0.0
+        w[7 * k + 2] = float("inf")
+        dy[7] = torch.where(dy[7] == 0, 1.0, dy[7])  # no zero: an all-infinite row
+        enc = SignPeakEncoder()
+        d_rows, d_w, codes, scales = _combine_kernels.combine_backward(
+            dy, rows, row_of_slot, w, None, R, encoder=enc)
+        plain_rows, plain_w, none, _ = _combine_kernels.combine_backward(dy, rows, row_of_slot, w, None, R)
+        assert none is None and torch.equal(d_rows.view(torch.uint8), plain_rows.view(torch.uint8)), tag
+        torch.testing.assert_close(d_w, plain_w, rtol=1e-6, atol=1e-6, equal_nan=True)
+        nan_rows = d_rows.float().isnan().any(1)
+        assert nan_rows.sum() == 4, f"{tag}: {nan_rows.nonzero().flatten()}"  # dy's NaN, inf * 0
+        assert scales[nan_rows].isnan().all(), tag
+        amax, code = expected_codes(d_rows)
+        ok = ~nan_rows
+        assert torch.equal(scales[ok], amax[ok]), f"{tag}: {scales[ok].flatten()} vs {amax[ok].flatten()}"
+        assert torch.equal(codes[ok], code[ok]), tag
+        assert torch.isinf(scales[row_of_slot[7 * k + 2]]).all(), tag
+        assert (scales[row_of_slot[5 * k]] == 0).all() and (scales[row_of_slot[3 * k]] == 0).all(), tag
+        try:
+            _combine_kernels.combine_backward(dy, rows, row_of_slot, w, torch.ones(T * k), R, encoder=enc)
+        except ValueError as e:
+            assert "every row written" in str(e), e
+        else:
+            raise AssertionError("an encoder with a kept mask was accepted")
+
+    fused = functools.partial(_AUTO["combine_backward"], backend="triton")
+    dispatch.combine_backward = fused
+    try:
+        for capacity_factor in (None, 1.0):
+            ids = _ids(10, 6, 2, g, skew=capacity_factor is not None)
+            x = torch.randn(10, 16, generator=g).bfloat16().requires_grad_()
+            w = torch.rand(10, 2, generator=g)
+            disp = LocalDispatcher(6, capacity_factor)
+            rows, _, h = disp.dispatch(x, ids)
+            out = rows * 2
+            enc = SignPeakEncoder()
+            setattr(out, GRADIENT_ROW_ENCODER, enc)
+            (d_out,) = torch.autograd.grad(disp.combine(out, w, h), out, torch.randn(10, 16, generator=g).bfloat16())
+            if capacity_factor is not None:
+                assert not enc.received, "an encoder was served with padding rows"
+                continue
+            assert len(enc.received) == 1 and enc.received[0][0].data_ptr() == d_out.data_ptr()
+            assert torch.equal(enc.received[0][2], expected_codes(d_out)[0])
+            disp.combine(out * 1, w, h).sum().backward()
+            assert len(enc.received) == 1, "a tensor computed from the output carries no encoder"
+    finally:
+        dispatch.combine_backward = _AUTO["combine_backward"]
+
+
 def main():
     check_direct()
+    check_gradient_row_encoder()
     for dtype in (torch.float32, torch.bfloat16):
         check(13, 40, 6, 1, None, dtype)  # dropless, k=1
         check(13, 40, 10, 8, None, dtype)  # dropless, k=8

@@ -10,7 +10,7 @@ import triton.language as tl
 from case_helpers import mismatches, sample
 from fp8_codec_cases import adversarial_rows
 from moe_mxfp8.fp8 import quantize_fp8_reference
-from moe_mxfp8.fp8_linear import OutputGradientRows
+from moe_mxfp8.gradient_rows import OutputGradientRows
 
 
 @triton.jit

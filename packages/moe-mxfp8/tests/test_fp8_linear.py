@@ -302,7 +302,7 @@ def test_output_gradient_rows_attach_and_take():
     that needs no gradient); what it received is used only for the very tensor it came
     with, once; the layer's backward then skips quantizing ``dy`` and uses those codes."""
     from moe_mxfp8.fp8 import quantize_fp8_reference
-    from moe_mxfp8.fp8_linear import GRADIENT_ROW_ENCODER, OutputGradientRows
+    from moe_mxfp8.gradient_rows import GRADIENT_ROW_ENCODER, OutputGradientRows
 
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(24, 16))

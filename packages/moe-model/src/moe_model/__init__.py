@@ -40,6 +40,7 @@ from moe_model.experts import (
 )
 from moe_model.flops import active_params, flops_per_token, total_params
 from moe_model.generate import generate, next_token
+from moe_model.gradient_rows import GRADIENT_ROW_ENCODER, GradientRowEncoder
 from moe_model.init import init_weights
 from moe_model.kv_cache import KVCache
 from moe_model.layers import (
@@ -54,13 +55,7 @@ from moe_model.layers import (
     swiglu,
     swiglu_reference,
 )
-from moe_model.loss import (
-    GRADIENT_ROW_ENCODER,
-    IGNORE_INDEX,
-    GradientRowEncoder,
-    lm_loss_sum,
-    lm_loss_sum_reference,
-)
+from moe_model.loss import IGNORE_INDEX, lm_loss_sum, lm_loss_sum_reference
 from moe_model.model import Block, MoETransformer
 from moe_model.moe import CountReducer, MoELayer, attach_aux_loss
 from moe_model.params import (

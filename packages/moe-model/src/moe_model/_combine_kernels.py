@@ -7,6 +7,8 @@ Offsets into the row buffers are int64 (``R * D`` can exceed 2^31); ``K`` (top-k
 a compile-time constant. Slots whose ``kept`` is 0 are neither read nor written.
 """
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -49,16 +51,37 @@ def weighted_gather_sum_kernel(
 
 
 @triton.jit
+def _row_amax(w, g_amax, g_min, g_nan, STORED: tl.constexpr):
+    """The largest magnitude of the stored row ``(w * g).to(STORED)`` over a token's ``g``,
+    from ``g``'s largest and smallest magnitudes and whether it holds a NaN (FP32).
+
+    ``g -> |(w * g).to(STORED)|`` is non-decreasing in ``|g|`` (a product and a rounding to
+    nearest, both symmetric in sign), so the row's largest magnitude is that of ``g``'s
+    largest times ``|w|``, rounded the same way. The smallest magnitude covers an infinite
+    ``w``: ``inf * 0`` puts a NaN in the row, as a NaN in ``g`` or in ``w`` does."""
+    wa = tl.abs(w)
+    top = (wa * g_amax).to(STORED).to(tl.float32)
+    low = wa * g_min
+    return tl.where(g_nan | (top != top) | (low != low), float("nan"), top)
+
+
+@triton.jit
 def combine_backward_kernel(
-    dy_ptr, rows_ptr, row_of_slot_ptr, w_ptr, kept_ptr, d_rows_ptr, d_w_ptr,
-    T, D, stride_dy, stride_r, stride_dr,
+    dy_ptr, rows_ptr, row_of_slot_ptr, w_ptr, kept_ptr, d_rows_ptr, d_w_ptr, codes_ptr, scales_ptr,
+    T, D, stride_dy, stride_r, stride_dr, stride_codes,
     K: tl.constexpr, K_BLOCK: tl.constexpr, HAS_KEPT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    ENCODE: tl.constexpr, ROW_SCALE: tl.constexpr, ROW_ENCODE: tl.constexpr,
 ):
     """For a block of tokens and all their slots, walking D: ``d_rows[row_of_slot[s]] =
     w[s] * dy[t(s)]`` (kept slots only) and ``d_w[s] = kept[s] * dot(rows[row_of_slot[s]],
     dy[t(s)])`` in FP32. Each token's ``dy`` block is broadcast over its ``K`` slots
-    ([BLOCK_T, K_BLOCK, BLOCK_D] tiles); no atomics."""
+    ([BLOCK_T, K_BLOCK, BLOCK_D] tiles); no atomics.
+
+    ``ENCODE``: also ``codes[row] = ROW_ENCODE(d_rows[row] as stored, scale)`` (uint8) and
+    ``scales[row] = scale = ROW_SCALE(amax)``, ``amax`` the stored row's largest magnitude
+    (``_row_amax``, from a first walk over the tokens' ``dy``). Only for launches where
+    every slot is kept (codes of rows no slot writes are not written)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, K_BLOCK)
     t_ok = t < T
@@ -78,6 +101,20 @@ def combine_backward_kernel(
     t_ok = t_ok[:, None, None]
     w = w[:, :, None]
     cols = tl.arange(0, BLOCK_D)[None, None, :]
+    stored: tl.constexpr = d_rows_ptr.dtype.element_ty
+    if ENCODE:
+        g_amax = tl.zeros((BLOCK_T, 1, 1), dtype=tl.float32)
+        g_min = tl.full((BLOCK_T, 1, 1), float("inf"), dtype=tl.float32)
+        g_nan = tl.zeros((BLOCK_T, 1, 1), dtype=tl.int1)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + cols
+            g = tl.abs(tl.load(dy_base + d, mask=t_ok & (d < D), other=0.0).to(tl.float32))
+            g_amax = tl.maximum(g_amax, tl.max(g, axis=2, keep_dims=True))
+            g_min = tl.minimum(g_min, tl.min(tl.where(d < D, g, float("inf")), axis=2, keep_dims=True))
+            g_nan = g_nan | (tl.max((g != g).to(tl.int32), axis=2, keep_dims=True) != 0)
+        scale = ROW_SCALE(_row_amax(w, g_amax, g_min, g_nan, stored))  # [BLOCK_T, K_BLOCK, 1]
+        code_base = (codes_ptr + r * stride_codes)[:, :, None]
+        tl.store(scales_ptr + r[:, :, None], scale, mask=ok)
     # Per-block reductions over D (within a warp) keep registers low: no 3-D accumulator.
     dw = tl.zeros((BLOCK_T, K_BLOCK), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -87,7 +124,10 @@ def combine_backward_kernel(
         m = ok & d_ok
         x = tl.load(x_base + d, mask=m, other=0.0).to(tl.float32)
         dw += tl.sum(x * g, axis=2)
-        tl.store(dr_base + d, (w * g).to(d_rows_ptr.dtype.element_ty), mask=m)
+        v = (w * g).to(stored)
+        tl.store(dr_base + d, v, mask=m)
+        if ENCODE:
+            tl.store(code_base + d, ROW_ENCODE(v.to(tl.float32), scale), mask=m)
     if HAS_KEPT:
         dw = dw * kept
     tl.store(d_w_ptr + s, dw, mask=s_ok)
@@ -157,7 +197,8 @@ def weighted_gather_sum(
 def combine_backward(
     dy_TD: torch.Tensor, rows_out_RD: torch.Tensor, row_of_slot_S: torch.Tensor,
     w_S: torch.Tensor, kept_S: torch.Tensor | None, n_rows: int, zero_fill: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    encoder: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of ``y[t] = sum_j w_S[t*k+j] * rows_out[row_of_slot[t*k+j]]`` (Triton).
 
     ``w_S`` are the FP32 slot weights already multiplied by ``kept_S``. Returns
@@ -167,28 +208,50 @@ def combine_backward(
     in dropless mode every row is written), and ``d_w[T, k]`` FP32, ``d_w[t,j] =
     kept * dot(rows_out[row_of_slot[t*k+j]], dy[t])``. One program per token block
     walks all of D: it reads ``rows_out`` and ``dy`` once and writes ``d_rows`` once.
+
+    ``encoder`` (a ``moe_model.gradient_rows.GradientRowEncoder``; only where every row is
+    written: no ``kept_S``, no ``zero_fill``): also ``d_rows``' per-row codes ``[n_rows, D]``
+    (uint8) and scales ``[n_rows, 1]`` (FP32), written in the same pass after a first walk
+    over ``dy`` for each token's largest magnitude; else (and where there is nothing to
+    encode: no tokens, slots or columns) those two are ``None``.
     """
     T, D = dy_TD.shape
     k = w_S.shape[0] // max(T, 1)
     if zero_fill is None:
         zero_fill = kept_S is not None
+    if encoder is not None and (zero_fill or kept_S is not None or n_rows != T * k):
+        raise ValueError("combine_backward: an encoder needs every row written (dropless, "
+                         f"n_rows == T*k), got kept_S={kept_S is not None}, zero_fill={zero_fill}, "
+                         f"n_rows={n_rows}, T*k={T * k}")
     alloc = torch.zeros if zero_fill else torch.empty
-    d_rows_RD = alloc(n_rows, D, dtype=rows_out_RD.dtype, device=rows_out_RD.device)
-    d_weights_Tk = torch.empty(T, k, dtype=torch.float32, device=rows_out_RD.device)
+    dev = rows_out_RD.device
+    d_rows_RD = alloc(n_rows, D, dtype=rows_out_RD.dtype, device=dev)
+    d_weights_Tk = torch.empty(T, k, dtype=torch.float32, device=dev)
     if T == 0 or k == 0:
-        return d_rows_RD, d_weights_Tk
+        return d_rows_RD, d_weights_Tk, None, None
     if D == 0:
-        return d_rows_RD, d_weights_Tk.zero_()
+        return d_rows_RD, d_weights_Tk.zero_(), None, None
+    codes_RD = scales_R1 = None
+    if encoder is not None:
+        codes_RD = torch.empty(n_rows, D, dtype=torch.uint8, device=dev)
+        scales_R1 = torch.empty(n_rows, 1, dtype=torch.float32, device=dev)
     dy_TD, rows_out_RD = _row_major(dy_TD), _row_major(rows_out_RD)
     row_of_slot_S, w_S = row_of_slot_S.contiguous(), w_S.contiguous()
     kept_S = kept_S.contiguous() if kept_S is not None else None
     k_block = triton.next_power_of_2(k)
-    block_t, block_d = _blocks(rows_out_RD.device, T, D, _GPU_BACKWARD_TILE // k_block)
+    block_t, block_d = _blocks(dev, T, D, _GPU_BACKWARD_TILE // k_block)
     combine_backward_kernel[(triton.cdiv(T, block_t),)](
         dy_TD, rows_out_RD, row_of_slot_S, w_S, kept_S if kept_S is not None else w_S,
         d_rows_RD, d_weights_Tk,
+        codes_RD if codes_RD is not None else d_rows_RD, scales_R1 if scales_R1 is not None else w_S,
         T, D, dy_TD.stride(0), rows_out_RD.stride(0), d_rows_RD.stride(0),
+        codes_RD.stride(0) if codes_RD is not None else 0,
         K=k, K_BLOCK=k_block, HAS_KEPT=kept_S is not None,
-        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_GPU_NUM_WARPS,
+        BLOCK_T=block_t, BLOCK_D=block_d,
+        ENCODE=encoder is not None,
+        ROW_SCALE=None if encoder is None else encoder.row_scale,
+        ROW_ENCODE=None if encoder is None else encoder.row_encode,
+        # an encoder's rounding steps are exact only without FMA contraction
+        num_warps=_GPU_NUM_WARPS, enable_fp_fusion=encoder is None,
     )
-    return d_rows_RD, d_weights_Tk
+    return d_rows_RD, d_weights_Tk, codes_RD, scales_R1

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from moe_model.loss import IGNORE_INDEX, GradientRowEncoder
+from moe_model.gradient_rows import GradientRowEncoder
+from moe_model.loss import IGNORE_INDEX
 
 # Start of the running maximum: the most negative finite FP32, not -inf, so the
 # rescale factor exp(m_old - m_new) is never exp(-inf - -inf) = NaN when a chunk is
@@ -284,7 +285,7 @@ def fused_cross_entropy_sum(
     """``F.cross_entropy(logits_NV.float(), targets_N, ignore_index=..., reduction="sum")``
     with the Triton kernels (differentiable in ``logits_NV``); ``config`` overrides both
     kernels' configuration (tests); ``encoder`` receives the gradient's per-row codes
-    from the backward (``moe_model.loss.GradientRowEncoder``). Ids outside ``[0, V)``
+    from the backward (``moe_model.gradient_rows.GradientRowEncoder``). Ids outside ``[0, V)``
     give NaN, not an error."""
     if logits_NV.dim() != 2 or targets_N.shape != logits_NV.shape[:1]:
         raise ValueError(

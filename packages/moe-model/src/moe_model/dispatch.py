@@ -43,7 +43,10 @@ the forward reads each token's ``k`` rows once (``T*k*D`` elements) and writes
 ``y`` once (``T*D``), accumulating in FP32 registers; the backward reads ``rows_out``
 and ``dy`` once and writes ``d_rows`` once, with the routing-weight gradients reduced
 in the same pass. No ``[T*k, D]`` FP32 (or gathered ``[T, k, D]``) tensor is
-materialised, and nothing uses atomics, so results are deterministic. Elsewhere
+materialised, and nothing uses atomics, so results are deterministic. In the dropless
+layout the backward also serves the expert output's ``GRADIENT_ROW_ENCODER``
+(``moe_model.gradient_rows``: moe_mxfp8's FP8 experts quantize their output gradient per
+row), writing ``d_rows``' codes in the same pass. Elsewhere
 (CPU, FP64, no Triton) the plain torch code below runs; it is the exact reference
 the layout-equivalence tests compare bit for bit. Triton is imported lazily.
 """
@@ -60,6 +63,7 @@ import torch
 from torch import nn
 
 from moe_model._triton_support import Backend, use_fused
+from moe_model.gradient_rows import GRADIENT_ROW_ENCODER, GradientRowEncoder
 from moe_model.router import count_per_expert
 
 _HASH_MULTIPLIER = 2654435761  # odd, so t -> t * m mod 2^32 is a bijection (Knuth)
@@ -200,24 +204,33 @@ def combine_backward_reference(
 
 def combine_backward(
     dy_TD: torch.Tensor, rows_out_RD: torch.Tensor, w_S: torch.Tensor, h: LocalDispatchHandle,
-    backend: Backend = "auto",
+    backend: Backend = "auto", encoder: GradientRowEncoder | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``combine_backward_reference``'s gradients (``d_weights`` FP32 on the fused path); the
     fused path (float rows) is one Triton kernel (``_combine_kernels``) that reads
     ``rows_out`` and ``dy`` once and writes ``d_rows`` once, routing-weight gradients
-    reduced in the same pass."""
+    reduced in the same pass.
+
+    ``encoder``: ``rows_out``'s ``GRADIENT_ROW_ENCODER`` (``moe_model.gradient_rows``). The
+    fused path in the dropless layout (every row written) also writes ``d_rows``' codes and
+    scales and hands them to it; elsewhere it receives nothing."""
     if use_fused("combine_backward", backend, rows_out_RD.device, lambda: _unfit_dtype(rows_out_RD)):
         from moe_model import _combine_kernels as k
 
-        return k.combine_backward(
+        every_row = h.kept_of_slot is None and h.valid_rows is None
+        d_rows, d_weights, codes, scales = k.combine_backward(
             dy_TD, rows_out_RD, h.row_of_slot, w_S, h.kept_of_slot, rows_out_RD.shape[0],
-            zero_fill=h.kept_of_slot is not None or h.valid_rows is not None)
+            zero_fill=not every_row, encoder=encoder if every_row else None)
+        if codes is not None:
+            encoder.receive(d_rows, codes, scales)
+        return d_rows, d_weights
     return combine_backward_reference(dy_TD, rows_out_RD, w_S, h)
 
 
 class _Combine(torch.autograd.Function):
     """``y[t] = sum_j w[t,j] * rows_out[row_of_slot[t,j]]`` in (at least) FP32; saves only
-    ``rows_out`` and the (kept-masked) slot weights."""
+    ``rows_out`` and the (kept-masked) slot weights, and serves ``rows_out``'s
+    ``GRADIENT_ROW_ENCODER`` in the backward (``combine_backward``)."""
 
     @staticmethod
     def forward(ctx: Any, rows_out_RD: torch.Tensor, weights_Tk: torch.Tensor,
@@ -229,12 +242,13 @@ class _Combine(torch.autograd.Function):
             w_S = w_S * h.kept_of_slot.to(acc)
         ctx.save_for_backward(rows_out_RD, w_S)
         ctx.handle, ctx.weights_dtype = h, weights_Tk.dtype
+        ctx.encoder = getattr(rows_out_RD, GRADIENT_ROW_ENCODER, None)
         return weighted_gather_sum(rows_out_RD, h.row_of_slot, T, w_S, h.kept_of_slot)
 
     @staticmethod
     def backward(ctx: Any, dy_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         rows_out_RD, w_S = ctx.saved_tensors
-        d_rows, d_weights_Tk = combine_backward(dy_TD, rows_out_RD, w_S, ctx.handle)
+        d_rows, d_weights_Tk = combine_backward(dy_TD, rows_out_RD, w_S, ctx.handle, encoder=ctx.encoder)
         return d_rows, d_weights_Tk.to(ctx.weights_dtype), None
 
 
