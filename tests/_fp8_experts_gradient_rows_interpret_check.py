@@ -1,39 +1,50 @@
 """Run by test_fp8_experts_gradient_rows.py with TRITON_INTERPRET=1: moe_mxfp8's FP8
-experts combined by moe_model's local dispatcher, whose fused combine backward writes the
-experts' rowwise FP8 output gradient."""
+experts between moe_model's local dispatcher's gather, which writes the experts' rowwise
+FP8 input rows, and its combine, whose fused backward writes their rowwise FP8 output
+gradient."""
 
 import functools
 from unittest import mock
 
 import moe_mxfp8.fp8_experts as fp8_experts
 import torch
-from moe_model import GRADIENT_ROW_ENCODER, LocalDispatcher, dispatch
+from moe_model import GRADIENT_ROW_ENCODER, INPUT_ROW_ENCODER, LocalDispatcher, dispatch
 from moe_mxfp8 import FP8GroupedExperts
 from moe_mxfp8.fp8 import quantize_fp8_reference
 from torch import nn
 
 _FUSED = functools.partial(dispatch.combine_backward, backend="triton")
+_FUSED_GATHER = functools.partial(dispatch.gather_rows, backend="triton")
 
 
 def _double_in_place(grad):
     grad.mul_(2.0)
 
 
-def grads(layer, disp, x, ids, w, dy, strip=False, hook=False):
-    """Gradients of ``x``, the routing weights and the expert weights through dispatch ->
-    experts -> combine, the ``dy`` quantisations the layer ran, and what the encoder
-    received; ``strip``: the experts' output carries no encoder; ``hook``: a gradient hook
-    on that output doubles its gradient in place."""
-    quantized, received = [], []
+def grads(layer, disp, x, ids, w, dy, strip=False, hook=False, plain_gather=False):
+    """Output and gradients of ``x``, the routing weights and the expert weights through
+    dispatch -> experts -> combine, the quantisations the layer ran, what the gradient's
+    encoder received and the rows' codes the gather handed over; ``strip``: the experts'
+    output carries no encoder; ``hook``: a gradient hook on that output doubles its
+    gradient in place; ``plain_gather``: the dispatcher is not given the experts' input
+    encoder."""
+    quantized, received, gathered = [], [], []
     real = fp8_experts.quantize_fp8
 
     def spy(t, *args):
         quantized.append(t.shape)
         return real(t, *args)
 
+    inputs = getattr(layer, INPUT_ROW_ENCODER)
+    real_input_receive = inputs.receive
+    inputs.receive = lambda *got: (gathered.append(got), real_input_receive(*got))
     with mock.patch.object(fp8_experts, "quantize_fp8", spy), \
-            mock.patch.object(dispatch, "combine_backward", _FUSED):
-        rows, offsets, h = disp.dispatch(x, ids)
+            mock.patch.object(dispatch, "combine_backward", _FUSED), \
+            mock.patch.object(dispatch, "gather_rows", _FUSED_GATHER):
+        if plain_gather:
+            rows, offsets, h = disp.dispatch(x, ids)
+        else:
+            rows, offsets, h = disp.dispatch_encoded(x, ids, None, inputs)
         out = layer(rows, offsets)
         if strip:
             delattr(out, GRADIENT_ROW_ENCODER)
@@ -45,7 +56,8 @@ def grads(layer, disp, x, ids, w, dy, strip=False, hook=False):
             out.register_hook(_double_in_place)
         y = disp.combine(out, w, h)
         got = torch.autograd.grad(y, (x, w, layer.w1, layer.w3, layer.w2), dy)
-    return got, quantized, received
+    del inputs.receive
+    return (y, *got), quantized, received, gathered
 
 
 def main():
@@ -66,32 +78,32 @@ def main():
         dy[6] = 0.0
         disp = LocalDispatcher(E)
 
-        # the codes the combine hands over are quantize_fp8's of the gradient it wrote,
-        # and the layer uses them instead of quantizing dy
-        got, quantized, received = grads(layer, disp, x, ids, w, dy)
-        assert len(received) == 1, recipe
-        grad, codes, scales = received[0]
-        ref = quantize_fp8_reference(grad, (1, 0), True)
-        assert torch.equal(codes, ref.data.view(torch.uint8)), recipe
-        assert torch.equal(scales, ref.scale), recipe
-        amax = grad.float().abs().amax(1)
-        assert (amax == 0).sum() == 3 and ((amax > 0) & (amax < torch.finfo(torch.float32).tiny)).any(), f"{recipe}: {amax}"
-        rows_and_dy = (T * k, D)  # the forward quantizes the rows, of dy's shape
-        assert quantized.count(rows_and_dy) == 1, f"{recipe}: dy quantized again: {quantized}"
+        # the codes the gather and the combine hand over are quantize_fp8's of the rows and
+        # of the gradient they wrote, and the layer uses them instead of quantizing either
+        got, quantized, received, gathered = grads(layer, disp, x, ids, w, dy)
+        assert len(received) == 1 and len(gathered) == 1, recipe
+        for tensor, codes, scales in (received[0], gathered[0]):
+            ref = quantize_fp8_reference(tensor, (1, 0), True)
+            assert torch.equal(codes, ref.data.view(torch.uint8)), recipe
+            assert torch.equal(scales, ref.scale), recipe
+        amax = received[0][0].float().abs().amax(1)
+        assert (amax == 0).sum() == 3 and ((amax > 0) & (amax < torch.finfo(torch.float32).tiny)).any(), \
+            f"{recipe}: {amax}"
+        rows_and_dy = (T * k, D)  # the rows' shape and dy's
+        assert quantized.count(rows_and_dy) == 0, f"{recipe}: quantized again: {quantized}"
 
-        # the same gradients as the layer quantizing dy itself, bit for bit
-        want, quantized, _ = grads(layer, disp, x, ids, w, dy, strip=True)
-        assert quantized.count(rows_and_dy) == 2, quantized
-        for name, a, b in zip(("x", "w", "w1", "w3", "w2"), got, want, strict=True):
-            assert torch.equal(a, b), f"{recipe}: d{name} differs"
+        # the same output and gradients as the layer quantizing both itself, bit for bit
+        want, quantized, received, gathered = grads(layer, disp, x, ids, w, dy, strip=True, plain_gather=True)
+        assert quantized.count(rows_and_dy) == 2 and not received and not gathered, quantized
+        for name, a, b in zip(("y", "x", "w", "w1", "w3", "w2"), got, want, strict=True):
+            assert torch.equal(a, b), f"{recipe}: {name} differs"
 
         # a hook editing the gradient in place: the codes are stale and not used
-        hooked, quantized, received = grads(layer, disp, x, ids, w, dy, hook=True)
-        assert len(received) == 1 and quantized.count(rows_and_dy) == 2, quantized
-        doubled, _, _ = grads(layer, disp, x, ids, w, dy * 2, strip=True)
-        for name, a, b in zip(("x", "w1", "w3", "w2"), (hooked[0], *hooked[2:]), (doubled[0], *doubled[2:]),
-                              strict=True):
-            assert torch.equal(a, b), f"{recipe}: d{name} with the hook differs"
+        hooked, quantized, received, _ = grads(layer, disp, x, ids, w, dy, hook=True)
+        assert len(received) == 1 and quantized.count(rows_and_dy) == 1, quantized
+        doubled, _, _, _ = grads(layer, disp, x, ids, w, dy * 2, strip=True)
+        for i, name in ((1, "x"), (3, "w1"), (4, "w3"), (5, "w2")):
+            assert torch.equal(hooked[i], doubled[i]), f"{recipe}: d{name} with the hook differs"
     print("ok")
 
 

@@ -1,7 +1,7 @@
-"""moe_mxfp8's FP8 experts combined by moe_model's local dispatcher: the fused combine
-backward writes the experts' rowwise FP8 output gradient, bit for bit the codes the
-experts would make, and no gradient changes (interpreter on CPU; bench-1gpu's expert
-shapes on a GPU)."""
+"""moe_mxfp8's FP8 experts between moe_model's local dispatcher's gather and combine: the
+gather writes the experts' rowwise FP8 input rows and the fused combine backward their
+rowwise FP8 output gradient, bit for bit the codes the experts would make, and no output
+or gradient changes (interpreter on CPU; bench-1gpu's expert shapes on a GPU)."""
 
 from pathlib import Path
 
@@ -14,16 +14,17 @@ pytest.importorskip("triton")
 
 @pytest.mark.slow
 @pytest.mark.interpreter
-def test_fp8_experts_take_their_gradient_codes_from_the_combine():
+def test_fp8_experts_take_their_codes_from_the_dispatcher():
     run_under_triton_interpreter(Path(__file__).with_name("_fp8_experts_gradient_rows_interpret_check.py"))
 
 
 @pytest.mark.gpu
 def test_gradient_codes_at_bench_shapes():
     """4096 tokens, top-8 of 64 experts, d_model 2048, hidden 1024, the Triton FP8 GEMMs:
-    the codes and scales the combine writes equal ``quantize_fp8``'s of its gradient (zero
-    and subnormal rows included), and every gradient equals the one without them."""
-    from moe_model import GRADIENT_ROW_ENCODER, LocalDispatcher
+    the codes and scales the gather and the combine write equal ``quantize_fp8``'s of the
+    rows and of the gradient (zero and subnormal rows included), and the output and every
+    gradient equal those without them."""
+    from moe_model import GRADIENT_ROW_ENCODER, INPUT_ROW_ENCODER, LocalDispatcher
     from moe_mxfp8 import FP8GroupedExperts, quantize_fp8
     from torch import nn
 
@@ -42,30 +43,39 @@ def test_gradient_codes_at_bench_shapes():
     dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
     disp = LocalDispatcher(E)
 
-    def grads(strip):
+    inputs = getattr(layer, INPUT_ROW_ENCODER)
+
+    def grads(plain):
         received = []
-        rows, offsets, h = disp.dispatch(x, ids)
+        if plain:
+            rows, offsets, h = disp.dispatch(x, ids)
+        else:
+            real_input = inputs.receive
+            inputs.receive = lambda *got: (received.append(got), real_input(*got))
+            rows, offsets, h = disp.dispatch_encoded(x, ids, None, inputs)
+            del inputs.receive
         out = layer(rows, offsets)
         enc = getattr(out, GRADIENT_ROW_ENCODER)
-        if strip:
+        if plain:
             delattr(out, GRADIENT_ROW_ENCODER)
         real = enc.receive
         enc.receive = lambda *got: (received.append(got), real(*got))
-        got = torch.autograd.grad(disp.combine(out, weights, h), (x, weights, w1, w3, w2), dy)
-        return got, received
+        y = disp.combine(out, weights, h)
+        return (y, *torch.autograd.grad(y, (x, weights, w1, w3, w2), dy)), received
 
-    got, received = grads(strip=False)
-    grad, codes, scales = received[0]
-    ref = quantize_fp8(grad, (1, 0), True)
-    assert torch.equal(codes, ref.data.view(torch.uint8))
-    assert torch.equal(scales, ref.scale)
-    amax = grad.float().abs().amax(1)
+    got, received = grads(plain=False)
+    assert len(received) == 2  # the rows, then the gradient
+    for tensor, codes, scales in received:
+        ref = quantize_fp8(tensor, (1, 0), True)
+        assert torch.equal(codes, ref.data.view(torch.uint8))
+        assert torch.equal(scales, ref.scale)
+    amax = received[1][0].float().abs().amax(1)
     assert (amax == 0).any() and ((amax > 0) & (amax < torch.finfo(torch.float32).tiny)).any()
-    del grad, codes, scales, ref, received
-    want, received = grads(strip=True)
+    del received, ref
+    want, received = grads(plain=True)
     assert not received
-    for name, a, b in zip(("x", "weights", "w1", "w3", "w2"), got, want, strict=True):
-        assert torch.equal(a, b), f"d{name} differs"
+    for name, a, b in zip(("y", "x", "weights", "w1", "w3", "w2"), got, want, strict=True):
+        assert torch.equal(a, b), f"{name} differs"
 
 
 @pytest.mark.gpu
@@ -75,7 +85,7 @@ def test_gradient_codes_of_adversarial_rows():
     slots weigh zero, a subnormal or infinity (NaN rows from ``inf * 0``)."""
     from moe_model._combine_kernels import combine_backward
     from moe_mxfp8 import quantize_fp8
-    from moe_mxfp8.gradient_rows import OutputGradientRows
+    from moe_mxfp8.row_codes import RowCodes
 
     g = torch.Generator(device="cuda").manual_seed(1)
     T, k, D = 64, 8, 2048
@@ -87,7 +97,7 @@ def test_gradient_codes_of_adversarial_rows():
     dy[8, 3] = 0.0
     rows = torch.randn(T * k, D, device="cuda", generator=g).bfloat16()
     row_of_slot = torch.randperm(T * k, device="cuda", generator=g)
-    enc = OutputGradientRows(True)
+    enc = RowCodes(True)
     d_rows, _, codes, scales = combine_backward(dy, rows, row_of_slot, w, None, T * k, encoder=enc)
     ref = quantize_fp8(d_rows, (1, 0), True)
     assert d_rows.float().isnan().any(1).sum() >= 2 and d_rows.float().isinf().any()

@@ -8,11 +8,11 @@ reference) selves."""
 import functools
 
 import torch
-from moe_model import LocalDispatcher, _combine_kernels, dispatch
-from moe_model.gradient_rows import GRADIENT_ROW_ENCODER
+from moe_model import LocalDispatcher, _combine_kernels, _gather_kernels, dispatch
+from moe_model.row_encoding import GRADIENT_ROW_ENCODER, INPUT_ROW_ENCODER
 from sign_peak_encoder import SignPeakEncoder, expected_codes
 
-_PUBLIC_OPS = ("weighted_gather_sum", "combine_backward")
+_PUBLIC_OPS = ("weighted_gather_sum", "combine_backward", "gather_rows")
 _AUTO = {name: getattr(dispatch, name) for name in _PUBLIC_OPS}
 
 
@@ -160,9 +160,83 @@ def check_gradient_row_encoder():
         dispatch.combine_backward = _AUTO["combine_backward"]
 
 
+def check_gather_row_encoder():
+    """The gather serving an encoder: rows bit for bit ``index_select``'s (zero padding
+    rows), scales the amax of each row (NaN for a row with a NaN, infinite for one with an
+    infinity, zero for zero rows and padding), codes marking signs and peaks. Through the
+    dispatcher (dropless and with a capacity): ``dispatch_encoded`` gives ``dispatch``'s
+    rows, offsets and gradients and hands the encoder exactly its rows, once; and an MoE
+    layer hands its experts' ``INPUT_ROW_ENCODER`` to it."""
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.bfloat16, torch.float32):
+        T, R, D = 7, 19, 37
+        x = torch.randn(T, D, generator=g).to(dtype)
+        x[1, 4], x[2, 9], x[3], x[4, 30] = float("nan"), float("-inf"), 0.0, 3e4
+        token_of_row = torch.randint(0, T, (R,), generator=g)
+        token_of_row[:5] = torch.arange(1, 6)
+        valid = torch.rand(R, generator=g) > 0.3
+        valid[:5] = True
+        for valid_rows in (None, valid):
+            rows, codes, scales = _gather_kernels.gather_rows_encoded(x, token_of_row, valid_rows,
+                                                                      SignPeakEncoder())
+            want = dispatch.gather_rows_reference(x, token_of_row, valid_rows)
+            assert torch.equal(rows.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), dtype
+            nan_rows = rows.float().isnan().any(1)
+            assert scales[nan_rows].isnan().all() and nan_rows.sum() >= 1, dtype
+            amax, code = expected_codes(rows)
+            assert torch.equal(scales[~nan_rows], amax[~nan_rows]), dtype
+            assert torch.equal(codes[~nan_rows], code[~nan_rows]), dtype
+            assert scales[1].isinf() and scales[2] == 0, dtype
+            if valid_rows is not None:
+                assert (scales[~valid_rows] == 0).all() and (rows[~valid_rows] == 0).all(), dtype
+
+    fused = functools.partial(_AUTO["gather_rows"], backend="triton")
+    dispatch.gather_rows = fused
+    try:
+        for capacity_factor in (None, 0.75):
+            ids = _ids(10, 6, 2, g, skew=capacity_factor is not None)
+            x = torch.randn(10, 16, generator=g).bfloat16()
+            disp = LocalDispatcher(6, capacity_factor)
+            enc = SignPeakEncoder()
+            got, want = [], []
+            for out, encoder in ((got, enc), (want, None)):
+                xr = x.clone().requires_grad_()
+                rows, offsets, h = (disp.dispatch_encoded(xr, ids, None, encoder) if encoder
+                                    else disp.dispatch(xr, ids))
+                (dx,) = torch.autograd.grad(rows, xr, torch.ones_like(rows))
+                out += [rows, offsets, dx]
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a, b), capacity_factor
+            assert len(enc.received) == 1 and enc.received[0][0] is got[0], capacity_factor
+            assert torch.equal(enc.received[0][2], expected_codes(got[0])[0]), capacity_factor
+    finally:
+        dispatch.gather_rows = _AUTO["gather_rows"]
+
+    from moe_model import MoEConfig
+    from moe_model.moe import MoELayer
+
+    layer = MoELayer(MoEConfig(d_model=16, n_experts=4, top_k=2, expert_hidden=8))
+    seen = []
+
+    class Recording:
+        row_scale, row_encode = SignPeakEncoder.row_scale, SignPeakEncoder.row_encode
+
+        def receive(self, rows, codes, scales):
+            seen.append(rows)
+
+    setattr(layer.experts, INPUT_ROW_ENCODER, Recording())
+    dispatch.gather_rows = fused
+    try:
+        layer(torch.randn(2, 3, 16, generator=g))
+    finally:
+        dispatch.gather_rows = _AUTO["gather_rows"]
+    assert len(seen) == 1 and seen[0].shape == (12, 16)
+
+
 def main():
     check_direct()
     check_gradient_row_encoder()
+    check_gather_row_encoder()
     for dtype in (torch.float32, torch.bfloat16):
         check(13, 40, 6, 1, None, dtype)  # dropless, k=1
         check(13, 40, 10, 8, None, dtype)  # dropless, k=8

@@ -2,7 +2,7 @@
 Triton is imported, and never in the test process itself): the fused cross-entropy
 kernels on CPU against ``F.cross_entropy`` on FP32 logits, loss and gradient; the
 public ``lm_loss_sum(..., backend="triton")`` against ``lm_loss_sum_reference``; and a
-``GradientRowEncoder`` served by the backward against the gradient it writes."""
+``RowEncoder`` served by the backward against the gradient it writes."""
 
 import torch
 import torch.nn.functional as F
@@ -13,8 +13,8 @@ from moe_model._cross_entropy_kernels import (
     cross_entropy_forward,
     fused_cross_entropy_sum,
 )
-from moe_model.gradient_rows import GRADIENT_ROW_ENCODER
 from moe_model.loss import lm_loss_sum, lm_loss_sum_reference
+from moe_model.row_encoding import GRADIENT_ROW_ENCODER
 from sign_peak_encoder import SignPeakEncoder, expected_codes
 
 

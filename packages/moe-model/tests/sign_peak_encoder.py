@@ -1,4 +1,4 @@
-"""A ``GradientRowEncoder`` for tests of the kernels that serve one (the fused
+"""A ``RowEncoder`` for tests of the kernels that serve one (the fused
 cross-entropy, the combine backward): its scale is the row's amax itself and its codes
 mark signs and the positions of the row's largest magnitude, so both are checked
 exactly against the gradient the kernel wrote (``expected_codes``)."""

@@ -128,13 +128,13 @@ def test_experts_match_torchao_oracle(recipe):
 
 
 def test_output_gradient_rows_attach_and_serve_the_down_projection():
-    """Rowwise experts tag their output with an ``OutputGradientRows`` (not a blockwise
+    """Rowwise experts tag their output with an ``RowCodes`` (not a blockwise
     recipe's, nor without grad mode); the backward uses what it received for its very
     ``dy``: deliberately wrong codes (zeros) zero the input gradient and every gradient
     behind ``dh``, not ``w2``'s (from the unquantized ``dy``); the right ones change
     nothing."""
     from moe_mxfp8.fp8 import quantize_fp8_reference
-    from moe_mxfp8.gradient_rows import GRADIENT_ROW_ENCODER, OutputGradientRows
+    from moe_mxfp8.row_codes import GRADIENT_ROW_ENCODER, RowCodes
 
     D, F_ = CASES["fp8_rowwise_gw_hp"]
     experts = ToyExperts(4, D, F_)
@@ -145,7 +145,7 @@ def test_output_gradient_rows_attach_and_serve_the_down_projection():
     dy = torch.randn(30, D, generator=g)
     params = (rows, experts.w1, experts.w3, experts.w2)
     enc = getattr(layer(rows, offsets), GRADIENT_ROW_ENCODER)
-    assert isinstance(enc, OutputGradientRows) and enc.pow2
+    assert isinstance(enc, RowCodes) and enc.pow2
     with torch.no_grad():
         assert not hasattr(layer(rows, offsets), GRADIENT_ROW_ENCODER)
     blockwise = FP8GroupedExperts.from_module(ToyExperts(2, 128, 128), "fp8_blockwise")

@@ -298,11 +298,11 @@ def test_layers_sharing_an_input_give_their_weight_gradients_to_the_sink():
 
 def test_output_gradient_rows_attach_and_take():
     """A rowwise layer that will compute an input gradient tags its output with an
-    ``OutputGradientRows`` (none for a blockwise recipe, without grad mode or an input
+    ``RowCodes`` (none for a blockwise recipe, without grad mode or an input
     that needs no gradient); what it received is used only for the very tensor it came
     with, once; the layer's backward then skips quantizing ``dy`` and uses those codes."""
     from moe_mxfp8.fp8 import quantize_fp8_reference
-    from moe_mxfp8.gradient_rows import GRADIENT_ROW_ENCODER, OutputGradientRows
+    from moe_mxfp8.row_codes import GRADIENT_ROW_ENCODER, RowCodes
 
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(24, 16))
@@ -310,7 +310,7 @@ def test_output_gradient_rows_attach_and_take():
     layer = FP8Linear(w, recipe="fp8_rowwise_gw_hp")
     y = layer(x)
     enc = getattr(y, GRADIENT_ROW_ENCODER)
-    assert isinstance(enc, OutputGradientRows) and enc.pow2
+    assert isinstance(enc, RowCodes) and enc.pow2
     assert not hasattr(layer(x.detach()), GRADIENT_ROW_ENCODER)
     with torch.no_grad():
         assert not hasattr(layer(x), GRADIENT_ROW_ENCODER)
@@ -318,7 +318,7 @@ def test_output_gradient_rows_attach_and_take():
 
     dy = torch.randn(10, 24)
     q = quantize_fp8_reference(dy, (1, 0), True)
-    got = OutputGradientRows(True)
+    got = RowCodes(True)
     got.receive(dy, q.data.view(torch.uint8), q.scale)
     assert got.take(dy.clone()) is None and got.take(dy) is None  # another tensor; then forgotten
     got.receive(dy, q.data.view(torch.uint8), q.scale)

@@ -16,6 +16,7 @@ from moe_model._triton_support import (
 )
 from moe_model.config import MoEConfig
 from moe_model.dispatch import (
+    EncodesRows,
     ExpertsFn,
     LocalDispatcher,
     PipelinesExperts,
@@ -26,6 +27,8 @@ from moe_model.dispatch import (
     dropless_dispatch,
     dropless_layout,
     dropless_layout_reference,
+    gather_rows,
+    gather_rows_reference,
     weighted_gather_sum,
     weighted_gather_sum_reference,
 )
@@ -40,7 +43,6 @@ from moe_model.experts import (
 )
 from moe_model.flops import active_params, flops_per_token, total_params
 from moe_model.generate import generate, next_token
-from moe_model.gradient_rows import GRADIENT_ROW_ENCODER, GradientRowEncoder
 from moe_model.init import init_weights
 from moe_model.kv_cache import KVCache
 from moe_model.layers import (
@@ -76,6 +78,7 @@ from moe_model.router import (
     router_logits_reference,
     router_z_loss,
 )
+from moe_model.row_encoding import GRADIENT_ROW_ENCODER, INPUT_ROW_ENCODER, RowEncoder
 from moe_model.sink import GradientSink
 from moe_model.wiring import ModelWiring, wire_model
 
@@ -88,7 +91,8 @@ __all__ = [
     "ExpertWeightGradient",
     "ExpertsFn",
     "GRADIENT_ROW_ENCODER",
-    "GradientRowEncoder",
+    "INPUT_ROW_ENCODER",
+    "RowEncoder",
     "GradientSink",
     "GroupedExperts",
     "IGNORE_INDEX",
@@ -100,6 +104,7 @@ __all__ = [
     "MoETransformer",
     "ModelWiring",
     "PipelinesExperts",
+    "EncodesRows",
     "ReportsDrops",
     "RoutingResult",
     "TokenDispatcher",
@@ -113,6 +118,8 @@ __all__ = [
     "attended_pairs",
     "combine_backward",
     "combine_backward_reference",
+    "gather_rows",
+    "gather_rows_reference",
     "dense_parameters",
     "documents_from_eos",
     "dropless_dispatch",

@@ -209,7 +209,7 @@ def combine_backward(
     kept * dot(rows_out[row_of_slot[t*k+j]], dy[t])``. One program per token block
     walks all of D: it reads ``rows_out`` and ``dy`` once and writes ``d_rows`` once.
 
-    ``encoder`` (a ``moe_model.gradient_rows.GradientRowEncoder``; only where every row is
+    ``encoder`` (a ``moe_model.row_encoding.RowEncoder``; only where every row is
     written: no ``kept_S``, no ``zero_fill``): also ``d_rows``' per-row codes ``[n_rows, D]``
     (uint8) and scales ``[n_rows, 1]`` (FP32), written in the same pass after a first walk
     over ``dy`` for each token's largest magnitude; else (and where there is nothing to

@@ -18,7 +18,7 @@ is the reference of the layout-equivalence tests.
 A layer whose output becomes the logits may want their gradient encoded per row as well
 (moe_mxfp8's FP8 head quantizes it rowwise to E4M3 for its input-gradient GEMM, reading
 the 1.6 GB gradient of a microbatch twice): where the fused cross-entropy runs on exactly
-the tensor that carries a ``GRADIENT_ROW_ENCODER`` (``moe_model.gradient_rows``), its
+the tensor that carries a ``GRADIENT_ROW_ENCODER`` (``moe_model.row_encoding``), its
 backward writes the codes in the pass that writes the gradient and hands both to the
 encoder.
 
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_model._triton_support import Backend, use_fused
-from moe_model.gradient_rows import GRADIENT_ROW_ENCODER
+from moe_model.row_encoding import GRADIENT_ROW_ENCODER
 
 IGNORE_INDEX = -100
 

@@ -30,8 +30,8 @@ microbatch against 4.98 for a BF16 gradient that the wrapper then re-reads and a
 ``moe_model.linear``). Unset, the layer computes the gradient and the sink adds it.
 
 Output gradient encoded by its producer: a layer of a rowwise recipe (one scale per row
-of ``dy``) sets an ``OutputGradientRows`` as ``GRADIENT_ROW_ENCODER`` on its output
-(``moe_mxfp8.gradient_rows``). moe_model's fused cross-entropy, given that output as
+of ``dy``) sets an ``RowCodes`` as ``GRADIENT_ROW_ENCODER`` on its output
+(``moe_mxfp8.row_codes``). moe_model's fused cross-entropy, given that output as
 logits, writes ``dy``'s E4M3 codes and scales in the pass that writes ``dy``, and the
 input gradient uses them instead of quantizing ``dy`` again: for an LM head that saves
 reading the ``[8192, 100352]`` BF16 gradient twice per microbatch. They are the codes
@@ -58,8 +58,8 @@ from moe_mxfp8.fp8_gemm import (
     fp8_grouped_wgrad,
 )
 from moe_mxfp8.gemm import compute_dtype
-from moe_mxfp8.gradient_rows import GRADIENT_ROW_ENCODER, OutputGradientRows
 from moe_mxfp8.linear import DenseWeightGradientMaker
+from moe_mxfp8.row_codes import GRADIENT_ROW_ENCODER, RowCodes
 from moe_mxfp8.sink import SinkRoute, carry_grad_sink, computes_now, give, hand_over, sink_route
 
 
@@ -92,7 +92,7 @@ class _FP8LinearsFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x_MK: torch.Tensor, layers: tuple[FP8Linear, ...], dtype: torch.dtype,
-                routes: tuple[SinkRoute | None, ...], grad_rows: OutputGradientRows | None,
+                routes: tuple[SinkRoute | None, ...], grad_rows: RowCodes | None,
                 *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
         first = layers[0]
         r, fast = first.recipe, "output" in first.fast_accum
@@ -171,7 +171,7 @@ def _linears(x: torch.Tensor, layers: tuple[FP8Linear, ...]) -> tuple[torch.Tens
     routes = tuple(sink_route(layer.grad_sink, layer.weight) for layer in layers)
     # one layer of a rowwise recipe whose input gradient will be computed: its dy may come
     # quantized by whatever computes it (module notes)
-    grad_rows = (OutputGradientRows(first.recipe.pow2)
+    grad_rows = (RowCodes(first.recipe.pow2)
                  if len(layers) == 1 and first.recipe.act_block == (1, 0) and torch.is_grad_enabled()
                  and x.requires_grad else None)
     with torch.autocast(x.device.type, enabled=False):

@@ -389,7 +389,7 @@ def _local_dispatch(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, encod
     FP32 temporaries both ways. Fused (CUDA): the FP32 sum stays in registers; the
     backward writes d_rows and the weights' gradient directly, and, dropless, for
     experts of a rowwise FP8 recipe (``encoded``) d_rows' E4M3 codes and scales too
-    (``moe_model.gradient_rows``), which the experts' backward then holds as its dy's."""
+    (``moe_model.row_encoding``), which the experts' backward then holds as its dy's."""
     T, D, E, b = ex.tokens, cfg.d_model, cfg.n_experts, ex.compute_bytes
     N = T * cfg.top_k
     if cfg.capacity_factor is None:
@@ -847,7 +847,7 @@ def _fp8_head(ex: Execution, T: int, D: int, V: int, head_grads: int) -> tuple[i
     end, with the input-gradient GEMM, then with the input gradient and the weight's
     gradient: ``_fp8_linear_wgrad``'s); the head's gradients for the other moments; that
     E4M3 copy where the fused loss (CUDA) writes it beside its gradient (a rowwise recipe:
-    ``moe_model.gradient_rows.GradientRowEncoder``), else 0."""
+    ``moe_model.row_encoding.RowEncoder``), else 0."""
     from moe_mxfp8 import FP8_RECIPES
     from moe_mxfp8.fp8 import fp8_nbytes
 
@@ -872,7 +872,7 @@ def head_memory(cfg: MoEConfig, ex: Execution) -> EdgeMemory:
     logits gradient while the logits are alive, then the head's gradients. An FP8Linear
     head of a rowwise recipe: 16 bytes per row, and the loss's backward also writes the
     gradient's E4M3 codes, which live on through the head's backward
-    (``moe_model.gradient_rows.GradientRowEncoder``).
+    (``moe_model.row_encoding.RowEncoder``).
 
     A tied head's weight gradient is autograd's BF16 [V, D] (no sink): on a stage that
     also holds the embedding it waits there for the embedding's (``stage_memory``).
