@@ -51,17 +51,16 @@ def weighted_gather_sum_kernel(
 
 
 @triton.jit
-def _row_amax(w, g_amax, g_min, g_nan, STORED: tl.constexpr):
-    """The largest magnitude of the stored row ``(w * g).to(STORED)`` over a token's ``g``,
-    from ``g``'s largest and smallest magnitudes and whether it holds a NaN (FP32).
+def _row_amax(top, w, g_min, g_nan):
+    """The largest magnitude of a stored row ``(w * g).to(d_rows' dtype)`` over a token's
+    ``g``, given ``top``, ``|w|`` times ``g``'s largest magnitude rounded as the row is
+    stored, ``g``'s smallest magnitude and whether ``g`` holds a NaN (FP32).
 
-    ``g -> |(w * g).to(STORED)|`` is non-decreasing in ``|g|`` (a product and a rounding to
-    nearest, both symmetric in sign), so the row's largest magnitude is that of ``g``'s
-    largest times ``|w|``, rounded the same way. The smallest magnitude covers an infinite
-    ``w``: ``inf * 0`` puts a NaN in the row, as a NaN in ``g`` or in ``w`` does."""
-    wa = tl.abs(w)
-    top = (wa * g_amax).to(STORED).to(tl.float32)
-    low = wa * g_min
+    ``g -> |(w * g).to(dtype)|`` is non-decreasing in ``|g|`` (a product and a rounding to
+    nearest, both symmetric in sign), so the row's largest magnitude is ``top``. The
+    smallest magnitude covers an infinite ``w``: ``inf * 0`` puts a NaN in the row, as a
+    NaN in ``g`` or in ``w`` does."""
+    low = tl.abs(w) * g_min
     return tl.where(g_nan | (top != top) | (low != low), float("nan"), top)
 
 
@@ -101,7 +100,6 @@ def combine_backward_kernel(
     t_ok = t_ok[:, None, None]
     w = w[:, :, None]
     cols = tl.arange(0, BLOCK_D)[None, None, :]
-    stored: tl.constexpr = d_rows_ptr.dtype.element_ty
     if ENCODE:
         g_amax = tl.zeros((BLOCK_T, 1, 1), dtype=tl.float32)
         g_min = tl.full((BLOCK_T, 1, 1), float("inf"), dtype=tl.float32)
@@ -112,7 +110,8 @@ def combine_backward_kernel(
             g_amax = tl.maximum(g_amax, tl.max(g, axis=2, keep_dims=True))
             g_min = tl.minimum(g_min, tl.min(tl.where(d < D, g, float("inf")), axis=2, keep_dims=True))
             g_nan = g_nan | (tl.max((g != g).to(tl.int32), axis=2, keep_dims=True) != 0)
-        scale = ROW_SCALE(_row_amax(w, g_amax, g_min, g_nan, stored))  # [BLOCK_T, K_BLOCK, 1]
+        top = (tl.abs(w) * g_amax).to(d_rows_ptr.dtype.element_ty).to(tl.float32)
+        scale = ROW_SCALE(_row_amax(top, w, g_min, g_nan))  # [BLOCK_T, K_BLOCK, 1]
         code_base = (codes_ptr + r * stride_codes)[:, :, None]
         tl.store(scales_ptr + r[:, :, None], scale, mask=ok)
     # Per-block reductions over D (within a warp) keep registers low: no 3-D accumulator.
@@ -124,7 +123,7 @@ def combine_backward_kernel(
         m = ok & d_ok
         x = tl.load(x_base + d, mask=m, other=0.0).to(tl.float32)
         dw += tl.sum(x * g, axis=2)
-        v = (w * g).to(stored)
+        v = (w * g).to(d_rows_ptr.dtype.element_ty)
         tl.store(dr_base + d, v, mask=m)
         if ENCODE:
             tl.store(code_base + d, ROW_ENCODE(v.to(tl.float32), scale), mask=m)
