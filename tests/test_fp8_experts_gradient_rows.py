@@ -23,7 +23,7 @@ def test_gradient_codes_at_bench_shapes():
     """4096 tokens, top-8 of 64 experts, d_model 2048, hidden 1024, the Triton FP8 GEMMs:
     the codes and scales the gather and the combine write equal ``quantize_fp8``'s of the
     rows and of the gradient (zero and subnormal rows included), and the output and every
-    gradient equal those without them."""
+    gradient equal those without them (the routing weights' to rounding: see below)."""
     from moe_model import GRADIENT_ROW_ENCODER, INPUT_ROW_ENCODER, LocalDispatcher
     from moe_mxfp8 import FP8GroupedExperts, quantize_fp8
     from torch import nn
@@ -74,8 +74,12 @@ def test_gradient_codes_at_bench_shapes():
     del received, ref
     want, received = grads(plain=True)
     assert not received
-    for name, a, b in zip(("y", "x", "weights", "w1", "w3", "w2"), got, want, strict=True):
+    for name, a, b in zip(("y", "x", "w1", "w3", "w2"), (got[0], got[1], *got[3:]),
+                          (want[0], want[1], *want[3:]), strict=True):
         assert torch.equal(a, b), f"{name} differs"
+    # the encoding launch runs without FMA contraction: the routing weights' dot products
+    # round apart
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5 * want[2].abs().max().item())
 
 
 @pytest.mark.gpu

@@ -212,7 +212,9 @@ def combine_backward(
     written: no ``kept_S``, no ``zero_fill``): also ``d_rows``' per-row codes ``[n_rows, D]``
     (uint8) and scales ``[n_rows, 1]`` (FP32), written in the same pass after a first walk
     over ``dy`` for each token's largest magnitude; else (and where there is nothing to
-    encode: no tokens, slots or columns) those two are ``None``.
+    encode: no tokens, slots or columns) those two are ``None``. That launch runs without
+    FMA contraction (the encoder's rounding steps need it), so ``d_w``'s dot products
+    round apart from a launch without an encoder (``d_rows`` does not change).
     """
     T, D = dy_TD.shape
     k = w_S.shape[0] // max(T, 1)
