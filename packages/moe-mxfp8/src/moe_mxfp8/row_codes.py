@@ -42,8 +42,9 @@ class RowCodes:
     (``_fp8_kernels``: the scale of a row from its amax, power-of-two where ``pow2``, and
     the E4M3 encoding), loaded when read, so that building this object needs no Triton.
     The encoding is ``quantize_blocks``' bit-level one, checked bit for bit on the GPU,
-    not the GPU's conversion instruction, which was only 3% faster inside moe_model's
-    cross-entropy backward and whose bytes on adversarial rows were never compared.
+    not the GPU's conversion instruction: only 3% faster inside moe_model's
+    cross-entropy backward, and compiled into other kernels it wrote wrong bytes in some
+    layouts (``_fp8_kernels``' notes).
     """
 
     def __init__(self, pow2: bool) -> None:
