@@ -7,6 +7,7 @@ Offsets into the row buffers are int64 (``R * D`` can exceed 2^31); ``K`` (top-k
 a compile-time constant. Slots whose ``kept`` is 0 are neither read nor written.
 """
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -134,21 +135,43 @@ def combine_backward_kernel(
 
 # --- launchers ---------------------------------------------------------------------
 
-# GPU tiles: elements per program tile (tokens x D, times the padded k in the
-# backward) and the widest D block; CPU runs are the Triton interpreter (tests),
-# where small blocks exercise the tails.
-_GPU_BLOCK_D = 256
-_GPU_GATHER_TILE = 2048
-_GPU_BACKWARD_TILE = 4096
-_GPU_NUM_WARPS = 4
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """A GPU launch shape of the row-moving kernels (this module's and ``_gather_kernels``'):
+    the widest D block a program takes at once, the elements of a program's tile (rows
+    times D columns, times the padded ``k`` in the combine's backward) and its warps."""
+
+    block_d: int
+    tile: int
+    num_warps: int
+
+
+# Per kernel kind; tools/sweep_dispatch_codes.py times the alternatives at bench-1gpu's
+# layer shapes (8192 tokens, top-8, D 2048). CPU runs are the Triton interpreter (tests), where
+# small blocks exercise the tails.
+_GPU = {
+    "gather_sum": LaunchShape(block_d=256, tile=2048, num_warps=4),
+    "backward": LaunchShape(block_d=256, tile=4096, num_warps=4),
+    "backward_codes": LaunchShape(block_d=256, tile=4096, num_warps=4),
+}
 _CPU_BLOCK_T, _CPU_BLOCK_D = 4, 16
 
 
-def _blocks(device: torch.device, T: int, D: int, tile: int) -> tuple[int, int]:
+def default_launch(kind: str) -> LaunchShape:
+    """The GPU launch shape of kernel ``kind``: ``gather_sum`` (the combine's forward and
+    the gather's backward), ``backward`` (the combine's) or ``backward_codes`` (the
+    combine's backward that also writes an encoder's codes)."""
+    if kind not in _GPU:
+        raise ValueError(f"combine kernel kind must be one of {sorted(_GPU)}, got {kind!r}")
+    return _GPU[kind]
+
+
+def _blocks(device: torch.device, T: int, D: int, launch: LaunchShape, tile: int) -> tuple[int, int]:
     """(tokens, D columns) per program: ``tokens * columns`` about ``tile`` on a GPU."""
     if device.type != "cuda":
         return _CPU_BLOCK_T, _CPU_BLOCK_D
-    block_d = min(_GPU_BLOCK_D, triton.next_power_of_2(max(D, 1)))
+    block_d = min(launch.block_d, triton.next_power_of_2(max(D, 1)))
     block_t = max(1, min(tile // block_d, triton.next_power_of_2(max(T, 1))))
     return block_t, block_d
 
@@ -161,14 +184,15 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
 def weighted_gather_sum(
     rows_RD: torch.Tensor, row_of_slot_S: torch.Tensor, n_tokens: int,
     weights: torch.Tensor | None = None, kept_S: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, launch: LaunchShape | None = None,
 ) -> torch.Tensor:
     """``y[t] = sum_j w[t,j] * kept[t,j] * rows[row_of_slot[t*k+j]]`` (Triton; FP32 accumulation).
 
     ``weights`` (``[T,k]`` or ``[T*k]``, FP32) and ``kept_S`` (``[T*k]`` FP32, 1 kept /
     0 dropped; dropped slots' rows are not read) default to ones. Returns ``[T, D]``
     in ``out_dtype`` (default: ``rows_RD``'s dtype). One program per (token block,
-    D block): it reads its tokens' ``k`` rows once and writes ``y`` once.
+    D block): it reads its tokens' ``k`` rows once and writes ``y`` once. ``launch``:
+    the GPU launch shape (default: ``default_launch("gather_sum")``).
     """
     T, D = n_tokens, rows_RD.shape[1]
     k = row_of_slot_S.shape[0] // max(T, 1)
@@ -178,7 +202,8 @@ def weighted_gather_sum(
     if k == 0:
         return y_TD.zero_()
     rows_RD = _row_major(rows_RD)
-    block_t, block_d = _blocks(rows_RD.device, T, D, _GPU_GATHER_TILE)
+    launch = launch or default_launch("gather_sum")
+    block_t, block_d = _blocks(rows_RD.device, T, D, launch, launch.tile)
     row_of_slot_S = row_of_slot_S.contiguous()
     w_S = weights.reshape(-1).contiguous() if weights is not None else None
     kept_S = kept_S.contiguous() if kept_S is not None else None
@@ -188,7 +213,7 @@ def weighted_gather_sum(
         kept_S if kept_S is not None else row_of_slot_S, y_TD,
         T, D, rows_RD.stride(0), y_TD.stride(0),
         K=k, HAS_W=w_S is not None, HAS_KEPT=kept_S is not None,
-        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_GPU_NUM_WARPS,
+        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=launch.num_warps,
     )
     return y_TD
 
@@ -196,7 +221,7 @@ def weighted_gather_sum(
 def combine_backward(
     dy_TD: torch.Tensor, rows_out_RD: torch.Tensor, row_of_slot_S: torch.Tensor,
     w_S: torch.Tensor, kept_S: torch.Tensor | None, n_rows: int, zero_fill: bool | None = None,
-    encoder: Any = None,
+    encoder: Any = None, launch: LaunchShape | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of ``y[t] = sum_j w_S[t*k+j] * rows_out[row_of_slot[t*k+j]]`` (Triton).
 
@@ -215,6 +240,8 @@ def combine_backward(
     encode: no tokens, slots or columns) those two are ``None``. That launch runs without
     FMA contraction (the encoder's rounding steps need it), so ``d_w``'s dot products
     round apart from a launch without an encoder (``d_rows`` does not change).
+    ``launch``: the GPU launch shape (default: ``default_launch`` of ``backward`` or,
+    with an encoder, ``backward_codes``).
     """
     T, D = dy_TD.shape
     k = w_S.shape[0] // max(T, 1)
@@ -240,7 +267,8 @@ def combine_backward(
     row_of_slot_S, w_S = row_of_slot_S.contiguous(), w_S.contiguous()
     kept_S = kept_S.contiguous() if kept_S is not None else None
     k_block = triton.next_power_of_2(k)
-    block_t, block_d = _blocks(dev, T, D, _GPU_BACKWARD_TILE // k_block)
+    launch = launch or default_launch("backward" if encoder is None else "backward_codes")
+    block_t, block_d = _blocks(dev, T, D, launch, launch.tile // k_block)
     combine_backward_kernel[(triton.cdiv(T, block_t),)](
         dy_TD, rows_out_RD, row_of_slot_S, w_S, kept_S if kept_S is not None else w_S,
         d_rows_RD, d_weights_Tk,
@@ -253,6 +281,6 @@ def combine_backward(
         ROW_SCALE=None if encoder is None else encoder.row_scale,
         ROW_ENCODE=None if encoder is None else encoder.row_encode,
         # an encoder's rounding steps are exact only without FMA contraction
-        num_warps=_GPU_NUM_WARPS, enable_fp_fusion=encoder is None,
+        num_warps=launch.num_warps, enable_fp_fusion=encoder is None,
     )
     return d_rows_RD, d_weights_Tk, codes_RD, scales_R1

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_model._combine_kernels import LaunchShape
+
 
 @triton.jit
 def gather_rows_encoded_kernel(
@@ -56,20 +58,20 @@ def gather_rows_encoded_kernel(
         tl.store(code_dst + d, ROW_ENCODE(v.to(tl.float32), scale), mask=out)
 
 
-# GPU launch shape: D columns per walk step, elements per program tile, warps. CPU runs are
-# the Triton interpreter (tests), where small blocks exercise the tails.
-_GPU_BLOCK_D = 1024
-_GPU_TILE = 4096
-_GPU_NUM_WARPS = 8
+# tools/sweep_dispatch_codes.py times the alternatives at bench-1gpu's layer shapes (65,536
+# rows of D 2048). CPU runs are the Triton interpreter (tests), where small blocks exercise the tails.
+GPU_LAUNCH = LaunchShape(block_d=1024, tile=4096, num_warps=8)
 _CPU_BLOCK_R, _CPU_BLOCK_D = 4, 16
 
 
 def gather_rows_encoded(
     x_TD: torch.Tensor, token_of_row_R: torch.Tensor, valid_rows_R: torch.Tensor | None, encoder: Any,
+    launch: LaunchShape | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(rows [R, D], codes [R, D] uint8, scales [R, 1] FP32)``: ``rows[r] =
     x[token_of_row[r]]``, zero where ``valid_rows`` (``[R]`` bool) is false, and the
-    ``encoder``'s codes and scales of those rows (module notes). ``x`` keeps its dtype."""
+    ``encoder``'s codes and scales of those rows (module notes). ``x`` keeps its dtype.
+    ``launch``: the GPU launch shape (``block_d``: D columns per walk step; default ``GPU_LAUNCH``)."""
     R, D = token_of_row_R.shape[0], x_TD.shape[1]
     dev = x_TD.device
     rows = torch.empty(R, D, dtype=x_TD.dtype, device=dev)
@@ -79,9 +81,10 @@ def gather_rows_encoded(
         return rows, codes, scales
     if x_TD.stride(-1) != 1:
         x_TD = x_TD.contiguous()
+    launch = launch or GPU_LAUNCH
     if dev.type == "cuda":
-        block_d = min(_GPU_BLOCK_D, triton.next_power_of_2(D))
-        block_r = max(1, _GPU_TILE // block_d)
+        block_d = min(launch.block_d, triton.next_power_of_2(D))
+        block_r = max(1, launch.tile // block_d)
     else:
         block_r, block_d = _CPU_BLOCK_R, _CPU_BLOCK_D
     token_of_row_R = token_of_row_R.contiguous()
@@ -92,6 +95,6 @@ def gather_rows_encoded(
         HAS_VALID=valid is not None, BLOCK_R=block_r, BLOCK_D=block_d,
         ROW_SCALE=encoder.row_scale, ROW_ENCODE=encoder.row_encode,
         # an encoder's rounding steps are exact only without FMA contraction
-        num_warps=_GPU_NUM_WARPS, enable_fp_fusion=False,
+        num_warps=launch.num_warps, enable_fp_fusion=False,
     )
     return rows, codes, scales
