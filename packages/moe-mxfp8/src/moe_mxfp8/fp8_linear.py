@@ -17,6 +17,13 @@ on sm_90, and ``torch._scaled_grouped_mm`` for the FP8 weight gradient), ``trito
 package's FP8 grouped GEMM over one group, every recipe), ``emulated`` (dequantize, FP32
 matmul; every device). ``fast_accum`` as ``FP8GroupedExperts``'.
 
+Layers sharing an input (``FP8Linear.shared_input_forward``: attention's q, k and v) add
+their input gradients into one tensor. ``torch._scaled_mm`` cannot add into its output, so
+on ``native`` every input gradient after the first runs on the Triton GEMM, which adds in
+its epilogue (rounded once), wherever the package's Triton kernels run; elsewhere it is
+torch's GEMM and then an add. At bench-1gpu's k and v shapes that GEMM is also the faster
+of the two (docs/performance.md, the dense GEMM table).
+
 Weight gradient into a sink, as ``FP8GroupedExperts``' (``moe_mxfp8.sink``): where
 ``grad_sink`` accepts the weight and the backward runs its ``AccumulateGrad`` node, the
 gradient goes to the sink as an add into its FP32 accumulator and ``weight.grad`` stays
@@ -48,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moe_mxfp8 import _triton_support
 from moe_mxfp8.fp8 import FP8Tensor, quantize_fp8
 from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8WeightCache, check_layer_choices
 from moe_mxfp8.fp8_gemm import (
@@ -98,7 +106,8 @@ class _FP8LinearsFn(torch.autograd.Function):
         r, fast = first.recipe, "output" in first.fast_accum
         # the one group's end, which the grouped GEMMs (and FP8 weight gradients) read
         rows = (torch.full((1,), x_MK.shape[0], dtype=torch.int32, device=x_MK.device)
-                if first.gemm != "native" or r.fp8_wgrad else None)
+                if first.gemm != "native" or r.fp8_wgrad
+                or (len(layers) > 1 and _adds_in_triton(first.gemm, x_MK.device)) else None)
         x_q = quantize_fp8(x_MK, r.act_block, r.pow2)
         caches = [layer.weight_cache for layer in layers]
         # the native GEMM's dequant factors: the weights' held by their caches (layers built
@@ -133,11 +142,23 @@ class _FP8LinearsFn(torch.autograd.Function):
                 dy_q = None if ctx.grad_rows is None else ctx.grad_rows.take(dy_MN)
                 if dy_q is None:
                     dy_q = quantize_fp8(dy_MN, r.act_block, r.pow2)
-                w_inv = ctx.w_cols_inv[i]
-                dx = _mm(dy_q, ctx.w_cols[i], rows, first.gemm, dtype, "grad_input" in fast, dx,
+                gemm = _input_gradient_gemm(first.gemm, dx)
+                w_inv = ctx.w_cols_inv[i] if gemm == "native" else None
+                dx = _mm(dy_q, ctx.w_cols[i], rows, gemm, dtype, "grad_input" in fast, dx,
                          None if w_inv is None else (dy_q.scale.reciprocal(), w_inv))
             grads.append(_weight_gradient(ctx, i, x_MK, dy_MN, rows))
         return dx, None, None, None, None, *grads
+
+
+def _adds_in_triton(gemm: str, device: torch.device) -> bool:
+    """Whether the input-gradient GEMMs that add into an earlier one's result leave ``gemm``
+    for the Triton GEMM: ``native`` where the package's kernels run (module notes)."""
+    return gemm == "native" and _triton_support.fused_kernels_enabled(device)
+
+
+def _input_gradient_gemm(gemm: str, dx: torch.Tensor | None) -> str:
+    """The GEMM of an input gradient that adds into ``dx`` (``None``: the first)."""
+    return "triton" if dx is not None and _adds_in_triton(gemm, dx.device) else gemm
 
 
 def _weight_gradient(ctx: Any, i: int, x_MK: torch.Tensor, dy_MN: torch.Tensor,

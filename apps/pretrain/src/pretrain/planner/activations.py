@@ -567,11 +567,12 @@ def _fp8_linear_gemm(M: int, K: int, N: int, ex: Execution, into: bool = False) 
     weight's are held by its cache); Triton,
     the result. ``into``: the result adds to an existing ``[M, N]`` (q, k and v's input
     gradient): the Triton GEMM adds in its epilogue, the others make a result and add it.
-    The GEMM is ``ex.fp8_dense_gemm``."""
+    The GEMM is ``ex.fp8_dense_gemm``; on CUDA an ``into`` GEMM of ``native`` runs on the
+    Triton GEMM (``moe_mxfp8.fp8_linear``)."""
     b = ex.compute_bytes
     if ex.fp8_dense_gemm == "emulated":
         return _emulated_gemm(M, K, N, 1, b, product_rows=M)
-    if ex.fp8_dense_gemm == "native":
+    if ex.fp8_dense_gemm == "native" and not (into and ex.kernels == "cuda"):
         return b * M * N + FP32 * M
     return 0 if into else b * M * N
 
@@ -609,7 +610,10 @@ def _fp8_linears_backward(inv: Inventory, prefix: str, ex: Execution, M: int, K:
 
     recipe = FP8_RECIPES[ex.mxfp8_recipe]
     block = recipe.act_block
-    if ex.fp8_dense_gemm != "native" or recipe.fp8_wgrad:  # the grouped GEMMs read it
+    # the grouped GEMMs read it: every GEMM but native's, and on CUDA the Triton GEMM that
+    # adds the further input gradients into native's (_fp8_linear_gemm)
+    if (ex.fp8_dense_gemm != "native" or recipe.fp8_wgrad
+            or (len(outputs) > 1 and ex.kernels == "cuda")):
         inv.add(f"{prefix}.rows", FP32, "saved")  # the function saves its int32 [1] row count
     inv.add(dx, ex.compute_bytes * M * K)
     for i, (name, N, wgrad) in enumerate(outputs):
