@@ -40,11 +40,9 @@
    packed ``uint8[R, D + 4]``; ``decode_fp8_rows``: packed to BF16), each beside its
    reference on the same GPU (several torch passes), with a device copy of the rows
    measured in the same run as the ceiling; bandwidth counts the bytes a kernel must read
-   and write. Also moe_model's gather of those rows and its combine backward (dropless:
-   ``[tokens, d_model]`` to the rows), each then the experts' rowwise quantisation of what
-   it wrote, against the same pass writing the codes itself; and the rowwise quantisation
-   of an LM head's output gradient ``[8192, 100352]`` (``tools/sweep_cross_entropy.py``
-   times the cross-entropy kernels that make it, and write its codes in their pass).
+   and write. Also the rowwise quantisation of an LM head's output gradient
+   ``[8192, 100352]`` (``tools/sweep_cross_entropy.py`` times the cross-entropy kernels
+   that make it, and write its codes in their pass).
 4. Unless ``--no-tile-sweep``: each of those kernels under each launch shape of
    ``TILE_CANDIDATES`` (``moe_mxfp8._fp8_kernels._TILES``) and ``CODEC_TILE_CANDIDATES``
    (``moe_mxfp8._fp8_codec_kernels._TILES``), checked bit-exact against the torch
@@ -499,45 +497,8 @@ def bench_kernels(args) -> dict:
             q = quantize_fp8(src, (1, 0), True)
             dst.data.copy_(q.data)
             dst.scale.copy_(q.scale)
-    # the local dispatcher's gather of the experts' rows ([T, D] -> [R, D], dropless) and its
-    # combine backward (d_rows), each followed by the experts' rowwise quantisation of what
-    # it wrote: two passes, or the codes written by its own pass (``moe_model.row_encoding``);
-    # both counted as the bytes that must move (the gathered rows read and written, or
-    # rows_out and dy read and d_rows written; codes and scales written)
-    from moe_model._combine_kernels import combine_backward
-    from moe_mxfp8.row_codes import RowCodes
-
-    T = args.tokens
-    dy_TD = torch.randn(T, args.d_model, device="cuda", dtype=torch.bfloat16)
-    x_TD = torch.randn(T, args.d_model, device="cuda", dtype=torch.bfloat16)
-    row_of_slot = torch.randperm(rows_n, device="cuda")
-    w_S = torch.rand(rows_n, device="cuda")
-    encoder = RowCodes(True)
-
-    from moe_model._gather_kernels import gather_rows_encoded
-
-    token_of_row = row_of_slot // args.top_k  # the dispatched rows' tokens, dropless
-
-    def gather_then_quantize():
-        quantize_fp8(x_TD.index_select(0, token_of_row), (1, 0), True)
-
-    def combine_then_quantize():
-        d_rows = combine_backward(dy_TD, x, row_of_slot, w_S, None, rows_n)[0]
-        quantize_fp8(d_rows, (1, 0), True)
-    combine_bytes = 4 * n + 2 * dy_TD.numel()
     cases = {
         "device copy (ceiling)": (lambda: out.copy_(x), 4 * n),
-        "gather [T, D] -> [R, D] (index_select)": (lambda: x_TD.index_select(0, token_of_row), 4 * n),
-        "gather, then rowwise quantisation": (gather_then_quantize, 5 * n + 4 * rows_n),
-        "gather writing the codes": (lambda: gather_rows_encoded(x_TD, token_of_row, None, encoder),
-                                     5 * n + 4 * rows_n),
-        "combine backward [T, D] -> [R, D]": (
-            lambda: combine_backward(dy_TD, x, row_of_slot, w_S, None, rows_n), combine_bytes),
-        "combine backward, then rowwise quantisation": (combine_then_quantize,
-                                                        combine_bytes + n + 4 * rows_n),
-        "combine backward writing the codes": (
-            lambda: combine_backward(dy_TD, x, row_of_slot, w_S, None, rows_n, encoder=encoder),
-            combine_bytes + n + 4 * rows_n),
         "rowwise rows [R, D]": (lambda: quantize_fp8(x, (1, 0), True), 3 * n + 4 * rows_n),
         "1x128 tiles [R, D]": (lambda: quantize_fp8(x, (1, 128), False), 3 * n + 4 * n // 128),
         "per-expert columns, transposed [R, D]": (

@@ -13,8 +13,9 @@ scales (the ``fp8_rowwise_gw_hp`` recipe's). Every run is checked against the de
 shape's outputs, and every codes run bit for bit against ``quantize_fp8`` of the rows it
 wrote. TB/s counts the bytes that must move (rows read and written, the token-side tensor
 read once, codes and scales written); the device copy of the ``[R, D]`` rows, measured in
-the same run, is the ceiling. The baselines the codes replace, also measured: the
-gather (``index_select``) or the combine's backward, each then ``quantize_fp8``. The
+the same run, is the ceiling. The baselines, also measured: the gather the dispatcher
+runs without codes (``index_select``), and the passes the codes replace: that gather or
+the combine's backward, each then ``quantize_fp8``. The
 defaults (``_combine_kernels.default_launch``, ``_gather_kernels.GPU_LAUNCH``) are marked; a
 short table is printed and ``--out`` gets the JSON.
 """
@@ -110,6 +111,7 @@ def main() -> None:
         return bool(ok)
 
     baselines = {
+        "gather alone (index_select)": (lambda: x.index_select(0, token_of_row), 4 * R * D),
         "gather, then quantize_fp8": (lambda: quantize_fp8(x.index_select(0, token_of_row), (1, 0), True),
                                       7 * R * D + 4 * R),
         "backward, then quantize_fp8": (lambda: quantize_fp8(runs["backward"](None)[0], (1, 0), True),
