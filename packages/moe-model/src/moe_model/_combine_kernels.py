@@ -147,7 +147,7 @@ class LaunchShape:
     num_warps: int
 
 
-# Per kernel kind; tools/sweep_dispatch_codes.py times the alternatives at bench-1gpu's
+# Per kernel kind; tools/sweep_dispatch_kernels.py times the alternatives at bench-1gpu's
 # layer shapes (8192 tokens, top-8, D 2048). CPU runs are the Triton interpreter (tests), where
 # small blocks exercise the tails.
 _GPU = {
