@@ -1,11 +1,11 @@
 """Triton kernels for the scaled E4M3 formats of ``moe_mxfp8.fp8``, bit-identical to its
 torch reference on the GPU and under ``TRITON_INTERPRET=1``.
 
-Imported lazily, like ``moe_mxfp8._quantize_kernels`` (whose exact E4M3 encoding they share: no
-FP8 conversion instruction, whose subnormal and tie handling differs between the
-hardware and the interpreter, and which, as Triton 3.6 compiles ``tl.float8e4nv`` casts
-for an H100, wrote wrong bytes in some layouts while exact in others: 12.5% of the
-bytes of the row codec's encode, 9 of the per-expert column kernel's 10 launch shapes).
+Imported lazily, like ``moe_mxfp8._quantize_kernels``, whose exact E4M3 encoding they share.
+They use no FP8 conversion instruction: its subnormal and tie handling differs between
+the hardware and the interpreter, and ``tl.float8e4nv`` casts compiled by Triton 3.6 for
+an H100 wrote wrong bytes in some layouts while exact in others (docs/performance.md,
+"FP8 experts on Hopper", "Quantisation kernels": the failures and the tests that found them).
 
 - ``quantize_blocks``: one program per tile of ``[B, M, N]``: ``ROWS`` rows by ``GROUPS``
   scale blocks side by side (a whole row, 128-column tiles, or 128x128 blocks; rows
