@@ -1,7 +1,7 @@
 """`pretrain plan` against the memory the app actually uses, per rank.
 
     # one H200 (each case in its own process: NCCL/NVSHMEM state does not carry over)
-    for c in base selective muon mxfp8 fp8_rowwise fp8_rowwise_gw_hp fp8_blockwise; do
+    for c in base selective muon mxfp8 fp8_rowwise fp8_rowwise_gw_hp fp8_blockwise fp8_step; do
         tools/from_source.sh python3 tools/plan_validate.py \\
         --config bench-1gpu --case $c --out $OUT/plan_1gpu_$c.json; done
     # two H200s
@@ -15,7 +15,10 @@ A case is a set of overrides on the config (``--case``, plus any KEY=VALUE; prin
 first and kept in the JSON). The ``ep``, ``pp`` and low-precision cases turn
 ``train.cuda_graphs`` off, which those layouts refuse (``bench-1gpu`` has it on). The
 FP8 cases (``moe_mxfp8.FP8_RECIPES``) run the routed experts on the recipe's native
-grouped GEMMs on CUDA where it has them (``mxfp8.gemm=native``), emulated otherwise. The
+grouped GEMMs on CUDA where it has them (``mxfp8.gemm=native``), emulated otherwise;
+``fp8_step`` is the fastest FP8 step's settings (experts, attention projections and LM
+head on the Triton and native FP8 GEMMs, CUDA graphs as the config has them: a GPU
+only). The
 app's own ``Trainer`` is built and runs ``--steps`` optimizer steps; measured per
 rank: ``torch.cuda.max_memory_allocated`` (what the plan's "peak allocated"
 predicts; the target is within 10%), ``max_memory_reserved`` (peak allocated plus
@@ -58,6 +61,10 @@ CASES: dict[str, list[str]] = {
     "mxfp8": ["mxfp8.targets=[experts]", EAGER],
     **{recipe: ["mxfp8.targets=[experts]", f"mxfp8.recipe={recipe}", EAGER]
        for recipe in FP8_RECIPES},
+    # the fastest FP8 step (docs/performance.md), CUDA graphs as the config has them
+    "fp8_step": ["mxfp8.targets=[experts,attn.w?,head]", "mxfp8.recipe=fp8_rowwise_gw_hp",
+                 "mxfp8.gemm=triton", "mxfp8.fp8_fast_accum=[output,grad_input]",
+                 "mxfp8.dense_gemm=native"],
 }
 TARGET = 0.10
 

@@ -6,7 +6,7 @@
 For each ``CrossEntropyConfig`` (vocabulary chunk per program, warps) it times moe_model's
 four kernel variants: the forward, the forward that also records the largest logit other
 than the target's, the backward, and the backward that also writes the FP8 head's rowwise
-``dy`` codes (``moe_mxfp8.fp8_linear.OutputGradientRows``, power-of-two scales, the
+``dy`` codes (``moe_mxfp8.row_codes.RowCodes``, power-of-two scales, the
 ``fp8_rowwise_gw_hp`` recipe's). Every codes run is checked bit for bit against
 ``quantize_fp8`` of the gradient it wrote. TB/s counts the bytes read plus written (the
 logits and, for the backward, the gradient and codes); the device copy of the logits,
@@ -47,7 +47,7 @@ def main() -> None:
         default_cross_entropy_config,
     )
     from moe_mxfp8 import quantize_fp8
-    from moe_mxfp8.fp8_linear import OutputGradientRows
+    from moe_mxfp8.row_codes import RowCodes
 
     device = torch.device("cuda")
     N, V = args.rows, args.vocab
@@ -55,7 +55,7 @@ def main() -> None:
     logits = (torch.randn(N, V, device=device, generator=g) * 2).bfloat16()
     targets = torch.randint(0, V, (N,), device=device, generator=g)
     grad_out = torch.tensor(1 / N, device=device)
-    encoder = OutputGradientRows(True)
+    encoder = RowCodes(True)
     _, row_max, logsum, other_max = cross_entropy_forward(logits, targets, other_max=True)
 
     logit_bytes = logits.numel() * logits.element_size()

@@ -8,9 +8,11 @@ reference) selves."""
 import functools
 
 import torch
-from moe_model import LocalDispatcher, _combine_kernels, dispatch
+from moe_model import LocalDispatcher, _combine_kernels, _gather_kernels, dispatch
+from moe_model.row_encoding import GRADIENT_ROW_ENCODER, INPUT_ROW_ENCODER
+from sign_peak_encoder import SignPeakEncoder, expected_codes
 
-_PUBLIC_OPS = ("weighted_gather_sum", "combine_backward")
+_PUBLIC_OPS = ("weighted_gather_sum", "combine_backward", "gather_rows")
 _AUTO = {name: getattr(dispatch, name) for name in _PUBLIC_OPS}
 
 
@@ -78,15 +80,163 @@ def check_direct():
     torch.testing.assert_close(y, (ref * kept.view(T, k, 1)).sum(1).bfloat16())
     w = torch.rand(T * k, generator=g) * kept
     dy = torch.randn(T, D, generator=g)
-    d_rows, d_w = _combine_kernels.combine_backward(dy, rows, row_of_slot, w, kept, R)
+    d_rows, d_w, codes, scales = _combine_kernels.combine_backward(dy, rows, row_of_slot, w, kept, R)
+    assert codes is None and scales is None
     want = torch.zeros(R, D)
     want[row_of_slot] = torch.where(kept[:, None] > 0, w[:, None] * dy.repeat_interleave(k, 0), 0.0)
     torch.testing.assert_close(d_rows, want, rtol=0, atol=0)
     torch.testing.assert_close(d_w, (ref * dy[:, None]).sum(-1) * kept.view(T, k))
 
 
+def check_gradient_row_encoder():
+    """The combine backward serving an encoder: its scales are the amax of the stored
+    ``d_rows`` rows, bit for bit, and its codes mark their signs and peaks, for tokens
+    with a NaN, an infinity, zeros only, one huge element, and slots whose weight is zero
+    or infinite (NaN rows from ``inf * 0``); ``d_rows`` and ``d_w`` are those of the
+    launch without an encoder. Through the dispatcher: received once, for exactly the
+    gradient of the tensor that carries the encoder; nothing with a capacity (padding
+    rows), nor for a tensor computed from it."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        T, k, D = 9, 3, 37
+        R = T * k
+        tag = f"{dtype}"
+        rows = torch.randn(R, D, generator=g).to(dtype)
+        row_of_slot = torch.randperm(R, generator=g)
+        w = torch.rand(T * k, generator=g)
+        dy = torch.randn(T, D, generator=g).to(dtype)
+        dy[1, 5] = float("nan")
+        dy[2, 7] = float("inf")
+        dy[3] = 0.0
+        dy[4, 30] = 3e4
+        w[5 * k] = 0.0  # a zero weight: a zero row
+        w[6 * k + 1] = float("inf")  # inf * dy: inf rows, NaN where dy is 0
+        dy[6, 3] = 0.0
+        w[7 * k + 2] = float("inf")
+        dy[7] = torch.where(dy[7] == 0, 1.0, dy[7])  # no zero: an all-infinite row
+        enc = SignPeakEncoder()
+        d_rows, d_w, codes, scales = _combine_kernels.combine_backward(
+            dy, rows, row_of_slot, w, None, R, encoder=enc)
+        plain_rows, plain_w, none, _ = _combine_kernels.combine_backward(dy, rows, row_of_slot, w, None, R)
+        assert none is None and torch.equal(d_rows.view(torch.uint8), plain_rows.view(torch.uint8)), tag
+        torch.testing.assert_close(d_w, plain_w, rtol=1e-6, atol=1e-6, equal_nan=True)
+        nan_rows = d_rows.float().isnan().any(1)
+        assert nan_rows.sum() == 4, f"{tag}: {nan_rows.nonzero().flatten()}"  # dy's NaN, inf * 0
+        assert scales[nan_rows].isnan().all(), tag
+        amax, code = expected_codes(d_rows)
+        ok = ~nan_rows
+        assert torch.equal(scales[ok], amax[ok]), f"{tag}: {scales[ok].flatten()} vs {amax[ok].flatten()}"
+        assert torch.equal(codes[ok], code[ok]), tag
+        assert torch.isinf(scales[row_of_slot[7 * k + 2]]).all(), tag
+        assert (scales[row_of_slot[5 * k]] == 0).all() and (scales[row_of_slot[3 * k]] == 0).all(), tag
+        try:
+            _combine_kernels.combine_backward(dy, rows, row_of_slot, w, torch.ones(T * k), R, encoder=enc)
+        except ValueError as e:
+            assert "every row written" in str(e), e
+        else:
+            raise AssertionError("an encoder with a kept mask was accepted")
+
+    fused = functools.partial(_AUTO["combine_backward"], backend="triton")
+    dispatch.combine_backward = fused
+    try:
+        for capacity_factor in (None, 1.0):
+            ids = _ids(10, 6, 2, g, skew=capacity_factor is not None)
+            x = torch.randn(10, 16, generator=g).bfloat16().requires_grad_()
+            w = torch.rand(10, 2, generator=g)
+            disp = LocalDispatcher(6, capacity_factor)
+            rows, _, h = disp.dispatch(x, ids)
+            out = rows * 2
+            enc = SignPeakEncoder()
+            setattr(out, GRADIENT_ROW_ENCODER, enc)
+            (d_out,) = torch.autograd.grad(disp.combine(out, w, h), out, torch.randn(10, 16, generator=g).bfloat16())
+            if capacity_factor is not None:
+                assert not enc.received, "an encoder was served with padding rows"
+                continue
+            assert len(enc.received) == 1 and enc.received[0][0].data_ptr() == d_out.data_ptr()
+            assert torch.equal(enc.received[0][2], expected_codes(d_out)[0])
+            disp.combine(out * 1, w, h).sum().backward()
+            assert len(enc.received) == 1, "a tensor computed from the output carries no encoder"
+    finally:
+        dispatch.combine_backward = _AUTO["combine_backward"]
+
+
+def check_gather_row_encoder():
+    """The gather serving an encoder: rows bit for bit ``index_select``'s (zero padding
+    rows), scales the amax of each row (NaN for a row with a NaN, infinite for one with an
+    infinity, zero for zero rows and padding), codes marking signs and peaks. Through the
+    dispatcher (dropless and with a capacity): ``dispatch_encoded`` gives ``dispatch``'s
+    rows, offsets and gradients and hands the encoder exactly its rows, once; and an MoE
+    layer hands its experts' ``INPUT_ROW_ENCODER`` to it."""
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.bfloat16, torch.float32):
+        T, R, D = 7, 19, 37
+        x = torch.randn(T, D, generator=g).to(dtype)
+        x[1, 4], x[2, 9], x[3], x[4, 30] = float("nan"), float("-inf"), 0.0, 3e4
+        token_of_row = torch.randint(0, T, (R,), generator=g)
+        token_of_row[:5] = torch.arange(1, 6)
+        valid = torch.rand(R, generator=g) > 0.3
+        valid[:5] = True
+        for valid_rows in (None, valid):
+            rows, codes, scales = _gather_kernels.gather_rows_encoded(x, token_of_row, valid_rows,
+                                                                      SignPeakEncoder())
+            want = dispatch.gather_rows_reference(x, token_of_row, valid_rows)
+            assert torch.equal(rows.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), dtype
+            nan_rows = rows.float().isnan().any(1)
+            assert scales[nan_rows].isnan().all() and nan_rows.sum() >= 1, dtype
+            amax, code = expected_codes(rows)
+            assert torch.equal(scales[~nan_rows], amax[~nan_rows]), dtype
+            assert torch.equal(codes[~nan_rows], code[~nan_rows]), dtype
+            assert scales[1].isinf() and scales[2] == 0, dtype
+            if valid_rows is not None:
+                assert (scales[~valid_rows] == 0).all() and (rows[~valid_rows] == 0).all(), dtype
+
+    fused = functools.partial(_AUTO["gather_rows"], backend="triton")
+    dispatch.gather_rows = fused
+    try:
+        for capacity_factor in (None, 0.75):
+            ids = _ids(10, 6, 2, g, skew=capacity_factor is not None)
+            x = torch.randn(10, 16, generator=g).bfloat16()
+            disp = LocalDispatcher(6, capacity_factor)
+            enc = SignPeakEncoder()
+            got, want = [], []
+            for out, encoder in ((got, enc), (want, None)):
+                xr = x.clone().requires_grad_()
+                rows, offsets, h = (disp.dispatch_encoded(xr, ids, None, encoder) if encoder
+                                    else disp.dispatch(xr, ids))
+                (dx,) = torch.autograd.grad(rows, xr, torch.ones_like(rows))
+                out += [rows, offsets, dx]
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a, b), capacity_factor
+            assert len(enc.received) == 1 and enc.received[0][0] is got[0], capacity_factor
+            assert torch.equal(enc.received[0][2], expected_codes(got[0])[0]), capacity_factor
+    finally:
+        dispatch.gather_rows = _AUTO["gather_rows"]
+
+    from moe_model import MoEConfig
+    from moe_model.moe import MoELayer
+
+    layer = MoELayer(MoEConfig(d_model=16, n_experts=4, top_k=2, expert_hidden=8))
+    seen = []
+
+    class Recording:
+        row_scale, row_encode = SignPeakEncoder.row_scale, SignPeakEncoder.row_encode
+
+        def receive(self, rows, codes, scales):
+            seen.append(rows)
+
+    setattr(layer.experts, INPUT_ROW_ENCODER, Recording())
+    dispatch.gather_rows = fused
+    try:
+        layer(torch.randn(2, 3, 16, generator=g))
+    finally:
+        dispatch.gather_rows = _AUTO["gather_rows"]
+    assert len(seen) == 1 and seen[0].shape == (12, 16)
+
+
 def main():
     check_direct()
+    check_gradient_row_encoder()
+    check_gather_row_encoder()
     for dtype in (torch.float32, torch.bfloat16):
         check(13, 40, 6, 1, None, dtype)  # dropless, k=1
         check(13, 40, 10, 8, None, dtype)  # dropless, k=8

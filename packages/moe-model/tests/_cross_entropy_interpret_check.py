@@ -2,12 +2,10 @@
 Triton is imported, and never in the test process itself): the fused cross-entropy
 kernels on CPU against ``F.cross_entropy`` on FP32 logits, loss and gradient; the
 public ``lm_loss_sum(..., backend="triton")`` against ``lm_loss_sum_reference``; and a
-``GradientRowEncoder`` served by the backward against the gradient it writes."""
+``RowEncoder`` served by the backward against the gradient it writes."""
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from moe_model._cross_entropy_kernels import (
     IGNORE_INDEX,
     CrossEntropyConfig,
@@ -15,7 +13,9 @@ from moe_model._cross_entropy_kernels import (
     cross_entropy_forward,
     fused_cross_entropy_sum,
 )
-from moe_model.loss import GRADIENT_ROW_ENCODER, lm_loss_sum, lm_loss_sum_reference
+from moe_model.loss import lm_loss_sum, lm_loss_sum_reference
+from moe_model.row_encoding import GRADIENT_ROW_ENCODER
+from sign_peak_encoder import SignPeakEncoder, expected_codes
 
 
 def reference(logits, targets, scale):
@@ -97,39 +97,6 @@ def main():
     print("ok")
 
 
-@triton.jit
-def _amax_as_scale(amax):
-    return amax
-
-
-@triton.jit
-def _sign_or_peak(values, scale):
-    """3 where ``|value|`` is the row's scale (its amax here), else the sign as 1 / 2 / 0."""
-    code = tl.where(values > 0, 1, tl.where(values < 0, 2, 0))
-    return tl.where(tl.abs(values) == scale, 3, code).to(tl.uint8)
-
-
-class _Encoder:
-    """A test encoder whose scale is the row amax itself and whose codes mark signs and
-    the positions of the row's largest magnitude, so both are checked exactly."""
-
-    row_scale, row_encode = _amax_as_scale, _sign_or_peak
-
-    def __init__(self):
-        self.received = []
-
-    def receive(self, grad, codes, scales):
-        self.received.append((grad, codes, scales))
-
-
-def expected_codes(grad):
-    grad = grad.float()
-    amax = grad.abs().amax(1, keepdim=True)
-    code = torch.where(grad > 0, 1, torch.where(grad < 0, 2, 0))
-    code = torch.where((grad.abs() == amax) & (amax > 0), 3, code)
-    return amax, code.to(torch.uint8)
-
-
 def check_gradient_row_encoder(g):
     """The scales the backward writes are the amax of the stored gradient rows, bit for
     bit, whichever element holds it: the target's (ordinary rows), another logit's (the
@@ -148,7 +115,7 @@ def check_gradient_row_encoder(g):
             logits[8] = 0.0
             logits[8, targets[8]] = 40.0  # and every other logit holds the amax
             targets[9] = V  # out of range: NaN row and scale
-        enc = _Encoder()
+        enc = SignPeakEncoder()
         loss = fused_cross_entropy_sum(logits, targets, config=cfg, encoder=enc)
         (grad,) = torch.autograd.grad(loss * 0.37, logits)
         plain = fused_cross_entropy_sum(logits, targets, config=cfg)
@@ -169,7 +136,7 @@ def check_gradient_row_encoder(g):
     # through lm_loss_sum: the attribute on the logits it is given, nothing on a copy
     logits, targets = make_case(g, 8, 100, torch.bfloat16)
     logits_BSV = logits.detach().view(2, 4, 100).requires_grad_()
-    enc = _Encoder()
+    enc = SignPeakEncoder()
     setattr(logits_BSV, GRADIENT_ROW_ENCODER, enc)
     (grad,) = torch.autograd.grad(lm_loss_sum(logits_BSV, targets.view(2, 4), backend="triton"), logits_BSV)
     assert len(enc.received) == 1 and enc.received[0][0].data_ptr() == grad.data_ptr()

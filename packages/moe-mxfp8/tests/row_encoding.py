@@ -1,4 +1,4 @@
-"""``OutputGradientRows``' device functions called from another kernel with each row's
+"""``RowCodes``' device functions called from another kernel with each row's
 amax given, as moe_model's cross-entropy calls them, against ``quantize_fp8_reference``:
 run under the interpreter (fp8_triton_cases.py) and on a GPU (test_fp8_gpu.py)."""
 
@@ -10,7 +10,7 @@ import triton.language as tl
 from case_helpers import mismatches, sample
 from fp8_codec_cases import adversarial_rows
 from moe_mxfp8.fp8 import quantize_fp8_reference
-from moe_mxfp8.fp8_linear import OutputGradientRows
+from moe_mxfp8.row_codes import RowCodes
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def row_encoding_mismatches(dtype: torch.dtype, pow2: bool, device: str = "cpu")
     x = torch.cat([sample((9, 40), dtype, seed=5), adversarial_rows(dtype)]).to(device)
     wide = x.float()
     amax = torch.where(wide.isnan().any(1), float("nan"), wide.abs().amax(1))
-    enc = OutputGradientRows(pow2)
+    enc = RowCodes(pow2)
     codes = torch.empty(x.shape, dtype=torch.uint8, device=device)
     scales = torch.empty(x.shape[0], 1, device=device)
     _encode_rows[(x.shape[0],)](x, amax, codes, scales, x.shape[1], enc.row_scale, enc.row_encode,

@@ -127,6 +127,44 @@ def test_experts_match_torchao_oracle(recipe):
     assert experts.w1.grad[1].abs().sum() == 0  # the empty expert
 
 
+def test_output_gradient_rows_attach_and_serve_the_down_projection():
+    """Rowwise experts tag their output with an ``RowCodes`` (not a blockwise
+    recipe's, nor without grad mode); the backward uses what it received for its very
+    ``dy``: deliberately wrong codes (zeros) zero the input gradient and every gradient
+    behind ``dh``, not ``w2``'s (from the unquantized ``dy``); the right ones change
+    nothing."""
+    from moe_mxfp8.fp8 import quantize_fp8_reference
+    from moe_mxfp8.row_codes import GRADIENT_ROW_ENCODER, RowCodes
+
+    D, F_ = CASES["fp8_rowwise_gw_hp"]
+    experts = ToyExperts(4, D, F_)
+    layer = FP8GroupedExperts.from_module(experts, "fp8_rowwise_gw_hp")
+    offsets = torch.tensor([5, 5, 18, 30], dtype=torch.int32)
+    g = torch.Generator().manual_seed(2)
+    rows = torch.randn(30, D, generator=g, requires_grad=True)
+    dy = torch.randn(30, D, generator=g)
+    params = (rows, experts.w1, experts.w3, experts.w2)
+    enc = getattr(layer(rows, offsets), GRADIENT_ROW_ENCODER)
+    assert isinstance(enc, RowCodes) and enc.pow2
+    with torch.no_grad():
+        assert not hasattr(layer(rows, offsets), GRADIENT_ROW_ENCODER)
+    blockwise = FP8GroupedExperts.from_module(ToyExperts(2, 128, 128), "fp8_blockwise")
+    assert not hasattr(blockwise(torch.randn(4, 128), torch.tensor([2, 4], dtype=torch.int32)),
+                       GRADIENT_ROW_ENCODER)
+
+    ref = torch.autograd.grad(layer(rows, offsets), params, dy)
+    q = quantize_fp8_reference(dy, (1, 0), True)
+    y = layer(rows, offsets)
+    getattr(y, GRADIENT_ROW_ENCODER).receive(dy, torch.zeros(30, D, dtype=torch.uint8), q.scale)
+    wrong = torch.autograd.grad(y, params, dy)
+    assert all((t == 0).all() for t in wrong[:3]) and torch.equal(wrong[3], ref[3])
+    assert all(t.abs().sum() > 0 for t in ref)
+    y = layer(rows, offsets)
+    getattr(y, GRADIENT_ROW_ENCODER).receive(dy, q.data.view(torch.uint8), q.scale)
+    for got, want in zip(torch.autograd.grad(y, params, dy), ref, strict=True):
+        assert torch.equal(got, want)
+
+
 def unquantized(rows, offsets, w1, w3, w2):
     y = torch.zeros(rows.shape[0], w2.shape[1])
     start = 0

@@ -146,7 +146,7 @@ def test_fused_swiglu_quantization_equals_the_unfused_kernels(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("pow2", [True, False])
 def test_output_gradient_row_encoding_is_bit_exact(dtype, pow2):
-    """The device functions ``OutputGradientRows`` hands a kernel give the reference's
+    """The device functions ``RowCodes`` hands a kernel give the reference's
     bytes on the GPU, on random and adversarial rows."""
     from row_encoding import row_encoding_mismatches
 

@@ -3,6 +3,7 @@ the FP8 recipes converting dense layers in ``apply_mxfp8``."""
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -217,6 +218,41 @@ def test_native_linear_keeps_its_weight_dequant_scales_fresh_through_refreshes(m
     assert FP8Linear(weight, recipe="fp8_rowwise_gw_hp", gemm="emulated").weight_cache.rows_dequant is None
 
 
+def test_native_shared_input_gradients_add_in_the_triton_gemm(monkeypatch):
+    """On ``native``, q, k and v's input gradient starts on torch's GEMM and the k and v
+    terms go to the Triton GEMM, which adds in its epilogue, wherever the package's kernels
+    run; elsewhere all three stay on torch's GEMM, then an add. (Recorded here with the
+    Triton GEMM's calls run emulated; ``test_fp8_gpu.py`` runs them on a GPU.)"""
+    import moe_mxfp8.fp8_gemm as fp8_gemm
+    from moe_mxfp8 import fp8_linear
+
+    monkeypatch.setattr(fp8_gemm, "fp8_native_available", lambda device: True)
+    mm, calls = fp8_linear._mm, []
+
+    def recorded(a, b, rows, gemm, *args):
+        calls.append((gemm, rows is not None))
+        return mm(a, b, rows, "emulated" if gemm == "triton" else gemm, *args)
+
+    monkeypatch.setattr(fp8_linear, "_mm", recorded)
+    g = torch.Generator().manual_seed(7)
+    layers = tuple(FP8Linear(nn.Parameter((torch.randn(n, 64, generator=g) * 0.2).bfloat16()),
+                             recipe="fp8_rowwise_gw_hp", gemm="native") for n in (48, 32, 32))
+    x = torch.randn(2, 9, 64, generator=g).bfloat16()
+    dys = [torch.randn(2, 9, m.out_features, generator=g).bfloat16() for m in layers]
+    for kernels, backward in ((False, ["native"] * 3), (True, ["native", "triton", "triton"])):
+        # what fp8_linear alone sees (the quantisation stays on its CPU path)
+        monkeypatch.setattr(fp8_linear, "_triton_support",
+                            SimpleNamespace(fused_kernels_enabled=lambda device, on=kernels: on))
+        xg = x.clone().requires_grad_()
+        ys = FP8Linear.shared_input_forward(xg, layers)
+        calls.clear()
+        dx = torch.autograd.grad(ys, [xg], dys)[0]
+        assert [gemm for gemm, _ in calls] == backward
+        assert all(has_rows for gemm, has_rows in calls if gemm == "triton")
+        alone = sum(torch.autograd.grad(m(xg), [xg], dy)[0].float() for m, dy in zip(layers, dys, strict=True))
+        torch.testing.assert_close(dx.float(), alone, rtol=1.6e-2, atol=2e-2)
+
+
 def _three_projections(recipe: str, seed: int):
     """q, k and v shaped projections of one input width (nn.Linear, no bias), and an input."""
     n_in, n_out = CASES[recipe]
@@ -298,11 +334,11 @@ def test_layers_sharing_an_input_give_their_weight_gradients_to_the_sink():
 
 def test_output_gradient_rows_attach_and_take():
     """A rowwise layer that will compute an input gradient tags its output with an
-    ``OutputGradientRows`` (none for a blockwise recipe, without grad mode or an input
+    ``RowCodes`` (none for a blockwise recipe, without grad mode or an input
     that needs no gradient); what it received is used only for the very tensor it came
     with, once; the layer's backward then skips quantizing ``dy`` and uses those codes."""
     from moe_mxfp8.fp8 import quantize_fp8_reference
-    from moe_mxfp8.fp8_linear import GRADIENT_ROW_ENCODER, OutputGradientRows
+    from moe_mxfp8.row_codes import GRADIENT_ROW_ENCODER, RowCodes
 
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(24, 16))
@@ -310,7 +346,7 @@ def test_output_gradient_rows_attach_and_take():
     layer = FP8Linear(w, recipe="fp8_rowwise_gw_hp")
     y = layer(x)
     enc = getattr(y, GRADIENT_ROW_ENCODER)
-    assert isinstance(enc, OutputGradientRows) and enc.pow2
+    assert isinstance(enc, RowCodes) and enc.pow2
     assert not hasattr(layer(x.detach()), GRADIENT_ROW_ENCODER)
     with torch.no_grad():
         assert not hasattr(layer(x), GRADIENT_ROW_ENCODER)
@@ -318,7 +354,7 @@ def test_output_gradient_rows_attach_and_take():
 
     dy = torch.randn(10, 24)
     q = quantize_fp8_reference(dy, (1, 0), True)
-    got = OutputGradientRows(True)
+    got = RowCodes(True)
     got.receive(dy, q.data.view(torch.uint8), q.scale)
     assert got.take(dy.clone()) is None and got.take(dy) is None  # another tensor; then forgotten
     got.receive(dy, q.data.view(torch.uint8), q.scale)

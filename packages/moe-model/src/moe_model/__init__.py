@@ -16,6 +16,7 @@ from moe_model._triton_support import (
 )
 from moe_model.config import MoEConfig
 from moe_model.dispatch import (
+    EncodesRows,
     ExpertsFn,
     LocalDispatcher,
     PipelinesExperts,
@@ -26,6 +27,8 @@ from moe_model.dispatch import (
     dropless_dispatch,
     dropless_layout,
     dropless_layout_reference,
+    gather_rows,
+    gather_rows_reference,
     weighted_gather_sum,
     weighted_gather_sum_reference,
 )
@@ -54,13 +57,7 @@ from moe_model.layers import (
     swiglu,
     swiglu_reference,
 )
-from moe_model.loss import (
-    GRADIENT_ROW_ENCODER,
-    IGNORE_INDEX,
-    GradientRowEncoder,
-    lm_loss_sum,
-    lm_loss_sum_reference,
-)
+from moe_model.loss import IGNORE_INDEX, lm_loss_sum, lm_loss_sum_reference
 from moe_model.model import Block, MoETransformer
 from moe_model.moe import CountReducer, MoELayer, attach_aux_loss
 from moe_model.params import (
@@ -81,6 +78,7 @@ from moe_model.router import (
     router_logits_reference,
     router_z_loss,
 )
+from moe_model.row_encoding import GRADIENT_ROW_ENCODER, INPUT_ROW_ENCODER, RowEncoder
 from moe_model.sink import GradientSink
 from moe_model.wiring import ModelWiring, wire_model
 
@@ -93,7 +91,8 @@ __all__ = [
     "ExpertWeightGradient",
     "ExpertsFn",
     "GRADIENT_ROW_ENCODER",
-    "GradientRowEncoder",
+    "INPUT_ROW_ENCODER",
+    "RowEncoder",
     "GradientSink",
     "GroupedExperts",
     "IGNORE_INDEX",
@@ -105,6 +104,7 @@ __all__ = [
     "MoETransformer",
     "ModelWiring",
     "PipelinesExperts",
+    "EncodesRows",
     "ReportsDrops",
     "RoutingResult",
     "TokenDispatcher",
@@ -118,6 +118,8 @@ __all__ = [
     "attended_pairs",
     "combine_backward",
     "combine_backward_reference",
+    "gather_rows",
+    "gather_rows_reference",
     "dense_parameters",
     "documents_from_eos",
     "dropless_dispatch",

@@ -7,6 +7,9 @@ Offsets into the row buffers are int64 (``R * D`` can exceed 2^31); ``K`` (top-k
 a compile-time constant. Slots whose ``kept`` is 0 are neither read nor written.
 """
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -49,16 +52,36 @@ def weighted_gather_sum_kernel(
 
 
 @triton.jit
+def _row_amax(top, w, g_min, g_nan):
+    """The largest magnitude of a stored row ``(w * g).to(d_rows' dtype)`` over a token's
+    ``g``, given ``top``, ``|w|`` times ``g``'s largest magnitude rounded as the row is
+    stored, ``g``'s smallest magnitude and whether ``g`` holds a NaN (FP32).
+
+    ``g -> |(w * g).to(dtype)|`` is non-decreasing in ``|g|`` (a product and a rounding to
+    nearest, both symmetric in sign), so the row's largest magnitude is ``top``. The
+    smallest magnitude covers an infinite ``w``: ``inf * 0`` puts a NaN in the row, as a
+    NaN in ``g`` or in ``w`` does."""
+    low = tl.abs(w) * g_min
+    return tl.where(g_nan | (top != top) | (low != low), float("nan"), top)
+
+
+@triton.jit
 def combine_backward_kernel(
-    dy_ptr, rows_ptr, row_of_slot_ptr, w_ptr, kept_ptr, d_rows_ptr, d_w_ptr,
-    T, D, stride_dy, stride_r, stride_dr,
+    dy_ptr, rows_ptr, row_of_slot_ptr, w_ptr, kept_ptr, d_rows_ptr, d_w_ptr, codes_ptr, scales_ptr,
+    T, D, stride_dy, stride_r, stride_dr, stride_codes,
     K: tl.constexpr, K_BLOCK: tl.constexpr, HAS_KEPT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    ENCODE: tl.constexpr, ROW_SCALE: tl.constexpr, ROW_ENCODE: tl.constexpr,
 ):
     """For a block of tokens and all their slots, walking D: ``d_rows[row_of_slot[s]] =
     w[s] * dy[t(s)]`` (kept slots only) and ``d_w[s] = kept[s] * dot(rows[row_of_slot[s]],
     dy[t(s)])`` in FP32. Each token's ``dy`` block is broadcast over its ``K`` slots
-    ([BLOCK_T, K_BLOCK, BLOCK_D] tiles); no atomics."""
+    ([BLOCK_T, K_BLOCK, BLOCK_D] tiles); no atomics.
+
+    ``ENCODE``: also ``codes[row] = ROW_ENCODE(d_rows[row] as stored, scale)`` (uint8) and
+    ``scales[row] = scale = ROW_SCALE(amax)``, ``amax`` the stored row's largest magnitude
+    (``_row_amax``, from a first walk over the tokens' ``dy``). Only for launches where
+    every slot is kept (codes of rows no slot writes are not written)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, K_BLOCK)
     t_ok = t < T
@@ -78,6 +101,20 @@ def combine_backward_kernel(
     t_ok = t_ok[:, None, None]
     w = w[:, :, None]
     cols = tl.arange(0, BLOCK_D)[None, None, :]
+    if ENCODE:
+        g_amax = tl.zeros((BLOCK_T, 1, 1), dtype=tl.float32)
+        g_min = tl.full((BLOCK_T, 1, 1), float("inf"), dtype=tl.float32)
+        g_nan = tl.zeros((BLOCK_T, 1, 1), dtype=tl.int1)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + cols
+            g = tl.abs(tl.load(dy_base + d, mask=t_ok & (d < D), other=0.0).to(tl.float32))
+            g_amax = tl.maximum(g_amax, tl.max(g, axis=2, keep_dims=True))
+            g_min = tl.minimum(g_min, tl.min(tl.where(d < D, g, float("inf")), axis=2, keep_dims=True))
+            g_nan = g_nan | (tl.max((g != g).to(tl.int32), axis=2, keep_dims=True) != 0)
+        top = (tl.abs(w) * g_amax).to(d_rows_ptr.dtype.element_ty).to(tl.float32)
+        scale = ROW_SCALE(_row_amax(top, w, g_min, g_nan))  # [BLOCK_T, K_BLOCK, 1]
+        code_base = (codes_ptr + r * stride_codes)[:, :, None]
+        tl.store(scales_ptr + r[:, :, None], scale, mask=ok)
     # Per-block reductions over D (within a warp) keep registers low: no 3-D accumulator.
     dw = tl.zeros((BLOCK_T, K_BLOCK), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -87,7 +124,10 @@ def combine_backward_kernel(
         m = ok & d_ok
         x = tl.load(x_base + d, mask=m, other=0.0).to(tl.float32)
         dw += tl.sum(x * g, axis=2)
-        tl.store(dr_base + d, (w * g).to(d_rows_ptr.dtype.element_ty), mask=m)
+        v = (w * g).to(d_rows_ptr.dtype.element_ty)
+        tl.store(dr_base + d, v, mask=m)
+        if ENCODE:
+            tl.store(code_base + d, ROW_ENCODE(v.to(tl.float32), scale), mask=m)
     if HAS_KEPT:
         dw = dw * kept
     tl.store(d_w_ptr + s, dw, mask=s_ok)
@@ -95,21 +135,43 @@ def combine_backward_kernel(
 
 # --- launchers ---------------------------------------------------------------------
 
-# GPU tiles: elements per program tile (tokens x D, times the padded k in the
-# backward) and the widest D block; CPU runs are the Triton interpreter (tests),
-# where small blocks exercise the tails.
-_GPU_BLOCK_D = 256
-_GPU_GATHER_TILE = 2048
-_GPU_BACKWARD_TILE = 4096
-_GPU_NUM_WARPS = 4
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """A GPU launch shape of the row-moving kernels (this module's and ``_gather_kernels``'):
+    the widest D block a program takes at once, the elements of a program's tile (rows
+    times D columns, times the padded ``k`` in the combine's backward) and its warps."""
+
+    block_d: int
+    tile: int
+    num_warps: int
+
+
+# Per kernel kind; tools/sweep_dispatch_kernels.py times the alternatives at bench-1gpu's
+# layer shapes (8192 tokens, top-8, D 2048). CPU runs are the Triton interpreter (tests), where
+# small blocks exercise the tails.
+_GPU = {
+    "gather_sum": LaunchShape(block_d=256, tile=2048, num_warps=4),
+    "backward": LaunchShape(block_d=256, tile=4096, num_warps=4),
+    "backward_codes": LaunchShape(block_d=256, tile=4096, num_warps=4),
+}
 _CPU_BLOCK_T, _CPU_BLOCK_D = 4, 16
 
 
-def _blocks(device: torch.device, T: int, D: int, tile: int) -> tuple[int, int]:
+def default_launch(kind: str) -> LaunchShape:
+    """The GPU launch shape of kernel ``kind``: ``gather_sum`` (the combine's forward and
+    the gather's backward), ``backward`` (the combine's) or ``backward_codes`` (the
+    combine's backward that also writes an encoder's codes)."""
+    if kind not in _GPU:
+        raise ValueError(f"combine kernel kind must be one of {sorted(_GPU)}, got {kind!r}")
+    return _GPU[kind]
+
+
+def _blocks(device: torch.device, T: int, D: int, launch: LaunchShape, tile: int) -> tuple[int, int]:
     """(tokens, D columns) per program: ``tokens * columns`` about ``tile`` on a GPU."""
     if device.type != "cuda":
         return _CPU_BLOCK_T, _CPU_BLOCK_D
-    block_d = min(_GPU_BLOCK_D, triton.next_power_of_2(max(D, 1)))
+    block_d = min(launch.block_d, triton.next_power_of_2(max(D, 1)))
     block_t = max(1, min(tile // block_d, triton.next_power_of_2(max(T, 1))))
     return block_t, block_d
 
@@ -122,14 +184,15 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
 def weighted_gather_sum(
     rows_RD: torch.Tensor, row_of_slot_S: torch.Tensor, n_tokens: int,
     weights: torch.Tensor | None = None, kept_S: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, launch: LaunchShape | None = None,
 ) -> torch.Tensor:
     """``y[t] = sum_j w[t,j] * kept[t,j] * rows[row_of_slot[t*k+j]]`` (Triton; FP32 accumulation).
 
     ``weights`` (``[T,k]`` or ``[T*k]``, FP32) and ``kept_S`` (``[T*k]`` FP32, 1 kept /
     0 dropped; dropped slots' rows are not read) default to ones. Returns ``[T, D]``
     in ``out_dtype`` (default: ``rows_RD``'s dtype). One program per (token block,
-    D block): it reads its tokens' ``k`` rows once and writes ``y`` once.
+    D block): it reads its tokens' ``k`` rows once and writes ``y`` once. ``launch``:
+    the GPU launch shape (default: ``default_launch("gather_sum")``).
     """
     T, D = n_tokens, rows_RD.shape[1]
     k = row_of_slot_S.shape[0] // max(T, 1)
@@ -139,7 +202,8 @@ def weighted_gather_sum(
     if k == 0:
         return y_TD.zero_()
     rows_RD = _row_major(rows_RD)
-    block_t, block_d = _blocks(rows_RD.device, T, D, _GPU_GATHER_TILE)
+    launch = launch or default_launch("gather_sum")
+    block_t, block_d = _blocks(rows_RD.device, T, D, launch, launch.tile)
     row_of_slot_S = row_of_slot_S.contiguous()
     w_S = weights.reshape(-1).contiguous() if weights is not None else None
     kept_S = kept_S.contiguous() if kept_S is not None else None
@@ -149,7 +213,7 @@ def weighted_gather_sum(
         kept_S if kept_S is not None else row_of_slot_S, y_TD,
         T, D, rows_RD.stride(0), y_TD.stride(0),
         K=k, HAS_W=w_S is not None, HAS_KEPT=kept_S is not None,
-        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_GPU_NUM_WARPS,
+        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=launch.num_warps,
     )
     return y_TD
 
@@ -157,7 +221,8 @@ def weighted_gather_sum(
 def combine_backward(
     dy_TD: torch.Tensor, rows_out_RD: torch.Tensor, row_of_slot_S: torch.Tensor,
     w_S: torch.Tensor, kept_S: torch.Tensor | None, n_rows: int, zero_fill: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    encoder: Any = None, launch: LaunchShape | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of ``y[t] = sum_j w_S[t*k+j] * rows_out[row_of_slot[t*k+j]]`` (Triton).
 
     ``w_S`` are the FP32 slot weights already multiplied by ``kept_S``. Returns
@@ -167,28 +232,55 @@ def combine_backward(
     in dropless mode every row is written), and ``d_w[T, k]`` FP32, ``d_w[t,j] =
     kept * dot(rows_out[row_of_slot[t*k+j]], dy[t])``. One program per token block
     walks all of D: it reads ``rows_out`` and ``dy`` once and writes ``d_rows`` once.
+
+    ``encoder`` (a ``moe_model.row_encoding.RowEncoder``; only where every row is
+    written: no ``kept_S``, no ``zero_fill``): also ``d_rows``' per-row codes ``[n_rows, D]``
+    (uint8) and scales ``[n_rows, 1]`` (FP32), written in the same pass after a first walk
+    over ``dy`` for each token's largest magnitude; else (and where there is nothing to
+    encode: no tokens, slots or columns) those two are ``None``. That launch runs without
+    FMA contraction (the encoder's rounding steps need it), so ``d_w``'s dot products
+    round apart from a launch without an encoder (``d_rows`` does not change).
+    ``launch``: the GPU launch shape (default: ``default_launch`` of ``backward`` or,
+    with an encoder, ``backward_codes``).
     """
     T, D = dy_TD.shape
     k = w_S.shape[0] // max(T, 1)
     if zero_fill is None:
         zero_fill = kept_S is not None
+    if encoder is not None and (zero_fill or kept_S is not None or n_rows != T * k):
+        raise ValueError("combine_backward: an encoder needs every row written (dropless, "
+                         f"n_rows == T*k), got kept_S={kept_S is not None}, zero_fill={zero_fill}, "
+                         f"n_rows={n_rows}, T*k={T * k}")
     alloc = torch.zeros if zero_fill else torch.empty
-    d_rows_RD = alloc(n_rows, D, dtype=rows_out_RD.dtype, device=rows_out_RD.device)
-    d_weights_Tk = torch.empty(T, k, dtype=torch.float32, device=rows_out_RD.device)
+    dev = rows_out_RD.device
+    d_rows_RD = alloc(n_rows, D, dtype=rows_out_RD.dtype, device=dev)
+    d_weights_Tk = torch.empty(T, k, dtype=torch.float32, device=dev)
     if T == 0 or k == 0:
-        return d_rows_RD, d_weights_Tk
+        return d_rows_RD, d_weights_Tk, None, None
     if D == 0:
-        return d_rows_RD, d_weights_Tk.zero_()
+        return d_rows_RD, d_weights_Tk.zero_(), None, None
+    codes_RD = scales_R1 = None
+    if encoder is not None:
+        codes_RD = torch.empty(n_rows, D, dtype=torch.uint8, device=dev)
+        scales_R1 = torch.empty(n_rows, 1, dtype=torch.float32, device=dev)
     dy_TD, rows_out_RD = _row_major(dy_TD), _row_major(rows_out_RD)
     row_of_slot_S, w_S = row_of_slot_S.contiguous(), w_S.contiguous()
     kept_S = kept_S.contiguous() if kept_S is not None else None
     k_block = triton.next_power_of_2(k)
-    block_t, block_d = _blocks(rows_out_RD.device, T, D, _GPU_BACKWARD_TILE // k_block)
+    launch = launch or default_launch("backward" if encoder is None else "backward_codes")
+    block_t, block_d = _blocks(dev, T, D, launch, launch.tile // k_block)
     combine_backward_kernel[(triton.cdiv(T, block_t),)](
         dy_TD, rows_out_RD, row_of_slot_S, w_S, kept_S if kept_S is not None else w_S,
         d_rows_RD, d_weights_Tk,
+        codes_RD if codes_RD is not None else d_rows_RD, scales_R1 if scales_R1 is not None else w_S,
         T, D, dy_TD.stride(0), rows_out_RD.stride(0), d_rows_RD.stride(0),
+        codes_RD.stride(0) if codes_RD is not None else 0,
         K=k, K_BLOCK=k_block, HAS_KEPT=kept_S is not None,
-        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_GPU_NUM_WARPS,
+        BLOCK_T=block_t, BLOCK_D=block_d,
+        ENCODE=encoder is not None,
+        ROW_SCALE=None if encoder is None else encoder.row_scale,
+        ROW_ENCODE=None if encoder is None else encoder.row_encode,
+        # an encoder's rounding steps are exact only without FMA contraction
+        num_warps=launch.num_warps, enable_fp_fusion=encoder is None,
     )
-    return d_rows_RD, d_weights_Tk
+    return d_rows_RD, d_weights_Tk, codes_RD, scales_R1

@@ -7,7 +7,7 @@ registers hold one chunk whatever the vocabulary size; all arithmetic is FP32.
 Row offsets are formed in int64 (``N * V`` passes 2**31 at 21k tokens of a 100k
 vocabulary).
 
-With a ``GradientRowEncoder`` (``moe_model.loss``) the backward also writes the gradient's
+With a ``RowEncoder`` (``moe_model.loss``) the backward also writes the gradient's
 per-row codes in the same pass: the row's largest gradient magnitude is known before the
 row is read, from the forward's statistics. For ``j != t``, ``|d_j| = p_j * |g|`` grows
 with the logit ``x_j`` (every step of ``p_j``'s computation is monotone, the rounding to
@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from moe_model.loss import IGNORE_INDEX, GradientRowEncoder
+from moe_model.loss import IGNORE_INDEX
+from moe_model.row_encoding import RowEncoder
 
 # Start of the running maximum: the most negative finite FP32, not -inf, so the
 # rescale factor exp(m_old - m_new) is never exp(-inf - -inf) = NaN when a chunk is
@@ -217,7 +218,7 @@ def cross_entropy_backward(
     logits_NV: torch.Tensor, targets_N: torch.Tensor, max_N: torch.Tensor,
     logsum_N: torch.Tensor, grad_out: torch.Tensor, ignore_index: int = IGNORE_INDEX,
     config: CrossEntropyConfig | None = None,
-    encoding: tuple[GradientRowEncoder, torch.Tensor] | None = None,
+    encoding: tuple[RowEncoder, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(softmax(x) - onehot(t)) * grad_out`` per row as a new tensor of the logits'
     dtype; zero rows for ``ignore_index``. ``grad_out`` is a 0-d device tensor (read by
@@ -279,12 +280,12 @@ class _FusedCrossEntropySum(torch.autograd.Function):
 
 def fused_cross_entropy_sum(
     logits_NV: torch.Tensor, targets_N: torch.Tensor, ignore_index: int = IGNORE_INDEX,
-    config: CrossEntropyConfig | None = None, encoder: GradientRowEncoder | None = None,
+    config: CrossEntropyConfig | None = None, encoder: RowEncoder | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(logits_NV.float(), targets_N, ignore_index=..., reduction="sum")``
     with the Triton kernels (differentiable in ``logits_NV``); ``config`` overrides both
     kernels' configuration (tests); ``encoder`` receives the gradient's per-row codes
-    from the backward (``moe_model.loss.GradientRowEncoder``). Ids outside ``[0, V)``
+    from the backward (``moe_model.row_encoding.RowEncoder``). Ids outside ``[0, V)``
     give NaN, not an error."""
     if logits_NV.dim() != 2 or targets_N.shape != logits_NV.shape[:1]:
         raise ValueError(

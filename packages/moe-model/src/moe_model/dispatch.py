@@ -19,6 +19,9 @@ Contract:
 - Both are differentiable; all metadata stays on the device.
 - A dispatcher that can drop rows may also satisfy ``ReportsDrops``; the MoE layer
   then logs its drop counts.
+- A dispatcher may also satisfy ``EncodesRows``: the MoE layer then hands it the experts'
+  ``INPUT_ROW_ENCODER`` (``moe_model.row_encoding``), whose codes of the rows it may write
+  as it gathers them.
 - A dispatcher may also satisfy ``PipelinesExperts``: the MoE layer then hands it the
   experts and lets it run dispatch, experts and combine itself, in whatever schedule it
   chooses (an expert-parallel transport overlapping one token chunk's transfer with
@@ -43,7 +46,12 @@ the forward reads each token's ``k`` rows once (``T*k*D`` elements) and writes
 ``y`` once (``T*D``), accumulating in FP32 registers; the backward reads ``rows_out``
 and ``dy`` once and writes ``d_rows`` once, with the routing-weight gradients reduced
 in the same pass. No ``[T*k, D]`` FP32 (or gathered ``[T, k, D]``) tensor is
-materialised, and nothing uses atomics, so results are deterministic. Elsewhere
+materialised, and nothing uses atomics, so results are deterministic. In the dropless
+layout the backward also serves the expert output's ``GRADIENT_ROW_ENCODER``
+(``moe_model.row_encoding``: moe_mxfp8's FP8 experts quantize their output gradient per
+row), writing ``d_rows``' codes in the same pass; and the gather serves the experts'
+``INPUT_ROW_ENCODER`` (``dispatch_encoded``, one Triton kernel, ``_gather_kernels``),
+without which it is ``index_select``. Elsewhere
 (CPU, FP64, no Triton) the plain torch code below runs; it is the exact reference
 the layout-equivalence tests compare bit for bit. Triton is imported lazily.
 """
@@ -61,6 +69,7 @@ from torch import nn
 
 from moe_model._triton_support import Backend, use_fused
 from moe_model.router import count_per_expert
+from moe_model.row_encoding import GRADIENT_ROW_ENCODER, RowEncoder
 
 _HASH_MULTIPLIER = 2654435761  # odd, so t -> t * m mod 2^32 is a bijection (Knuth)
 
@@ -110,23 +119,63 @@ class LocalDispatchHandle:
     n_tokens: int  # T
 
 
+@runtime_checkable
+class EncodesRows(Protocol):
+    def dispatch_encoded(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor | None,
+        encoder: RowEncoder,
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """``dispatch(x, expert_ids, weights)``; where the dispatcher can, it also writes the
+        rows' per-row codes in the pass that writes the rows and hands them to
+        ``encoder.receive`` (``moe_model.row_encoding``)."""
+        ...
+
+
 class _Gather(torch.autograd.Function):
     """``rows[r] = x[token_of_row[r]]`` (padding rows zero). The backward sums each
     token's ``k`` row gradients by gathering them, without atomics, so it is
-    deterministic (an ``index_select`` backward would scatter-add)."""
+    deterministic (an ``index_select`` backward would scatter-add). ``encoder``: where the
+    fused gather runs (``gather_rows``), the rows' codes are handed to it."""
 
     @staticmethod
-    def forward(ctx: Any, x_TD: torch.Tensor, h: LocalDispatchHandle) -> torch.Tensor:
+    def forward(ctx: Any, x_TD: torch.Tensor, h: LocalDispatchHandle,
+                encoder: RowEncoder | None) -> torch.Tensor:
         ctx.handle = h
-        rows_RD = x_TD.index_select(0, h.token_of_row)
-        if h.valid_rows is not None:
-            rows_RD = torch.where(h.valid_rows[:, None], rows_RD, 0)
-        return rows_RD
+        return gather_rows(x_TD, h.token_of_row, h.valid_rows, encoder)
 
     @staticmethod
-    def backward(ctx: Any, d_rows_RD: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, d_rows_RD: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         h: LocalDispatchHandle = ctx.handle
-        return weighted_gather_sum(d_rows_RD, h.row_of_slot, h.n_tokens, None, h.kept_of_slot), None
+        return weighted_gather_sum(d_rows_RD, h.row_of_slot, h.n_tokens, None, h.kept_of_slot), None, None
+
+
+def gather_rows_reference(
+    x_TD: torch.Tensor, token_of_row_R: torch.Tensor, valid_rows_R: torch.Tensor | None,
+    encoder: RowEncoder | None = None,
+) -> torch.Tensor:
+    """``rows[r] = x[token_of_row[r]]``, zero where ``valid_rows`` is false: ``index_select``.
+    ``encoder`` receives nothing here (the consumer encodes the rows itself)."""
+    rows_RD = x_TD.index_select(0, token_of_row_R)
+    if valid_rows_R is not None:
+        rows_RD = torch.where(valid_rows_R[:, None], rows_RD, 0)
+    return rows_RD
+
+
+def gather_rows(
+    x_TD: torch.Tensor, token_of_row_R: torch.Tensor, valid_rows_R: torch.Tensor | None,
+    encoder: RowEncoder | None = None, backend: Backend = "auto",
+) -> torch.Tensor:
+    """``gather_rows_reference``'s rows. With an ``encoder``, the fused path (float rows) is
+    one Triton kernel (``_gather_kernels``) that also writes the rows' codes and scales and
+    hands them to the encoder; without one, or elsewhere, ``index_select`` (nothing is
+    received)."""
+    if encoder is not None and use_fused("gather_rows", backend, x_TD.device, lambda: _unfit_dtype(x_TD)):
+        from moe_model import _gather_kernels as k
+
+        rows_RD, codes, scales = k.gather_rows_encoded(x_TD, token_of_row_R, valid_rows_R, encoder)
+        encoder.receive(rows_RD, codes, scales)
+        return rows_RD
+    return gather_rows_reference(x_TD, token_of_row_R, valid_rows_R, encoder)
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -180,11 +229,13 @@ def weighted_gather_sum(
 
 def combine_backward_reference(
     dy_TD: torch.Tensor, rows_out_RD: torch.Tensor, w_S: torch.Tensor, h: LocalDispatchHandle,
+    encoder: RowEncoder | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d_rows, d_weights)`` of ``y[t] = sum_j w_S[t*k+j] * rows_out[row_of_slot[t*k+j]]``
     (``w_S`` the slot weights in at least FP32, already multiplied by ``h.kept_of_slot``), in
     eager PyTorch: ``d_rows`` ``[R, D]`` in ``rows_out``'s dtype (zero for padding rows),
-    ``d_weights`` ``[T, k]`` in ``w_S``'s dtype (zero for dropped slots)."""
+    ``d_weights`` ``[T, k]`` in ``w_S``'s dtype (zero for dropped slots). ``encoder``
+    receives nothing here (the consumer encodes ``d_rows`` itself)."""
     T, D = dy_TD.shape
     k = w_S.shape[0] // max(T, 1)
     dy32_TD = dy_TD.to(w_S.dtype)
@@ -200,24 +251,33 @@ def combine_backward_reference(
 
 def combine_backward(
     dy_TD: torch.Tensor, rows_out_RD: torch.Tensor, w_S: torch.Tensor, h: LocalDispatchHandle,
-    backend: Backend = "auto",
+    encoder: RowEncoder | None = None, backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``combine_backward_reference``'s gradients (``d_weights`` FP32 on the fused path); the
     fused path (float rows) is one Triton kernel (``_combine_kernels``) that reads
     ``rows_out`` and ``dy`` once and writes ``d_rows`` once, routing-weight gradients
-    reduced in the same pass."""
+    reduced in the same pass.
+
+    ``encoder``: ``rows_out``'s ``GRADIENT_ROW_ENCODER`` (``moe_model.row_encoding``). The
+    fused path in the dropless layout (every row written) also writes ``d_rows``' codes and
+    scales and hands them to it; elsewhere it receives nothing."""
     if use_fused("combine_backward", backend, rows_out_RD.device, lambda: _unfit_dtype(rows_out_RD)):
         from moe_model import _combine_kernels as k
 
-        return k.combine_backward(
+        every_row = h.kept_of_slot is None and h.valid_rows is None
+        d_rows, d_weights, codes, scales = k.combine_backward(
             dy_TD, rows_out_RD, h.row_of_slot, w_S, h.kept_of_slot, rows_out_RD.shape[0],
-            zero_fill=h.kept_of_slot is not None or h.valid_rows is not None)
-    return combine_backward_reference(dy_TD, rows_out_RD, w_S, h)
+            zero_fill=not every_row, encoder=encoder if every_row else None)
+        if codes is not None:
+            encoder.receive(d_rows, codes, scales)
+        return d_rows, d_weights
+    return combine_backward_reference(dy_TD, rows_out_RD, w_S, h, encoder)
 
 
 class _Combine(torch.autograd.Function):
     """``y[t] = sum_j w[t,j] * rows_out[row_of_slot[t,j]]`` in (at least) FP32; saves only
-    ``rows_out`` and the (kept-masked) slot weights."""
+    ``rows_out`` and the (kept-masked) slot weights, and serves ``rows_out``'s
+    ``GRADIENT_ROW_ENCODER`` in the backward (``combine_backward``)."""
 
     @staticmethod
     def forward(ctx: Any, rows_out_RD: torch.Tensor, weights_Tk: torch.Tensor,
@@ -229,12 +289,13 @@ class _Combine(torch.autograd.Function):
             w_S = w_S * h.kept_of_slot.to(acc)
         ctx.save_for_backward(rows_out_RD, w_S)
         ctx.handle, ctx.weights_dtype = h, weights_Tk.dtype
+        ctx.encoder = getattr(rows_out_RD, GRADIENT_ROW_ENCODER, None)
         return weighted_gather_sum(rows_out_RD, h.row_of_slot, T, w_S, h.kept_of_slot)
 
     @staticmethod
     def backward(ctx: Any, dy_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         rows_out_RD, w_S = ctx.saved_tensors
-        d_rows, d_weights_Tk = combine_backward(dy_TD, rows_out_RD, w_S, ctx.handle)
+        d_rows, d_weights_Tk = combine_backward(dy_TD, rows_out_RD, w_S, ctx.handle, encoder=ctx.encoder)
         return d_rows, d_weights_Tk.to(ctx.weights_dtype), None
 
 
@@ -287,6 +348,14 @@ class LocalDispatcher:
     def dispatch(
         self, x_TD: torch.Tensor, expert_ids_Tk: torch.Tensor, weights: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchHandle]:
+        return self.dispatch_encoded(x_TD, expert_ids_Tk, weights, None)
+
+    def dispatch_encoded(
+        self, x_TD: torch.Tensor, expert_ids_Tk: torch.Tensor, weights: torch.Tensor | None,
+        encoder: RowEncoder | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchHandle]:
+        """``dispatch``; ``encoder``: see ``EncodesRows`` (served where ``gather_rows``'s fused
+        path runs)."""
         T, k = expert_ids_Tk.shape
         S, E, dev = T * k, self.n_experts, x_TD.device
         if self.capacity_factor is None:
@@ -296,7 +365,7 @@ class LocalDispatcher:
                 kept_of_slot=None, valid_rows=None, dropped_per_expert=torch.zeros_like(counts_E),
                 n_tokens=T,
             )
-            return _Gather.apply(x_TD, handle), offsets, handle
+            return _Gather.apply(x_TD, handle, encoder), offsets, handle
 
         e_S = expert_ids_Tk.reshape(-1)
         counts_E = count_per_expert(e_S, E)
@@ -324,7 +393,7 @@ class LocalDispatcher:
             kept_of_slot=kept_of_slot, valid_rows=valid_rows, dropped_per_expert=counts_E - kept_E,
             n_tokens=T,
         )
-        return _Gather.apply(x_TD, handle), group_offsets.to(torch.int32), handle
+        return _Gather.apply(x_TD, handle, encoder), group_offsets.to(torch.int32), handle
 
     def combine(
         self, rows_out_RD: torch.Tensor, weights_Tk: torch.Tensor, handle: LocalDispatchHandle

@@ -15,14 +15,12 @@ in the logits' dtype. Row losses are summed with ``torch.sum`` (no atomics, so t
 sum is deterministic). On CPU the loss stays the plain ``F.cross_entropy`` call: it
 is the reference of the layout-equivalence tests.
 
-A layer whose output becomes the logits may want their gradient in an encoded per-row
-form as well (moe_mxfp8's FP8 head quantizes it rowwise to E4M3 for its input-gradient
-GEMM, reading the 1.6 GB gradient of a microbatch twice). Such a layer sets
-``GRADIENT_ROW_ENCODER`` on its output tensor to a ``GradientRowEncoder``; where the
-fused cross-entropy runs on exactly that tensor, its backward writes the codes in the
-pass that writes the gradient and hands both to the encoder. Anywhere else (the CPU
-reference, logits changed before the loss) nothing is received and the layer encodes
-the gradient itself, so the attribute never changes a result.
+A layer whose output becomes the logits may want their gradient encoded per row as well
+(moe_mxfp8's FP8 head quantizes it rowwise to E4M3 for its input-gradient GEMM, reading
+the 1.6 GB gradient of a microbatch twice): where the fused cross-entropy runs on exactly
+the tensor that carries a ``GRADIENT_ROW_ENCODER`` (``moe_model.row_encoding``), its
+backward writes the codes in the pass that writes the gradient and hands both to the
+encoder.
 
 Target ids: the CPU path raises on an id outside ``[0, V)``. The CUDA path checks
 nothing on the host (that would be a sync per microbatch); the data layer
@@ -33,35 +31,13 @@ NaN, so the step is skipped as non-finite rather than silently wrong.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
-
 import torch
 import torch.nn.functional as F
 
 from moe_model._triton_support import Backend, use_fused
+from moe_model.row_encoding import GRADIENT_ROW_ENCODER
 
 IGNORE_INDEX = -100
-
-# The attribute of a logits tensor that holds its producer's ``GradientRowEncoder``.
-GRADIENT_ROW_ENCODER = "gradient_row_encoder"
-
-
-class GradientRowEncoder(Protocol):
-    """A per-row encoding of the logits' gradient ``[N, V]`` that the fused cross-entropy
-    writes beside the gradient (module notes).
-
-    ``row_scale`` and ``row_encode`` are Triton device functions the backward kernel calls:
-    ``row_scale(amax)`` maps a row's largest gradient magnitude (FP32 scalar, NaN where the
-    row holds a NaN) to its FP32 scale; ``row_encode(values, scale)`` maps FP32 values (the
-    gradient as stored, in its dtype) to uint8 codes. ``receive(grad, codes, scales)``
-    gets the gradient ``[N, V]``, its codes ``[N, V]`` (uint8) and scales ``[N, 1]``
-    (FP32) when the backward has written them.
-    """
-
-    row_scale: Any
-    row_encode: Any
-
-    def receive(self, grad: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None: ...
 
 
 def lm_loss_sum_reference(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:

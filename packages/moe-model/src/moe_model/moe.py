@@ -48,11 +48,18 @@ import torch
 from torch import nn
 
 from moe_model.config import MoEConfig
-from moe_model.dispatch import LocalDispatcher, PipelinesExperts, ReportsDrops, TokenDispatcher
+from moe_model.dispatch import (
+    EncodesRows,
+    LocalDispatcher,
+    PipelinesExperts,
+    ReportsDrops,
+    TokenDispatcher,
+)
 from moe_model.experts import GroupedExperts
 from moe_model.layers import SwiGLU
 from moe_model.recompute import is_recomputing
 from moe_model.router import TopKRouter, load_balancing_loss
+from moe_model.row_encoding import INPUT_ROW_ENCODER
 from moe_model.sink import MergingSink
 
 CountReducer = Callable[[torch.Tensor], torch.Tensor]  # [E] counts -> [E] summed over the DP group
@@ -123,7 +130,7 @@ class MoELayer(nn.Module):
         if isinstance(self.dispatcher, PipelinesExperts):  # it schedules the experts itself
             y_TD, handle = self._run_experts(self.dispatcher, x_compute, routing.expert_ids, routing.weights)
         else:
-            rows, offsets, handle = self.dispatcher.dispatch(x_compute, routing.expert_ids, routing.weights)
+            rows, offsets, handle = self._dispatch(x_compute, routing.expert_ids, routing.weights)
             y_TD = self.dispatcher.combine(self.experts(rows, offsets), routing.weights, handle)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
@@ -138,6 +145,15 @@ class MoELayer(nn.Module):
                        if isinstance(self.dispatcher, ReportsDrops) else None)
             self._record(routing.tokens_per_expert, dropped, lb, routing.z_loss, B * S)
         return y_TD.view(B, S, D)
+
+    def _dispatch(self, x_TD: torch.Tensor, expert_ids: torch.Tensor,
+                  weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """The dispatcher's ``dispatch``, or ``dispatch_encoded`` with the experts'
+        ``INPUT_ROW_ENCODER`` where both exist (``moe_model.row_encoding``)."""
+        encoder = getattr(self.experts, INPUT_ROW_ENCODER, None)
+        if encoder is not None and isinstance(self.dispatcher, EncodesRows):
+            return self.dispatcher.dispatch_encoded(x_TD, expert_ids, weights, encoder)
+        return self.dispatcher.dispatch(x_TD, expert_ids, weights)
 
     def _run_experts(self, dispatcher: PipelinesExperts, x_TD: torch.Tensor, expert_ids: torch.Tensor,
                      weights: torch.Tensor) -> tuple[torch.Tensor, Any]:

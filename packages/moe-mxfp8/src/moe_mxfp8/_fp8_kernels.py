@@ -296,7 +296,7 @@ _SCALE_AT_EPS_C = tl.constexpr(_SCALE_AT_EPS)
 
 
 # Device functions of a rowwise encoding done inside another package's kernel
-# (``fp8_linear.OutputGradientRows``, served by moe_model's fused cross-entropy): the same
+# (``row_codes.RowCodes``, served by moe_model's kernels): the same
 # scale and E4M3 encoding as ``quantize_blocks``, from a row's FP32 ``amax`` given by the
 # caller. Kernels calling them must launch with ``enable_fp_fusion=False`` (module notes).
 

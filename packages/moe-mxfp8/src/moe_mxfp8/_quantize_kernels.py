@@ -111,13 +111,34 @@ def _load_abs_sign(ptr, mask, IS_BF16: tl.constexpr):
     return abs_bits, sign
 
 
+# Whether the kernels round FP32 to BF16 with the GPU's conversion instruction
+# (``cvt.rn.bf16.f32``: nearest-even, subnormals kept, as torch rounds) or by integer
+# operations. Compiled kernels take the instruction: fewer operations per element, which
+# the FP8 SwiGLU kernels, bound by their arithmetic, turn into bandwidth
+# (docs/performance.md, FP8 experts). Triton's interpreter converts subnormals and ties its
+# own way, so there the integer form gives the same bits as the GPU. Read once, as
+# ``triton.jit`` reads it to decide whether kernels are interpreted. (E4M3 keeps the
+# integer encoding everywhere: ``moe_mxfp8._fp8_kernels``' notes.)
+_NATIVE_BF16 = tl.constexpr(not triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def _bf16_bits(v):
+    """BF16 bits (int32, sign-extended) of FP32 ``v`` rounded to nearest-even; NaN -> 0x7FC0
+    (torch's NaN, whatever NaN the conversion makes)."""
+    if _NATIVE_BF16:
+        rounded = v.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
+    else:
+        bits = v.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where(v != v, 0x7FC0, rounded)
+
+
 @triton.jit
 def _store_from_f32(ptr, v, mask, IS_BF16: tl.constexpr):
     """Store FP32 ``v`` rounded to nearest-even; BF16 goes out as int16 bits (NaN -> 0x7FC0)."""
     if IS_BF16:
-        bits = v.to(tl.int32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        tl.store(ptr, tl.where(v != v, 0x7FC0, rounded).to(tl.int16), mask=mask)
+        tl.store(ptr, _bf16_bits(v).to(tl.int16), mask=mask)
     else:
         tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
 

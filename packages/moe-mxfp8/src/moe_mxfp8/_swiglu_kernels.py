@@ -8,11 +8,12 @@ forward and ``dh13`` is read once less in the backward. The backward kernels can
 write ``h`` (what the down projection's weight gradient reads), from the values they
 hold anyway, instead of a separate forward kernel reading ``h13`` again.
 
-BF16 results are rounded to nearest-even by integer operations and stored as their bits,
-and the quantizing kernels quantize exactly those BF16 values, so a fused result equals
-the unfused kernels' output quantized by ``moe_mxfp8._fp8_kernels``, bit for bit, on the
-GPU and under ``TRITON_INTERPRET=1`` (all launch with ``enable_fp_fusion=False``: the
-same FP32 roundings in every kernel).
+BF16 results are rounded to nearest-even (the conversion instruction on the GPU, integer
+operations under the interpreter: ``moe_mxfp8._quantize_kernels._bf16_bits``) and stored
+as their bits, and the quantizing kernels quantize exactly those BF16 values, so a fused
+result equals the unfused kernels' output quantized by ``moe_mxfp8._fp8_kernels``, bit for
+bit, on the GPU and under ``TRITON_INTERPRET=1`` (all launch with
+``enable_fp_fusion=False``: the same FP32 roundings in every kernel).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 
 from moe_mxfp8._fp8_kernels import _CONSTS, BlockTile, _encode, _scale
-from moe_mxfp8._quantize_kernels import _bits_view, _store_from_f32
+from moe_mxfp8._quantize_kernels import _bf16_bits, _bits_view, _store_from_f32
 
 _ROWS, _COLS = 16, 128
 
@@ -50,8 +51,7 @@ def _as_stored(v, TO_BF16: tl.constexpr):
     """``v`` as it will be stored (BF16 bits as int32, or FP32), with ``|v|`` FP32 bits
     (uint32) and its E4M3 sign byte (uint32 0 or 0x80) for quantizing the stored value."""
     if TO_BF16:
-        bits = v.to(tl.int32, bitcast=True)
-        out = tl.where(v != v, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+        out = _bf16_bits(v)
         wide = (out << 16).to(tl.uint32, bitcast=True)
     else:
         out = v

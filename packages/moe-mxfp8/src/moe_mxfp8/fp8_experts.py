@@ -47,6 +47,15 @@ the gradient is handed over as ``add(target)`` (adds it, in the GEMM's output dt
 to the FP32 accumulator ``target``) and ``param.grad`` stays ``None``; otherwise it is
 returned through autograd.
 
+Operands encoded by their producers (rowwise recipes, ``moe_mxfp8.row_codes``): the layer
+sets a ``RowCodes`` as ``GRADIENT_ROW_ENCODER`` on its output, as ``FP8Linear`` does, and
+holds one as ``INPUT_ROW_ENCODER``. moe_model's local dispatcher, gathering the rows it
+hands this layer, writes their E4M3 codes and scales in the same pass, and, combining
+exactly this layer's output in its dropless layout, writes ``dy``'s codes in the pass
+that writes ``dy``: each one read of an ``[R, D]`` tensor fewer per layer and
+microbatch, for the codes ``quantize_fp8`` gives. The GEMMs use them where they came for
+exactly the tensor the layer got; anywhere else the layer quantizes as always.
+
 Weight gradients computed later (``weight_gradient``): in the recipes whose weight
 gradients run in the compute dtype from unquantized operands (``FP8Recipe.fp8_wgrad``
 false), the layer can hand the sink, instead of a computed gradient, whatever
@@ -87,6 +96,7 @@ from moe_mxfp8.fp8_gemm import (
     fp8_grouped_wgrad,
 )
 from moe_mxfp8.gemm import compute_dtype, grouped_weight_grad
+from moe_mxfp8.row_codes import GRADIENT_ROW_ENCODER, INPUT_ROW_ENCODER, RowCodes
 from moe_mxfp8.sink import SinkRoute, carry_grad_sink, computes_now, deliver, sink_route
 from moe_mxfp8.swiglu import (
     swiglu_backward,
@@ -194,9 +204,11 @@ class _FP8ExpertsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows_RD: torch.Tensor, offsets_E: torch.Tensor, w1: torch.Tensor,
                 w3: torch.Tensor, w2: torch.Tensor, layer: FP8GroupedExperts, dtype: torch.dtype,
-                routes: tuple[SinkRoute | None, ...]) -> torch.Tensor:
+                routes: tuple[SinkRoute | None, ...], grad_rows: RowCodes | None,
+                rows_q: FP8Tensor | None) -> torch.Tensor:
         r, gemm, fast = layer.recipe, layer.gemm, layer.fast_accum
-        rows_q = quantize_fp8(rows_RD, r.act_block, r.pow2)
+        if rows_q is None:
+            rows_q = quantize_fp8(rows_RD, r.act_block, r.pow2)
         out_fast = "output" in fast
         h13_R2F = fp8_grouped_mm(rows_q, layer.w13_cache.rows, offsets_E, dtype, gemm, out_fast)
         h_q = swiglu_quantized(h13_R2F, r.act_block, r.pow2)
@@ -205,6 +217,7 @@ class _FP8ExpertsFn(torch.autograd.Function):
         # The backward uses the weight copies this forward saw, whatever happens in between.
         ctx.w13_cols, ctx.w2_cols = layer.w13_cache.cols, layer.w2_cache.cols
         ctx.recipe, ctx.gemm, ctx.fast, ctx.dtype, ctx.routes = r, gemm, fast, dtype, routes
+        ctx.grad_rows = grad_rows
         ctx.params = (w1, w3, w2)
         ctx.weight_gradient = None if r.fp8_wgrad else layer.weight_gradient
         return y_RD
@@ -215,7 +228,9 @@ class _FP8ExpertsFn(torch.autograd.Function):
         dgrad_fast, wgrad_fast = "grad_input" in ctx.fast, "grad_weight" in ctx.fast
         offsets_E, rows_RD, h13_R2F = ctx.saved_tensors
         dy_RD = dy_RD.to(dtype).contiguous()  # e.g. the expanded gradient of a sum
-        dy_q = quantize_fp8(dy_RD, r.act_block, r.pow2)
+        dy_q = None if ctx.grad_rows is None else ctx.grad_rows.take(dy_RD)
+        if dy_q is None:
+            dy_q = quantize_fp8(dy_RD, r.act_block, r.pow2)
         dh_RF = fp8_grouped_mm(dy_q, ctx.w2_cols, offsets_E, dtype, gemm, dgrad_fast)
         # a weight's gradient is computed where autograd wants it back, or where its sink
         # takes it in a backward that runs the weight's node (not a pipeline's input pass)
@@ -234,7 +249,7 @@ class _FP8ExpertsFn(torch.autograd.Function):
             ctx, wanted, rows_RD, dh13_R2F, h_RF, dy_RD, offsets_E,
             lambda dy, x: _wgrad(r, dy, x, offsets_E, dtype, gemm, wgrad_fast))
         del h_RF  # not alive while the gradients are added
-        return drows, None, *deliver(ctx.params, grads, ctx.routes, wanted), None, None, None
+        return drows, None, *deliver(ctx.params, grads, ctx.routes, wanted), None, None, None, None, None
 
 
 def _wgrad(r: FP8Recipe, dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch.Tensor,
@@ -266,6 +281,9 @@ class FP8GroupedExperts(nn.Module):
         self.recipe_name, self.recipe, self.gemm = recipe, FP8_RECIPES[recipe], gemm
         self.grad_sink: Any = None  # a GradientSink, see the module docstring
         self.weight_gradient: WeightGradientMaker | None = None  # see the module docstring
+        # a rowwise recipe's input rows may come quantized by the dispatcher (module notes)
+        if self.recipe.act_block == (1, 0):
+            setattr(self, INPUT_ROW_ENCODER, RowCodes(self.recipe.pow2))
         self.w13_cache = FP8WeightCache((w1, w3), self.recipe)
         self.w2_cache = FP8WeightCache((w2,), self.recipe)
 
@@ -291,9 +309,18 @@ class FP8GroupedExperts(nn.Module):
         dtype = compute_dtype(rows_RD)
         check_gemm_runs(type(self).__name__, self.gemm, rows_RD, dtype)
         routes = tuple(sink_route(self.grad_sink, w) for w in (self.w1, self.w3, self.w2))
+        # a rowwise recipe's dy may come quantized by whatever computes it (module notes)
+        grad_rows = (RowCodes(self.recipe.pow2)
+                     if self.recipe.act_block == (1, 0) and torch.is_grad_enabled() else None)
+        rows_RD = rows_RD.to(dtype)
+        received = getattr(self, INPUT_ROW_ENCODER, None)
+        rows_q = None if received is None else received.take(rows_RD)
         with torch.autocast(rows_RD.device.type, enabled=False):
-            return _FP8ExpertsFn.apply(rows_RD.to(dtype), group_offsets, self.w1, self.w3,
-                                       self.w2, self, dtype, routes)
+            y_RD = _FP8ExpertsFn.apply(rows_RD, group_offsets, self.w1, self.w3,
+                                       self.w2, self, dtype, routes, grad_rows, rows_q)
+        if grad_rows is not None:
+            setattr(y_RD, GRADIENT_ROW_ENCODER, grad_rows)
+        return y_RD
 
     def extra_repr(self) -> str:
         E, F_, D = self.w1.shape

@@ -17,6 +17,13 @@ on sm_90, and ``torch._scaled_grouped_mm`` for the FP8 weight gradient), ``trito
 package's FP8 grouped GEMM over one group, every recipe), ``emulated`` (dequantize, FP32
 matmul; every device). ``fast_accum`` as ``FP8GroupedExperts``'.
 
+Layers sharing an input (``FP8Linear.shared_input_forward``: attention's q, k and v) add
+their input gradients into one tensor. ``torch._scaled_mm`` cannot add into its output, so
+on ``native`` every input gradient after the first runs on the Triton GEMM, which adds in
+its epilogue (rounded once), wherever the package's Triton kernels run; elsewhere it is
+torch's GEMM and then an add. At bench-1gpu's k and v shapes that GEMM is also the faster
+of the two (docs/performance.md, the dense GEMM table).
+
 Weight gradient into a sink, as ``FP8GroupedExperts``' (``moe_mxfp8.sink``): where
 ``grad_sink`` accepts the weight and the backward runs its ``AccumulateGrad`` node, the
 gradient goes to the sink as an add into its FP32 accumulator and ``weight.grad`` stays
@@ -30,9 +37,9 @@ microbatch against 4.98 for a BF16 gradient that the wrapper then re-reads and a
 ``moe_model.linear``). Unset, the layer computes the gradient and the sink adds it.
 
 Output gradient encoded by its producer: a layer of a rowwise recipe (one scale per row
-of ``dy``) sets an ``OutputGradientRows`` as ``GRADIENT_ROW_ENCODER`` on its output.
-moe_model's fused cross-entropy, given that output as logits, writes ``dy``'s E4M3 codes
-and scales in the pass that writes ``dy`` (``moe_model.loss.GradientRowEncoder``), and the
+of ``dy``) sets an ``RowCodes`` as ``GRADIENT_ROW_ENCODER`` on its output
+(``moe_mxfp8.row_codes``). moe_model's fused cross-entropy, given that output as
+logits, writes ``dy``'s E4M3 codes and scales in the pass that writes ``dy``, and the
 input gradient uses them instead of quantizing ``dy`` again: for an LM head that saves
 reading the ``[8192, 100352]`` BF16 gradient twice per microbatch. They are the codes
 ``quantize_fp8`` gives for that ``dy`` (tests check it bit for bit), and they are used only
@@ -48,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moe_mxfp8 import _triton_support
 from moe_mxfp8.fp8 import FP8Tensor, quantize_fp8
 from moe_mxfp8.fp8_experts import FP8_RECIPES, FP8WeightCache, check_layer_choices
 from moe_mxfp8.fp8_gemm import (
@@ -59,63 +67,8 @@ from moe_mxfp8.fp8_gemm import (
 )
 from moe_mxfp8.gemm import compute_dtype
 from moe_mxfp8.linear import DenseWeightGradientMaker
+from moe_mxfp8.row_codes import GRADIENT_ROW_ENCODER, RowCodes
 from moe_mxfp8.sink import SinkRoute, carry_grad_sink, computes_now, give, hand_over, sink_route
-
-# The attribute of a layer output that a consumer computing its gradient may serve: the
-# name moe_model's fused cross-entropy reads (``moe_model.loss.GRADIENT_ROW_ENCODER``).
-GRADIENT_ROW_ENCODER = "gradient_row_encoder"
-
-
-class OutputGradientRows:
-    """Receives a layer's output gradient with its rowwise E4M3 codes and scales from the
-    kernel that computes that gradient (module notes), for one backward.
-
-    ``row_scale`` / ``row_encode`` are the Triton device functions that kernel calls
-    (``_fp8_kernels``: the scale of a row from its amax, power-of-two where ``pow2``, and
-    the E4M3 encoding), loaded when read, so that building this object needs no Triton.
-    The encoding is ``quantize_blocks``' bit-level one, checked bit for bit on the GPU,
-    not the GPU's conversion instruction: only 3% faster inside moe_model's
-    cross-entropy backward, and compiled into other kernels it wrote wrong bytes in some
-    layouts (``_fp8_kernels``' notes).
-    """
-
-    def __init__(self, pow2: bool) -> None:
-        self.pow2 = pow2
-        self._received: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
-
-    @property
-    def row_scale(self) -> Any:
-        from moe_mxfp8._fp8_kernels import row_scale_fp32, row_scale_pow2
-
-        return row_scale_pow2 if self.pow2 else row_scale_fp32
-
-    @property
-    def row_encode(self) -> Any:
-        from moe_mxfp8._fp8_kernels import encode_e4m3
-
-        return encode_e4m3
-
-    def receive(self, grad: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        """Hold ``grad [R, N]`` with its codes ``[R, N]`` (uint8) and scales ``[R, 1]``;
-        holding ``grad`` also keeps autograd from adding another gradient into it in place.
-        Its version counter is recorded: a change in place after this (a gradient hook that
-        edits its argument) makes the codes stale, and ``take`` refuses them."""
-        self._received = (grad, codes, scales, grad._version)
-
-    def take(self, dy_MN: torch.Tensor) -> FP8Tensor | None:
-        """The rowwise FP8 ``dy_MN`` received, if ``dy_MN`` is the received gradient itself
-        (same memory, dtype and size, contiguous) and unchanged since (its version counter);
-        else ``None``. Forgets it either way."""
-        received, self._received = self._received, None
-        if received is None:
-            return None
-        grad, codes, scales, version = received
-        if (dy_MN.data_ptr() != grad.data_ptr() or dy_MN.dtype != grad.dtype
-                or dy_MN.numel() != grad.numel() or not dy_MN.is_contiguous()
-                or dy_MN._version != version):
-            return None
-        M = dy_MN.shape[0]
-        return FP8Tensor(codes.view(torch.float8_e4m3fn).view(dy_MN.shape), scales.view(M, 1), (1, 0))
 
 
 def _one_group(t: FP8Tensor) -> FP8Tensor:
@@ -147,13 +100,14 @@ class _FP8LinearsFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x_MK: torch.Tensor, layers: tuple[FP8Linear, ...], dtype: torch.dtype,
-                routes: tuple[SinkRoute | None, ...], grad_rows: OutputGradientRows | None,
+                routes: tuple[SinkRoute | None, ...], grad_rows: RowCodes | None,
                 *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
         first = layers[0]
         r, fast = first.recipe, "output" in first.fast_accum
         # the one group's end, which the grouped GEMMs (and FP8 weight gradients) read
         rows = (torch.full((1,), x_MK.shape[0], dtype=torch.int32, device=x_MK.device)
-                if first.gemm != "native" or r.fp8_wgrad else None)
+                if first.gemm != "native" or r.fp8_wgrad
+                or (len(layers) > 1 and _adds_in_triton(first.gemm, x_MK.device)) else None)
         x_q = quantize_fp8(x_MK, r.act_block, r.pow2)
         caches = [layer.weight_cache for layer in layers]
         # the native GEMM's dequant factors: the weights' held by their caches (layers built
@@ -188,11 +142,23 @@ class _FP8LinearsFn(torch.autograd.Function):
                 dy_q = None if ctx.grad_rows is None else ctx.grad_rows.take(dy_MN)
                 if dy_q is None:
                     dy_q = quantize_fp8(dy_MN, r.act_block, r.pow2)
-                w_inv = ctx.w_cols_inv[i]
-                dx = _mm(dy_q, ctx.w_cols[i], rows, first.gemm, dtype, "grad_input" in fast, dx,
+                gemm = _input_gradient_gemm(first.gemm, dx)
+                w_inv = ctx.w_cols_inv[i] if gemm == "native" else None
+                dx = _mm(dy_q, ctx.w_cols[i], rows, gemm, dtype, "grad_input" in fast, dx,
                          None if w_inv is None else (dy_q.scale.reciprocal(), w_inv))
             grads.append(_weight_gradient(ctx, i, x_MK, dy_MN, rows))
         return dx, None, None, None, None, *grads
+
+
+def _adds_in_triton(gemm: str, device: torch.device) -> bool:
+    """Whether the input-gradient GEMMs that add into an earlier one's result leave ``gemm``
+    for the Triton GEMM: ``native`` where the package's kernels run (module notes)."""
+    return gemm == "native" and _triton_support.fused_kernels_enabled(device)
+
+
+def _input_gradient_gemm(gemm: str, dx: torch.Tensor | None) -> str:
+    """The GEMM of an input gradient that adds into ``dx`` (``None``: the first)."""
+    return "triton" if dx is not None and _adds_in_triton(gemm, dx.device) else gemm
 
 
 def _weight_gradient(ctx: Any, i: int, x_MK: torch.Tensor, dy_MN: torch.Tensor,
@@ -226,7 +192,7 @@ def _linears(x: torch.Tensor, layers: tuple[FP8Linear, ...]) -> tuple[torch.Tens
     routes = tuple(sink_route(layer.grad_sink, layer.weight) for layer in layers)
     # one layer of a rowwise recipe whose input gradient will be computed: its dy may come
     # quantized by whatever computes it (module notes)
-    grad_rows = (OutputGradientRows(first.recipe.pow2)
+    grad_rows = (RowCodes(first.recipe.pow2)
                  if len(layers) == 1 and first.recipe.act_block == (1, 0) and torch.is_grad_enabled()
                  and x.requires_grad else None)
     with torch.autocast(x.device.type, enabled=False):

@@ -374,11 +374,22 @@ def ep_capacity(cfg: MoEConfig, tokens: int, ep: int) -> int:
     return min(ep * slots, max(1, math.ceil(cfg.capacity_factor * slots)))
 
 
-def _local_dispatch(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int) -> None:
+def _rowwise_fp8_experts(ex: Execution, layer: int) -> bool:
+    """Whether ``layer``'s experts run an FP8 recipe with one scale per row of ``dy``."""
+    if layer not in ex.mxfp8_expert_layers or ex.mxfp8_recipe == "mxfp8":
+        return False
+    from moe_mxfp8 import FP8_RECIPES
+
+    return FP8_RECIPES[ex.mxfp8_recipe].act_block == (1, 0)
+
+
+def _local_dispatch(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, encoded: bool) -> None:
     """moe_model.LocalDispatcher: index vectors on the handle (ctx); the combine keeps
     rows_out and w. Eager (CPU): ``bmm(w, rows_out[row_of_slot].float())`` with its
     FP32 temporaries both ways. Fused (CUDA): the FP32 sum stays in registers; the
-    backward writes d_rows and the weights' gradient directly."""
+    backward writes d_rows and the weights' gradient directly, and, dropless, for
+    experts of a rowwise FP8 recipe (``encoded``) d_rows' E4M3 codes and scales too
+    (``moe_model.row_encoding``), which the experts' backward then holds as its dy's."""
     T, D, E, b = ex.tokens, cfg.d_model, cfg.n_experts, ex.compute_bytes
     N = T * cfg.top_k
     if cfg.capacity_factor is None:
@@ -398,7 +409,13 @@ def _local_dispatch(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int) -> No
     if ex.kernels == "cuda":
         inv.add("combine.y", b * T * D, "fwd_live", "selective")
         inv.add("combine.d_rows", b * R * D)
-        inv.moment((), {"grad_out", "combine.d_rows", "combine.d_weights"})
+        backward = {"grad_out", "combine.d_rows", "combine.d_weights"}
+        if encoded and cfg.capacity_factor is None:
+            from moe_mxfp8.fp8 import fp8_nbytes
+
+            inv.add("combine.d_rows_q", fp8_nbytes((R, D), (1, 0)))
+            backward.add("combine.d_rows_q")
+        inv.moment((), backward)
         return
     inv.add("combine.gathered", b * N * D, "fwd_live")
     inv.add("combine.gathered32", FP32 * N * D, "fwd_live")
@@ -550,11 +567,12 @@ def _fp8_linear_gemm(M: int, K: int, N: int, ex: Execution, into: bool = False) 
     weight's are held by its cache); Triton,
     the result. ``into``: the result adds to an existing ``[M, N]`` (q, k and v's input
     gradient): the Triton GEMM adds in its epilogue, the others make a result and add it.
-    The GEMM is ``ex.fp8_dense_gemm``."""
+    The GEMM is ``ex.fp8_dense_gemm``; on CUDA an ``into`` GEMM of ``native`` runs on the
+    Triton GEMM (``moe_mxfp8.fp8_linear``)."""
     b = ex.compute_bytes
     if ex.fp8_dense_gemm == "emulated":
         return _emulated_gemm(M, K, N, 1, b, product_rows=M)
-    if ex.fp8_dense_gemm == "native":
+    if ex.fp8_dense_gemm == "native" and not (into and ex.kernels == "cuda"):
         return b * M * N + FP32 * M
     return 0 if into else b * M * N
 
@@ -592,7 +610,10 @@ def _fp8_linears_backward(inv: Inventory, prefix: str, ex: Execution, M: int, K:
 
     recipe = FP8_RECIPES[ex.mxfp8_recipe]
     block = recipe.act_block
-    if ex.fp8_dense_gemm != "native" or recipe.fp8_wgrad:  # the grouped GEMMs read it
+    # the grouped GEMMs read it: every GEMM but native's, and on CUDA the Triton GEMM that
+    # adds the further input gradients into native's (_fp8_linear_gemm)
+    if (ex.fp8_dense_gemm != "native" or recipe.fp8_wgrad
+            or (len(outputs) > 1 and ex.kernels == "cuda")):
         inv.add(f"{prefix}.rows", FP32, "saved")  # the function saves its int32 [1] row count
     inv.add(dx, ex.compute_bytes * M * K)
     for i, (name, N, wgrad) in enumerate(outputs):
@@ -783,7 +804,7 @@ def block_inventory(cfg: MoEConfig, layer: int, ex: Execution) -> Inventory:
             out_saved = _sums_at_destination(cfg, ex)
         else:
             R = local_rows(cfg, T)
-            _local_dispatch(inv, cfg, ex, R)
+            _local_dispatch(inv, cfg, ex, R, _rowwise_fp8_experts(ex, layer))
             out_saved = True
         _experts(inv, cfg, ex, R, layer in ex.mxfp8_expert_layers, out_saved)
     else:
@@ -830,7 +851,7 @@ def _fp8_head(ex: Execution, T: int, D: int, V: int, head_grads: int) -> tuple[i
     end, with the input-gradient GEMM, then with the input gradient and the weight's
     gradient: ``_fp8_linear_wgrad``'s); the head's gradients for the other moments; that
     E4M3 copy where the fused loss (CUDA) writes it beside its gradient (a rowwise recipe:
-    ``moe_model.loss.GradientRowEncoder``), else 0."""
+    ``moe_model.row_encoding.RowEncoder``), else 0."""
     from moe_mxfp8 import FP8_RECIPES
     from moe_mxfp8.fp8 import fp8_nbytes
 
@@ -855,7 +876,7 @@ def head_memory(cfg: MoEConfig, ex: Execution) -> EdgeMemory:
     logits gradient while the logits are alive, then the head's gradients. An FP8Linear
     head of a rowwise recipe: 16 bytes per row, and the loss's backward also writes the
     gradient's E4M3 codes, which live on through the head's backward
-    (``moe_model.loss.GradientRowEncoder``).
+    (``moe_model.row_encoding.RowEncoder``).
 
     A tied head's weight gradient is autograd's BF16 [V, D] (no sink): on a stage that
     also holds the embedding it waits there for the embedding's (``stage_memory``).
