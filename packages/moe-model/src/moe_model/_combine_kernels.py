@@ -152,8 +152,8 @@ class LaunchShape:
 # small blocks exercise the tails.
 _GPU = {
     "gather_sum": LaunchShape(block_d=256, tile=2048, num_warps=4),
-    "backward": LaunchShape(block_d=256, tile=4096, num_warps=4),
-    "backward_codes": LaunchShape(block_d=256, tile=4096, num_warps=4),
+    "backward": LaunchShape(block_d=512, tile=4096, num_warps=8),
+    "backward_codes": LaunchShape(block_d=512, tile=8192, num_warps=4),
 }
 _CPU_BLOCK_T, _CPU_BLOCK_D = 4, 16
 

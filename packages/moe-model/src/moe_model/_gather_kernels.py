@@ -60,7 +60,7 @@ def gather_rows_encoded_kernel(
 
 # tools/sweep_dispatch_kernels.py times the alternatives at bench-1gpu's layer shapes (65,536
 # rows of D 2048). CPU runs are the Triton interpreter (tests), where small blocks exercise the tails.
-GPU_LAUNCH = LaunchShape(block_d=1024, tile=4096, num_warps=8)
+GPU_LAUNCH = LaunchShape(block_d=2048, tile=2048, num_warps=4)
 _CPU_BLOCK_R, _CPU_BLOCK_D = 4, 16
 
 
