@@ -17,9 +17,8 @@ first and kept in the JSON). The ``ep``, ``pp`` and low-precision cases turn
 FP8 cases (``moe_mxfp8.FP8_RECIPES``) run the routed experts on the recipe's native
 grouped GEMMs on CUDA where it has them (``mxfp8.gemm=native``), emulated otherwise;
 ``fp8_step`` is the fastest FP8 step's settings (experts, attention projections and LM
-head on the Triton and native FP8 GEMMs, CUDA graphs as the config has them: a GPU
-only). The
-app's own ``Trainer`` is built and runs ``--steps`` optimizer steps; measured per
+head on the Triton and native FP8 GEMMs, CUDA graphs as the config has them; GPU only).
+The app's own ``Trainer`` is built and runs ``--steps`` optimizer steps; measured per
 rank: ``torch.cuda.max_memory_allocated`` (what the plan's "peak allocated"
 predicts; the target is within 10%), ``max_memory_reserved`` (peak allocated plus
 fragmentation) and the device's used memory from ``cudaMemGetInfo`` (adds the CUDA

@@ -9,17 +9,17 @@ moe_model kernels: the gather that also writes the rows' rowwise E4M3 codes
 sum (``gather_sum``: the combine's forward and the gather's backward), and the combine's
 backward without and with the codes of the rows' gradient (``backward``,
 ``backward_codes``). The codes use ``moe_mxfp8.row_codes.RowCodes`` with power-of-two
-scales (the ``fp8_rowwise_gw_hp`` recipe's). Every run is checked: rows
-bit for bit against the default shape's, codes bit for bit against ``quantize_fp8`` of
-the rows the run wrote, and the routing weights' gradient (FP32 dot products whose
-summation order follows the shape) within the FP32 summation bound of an FP64 reference
-(``dw/bound`` at most 1). TB/s counts the bytes that must move (rows read and written, the token-side tensor
-read once, codes and scales written); the device copy of the ``[R, D]`` rows, measured in
-the same run, is the ceiling. The baselines, also measured: the gather the dispatcher
-runs without codes (``index_select``), and the passes the codes replace: that gather or
-the combine's backward, each then ``quantize_fp8``. The
-defaults (``_combine_kernels.default_launch``, ``_gather_kernels.GPU_LAUNCH``) are marked; a
-short table is printed and ``--out`` gets the JSON.
+scales (the ``fp8_rowwise_gw_hp`` recipe's). Every run is checked: rows bit for bit
+against the default shape's, codes bit for bit against ``quantize_fp8`` of the rows the
+run wrote, and the routing weights' gradient (FP32 dot products whose summation order
+follows the shape) within the FP32 summation bound of an FP64 reference (``dw/bound`` at
+most 1). TB/s counts the bytes that must move (rows read and written, the token-side
+tensor read once, codes and scales written); the device copy of the ``[R, D]`` rows,
+measured in the same run, is the ceiling. The baselines, also measured: the gather the
+dispatcher runs without codes (``index_select``), and the passes the codes replace: that
+gather or the combine's backward, each then ``quantize_fp8``. The defaults
+(``_combine_kernels.default_launch``, ``_gather_kernels.GPU_LAUNCH``) are marked; a short
+table is printed and ``--out`` gets the JSON.
 """
 
 from __future__ import annotations
@@ -104,10 +104,10 @@ def main() -> None:
     # order meets it, a wrong or missing term does not.
     reference = {kind: run(None) for kind, run in runs.items()}
     expected_rows = x.index_select(0, token_of_row)
-    slot_rows = rows_out.index_select(0, row_of_slot).double().view(T, k, D)
-    dw_exact = (slot_rows * dy.double()[:, None, :]).sum(-1)
-    dw_bound = (D - 1) * 2.0 ** -24 * (slot_rows * dy.double()[:, None, :]).abs().sum(-1)
-    del slot_rows
+    products = rows_out.index_select(0, row_of_slot).double().view(T, k, D) * dy.double()[:, None, :]
+    dw_exact = products.sum(-1)
+    dw_bound = (D - 1) * 2.0 ** -24 * products.abs().sum(-1)
+    del products
 
     def check(kind: str, out: tuple) -> dict[str, bool | float]:
         """``exact``: rows (and codes) bit for bit; ``dw_err``: the weights' gradient's
