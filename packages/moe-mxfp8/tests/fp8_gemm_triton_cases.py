@@ -68,6 +68,14 @@ def cases():
 
     yield "gemm/blockwise/k_step32", wide_k_step
 
+    def wide_tile():  # an n-tile wider than a weight block: a scale per column, not per tile
+        a, b = operands("blockwise", 200, 272, seed=5)  # N 272: three weight blocks, the last cut
+        ref = fp8_grouped_mm(a, b, offsets, torch.float32, "emulated", False)[:end]
+        cfg = FP8TileConfig(16, 256, 32, 1, 1, 1, False)
+        return far(triton_grouped_mm(a, b, offsets, torch.float32, False, cfg)[:end], ref)
+
+    yield "gemm/blockwise/wide_tile", wide_tile
+
     def accumulate():  # y += a @ b^T in the epilogue: FP32 and BF16 results, padding rows kept
         a, b = operands("rowwise", 200, 144, seed=2)
         ref = fp8_grouped_mm(a, b, offsets, torch.float32, "emulated", False)

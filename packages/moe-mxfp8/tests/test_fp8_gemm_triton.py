@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 CASES_FILE = Path(__file__).with_name("fp8_gemm_triton_cases.py")
 CASES = ([f"gemm/{kind}/{shape}/fast={fast}" for kind in ("rowwise", "blockwise")
           for shape in ("K200xN144", "K160xN128") for fast in (False, True)]
-         + ["gemm/blockwise/k_step32", "gemm/rowwise/accumulate", "gemm/tma_store"]
+         + ["gemm/blockwise/k_step32", "gemm/blockwise/wide_tile", "gemm/rowwise/accumulate", "gemm/tma_store"]
          + [f"{kind}/{r}" for kind in ("layer", "linear", "shared")
             for r in ("fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise")])
 

@@ -71,7 +71,9 @@ def fp8_rows_kernel(
     ``a`` and of ``b`` viewed ``[E * N, K]``, and ``K % BK == 0``). Scales: rowwise, ``sa
     [R]`` and ``sb [E, N]`` applied to the finished FP32 tile; ``BLOCKWISE``, ``sa [R,
     K/128]`` (1x128 tiles) and ``sb [E, N/128, K/128]`` (128x128 blocks) applied to each
-    K step's product before it joins the FP32 sum (``BK`` divides 128). The product of a
+    K step's product before it joins the FP32 sum (``BK`` divides 128); where ``BN``
+    divides 128 a tile's columns share one weight block, whose scale is loaded once per
+    step and folded into the rows' (the same products, one multiply per element). The product of a
     K step accumulates in the tensor cores; ``FAST`` (rowwise only) carries the running
     sum there too, otherwise every step's product is added in FP32 registers, the
     promotion every ``BK`` elements that DeepSeek-V3's recipe prescribes.
@@ -127,8 +129,12 @@ def fp8_rows_kernel(
                 w = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
         if BLOCKWISE:
             sa = tl.load(a_scale_ptr + rows.to(tl.int64) * stride_asr + k0 // 128)
-            sb = tl.load(b_scale_ptr + g.to(tl.int64) * stride_bse + (cols // 128) * stride_bsn + k0 // 128)
-            acc += tl.dot(x, w) * ((1.0 / sa)[:, None] * (1.0 / sb)[None, :])
+            if 128 % BN == 0:  # the tile's columns lie in one weight block: one scale
+                sb = tl.load(b_scale_ptr + g.to(tl.int64) * stride_bse + (col0 // 128) * stride_bsn + k0 // 128)
+                acc += tl.dot(x, w) * ((1.0 / sa) * (1.0 / sb))[:, None]
+            else:
+                sb = tl.load(b_scale_ptr + g.to(tl.int64) * stride_bse + (cols // 128) * stride_bsn + k0 // 128)
+                acc += tl.dot(x, w) * ((1.0 / sa)[:, None] * (1.0 / sb)[None, :])
         elif FAST:
             acc = tl.dot(x, w, acc)
         else:
