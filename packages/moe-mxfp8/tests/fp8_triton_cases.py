@@ -21,6 +21,7 @@ from moe_mxfp8 import (  # noqa: E402
     quantize_fp8,
     quantize_fp8_reference,
     quantize_group_columns,
+    quantize_weight_blocks,
     quantize_weight_rowwise,
     swiglu,
     swiglu_backward,
@@ -150,6 +151,38 @@ def cases():
             return total
 
         yield f"weight_rowwise/{dname}", weight_rowwise
+
+        def weight_blocks(dtype=dtype):
+            """Both 128x128-block copies, written in one pass per part, against quantizing the
+            concatenation and its transpose: gate and up of whole blocks (one launch each),
+            parts that end inside a block (concatenated first), cut blocks along both axes;
+            whole blocks in two passes of row chunks (the GPU's launch shape), in registers,
+            and two per program; into given copies."""
+            from moe_mxfp8 import _fp8_kernels as k
+
+            total = 0
+            saved = k._TILES["blocks"]
+            cases = [((2, 128, 160), (2, 128, 160)), ((2, 100, 144), (2, 60, 144)), ((200, 136),)]
+            try:
+                for tile in (saved, k.BlockTile(128 * 128, 2), k.BlockTile(128 * 128, 2, 2)):
+                    k._TILES["blocks"] = tile
+                    for i, shapes in enumerate(cases):
+                        parts = [sample(shape, dtype, seed=40 + i + j) for j, shape in enumerate(shapes)]
+                        weight = torch.cat(parts, dim=-2)
+                        for pow2 in (True, False):
+                            want = (quantize_fp8_reference(weight, (128, 128), pow2),
+                                    quantize_fp8_reference(weight.mT.contiguous(), (128, 128), pow2))
+                            fresh = quantize_weight_blocks(parts, pow2, backend="triton")
+                            into = quantize_weight_blocks(parts, not pow2, backend="triton")
+                            got = quantize_weight_blocks(parts, pow2, out=into, backend="triton")
+                            total += int(not (got[0] is into[0] and got[1] is into[1]))
+                            for g, w in [*zip(fresh, want, strict=True), *zip(got, want, strict=True)]:
+                                total += mismatches(g.data, w.data) + mismatches(g.scale, w.scale)
+            finally:
+                k._TILES["blocks"] = saved
+            return total
+
+        yield f"weight_blocks/{dname}", weight_blocks
     for dname, dtype in DTYPES.items():
         def codec_encode(dtype=dtype):
             total = 0

@@ -7,7 +7,9 @@ from moe_mxfp8 import (
     FP8Tensor,
     dequantize_fp8,
     quantize_fp8,
+    quantize_fp8_reference,
     quantize_group_columns,
+    quantize_weight_blocks,
     quantize_weight_rowwise,
 )
 
@@ -92,6 +94,30 @@ def test_weight_rowwise_copies_match_torchao_along_both_axes_of_gate_and_up(pow2
     assert got[0] is into[0] and got[1] is into[1]
     for g, want in zip(got, (rows, cols), strict=True):
         assert mismatches(g.data, want.data) == 0 and mismatches(g.scale, want.scale) == 0
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_weight_block_copies_are_the_blocks_of_the_weight_and_its_transpose(pow2):
+    """128x128 blocks of gate and up as one weight (a block spans both parts) and of its
+    transpose, cut blocks along both axes; written into given copies."""
+    w = adversarial(2 * 150, 140, torch.bfloat16, seed=3).view(2, 150, 140)
+    gate, up = w[:, :90], w[:, 90:]
+    rows, cols = quantize_weight_blocks([gate, up], pow2, backend="reference")
+    assert rows.block == cols.block == (128, 128) and cols.data.shape == (2, 140, 150)
+    assert cols.scale.shape == (2, 2, 2)
+    for got, src in ((rows, w), (cols, w.mT.contiguous())):
+        want = quantize_fp8_reference(src, (128, 128), pow2)
+        assert mismatches(got.data, want.data) == 0 and mismatches(got.scale, want.scale) == 0
+    # a square block of the transpose holds the block's elements: codes and scales transposed
+    assert torch.equal(cols.data.view(torch.uint8), rows.data.view(torch.uint8).mT)
+    assert torch.equal(cols.scale.view(torch.int32), rows.scale.mT.view(torch.int32))  # NaN blocks too
+    into = quantize_weight_blocks([w], not pow2, backend="reference")
+    got = quantize_weight_blocks([w], pow2, out=into, backend="reference")
+    assert got[0] is into[0] and got[1] is into[1]
+    for g, want in zip(got, (rows, cols), strict=True):
+        assert mismatches(g.data, want.data) == 0 and mismatches(g.scale, want.scale) == 0
+    with pytest.raises(ValueError, match="out rows"):
+        quantize_weight_blocks([w], out=quantize_weight_rowwise([w], backend="reference"))
 
 
 def test_weight_rowwise_bad_input_names_the_argument():

@@ -114,6 +114,24 @@ def test_weight_rowwise_copies_bit_exact_at_real_sizes(pow2):
                 assert mismatches(g.data, w.data) == 0 and mismatches(g.scale, w.scale) == 0, shapes
 
 
+@pytest.mark.parametrize("pow2", [True, False])
+def test_weight_block_copies_bit_exact_at_real_sizes(pow2):
+    """128x128-block copies written in one pass per part: gate and up of 64 experts, one
+    down weight, parts that end inside a block, into given copies."""
+    from moe_mxfp8 import quantize_weight_blocks
+
+    for i, shapes in enumerate((((64, 1024, 2048), (64, 1024, 2048)), ((64, 2048, 1024),),
+                                ((8, 333, 520), (8, 77, 520)))):
+        parts = [sample(shape, torch.bfloat16, seed=i + j) for j, shape in enumerate(shapes)]
+        weight = torch.cat(parts, dim=-2)
+        want = (quantize_fp8(weight, (128, 128), pow2, backend="reference"),
+                quantize_fp8(weight.mT.contiguous(), (128, 128), pow2, backend="reference"))
+        into = quantize_weight_blocks(parts, not pow2)
+        for got in (quantize_weight_blocks(parts, pow2), quantize_weight_blocks(parts, pow2, out=into)):
+            for g, w in zip(got, want, strict=True):
+                assert mismatches(g.data, w.data) == 0 and mismatches(g.scale, w.scale) == 0, shapes
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_swiglu_quantization_equals_the_unfused_kernels(dtype):
     from moe_mxfp8.swiglu import (

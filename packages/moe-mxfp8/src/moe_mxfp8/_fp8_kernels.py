@@ -80,10 +80,14 @@ def _encode(abs_bits, sign, scale):
 @triton.jit
 def _quantize_blocks_kernel(
     x_ptr, sx_b, sx_m, d_ptr, sd_b, sd_m, s_ptr, ss_b, ss_m, M, N, n_scales,
+    dt_ptr, sdt_b, sdt_m, st_ptr, sst_b, sst_m,
     ROWS: tl.constexpr, BN: tl.constexpr, GROUPS: tl.constexpr, SQUARE: tl.constexpr,
     CHUNK: tl.constexpr, POW2: tl.constexpr, IN_BF16: tl.constexpr, EPS_BITS: tl.constexpr,
-    SCALE_AT_EPS: tl.constexpr,
+    SCALE_AT_EPS: tl.constexpr, TRANSPOSE: tl.constexpr,
 ):
+    """``TRANSPOSE`` (square blocks): also store the codes transposed, ``[N, M]`` at
+    ``dt_ptr``, and the scales transposed at ``st_ptr`` (a square block of the transpose
+    holds the same elements, so these are its codes and scales bit for bit)."""
     pid_m, pid_n, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     if not SQUARE and CHUNK > 0:
         _quantize_rows_in_chunks(x_ptr + b * sx_b, sx_m, d_ptr + b * sd_b, sd_m, s_ptr + b * ss_b,
@@ -93,7 +97,9 @@ def _quantize_blocks_kernel(
     if SQUARE and CHUNK > 0:
         _quantize_square_in_chunks(x_ptr + b * sx_b, sx_m, d_ptr + b * sd_b, sd_m,
                                    s_ptr + b * ss_b + pid_m * ss_m, pid_m, pid_n, M, N, n_scales,
-                                   ROWS, BN, GROUPS, CHUNK, POW2, IN_BF16, EPS_BITS, SCALE_AT_EPS)
+                                   dt_ptr + b * sdt_b, sdt_m, st_ptr + b * sst_b + pid_m, sst_m,
+                                   ROWS, BN, GROUPS, CHUNK, POW2, IN_BF16, EPS_BITS, SCALE_AT_EPS,
+                                   TRANSPOSE)
         return
     rows = (pid_m * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
     cols = (pid_n * GROUPS * BN + tl.arange(0, GROUPS * BN))[None, :]
@@ -106,10 +112,14 @@ def _quantize_blocks_kernel(
         scale = _scale(amax, POW2, EPS_BITS, SCALE_AT_EPS)  # [ROWS or 1, GROUPS]
         spread = tl.reshape(tl.broadcast_to(scale[:, :, None], (ROWS, GROUPS, BN)),
                             (ROWS, GROUPS * BN))
-        tl.store(d_ptr + b * sd_b + rows * sd_m + cols, _encode(abs_bits, sign, spread), mask=mask)
+        codes = _encode(abs_bits, sign, spread)
+        tl.store(d_ptr + b * sd_b + rows * sd_m + cols, codes, mask=mask)
         groups = (pid_n * GROUPS + tl.arange(0, GROUPS))[None, :]
         if SQUARE:
             tl.store(s_ptr + b * ss_b + pid_m * ss_m + groups, scale, mask=groups < n_scales)
+            if TRANSPOSE:
+                _store_transposed(dt_ptr + b * sdt_b, sdt_m, codes, rows, cols, mask)
+                tl.store(st_ptr + b * sst_b + groups * sst_m + pid_m, scale, mask=groups < n_scales)
         else:
             tl.store(s_ptr + b * ss_b + rows * ss_m + groups, scale,
                      mask=(rows < M) & (groups < n_scales))
@@ -119,9 +129,13 @@ def _quantize_blocks_kernel(
     else:
         amax = tl.max(abs_bits, axis=1, keep_dims=True)
     scale = _scale(amax, POW2, EPS_BITS, SCALE_AT_EPS)
-    tl.store(d_ptr + b * sd_b + rows * sd_m + cols, _encode(abs_bits, sign, scale), mask=mask)
+    codes = _encode(abs_bits, sign, scale)
+    tl.store(d_ptr + b * sd_b + rows * sd_m + cols, codes, mask=mask)
     if SQUARE:
         tl.store(s_ptr + b * ss_b + pid_m * ss_m + pid_n + tl.zeros([1, 1], tl.int32), scale)
+        if TRANSPOSE:
+            _store_transposed(dt_ptr + b * sdt_b, sdt_m, codes, rows, cols, mask)
+            tl.store(st_ptr + b * sst_b + pid_n * sst_m + pid_m + tl.zeros([1, 1], tl.int32), scale)
     else:
         tl.store(s_ptr + b * ss_b + rows * ss_m + pid_n, scale, mask=rows < M)
 
@@ -151,12 +165,14 @@ def _quantize_rows_in_chunks(x_ptr, sx_m, d_ptr, sd_m, s_ptr, ss_m, pid_m, M, N,
 
 @triton.jit
 def _quantize_square_in_chunks(x_ptr, sx_m, d_ptr, sd_m, s_ptr, pid_m, pid_n, M, N, n_scales,
+                               dt_ptr, sdt_m, st_ptr, sst_m,
                                ROWS: tl.constexpr, BN: tl.constexpr, GROUPS: tl.constexpr,
                                CHUNK: tl.constexpr, POW2: tl.constexpr, IN_BF16: tl.constexpr,
-                               EPS_BITS: tl.constexpr, SCALE_AT_EPS: tl.constexpr):
+                               EPS_BITS: tl.constexpr, SCALE_AT_EPS: tl.constexpr,
+                               TRANSPOSE: tl.constexpr):
     """``GROUPS`` square blocks side by side, ``CHUNK`` rows at a time: their amax over
     every chunk, then each chunk read again, encoded and stored; ``s_ptr`` points at the
-    blocks' row of scales."""
+    blocks' row of scales (``st_ptr`` at their column of the transposed scales)."""
     cols = (pid_n * GROUPS * BN + tl.arange(0, GROUPS * BN))[None, :]
     running = tl.zeros([CHUNK, GROUPS * BN], tl.uint32)  # reduced once, after the loop
     for r0 in range(0, ROWS, CHUNK):
@@ -171,9 +187,22 @@ def _quantize_square_in_chunks(x_ptr, sx_m, d_ptr, sd_m, s_ptr, pid_m, pid_n, M,
         rows = (pid_m * ROWS + r0 + tl.arange(0, CHUNK)).to(tl.int64)[:, None]
         mask = (rows < M) & (cols < N)
         abs_bits, sign = _load_abs_sign(x_ptr + rows * sx_m + cols, mask, IN_BF16)
-        tl.store(d_ptr + rows * sd_m + cols, _encode(abs_bits, sign, spread), mask=mask)
+        codes = _encode(abs_bits, sign, spread)
+        tl.store(d_ptr + rows * sd_m + cols, codes, mask=mask)
+        if TRANSPOSE:
+            _store_transposed(dt_ptr, sdt_m, codes, rows, cols, mask)
     groups = pid_n * GROUPS + tl.arange(0, GROUPS)
     tl.store(s_ptr + groups, scale, mask=groups < n_scales)
+    if TRANSPOSE:
+        tl.store(st_ptr + groups * sst_m, scale, mask=groups < n_scales)
+
+
+@triton.jit
+def _store_transposed(dt_ptr, sdt_m, codes, rows, cols, mask):
+    """Store ``codes`` (at ``rows [R, 1]`` and ``cols [1, C]`` of the source) at the swapped
+    coordinates of the ``[N, M]`` transpose, rows of the transpose contiguous."""
+    tl.store(dt_ptr + tl.trans(cols).to(tl.int64) * sdt_m + tl.trans(rows), tl.trans(codes),
+             mask=tl.trans(mask))
 
 
 @triton.jit
@@ -389,16 +418,21 @@ def _block_kind(block: tuple[int, int]) -> str:
 
 
 def quantize_blocks(x: torch.Tensor, block: tuple[int, int], pow2: bool,
-                    out: tuple[torch.Tensor, torch.Tensor] | None = None
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    out_t: tuple[torch.Tensor, torch.Tensor] | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., M, N]`` -> (E4M3 data, FP32 scales ``[..., ceil(M/bm), ceil(N/bn)]``);
     ``out``: write into these (views of those shapes whose leading dims merge, e.g. rows
-    of a larger copy) and return them."""
+    of a larger copy) and return them. ``out_t`` (square blocks only): also write the
+    transposes, data ``[..., N, M]`` and scales ``[..., ceil(N/bn), ceil(M/bm)]`` (views as
+    ``out``'s), in the same pass: the codes and scales of ``x.mT``, bit for bit."""
     bm, bn = block
     x = x.contiguous()
     M, N = x.shape[-2:]
     B = math.prod(x.shape[:-2])
     n_cols = -(-N // bn) if bn else 1
+    if out_t is not None and bm == 1:
+        raise ValueError(f"quantize_blocks: out_t needs square blocks, got {block}")
     if out is None:
         data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
         scale = torch.empty(*x.shape[:-2], -(-M // bm), n_cols, dtype=torch.float32, device=x.device)
@@ -416,12 +450,15 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], pow2: bool,
         width, rows, chunk = tile.elements, 1, tile.elements
     # views: a reshape that copied would drop the writes into ``out``
     x3, d3, s3 = (t.view(B, t.shape[-2], t.shape[-1]) for t in (_bits_view(x), data, scale))
+    dt3, st3 = (d3, s3) if out_t is None else (
+        t.view(B, t.shape[-2], t.shape[-1]) for t in (out_t[0].view(torch.uint8), out_t[1]))
     grid = (triton.cdiv(M, rows), triton.cdiv(n_cols, groups), B)
     _quantize_blocks_kernel[grid](
         x3, x3.stride(0), x3.stride(1), d3, d3.stride(0), d3.stride(1),
         s3, s3.stride(0), s3.stride(1), M, N, n_cols,
+        dt3, dt3.stride(0), dt3.stride(1), st3, st3.stride(0), st3.stride(1),
         ROWS=rows, BN=width, GROUPS=groups, SQUARE=bm > 1, CHUNK=chunk, POW2=pow2,
-        IN_BF16=x.dtype == torch.bfloat16,
+        IN_BF16=x.dtype == torch.bfloat16, TRANSPOSE=out_t is not None,
         num_warps=tile.warps, enable_fp_fusion=False, **_CONSTS,
     )
     return data.view(torch.float8_e4m3fn), scale

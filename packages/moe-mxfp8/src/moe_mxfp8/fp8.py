@@ -214,35 +214,9 @@ def quantize_weight_rowwise(parts: list[torch.Tensor] | tuple[torch.Tensor, ...]
     the columns kernel reads the parts where they lie (weights with few column strips,
     such as one LM head, take the transposed copy: ``_fp8_kernels.quantize_weight_cols_t``).
     """
-    parts = list(parts)
-    if len(parts) not in (1, 2):
-        raise ValueError(f"parts: one or two tensors, got {len(parts)}")
-    for t in parts:
-        _check_input(t)
-    a = parts[0]
-    if any(t.dtype != a.dtype or t.device != a.device or t.shape[:-2] != a.shape[:-2]
-           or t.shape[-1] != a.shape[-1] for t in parts):
-        raise ValueError("parts: one dtype and device, and shapes [..., M_i, K] that differ only "
-                         f"in M_i, got {[(tuple(t.shape), t.dtype) for t in parts]}")
-    lead, K = list(a.shape[:-2]), a.shape[-1]
-    M = sum(t.shape[-2] for t in parts)
-    if out is None:
-        out = tuple(FP8Tensor(torch.empty(*lead, m, n, dtype=torch.float8_e4m3fn, device=a.device),
-                              torch.empty(*lead, m, 1, dtype=torch.float32, device=a.device), (1, 0))
-                    for m, n in ((M, K), (K, M)))
-    for name, t, (m, n) in zip(("rows", "cols"), out, ((M, K), (K, M)), strict=True):
-        want = ((*lead, m, n), (*lead, m, 1), torch.float8_e4m3fn, a.device)
-        if (tuple(t.data.shape), tuple(t.scale.shape), t.data.dtype, t.data.device) != want:
-            raise ValueError(f"out {name}: expected E4M3 {want[0]} and FP32 scale {want[1]} on "
-                             f"{a.device}, got {t.data.dtype} {tuple(t.data.shape)} and "
-                             f"{tuple(t.scale.shape)} on {t.data.device}")
-    rows, cols = out
-    if not resolve_backend(backend, a.device):
-        weight = cat_parts(parts)
-        for dst, src in ((rows, weight), (cols, weight.mT)):
-            ref = quantize_fp8_reference(src, (1, 0), pow2)
-            dst.data.copy_(ref.data)
-            dst.scale.copy_(ref.scale)
+    parts, (rows, cols) = _weight_copies(parts, (1, 0), out)
+    if not resolve_backend(backend, parts[0].device):
+        _reference_weight_copies(parts, (1, 0), pow2, rows, cols)
         return rows, cols
     from moe_mxfp8._fp8_kernels import quantize_blocks, quantize_weight_cols_t
 
@@ -255,6 +229,82 @@ def quantize_weight_rowwise(parts: list[torch.Tensor] | tuple[torch.Tensor, ...]
     if not quantize_weight_cols_t(parts, cols.data, cols.scale, pow2):
         quantize_blocks(cat_parts(parts).mT, (1, 0), pow2, out=(cols.data, cols.scale))
     return rows, cols
+
+
+def quantize_weight_blocks(parts: list[torch.Tensor] | tuple[torch.Tensor, ...], pow2: bool = False,
+                           out: tuple[FP8Tensor, FP8Tensor] | None = None,
+                           backend: Backend = "auto") -> tuple[FP8Tensor, FP8Tensor]:
+    """Both 128x128-block copies of the weight ``w = cat(parts, dim=-2) [..., M, K]``:
+    ``rows`` (``w``'s blocks) and ``cols`` (``w`` transposed to ``[..., K, M]``,
+    contiguous), bit for bit ``quantize_fp8(w, (128, 128))`` and
+    ``quantize_fp8(w.mT.contiguous(), (128, 128))``: a square block of the transpose holds
+    the same elements, so its codes and scale are the transposes of the block's.
+
+    ``parts`` and ``out`` as :func:`quantize_weight_rowwise`'s. On the Triton path one pass
+    per part reads it once and writes both copies (codes and scales transposed in the
+    same kernel); parts are concatenated first only where one ends inside a block (rows
+    not a multiple of 128 before the last part).
+    """
+    parts, (rows, cols) = _weight_copies(parts, (128, 128), out)
+    if not resolve_backend(backend, parts[0].device):
+        _reference_weight_copies(parts, (128, 128), pow2, rows, cols)
+        return rows, cols
+    from moe_mxfp8._fp8_kernels import quantize_blocks
+
+    if any(t.shape[-2] % 128 for t in parts[:-1]):
+        parts = [cat_parts(parts)]
+    start = 0
+    for t in parts:
+        m, b0, b1 = t.shape[-2], start // 128, -(-(start + t.shape[-2]) // 128)
+        quantize_blocks(t, (128, 128), pow2,
+                        out=(rows.data[..., start:start + m, :], rows.scale[..., b0:b1, :]),
+                        out_t=(cols.data[..., start:start + m], cols.scale[..., b0:b1]))
+        start += m
+    return rows, cols
+
+
+def _weight_copies(parts: list[torch.Tensor] | tuple[torch.Tensor, ...], block: tuple[int, int],
+                   out: tuple[FP8Tensor, FP8Tensor] | None
+                   ) -> tuple[list[torch.Tensor], tuple[FP8Tensor, FP8Tensor]]:
+    """The checked parts of a weight ``cat(parts, dim=-2) [..., M, K]`` and its two copies
+    (``out``, checked, or new): ``[..., M, K]`` and ``[..., K, M]`` E4M3 with ``block``'s
+    scales (rowwise: one per row)."""
+    parts = list(parts)
+    if len(parts) not in (1, 2):
+        raise ValueError(f"parts: one or two tensors, got {len(parts)}")
+    for t in parts:
+        _check_input(t)
+    a = parts[0]
+    if any(t.dtype != a.dtype or t.device != a.device or t.shape[:-2] != a.shape[:-2]
+           or t.shape[-1] != a.shape[-1] for t in parts):
+        raise ValueError("parts: one dtype and device, and shapes [..., M_i, K] that differ only "
+                         f"in M_i, got {[(tuple(t.shape), t.dtype) for t in parts]}")
+    lead, K = list(a.shape[:-2]), a.shape[-1]
+    M = sum(t.shape[-2] for t in parts)
+
+    def scale_shape(m: int, n: int) -> tuple[int, ...]:
+        return (*lead, m, 1) if block == (1, 0) else (*lead, -(-m // block[0]), -(-n // block[1]))
+
+    if out is None:
+        out = tuple(FP8Tensor(torch.empty(*lead, m, n, dtype=torch.float8_e4m3fn, device=a.device),
+                              torch.empty(scale_shape(m, n), dtype=torch.float32, device=a.device), block)
+                    for m, n in ((M, K), (K, M)))
+    for name, t, (m, n) in zip(("rows", "cols"), out, ((M, K), (K, M)), strict=True):
+        want = ((*lead, m, n), scale_shape(m, n), torch.float8_e4m3fn, a.device)
+        if (tuple(t.data.shape), tuple(t.scale.shape), t.data.dtype, t.data.device) != want:
+            raise ValueError(f"out {name}: expected E4M3 {want[0]} and FP32 scale {want[1]} on "
+                             f"{a.device}, got {t.data.dtype} {tuple(t.data.shape)} and "
+                             f"{tuple(t.scale.shape)} on {t.data.device}")
+    return parts, out
+
+
+def _reference_weight_copies(parts: list[torch.Tensor], block: tuple[int, int], pow2: bool,
+                             rows: FP8Tensor, cols: FP8Tensor) -> None:
+    weight = cat_parts(parts)
+    for dst, src in ((rows, weight), (cols, weight.mT)):
+        ref = quantize_fp8_reference(src, block, pow2)
+        dst.data.copy_(ref.data)
+        dst.scale.copy_(ref.scale)
 
 
 def padded_group_ends(offsets: torch.Tensor, align: int = GROUP_ALIGN) -> torch.Tensor:

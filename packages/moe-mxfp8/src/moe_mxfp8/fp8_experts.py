@@ -85,7 +85,7 @@ from moe_mxfp8.experts import (
     expert_weight_gradients,
     expert_weights,
 )
-from moe_mxfp8.fp8 import FP8Tensor, cat_parts, quantize_fp8, quantize_weight_rowwise
+from moe_mxfp8.fp8 import FP8Tensor, quantize_fp8, quantize_weight_blocks, quantize_weight_rowwise
 from moe_mxfp8.fp8_gemm import (
     FAST_ACCUM_DEFAULT,
     FP8_GEMM_ROLES,
@@ -189,15 +189,7 @@ class FP8WeightCache(WeightCache):
         r = self.recipe
         if r.weight_block == (1, 0):  # rowwise: the transpose scales other lines
             return quantize_weight_rowwise(parts, r.pow2, out=into)
-        rows = quantize_fp8(cat_parts(parts), r.weight_block, r.pow2)
-        # Square blocks: the transpose's blocks hold the same elements, so its codes and
-        # scales are the transposes of these, bit for bit: a byte transpose instead of a
-        # BF16 transpose and a second quantisation.
-        # (clones, not ``contiguous()``: a transpose with a unit dim is contiguous already and
-        # would share the first copy's storage)
-        data = rows.data.view(torch.uint8).transpose(-2, -1).clone(memory_format=torch.contiguous_format)
-        scale = rows.scale.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
-        return rows, FP8Tensor(data.view(rows.data.dtype), scale, rows.block)
+        return quantize_weight_blocks(parts, r.pow2, out=into)
 
 
 class _FP8ExpertsFn(torch.autograd.Function):
