@@ -119,12 +119,27 @@ def cases():
         return total
 
     yield "wide_rows", wide_rows
+    def weight_copies(quantize, block, parts):
+        """Mismatches of ``quantize``'s two copies of ``cat(parts)`` (fresh, and written into
+        given copies) against quantizing the concatenation and its transpose."""
+        total = 0
+        weight = torch.cat(parts, dim=-2)
+        for pow2 in (True, False):
+            want = (quantize_fp8_reference(weight, block, pow2),
+                    quantize_fp8_reference(weight.mT.contiguous(), block, pow2))
+            fresh = quantize(parts, pow2, backend="triton")
+            into = quantize(parts, not pow2, backend="triton")
+            got = quantize(parts, pow2, out=into, backend="triton")
+            total += int(not (got[0] is into[0] and got[1] is into[1]))
+            for g, w in [*zip(fresh, want, strict=True), *zip(got, want, strict=True)]:
+                total += mismatches(g.data, w.data) + mismatches(g.scale, w.scale)
+        return total
+
     for dname, dtype in DTYPES.items():
         def weight_rowwise(dtype=dtype):
-            """Both copies of one weight or of gate and up, against quantizing their
-            concatenation and its transpose: the column kernel with word stores (M a multiple
-            of 4) and byte stores, tiles cut by the rows and both walking orders, the
-            transposed-copy fallback (too few column strips), and into given copies."""
+            """Both copies of one weight or of gate and up: the column kernel with word stores
+            (M a multiple of 4) and byte stores, tiles cut by the rows and both walking orders,
+            the transposed-copy fallback (too few column strips)."""
             from moe_mxfp8 import _fp8_kernels as k
 
             total = 0
@@ -136,16 +151,7 @@ def cases():
                     k._TILES["group_columns"], k.WEIGHT_COLUMNS_MIN_PROGRAMS = tile, min_programs
                     for i, shapes in enumerate(cases):
                         parts = [sample(shape, dtype, seed=20 + i + j) for j, shape in enumerate(shapes)]
-                        weight = torch.cat(parts, dim=-2)
-                        for pow2 in (True, False):
-                            want = (quantize_fp8_reference(weight, (1, 0), pow2),
-                                    quantize_fp8_reference(weight.mT.contiguous(), (1, 0), pow2))
-                            fresh = quantize_weight_rowwise(parts, pow2, backend="triton")
-                            into = quantize_weight_rowwise(parts, not pow2, backend="triton")
-                            got = quantize_weight_rowwise(parts, pow2, out=into, backend="triton")
-                            total += int(not (got[0] is into[0] and got[1] is into[1]))
-                            for g, w in [*zip(fresh, want, strict=True), *zip(got, want, strict=True)]:
-                                total += mismatches(g.data, w.data) + mismatches(g.scale, w.scale)
+                        total += weight_copies(quantize_weight_rowwise, (1, 0), parts)
             finally:
                 k._TILES["group_columns"], k.WEIGHT_COLUMNS_MIN_PROGRAMS = saved
             return total
@@ -153,11 +159,10 @@ def cases():
         yield f"weight_rowwise/{dname}", weight_rowwise
 
         def weight_blocks(dtype=dtype):
-            """Both 128x128-block copies, written in one pass per part, against quantizing the
-            concatenation and its transpose: gate and up of whole blocks (one launch each),
-            parts that end inside a block (concatenated first), cut blocks along both axes;
-            whole blocks in two passes of row chunks (the GPU's launch shape), in registers,
-            and two per program; into given copies."""
+            """Both 128x128-block copies, written in one pass per part: gate and up of whole
+            blocks (one launch each), parts that end inside a block (concatenated first), cut
+            blocks along both axes; whole blocks in two passes of row chunks (the GPU's
+            launch shape), in registers, and two per program."""
             from moe_mxfp8 import _fp8_kernels as k
 
             total = 0
@@ -168,16 +173,7 @@ def cases():
                     k._TILES["blocks"] = tile
                     for i, shapes in enumerate(cases):
                         parts = [sample(shape, dtype, seed=40 + i + j) for j, shape in enumerate(shapes)]
-                        weight = torch.cat(parts, dim=-2)
-                        for pow2 in (True, False):
-                            want = (quantize_fp8_reference(weight, (128, 128), pow2),
-                                    quantize_fp8_reference(weight.mT.contiguous(), (128, 128), pow2))
-                            fresh = quantize_weight_blocks(parts, pow2, backend="triton")
-                            into = quantize_weight_blocks(parts, not pow2, backend="triton")
-                            got = quantize_weight_blocks(parts, pow2, out=into, backend="triton")
-                            total += int(not (got[0] is into[0] and got[1] is into[1]))
-                            for g, w in [*zip(fresh, want, strict=True), *zip(got, want, strict=True)]:
-                                total += mismatches(g.data, w.data) + mismatches(g.scale, w.scale)
+                        total += weight_copies(quantize_weight_blocks, (128, 128), parts)
             finally:
                 k._TILES["blocks"] = saved
             return total

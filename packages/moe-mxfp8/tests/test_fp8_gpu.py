@@ -96,38 +96,30 @@ def test_group_columns_bit_exact_at_real_sizes(pow2):
     assert mismatches(dt[:, :used], dr[:, :used]) == 0
 
 
-@pytest.mark.parametrize("pow2", [True, False])
-def test_weight_rowwise_copies_bit_exact_at_real_sizes(pow2):
-    """Gate and up of 64 experts (the column kernel, word stores), one down weight, an odd
-    stack (byte stores) and an LM head (the transposed-copy fallback), into given copies."""
-    from moe_mxfp8 import quantize_weight_rowwise
-
-    for i, shapes in enumerate((((64, 1024, 2048), (64, 1024, 2048)), ((64, 2048, 1024),),
-                                ((8, 333, 520), (8, 77, 520)), ((100352, 2048),))):
-        parts = [sample(shape, torch.bfloat16, seed=i + j) for j, shape in enumerate(shapes)]
-        weight = torch.cat(parts, dim=-2)
-        want = (quantize_fp8(weight, (1, 0), pow2, backend="reference"),
-                quantize_fp8(weight.mT.contiguous(), (1, 0), pow2, backend="reference"))
-        into = quantize_weight_rowwise(parts, not pow2)
-        for got in (quantize_weight_rowwise(parts, pow2), quantize_weight_rowwise(parts, pow2, out=into)):
-            for g, w in zip(got, want, strict=True):
-                assert mismatches(g.data, w.data) == 0 and mismatches(g.scale, w.scale) == 0, shapes
+# Weights of the bench shapes: gate and up of 64 experts, one down weight, an odd stack
+# (rowwise: the column kernel's byte stores; blocks: parts that end inside a block) and,
+# rowwise only, an LM head (the transposed-copy fallback).
+_WEIGHT_SHAPES = [((64, 1024, 2048), (64, 1024, 2048)), ((64, 2048, 1024),), ((8, 333, 520), (8, 77, 520))]
+WEIGHT_COPIES = {"rowwise": ((1, 0), [*_WEIGHT_SHAPES, ((100352, 2048),)]),
+                 "blocks": ((128, 128), _WEIGHT_SHAPES)}
 
 
 @pytest.mark.parametrize("pow2", [True, False])
-def test_weight_block_copies_bit_exact_at_real_sizes(pow2):
-    """128x128-block copies written in one pass per part: gate and up of 64 experts, one
-    down weight, parts that end inside a block, into given copies."""
-    from moe_mxfp8 import quantize_weight_blocks
+@pytest.mark.parametrize("kind", list(WEIGHT_COPIES))
+def test_weight_copies_bit_exact_at_real_sizes(kind, pow2):
+    """``quantize_weight_rowwise`` / ``quantize_weight_blocks``: both copies of each weight
+    against quantizing it and its transpose, fresh and into given copies."""
+    import moe_mxfp8
 
-    for i, shapes in enumerate((((64, 1024, 2048), (64, 1024, 2048)), ((64, 2048, 1024),),
-                                ((8, 333, 520), (8, 77, 520)))):
+    quantize = getattr(moe_mxfp8, f"quantize_weight_{kind}")
+    block, cases = WEIGHT_COPIES[kind]
+    for i, shapes in enumerate(cases):
         parts = [sample(shape, torch.bfloat16, seed=i + j) for j, shape in enumerate(shapes)]
         weight = torch.cat(parts, dim=-2)
-        want = (quantize_fp8(weight, (128, 128), pow2, backend="reference"),
-                quantize_fp8(weight.mT.contiguous(), (128, 128), pow2, backend="reference"))
-        into = quantize_weight_blocks(parts, not pow2)
-        for got in (quantize_weight_blocks(parts, pow2), quantize_weight_blocks(parts, pow2, out=into)):
+        want = (quantize_fp8(weight, block, pow2, backend="reference"),
+                quantize_fp8(weight.mT.contiguous(), block, pow2, backend="reference"))
+        into = quantize(parts, not pow2)
+        for got in (quantize(parts, pow2), quantize(parts, pow2, out=into)):
             for g, w in zip(got, want, strict=True):
                 assert mismatches(g.data, w.data) == 0 and mismatches(g.scale, w.scale) == 0, shapes
 
