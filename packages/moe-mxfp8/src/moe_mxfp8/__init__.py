@@ -13,12 +13,13 @@
 - ``MXFP8RowCodec``: an MXFP8 payload for expert-parallel dispatch (``RowCodec``).
 - ``quantize_fp8`` / ``FP8Tensor`` / ``quantize_group_columns``: E4M3 with FP32 scales
   per row, 1x128 tile or 128x128 block (torchao's float8 rowwise and DeepSeek-V3's
-  blockwise recipes); ``quantize_weight_rowwise`` / ``quantize_weight_blocks``: a weight's two
-  rowwise or 128x128-block copies in one call; ``FP8GroupedExperts`` / ``FP8Linear``: routed experts and dense layers on FP8
-  GEMMs (``torch._scaled_grouped_mm`` on Hopper, ``fp8_native_available``, or the
-  package's Triton kernel for rowwise and blockwise scales, ``fp8_triton_available``),
-  chosen by ``MXFP8Config.recipe`` and ``gemm``; ``FP8RowCodec``: the rowwise FP8
-  dispatch payload (``encode_fp8_rows`` / ``decode_fp8_rows``, one kernel each way).
+  blockwise recipes); ``quantize_weight_rowwise`` / ``quantize_weight_blocks``: a
+  weight's two rowwise or 128x128-block copies in one call; ``FP8GroupedExperts`` /
+  ``FP8Linear``: routed experts and dense layers on FP8 GEMMs
+  (``torch._scaled_grouped_mm`` on Hopper, ``fp8_native_available``, or the package's
+  Triton kernel for rowwise and blockwise scales, ``fp8_triton_available``), chosen by
+  ``MXFP8Config.recipe`` and ``gemm``; ``FP8RowCodec``: the rowwise FP8 dispatch payload
+  (``encode_fp8_rows`` / ``decode_fp8_rows``, one kernel each way).
 """
 
 from moe_mxfp8._triton_support import (

@@ -73,10 +73,10 @@ def fp8_rows_kernel(
     K/128]`` (1x128 tiles) and ``sb [E, N/128, K/128]`` (128x128 blocks) applied to each
     K step's product before it joins the FP32 sum (``BK`` divides 128); where ``BN``
     divides 128 a tile's columns share one weight block, whose scale is loaded once per
-    step and folded into the rows' (the same products, one multiply per element). The product of a
-    K step accumulates in the tensor cores; ``FAST`` (rowwise only) carries the running
-    sum there too, otherwise every step's product is added in FP32 registers, the
-    promotion every ``BK`` elements that DeepSeek-V3's recipe prescribes.
+    step and folded into the rows' (the same products, one multiply per element). The
+    product of a K step accumulates in the tensor cores; ``FAST`` (rowwise only) carries
+    the running sum there too, otherwise every step's product is added in FP32 registers,
+    the promotion every ``BK`` elements that DeepSeek-V3's recipe prescribes.
 
     Persistent: each program walks its tiles in one flat (tile, k-step) loop, so the
     software pipeline fetches the next tile's first blocks while the current one ends.
