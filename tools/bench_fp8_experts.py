@@ -331,6 +331,10 @@ TILE_CANDIDATES = {
                (16384, 16, 1, 64), (16384, 8, 1, 128), (16384, 16, 2), (16384, 4),
                (16384, 8, 2, 64), (16384, 8), (16384, 16), (16384, 4, 1, 16), (16384, 8, 2, 32),
                (16384, 8, 4, 32)],
+    # the "blocks" kernel writing a weight's both 128x128-block copies (quantize_weight_blocks)
+    "weight_blocks": [(16384, 8, 1, 64), (16384, 4, 1, 32), (16384, 8, 1, 32), (16384, 4, 1, 64),
+                      (16384, 16, 1, 64), (16384, 8, 1, 128), (16384, 16, 2), (16384, 8),
+                      (16384, 8, 2, 32)],
     "group_columns": [(512, 32, 8, True, True), (128, 64, 8), (128, 64, 8, True), (256, 64, 8),
                       (256, 32, 4, True), (256, 32, 4, True, True), (256, 64, 8, True, True),
                       (256, 16, 4, True, True), (512, 16, 4, True, True), (256, 32, 8, True, True)],
@@ -338,6 +342,8 @@ TILE_CANDIDATES = {
 # moe_mxfp8._swiglu_kernels._TILES: BlockTile(elements, warps), whole rows per program.
 _SWIGLU_SHAPES = [(2048, 4), (1024, 1), (1024, 2), (1024, 4), (2048, 2), (2048, 8), (4096, 4),
                   (4096, 8), (8192, 8)]
+# sweep kinds that time another entry point of a kernel kind's launch shapes
+TILE_KEY = {"weight_blocks": "blocks"}
 SWIGLU_TILE_CANDIDATES = {"swiglu": _SWIGLU_SHAPES, "swiglu_backward": _SWIGLU_SHAPES}
 # moe_mxfp8._fp8_codec_kernels._TILES: RowTile(elements, warps).
 CODEC_TILE_CANDIDATES = {
@@ -356,6 +362,7 @@ def sweep_tiles(args) -> dict:
         encode_fp8_rows,
         quantize_fp8,
         quantize_group_columns,
+        quantize_weight_blocks,
         swiglu_backward_quantized,
         swiglu_quantized,
     )
@@ -372,6 +379,11 @@ def sweep_tiles(args) -> dict:
     def blocks(t, block, pow2, backend="auto"):
         q = quantize_fp8(t, block, pow2, backend=backend)
         return [q.data.view(torch.uint8), q.scale]
+
+    def weight_blocks(t, backend="auto"):
+        h = t.shape[-2] // 2  # gate and up
+        rows, cols = quantize_weight_blocks([t[..., :h, :], t[..., h:, :]], backend=backend)
+        return [rows.data.view(torch.uint8), rows.scale, cols.data.view(torch.uint8), cols.scale]
 
     def columns(t, backend="auto"):
         data_t, scale, ends = quantize_group_columns(t, offsets[-8:] - offsets[-9], True, backend)
@@ -402,6 +414,8 @@ def sweep_tiles(args) -> dict:
                       3 * logits.numel() + 4 * logits.shape[0]),
         "tiles": (lambda t, b="auto": blocks(t, (1, 128), False, b), x, head, 3 * n + n // 32),
         "blocks": (lambda t, b="auto": blocks(t, (128, 128), False, b), w, w[:2], 3 * nw),
+        # both copies, as the blockwise weight cache refreshes: read once, written twice
+        "weight_blocks": (weight_blocks, w, w[:2], 4 * nw),
         "group_columns": (None, x, tail, 3 * n + 4 * args.experts * args.d_model),
         "encode": (lambda t, b="auto": [encode_fp8_rows(t, b)], x, head, 3 * n + 4 * rows_n),
         "decode": (lambda t, b="auto": [decode_fp8_rows(t, torch.bfloat16, b)], packed, packed[:4096],
@@ -425,7 +439,7 @@ def sweep_tiles(args) -> dict:
     try:
         for module, kind, candidates in groups:
             fn, full, sample, nbytes = work[kind]
-            default = defaults[module]
+            default, key = defaults[module], TILE_KEY.get(kind, kind)
 
             def check(kind=kind, fn=fn, sample=sample):
                 if kind == "group_columns":
@@ -440,8 +454,8 @@ def sweep_tiles(args) -> dict:
                 tile_cls = (_fp8_codec_kernels.RowTile if module is _fp8_codec_kernels
                             else _fp8_kernels.ColumnTile if kind == "group_columns" else _fp8_kernels.BlockTile)
                 tile = tile_cls(*cand)
-                entry = {"tile": list(cand), "default": tile == default[kind]}
-                module._TILES[kind] = tile  # what the launchers read at every call
+                entry = {"tile": list(cand), "default": tile == default[key]}
+                module._TILES[key] = tile  # what the launchers read at every call
                 try:
                     got, ref = check()
                     bad = sum(int((g.view(torch.uint8) != r.view(torch.uint8)).sum())
@@ -457,7 +471,7 @@ def sweep_tiles(args) -> dict:
                 except Exception as e:  # noqa: BLE001 - a candidate that fails is reported
                     entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 results[f"{kind} {cand}"] = entry
-            module._TILES[kind] = default[kind]
+            module._TILES[key] = default[key]
     finally:
         for module, default in defaults.items():
             module._TILES.update(default)
@@ -473,6 +487,7 @@ def bench_kernels(args) -> dict:
         encode_fp8_rows_reference,
         quantize_fp8,
         quantize_group_columns,
+        quantize_weight_blocks,
         quantize_weight_rowwise,
     )
 
@@ -490,6 +505,7 @@ def bench_kernels(args) -> dict:
     # BF16, quantize each, copy into the cache); both counted as the bytes that must move
     gate, up = w[:, :args.hidden].contiguous(), w[:, args.hidden:].contiguous()
     cache = quantize_weight_rowwise([gate, up])
+    block_cache = quantize_weight_blocks([gate, up])
 
     def copies_through_transpose():
         whole = torch.cat([gate, up], dim=-2)
@@ -513,6 +529,8 @@ def bench_kernels(args) -> dict:
         "rowwise weight copies, gate and up [E, 2F, D]": (
             lambda: quantize_weight_rowwise([gate, up], True, out=cache), 4 * nw),
         "the same through a BF16 transpose": (copies_through_transpose, 4 * nw),
+        "128x128 weight copies, gate and up [E, 2F, D]": (
+            lambda: quantize_weight_blocks([gate, up], out=block_cache), 4 * nw),
         # the row codec: BF16 rows <-> packed uint8 [R, D + 4], the kernel and the reference
         "row codec encode [R, D]": (lambda: encode_fp8_rows(x), 3 * n + 4 * rows_n),
         "row codec encode, reference": (lambda: encode_fp8_rows_reference(x), 3 * n + 4 * rows_n),
