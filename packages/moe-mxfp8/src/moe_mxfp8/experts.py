@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moe_mxfp8.cache import MXFP8WeightCache
+from moe_mxfp8.cache import MXFP8WeightCache, WeightCache
 from moe_mxfp8.format import MXFP8Tensor, quantize, quantize_dequantize
 from moe_mxfp8.gemm import carrier_dtype, compute_dtype, grouped_mm, grouped_weight_grad
 from moe_mxfp8.sink import SinkRoute, carry_grad_sink, computes_now, deliver, hand_over, sink_route
@@ -60,11 +60,29 @@ def expert_weights(experts: nn.Module) -> tuple[nn.Parameter, nn.Parameter, nn.P
     return params["w1"], params["w3"], params["w2"]
 
 
-def carry_attributes(source: nn.Module, target: nn.Module) -> None:
-    """Copy ``source``'s public plain attributes (e.g. the expert range) onto ``target``."""
+def take_over(source: nn.Module, layer: CachedGroupedExperts) -> CachedGroupedExperts:
+    """``layer``, built on ``source``'s own weights, given ``source``'s public plain
+    attributes (e.g. the expert range) and its ``grad_sink``, so code reading them keeps
+    working."""
     for name, value in vars(source).items():
         if not name.startswith("_") and name != "training" and isinstance(value, _CARRIED_ATTRS):
-            setattr(target, name, value)
+            setattr(layer, name, value)
+    carry_grad_sink(source, layer)
+    return layer
+
+
+class CachedGroupedExperts(nn.Module):
+    """Grouped SwiGLU experts whose GEMMs read low-precision copies of ``w1``/``w3``
+    (``w13_cache``) and ``w2`` (``w2_cache``), derived from the weights once per update."""
+
+    w13_cache: WeightCache
+    w2_cache: WeightCache
+
+    def refresh_weight_cache(self, in_place: bool = False) -> None:
+        """Re-derive the weight copies; call after every weight update (``in_place``: see
+        ``WeightCache.refresh``)."""
+        self.w13_cache.refresh((self.w1, self.w3), in_place)
+        self.w2_cache.refresh((self.w2,), in_place)
 
 
 def check_expert_rows(module: nn.Module, rows_RD: torch.Tensor, group_offsets: torch.Tensor) -> None:
@@ -173,7 +191,7 @@ class _MXFP8ExpertsFn(torch.autograd.Function):
         return drows, None, *deliver(ctx.params, grads, ctx.routes, wanted), None, None, None
 
 
-class MXFP8GroupedExperts(nn.Module):
+class MXFP8GroupedExperts(CachedGroupedExperts):
     """Grouped SwiGLU experts on MXFP8 GEMMs, holding the given ``w1``/``w3``/``w2``."""
 
     def __init__(self, w1: nn.Parameter, w3: nn.Parameter, w2: nn.Parameter,
@@ -203,16 +221,7 @@ class MXFP8GroupedExperts(nn.Module):
         range ``expert_start``/``n_local``) and its ``grad_sink`` are carried over so code
         reading them keeps working. Narrow expert ranges before converting.
         """
-        layer = cls(*expert_weights(experts), save_mxfp8_activations)
-        carry_attributes(experts, layer)
-        carry_grad_sink(experts, layer)
-        return layer
-
-    def refresh_weight_cache(self, in_place: bool = False) -> None:
-        """Re-derive the MXFP8 weight copies; call after every weight update
-        (``in_place``: see ``WeightCache.refresh``)."""
-        self.w13_cache.refresh((self.w1, self.w3), in_place)
-        self.w2_cache.refresh((self.w2,), in_place)
+        return take_over(experts, cls(*expert_weights(experts), save_mxfp8_activations))
 
     def forward(self, rows_RD: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
         check_expert_rows(self, rows_RD, group_offsets)

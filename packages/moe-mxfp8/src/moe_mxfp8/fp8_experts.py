@@ -79,11 +79,12 @@ from torch import nn
 
 from moe_mxfp8.cache import WeightCache
 from moe_mxfp8.experts import (
+    CachedGroupedExperts,
     WeightGradientMaker,
-    carry_attributes,
     check_expert_rows,
     expert_weight_gradients,
     expert_weights,
+    take_over,
 )
 from moe_mxfp8.fp8 import FP8Tensor, quantize_fp8, quantize_weight_blocks, quantize_weight_rowwise
 from moe_mxfp8.fp8_gemm import (
@@ -97,7 +98,7 @@ from moe_mxfp8.fp8_gemm import (
 )
 from moe_mxfp8.gemm import compute_dtype, grouped_weight_grad
 from moe_mxfp8.row_codes import GRADIENT_ROW_ENCODER, INPUT_ROW_ENCODER, RowCodes
-from moe_mxfp8.sink import SinkRoute, carry_grad_sink, computes_now, deliver, sink_route
+from moe_mxfp8.sink import SinkRoute, computes_now, deliver, sink_route
 from moe_mxfp8.swiglu import (
     swiglu_backward,
     swiglu_backward_quantized,
@@ -251,7 +252,7 @@ def _wgrad(r: FP8Recipe, dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch
     return grouped_weight_grad(dy_RN, x_RK, offsets)
 
 
-class FP8GroupedExperts(nn.Module):
+class FP8GroupedExperts(CachedGroupedExperts):
     """Grouped SwiGLU experts on FP8 GEMMs (a recipe of ``FP8_RECIPES``), holding the given
     ``w1``/``w3``/``w2``; ``fast_accum``: see the module notes."""
 
@@ -285,16 +286,7 @@ class FP8GroupedExperts(nn.Module):
         """Take over a grouped-experts module's own ``w1``/``w3``/``w2`` parameters (matched
         by structure), its public plain attributes and its ``grad_sink``, as
         ``MXFP8GroupedExperts.from_module`` does. Narrow expert ranges before converting."""
-        layer = cls(*expert_weights(experts), recipe, gemm, fast_accum)
-        carry_attributes(experts, layer)
-        carry_grad_sink(experts, layer)
-        return layer
-
-    def refresh_weight_cache(self, in_place: bool = False) -> None:
-        """Re-derive the FP8 weight copies; call after every weight update
-        (``in_place``: see ``WeightCache.refresh``)."""
-        self.w13_cache.refresh((self.w1, self.w3), in_place)
-        self.w2_cache.refresh((self.w2,), in_place)
+        return take_over(experts, cls(*expert_weights(experts), recipe, gemm, fast_accum))
 
     def forward(self, rows_RD: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
         check_expert_rows(self, rows_RD, group_offsets)
