@@ -542,6 +542,52 @@ def test_plan_command_prints_table_and_json(capsys):
     assert plan["ranks"][0]["persistent"] > 60 * 2**30  # 3.7B parameters x 18 B
 
 
+def _device_gib(overrides: list[str], gib: float, *preset_overrides: str) -> float:
+    """The worst rank's device GiB of bench-1gpu with the overrides, planned from scratch."""
+    cfg = load_config("bench-1gpu", [*preset_overrides, *overrides])
+    return plan_memory(PlanRequest.from_config(cfg, 1, gpu_gib=gib)).worst.device_total / 2**30
+
+
+def test_a_plan_that_does_not_fit_offers_the_least_changes_that_fit(capsys):
+    """bench-1gpu (merge 4, no recompute, micro batch 2) on a 100 GiB GPU: every offer fits
+    when planned from its overrides, and none can step back toward the run in any one
+    setting and still fit; the table and JSON carry the same offers."""
+    gib, usable = 100.0, 90.0
+    assert plan_command(["--config", "bench-1gpu", "--gpu-gib", str(gib), "--json"]) == 0
+    offers = [o["overrides"] for o in json.loads(capsys.readouterr().out)["fits_with"]]
+    assert offers[:2] == [["train.micro_batch=1"], ["parallel.merge_expert_grad_microbatches=2"]]
+    assert len(offers) == 3 and _device_gib([], gib) > usable
+    back = {"parallel.merge_expert_grad_microbatches": lambda v: str(int(v) + 1),
+            "model.recompute": {"selective": "none", "block": "selective"}.get,
+            "train.micro_batch": lambda v: str(int(v) * 2)}
+    for offer in offers:
+        assert _device_gib(offer, gib) <= usable
+        for i, item in enumerate(offer):
+            key, value = item.split("=")
+            nearer = [*offer[:i], f"{key}={back[key](value)}", *offer[i + 1:]]
+            assert _device_gib(nearer, gib) > usable, (offer, nearer)
+    assert plan_command(["--config", "bench-1gpu", "--gpu-gib", str(gib)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("fits with (the least change first; GiB on the device, worst rank):")
+    assert [line.split("  (")[0].strip().split() for line in lines[at + 1:]] == offers
+
+
+def test_a_plan_that_nothing_fits_names_the_persistent_state(capsys):
+    """FP8 bench-1gpu on an 80 GiB GPU: 68.9 GiB of persistent state leave no room; the
+    report says so, and JSON offers nothing."""
+    fp8 = ["mxfp8.targets=[experts,attn.w?,head]", "mxfp8.recipe=fp8_rowwise_gw_hp", "mxfp8.gemm=triton"]
+    assert plan_command(["--config", "bench-1gpu", "--gpu-gib", "80", *fp8]) == 0
+    out = capsys.readouterr().out
+    assert ("no change of parallel.merge_expert_grad_microbatches, model.recompute or "
+            "train.micro_batch fits: the persistent state alone is 68.9 GiB on pp rank 0") in out
+    least = ["parallel.merge_expert_grad_microbatches=1", "model.recompute=block", "train.micro_batch=1"]
+    assert _device_gib(least, 80.0, *fp8) > 72.0
+    assert plan_command(["--config", "bench-1gpu", "--gpu-gib", "80", "--json", *fp8]) == 0
+    assert json.loads(capsys.readouterr().out)["fits_with"] == []
+    assert plan_command(["--config", "bench-1gpu", "--json"]) == 0  # fits: nothing offered
+    assert "fits_with" not in json.loads(capsys.readouterr().out)
+
+
 def test_plan_says_which_keys_it_leaves_out(capsys):
     """The copy engines and the SM carveout are carried but not modelled: both reports say so,
     and a plan without them says nothing."""

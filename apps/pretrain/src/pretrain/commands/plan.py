@@ -16,6 +16,10 @@ step's buffers, and what lives outside PyTorch's allocator (CUDA context, NCCL,
 the NVSHMEM heap). See ``pretrain.planner`` for how each number is derived and
 docs/performance.md for what has been measured.
 
+A layout that does not fit comes with the overrides that would make it fit, the least
+change first (``pretrain.planner.remedies``: expert-gradient merging, activation
+recompute, micro batch size), or the reason none does.
+
 ``--time`` adds the predicted step time, tokens/s per GPU and MFU, with what the
 step is made of (compute per kernel class, exposed communication per collective,
 the pipeline bubble), from a calibration profile (``pretrain calibrate``; default:
@@ -193,13 +197,24 @@ def run(args: argparse.Namespace) -> int:
                                 cuda_graphs=cfg.train.cuda_graphs)
     except ValueError as e:  # moe_pp's ScheduleError is a ValueError too
         raise UsageError(str(e)) from None
+    remedies = None
+    if not plan.fits:
+        from pretrain.planner.remedies import fitting_changes
+
+        remedies = fitting_changes(cfg, args.gpus, gpu_gib=args.gpu_gib, headroom=args.headroom)
     if args.json:
         out = plan.to_json()
+        if remedies is not None:
+            out["fits_with"] = [r.to_json() for r in remedies]
         if step is not None:
             out["step_time"] = step.to_json()
         print(json.dumps(out, indent=1))
     else:
         print(format_plan(plan, f"pretrain plan --config {args.config or 'default'}"))
+        if remedies is not None:
+            from pretrain.planner.remedies import format_remedies
+
+            print(format_remedies(plan, remedies))
         if step is not None:
             from pretrain.planner import format_step_time
 

@@ -1,0 +1,104 @@
+"""What to change when a run does not fit: the config overrides whose plan fits.
+
+``pretrain plan`` reports a layout that does not fit together with the changes that
+would make it fit, searched over the three settings that trade speed for memory without
+changing the model or the data a step sees:
+
+- ``parallel.merge_expert_grad_microbatches`` down to 1 (fewer microbatches' expert
+  weight-gradient operands held);
+- ``model.recompute`` from ``none`` to ``selective`` to ``block`` (activations
+  recomputed in the backward);
+- ``train.micro_batch`` down through the divisors of its value (more, smaller
+  microbatches; ``train.global_batch`` stays, so every divisor keeps it divisible).
+
+Every combination is planned (at most a few dozen plans of pure arithmetic). Of the ones
+that fit, those that depart further in every setting than another that fits are left
+out; the rest are ranked by how few settings they change, then by how little they
+depart from the run (each setting's steps away from its current value): the first is
+the least change that fits. Options the config refuses (e.g. recompute with a zero-bubble
+pipeline) are left out, as the app would refuse them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from pretrain.config import PretrainConfig
+from pretrain.planner.memory import MemoryPlan, PlanRequest, plan_memory
+
+RECOMPUTE_ORDER = ("none", "selective", "block")  # least memory last
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """Overrides (``KEY=VALUE``, as the command line takes them) and the plan they give."""
+
+    overrides: tuple[str, ...]
+    plan: MemoryPlan
+
+    def to_json(self) -> dict:
+        return {"overrides": list(self.overrides),
+                "device_gib": self.plan.worst.device_total / 2**30,
+                "peak_allocated_gib": self.plan.worst.peak_allocated / 2**30}
+
+
+def _options(cfg: PretrainConfig) -> list[list[tuple[str, str, object]]]:
+    """Per setting, its values from the current one on, least departure first."""
+    merge = cfg.parallel.merge_expert_grad_microbatches
+    # ``auto`` is planned as the most that fits already
+    merges = (list(range(merge, 0, -1)) if merge != "auto" and cfg.parallel.fuse_grad_accumulation
+              else [merge])
+    recompute = RECOMPUTE_ORDER[RECOMPUTE_ORDER.index(cfg.model.recompute):]
+    mb = cfg.train.micro_batch
+    micro_batches = [mb] + [d for d in range(mb - 1, 0, -1) if mb % d == 0]
+    return [[("parallel", "merge_expert_grad_microbatches", v) for v in merges],
+            [("model", "recompute", v) for v in recompute],
+            [("train", "micro_batch", v) for v in micro_batches]]
+
+
+def fitting_changes(cfg: PretrainConfig, world: int, most: int = 3,
+                    **planner: object) -> list[Remedy]:
+    """Up to ``most`` sets of overrides whose plan of ``cfg`` on ``world`` ranks fits
+    (``planner`` as ``PlanRequest.from_config`` takes it), the least change first (module
+    notes); empty where nothing in the search fits. ``cfg`` itself is not planned."""
+    options = _options(cfg)
+    found: list[tuple[tuple[int, int], Remedy]] = []
+    for steps in itertools.product(*(range(len(o)) for o in options)):
+        if not any(steps):
+            continue
+        trial, overrides = cfg, []
+        for option, step in zip(options, steps, strict=True):
+            if step:
+                table, key, value = option[step]
+                trial = trial.with_changes(table, **{key: value})
+                overrides.append(f"{table}.{key}={value}")
+        try:
+            trial.validate()
+            plan = plan_memory(PlanRequest.from_config(trial, world, **planner))
+        except ValueError:  # a combination the app refuses (its ConfigError is a ValueError)
+            continue
+        if plan.fits:
+            found.append((steps, Remedy(tuple(overrides), plan)))
+    # a combination that departs at least as far in every setting as one that fits adds
+    # nothing (each step away saves memory): only the least departures are offered
+    least = [(steps, r) for steps, r in found
+             if not any(other != steps and all(o <= s for o, s in zip(other, steps, strict=True))
+                        for other, _ in found)]
+    least.sort(key=lambda f: (sum(map(bool, f[0])), sum(f[0])))
+    return [remedy for _, remedy in least[:most]]
+
+
+def format_remedies(plan: MemoryPlan, remedies: list[Remedy]) -> str:
+    """Lines for ``pretrain plan`` under a plan that does not fit."""
+    if remedies:
+        lines = ["fits with (the least change first; GiB on the device, worst rank):"]
+        lines += [f"  {' '.join(r.overrides)}  ({r.plan.worst.device_total / 2**30:.1f} GiB)"
+                  for r in remedies]
+        return "\n".join(lines)
+    worst = plan.worst
+    return ("no change of parallel.merge_expert_grad_microbatches, model.recompute or "
+            "train.micro_batch fits: the persistent state alone is "
+            f"{worst.persistent / 2**30:.1f} GiB on pp rank {worst.pp_rank}; more GPUs "
+            "(--gpus) shard the FP32 main weights and optimizer states, pipeline stages "
+            "(parallel.pp) split the layers")
