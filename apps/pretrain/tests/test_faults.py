@@ -345,3 +345,61 @@ def test_retention_keeps_the_last_checkpoint_from_before_intermittent_skips(tmp_
                  "checkpoint.every=1", "checkpoint.keep_last=1"]) == 0
     assert [r["skipped"] for r in _records(tmp_path)] == [False, False, True, False, True, False]
     assert _committed(tmp_path) == [2, 6]
+
+
+TORCH_OOM = ("CUDA out of memory. Tried to allocate 3.06 GiB. GPU 0 has a total capacity of 79.19 GiB\n"
+             "Of the allocated memory 71.20 GiB is allocated by PyTorch")
+
+
+def _explained(overrides: list[str], gpu_gib: float, monkeypatch) -> str:
+    """The error a run of bench-1gpu with the overrides reports when torch runs out of
+    memory on a CUDA device of ``gpu_gib`` (the device's properties stand in for a GPU)."""
+    import torch
+    from pretrain.config import load_config
+    from pretrain.out_of_memory import OutOfMemory, out_of_memory_explained
+
+    class Properties:
+        total_memory = int(gpu_gib * 2**30)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    cfg = load_config("bench-1gpu", overrides)
+    with pytest.raises(OutOfMemory) as caught, out_of_memory_explained(cfg, 1, torch.device("cuda", 0)):
+        raise torch.OutOfMemoryError(TORCH_OOM)
+    assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)
+    return str(caught.value)
+
+
+def test_a_gpu_out_of_memory_names_the_plan_and_the_least_change_that_fits(monkeypatch):
+    """bench-1gpu on an 80 GiB GPU: the plan's need (as `pretrain plan --gpu-gib 80` prints
+    it) and the first of its offers; torch's first line kept, the rest dropped."""
+    from pretrain.config import load_config
+    from pretrain.planner import PlanRequest, plan_memory
+    from pretrain.planner.remedies import fitting_changes
+
+    message = _explained([], 80.0, monkeypatch)
+    cfg = load_config("bench-1gpu")
+    need = plan_memory(PlanRequest.from_config(cfg, 1, gpu_gib=80.0)).worst.device_total / 2**30
+    first = " ".join(fitting_changes(cfg, 1, gpu_gib=80.0)[0].overrides)
+    assert first == "parallel.merge_expert_grad_microbatches=1 model.recompute=block"
+    assert message == (
+        "the GPU ran out of memory (CUDA out of memory. Tried to allocate 3.06 GiB. GPU 0 has a "
+        f"total capacity of 79.19 GiB); the memory plan of this run needs {need:.1f} GiB per GPU "
+        f"(pp rank 0) of this GPU's 80.0, it fits with {first}; `pretrain plan` with this config "
+        "and world size lists the options")
+    assert "\n" not in message
+
+
+def test_a_gpu_out_of_memory_the_plan_did_not_expect_or_cannot_avoid(monkeypatch):
+    """Within the plan (an H200): something outside it holds memory. FP8 on 80 GiB: no
+    change fits, the persistent state is named. On a CPU torch's error is left alone."""
+    import torch
+    from pretrain.config import load_config
+    from pretrain.out_of_memory import out_of_memory_explained
+
+    assert "which the plan expected to fit: something outside the plan" in _explained([], 140.0, monkeypatch)
+    fp8 = ["mxfp8.targets=[experts,attn.w?,head]", "mxfp8.recipe=fp8_rowwise_gw_hp", "mxfp8.gemm=triton"]
+    assert ("no change of expert-gradient merging, recompute or micro batch fits (68.9 GiB of "
+            "persistent state): use more GPUs") in _explained(fp8, 80.0, monkeypatch)
+    with pytest.raises(torch.OutOfMemoryError), \
+            out_of_memory_explained(load_config("tiny"), 1, torch.device("cpu")):
+        raise torch.OutOfMemoryError(TORCH_OOM)

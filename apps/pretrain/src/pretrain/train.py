@@ -15,6 +15,8 @@
         end and on stop; the logging rank prints a line per step (pretrain.progress)
         close: the checkpointer waits for its last save, the lock is released, the EP
         transport is released; the logging rank prints the summary (pretrain.summary)
+    a GPU out of memory anywhere in it ends the run with the memory plan's account and the
+    least change that fits (pretrain.out_of_memory)
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pretrain.data import document_eos_id, resolve_vocab_size
 from pretrain.init_from import adopt_source_model, load_initial_weights
 from pretrain.mesh import build_mesh
 from pretrain.metrics import METRICS_FILE, MetricsLog, Tracker, WandbOptions, open_trackers
+from pretrain.out_of_memory import out_of_memory_explained
 from pretrain.progress import Progress
 from pretrain.resume_changes import resume_changes
 from pretrain.run_dir import choose_run_dir, held_run_dir
@@ -107,7 +110,8 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
     # while the process group is taken down leaves a finished run finished; one rank per
     # host announces it
     with StopRequest(announce=os.environ.get("LOCAL_RANK", "0") == "0") as stop, \
-            distributed(cfg.train.device, cfg.train.collective_timeout_s) as rt:
+            distributed(cfg.train.device, cfg.train.collective_timeout_s) as rt, \
+            out_of_memory_explained(cfg, rt.world_size, rt.device):
         for note in (source_note, vocab_note):
             if note and rt.rank == 0:
                 print(note, flush=True)

@@ -1,0 +1,62 @@
+"""A GPU that runs out of memory during a run, reported the way the memory plan explains it.
+
+torch's ``OutOfMemoryError`` says how many bytes one allocation wanted; a user wants to
+know whether the run can fit at all and what to change. The run's plan
+(:mod:`pretrain.planner`, the numbers ``pretrain plan`` prints) answers both: the
+message gives the plan's need against this GPU's memory and the least change that fits
+(:mod:`pretrain.planner.remedies`), or says that the plan expected it to fit, so
+something outside the plan holds memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from pretrain.config import PretrainConfig
+from pretrain.errors import PretrainError
+
+GIB = 2**30
+
+
+class OutOfMemory(PretrainError):
+    """The GPU ran out of memory; the message carries the plan's account of the run."""
+
+
+def out_of_memory(cfg: PretrainConfig, world: int, gpu_gib: float, error: BaseException) -> OutOfMemory:
+    """The one-line error for ``error`` (torch's, first line kept) in a run of ``cfg`` on
+    ``world`` ranks whose GPUs hold ``gpu_gib`` each; planned with the planner's default
+    headroom, as ``pretrain plan --gpu-gib`` would."""
+    from pretrain.planner import PlanRequest, plan_memory
+    from pretrain.planner.remedies import fitting_changes
+
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    plan = plan_memory(PlanRequest.from_config(cfg, world, gpu_gib=gpu_gib))
+    worst = plan.worst
+    need = (f"the memory plan of this run needs {worst.device_total / GIB:.1f} GiB per GPU "
+            f"(pp rank {worst.pp_rank}) of this GPU's {gpu_gib:.1f}")
+    if plan.fits:
+        advice = ("which the plan expected to fit: something outside the plan holds GPU "
+                  "memory (another process, or a fragmented allocator)")
+    else:
+        remedies = fitting_changes(cfg, world, most=1, gpu_gib=gpu_gib)
+        advice = (f"it fits with {' '.join(remedies[0].overrides)}" if remedies else
+                  f"no change of expert-gradient merging, recompute or micro batch fits "
+                  f"({worst.persistent / GIB:.1f} GiB of persistent state): use more GPUs")
+    return OutOfMemory(f"the GPU ran out of memory ({detail}); {need}, {advice}; "
+                       "`pretrain plan` with this config and world size lists the options")
+
+
+@contextmanager
+def out_of_memory_explained(cfg: PretrainConfig, world: int, device: torch.device) -> Iterator[None]:
+    """Turn torch's ``OutOfMemoryError`` on a CUDA ``device`` into :func:`out_of_memory`'s
+    error (torch's stays its cause)."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        if device.type != "cuda":
+            raise
+        gib = torch.cuda.get_device_properties(device).total_memory / GIB
+        raise out_of_memory(cfg, world, gib, e) from e
