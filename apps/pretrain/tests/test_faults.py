@@ -403,3 +403,24 @@ def test_a_gpu_out_of_memory_the_plan_did_not_expect_or_cannot_avoid(monkeypatch
     with pytest.raises(torch.OutOfMemoryError), \
             out_of_memory_explained(load_config("tiny"), 1, torch.device("cpu")):
         raise torch.OutOfMemoryError(TORCH_OOM)
+
+
+def test_a_run_the_plan_cannot_fit_is_warned_about_before_it_builds(monkeypatch):
+    """Against the GPU's whole memory (no headroom): bench-1gpu on 80 GiB is warned about
+    with the least change that fits (planned with the usual 10% headroom); on a 110 GiB GPU
+    (the plan: 100.9 GiB, over 99 usable, under 110) and on a CPU nothing is said."""
+    import torch
+    from pretrain.config import load_config
+    from pretrain.out_of_memory import memory_warning
+
+    def warning(gib: float, device: str = "cuda") -> str | None:
+        class Properties:
+            total_memory = int(gib * 2**30)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+        return memory_warning(load_config("bench-1gpu"), 1, torch.device(device))
+
+    line = warning(80.0)
+    assert line is not None and line.startswith("warning: the memory plan of this run needs ")
+    assert ("more than this GPU's 80.0: expect it to run out of memory; it fits with "
+            "parallel.merge_expert_grad_microbatches=1 model.recompute=block") in line
+    assert warning(110.0) is None and warning(80.0, "cpu") is None

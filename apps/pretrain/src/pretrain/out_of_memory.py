@@ -1,11 +1,13 @@
-"""A GPU that runs out of memory during a run, reported the way the memory plan explains it.
+"""A GPU that runs out of memory during a run, foreseen and reported the way the memory plan
+explains it.
 
 torch's ``OutOfMemoryError`` says how many bytes one allocation wanted; a user wants to
 know whether the run can fit at all and what to change. The run's plan
 (:mod:`pretrain.planner`, the numbers ``pretrain plan`` prints) answers both: the
 message gives the plan's need against this GPU's memory and the least change that fits
 (:mod:`pretrain.planner.remedies`), or says that the plan expected it to fit, so
-something outside the plan holds memory.
+something outside the plan holds memory. A run whose plan exceeds the GPU's whole memory
+is warned about when it starts, before the minutes a large model takes to build.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ def out_of_memory(cfg: PretrainConfig, world: int, gpu_gib: float, error: BaseEx
     from pretrain.planner.remedies import fitting_changes
 
     detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    plan = plan_memory(PlanRequest.from_config(cfg, world, gpu_gib=gpu_gib))
+    try:
+        plan = plan_memory(PlanRequest.from_config(cfg, world, gpu_gib=gpu_gib))
+    except ValueError:  # a run the planner cannot model: torch's account alone
+        return OutOfMemory(f"the GPU ran out of memory ({detail})")
     worst = plan.worst
     need = (f"the memory plan of this run needs {worst.device_total / GIB:.1f} GiB per GPU "
             f"(pp rank {worst.pp_rank}) of this GPU's {gpu_gib:.1f}")
@@ -47,6 +52,32 @@ def out_of_memory(cfg: PretrainConfig, world: int, gpu_gib: float, error: BaseEx
                   f"({worst.persistent / GIB:.1f} GiB of persistent state): use more GPUs")
     return OutOfMemory(f"the GPU ran out of memory ({detail}); {need}, {advice}; "
                        "`pretrain plan` with this config and world size lists the options")
+
+
+def memory_warning(cfg: PretrainConfig, world: int, device: torch.device) -> str | None:
+    """A line for the start of a run on a CUDA ``device`` whose memory plan exceeds the
+    GPU's whole memory (no headroom: a run the plan cannot see fitting), with the least
+    change that fits; ``None`` where it fits or the device is not a GPU. A warning, not a
+    refusal: the plan is an estimate, and the run may still be what the user wants to try."""
+    if device.type != "cuda":
+        return None
+    from pretrain.planner import PlanRequest, plan_memory
+    from pretrain.planner.remedies import fitting_changes
+
+    gpu_gib = torch.cuda.get_device_properties(device).total_memory / GIB
+    try:
+        plan = plan_memory(PlanRequest.from_config(cfg, world, gpu_gib=gpu_gib, headroom=0.0))
+    except ValueError:  # a run the planner cannot model (e.g. its schedule): nothing to say
+        return None
+    if plan.fits:
+        return None
+    worst = plan.worst
+    remedies = fitting_changes(cfg, world, most=1, gpu_gib=gpu_gib)
+    advice = (f"it fits with {' '.join(remedies[0].overrides)}" if remedies else
+              "no change of expert-gradient merging, recompute or micro batch fits: use more GPUs")
+    return (f"warning: the memory plan of this run needs {worst.device_total / GIB:.1f} GiB per "
+            f"GPU (pp rank {worst.pp_rank}), more than this GPU's {gpu_gib:.1f}: expect it to run "
+            f"out of memory; {advice} (`pretrain plan` lists the options)")
 
 
 @contextmanager

@@ -15,8 +15,9 @@
         end and on stop; the logging rank prints a line per step (pretrain.progress)
         close: the checkpointer waits for its last save, the lock is released, the EP
         transport is released; the logging rank prints the summary (pretrain.summary)
-    a GPU out of memory anywhere in it ends the run with the memory plan's account and the
-    least change that fits (pretrain.out_of_memory)
+    a plan larger than the GPU is warned about before the model is built, and a GPU out of
+    memory anywhere ends the run with the plan's account and the least change that fits
+    (pretrain.out_of_memory)
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from pretrain.data import document_eos_id, resolve_vocab_size
 from pretrain.init_from import adopt_source_model, load_initial_weights
 from pretrain.mesh import build_mesh
 from pretrain.metrics import METRICS_FILE, MetricsLog, Tracker, WandbOptions, open_trackers
-from pretrain.out_of_memory import out_of_memory_explained
+from pretrain.out_of_memory import memory_warning, out_of_memory_explained
 from pretrain.progress import Progress
 from pretrain.resume_changes import resume_changes
 from pretrain.run_dir import choose_run_dir, held_run_dir
@@ -117,6 +118,9 @@ def train(cfg: PretrainConfig) -> list[dict[str, Any]]:
                 print(note, flush=True)
         layout = validate_layout(cfg, rt.world_size)
         mesh = build_mesh(layout, rt.device.type)
+        warning = memory_warning(cfg, rt.world_size, rt.device) if mesh.is_logging_rank else None
+        if warning:
+            print(warning, flush=True)  # before the model is built
         run_dir = choose_run_dir(cfg)
         trainer = Trainer(cfg, mesh, rt.device)  # (opens the data)
         logging = mesh.is_logging_rank
