@@ -19,6 +19,8 @@ import torch
 
 from pretrain.config import PretrainConfig
 from pretrain.errors import PretrainError
+from pretrain.planner import MemoryPlan, PlanRequest, plan_memory
+from pretrain.planner.remedies import fitting_changes
 
 GIB = 2**30
 
@@ -31,9 +33,6 @@ def out_of_memory(cfg: PretrainConfig, world: int, gpu_gib: float, error: BaseEx
     """The one-line error for ``error`` (torch's, first line kept) in a run of ``cfg`` on
     ``world`` ranks whose GPUs hold ``gpu_gib`` each; planned with the planner's default
     headroom, as ``pretrain plan --gpu-gib`` would."""
-    from pretrain.planner import PlanRequest, plan_memory
-    from pretrain.planner.remedies import fitting_changes
-
     detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     try:
         plan = plan_memory(PlanRequest.from_config(cfg, world, gpu_gib=gpu_gib))
@@ -42,14 +41,9 @@ def out_of_memory(cfg: PretrainConfig, world: int, gpu_gib: float, error: BaseEx
     worst = plan.worst
     need = (f"the memory plan of this run needs {worst.device_total / GIB:.1f} GiB per GPU "
             f"(pp rank {worst.pp_rank}) of this GPU's {gpu_gib:.1f}")
-    if plan.fits:
-        advice = ("which the plan expected to fit: something outside the plan holds GPU "
-                  "memory (another process, or a fragmented allocator)")
-    else:
-        remedies = fitting_changes(cfg, world, most=1, gpu_gib=gpu_gib)
-        advice = (f"it fits with {' '.join(remedies[0].overrides)}" if remedies else
-                  f"no change of expert-gradient merging, recompute or micro batch fits "
-                  f"({worst.persistent / GIB:.1f} GiB of persistent state): use more GPUs")
+    advice = ("which the plan expected to fit: something outside the plan holds GPU memory "
+              "(another process, or a fragmented allocator)" if plan.fits
+              else _least_change(cfg, world, gpu_gib, plan))
     return OutOfMemory(f"the GPU ran out of memory ({detail}); {need}, {advice}; "
                        "`pretrain plan` with this config and world size lists the options")
 
@@ -61,9 +55,6 @@ def memory_warning(cfg: PretrainConfig, world: int, device: torch.device) -> str
     refusal: the plan is an estimate, and the run may still be what the user wants to try."""
     if device.type != "cuda":
         return None
-    from pretrain.planner import PlanRequest, plan_memory
-    from pretrain.planner.remedies import fitting_changes
-
     gpu_gib = torch.cuda.get_device_properties(device).total_memory / GIB
     try:
         plan = plan_memory(PlanRequest.from_config(cfg, world, gpu_gib=gpu_gib, headroom=0.0))
@@ -72,12 +63,19 @@ def memory_warning(cfg: PretrainConfig, world: int, device: torch.device) -> str
     if plan.fits:
         return None
     worst = plan.worst
-    remedies = fitting_changes(cfg, world, most=1, gpu_gib=gpu_gib)
-    advice = (f"it fits with {' '.join(remedies[0].overrides)}" if remedies else
-              "no change of expert-gradient merging, recompute or micro batch fits: use more GPUs")
     return (f"warning: the memory plan of this run needs {worst.device_total / GIB:.1f} GiB per "
             f"GPU (pp rank {worst.pp_rank}), more than this GPU's {gpu_gib:.1f}: expect it to run "
-            f"out of memory; {advice} (`pretrain plan` lists the options)")
+            f"out of memory; {_least_change(cfg, world, gpu_gib, plan)} (`pretrain plan` lists "
+            "the options)")
+
+
+def _least_change(cfg: PretrainConfig, world: int, gpu_gib: float, plan: MemoryPlan) -> str:
+    """The first offer of ``pretrain plan`` for a ``plan`` that does not fit, in words."""
+    remedies = fitting_changes(cfg, world, most=1, gpu_gib=gpu_gib)
+    if remedies:
+        return f"it fits with {' '.join(remedies[0].overrides)}"
+    return ("no change of expert-gradient merging, recompute or micro batch fits "
+            f"({plan.worst.persistent / GIB:.1f} GiB of persistent state): use more GPUs")
 
 
 @contextmanager

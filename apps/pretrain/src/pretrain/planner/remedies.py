@@ -63,7 +63,7 @@ def fitting_changes(cfg: PretrainConfig, world: int, most: int = 3,
     (``planner`` as ``PlanRequest.from_config`` takes it), the least change first (module
     notes); empty where nothing in the search fits. ``cfg`` itself is not planned."""
     options = _options(cfg)
-    found: list[tuple[tuple[int, int], Remedy]] = []
+    found: list[tuple[tuple[int, ...], Remedy]] = []
     for steps in itertools.product(*(range(len(o)) for o in options)):
         if not any(steps):
             continue
