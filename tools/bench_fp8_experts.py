@@ -380,9 +380,8 @@ def sweep_tiles(args) -> dict:
         q = quantize_fp8(t, block, pow2, backend=backend)
         return [q.data.view(torch.uint8), q.scale]
 
-    def weight_blocks(t, backend="auto"):
-        h = t.shape[-2] // 2  # gate and up
-        rows, cols = quantize_weight_blocks([t[..., :h, :], t[..., h:, :]], backend=backend)
+    def weight_blocks(parts, backend="auto"):
+        rows, cols = quantize_weight_blocks(parts, backend=backend)
         return [rows.data.view(torch.uint8), rows.scale, cols.data.view(torch.uint8), cols.scale]
 
     def columns(t, backend="auto"):
@@ -390,6 +389,7 @@ def sweep_tiles(args) -> dict:
         return [data_t[:, :int(ends[-1])].view(torch.uint8), scale]
 
     head = x[:4096]
+    gate_up = [w[:, :args.hidden].contiguous(), w[:, args.hidden:].contiguous()]  # as the cache holds them
     tail = x[int(offsets[-9]):int(offsets[-1])]  # the last 8 experts' rows, for the check
     packed = encode_fp8_rows(x)
     # the experts' SwiGLU: h13 [R, 2F] (and dh [R, F] for the backward, which also writes h)
@@ -415,7 +415,7 @@ def sweep_tiles(args) -> dict:
         "tiles": (lambda t, b="auto": blocks(t, (1, 128), False, b), x, head, 3 * n + n // 32),
         "blocks": (lambda t, b="auto": blocks(t, (128, 128), False, b), w, w[:2], 3 * nw),
         # both copies, as the blockwise weight cache refreshes: read once, written twice
-        "weight_blocks": (weight_blocks, w, w[:2], 4 * nw),
+        "weight_blocks": (weight_blocks, gate_up, [p[:2] for p in gate_up], 4 * nw),
         "group_columns": (None, x, tail, 3 * n + 4 * args.experts * args.d_model),
         "encode": (lambda t, b="auto": [encode_fp8_rows(t, b)], x, head, 3 * n + 4 * rows_n),
         "decode": (lambda t, b="auto": [decode_fp8_rows(t, torch.bfloat16, b)], packed, packed[:4096],
