@@ -31,7 +31,7 @@ and ``h`` is recomputed.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -43,6 +43,7 @@ from moe_mxfp8.sink import SinkRoute, carry_grad_sink, computes_now, deliver, ha
 from moe_mxfp8.swiglu import swiglu, swiglu_backward
 
 _CARRIED_ATTRS = (bool, int, float, str, type(None))
+LayerT = TypeVar("LayerT", bound=nn.Module)
 
 # (x_RK, dy_RN, offsets_E, like_EKN) -> a sink's add of ``x_e^T @ dy_e`` (module notes)
 WeightGradientMaker = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -60,7 +61,7 @@ def expert_weights(experts: nn.Module) -> tuple[nn.Parameter, nn.Parameter, nn.P
     return params["w1"], params["w3"], params["w2"]
 
 
-def take_over(source: nn.Module, layer: CachedGroupedExperts) -> CachedGroupedExperts:
+def take_over(source: nn.Module, layer: LayerT) -> LayerT:
     """``layer``, built on ``source``'s own weights, given ``source``'s public plain
     attributes (e.g. the expert range) and its ``grad_sink``, so code reading them keeps
     working."""
