@@ -68,6 +68,11 @@ def time_s(fn, iters: int, reps: int, host_ahead: bool = False) -> float:
     return time_ms(fn, warmup=1, iters=iters, reps=reps, host_ahead=host_ahead) / 1e3
 
 
+def gate_and_up(w13, hidden: int):
+    """The gate and up halves of ``w13 [E, 2F, D]``, contiguous, as the experts hold them."""
+    return [w13[:, :hidden].contiguous(), w13[:, hidden:].contiguous()]
+
+
 def routed_offsets(kind: str, tokens: int, experts: int, top_k: int, seed: int = 0):
     """Cumulative int32 group ends of ``tokens * top_k`` rows for a routing kind."""
     import torch
@@ -389,7 +394,7 @@ def sweep_tiles(args) -> dict:
         return [data_t[:, :int(ends[-1])].view(torch.uint8), scale]
 
     head = x[:4096]
-    gate_up = [w[:, :args.hidden].contiguous(), w[:, args.hidden:].contiguous()]  # as the cache holds them
+    gate_up = gate_and_up(w, args.hidden)
     tail = x[int(offsets[-9]):int(offsets[-1])]  # the last 8 experts' rows, for the check
     packed = encode_fp8_rows(x)
     # the experts' SwiGLU: h13 [R, 2F] (and dh [R, F] for the backward, which also writes h)
@@ -503,7 +508,7 @@ def bench_kernels(args) -> dict:
     # the gate/up weight cache's refresh in place: both copies of [w1; w3] written into the
     # cache's tensors, and the way without quantize_weight_rowwise (concatenate, transpose in
     # BF16, quantize each, copy into the cache); both counted as the bytes that must move
-    gate, up = w[:, :args.hidden].contiguous(), w[:, args.hidden:].contiguous()
+    gate, up = gate_and_up(w, args.hidden)
     cache = quantize_weight_rowwise([gate, up])
     block_cache = quantize_weight_blocks([gate, up])
 

@@ -20,9 +20,8 @@ import torch
 from pretrain.config import PretrainConfig
 from pretrain.errors import PretrainError
 from pretrain.planner import MemoryPlan, PlanRequest, plan_memory
+from pretrain.planner.memory import GIB
 from pretrain.planner.remedies import fitting_changes
-
-GIB = 2**30
 
 
 class OutOfMemory(PretrainError):

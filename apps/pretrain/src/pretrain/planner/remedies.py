@@ -25,7 +25,7 @@ import itertools
 from dataclasses import dataclass
 
 from pretrain.config import PretrainConfig
-from pretrain.planner.memory import MemoryPlan, PlanRequest, plan_memory
+from pretrain.planner.memory import GIB, MemoryPlan, PlanRequest, plan_memory
 
 RECOMPUTE_ORDER = ("none", "selective", "block")  # least memory last
 
@@ -39,8 +39,8 @@ class Remedy:
 
     def to_json(self) -> dict:
         return {"overrides": list(self.overrides),
-                "device_gib": self.plan.worst.device_total / 2**30,
-                "peak_allocated_gib": self.plan.worst.peak_allocated / 2**30}
+                "device_gib": self.plan.worst.device_total / GIB,
+                "peak_allocated_gib": self.plan.worst.peak_allocated / GIB}
 
 
 def _options(cfg: PretrainConfig) -> list[list[tuple[str, str, object]]]:
@@ -93,12 +93,12 @@ def format_remedies(plan: MemoryPlan, remedies: list[Remedy]) -> str:
     """Lines for ``pretrain plan`` under a plan that does not fit."""
     if remedies:
         lines = ["fits with (the least change first; GiB on the device, worst rank):"]
-        lines += [f"  {' '.join(r.overrides)}  ({r.plan.worst.device_total / 2**30:.1f} GiB)"
+        lines += [f"  {' '.join(r.overrides)}  ({r.plan.worst.device_total / GIB:.1f} GiB)"
                   for r in remedies]
         return "\n".join(lines)
     worst = plan.worst
     return ("no change of parallel.merge_expert_grad_microbatches, model.recompute or "
             "train.micro_batch fits: the persistent state alone is "
-            f"{worst.persistent / 2**30:.1f} GiB on pp rank {worst.pp_rank}; more GPUs "
+            f"{worst.persistent / GIB:.1f} GiB on pp rank {worst.pp_rank}; more GPUs "
             "(--gpus) shard the FP32 main weights and optimizer states, pipeline stages "
             "(parallel.pp) split the layers")
