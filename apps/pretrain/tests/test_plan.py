@@ -572,20 +572,52 @@ def test_a_plan_that_does_not_fit_offers_the_least_changes_that_fit(capsys):
     assert [line.split("  (")[0].strip().split() for line in lines[at + 1:]] == offers
 
 
-def test_a_plan_that_nothing_fits_names_the_persistent_state(capsys):
+def test_a_plan_that_nothing_fits_names_the_persistent_state_and_the_fewest_gpus(capsys):
     """FP8 bench-1gpu on an 80 GiB GPU: 68.9 GiB of persistent state leave no room; the
-    report says so, and JSON offers nothing."""
+    report says so and offers the fewest GPUs that fit: two (the distributed optimizer
+    halves the optimizer states) with the least change there, which one GPU with every
+    change does not fit and two GPUs without it do not either. On 20 GiB not even eight
+    GPUs fit (each holds the BF16 weights and the FP32 main weights' share)."""
     fp8 = ["mxfp8.targets=[experts,attn.w?,head]", "mxfp8.recipe=fp8_rowwise_gw_hp", "mxfp8.gemm=triton"]
     assert plan_command(["--config", "bench-1gpu", "--gpu-gib", "80", *fp8]) == 0
     out = capsys.readouterr().out
     assert ("no change of parallel.merge_expert_grad_microbatches, model.recompute or "
-            "train.micro_batch fits: the persistent state alone is 68.9 GiB on pp rank 0") in out
+            "train.micro_batch fits: the persistent state alone is 68.9 GiB on pp rank 0; on 2 "
+            "GPUs (--gpus 2) it fits with train.micro_batch=1 (69.2 GiB)") in out
     least = ["parallel.merge_expert_grad_microbatches=1", "model.recompute=block", "train.micro_batch=1"]
     assert _device_gib(least, 80.0, *fp8) > 72.0
+
+    def on_two(*overrides: str) -> float:
+        cfg = load_config("bench-1gpu", [*fp8, *overrides])
+        return plan_memory(PlanRequest.from_config(cfg, 2, gpu_gib=80.0)).worst.device_total / 2**30
+
+    assert on_two("train.micro_batch=1") <= 72.0 < on_two()
     assert plan_command(["--config", "bench-1gpu", "--gpu-gib", "80", "--json", *fp8]) == 0
-    assert json.loads(capsys.readouterr().out)["fits_with"] == []
+    report = json.loads(capsys.readouterr().out)
+    assert report["fits_with"] == []
+    assert report["fits_on_more_gpus"]["gpus"] == 2
+    assert report["fits_on_more_gpus"]["overrides"] == ["train.micro_batch=1"]
+    assert plan_command(["--config", "bench-1gpu", "--gpu-gib", "20", *fp8]) == 0
+    assert "nor does it on up to 8x the GPUs" in capsys.readouterr().out
     assert plan_command(["--config", "bench-1gpu", "--json"]) == 0  # fits: nothing offered
     assert "fits_with" not in json.loads(capsys.readouterr().out)
+
+
+def test_the_fewest_gpus_keep_a_config_valid_and_may_need_no_change():
+    """bench-1gpu needs 100.9 GiB: on two 110 GiB GPUs it fits as it is (no override
+    offered); on 40 GiB GPUs only four do, with changes. With a global batch of one
+    microbatch no larger world is a valid layout, so nothing is offered."""
+    from pretrain.planner.remedies import fewest_gpus
+
+    cfg = load_config("bench-1gpu")
+    as_is = fewest_gpus(cfg, 1, gpu_gib=110.0)
+    assert as_is is not None and (as_is.gpus, as_is.remedy.overrides) == (2, ())
+    assert as_is.remedy.plan.fits and not plan_memory(PlanRequest.from_config(cfg, 1, gpu_gib=110.0)).fits
+    changed = fewest_gpus(cfg, 1, gpu_gib=40.0)
+    assert changed is not None and changed.gpus == 4 and changed.remedy.overrides
+    assert not plan_memory(PlanRequest.from_config(cfg, 4, gpu_gib=40.0)).fits
+    one_microbatch = load_config("bench-1gpu", ["train.global_batch=2", "train.micro_batch=2"])
+    assert fewest_gpus(one_microbatch, 1, gpu_gib=40.0) is None
 
 
 def test_plan_says_which_keys_it_leaves_out(capsys):

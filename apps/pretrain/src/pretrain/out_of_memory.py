@@ -21,7 +21,7 @@ from pretrain.config import PretrainConfig
 from pretrain.errors import PretrainError
 from pretrain.planner import MemoryPlan, PlanRequest, plan_memory
 from pretrain.planner.memory import GIB
-from pretrain.planner.remedies import fitting_changes
+from pretrain.planner.remedies import fewest_gpus, fitting_changes
 
 
 class OutOfMemory(PretrainError):
@@ -73,8 +73,10 @@ def _least_change(cfg: PretrainConfig, world: int, gpu_gib: float, plan: MemoryP
     remedies = fitting_changes(cfg, world, most=1, gpu_gib=gpu_gib)
     if remedies:
         return f"it fits with {' '.join(remedies[0].overrides)}"
+    more_gpus = fewest_gpus(cfg, world, gpu_gib=gpu_gib)
+    where = more_gpus.describe() if more_gpus is not None else "use more GPUs or pipeline stages"
     return ("no change of expert-gradient merging, recompute or micro batch fits "
-            f"({plan.worst.persistent / GIB:.1f} GiB of persistent state): use more GPUs")
+            f"({plan.worst.persistent / GIB:.1f} GiB of persistent state): {where}")
 
 
 @contextmanager

@@ -197,15 +197,18 @@ def run(args: argparse.Namespace) -> int:
                                 cuda_graphs=cfg.train.cuda_graphs)
     except ValueError as e:  # moe_pp's ScheduleError is a ValueError too
         raise UsageError(str(e)) from None
-    remedies = None
+    remedies = more_gpus = None
     if not plan.fits:
-        from pretrain.planner.remedies import fitting_changes
+        from pretrain.planner.remedies import fewest_gpus, fitting_changes
 
         remedies = fitting_changes(cfg, args.gpus, gpu_gib=args.gpu_gib, headroom=args.headroom)
+        if not remedies:
+            more_gpus = fewest_gpus(cfg, args.gpus, gpu_gib=args.gpu_gib, headroom=args.headroom)
     if args.json:
         out = plan.to_json()
         if remedies is not None:
             out["fits_with"] = [r.to_json() for r in remedies]
+            out["fits_on_more_gpus"] = more_gpus.to_json() if more_gpus is not None else None
         if step is not None:
             out["step_time"] = step.to_json()
         print(json.dumps(out, indent=1))
@@ -214,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
         if remedies is not None:
             from pretrain.planner.remedies import format_remedies
 
-            print(format_remedies(plan, remedies))
+            print(format_remedies(plan, remedies, more_gpus))
         if step is not None:
             from pretrain.planner import format_step_time
 

@@ -17,6 +17,13 @@ out; the rest are ranked by how few settings they change, then by how little the
 depart from the run (each setting's steps away from its current value): the first is
 the least change that fits. Options the config refuses (e.g. recompute with a zero-bubble
 pipeline) are left out, as the app would refuse them.
+
+Where none of them fits, :func:`fewest_gpus` looks for the smallest world size, doubling
+up to ``MAX_GPU_FACTOR`` times the run's, on which the run fits as it is or with the least
+change above: more data-parallel ranks shard the FP32 main weights, the optimizer states
+(the distributed optimizer) and, under expert parallelism, the experts. The layout
+keys stay as they are, so the world must keep the config valid (the global batch
+divisible by the data-parallel ranks).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from pretrain.config import PretrainConfig
 from pretrain.planner.memory import GIB, MemoryPlan, PlanRequest, plan_memory
 
 RECOMPUTE_ORDER = ("none", "selective", "block")  # least memory last
+MAX_GPU_FACTOR = 8  # fewest_gpus tries 2x, 4x and 8x the run's world size
 
 
 @dataclass(frozen=True)
@@ -89,16 +97,55 @@ def fitting_changes(cfg: PretrainConfig, world: int, most: int = 3,
     return [remedy for _, remedy in least[:most]]
 
 
-def format_remedies(plan: MemoryPlan, remedies: list[Remedy]) -> str:
-    """Lines for ``pretrain plan`` under a plan that does not fit."""
+@dataclass(frozen=True)
+class MoreGpus:
+    """The fewest GPUs on which a run fits, and the least change it then needs (none: fits as is)."""
+
+    gpus: int
+    remedy: Remedy
+
+    def to_json(self) -> dict:
+        return {"gpus": self.gpus, **self.remedy.to_json()}
+
+    def describe(self) -> str:
+        change = f" with {' '.join(self.remedy.overrides)}" if self.remedy.overrides else ""
+        return (f"on {self.gpus} GPUs (--gpus {self.gpus}) it fits{change} "
+                f"({self.remedy.plan.worst.device_total / GIB:.1f} GiB)")
+
+
+def fewest_gpus(cfg: PretrainConfig, world: int, **planner: object) -> MoreGpus | None:
+    """The smallest of 2, 4 ... ``MAX_GPU_FACTOR`` times ``world`` on which ``cfg`` fits,
+    as it is or with :func:`fitting_changes`' least change (``planner`` as there); ``None``
+    where none does or the config refuses every such world."""
+    gpus = 2 * world
+    while gpus <= MAX_GPU_FACTOR * world:
+        try:
+            plan = plan_memory(PlanRequest.from_config(cfg, gpus, **planner))
+        except ValueError:  # a world the layout refuses (e.g. the batch does not divide)
+            plan = None
+        if plan is not None and plan.fits:
+            return MoreGpus(gpus, Remedy((), plan))
+        if plan is not None:
+            changes = fitting_changes(cfg, gpus, most=1, **planner)
+            if changes:
+                return MoreGpus(gpus, changes[0])
+        gpus *= 2
+    return None
+
+
+def format_remedies(plan: MemoryPlan, remedies: list[Remedy], more_gpus: MoreGpus | None) -> str:
+    """Lines for ``pretrain plan`` under a plan that does not fit (``more_gpus``: looked for
+    only where no remedy fits)."""
     if remedies:
         lines = ["fits with (the least change first; GiB on the device, worst rank):"]
         lines += [f"  {' '.join(r.overrides)}  ({r.plan.worst.device_total / GIB:.1f} GiB)"
                   for r in remedies]
         return "\n".join(lines)
     worst = plan.worst
-    return ("no change of parallel.merge_expert_grad_microbatches, model.recompute or "
+    head = ("no change of parallel.merge_expert_grad_microbatches, model.recompute or "
             "train.micro_batch fits: the persistent state alone is "
-            f"{worst.persistent / GIB:.1f} GiB on pp rank {worst.pp_rank}; more GPUs "
-            "(--gpus) shard the FP32 main weights and optimizer states, pipeline stages "
-            "(parallel.pp) split the layers")
+            f"{worst.persistent / GIB:.1f} GiB on pp rank {worst.pp_rank}; ")
+    if more_gpus is not None:
+        return head + more_gpus.describe()
+    return head + (f"nor does it on up to {MAX_GPU_FACTOR}x the GPUs; pipeline stages "
+                   "(parallel.pp) split the layers, expert parallelism (parallel.ep) the experts")
