@@ -602,9 +602,10 @@ def main() -> None:
 
     print(f"\n{report['device']}, torch {torch.__version__}; rows [{args.tokens * args.top_k}, "
           f"{args.d_model}], {args.experts} experts, hidden {args.hidden}")
-    print(f"{'kernel':40s} {'ms':>8s} {'TB/s':>7s} {'of copy':>8s}")
-    for name, r in kernels.items():
-        print(f"{name:40s} {r['ms']:8.3f} {r['tb_per_s']:7.2f} {r['fraction_of_copy']:8.0%}")
+    if kernels:  # each table only where its part ran
+        print(f"{'kernel':40s} {'ms':>8s} {'TB/s':>7s} {'of copy':>8s}")
+        for name, r in kernels.items():
+            print(f"{name:40s} {r['ms']:8.3f} {r['tb_per_s']:7.2f} {r['fraction_of_copy']:8.0%}")
     if tiles is not None:
         print(f"\n{'launch shape (sweep)':40s} {'TB/s':>7s} {'of copy':>8s}")
         for name, r in tiles.items():
@@ -613,20 +614,22 @@ def main() -> None:
                 rate = (f"{r['tb_per_s']:7.2f} {r['fraction_of_copy']:8.0%}" if "error" not in r
                         else r["error"][:60])
                 print(f"{name + mark:40s} {rate}")
-    print(f"\n{'GEMMs (grouped: gate/up shapes, balanced; dense: FP8Linear)':72s} {'ms':>8s} "
-          f"{'TFLOP/s':>8s}")
-    for name, r in gemms.items():
-        rate = (r["error"][:60] if "error" in r else f"{r['ms']:8.3f} {r['tflops']:8.0f}" if "tflops" in r
-                else f"{r['ms']:8.3f} {r['tb_per_s']:8.2f} TB/s")
-        print(f"{name:72s} {rate}")
-    print(f"\n{'routing':9s} {'layer':48s} {'fwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
-          f"{'vs bf16':>8s} {'rel err':>8s}")
-    for kind, res in layers.items():
-        for name, r in res.items():
-            if isinstance(r, dict):
-                print(f"{kind:9s} {name:48s} {r['forward_ms']:8.2f} {r['fwd_bwd_ms']:8.2f} "
-                      f"{r['fwd_bwd_tflops']:8.0f} {r['speedup_vs_bf16']:7.2f}x "
-                      f"{r['rel_error_vs_bf16']:8.4f}")
+    if gemms:
+        print(f"\n{'GEMMs (grouped: gate/up shapes, balanced; dense: FP8Linear)':72s} {'ms':>8s} "
+              f"{'TFLOP/s':>8s}")
+        for name, r in gemms.items():
+            rate = (r["error"][:60] if "error" in r else f"{r['ms']:8.3f} {r['tflops']:8.0f}" if "tflops" in r
+                    else f"{r['ms']:8.3f} {r['tb_per_s']:8.2f} TB/s")
+            print(f"{name:72s} {rate}")
+    if layers:
+        print(f"\n{'routing':9s} {'layer':48s} {'fwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
+              f"{'vs bf16':>8s} {'rel err':>8s}")
+        for kind, res in layers.items():
+            for name, r in res.items():
+                if isinstance(r, dict):
+                    print(f"{kind:9s} {name:48s} {r['forward_ms']:8.2f} {r['fwd_bwd_ms']:8.2f} "
+                          f"{r['fwd_bwd_tflops']:8.0f} {r['speedup_vs_bf16']:7.2f}x "
+                          f"{r['rel_error_vs_bf16']:8.4f}")
     print(f"\nwrote {args.out}")
 
 
