@@ -20,10 +20,10 @@ pipeline) are left out, as the app would refuse them.
 
 Where none of them fits, :func:`fewest_gpus` looks for the smallest world size, doubling
 up to ``MAX_GPU_FACTOR`` times the run's, on which the run fits as it is or with the least
-change above: more data-parallel ranks shard the FP32 main weights, the optimizer states
-(the distributed optimizer) and, under expert parallelism, the experts. The layout
-keys stay as they are, so the world must keep the config valid (the global batch
-divisible by the data-parallel ranks).
+change above: more data-parallel ranks shard the FP32 main weights and the optimizer
+states (the distributed optimizer). The layout keys (pipeline stages, expert parallelism)
+stay as they are, so a world counts only where the config stays valid there (the global
+batch divisible by the data-parallel ranks).
 """
 
 from __future__ import annotations
@@ -147,5 +147,5 @@ def format_remedies(plan: MemoryPlan, remedies: list[Remedy], more_gpus: MoreGpu
             f"{worst.persistent / GIB:.1f} GiB on pp rank {worst.pp_rank}; ")
     if more_gpus is not None:
         return head + more_gpus.describe()
-    return head + (f"nor does it on up to {MAX_GPU_FACTOR}x the GPUs; pipeline stages "
-                   "(parallel.pp) split the layers, expert parallelism (parallel.ep) the experts")
+    return head + (f"nor does it on 2-{MAX_GPU_FACTOR}x the GPUs in this layout; pipeline "
+                   "stages (parallel.pp) split the layers, expert parallelism (parallel.ep) the experts")
