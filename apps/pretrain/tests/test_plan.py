@@ -607,15 +607,21 @@ def test_the_fewest_gpus_keep_a_config_valid_and_may_need_no_change():
     """bench-1gpu needs 100.9 GiB: on two 110 GiB GPUs it fits as it is (no override
     offered); on 40 GiB GPUs only four do, with changes. With a global batch of one
     microbatch no larger world is a valid layout, so nothing is offered."""
-    from pretrain.planner.remedies import fewest_gpus
+    from pretrain.planner.remedies import fewest_gpus, fitting_changes
 
     cfg = load_config("bench-1gpu")
     as_is = fewest_gpus(cfg, 1, gpu_gib=110.0)
     assert as_is is not None and (as_is.gpus, as_is.remedy.overrides) == (2, ())
     assert as_is.remedy.plan.fits and not plan_memory(PlanRequest.from_config(cfg, 1, gpu_gib=110.0)).fits
+    assert plan_memory(PlanRequest.from_config(cfg, 2, gpu_gib=110.0)).fits  # planned afresh
     changed = fewest_gpus(cfg, 1, gpu_gib=40.0)
     assert changed is not None and changed.gpus == 4 and changed.remedy.overrides
     assert not plan_memory(PlanRequest.from_config(cfg, 4, gpu_gib=40.0)).fits
+    with_offer = load_config("bench-1gpu", list(changed.remedy.overrides))
+    assert plan_memory(PlanRequest.from_config(with_offer, 4, gpu_gib=40.0)).fits
+    # two GPUs do not fit, not even with the least change there
+    assert not plan_memory(PlanRequest.from_config(cfg, 2, gpu_gib=40.0)).fits
+    assert fitting_changes(cfg, 2, gpu_gib=40.0) == []
     one_microbatch = load_config("bench-1gpu", ["train.global_batch=2", "train.micro_batch=2"])
     assert fewest_gpus(one_microbatch, 1, gpu_gib=40.0) is None
 

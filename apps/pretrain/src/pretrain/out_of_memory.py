@@ -37,9 +37,7 @@ def out_of_memory(cfg: PretrainConfig, world: int, gpu_gib: float, error: BaseEx
         plan = plan_memory(PlanRequest.from_config(cfg, world, gpu_gib=gpu_gib))
     except ValueError:  # a run the planner cannot model: torch's account alone
         return OutOfMemory(f"the GPU ran out of memory ({detail})")
-    worst = plan.worst
-    need = (f"the memory plan of this run needs {worst.device_total / GIB:.1f} GiB per GPU "
-            f"(pp rank {worst.pp_rank}) of this GPU's {gpu_gib:.1f}")
+    need = f"{_plan_needs(plan)} of this GPU's {gpu_gib:.1f}"
     advice = ("which the plan expected to fit: something outside the plan holds GPU memory "
               "(another process, or a fragmented allocator)" if plan.fits
               else _least_change(cfg, world, gpu_gib, plan))
@@ -61,11 +59,15 @@ def memory_warning(cfg: PretrainConfig, world: int, device: torch.device) -> str
         return None
     if plan.fits:
         return None
-    worst = plan.worst
-    return (f"warning: the memory plan of this run needs {worst.device_total / GIB:.1f} GiB per "
-            f"GPU (pp rank {worst.pp_rank}), more than this GPU's {gpu_gib:.1f}: expect it to run "
+    return (f"warning: {_plan_needs(plan)}, more than this GPU's {gpu_gib:.1f}: expect it to run "
             f"out of memory; {_least_change(cfg, world, gpu_gib, plan)} (`pretrain plan` lists "
             "the options)")
+
+
+def _plan_needs(plan: MemoryPlan) -> str:
+    worst = plan.worst
+    return (f"the memory plan of this run needs {worst.device_total / GIB:.1f} GiB per GPU "
+            f"(pp rank {worst.pp_rank})")
 
 
 def _least_change(cfg: PretrainConfig, world: int, gpu_gib: float, plan: MemoryPlan) -> str:

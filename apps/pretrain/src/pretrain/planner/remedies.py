@@ -117,19 +117,18 @@ def fewest_gpus(cfg: PretrainConfig, world: int, **planner: object) -> MoreGpus 
     """The smallest of 2, 4 ... ``MAX_GPU_FACTOR`` times ``world`` on which ``cfg`` fits,
     as it is or with :func:`fitting_changes`' least change (``planner`` as there); ``None``
     where none does or the config refuses every such world."""
-    gpus = 2 * world
-    while gpus <= MAX_GPU_FACTOR * world:
+    factor = 2
+    while factor <= MAX_GPU_FACTOR:
+        gpus, factor = factor * world, factor * 2
         try:
             plan = plan_memory(PlanRequest.from_config(cfg, gpus, **planner))
         except ValueError:  # a world the layout refuses (e.g. the batch does not divide)
-            plan = None
-        if plan is not None and plan.fits:
+            continue
+        if plan.fits:
             return MoreGpus(gpus, Remedy((), plan))
-        if plan is not None:
-            changes = fitting_changes(cfg, gpus, most=1, **planner)
-            if changes:
-                return MoreGpus(gpus, changes[0])
-        gpus *= 2
+        changes = fitting_changes(cfg, gpus, most=1, **planner)
+        if changes:
+            return MoreGpus(gpus, changes[0])
     return None
 
 
