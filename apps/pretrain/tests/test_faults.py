@@ -308,6 +308,52 @@ def test_the_collective_timeout_is_the_process_groups(monkeypatch):
         load_config("tiny", ["train.collective_timeout_s=0"])
 
 
+# Rank 1 of two, at step 3: dies as the out-of-memory killer would end it, or stops answering.
+_RANK_1_FAILS = {
+    "dies": "os._exit(3)",
+    "hangs": "time.sleep(10)",  # past rank 0's 2 s collective timeout; torchrun then stops it
+}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("failure, message", [
+    ("dies", r"pretrain: error: rank 0 of 2: another rank failed or was stopped during a "
+             r"collective \(Connection (closed|reset) by peer[^)]*\); that rank's output says why"),
+    ("hangs", r"pretrain: error: rank 0 of 2: a collective waited longer than "
+              r"train.collective_timeout_s=2 s for another rank, which failed, hung or is far "
+              r"behind \(Timed out waiting 2000ms for recv operation to complete\)"),
+])
+def test_a_rank_that_dies_or_hangs_ends_its_peer_in_one_line(tmp_path, failure, message):
+    """torchrun, two ranks on CPU (gloo): the surviving rank's collective fails with gloo's
+    error, a source location and a socket; it says in one line, without a traceback, that
+    another rank failed, or that it waited out ``train.collective_timeout_s``."""
+    script = tmp_path / "rank_1_fails.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, time
+        import pretrain.trainer
+        train_step = pretrain.trainer.Trainer.train_step
+        def failing(self, step, *args, **kwargs):
+            if step == 3 and os.environ["RANK"] == "1":
+                {_RANK_1_FAILS[failure]}
+            return train_step(self, step, *args, **kwargs)
+        pretrain.trainer.Trainer.train_step = failing
+        from pretrain.cli import main
+        sys.exit(main())
+    """))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), "--config", "tiny", "train.steps=8", "train.collective_timeout_s=2",
+         f"run_dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=200, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("pretrain: error: rank 0")]
+    assert len(errors) == 1 and re.fullmatch(message, errors[0]), proc.stderr[-3000:]
+    # the launcher's own report has a traceback; the ranks' frames must not appear
+    assert not re.search(r'File ".*/(pretrain|moe_\w+)/', proc.stderr), proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("line, message", [
     ('[train]\nsteps = "40"', "train.steps expects an integer, got '40' (a quoted string in TOML"),
     ('[optim]\nlr = "1e-3"', "optim.lr expects a number, got '1e-3' (a quoted string in TOML"),
@@ -428,3 +474,23 @@ def test_a_run_the_plan_cannot_fit_is_warned_about_before_it_builds(monkeypatch)
     assert ("more than this GPU's 80.0: expect it to run out of memory; it fits with "
             "parallel.merge_expert_grad_microbatches=1 model.recompute=block") in line
     assert warning(110.0) is None and warning(80.0, "cpu") is None
+
+
+def test_only_a_lost_peer_or_a_timeout_on_several_ranks_is_a_peer_failure():
+    """NCCL's wording too; a one-rank world, another RuntimeError or another kind of error
+    is not one (a bug keeps its traceback)."""
+    from pretrain.runtime import peer_failure
+
+    nccl = RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1971, remote process exited or "
+                        "there was a network error, NCCL version 2.27.3\nncclRemoteError: ...")
+    assert str(peer_failure(nccl, 3, 8, 600.0)) == (
+        "rank 3 of 8: another rank failed or was stopped during a collective (NCCL error in: "
+        "ProcessGroupNCCL.cpp:1971, remote process exited or there was a network error, NCCL "
+        "version 2.27.3); that rank's output says why")
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error "
+                        "[10.0.0.2]:4711: Connection reset by peer. This is typically caused by a "
+                        "remote worker hanging")
+    assert "(Read error [10.0.0.2]:4711: Connection reset by peer);" in str(peer_failure(gloo, 0, 2, 60.0))
+    assert peer_failure(gloo, 0, 1, 60.0) is None
+    assert peer_failure(RuntimeError("expected scalar type Float but found Half"), 0, 2, 60.0) is None
+    assert peer_failure(ValueError("Connection reset by peer"), 0, 2, 60.0) is None

@@ -6,11 +6,18 @@ The rank and world come from the launcher's environment (``torchrun`` sets
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``);
 without them this is a one-process world on an in-memory store. A group that
 already exists (a test harness made it) is joined and left alone.
+
+When one rank of several dies (a crash, the out-of-memory killer, a lost host), its peers'
+next collective fails with the communication backend's own error, a source location and a
+socket address; a collective that waits out ``train.collective_timeout_s`` fails likewise.
+``distributed`` turns both into a ``PeerFailure``: one line that says which it was and
+that the first rank to fail has the error worth reading.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,6 +51,36 @@ def resolve_device(preference: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
 
 
+class PeerFailure(PretrainError):
+    """A collective failed because another rank of the run died or stopped answering."""
+
+
+# What gloo and NCCL say, lowercased, when a peer is gone or a collective waited too long.
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "remote process exited", "communicator was aborted")
+_TIMED_OUT = ("timed out waiting", "watchdog caught collective operation timeout")
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def peer_failure(error: BaseException, rank: int, world: int, timeout_s: float) -> PeerFailure | None:
+    """The one-line account of ``error`` if it is a collective losing a peer or timing out
+    on a world of several ranks; ``None`` for anything else (a bug keeps its traceback)."""
+    if world < 2 or not isinstance(error, RuntimeError):
+        return None
+    text = str(error)
+    lowered = text.lower()
+    if any(s in lowered for s in _TIMED_OUT):
+        what, after = (f"a collective waited longer than train.collective_timeout_s={timeout_s:g} s "
+                       "for another rank, which failed, hung or is far behind"), ""
+    elif any(s in lowered for s in _PEER_GONE):
+        what, after = ("another rank failed or was stopped during a collective",
+                       "; that rank's output says why")
+    else:
+        return None
+    cause = _SOURCE_LOCATION.sub("", text.strip().splitlines()[0]).split(". This is typically")[0]
+    return PeerFailure(f"rank {rank} of {world}: {what} ({cause}){after}")
+
+
 @contextmanager
 def distributed(device_preference: str, timeout_s: float = 600.0) -> Iterator[Runtime]:
     """Join or create the default process group for the run; destroy what was created.
@@ -63,8 +100,14 @@ def distributed(device_preference: str, timeout_s: float = 600.0) -> Iterator[Ru
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timedelta(seconds=timeout_s), **kwargs)
+    rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        yield Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device)
+        yield Runtime(rank, world, local_rank, device)
+    except RuntimeError as e:
+        failure = peer_failure(e, rank, world, timeout_s)
+        if failure is None:
+            raise
+        raise failure from e
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
