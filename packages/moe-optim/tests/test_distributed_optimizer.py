@@ -398,19 +398,20 @@ MEM_DENSE = {f"layer{i}.weight": (64, 64) for i in range(4)}
 MEM_EXPERTS = {"layer.experts.w": (4, 64, 64)}
 
 
-def _persistent_bytes(expert_parallel: bool) -> dict[str, float]:
-    """Bytes per logical parameter, from the storages this rank actually holds."""
+def _persistent_bytes(expert_parallel: bool, dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    """Bytes per logical parameter, from the storages this rank actually holds (``dtype``:
+    the parameters')."""
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     groups = build_groups(dist.get_world_size()) if distributed else {None: None}
     dense_key = "world" if distributed else None
     expert_key = SUBGROUPS[rank // 2] if expert_parallel else dense_key
-    held = [(n, 0, s[0], dense_key, nn.Parameter(torch.randn(s, dtype=torch.bfloat16)))
+    held = [(n, 0, s[0], dense_key, nn.Parameter(torch.randn(s, dtype=dtype)))
             for n, s in MEM_DENSE.items()]
     for n, s in MEM_EXPERTS.items():
         start, count = (2 * (rank // 2), 2) if expert_parallel else (0, s[0])
         held.append((n, start, count, expert_key,
-                     nn.Parameter(torch.randn(count, *s[1:], dtype=torch.bfloat16))))
+                     nn.Parameter(torch.randn(count, *s[1:], dtype=dtype))))
     grads = Grads(held, groups, "full")
     opt = DistributedOptimizer(grads, OptimConfig(min_shard_numel=MIN_SHARD),
                                norm_group=dist.group.WORLD if distributed else None)
@@ -445,3 +446,20 @@ def test_persistent_bytes_per_parameter():
     for r in run_distributed(_persistent_bytes, d, True, timeout=60):
         assert within(r["dense"], 6 + 12 / d), r
         assert within(r["experts"], 6 / m_e + 12 / d), r
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fp32_parameters_are_their_own_main_weights():
+    """FP32 parameters keep no second FP32 copy: 4 (weight and main) + 4 (grad) + 8
+    (moments) bytes per parameter on one rank; sharded over 4, the weight stays whole and
+    the moments shard, 8 + 8/4. The updates equal torch's AdamW on FP32 parameters
+    (``test_matches_torch_adamw_and_reference_muon``, whose parameters are FP32)."""
+    within = lambda got, want: abs(got - want) <= 0.05 * want  # noqa: E731
+    plain = _persistent_bytes(False, torch.float32)
+    assert within(plain["dense"], 16) and within(plain["experts"], 16), plain
+    d = 4
+    for r in run_distributed(_persistent_bytes, d, False, torch.float32, timeout=60):
+        assert within(r["dense"], 8 + 8 / d) and within(r["experts"], 8 + 8 / d), r
+        # the rebuild gathers the FP32 weights' regions (4 bytes each), as for any dtype
+        assert r["bytes_per_step"] == {(0, 1, 2, 3): 3 * (32768 // 4) * 4 + 2 * 3 * 4 // 4}

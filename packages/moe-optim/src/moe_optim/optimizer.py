@@ -12,8 +12,8 @@ One step (docs/ARCHITECTURE.md, step timeline):
 4. Muon: momentum on the shards, Newton-Schulz on whole matrices brought to one
    owner rank each (``muon_exchange``), update applied to the shards, guarded by
    the same flag;
-5. rebuild the BF16/FP32 compute weights in place (``rebuild``), then run the
-   weights-updated hooks.
+5. rebuild the compute weights in place (``rebuild``; an FP32 parameter is its own
+   main weight, ``TensorLayout.main_is_param``), then run the weights-updated hooks.
 
 Nothing in the steady state reads a device value on the host. The FP32 main
 weights start from the parameters' values at construction: build the optimizer

@@ -6,7 +6,8 @@ cast into this rank's region of a flat buffer and one in-place
 copied out of the ``G`` regions (owner-major, as in the gradient buckets).
 Buffers are capped in size and at most two are in flight, so the transient
 memory stays bounded whatever the model size. Replicated tensors are copied
-from their local main weight directly. Collectives are issued in a fixed order
+from their local main weight directly, except an FP32 one, which is its main weight
+(``TensorLayout.main_is_param``) and has nothing to copy. Collectives are issued in a fixed order
 (the parameter order), identical on all ranks of a group.
 
 Shape legend: G ranks in the replica group, N elements of one rank's region.
@@ -44,7 +45,8 @@ def _aligned(n: int) -> int:
 class WeightRebuilder:
     def __init__(self, layouts: list[TensorLayout], mains: list[torch.Tensor], cap_bytes: int) -> None:
         self._layouts, self._mains = layouts, mains
-        self._replicated = [i for i, lay in enumerate(layouts) if not lay.sharded]
+        self._replicated = [i for i, lay in enumerate(layouts)
+                            if not lay.sharded and not lay.main_is_param]
         self._chunks: list[_Chunk] = []
         open_chunks: dict[tuple, _Chunk] = {}
         for i, lay in enumerate(layouts):

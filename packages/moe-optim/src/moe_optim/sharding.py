@@ -5,6 +5,11 @@ rank ``r`` of the group owns shard ``r``. The mapping is local to one tensor, so
 update, weight rebuild and checkpoint offsets stay direct. Tensors that are small
 or whose element count ``G`` does not divide stay replicated: every rank of the
 group updates the whole tensor identically.
+
+An FP32 parameter is its own main weight: the main is a view of (this rank's part
+of) the parameter, not a copy, so an FP32 model keeps 4 bytes per parameter for its
+weights instead of 8 (as ``torch.optim`` updates FP32 parameters in place). A write
+to such a parameter is a write to its main weight.
 """
 
 from __future__ import annotations
@@ -106,9 +111,16 @@ class TensorLayout:
             )
         return main_grad.reshape(-1)
 
+    @property
+    def main_is_param(self) -> bool:
+        """Whether the FP32 main weight is (this rank's part of) the parameter itself."""
+        return self.param.dtype == torch.float32
+
     def initial_main(self) -> torch.Tensor:
-        flat = self.param.detach().reshape(-1)
-        return flat[self.start : self.start + self.local_numel].to(torch.float32).clone()
+        """This rank's FP32 main weight: a view of an FP32 parameter (``main_is_param``), else
+        a copy of the parameter's values."""
+        part = self.param.detach().view(-1)[self.start : self.start + self.local_numel]
+        return part if self.main_is_param else part.to(torch.float32).clone()
 
 
 def _check_placement(name: str, shape: tuple[int, ...], placement: Placement) -> None:
