@@ -118,7 +118,13 @@ def test_experts_match_torchao_oracle(recipe):
     y.backward(dy)
     ref = oracle(recipe, rows.detach(), offsets, experts.w1, experts.w3, experts.w2, dy)
     torch.testing.assert_close(y[:27], ref[0][:27], **TIGHT)
-    torch.testing.assert_close(rows.grad[:27], ref[1][:27], **TIGHT)
+    # blockwise: the input gradient reduces over 2F = 256 in two promoted 128-blocks, the
+    # oracle in one FP32 matmul, of terms up to |drows| ~ 70: on some CPUs' BLAS (AVX-512)
+    # that reordering moves small entries by 1e-5 to 3e-5. Scaled by the largest entry,
+    # the tolerance stays a hundredth of one E4M3 step of a wrong quantization.
+    scale = float(ref[1][:27].abs().max())
+    dtol = dict(rtol=2e-5, atol=2e-6 * scale) if recipe == "fp8_blockwise" else TIGHT
+    torch.testing.assert_close(rows.grad[:27], ref[1][:27], **dtol)
     # unquantized weight gradients (gw_hp, blockwise) see the layer's SwiGLU derivative, an ulp
     # away from autograd's, without a quantization step to absorb it
     wtol = TIGHT if recipe == "fp8_rowwise" else dict(rtol=2e-5, atol=1e-5)
