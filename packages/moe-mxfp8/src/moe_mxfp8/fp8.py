@@ -35,6 +35,7 @@ group's columns at a 16-byte aligned address), padding zero.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -300,11 +301,14 @@ def _weight_copies(parts: list[torch.Tensor] | tuple[torch.Tensor, ...], block: 
 
 def _reference_weight_copies(parts: list[torch.Tensor], block: tuple[int, int], pow2: bool,
                              rows: FP8Tensor, cols: FP8Tensor) -> None:
-    weight = cat_parts(parts)
-    for dst, src in ((rows, weight), (cols, weight.mT)):
-        ref = quantize_fp8_reference(src, block, pow2)
-        dst.data.copy_(ref.data)
-        dst.scale.copy_(ref.scale)
+    """The reference's copies, one matrix of a stacked weight (``[E, M, K]``: one expert) at a
+    time, so that its FP32 temporaries are one matrix's, not the stack's."""
+    for index in itertools.product(*(range(n) for n in parts[0].shape[:-2])):
+        weight = cat_parts([t[index] for t in parts])
+        for dst, src in ((rows, weight), (cols, weight.mT)):
+            ref = quantize_fp8_reference(src, block, pow2)
+            dst.data[index].copy_(ref.data)
+            dst.scale[index].copy_(ref.scale)
 
 
 def padded_group_ends(offsets: torch.Tensor, align: int = GROUP_ALIGN) -> torch.Tensor:
