@@ -383,6 +383,8 @@ def _measure_trainer(overrides: list[str], world: int) -> dict[str, float]:
                     for p in trainer.model.parameters()}
         states = {s.local.untyped_storage().data_ptr(): s.local.untyped_storage().nbytes()
                   for s in trainer.optimizer.sharded_state().values()}
+        for ptr in storages:  # an FP32 parameter's main weight is the parameter: a weight
+            states.pop(ptr, None)
         n_tensors = len(list(trainer.ddp))
         out = {
             "pp_rank": mesh.pp_rank,
@@ -573,30 +575,31 @@ def test_a_plan_that_does_not_fit_offers_the_least_changes_that_fit(capsys):
 
 
 def test_a_plan_that_nothing_fits_names_the_persistent_state_and_the_fewest_gpus(capsys):
-    """FP8 bench-1gpu on an 80 GiB GPU: 68.9 GiB of persistent state leave no room; the
+    """FP8 bench-1gpu on a 64 GiB GPU: 62.9 GiB of persistent state leave no room; the
     report says so and offers the fewest GPUs that fit: two (the distributed optimizer
     halves the optimizer states) with the least change there, which one GPU with every
     change does not fit and two GPUs without it do not either. On 20 GiB not even eight
     GPUs fit (each holds the BF16 weights and the FP32 main weights' share)."""
     fp8 = ["mxfp8.targets=[experts,attn.w?,head]", "mxfp8.recipe=fp8_rowwise_gw_hp", "mxfp8.gemm=triton"]
-    assert plan_command(["--config", "bench-1gpu", "--gpu-gib", "80", *fp8]) == 0
+    assert plan_command(["--config", "bench-1gpu", "--gpu-gib", "64", *fp8]) == 0
     out = capsys.readouterr().out
+    two = ["parallel.merge_expert_grad_microbatches=1", "model.recompute=selective"]
     assert ("no change of parallel.merge_expert_grad_microbatches, model.recompute or "
-            "train.micro_batch fits: the persistent state alone is 68.9 GiB on pp rank 0; on 2 "
-            "GPUs (--gpus 2) it fits with train.micro_batch=1 (69.2 GiB)") in out
+            "train.micro_batch fits: the persistent state alone is 62.9 GiB on pp rank 0; on 2 "
+            f"GPUs (--gpus 2) it fits with {' '.join(two)} (57.5 GiB)") in out
     least = ["parallel.merge_expert_grad_microbatches=1", "model.recompute=block", "train.micro_batch=1"]
-    assert _device_gib(least, 80.0, *fp8) > 72.0
+    assert _device_gib(least, 64.0, *fp8) > 57.6
 
     def on_two(*overrides: str) -> float:
         cfg = load_config("bench-1gpu", [*fp8, *overrides])
-        return plan_memory(PlanRequest.from_config(cfg, 2, gpu_gib=80.0)).worst.device_total / 2**30
+        return plan_memory(PlanRequest.from_config(cfg, 2, gpu_gib=64.0)).worst.device_total / 2**30
 
-    assert on_two("train.micro_batch=1") <= 72.0 < on_two()
-    assert plan_command(["--config", "bench-1gpu", "--gpu-gib", "80", "--json", *fp8]) == 0
+    assert on_two(*two) <= 57.6 < on_two()
+    assert plan_command(["--config", "bench-1gpu", "--gpu-gib", "64", "--json", *fp8]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["fits_with"] == []
     assert report["fits_on_more_gpus"]["gpus"] == 2
-    assert report["fits_on_more_gpus"]["overrides"] == ["train.micro_batch=1"]
+    assert report["fits_on_more_gpus"]["overrides"] == two
     assert plan_command(["--config", "bench-1gpu", "--gpu-gib", "20", *fp8]) == 0
     assert "nor does it on 2-8x the GPUs in this layout" in capsys.readouterr().out
     assert plan_command(["--config", "bench-1gpu", "--json"]) == 0  # fits: nothing offered

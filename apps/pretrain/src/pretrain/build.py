@@ -13,7 +13,10 @@ Order (each step needs the ones before it):
    parameter name, global expert id), so every layout starts from the same weights;
 5. cast the parameters to the compute dtype; buffers (the routers' selection
    bias) stay FP32. The distributed optimizer keeps the FP32 main weights, taken
-   from these values (BF16-rounded initial values on GPU, the same on every layout);
+   from these values (BF16-rounded initial values on GPU, the same on every layout).
+   Low-precision experts whose main weight this rank holds whole stay FP32, rounded
+   to the compute dtype's values, as their own main weights
+   (``pretrain.optimizer.expert_weight_in_fp32``);
 6. MXFP8 (``mxfp8.targets``): swap the target layers, same parameters and names;
 7. EP dispatch: one transport per EP group, shared by all MoE layers, one
    dispatcher per layer (seeded by the layer, for fair overflow drops), which the
@@ -23,6 +26,7 @@ Order (each step needs the ones before it):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +45,7 @@ from torch import nn
 
 from pretrain.config import EP_PAYLOAD_CODECS, ConfigError, PretrainConfig, ep_call_tokens
 from pretrain.mesh import ParallelMesh
+from pretrain.optimizer import expert_weight_in_fp32
 
 _ROOT_CHILDREN = ("embed", "norm", "head")
 META_BUILD_BYTES = 1 << 30  # build on meta when the whole model's FP32 weights exceed this
@@ -69,10 +74,13 @@ class ModelPart:
                 nvshmem_memory.finalize()
 
 
-def cast_parameters_(module: nn.Module, dtype: torch.dtype) -> None:
-    """Parameters to ``dtype`` in place (same ``Parameter`` objects); buffers untouched."""
-    for p in module.parameters():
-        p.data = p.data.to(dtype)
+def cast_parameters_(module: nn.Module, dtype: torch.dtype, keep: Callable[[str, nn.Parameter], bool]
+                     = lambda name, p: False) -> None:
+    """Parameters to ``dtype`` in place (same ``Parameter`` objects); those ``keep`` names
+    keep their dtype and take ``dtype``'s values (so the main weights start from the same
+    values whichever parameters stay); buffers untouched."""
+    for name, p in module.named_parameters():
+        p.data = p.data.to(dtype).to(p.dtype) if keep(name, p) else p.data.to(dtype)
 
 
 def _moe_layer_index(name: str, n_dense_layers: int) -> int:
@@ -156,7 +164,8 @@ def build_model_part(cfg: PretrainConfig, mesh: ParallelMesh, device: torch.devi
     if on_meta:
         module.to_empty(device=device)
     init_weights(module, m, cfg.seed)
-    cast_parameters_(module, dtype)
+    targets, ep_dp = cfg.mxfp8.targets, mesh.layout.ep_dp
+    cast_parameters_(module, dtype, lambda name, p: expert_weight_in_fp32(name, p.numel(), targets, ep_dp))
     mxfp8_layers = apply_mxfp8(module, cfg.mxfp8) if cfg.mxfp8.targets else []
     if pipeline is not None:  # a swapped root child (the head) must reach the stage views too
         for stage in pipeline.stages.stages:

@@ -13,7 +13,9 @@ group (the same group its gradient is reduced over: DP for dense parameters,
 EP-DP for routed experts). ``norm_group`` is the world, so the gradient norm
 counts every logical parameter once across pipeline stages and expert shards.
 Expert parameters carry their place in the logical tensor (a dim-0 slice under
-EP), which is what checkpoints store them by.
+EP), which is what checkpoints store them by. An FP32 parameter is its own main weight
+(moe_optim); ``expert_weight_in_fp32`` says which routed-expert weights the model keeps
+in FP32 for that reason under a narrower compute dtype.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from moe_ddp import is_sharded
 from moe_model import param_kind
 from moe_optim import (
     AdamWConfig,
@@ -38,6 +41,27 @@ from pretrain.config import OptimConfig as AppOptimConfig
 
 MIN_SHARD_NUMEL = 4096  # smaller tensors stay replicated; DDP and the optimizer must agree
 _ADAMW_MATRICES = ("embed.weight", "head.weight")  # stay on AdamW under optim.name=muon
+
+
+def expert_weight_in_fp32(name: str, numel: int, low_precision_targets: tuple[str, ...],
+                          ep_dp: int) -> bool:
+    """Whether the routed-expert weight ``name`` (``numel`` elements on this rank) stays FP32
+    in a run whose compute dtype is narrower.
+
+    A low-precision experts layer (``mxfp8.targets``, any recipe) runs no GEMM on its
+    compute weights: its forward and input-gradient GEMMs read the weight caches, derived
+    from the weights rounded to BF16 (the same values either way), and its weight
+    gradients come from activations. Where the optimizer keeps the whole FP32 main weight
+    on this rank (not sharded over the ``ep_dp`` replicas), the FP32 parameter is that main
+    weight: 4 bytes per parameter instead of a 2-byte compute weight beside it. Sharded
+    over ``G`` replicas the BF16 weight costs 2 + 4/G, no more for ``G`` >= 2, and its
+    rebuild gathers half the bytes: those stay BF16."""
+    if param_kind(name) != "expert" or is_sharded(numel, ep_dp, MIN_SHARD_NUMEL):
+        return False
+    from moe_mxfp8 import name_matches
+
+    module = name.rpartition(".")[0]
+    return any(name_matches(module, t) for t in low_precision_targets)
 
 
 def param_rules(cfg: AppOptimConfig) -> list[ParamRule]:

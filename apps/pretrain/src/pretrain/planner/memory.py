@@ -363,12 +363,13 @@ def _optimizer_step_transient(state: PersistentMemory, optimizer: str) -> int:
     owned shard (8 B/element), the exchanges' send, receive and return buffers for
     sharded tensors (12 B/element), and one Newton-Schulz batch of equal-shaped
     matrices at a time (its FP32 copy, BF16 iterate and Gram products: 8 B/element,
-    measured on CPU together with the 8 B/element; the exchange term is not).
+    measured on CPU together with the 8 B/element; the exchange term is not). The weight
+    caches refresh after both, one at a time (``PersistentMemory.cache_refresh``).
     """
     transient = 3 * state.largest_gather_chunk
     if optimizer == "muon":
         transient += 8 * state.muon_owned + 12 * state.muon_exchanged + 8 * state.muon_largest_batch
-    return transient
+    return max(transient, state.cache_refresh)
 
 
 def _nccl_groups(req: PlanRequest) -> int:

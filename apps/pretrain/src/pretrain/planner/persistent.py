@@ -4,13 +4,16 @@ For each parameter the rank holds (its pipeline stages' blocks, the embedding on
 the first stage, the final norm and head on the last, its EP slice of every expert
 tensor):
 
-- compute weight: the parameter itself, in the compute dtype;
+- compute weight: the parameter itself, in the compute dtype, or FP32 for a
+  low-precision experts weight whose main weight the rank holds whole
+  (``pretrain.optimizer.expert_weight_in_fp32``);
 - FP32 gradient: moe_ddp's flat buckets, laid out by ``moe_ddp.layout.plan_buckets``
   (per replica group, owner-major reduce-scatter buckets, 16-element alignment),
   so bucket padding is counted exactly;
 - FP32 main weight and optimizer states of the owned part: a tensor is sharded
   over its replica group iff ``moe_ddp.is_sharded`` (numel divisible by the group
-  size and at least ``min_shard_numel``), else every replica keeps all of it;
+  size and at least ``min_shard_numel``), else every replica keeps all of it; an
+  FP32 parameter is its own main weight (moe_optim), counted once, as a weight;
   AdamW keeps two moments, Muon one momentum; which tensor gets which is the app's
   own policy (``pretrain.optimizer.param_rules``, resolved by moe_optim);
 - low-precision weight caches of targeted modules (``moe_mxfp8``'s recipes): MXFP8
@@ -36,7 +39,7 @@ from moe_model import MoEConfig, MoETransformer, param_kind
 from moe_optim.config import resolve_rule
 
 from pretrain.config import OptimConfig as AppOptimConfig
-from pretrain.optimizer import MIN_SHARD_NUMEL, optim_config, param_rules
+from pretrain.optimizer import MIN_SHARD_NUMEL, expert_weight_in_fp32, optim_config, param_rules
 
 FP32 = 4
 INDEX = 8
@@ -65,6 +68,7 @@ class PersistentMemory:
     muon_owned: int = 0  # elements of Muon tensors this rank updates (its shards)
     muon_exchanged: int = 0  # of those, elements of sharded tensors (sent to their owners)
     muon_largest_batch: int = 0  # elements of the largest same-shape Newton-Schulz batch it runs
+    cache_refresh: int = 0  # bytes one weight cache's refresh allocates (see _cache_refresh_bytes)
 
     @property
     def total(self) -> int:
@@ -175,6 +179,29 @@ def _mxfp8_cache_bytes(params: list[HeldParam], targets: tuple[str, ...], recipe
     return total
 
 
+def _cache_refresh_bytes(params: list[HeldParam], state: StateLayout, compute_bytes: int) -> int:
+    """The most one weight cache's refresh allocates (the caches refresh one after another,
+    after the optimizer's rebuild): its new copies, which an eager refresh builds beside
+    the old ones (replayed graphs refresh in place), and the compute-dtype copies of an
+    FP32 expert weight the cache derives from (``moe_mxfp8.cache``): gate and up for the
+    ``[E, 2F, D]`` cache, the down projection for its own."""
+    if not state.mxfp8_targets:
+        return 0
+    by_name = {p.name: p for p in params}
+    largest = 0
+    for p in params:
+        module, _, leaf = p.name.rpartition(".")
+        if p.kind != "expert" or leaf not in ("w1", "w2"):
+            continue
+        parts = [p, by_name[f"{module}.w3"]] if leaf == "w1" else [p]
+        copies = _mxfp8_cache_bytes(parts, state.mxfp8_targets, state.mxfp8_recipe)
+        if copies and compute_bytes < FP32 and expert_weight_in_fp32(
+                p.name, p.numel, state.mxfp8_targets, state.ep_dp):
+            copies += sum(q.numel for q in parts) * compute_bytes
+        largest = max(largest, copies)
+    return largest
+
+
 def _bucket_entry(p: HeldParam, state: StateLayout) -> ParamEntry:
     """How moe_ddp buckets ``p``'s FP32 gradient: its replica group and collective."""
     group = state.dp if p.kind == "dense" else state.ep_dp
@@ -236,22 +263,28 @@ def persistent_memory(cfg: MoEConfig, params: list[HeldParam],
     gather_chunks: dict[str, int] = {}
     largest_chunk = 0
     muon_batches: dict[tuple[int, ...], int] = {}
+    weights = 0
     for p in params:
         entry = _bucket_entry(p, state)
         group, sharded = entry.group_size, is_sharded(p.numel, entry.group_size, MIN_SHARD_NUMEL)
         entries.append(entry)
         owned = p.numel // group if sharded else p.numel
+        in_fp32 = state.param_bytes == FP32 or expert_weight_in_fp32(
+            p.name, p.numel, state.mxfp8_targets, state.ep_dp)
+        param_bytes = FP32 if in_fp32 else state.param_bytes
+        weights += p.numel * param_bytes
         meta = torch.empty(p.shape, device="meta")
         rule = resolve_rule(p.name, meta, rules, optim)  # type: ignore[arg-type]
         muon = rule.algorithm == "muon"
-        optimizer += FP32 * owned * (2 if muon else 3)  # main + momentum | main + two moments
+        # (main +) momentum | (main +) two moments: an FP32 parameter is its own main weight
+        optimizer += FP32 * owned * ((1 if muon else 2) + (0 if in_fp32 else 1))
         if muon:  # owners run whole matrices, spread evenly over the group
             muon_owned += owned
             muon_exchanged += owned if sharded else 0
             matrix = p.shape[-2:]
             muon_batches[matrix] = muon_batches.get(matrix, 0) + owned
         if sharded:  # the rebuild gathers per replica group in capped chunks
-            nbytes = p.numel * state.param_bytes
+            nbytes = p.numel * param_bytes
             chunk = gather_chunks.get(p.kind, 0)
             chunk = nbytes if chunk + nbytes > cap and chunk else chunk + nbytes
             gather_chunks[p.kind] = chunk
@@ -259,7 +292,6 @@ def persistent_memory(cfg: MoEConfig, params: list[HeldParam],
     optimizer += FP32 * (1 + len(params))  # step counter, per-tensor norm weights
     cap_numel = max(1, int(state.bucket_cap_mb * 2**20) // FP32)
     grads = FP32 * sum(b.numel for b in plan_buckets(entries, cap_numel))
-    weights = sum(p.numel for p in params) * state.param_bytes
     n_moe = sum(1 for p in params if p.name.endswith("router.weight"))
     if cfg.bias_update_rate > 0:
         weights += n_moe * FP32 * cfg.n_experts  # the routers' selection bias buffers
@@ -272,4 +304,5 @@ def persistent_memory(cfg: MoEConfig, params: list[HeldParam],
         bookkeeping=bookkeeping, n_params=sum(p.numel for p in params),
         largest_gather_chunk=largest_chunk, muon_owned=muon_owned, muon_exchanged=muon_exchanged,
         muon_largest_batch=max(muon_batches.values(), default=0),
+        cache_refresh=_cache_refresh_bytes(params, state, state.param_bytes),
     )

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pretrain.planner.memory import GIB, MemoryPlan, not_modelled
 
 _ROWS: tuple[tuple[str, str], ...] = (
-    ("compute weights (BF16)", "weights"),
+    ("compute weights", "weights"),
     ("FP32 gradient buckets", "grads"),
-    ("FP32 main + optimizer states", "optimizer"),
+    ("FP32 main weights + states", "optimizer"),
     ("low-precision weight caches", "mxfp8_caches"),
     ("routing statistics", "bookkeeping"),
     ("activations, schedule peak", "activations_peak"),
@@ -63,7 +63,8 @@ def format_plan(plan: MemoryPlan, title: str) -> str:
     lines.append(f"{'activations held / microbatch':32}"
                  + "".join(f"  {_gib(k.activations_held_per_microbatch)}" for k in ranks))
     lines.append("(the peak takes the larger of activations and optimizer-step transients: "
-                 "activations are freed before the step)")
+                 "activations are freed before the step; an FP32 weight is its own main weight, "
+                 "counted once, as a weight)")
     lines.append("")
     worst = plan.worst
     verdict = "fits" if plan.fits else "does NOT fit"
