@@ -89,7 +89,7 @@ def test_methods_whose_layout_refuses_graphs_run_eagerly_and_say_why(tmp_path):
     cuda = torch.device("cuda")  # only decides the EP backend; nothing is allocated
     rowwise = bench.parse_args(["--config", "bench-1gpu", "--methods", "ep"])
     cfg, why = bench.method_config(rowwise, "ep", cuda, 1, tmp_path)
-    assert cfg.parallel.resolved_ep_backend() == "rowwise" and cfg.train.cuda_graphs and why is None
+    assert cfg.parallel.resolved_ep_backend(cfg.train.cuda_graphs) == "rowwise" and cfg.train.cuda_graphs and why is None
     a = bench.parse_args(["--config", "bench-1gpu", "--methods", "ddp", "ep", "fsdp2",
                           "--ep-backend", "all_to_all"])
     got = {m: bench.method_config(a, m, cuda, 1, tmp_path) for m in a.methods}

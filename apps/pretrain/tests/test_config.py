@@ -183,8 +183,6 @@ def test_toml_file_errors_name_the_key(tmp_path):
     (["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "model.recompute=selective"],
      "parallel.pp_schedule=zero_bubble with model.recompute=selective is not supported"),
     (["train.cuda_graphs=true", "parallel.pp=2"], "train.cuda_graphs is not supported with parallel.pp=2"),
-    (["train.cuda_graphs=true", "parallel.ep=2"],
-     "train.cuda_graphs is not supported with parallel.ep=2 / ep_backend=auto"),
     (["train.cuda_graphs=true", "parallel.ep=2", "parallel.ep_backend=all_to_all"],
      "train.cuda_graphs is not supported with parallel.ep=2 / ep_backend=all_to_all: the "
      "all_to_all transport reads its split sizes on the host"),
@@ -351,7 +349,19 @@ def test_layout_derives_dp_and_ep_dp():
                                "train.micro_batch=1"])
     layout = validate_layout(cfg, 8)
     assert (layout.pp, layout.dp, layout.ep, layout.ep_dp, layout.microbatches) == (2, 4, 2, 2, 2)
-    assert cfg.parallel.resolved_ep_backend() == "all_to_all"
+    assert cfg.parallel.resolved_ep_backend(cfg.train.cuda_graphs) == "all_to_all"
+
+
+def test_auto_ep_backend_is_the_transport_cuda_graphs_can_hold():
+    """EP with train.cuda_graphs (bench-1gpu has it on) takes the rowwise transport; a run
+    that asks for all_to_all with graphs is refused naming rowwise."""
+    cfg = load_config("bench-1gpu", ["parallel.ep=2"])
+    assert cfg.train.cuda_graphs
+    assert validate_layout(cfg, 2).ep == 2
+    assert cfg.parallel.resolved_ep_backend(cfg.train.cuda_graphs) == "rowwise"
+    assert load_config("bench-1gpu").parallel.resolved_ep_backend(True) == "local"  # ep 1
+    with pytest.raises(ConfigError, match="use parallel.ep_backend=rowwise"):
+        load_config("bench-1gpu", ["parallel.ep=2", "parallel.ep_backend=all_to_all"])
 
 
 def test_mxfp8_targets_round_trip(tmp_path):

@@ -83,7 +83,7 @@ def _planned_execution(cfg) -> Execution:
     mxfp8 = frozenset(range(m.n_layers)) if "experts" in cfg.mxfp8.targets else frozenset()
     b = 4 if cfg.train.compute_dtype == "float32" else 2
     return Execution(cfg.train.micro_batch, cfg.train.seq_len, compute_bytes=b, param_bytes=b,
-                     ep_backend=cfg.parallel.resolved_ep_backend(), kernels="cpu",
+                     ep_backend=cfg.parallel.resolved_ep_backend(cfg.train.cuda_graphs), kernels="cpu",
                      mxfp8_expert_layers=mxfp8,
                      mxfp8_save_activations=cfg.mxfp8.save_mxfp8_activations,
                      mxfp8_recipe=cfg.mxfp8.recipe, mxfp8_gemm=cfg.mxfp8.gemm,

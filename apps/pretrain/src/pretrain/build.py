@@ -172,7 +172,7 @@ def build_model_part(cfg: PretrainConfig, mesh: ParallelMesh, device: torch.devi
             for name in _ROOT_CHILDREN:
                 if getattr(stage.module, name) is not None:
                     setattr(stage.module, name, getattr(module, name))
-    backend = p.resolved_ep_backend()
+    backend = p.resolved_ep_backend(cfg.train.cuda_graphs)
     transport = None
     interleave = None
     dispatchers: dict[str, TokenDispatcher] = {}

@@ -66,7 +66,8 @@ class ParallelConfig:
     pp_split: Literal["params", "flops"] = "params"  # balance pipeline stages by memory or compute
     ep: int = 1  # expert parallelism (EP-MP): ranks splitting each MoE layer's experts; divides DP
     # EP token transport: local (no EP) | all_to_all (gloo/NCCL) | rowwise (NVSHMEM puts on GPU,
-    # emulated peer memory on CPU); auto: local when ep == 1, else all_to_all
+    # emulated peer memory on CPU); auto: local when ep == 1, else rowwise with
+    # train.cuda_graphs (the transport whose calls a graph can hold), else all_to_all
     ep_backend: Literal["auto", "local", "all_to_all", "rowwise"] = "auto"
     # the forward dispatch's rows, encoded once per token at its source: the compute dtype |
     # E4M3 with a power-of-two scale per 32 values | E4M3 with one power-of-two FP32 scale per
@@ -124,9 +125,10 @@ class ParallelConfig:
     merge_expert_grad_microbatches: int | Literal["auto"] = 1
     bucket_cap_mb: float = 64.0  # gradient bucket size (MiB of FP32)
 
-    def resolved_ep_backend(self) -> str:
+    def resolved_ep_backend(self, cuda_graphs: bool) -> str:
+        """The transport ``ep_backend`` names (``cuda_graphs``: ``train.cuda_graphs``)."""
         if self.ep_backend == "auto":
-            return "local" if self.ep == 1 else "all_to_all"
+            return "local" if self.ep == 1 else "rowwise" if cuda_graphs else "all_to_all"
         return self.ep_backend
 
 
@@ -386,7 +388,7 @@ class PretrainConfig:
         if self.train.cuda_graphs:
             unsupported = [
                 (p.pp > 1, f"parallel.pp={p.pp}: the pipeline schedule interleaves microbatches"),
-                (p.resolved_ep_backend() == "all_to_all",
+                (p.resolved_ep_backend(self.train.cuda_graphs) == "all_to_all",
                  f"parallel.ep={p.ep} / ep_backend={p.ep_backend}: the all_to_all transport reads "
                  "its split sizes on the host every call; use parallel.ep_backend=rowwise"),
                 (bool(self.mxfp8.targets) and self.mxfp8.recipe != "mxfp8"
@@ -417,7 +419,7 @@ class PretrainConfig:
         """Chunks need a transport to overlap and tokens to fill them; an SM bound, an overlap."""
         p, t = self.parallel, self.train
         tokens = t.micro_batch * t.seq_len
-        if p.ep_overlap_chunks > 1 and p.resolved_ep_backend() == "local":
+        if p.ep_overlap_chunks > 1 and p.resolved_ep_backend(self.train.cuda_graphs) == "local":
             raise ConfigError(
                 f"parallel.ep_overlap_chunks={p.ep_overlap_chunks} overlaps the EP transport with "
                 "the experts: it needs parallel.ep > 1 or an all_to_all or rowwise parallel.ep_backend"
@@ -443,7 +445,7 @@ class PretrainConfig:
         thread-local state across its calls (moe_ep_transport.interleave)."""
         p, m = self.parallel, self.model
         why = None
-        if p.resolved_ep_backend() == "local":
+        if p.resolved_ep_backend(self.train.cuda_graphs) == "local":
             why = "it needs parallel.ep > 1 or an all_to_all or rowwise parallel.ep_backend"
         elif p.ep_overlap_chunks > 1:
             why = (f"parallel.ep_overlap_chunks={p.ep_overlap_chunks} pipelines one microbatch's chunks "
@@ -483,9 +485,9 @@ class PretrainConfig:
         from moe_ep_transport import EPConfig
 
         p, m = self.parallel, self.model
-        if p.resolved_ep_backend() != "rowwise":
+        if p.resolved_ep_backend(self.train.cuda_graphs) != "rowwise":
             raise ConfigError("parallel.ep_copy_engine moves the rowwise EP transport's blocks: it needs "
-                              f"parallel.ep_backend=rowwise (got {p.resolved_ep_backend()})")
+                              f"parallel.ep_backend=rowwise (got {p.resolved_ep_backend(self.train.cuda_graphs)})")
         tokens = ep_call_tokens(self.train.micro_batch * self.train.seq_len, p.ep_overlap_chunks)
         cfg = EPConfig(n_experts=m.n_experts, top_k=m.top_k, max_tokens=tokens, d_model=m.d_model,
                        capacity_factor=m.capacity_factor, combine=p.ep_combine)
@@ -501,7 +503,7 @@ class PretrainConfig:
         compute on the values it carries (a recipe outside the codec's ``exact_recipes``
         would round every dispatched row a second time)."""
         p, m, x = self.parallel, self.model, self.mxfp8
-        if p.resolved_ep_backend() == "local":
+        if p.resolved_ep_backend(self.train.cuda_graphs) == "local":
             raise ConfigError(
                 f"parallel.ep_payload={p.ep_payload} needs expert parallelism: parallel.ep > 1 "
                 "or an all_to_all or rowwise parallel.ep_backend"

@@ -190,7 +190,7 @@ class PlanRequest:
                    micro_batch=cfg.train.micro_batch, seq_len=cfg.train.seq_len,
                    global_batch=cfg.train.global_batch, ddp_mode=p.ddp_mode,
                    bucket_cap_mb=p.bucket_cap_mb, optimizer=cfg.optim.name,
-                   ep_backend=_ep_backend(p.resolved_ep_backend()), ep_combine=p.ep_combine,
+                   ep_backend=_ep_backend(p.resolved_ep_backend(cfg.train.cuda_graphs)), ep_combine=p.ep_combine,
                    ep_overlap_chunks=p.ep_overlap_chunks,
                    ep_comm_sms=p.ep_comm_sms, ep_overlap_microbatches=p.ep_overlap_microbatches,
                    ep_payload=p.ep_payload, ep_copy_engine=p.ep_copy_engine, sm_carveout=p.sm_carveout,
