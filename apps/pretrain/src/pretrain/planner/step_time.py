@@ -568,12 +568,15 @@ def _grad_sync(s: _Setup, params: list[HeldParam]) -> tuple[float, float, float]
 def _optimizer_s(s: _Setup, params: list[HeldParam]) -> tuple[float, float]:
     """(optimizer seconds, weight rebuild's local seconds) of one rank."""
     req, p = s.req, s.profile
-    owned = 0
+    owned = rebuilt = 0
     ns_flops = 0.0
     for param in params:
         group = req.dp if param.kind == "dense" else req.dp // req.ep
         own = _owned(param, group)
         owned += own
+        # an FP32 weight held whole is its own main weight: nothing to rebuild (moe_optim);
+        # a low-precision expert kept FP32 is cast to BF16 for its caches instead, as many bytes
+        rebuilt += 0 if s.ex.param_bytes == 4 and own == param.numel else own
         if req.optimizer == "muon" and len(param.shape) >= 2 and not param.name.startswith(
                 ("embed", "head")):
             rows, cols = param.shape[-2], param.shape[-1]
@@ -582,7 +585,7 @@ def _optimizer_s(s: _Setup, params: list[HeldParam]) -> tuple[float, float]:
             ns_flops += batch * NEWTON_SCHULZ_STEPS * (4 * a * a * c + 2 * a ** 3)
     bw = p.memory_gb_per_s * 1e9
     optimizer = owned * OPTIMIZER_BYTES / bw + _gemm_s(ns_flops, p.dense_gemm_tflops)
-    return optimizer, owned * REBUILD_BYTES / bw
+    return optimizer, rebuilt * REBUILD_BYTES / bw
 
 
 def _accumulation_bytes(req: PlanRequest, params: list[HeldParam]) -> float:
