@@ -954,3 +954,23 @@ def test_fp32_dense_weight_gradients_are_planned_where_the_bucket_forms_them():
     block, block32 = (block_inventory(wide, 0, e).backward_peak("none") for e in few)
     wo = 4 * D * wide.n_heads * wide.head_dim
     assert wo < block32 <= block + wo
+
+
+def test_a_cache_refresh_of_fp32_experts_is_planned_with_their_bf16_copies():
+    """FP8 bench-1gpu on one GPU: the largest refresh is a layer's [E, 2F, D] gate-and-up
+    cache (E4M3 rows and transpose, an FP32 scale per row each) built beside the old one,
+    plus the BF16 copies of the FP32 w1 and w3 it derives from. On two data-parallel GPUs
+    the experts stay BF16 (their main weights shard): the cache alone."""
+    fp8 = ["mxfp8.targets=[experts]", "mxfp8.recipe=fp8_rowwise_gw_hp", "mxfp8.gemm=triton"]
+    E, F, D = 64, 1024, 2048
+    # rows [E, 2F, D] and cols [E, D, 2F] in E4M3, one FP32 scale per row of each
+    cache = E * 2 * F * D + 4 * E * 2 * F + E * D * 2 * F + 4 * E * D
+    copies = 2 * E * F * D * 2
+    cfg = load_config("bench-1gpu", fp8)
+    plan = plan_memory(PlanRequest.from_config(cfg, 1, gpu_gib=141.0))
+    assert plan.ranks[0].optimizer_step_transient == cache + copies
+    from pretrain.planner.persistent import StateLayout, persistent_memory
+
+    params = ModelShapes(cfg.model).held(range(8), True, True, 1)
+    state = StateLayout(dp=2, ep=1, mxfp8_targets=("experts",), mxfp8_recipe="fp8_rowwise_gw_hp")
+    assert persistent_memory(cfg.model, params, state).cache_refresh == cache

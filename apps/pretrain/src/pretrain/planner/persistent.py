@@ -179,7 +179,7 @@ def _mxfp8_cache_bytes(params: list[HeldParam], targets: tuple[str, ...], recipe
     return total
 
 
-def _cache_refresh_bytes(params: list[HeldParam], state: StateLayout, compute_bytes: int) -> int:
+def _cache_refresh_bytes(params: list[HeldParam], state: StateLayout) -> int:
     """The most one weight cache's refresh allocates (the caches refresh one after another,
     after the optimizer's rebuild): its new copies, which an eager refresh builds beside
     the old ones (replayed graphs refresh in place), and the compute-dtype copies of an
@@ -191,13 +191,14 @@ def _cache_refresh_bytes(params: list[HeldParam], state: StateLayout, compute_by
     largest = 0
     for p in params:
         module, _, leaf = p.name.rpartition(".")
-        if p.kind != "expert" or leaf not in ("w1", "w2"):
-            continue
-        parts = [p, by_name[f"{module}.w3"]] if leaf == "w1" else [p]
-        copies = _mxfp8_cache_bytes(parts, state.mxfp8_targets, state.mxfp8_recipe)
-        if copies and compute_bytes < FP32 and expert_weight_in_fp32(
+        if p.kind == "expert" and leaf == "w3":
+            continue  # in w1's [E, 2F, D] cache
+        parts = [p, by_name[f"{module}.w3"]] if p.kind == "expert" and leaf == "w1" else [p]
+        copies = _mxfp8_cache_bytes(parts, state.mxfp8_targets, state.mxfp8_recipe,
+                                    state.fp8_dense_gemm)
+        if copies and state.param_bytes < FP32 and expert_weight_in_fp32(
                 p.name, p.numel, state.mxfp8_targets, state.ep_dp):
-            copies += sum(q.numel for q in parts) * compute_bytes
+            copies += sum(q.numel for q in parts) * state.param_bytes
         largest = max(largest, copies)
     return largest
 
@@ -304,5 +305,5 @@ def persistent_memory(cfg: MoEConfig, params: list[HeldParam],
         bookkeeping=bookkeeping, n_params=sum(p.numel for p in params),
         largest_gather_chunk=largest_chunk, muon_owned=muon_owned, muon_exchanged=muon_exchanged,
         muon_largest_batch=max(muon_batches.values(), default=0),
-        cache_refresh=_cache_refresh_bytes(params, state, state.param_bytes),
+        cache_refresh=_cache_refresh_bytes(params, state),
     )
