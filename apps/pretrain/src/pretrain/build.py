@@ -74,13 +74,14 @@ class ModelPart:
                 nvshmem_memory.finalize()
 
 
-def cast_parameters_(module: nn.Module, dtype: torch.dtype, keep: Callable[[str, nn.Parameter], bool]
-                     = lambda name, p: False) -> None:
+def cast_parameters_(module: nn.Module, dtype: torch.dtype,
+                     keep: Callable[[str, nn.Parameter], bool] | None = None) -> None:
     """Parameters to ``dtype`` in place (same ``Parameter`` objects); those ``keep`` names
     keep their dtype and take ``dtype``'s values (so the main weights start from the same
     values whichever parameters stay); buffers untouched."""
     for name, p in module.named_parameters():
-        p.data = p.data.to(dtype).to(p.dtype) if keep(name, p) else p.data.to(dtype)
+        kept = keep is not None and keep(name, p)
+        p.data = p.data.to(dtype).to(p.dtype) if kept else p.data.to(dtype)
 
 
 def _moe_layer_index(name: str, n_dense_layers: int) -> int:
