@@ -463,3 +463,17 @@ def test_fp32_parameters_are_their_own_main_weights():
         assert within(r["dense"], 8 + 8 / d) and within(r["experts"], 8 + 8 / d), r
         # the rebuild gathers the FP32 weights' regions (4 bytes each), as for any dtype
         assert r["bytes_per_step"] == {(0, 1, 2, 3): 3 * (32768 // 4) * 4 + 2 * 3 * 4 // 4}
+
+
+def test_an_fp32_parameter_updates_in_place_and_a_replaced_storage_is_refused():
+    """The update lands in the parameter itself; a parameter given new storage afterwards
+    (its main weight still a view of the old one) is refused, not silently left untrained."""
+    w = nn.Parameter(torch.randn(64, 64))
+    opt = DistributedOptimizer([("w", w, torch.ones(64, 64), None)], OptimConfig(), norm_group=None)
+    assert opt.sharded_state()["main/w"].local.data_ptr() == w.data_ptr()
+    before = w.detach().clone()
+    opt.step()
+    assert not torch.equal(w.detach(), before)
+    w.data = w.data.clone()
+    with pytest.raises(RuntimeError, match="parameter 'w': its storage was replaced after the optimizer"):
+        opt.step()

@@ -209,6 +209,7 @@ class DistributedOptimizer:
                 "synced=False (reductions in flight or not launched); call its "
                 "finish_grad_sync() after the last backward, before step()/update()"
             )
+        self._check_params_are_mains()
         grads = self._read_grads()
         norm = global_grad_norm(grads, self._norm_weights, self._norm_group, self.device)
         found_inf = (~torch.isfinite(norm)).to(torch.float32)
@@ -219,6 +220,19 @@ class DistributedOptimizer:
         self._step.sub_(found_inf)
         self._muon_step(grads, lr_factor, found_inf.bool())
         return StepStats(grad_norm=norm, skipped=found_inf.bool())
+
+    def _check_params_are_mains(self) -> None:
+        """Refuse to update an FP32 parameter whose storage was replaced (``param.data = ...``,
+        ``load_state_dict(assign=True)``, a device move) since construction: its main weight
+        is a view of the old storage, so the update would go there and the model would
+        silently stop training that tensor. Host pointers only, no device work."""
+        for lay, main in zip(self._layouts, self._mains, strict=True):
+            if lay.main_is_param and main.data_ptr() != lay.param.data_ptr() + lay.start * main.element_size():
+                raise RuntimeError(
+                    f"parameter {lay.name!r}: its storage was replaced after the optimizer was "
+                    "built, and an FP32 parameter is its own main weight; write new values in place "
+                    "(param.data.copy_(...)) or load them with load_sharded_state()"
+                )
 
     def _adamw_step(self, grads: list[torch.Tensor], lr_factor: float, found_inf: torch.Tensor) -> None:
         """PyTorch's fused AdamW kernel (the one behind ``AdamW(fused=True)``) on the shards.
