@@ -308,10 +308,12 @@ def test_the_collective_timeout_is_the_process_groups(monkeypatch):
         load_config("tiny", ["train.collective_timeout_s=0"])
 
 
-# Rank 1 of two, at step 3: dies as the out-of-memory killer would end it, or stops answering.
+# Rank 1 of two, at step 3: dies as the out-of-memory killer would end it, or stops answering
+# for longer than rank 0's collective timeout (8 s: it also bounds the ranks' first connect,
+# which a loaded machine has taken over 2 s to make).
 _RANK_1_FAILS = {
-    "dies": "os._exit(3)",
-    "hangs": "time.sleep(10)",  # past rank 0's 2 s collective timeout; torchrun then stops it
+    "dies": ("os._exit(3)", 60),
+    "hangs": ("time.sleep(20)", 8),
 }
 
 
@@ -322,13 +324,14 @@ _RANK_1_FAILS = {
     ("dies", r"pretrain: error: rank 0 of 2: another rank failed or was stopped during a "
              r"collective \([^()]*Connection (closed|reset) by peer[^()]*\); that rank's output says why"),
     ("hangs", r"pretrain: error: rank 0 of 2: a collective waited longer than "
-              r"train.collective_timeout_s=2 s for another rank, which failed, hung or is far "
-              r"behind \(Timed out waiting 2000ms for recv operation to complete\)"),
+              r"train.collective_timeout_s=8 s for another rank, which failed, hung or is far "
+              r"behind \(Timed out waiting 8000ms for recv operation to complete\)"),
 ])
 def test_a_rank_that_dies_or_hangs_ends_its_peer_in_one_line(tmp_path, failure, message):
     """torchrun, two ranks on CPU (gloo): the surviving rank's collective fails with gloo's
     error, a source location and a socket; it says in one line, without a traceback, that
     another rank failed, or that it waited out ``train.collective_timeout_s``."""
+    action, timeout_s = _RANK_1_FAILS[failure]
     script = tmp_path / "rank_1_fails.py"
     script.write_text(textwrap.dedent(f"""
         import os, sys, time
@@ -336,7 +339,7 @@ def test_a_rank_that_dies_or_hangs_ends_its_peer_in_one_line(tmp_path, failure, 
         train_step = pretrain.trainer.Trainer.train_step
         def failing(self, step, *args, **kwargs):
             if step == 3 and os.environ["RANK"] == "1":
-                {_RANK_1_FAILS[failure]}
+                {action}
             return train_step(self, step, *args, **kwargs)
         pretrain.trainer.Trainer.train_step = failing
         from pretrain.cli import main
@@ -344,7 +347,7 @@ def test_a_rank_that_dies_or_hangs_ends_its_peer_in_one_line(tmp_path, failure, 
     """))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script), "--config", "tiny", "train.steps=8", "train.collective_timeout_s=2",
+         str(script), "--config", "tiny", "train.steps=8", f"train.collective_timeout_s={timeout_s}",
          f"run_dir={tmp_path / 'run'}"],
         capture_output=True, text=True, timeout=200, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0

@@ -10,8 +10,8 @@ already exists (a test harness made it) is joined and left alone.
 When one rank of several dies (a crash, the out-of-memory killer, a lost host), its peers'
 next collective fails with the communication backend's own error, a source location and a
 socket address; a collective that waits out ``train.collective_timeout_s`` fails likewise.
-``distributed`` turns both into a ``PeerFailure``: one line that says which it was and
-that the first rank to fail has the error worth reading.
+``distributed`` turns both into a ``PeerFailure``: one line that says which it was (for a
+lost peer, that the failed rank's own output says why).
 """
 
 from __future__ import annotations
