@@ -474,6 +474,7 @@ def test_an_fp32_parameter_updates_in_place_and_a_replaced_storage_is_refused():
     before = w.detach().clone()
     opt.step()
     assert not torch.equal(w.detach(), before)
-    w.data = w.data.clone()
-    with pytest.raises(RuntimeError, match="parameter 'w': its storage was replaced after the optimizer"):
-        opt.step()
+    for replacement in (w.data.clone(), w.data.bfloat16()):  # new storage; new dtype as well
+        w.data = replacement
+        with pytest.raises(RuntimeError, match="parameter 'w': its storage was replaced after the optimizer"):
+            opt.step()

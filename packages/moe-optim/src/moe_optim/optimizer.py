@@ -115,6 +115,10 @@ class DistributedOptimizer:
         self.device = device
 
         self._mains = [lay.initial_main() for lay in self._layouts]
+        # FP32 parameters whose main weight is a view of them, fixed now: a parameter given
+        # new storage (or dtype) later must not drop out of the check
+        self._views = [(lay, main) for lay, main in zip(self._layouts, self._mains, strict=True)
+                       if lay.main_is_param]
         self._step = torch.zeros(1, dtype=torch.float32, device=device)
         # Squared-norm weight per tensor: a replicated tensor is held by all G ranks.
         self._norm_weights = torch.tensor(
@@ -225,9 +229,10 @@ class DistributedOptimizer:
         """Refuse to update an FP32 parameter whose storage was replaced (``param.data = ...``,
         ``load_state_dict(assign=True)``, a device move) since construction: its main weight
         is a view of the old storage, so the update would go there and the model would
-        silently stop training that tensor. Host pointers only, no device work."""
-        for lay, main in zip(self._layouts, self._mains, strict=True):
-            if lay.main_is_param and main.data_ptr() != lay.param.data_ptr() + lay.start * main.element_size():
+        silently stop training that tensor. Host pointers only, no device work, and nothing
+        where no parameter is FP32."""
+        for lay, main in self._views:
+            if main.data_ptr() != lay.param.data_ptr() + lay.start * main.element_size():
                 raise RuntimeError(
                     f"parameter {lay.name!r}: its storage was replaced after the optimizer was "
                     "built, and an FP32 parameter is its own main weight; write new values in place "
