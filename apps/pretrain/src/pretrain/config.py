@@ -485,9 +485,10 @@ class PretrainConfig:
         from moe_ep_transport import EPConfig
 
         p, m = self.parallel, self.model
-        if p.resolved_ep_backend(self.train.cuda_graphs) != "rowwise":
+        backend = p.resolved_ep_backend(self.train.cuda_graphs)
+        if backend != "rowwise":
             raise ConfigError("parallel.ep_copy_engine moves the rowwise EP transport's blocks: it needs "
-                              f"parallel.ep_backend=rowwise (got {p.resolved_ep_backend(self.train.cuda_graphs)})")
+                              f"parallel.ep_backend=rowwise (got {backend})")
         tokens = ep_call_tokens(self.train.micro_batch * self.train.seq_len, p.ep_overlap_chunks)
         cfg = EPConfig(n_experts=m.n_experts, top_k=m.top_k, max_tokens=tokens, d_model=m.d_model,
                        capacity_factor=m.capacity_factor, combine=p.ep_combine)

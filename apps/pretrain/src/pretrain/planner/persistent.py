@@ -179,12 +179,12 @@ def _mxfp8_cache_bytes(params: list[HeldParam], targets: tuple[str, ...], recipe
     return total
 
 
-def _cache_refresh_bytes(params: list[HeldParam], state: StateLayout) -> int:
+def _cache_refresh_bytes(params: list[HeldParam], state: StateLayout, in_fp32: set[str]) -> int:
     """The most one weight cache's refresh allocates (the caches refresh one after another,
     after the optimizer's rebuild): its new copies, which an eager refresh builds beside
     the old ones (replayed graphs refresh in place), and the compute-dtype copies of an
-    FP32 expert weight the cache derives from (``moe_mxfp8.cache``): gate and up for the
-    ``[E, 2F, D]`` cache, the down projection for its own."""
+    FP32 weight (``in_fp32``: their names) the cache derives from (``moe_mxfp8.cache``):
+    gate and up for the ``[E, 2F, D]`` cache, the down projection for its own."""
     if not state.mxfp8_targets:
         return 0
     by_name = {p.name: p for p in params}
@@ -196,8 +196,7 @@ def _cache_refresh_bytes(params: list[HeldParam], state: StateLayout) -> int:
         parts = [p, by_name[f"{module}.w3"]] if p.kind == "expert" and leaf == "w1" else [p]
         copies = _mxfp8_cache_bytes(parts, state.mxfp8_targets, state.mxfp8_recipe,
                                     state.fp8_dense_gemm)
-        if copies and state.param_bytes < FP32 and expert_weight_in_fp32(
-                p.name, p.numel, state.mxfp8_targets, state.ep_dp):
+        if copies and state.param_bytes < FP32 and p.name in in_fp32:
             copies += sum(q.numel for q in parts) * state.param_bytes
         largest = max(largest, copies)
     return largest
@@ -265,6 +264,7 @@ def persistent_memory(cfg: MoEConfig, params: list[HeldParam],
     largest_chunk = 0
     muon_batches: dict[tuple[int, ...], int] = {}
     weights = 0
+    in_fp32_names = set()
     for p in params:
         entry = _bucket_entry(p, state)
         group, sharded = entry.group_size, is_sharded(p.numel, entry.group_size, MIN_SHARD_NUMEL)
@@ -273,6 +273,8 @@ def persistent_memory(cfg: MoEConfig, params: list[HeldParam],
         in_fp32 = state.param_bytes == FP32 or expert_weight_in_fp32(
             p.name, p.numel, state.mxfp8_targets, state.ep_dp)
         param_bytes = FP32 if in_fp32 else state.param_bytes
+        if in_fp32:
+            in_fp32_names.add(p.name)
         weights += p.numel * param_bytes
         meta = torch.empty(p.shape, device="meta")
         rule = resolve_rule(p.name, meta, rules, optim)  # type: ignore[arg-type]
@@ -305,5 +307,5 @@ def persistent_memory(cfg: MoEConfig, params: list[HeldParam],
         bookkeeping=bookkeeping, n_params=sum(p.numel for p in params),
         largest_gather_chunk=largest_chunk, muon_owned=muon_owned, muon_exchanged=muon_exchanged,
         muon_largest_batch=max(muon_batches.values(), default=0),
-        cache_refresh=_cache_refresh_bytes(params, state),
+        cache_refresh=_cache_refresh_bytes(params, state, in_fp32_names),
     )
