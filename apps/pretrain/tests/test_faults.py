@@ -325,7 +325,8 @@ _RANK_1_FAILS = {
              r"collective \([^()]*Connection (closed|reset) by peer[^()]*\); that rank's output says why"),
     ("hangs", r"pretrain: error: rank 0 of 2: a collective waited longer than "
               r"train.collective_timeout_s=8 s for another rank, which failed, hung or is far "
-              r"behind \(Timed out waiting 8000ms for recv operation to complete\)"),
+              r"behind \((Timed out waiting 8000ms for recv operation to complete|"
+              r"Application timeout caused pair closure)\)"),
 ])
 def test_a_rank_that_dies_or_hangs_ends_its_peer_in_one_line(tmp_path, failure, message):
     """torchrun, two ranks on CPU (gloo): the surviving rank's collective fails with gloo's
@@ -496,5 +497,10 @@ def test_only_a_lost_peer_or_a_timeout_on_several_ranks_is_a_peer_failure():
                         "remote worker hanging")
     assert "(Read error [10.0.0.2]:4711: Connection reset by peer);" in str(peer_failure(gloo, 0, 2, 60.0))
     assert peer_failure(gloo, 0, 1, 60.0) is None
+    # gloo's wording for an asynchronous collective (a gradient bucket) whose pair timed out
+    closed = RuntimeError("Application timeout caused pair closure")
+    assert str(peer_failure(closed, 0, 2, 8.0)) == (
+        "rank 0 of 2: a collective waited longer than train.collective_timeout_s=8 s for another "
+        "rank, which failed, hung or is far behind (Application timeout caused pair closure)")
     assert peer_failure(RuntimeError("expected scalar type Float but found Half"), 0, 2, 60.0) is None
     assert peer_failure(ValueError("Connection reset by peer"), 0, 2, 60.0) is None

@@ -58,7 +58,10 @@ class PeerFailure(PretrainError):
 # What gloo and NCCL say, lowercased, when a peer is gone or a collective waited too long.
 _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe",
               "remote process exited", "communicator was aborted")
-_TIMED_OUT = ("timed out waiting", "watchdog caught collective operation timeout")
+# Gloo words a timeout either way: the operation that waited, or (for an asynchronous
+# collective whose pair timed out first) "Application timeout caused pair closure".
+_TIMED_OUT = ("timed out waiting", "application timeout caused pair closure",
+              "watchdog caught collective operation timeout")
 _SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
 
 
