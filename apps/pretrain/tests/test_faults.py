@@ -358,6 +358,34 @@ def test_a_rank_that_dies_or_hangs_ends_its_peer_in_one_line(tmp_path, failure, 
     assert not re.search(r'File ".*/(pretrain|moe_\w+)/', proc.stderr), proc.stderr[-3000:]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_whose_peers_never_join_says_so_in_one_line(tmp_path, rank):
+    """Rank 0 of 2 waits at the rendezvous for a rank 1 that never starts; rank 1 of 2
+    finds no rank 0 at MASTER_ADDR:MASTER_PORT. Each fails after
+    ``train.collective_timeout_s`` with one line naming the address and the key, and no
+    Python traceback (exit 1)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2",
+           "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pretrain.cli", "--config", "tiny", "train.steps=4",
+         "train.collective_timeout_s=3", f"run_dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=100, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"pretrain: error: rank {rank} of 2: the ranks did not all join the process "
+                        rf"group at 127\.0\.0\.1:{port} within train\.collective_timeout_s=3 s "
+                        r"\(.*(clients joined|timed out).*\); start every rank, with the same "
+                        r"MASTER_ADDR and MASTER_PORT", last), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("line, message", [
     ('[train]\nsteps = "40"', "train.steps expects an integer, got '40' (a quoted string in TOML"),
     ('[optim]\nlr = "1e-3"', "optim.lr expects a number, got '1e-3' (a quoted string in TOML"),

@@ -11,7 +11,9 @@ When one rank of several dies (a crash, the out-of-memory killer, a lost host), 
 next collective fails with the communication backend's own error, a source location and a
 socket address; a collective that waits out ``train.collective_timeout_s`` fails likewise.
 ``distributed`` turns both into a ``PeerFailure``: one line that says which it was (for a
-lost peer, that the failed rank's own output says why).
+lost peer, that the failed rank's own output says why). A rank that cannot join the group
+at the start (its peers or the rendezvous address never answered within the timeout) fails
+with a ``JoinFailure``, one line too.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class PeerFailure(PretrainError):
     """A collective failed because another rank of the run died or stopped answering."""
 
 
+class JoinFailure(PretrainError):
+    """The launcher's ranks did not all join the process group within the timeout."""
+
+
 # What gloo and NCCL say, lowercased, when a peer is gone or a collective waited too long.
 _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe",
               "remote process exited", "communicator was aborted")
@@ -84,6 +90,16 @@ def peer_failure(error: BaseException, rank: int, world: int, timeout_s: float) 
     return PeerFailure(f"rank {rank} of {world}: {what} ({cause}){after}")
 
 
+def _join_failure(error: BaseException, timeout_s: float) -> JoinFailure:
+    """One line for a rendezvous or connection that failed while the group formed."""
+    rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+    address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    cause = _SOURCE_LOCATION.sub("", str(error).strip().splitlines()[0])
+    return JoinFailure(f"rank {rank} of {world}: the ranks did not all join the process group at "
+                       f"{address} within train.collective_timeout_s={timeout_s:g} s ({cause}); "
+                       "start every rank, with the same MASTER_ADDR and MASTER_PORT")
+
+
 @contextmanager
 def distributed(device_preference: str, timeout_s: float = 600.0) -> Iterator[Runtime]:
     """Join or create the default process group for the run; destroy what was created.
@@ -99,7 +115,10 @@ def distributed(device_preference: str, timeout_s: float = 600.0) -> Iterator[Ru
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         if any(v in os.environ for v in _LAUNCHER_VARS):  # env:// names any missing variable
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+            try:
+                dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+            except (dist.DistError, RuntimeError) as e:
+                raise _join_failure(e, timeout_s) from e
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timedelta(seconds=timeout_s), **kwargs)
