@@ -14,8 +14,14 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run by moe_testing.run_under_
 
 import torch  # noqa: E402
 from case_helpers import report  # noqa: E402
-from moe_mxfp8 import FP8GroupedExperts, FP8Linear, quantize_fp8  # noqa: E402
-from moe_mxfp8.fp8_gemm import FP8TileConfig, fp8_grouped_mm, triton_grouped_mm  # noqa: E402
+from moe_mxfp8 import FP8GroupedExperts, FP8Linear, quantize_fp8, quantize_group_column_blocks  # noqa: E402
+from moe_mxfp8.fp8_gemm import (  # noqa: E402
+    FP8TileConfig,
+    fp8_grouped_mm,
+    fp8_grouped_wgrad,
+    triton_grouped_mm,
+    triton_grouped_wgrad_blocks,
+)
 from torch import nn  # noqa: E402
 
 # An empty expert, a one-row expert, a group across tiles; rows 41.. are padding.
@@ -118,7 +124,30 @@ def cases():
 
     yield "gemm/tma_store", tma_store
 
-    for recipe in ("fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise"):
+    def wgrad_blocks():
+        """The blockwise weight-gradient kernel: experts of 0, 1, 129 and 300 rows (one,
+        two and three 128-token blocks), widths cut by the tiles, K steps of 16 and 64, FP32
+        and BF16 results."""
+        g = torch.Generator().manual_seed(6)
+        dy = torch.randn(440, 72, generator=g) * torch.exp2(torch.randint(-6, 6, (440, 1), generator=g).float())
+        x = torch.randn(440, 40, generator=g)
+        offsets_w = torch.tensor([0, 1, 130, 430], dtype=torch.int32)
+        total = 0
+        for out_dtype in (torch.float32, torch.bfloat16):
+            ref = fp8_grouped_wgrad(dy, x, offsets_w, False, torch.float32, "emulated", False, True)
+            got = fp8_grouped_wgrad(dy, x, offsets_w, False, out_dtype, "triton", False, True)
+            total += far(got, ref) if out_dtype == torch.float32 else int(
+                ((got.float() - ref).abs() > ref.abs() * 2.0**-7 + RTOL * ref.abs().max()).sum())
+        dy_t, dy_s, ends = quantize_group_column_blocks(dy, offsets_w)
+        x_t, x_s, _ = quantize_group_column_blocks(x, offsets_w)
+        ref = fp8_grouped_wgrad(dy, x, offsets_w, False, torch.float32, "emulated", False, True)
+        tiles = FP8TileConfig(32, 16, 64, 1, 1, 1, False)
+        total += far(triton_grouped_wgrad_blocks(dy_t, dy_s, x_t, x_s, ends, torch.float32, tiles), ref)
+        return total
+
+    yield "wgrad/blockwise", wgrad_blocks
+
+    for recipe in ("fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise", "fp8_blockwise_gw_fp8"):
         def layer(recipe=recipe):
             g = torch.Generator().manual_seed(2)
             E, D, F = len(OFFSETS), 144, 136

@@ -20,6 +20,7 @@ from moe_mxfp8 import (  # noqa: E402
     group_columns_layout,
     quantize_fp8,
     quantize_fp8_reference,
+    quantize_group_column_blocks,
     quantize_group_columns,
     quantize_weight_blocks,
     quantize_weight_rowwise,
@@ -93,6 +94,38 @@ def cases():
         return total
 
     yield "group_columns/many_experts", group_columns_many_experts
+
+    for dname, dtype in DTYPES.items():
+        for pow2 in (True, False):
+            def column_blocks(dtype=dtype, pow2=pow2):
+                x = sample((70, 100), dtype, seed=1)
+                offsets = torch.tensor(OFFSETS, dtype=torch.int32)
+                (dt, st, et), (dr, sr, er) = (quantize_group_column_blocks(x, offsets, pow2, backend=b)
+                                              for b in ("triton", "reference"))
+                return mismatches(dt, dr) + mismatches(st, sr) + int(not torch.equal(et, er))
+
+            yield f"group_column_blocks/{dname}/pow2={pow2}", column_blocks
+
+    def column_blocks_many_experts():
+        """Leading and inner empty experts, experts of one row, of exactly 128 and of more
+        than two blocks, rows past the last offset; column strips that cut the width."""
+        from moe_mxfp8 import _fp8_kernels as k
+
+        x = sample((560, 70), torch.bfloat16, seed=12)
+        offsets = torch.tensor([0, 0, 3, 131, 131, 132, 260, 520, 520, 521], dtype=torch.int32)
+        saved = dict(k._TILES)
+        total = 0
+        try:
+            for tile in (saved["column_blocks"], k.ColumnTile(128, 16, 1), k.ColumnTile(128, 128, 2)):
+                k._TILES["column_blocks"] = tile
+                (dt, st, et), (dr, sr, er) = (quantize_group_column_blocks(x, offsets, False, backend=b)
+                                              for b in ("triton", "reference"))
+                total += mismatches(dt, dr) + mismatches(st, sr) + int(not torch.equal(et, er))
+        finally:
+            k._TILES.update(saved)
+        return total
+
+    yield "group_column_blocks/many_experts", column_blocks_many_experts
 
     def wide_rows():
         """Rowwise scales of rows past ``ROW_WIDTH_MAX`` (two passes in chunks, the last one

@@ -24,6 +24,7 @@ torchao_float8 = pytest.importorskip("torchao.float8.float8_utils")
 from torchao.float8.config import ScalingGranularity  # noqa: E402
 from torchao.prototype.blockwise_fp8_training.kernels import (  # noqa: E402
     torch_blockwise_scale_act_quant_lhs,
+    torch_blockwise_scale_act_quant_rhs,
     torch_blockwise_scale_weight_quant,
 )
 
@@ -53,6 +54,14 @@ def rowwise(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 def act_1x128(x: torch.Tensor) -> torch.Tensor:
     data, inv = torch_blockwise_scale_act_quant_lhs(x.contiguous())
     return data.float() * inv.repeat_interleave(128, dim=1)
+
+
+def tokens_128x1(x: torch.Tensor) -> torch.Tensor:
+    """torchao's blockwise weight-gradient operand round trip (per column and 128 rows, the
+    rows zero-padded to whole blocks), in FP32."""
+    padded = F.pad(x.float(), (0, 0, 0, -x.shape[0] % 128))
+    data, inv = torch_blockwise_scale_act_quant_rhs(padded.contiguous())
+    return (data.float() * inv.repeat_interleave(128, dim=0))[:x.shape[0]]
 
 
 def weight_128x128(w: torch.Tensor) -> torch.Tensor:
@@ -93,6 +102,9 @@ def oracle(recipe, rows, offsets, w1, w3, w2, dy):
         if recipe == "fp8_rowwise":  # per expert and column, along the tokens
             dw13[e] = rowwise(dh13, 0).T @ rowwise(rows[seg], 0)
             dw2[e] = rowwise(dy[seg], 0).T @ rowwise(h.detach(), 0)
+        elif recipe == "fp8_blockwise_gw_fp8":  # per expert, column and 128 tokens
+            dw13[e] = tokens_128x1(dh13).T @ tokens_128x1(rows[seg])
+            dw2[e] = tokens_128x1(dy[seg]).T @ tokens_128x1(h.detach())
         else:  # weight gradients in the compute dtype
             dw13[e] = dh13.T @ rows[seg]
             dw2[e] = dy[seg].T @ h.detach()
@@ -100,7 +112,7 @@ def oracle(recipe, rows, offsets, w1, w3, w2, dy):
 
 
 CASES = {"fp8_rowwise": (40, 24), "fp8_rowwise_gw_hp": (40, 24),
-         "fp8_blockwise": (128, 128)}  # (d_model, hidden)
+         "fp8_blockwise": (128, 128), "fp8_blockwise_gw_fp8": (128, 128)}  # (d_model, hidden)
 
 
 @pytest.mark.parametrize("recipe", list(CASES))
@@ -123,14 +135,50 @@ def test_experts_match_torchao_oracle(recipe):
     # that reordering moves small entries by 1e-5 to 3e-5. Scaled by the largest entry,
     # the tolerance stays a hundredth of one E4M3 step of a wrong quantization.
     scale = float(ref[1][:27].abs().max())
-    dtol = dict(rtol=2e-5, atol=2e-6 * scale) if recipe == "fp8_blockwise" else TIGHT
+    dtol = dict(rtol=2e-5, atol=2e-6 * scale) if FP8_RECIPES[recipe].blockwise else TIGHT
     torch.testing.assert_close(rows.grad[:27], ref[1][:27], **dtol)
     # unquantized weight gradients (gw_hp, blockwise) see the layer's SwiGLU derivative, an ulp
     # away from autograd's, without a quantization step to absorb it
-    wtol = TIGHT if recipe == "fp8_rowwise" else dict(rtol=2e-5, atol=1e-5)
+    wtol = TIGHT if FP8_RECIPES[recipe].fp8_wgrad else dict(rtol=2e-5, atol=1e-5)
     for got, want in zip((experts.w1.grad, experts.w3.grad, experts.w2.grad), ref[2:], strict=True):
         torch.testing.assert_close(got, want, **wtol)
     assert experts.w1.grad[1].abs().sum() == 0  # the empty expert
+
+
+def test_blockwise_fp8_weight_gradients_scale_every_128_tokens_of_an_expert():
+    """Experts of 1, 130 and 269 rows, an outlier row (1e5 times the others, with a zero
+    output gradient) in the last expert's last 128-token block: the weight gradients equal
+    torchao's blockwise operands' FP32 products (blocks counted from each expert's first
+    row); the outlier coarsens only its own block's other rows, where one scale per expert
+    and column coarsens all of the expert's."""
+    D, F_ = CASES["fp8_blockwise_gw_fp8"]
+    experts = ToyExperts(4, D, F_, seed=3)
+    layer = FP8GroupedExperts.from_module(experts, "fp8_blockwise_gw_fp8")
+    offsets = torch.tensor([1, 1, 131, 400], dtype=torch.int32)
+    g = torch.Generator().manual_seed(4)
+    rows = torch.randn(400, D, generator=g)
+    rows[395] *= 1e5  # in the last expert's third block (rows 387-399)
+    dy = torch.randn(400, D, generator=g)
+    dy[395] = 0.0
+    rows.requires_grad_()
+    layer(rows, offsets).backward(dy)
+    ref = oracle("fp8_blockwise_gw_fp8", rows.detach(), offsets, experts.w1, experts.w3,
+                 experts.w2, dy)
+    grads = (experts.w1.grad, experts.w3.grad, experts.w2.grad)
+    # sums of up to 269 products: FP32 accumulation-order differences, bounded relative to
+    # each expert's largest entry
+    for got, want in zip(grads, ref[2:], strict=True):
+        for e in range(4):
+            torch.testing.assert_close(got[e], want[e], rtol=2e-5, atol=2e-6 * float(want[e].abs().max()))
+    from moe_mxfp8.fp8_gemm import fp8_grouped_wgrad
+
+    x = rows.detach()
+    per_expert = fp8_grouped_wgrad(dy, x, offsets, False, torch.float32, "emulated", False)
+    per_block = fp8_grouped_wgrad(dy, x, offsets, False, torch.float32, "emulated", False,
+                                  blockwise=True)
+    exact = dy[131:].T @ x[131:]
+    # relative errors 0.045 and 0.13: the outlier scales the other rows into E4M3's subnormals
+    assert (per_block[3] - exact).norm() < 0.5 * (per_expert[3] - exact).norm()
 
 
 def test_output_gradient_rows_attach_and_serve_the_down_projection():

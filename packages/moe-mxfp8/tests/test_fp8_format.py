@@ -8,6 +8,7 @@ from moe_mxfp8 import (
     dequantize_fp8,
     quantize_fp8,
     quantize_fp8_reference,
+    quantize_group_column_blocks,
     quantize_group_columns,
     quantize_weight_blocks,
     quantize_weight_rowwise,
@@ -17,6 +18,7 @@ torchao_float8 = pytest.importorskip("torchao.float8.float8_utils")
 from torchao.float8.config import ScalingGranularity  # noqa: E402
 from torchao.prototype.blockwise_fp8_training.kernels import (  # noqa: E402
     torch_blockwise_scale_act_quant_lhs,
+    torch_blockwise_scale_act_quant_rhs,
     torch_blockwise_scale_weight_quant,
 )
 
@@ -196,6 +198,33 @@ def test_group_columns_match_torchao_per_expert_and_are_16_aligned(pow2):
         assert mismatches(data_t[:, slot:slot + n], data[:n].t()) == 0, e
         assert (data_t[:, slot + n:padded_end].float() == 0).all(), e  # padding is zero
         start, slot = end, padded_end
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_column_blocks_match_torchao_128x1_tiles_per_expert_and_are_128_aligned(dtype):
+    """Each expert's rows, zero-padded to whole 128-row blocks, quantized by torchao's
+    right-hand weight-gradient operand cast of its blockwise recipe (per column and 128
+    rows): the same codes (transposed) and scales; padding codes zero."""
+    x = adversarial(560, 128, dtype, seed=4)
+    x[300:428:7, 11] = float("nan")  # a NaN past an expert's first block
+    offsets = torch.tensor([0, 10, 10, 138, 139, 400, 560], dtype=torch.int32)
+    data_t, scale, ends = quantize_group_column_blocks(x, offsets, pow2=False, backend="reference")
+    assert ends.tolist() == [0, 128, 128, 256, 384, 768, 1024]
+    width = 640 + 7 * 128
+    assert data_t.shape == (128, width) and scale.shape == (width // 128, 128)
+    start = slot = 0
+    for e, (end, padded_end) in enumerate(zip(offsets.tolist(), ends.tolist(), strict=True)):
+        seg = torch.zeros(padded_end - slot, 128)
+        seg[:end - start] = x[start:end].float()
+        if len(seg):
+            data, inv_scale = torch_blockwise_scale_act_quant_rhs(seg)
+            assert mismatches(scale[slot // 128:padded_end // 128].reciprocal(), inv_scale) == 0, e
+            n = end - start
+            assert mismatches(data_t[:, slot:slot + n], data[:n].t()) == 0, e
+            assert (data_t[:, slot + n:padded_end].view(torch.uint8) == 0).all(), e  # padding: zero
+        start, slot = end, padded_end
+    assert (data_t[:, slot:].view(torch.uint8) == 0).all()  # past the last expert: zero blocks
+    assert (scale[slot // 128:] == quantize_fp8(torch.zeros(1, 1), pow2=False).scale).all()
 
 
 def test_dequantize_is_within_e4m3_precision():

@@ -1,5 +1,6 @@
-"""The FP8 grouped GEMM kernel (``gemm="triton"``) under TRITON_INTERPRET=1 against the
-emulated GEMM, alone (adding into its output, storing through TMA) and inside ``FP8GroupedExperts``,
+"""The FP8 grouped GEMM kernels (``gemm="triton"``) under TRITON_INTERPRET=1 against the
+emulated GEMM, alone (adding into its output, storing through TMA; the blockwise weight
+gradients over tokens) and inside ``FP8GroupedExperts``,
 ``FP8Linear`` and ``FP8Linear.shared_input_forward`` for every FP8 recipe (outputs, input
 and weight gradients); refusals on CPU.
 
@@ -22,9 +23,10 @@ pytest.importorskip("triton")
 CASES_FILE = Path(__file__).with_name("fp8_gemm_triton_cases.py")
 CASES = ([f"gemm/{kind}/{shape}/fast={fast}" for kind in ("rowwise", "blockwise")
           for shape in ("K200xN144", "K160xN128") for fast in (False, True)]
-         + ["gemm/blockwise/k_step32", "gemm/blockwise/wide_tile", "gemm/rowwise/accumulate", "gemm/tma_store"]
+         + ["gemm/blockwise/k_step32", "gemm/blockwise/wide_tile", "gemm/rowwise/accumulate", "gemm/tma_store",
+            "wgrad/blockwise"]
          + [f"{kind}/{r}" for kind in ("layer", "linear", "shared")
-            for r in ("fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise")])
+            for r in ("fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise", "fp8_blockwise_gw_fp8")])
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,9 @@ def _case_names() -> list[str]:
             names += [f"quantize/{name}/{dname}/pow2={p}" for p in (True, False)]
     for dname in ("f32", "bf16", "f16"):
         names += [f"group_columns/{dname}/pow2={p}" for p in (True, False)]
-    names += ["group_columns/many_experts", "wide_rows"]
+    names += [f"group_column_blocks/{dname}/pow2={p}" for dname in ("f32", "bf16", "f16")
+              for p in (True, False)]
+    names += ["group_columns/many_experts", "group_column_blocks/many_experts", "wide_rows"]
     names += [f"weight_{kind}/{dname}" for kind in ("rowwise", "blocks") for dname in ("f32", "bf16", "f16")]
     names += [f"codec/{way}/{dname}" for dname in ("f32", "bf16", "f16") for way in ("encode", "decode")]
     names += [f"row_encoding/{d}/pow2={p}" for d in ("f32", "bf16") for p in (True, False)]

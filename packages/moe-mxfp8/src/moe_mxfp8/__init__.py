@@ -11,7 +11,8 @@
   patterns that match nothing); ``refresh_weight_caches`` is the optimizer's
   weights-updated hook.
 - ``MXFP8RowCodec``: an MXFP8 payload for expert-parallel dispatch (``RowCodec``).
-- ``quantize_fp8`` / ``FP8Tensor`` / ``quantize_group_columns``: E4M3 with FP32 scales
+- ``quantize_fp8`` / ``FP8Tensor`` / ``quantize_group_columns`` /
+  ``quantize_group_column_blocks``: E4M3 with FP32 scales
   per row, 1x128 tile or 128x128 block (torchao's float8 rowwise and DeepSeek-V3's
   blockwise recipes); ``quantize_weight_rowwise`` / ``quantize_weight_blocks``: a
   weight's two rowwise or 128x128-block copies in one call; ``FP8GroupedExperts`` /
@@ -68,6 +69,8 @@ from moe_mxfp8.fp8 import (
     group_columns_layout,
     quantize_fp8,
     quantize_fp8_reference,
+    quantize_group_column_blocks,
+    quantize_group_column_blocks_reference,
     quantize_group_columns,
     quantize_group_columns_reference,
     quantize_weight_blocks,
@@ -114,6 +117,8 @@ __all__ = [
     "group_columns_layout",
     "quantize_fp8",
     "quantize_fp8_reference",
+    "quantize_group_column_blocks",
+    "quantize_group_column_blocks_reference",
     "quantize_group_columns",
     "quantize_group_columns_reference",
     "quantize_weight_blocks",

@@ -158,3 +158,46 @@ def fp8_rows_kernel(
                     acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
                 tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
+
+
+@triton.jit
+def fp8_wgrad_blocks_kernel(
+    a_ptr, b_ptr, y_ptr, pends_ptr, a_scale_ptr, b_scale_ptr, N, K,
+    stride_an, stride_bk, stride_ye, stride_yn, stride_as, stride_bs,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """``y[e] = sum_j (a[:, blk j] / sa[j]) @ (b[:, blk j] / sb[j])^T`` over the 128-column
+    blocks ``j`` of group ``e``'s slot, E4M3 operands reduced over their columns (tokens).
+
+    ``a [N, W]`` and ``b [K, W]`` (columns contiguous; each group's columns start at a
+    multiple of 128, padding zero), group ``e``'s slot ending at ``pends[e]``; scales ``sa
+    [W/128, N]`` and ``sb [W/128, K]``, one per row of a 128-column block. Each block's
+    product accumulates in the tensor cores over its 128 columns (in steps of ``BK``,
+    which divides 128), is scaled by the outer product of the two operands' reciprocal
+    scales and added to the FP32 sum: the promotion every 128 elements of DeepSeek-V3's
+    recipe. One program per (output tile, group); a group without rows stores zeros.
+    """
+    pid, e = tl.program_id(0), tl.program_id(1)
+    tiles_k = tl.cdiv(K, BN)
+    pid_n, pid_k = pid // tiles_k, pid % tiles_k
+    p_start = tl.load(pends_ptr + e - 1, mask=e > 0, other=0)
+    p_end = tl.load(pends_ptr + e)
+    rn = pid_n * BM + tl.arange(0, BM)
+    rk = pid_k * BN + tl.arange(0, BN)
+    rn_read = tl.minimum(rn, N - 1).to(tl.int64)  # clamped: read, never stored
+    rk_read = tl.minimum(rk, K - 1).to(tl.int64)
+    rt = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for j in range(p_start // 128, p_end // 128):
+        part = tl.zeros((BM, BN), dtype=tl.float32)
+        for t in tl.static_range(128 // BK):
+            cols = j * 128 + t * BK + rt
+            x = tl.load(a_ptr + rn_read[:, None] * stride_an + cols[None, :])
+            w = tl.load(b_ptr + rk_read[:, None] * stride_bk + cols[None, :])
+            part = tl.dot(x, tl.trans(w), part)
+        sa = tl.load(a_scale_ptr + j * stride_as + rn_read)
+        sb = tl.load(b_scale_ptr + j * stride_bs + rk_read)
+        acc += part * ((1.0 / sa)[:, None] * (1.0 / sb)[None, :])
+    y_ptrs = (y_ptr + e.to(tl.int64) * stride_ye + rn.to(tl.int64)[:, None] * stride_yn
+              + rk[None, :])
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rn < N)[:, None] & (rk < K)[None, :])

@@ -23,6 +23,10 @@ an H100 wrote wrong bytes in some layouts while exact in others (docs/performanc
   16-aligned slot of ``[N, W]`` (zeros in the padding), four slots' bytes per 32-bit word
   so that the transpose moves words; the busiest experts' programs start first. Offsets
   are read on the device.
+- ``quantize_group_column_blocks_t``: one program per 128-column slot of the ``[N, W]``
+  result and column strip: it finds the expert whose 128-aligned slot holds it on the
+  device, reads those up to 128 rows once, and writes their scale and transposed codes
+  (zeros past the expert's rows).
 - ``quantize_weight_cols_t``: the same two passes per (matrix, column strip) of a weight
   stack ``[B, M, K]`` given as one or two parts along ``M`` (gate and up), written into
   ``[B, K, M]``: the input-gradient copy of a rowwise FP8 weight without the BF16
@@ -45,7 +49,7 @@ import triton
 import triton.language as tl
 
 from moe_mxfp8._quantize_kernels import _bits_view, _e4m3, _load_abs_sign
-from moe_mxfp8.fp8 import E4M3_MAX, EPS
+from moe_mxfp8.fp8 import E4M3_MAX, EPS, TOKEN_BLOCK
 
 
 def _f32_bits(v: float) -> int:
@@ -260,6 +264,32 @@ def _group_columns_kernel(
 
 
 @triton.jit
+def _group_column_blocks_kernel(
+    x_ptr, sx_m, offs_ptr, pends_ptr, d_ptr, sd_n, s_ptr, N, E,
+    E_BLOCK: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, POW2: tl.constexpr,
+    IN_BF16: tl.constexpr, EPS_BITS: tl.constexpr, SCALE_AT_EPS: tl.constexpr,
+):
+    j, pid_n = tl.program_id(0), tl.program_id(1)
+    slot = j * BT
+    # the expert whose padded slot holds this block: groups before it end at or before it
+    experts = tl.arange(0, E_BLOCK)
+    ends = tl.load(pends_ptr + experts, mask=experts < E, other=2**31 - 1)
+    e = tl.sum((ends <= slot).to(tl.int32), axis=0)
+    p_start = tl.load(pends_ptr + e - 1, mask=e > 0, other=0)
+    start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.where(e < E, tl.load(offs_ptr + e, mask=e < E, other=0), start)  # past the last: none
+    rows = (start + slot - p_start + tl.arange(0, BT)).to(tl.int64)
+    cols = pid_n * BN + tl.arange(0, BN)
+    mask = (rows < end)[:, None] & (cols < N)[None, :]
+    abs_bits, sign = _load_abs_sign(x_ptr + rows[:, None] * sx_m + cols[None, :], mask, IN_BF16)
+    scale = _scale(tl.max(abs_bits, axis=0), POW2, EPS_BITS, SCALE_AT_EPS)
+    tl.store(s_ptr + j.to(tl.int64) * N + cols, scale, mask=cols < N)
+    codes = tl.where(mask, _encode(abs_bits, sign, scale[None, :]), 0).to(tl.uint8)
+    slots = (slot + tl.arange(0, BT)).to(tl.int64)[:, None]
+    _store_transposed(d_ptr, sd_n, codes, slots, cols[None, :], (cols < N)[None, :])
+
+
+@triton.jit
 def _load_two_parts(a_ptr, sa_m, b_ptr, sb_m, M_A, rows, cols, mask, IN_BF16: tl.constexpr):
     """``|x|`` bits and signs at ``rows`` x ``cols`` of two parts stacked along the rows
     (rows below ``M_A`` from the first); masked loads, so each element is read once."""
@@ -396,6 +426,9 @@ _TILES: dict[str, BlockTile | ColumnTile] = {
     "tiles": BlockTile(1024, 1, 8),  # 1x128
     "blocks": BlockTile(128 * 128, 8, 1, 64),  # 128x128
     "group_columns": ColumnTile(512, 32, 8, True, True),
+    # 128 tokens of 64 columns per program: a first choice, not yet swept on a GPU
+    # (`--parts tiles --tile-kinds column_blocks` sweeps it)
+    "column_blocks": ColumnTile(128, 64, 4),
     # rows wider than ROW_WIDTH_MAX, one per program in chunks of ``elements``: on one H100
     # every "wide_rows" candidate of the sweep (an LM head's output gradient, [8192, 100352])
     # ran at 1.66-1.82 TB/s, this one 1.78 (`--parts tiles --tile-kinds wide_rows`, commit
@@ -490,6 +523,26 @@ def quantize_group_columns_t(x: torch.Tensor, offsets: torch.Tensor, padded_ends
             data_t.stride(0), scale, N, BR=tile.rows, BN=tile.cols, REVERSE=tile.reverse,
             ORDERED=order is not None, POW2=pow2,
             IN_BF16=x.dtype == torch.bfloat16,
+            num_warps=tile.warps, enable_fp_fusion=False, **_CONSTS,
+        )
+    return data_t.view(torch.float8_e4m3fn), scale
+
+
+def quantize_group_column_blocks_t(x: torch.Tensor, offsets: torch.Tensor, padded_ends: torch.Tensor,
+                                   width: int, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """See ``moe_mxfp8.fp8.quantize_group_column_blocks``; returns ``(data_t [N, width],
+    scale [width / 128, N])``."""
+    x = x.contiguous()
+    N = x.shape[1]
+    E = offsets.shape[0]
+    data_t = torch.empty(N, width, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(width // TOKEN_BLOCK, N, dtype=torch.float32, device=x.device)
+    if N and width:
+        tile = _TILES["column_blocks"]
+        _group_column_blocks_kernel[(width // TOKEN_BLOCK, triton.cdiv(N, tile.cols))](
+            _bits_view(x), x.stride(0), offsets, padded_ends, data_t, data_t.stride(0), scale,
+            N, E, E_BLOCK=triton.next_power_of_2(max(E, 1)), BT=TOKEN_BLOCK, BN=tile.cols,
+            POW2=pow2, IN_BF16=x.dtype == torch.bfloat16,
             num_warps=tile.warps, enable_fp_fusion=False, **_CONSTS,
         )
     return data_t.view(torch.float8_e4m3fn), scale

@@ -2,7 +2,8 @@
 
 Structural: with ``recipe="mxfp8"`` an ``nn.Linear`` becomes ``MXFP8Linear`` and any
 module with parameters ``w1``, ``w3``, ``w2`` (grouped experts) ``MXFP8GroupedExperts``;
-with an FP8 recipe (``fp8_rowwise``, ``fp8_rowwise_gw_hp``, ``fp8_blockwise``) they become
+with an FP8 recipe (``fp8_rowwise``, ``fp8_rowwise_gw_hp``, ``fp8_blockwise``,
+``fp8_blockwise_gw_fp8``) they become
 ``FP8Linear`` and ``FP8GroupedExperts``. The new modules hold the same ``nn.Parameter``
 objects under the same names, so parameter names, optimizer state, gradient buckets and
 checkpoints are untouched.
@@ -37,9 +38,10 @@ class MXFP8Config:
     save_mxfp8_activations: bool = False  # keep tensors saved for backward in MXFP8 (mxfp8 only)
     # mxfp8: dense layers emulated | native (sm_100 only), experts emulated;
     # fp8_rowwise(_gw_hp): emulated | native (sm_90) | triton (sm_89 and up);
-    # fp8_blockwise: emulated | triton
+    # fp8_blockwise(_gw_fp8): emulated | triton
     gemm: str = "emulated"
-    recipe: str = "mxfp8"  # mxfp8 | fp8_rowwise | fp8_rowwise_gw_hp | fp8_blockwise
+    # mxfp8 | fp8_rowwise | fp8_rowwise_gw_hp | fp8_blockwise | fp8_blockwise_gw_fp8
+    recipe: str = "mxfp8"
     # FP8 recipes: the dense targets' (nn.Linear) GEMM, gemm's choices; None: gemm. On Hopper
     # native is the faster dense GEMM while the experts want triton (measured by
     # tools/bench_fp8_experts.py --parts gemms)

@@ -27,10 +27,18 @@ within that of ``7 * 2**j`` from above: only there torchao's scale is twice ours
 (checked by a test). Bit-identical otherwise, also in the Triton kernels
 (``moe_mxfp8._fp8_kernels``), which encode E4M3 without the FP8 conversion instructions.
 
-Weight-gradient operands are quantized along the tokens of each expert's segment
-(``quantize_group_columns``): per group and column one scale, the result transposed to
-``[N, rows]`` with every group's start padded to 16 (the FP8 grouped GEMM reads each
-group's columns at a 16-byte aligned address), padding zero.
+Weight-gradient operands are quantized along the tokens of each expert's segment,
+the result transposed to ``[N, rows]`` (the weight-gradient GEMM reduces over tokens, and
+FP8 tensor cores read both operands along the reduction):
+
+- rowwise recipes (``quantize_group_columns``): per group and column one scale, every
+  group's start padded to 16 (the FP8 grouped GEMM reads each group's columns at a
+  16-byte aligned address), padding zero;
+- blockwise recipes (``quantize_group_column_blocks``): per column one scale for each 128
+  tokens counted from the group's first row, DeepSeek-V3's "128x1" activation tiles of
+  its weight-gradient GEMM (torchao's ``blockwise_fp8_training`` quantizes its right-hand
+  operand the same way); every group's start padded to 128, so that each scale block is
+  one aligned 128-column slot of the result.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from moe_mxfp8._triton_support import Backend, resolve_backend
 E4M3_MAX = 448.0
 EPS = 1e-12  # torchao's amax floor
 GROUP_ALIGN = 16  # FP8 grouped GEMMs over tokens: each group starts at a multiple of this
+TOKEN_BLOCK = 128  # blockwise weight-gradient operands: one scale per column and this many tokens
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _F32_EXP_MASK = 0x7F800000
 
@@ -173,6 +182,33 @@ def quantize_group_columns_reference(x: torch.Tensor, offsets: torch.Tensor, pow
         data_t[:, padded_start:padded_start + end - start] = to_e4m3(seg * scale[e]).t()
         start, padded_start = end, padded_end
     return data_t, scale, padded_ends
+
+
+def quantize_group_column_blocks_reference(x: torch.Tensor, offsets: torch.Tensor, pow2: bool = False
+                                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The eager reference of :func:`quantize_group_column_blocks` (any device; reads the
+    offsets on the host): the same contract and bits. One group at a time, so that its
+    FP32 temporaries are the largest group's, not the whole operand's."""
+    _check_columns_input(x, offsets)
+    padded_ends = padded_group_ends(offsets, TOKEN_BLOCK)
+    width = group_columns_width(x.shape[0], offsets.shape[0], TOKEN_BLOCK)
+    N = x.shape[1]
+    data_t = torch.zeros(N, width, dtype=torch.uint8, device=x.device)
+    scale = scale_from_amax(x.new_zeros(1, 1, dtype=torch.float32), pow2).expand(
+        width // TOKEN_BLOCK, N).contiguous()  # a zero block's, where no group is
+    start = slot = 0
+    for end, padded_end in zip(offsets.tolist(), padded_ends.tolist(), strict=True):
+        n = end - start
+        if n:
+            seg = F.pad(x[start:end].float(), (0, 0, 0, padded_end - slot - n))  # zero rows
+            blocks = seg.view(-1, TOKEN_BLOCK, N)
+            amax = torch.where(blocks.isnan().any(1), float("nan"), blocks.abs().amax(1))
+            block_scale = scale_from_amax(amax, pow2)
+            scale[slot // TOKEN_BLOCK:padded_end // TOKEN_BLOCK] = block_scale
+            codes = to_e4m3(blocks * block_scale[:, None, :]).view(-1, N)[:n]
+            data_t[:, slot:slot + n] = codes.view(torch.uint8).t()
+        start, slot = end, padded_end
+    return data_t.view(torch.float8_e4m3fn), scale, padded_ends
 
 
 # --- public API -----------------------------------------------------------------------
@@ -368,3 +404,29 @@ def quantize_group_columns(x: torch.Tensor, offsets: torch.Tensor, pow2: bool = 
     data_t, scale = quantize_group_columns_t(x, offsets, layout.padded_ends, layout.program_order,
                                              width, pow2)
     return data_t, scale, layout.padded_ends
+
+
+def quantize_group_column_blocks(x: torch.Tensor, offsets: torch.Tensor, pow2: bool = False,
+                                 backend: Backend = "auto",
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per expert segment of ``x [R, N]`` and column: one scale for each 128 rows, counted
+    from the segment's first row (module notes).
+
+    Returns ``data_t [N, W]`` (E4M3, ``x``'s segments transposed, each starting at a
+    multiple of 128, zeros in the padding and past the last group;
+    ``W = group_columns_width(R, E, 128)``), ``scale [W / 128, N]`` (row ``j``: the
+    columns ``128 j`` to ``128 j + 127`` of ``data_t``; a block of padding alone has a zero
+    block's scale) and the padded group ends ``[E]`` int32. Rows past ``offsets[-1]`` are
+    ignored. Offsets stay on the device (on the Triton path;
+    :func:`quantize_group_column_blocks_reference` reads them). ``backend`` as
+    :func:`quantize_fp8`'s.
+    """
+    _check_columns_input(x, offsets)
+    if not resolve_backend(backend, x.device):
+        return quantize_group_column_blocks_reference(x, offsets, pow2)
+    from moe_mxfp8._fp8_kernels import quantize_group_column_blocks_t
+
+    padded_ends = padded_group_ends(offsets, TOKEN_BLOCK)
+    width = group_columns_width(x.shape[0], offsets.shape[0], TOKEN_BLOCK)
+    data_t, scale = quantize_group_column_blocks_t(x, offsets, padded_ends, width, pow2)
+    return data_t, scale, padded_ends

@@ -14,11 +14,15 @@ Recipes (``FP8_RECIPES``):
   GEMM FLOPs in FP8, none of the four per-expert column quantizations (whichever is
   faster depends on how those passes compare with the FP8 gain on the weight-gradient
   GEMMs: ``tools/bench_fp8_experts.py`` measures both).
-- ``fp8_blockwise`` (DeepSeek-V3): activations and output gradients in 1x128 tiles,
-  weights in 128x128 blocks, FP32 scales; forward and input-gradient GEMMs in FP8, the
-  weight gradients in the compute dtype. ``gemm="triton"`` or ``"emulated"``: no grouped
-  GEMM with these scales exists in torch for sm_90 (a per-expert ``torch._scaled_mm``
-  loop would read the offsets on the host).
+- ``fp8_blockwise`` (DeepSeek-V3's scales): activations and output gradients in 1x128
+  tiles, weights in 128x128 blocks, FP32 scales; forward and input-gradient GEMMs in
+  FP8, the weight gradients in the compute dtype. ``gemm="triton"`` or ``"emulated"``:
+  no grouped GEMM with these scales exists in torch for sm_90 (a per-expert
+  ``torch._scaled_mm`` loop would read the offsets on the host).
+- ``fp8_blockwise_gw_fp8`` (DeepSeek-V3's recipe whole, as torchao's
+  ``blockwise_fp8_training``): the same, with the weight gradients in FP8 too, both
+  operands scaled per column and 128 tokens of each expert ("128x1" tiles along the
+  reduction), each block's product promoted to FP32.
 
 Per layer: ``h13 = rows @ w13^T`` (gate and up in one GEMM from a ``[E, 2F, D]`` cache),
 ``h = silu(h1) * h3``, ``y = h @ w2^T``; backward ``dh = dy @ w2``, ``drows = dh13 @ w13``
@@ -116,11 +120,18 @@ class FP8Recipe:
     fp8_wgrad: bool  # weight-gradient GEMMs in FP8 too
     native: bool  # a native grouped GEMM exists (sm_90)
 
+    @property
+    def blockwise(self) -> bool:
+        """Scaled in 1x128 tiles and 128x128 blocks (its FP8 weight gradients, if any, per
+        column and 128 tokens)."""
+        return self.act_block == (1, 128)
+
 
 FP8_RECIPES = {
     "fp8_rowwise": FP8Recipe((1, 0), (1, 0), pow2=True, fp8_wgrad=True, native=True),
     "fp8_rowwise_gw_hp": FP8Recipe((1, 0), (1, 0), pow2=True, fp8_wgrad=False, native=True),
     "fp8_blockwise": FP8Recipe((1, 128), (128, 128), pow2=False, fp8_wgrad=False, native=False),
+    "fp8_blockwise_gw_fp8": FP8Recipe((1, 128), (128, 128), pow2=False, fp8_wgrad=True, native=False),
 }
 
 
@@ -248,7 +259,7 @@ class _FP8ExpertsFn(torch.autograd.Function):
 def _wgrad(r: FP8Recipe, dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch.Tensor,
            dtype: torch.dtype, gemm: str, fast_accum: bool) -> torch.Tensor:
     if r.fp8_wgrad:
-        return fp8_grouped_wgrad(dy_RN, x_RK, offsets, r.pow2, dtype, gemm, fast_accum)
+        return fp8_grouped_wgrad(dy_RN, x_RK, offsets, r.pow2, dtype, gemm, fast_accum, r.blockwise)
     return grouped_weight_grad(dy_RN, x_RK, offsets)
 
 

@@ -13,9 +13,11 @@ W the padded token width of a weight-gradient operand.
   is the only grouped GEMM here that reads DeepSeek-V3's 1x128 / 128x128 scales (torch has
   none for sm_90), and it is written for the shapes the expert layers run: a persistent
   grid over (group, m-tile, n-tile) found on the device, TMA loads, K steps of 128, and
-  (``FP8TileConfig.tma_store``) the finished tile stored by TMA, kept to its group's rows. The
-  weight gradients over tokens (``fp8_grouped_wgrad``) have no Triton kernel: with
-  ``triton`` they run natively where ``fp8_native_available``, emulated elsewhere.
+  (``FP8TileConfig.tma_store``) the finished tile stored by TMA, kept to its group's rows.
+  The weight gradients over tokens (``fp8_grouped_wgrad``) with blockwise scales run on
+  this package's second kernel (``_fp8_gemm_kernels.fp8_wgrad_blocks_kernel``); with
+  rowwise scales they have no Triton kernel: with ``triton`` they run natively where
+  ``fp8_native_available``, emulated elsewhere.
 - ``emulated`` (any device; the reference both are checked against): dequantize both
   operands to FP32 (``data * (1 / scale)``, exact for power-of-two scales, rounded once
   otherwise) and multiply in FP32, one matmul per expert (reads the offsets on the host).
@@ -38,7 +40,10 @@ promoted whatever ``fast_accum`` says. Which GEMM of a layer takes which:
 - ``fp8_grouped_wgrad``: ``dw[e] = dy[seg e]^T @ x[seg e]`` with both operands scaled per
   expert and column (``quantize_group_columns``), transposed with 16-aligned group
   starts (the "2d x 2d" form reduces over tokens and reads each group at an aligned
-  address).
+  address); or, ``blockwise``, per column and 128 tokens of each expert
+  (``quantize_group_column_blocks``, 128-aligned group starts), each block's product
+  scaled and promoted to FP32 (DeepSeek-V3's weight gradients, torchao's
+  ``blockwise_fp8_training``): ``triton`` or ``emulated``.
 """
 
 from __future__ import annotations
@@ -50,7 +55,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_mxfp8._triton_support import _interpreting, triton_available
-from moe_mxfp8.fp8 import FP8Tensor, group_columns_layout, quantize_group_columns
+from moe_mxfp8.fp8 import (
+    TOKEN_BLOCK,
+    FP8Tensor,
+    group_columns_layout,
+    quantize_group_column_blocks,
+    quantize_group_columns,
+)
 
 if TYPE_CHECKING:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -143,6 +154,10 @@ FP8_TILES_GPU = {"fast": FP8TileConfig(128, 256, 128, 8, 8, 4, True, 1, True),
                  "fast_fp32": FP8TileConfig(128, 128, 128, 8, 8, 4, True, 1, True),
                  "promoted": FP8TileConfig(64, 128, 128, 8, 4, 3, True, 2)}
 FP8_TILES_CPU = FP8TileConfig(16, 16, 16, 2, 1, 1, False)
+# The blockwise weight-gradient kernel holds two FP32 tiles (the running sum and the
+# block's product), so it takes the promoted GEMM's narrower tile. Not yet tuned on a GPU:
+# ``tools/bench_fp8_experts.py --parts gemms`` times it at the bench shapes.
+FP8_WGRAD_TILES_GPU = FP8TileConfig(64, 128, 128, 1, 4, 3, False)
 
 
 def default_fp8_tiles(device: torch.device, blockwise: bool, fast_accum: bool,
@@ -308,12 +323,16 @@ def fp8_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dtype:
 
 
 def fp8_grouped_wgrad(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch.Tensor,
-                      pow2: bool, out_dtype: torch.dtype, gemm: str, fast_accum: bool
-                      ) -> torch.Tensor:
-    """``[E, N, K]`` weight gradients from E4M3 operands scaled per expert and column;
-    ``gemm="triton"`` runs natively where that is available (module notes)."""
+                      pow2: bool, out_dtype: torch.dtype, gemm: str, fast_accum: bool,
+                      blockwise: bool = False) -> torch.Tensor:
+    """``[E, N, K]`` weight gradients from E4M3 operands scaled per expert and column, or
+    (``blockwise``) per column and 128 tokens of each expert; rowwise, ``gemm="triton"``
+    runs natively where that is available (module notes). ``fast_accum`` applies to
+    rowwise scales only (blockwise promotes every block)."""
     if gemm not in FP8_GEMMS:
         raise ValueError(f"gemm must be one of {FP8_GEMMS}, got {gemm!r}")
+    if blockwise:
+        return _wgrad_blocks(dy_RN, x_RK, offsets, pow2, out_dtype, gemm)
     layout = group_columns_layout(offsets)  # one for both operands: the same groups
     dy_t, dy_scale, padded_ends = quantize_group_columns(dy_RN, offsets, pow2, layout=layout)
     x_t, x_scale, _ = quantize_group_columns(x_RK, offsets, pow2, layout=layout)
@@ -331,3 +350,75 @@ def fp8_grouped_wgrad(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch.Te
             out[e] = (dy_f[:, slot] * dy_inv[e, :, None]) @ (x_f[:, slot] * x_inv[e, :, None]).t()
         start, padded_start = end, padded_end
     return out.to(out_dtype)
+
+
+def _wgrad_blocks(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch.Tensor, pow2: bool,
+                  out_dtype: torch.dtype, gemm: str) -> torch.Tensor:
+    """``fp8_grouped_wgrad`` with ``blockwise`` scales."""
+    if gemm == "native":
+        raise ValueError("gemm='native' (torch._scaled_grouped_mm) takes rowwise scales only")
+    dy_t, dy_scale, padded_ends = quantize_group_column_blocks(dy_RN, offsets, pow2)
+    x_t, x_scale = quantize_group_column_blocks(x_RK, offsets, pow2)[:2]  # the same padded ends
+    E, N, K = offsets.shape[0], dy_RN.shape[1], x_RK.shape[1]
+    if gemm == "triton":
+        return triton_grouped_wgrad_blocks(dy_t, dy_scale, x_t, x_scale, padded_ends, out_dtype)
+    dy_f, x_f = _widened_blocks(dy_t, dy_scale), _widened_blocks(x_t, x_scale)
+    out = dy_f.new_zeros(E, N, K)
+    start = 0
+    for e, end in enumerate(padded_ends.tolist()):
+        if end > start:
+            out[e] = dy_f[:, start:end] @ x_f[:, start:end].t()
+        start = end
+    return out.to(out_dtype)
+
+
+def _widened_blocks(data_t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP32 ``data * (1 / scale)`` of a ``quantize_group_column_blocks`` operand, scaled in
+    place (one FP32 copy of the operand, no broadcast scale tensor)."""
+    f = data_t.float()
+    f.view(f.shape[0], -1, TOKEN_BLOCK).mul_(scale.reciprocal().t()[:, :, None])
+    return f
+
+
+def triton_grouped_wgrad_blocks(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor,
+                                b_scale: torch.Tensor, padded_ends: torch.Tensor,
+                                out_dtype: torch.dtype, config: FP8TileConfig | None = None
+                                ) -> torch.Tensor:
+    """``[E, N, K]``: ``a_t [N, W]`` against ``b_t [K, W]`` over each group's 128-aligned
+    columns, as ``quantize_group_column_blocks`` lays them out (``fp8_wgrad_blocks_kernel``);
+    ``config``: its tiles (``block_m`` x ``block_n`` output tiles, ``block_k`` dividing 128,
+    warps and stages; the others unused), by default ``default_wgrad_tiles``."""
+    (N, W), (K, W_b) = a_t.shape, b_t.shape
+    E = padded_ends.shape[0]
+    if W != W_b or W % TOKEN_BLOCK or a_scale.shape != (W // TOKEN_BLOCK, N) or (
+            b_scale.shape != (W // TOKEN_BLOCK, K)):
+        raise ValueError(f"FP8 blockwise weight gradient: operands [N, W] and [K, W] with W a "
+                         f"multiple of {TOKEN_BLOCK} and scales [W/{TOKEN_BLOCK}, N] and "
+                         f"[W/{TOKEN_BLOCK}, K], got {tuple(a_t.shape)}, {tuple(b_t.shape)}, "
+                         f"{tuple(a_scale.shape)} and {tuple(b_scale.shape)}")
+    cfg = config or default_wgrad_tiles(a_t.device)
+    if TOKEN_BLOCK % cfg.block_k:
+        raise ValueError(f"FP8 blockwise weight gradient: the K step must divide {TOKEN_BLOCK}, "
+                         f"got {cfg.block_k}")
+    y = torch.empty(E, N, K, dtype=out_dtype, device=a_t.device)
+    if y.numel() == 0:
+        return y
+    import triton
+
+    from moe_mxfp8._fp8_gemm_kernels import fp8_wgrad_blocks_kernel
+
+    a_t, b_t = a_t.contiguous(), b_t.contiguous()
+    a_scale, b_scale = a_scale.contiguous(), b_scale.contiguous()
+    grid = (triton.cdiv(N, cfg.block_m) * triton.cdiv(K, cfg.block_n), E)
+    fp8_wgrad_blocks_kernel[grid](
+        a_t, b_t, y, padded_ends, a_scale, b_scale, N, K,
+        a_t.stride(0), b_t.stride(0), y.stride(0), y.stride(1), a_scale.stride(0), b_scale.stride(0),
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def default_wgrad_tiles(device: torch.device) -> FP8TileConfig:
+    """The tiles ``triton_grouped_wgrad_blocks`` takes on ``device`` when given none."""
+    return FP8_WGRAD_TILES_GPU if device.type == "cuda" else FP8_TILES_CPU

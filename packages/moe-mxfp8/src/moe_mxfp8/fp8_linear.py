@@ -173,7 +173,7 @@ def _weight_gradient(ctx: Any, i: int, x_MK: torch.Tensor, dy_MN: torch.Tensor,
     r = layer.recipe
     if r.fp8_wgrad:
         dw = fp8_grouped_wgrad(dy_MN, x_MK, rows, r.pow2, ctx.dtype, layer.gemm,
-                               "grad_weight" in layer.fast_accum)[0]
+                               "grad_weight" in layer.fast_accum, r.blockwise)[0]
     else:
         dw = dy_MN.t() @ x_MK
     return give(route, layer.weight, dw)
