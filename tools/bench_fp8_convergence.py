@@ -86,7 +86,7 @@ from pretrain.train import train
 
 TARGET_REL_DIFF = 0.01  # FP8's final loss within 1% of BF16's
 BASELINE = "bf16"
-RECIPES = (BASELINE, "fp8_rowwise_gw_hp", "fp8_rowwise", "fp8_blockwise", "mxfp8")
+RECIPES = (BASELINE, "fp8_rowwise_gw_hp", "fp8_rowwise", "fp8_blockwise", "fp8_blockwise_gw_fp8", "mxfp8")
 HELD_OUT_EVERY = 20  # every 20th corpus file (sorted order) is held out: 5%
 # bench-1gpu's model FLOP rate on one H200: 106.4k tokens/s x 4.5615 GFLOP per token
 # (docs/performance.md, `tools/bench_train_step.py --config bench-1gpu`); for the estimate

@@ -12,7 +12,8 @@
    the native GEMMs (``torch._scaled_grouped_mm``; the default accumulation, fast in the
    forward only, and fp8_rowwise also with every GEMM fast, torchao's grouped MoE choice,
    and with none, fp8_rowwise_gw_hp also with fast input gradients); the same on the
-   Triton GEMM (``gemm="triton"``) and fp8_blockwise on it; and fp8_blockwise emulated
+   Triton GEMM (``gemm="triton"``) and fp8_blockwise and fp8_blockwise_gw_fp8 (FP8 weight
+   gradients per 128 tokens) on it; and fp8_blockwise emulated
    (dequantize + FP32 matmuls per expert) unless ``--no-blockwise``. BF16 compute weights
    everywhere; the FP8 layers' outputs are compared with BF16's (relative error in norm).
 2. The grouped GEMMs alone (the candidates side by side, balanced routing): BF16
@@ -21,7 +22,8 @@
    accumulation (the layer's forward GEMMs by default, ``MXFP8Config.fp8_fast_accum``), on
    the forward (2d x 3d) and weight-gradient (2d x 2d) shapes of the gate/up projection;
    and this package's Triton FP8 GEMM (``gemm="triton"``) on the forward shape with rowwise
-   scales (promoted and fast) and DeepSeek-V3's blockwise ones. Then the dense GEMMs of
+   scales (promoted and fast) and DeepSeek-V3's blockwise ones, and the blockwise weight
+   gradient's Triton kernel (operands per column and 128 tokens). Then the dense GEMMs of
    ``FP8Linear`` at ``bench-1gpu``'s shapes (``--head-tokens`` rows: the LM head's forward
    and input gradient, the attention projections' ``[2048, 2048]`` and ``[512, 2048]``),
    rowwise with fast accumulation, the two GEMMs the layer can take side by side: torch's
@@ -31,8 +33,8 @@
    layer makes it today (one cuBLAS GEMM with FP32 output, beta 1), against FP8 from
    operands quantized per column along the tokens (the quantisation timed apart; the GEMM
    on the Triton kernel adding in its epilogue, and on ``_scaled_mm`` then an add).
-   Unless ``--no-tile-sweep``, also each tile of ``FP8_GEMM_TILE_CANDIDATES``, checked
-   against the emulated GEMM first.
+   Unless ``--no-tile-sweep``, also each tile of ``FP8_GEMM_TILE_CANDIDATES`` and of
+   ``WGRAD_TILE_CANDIDATES``, checked against the emulated GEMM first.
 3. Quantize kernels on the dispatched rows ``[131072, 2048]`` BF16 and the gate/up weight
    ``[64, 2048, 2048]`` (also both rowwise copies of it written into a cache, as the
    weight refresh does, against concatenating, transposing and copying), and the FP8 row
@@ -123,6 +125,9 @@ def bench_layers(args, routing: str) -> dict:
     layers["fp8_rowwise triton fast:all"] = FP8GroupedExperts.from_module(
         bf16, "fp8_rowwise", "triton", fast_accum=FP8_GEMM_ROLES)
     layers["fp8_blockwise triton"] = FP8GroupedExperts.from_module(bf16, "fp8_blockwise", "triton")
+    # DeepSeek-V3's recipe whole: the weight gradients in FP8 too, on their own Triton kernel
+    layers["fp8_blockwise_gw_fp8 triton"] = FP8GroupedExperts.from_module(
+        bf16, "fp8_blockwise_gw_fp8", "triton")
     if args.blockwise:
         layers["fp8_blockwise (emulated)"] = FP8GroupedExperts.from_module(bf16, "fp8_blockwise")
     flops = 3 * 2 * rows_n * args.d_model * args.hidden * 3  # forward + 2x backward, three GEMMs
@@ -163,16 +168,26 @@ FP8_GEMM_TILE_CANDIDATES = [
     (64, 128, 128, 8, 4, 2, True, 3), (64, 256, 128, 8, 4, 2, True, 2),
     (128, 128, 128, 8, 8, 3, True, 2), (64, 128, 64, 8, 4, 6, True, 2),
 ]
+# Tiles of the blockwise weight-gradient kernel (the same FP8TileConfig; group_m, TMA and
+# programs per SM unused): an [N, K] output tile per program and expert, K steps over tokens.
+WGRAD_TILE_CANDIDATES = [
+    (64, 128, 128, 1, 4, 3, False), (64, 128, 128, 1, 4, 4, False), (128, 128, 128, 1, 8, 3, False),
+    (128, 64, 128, 1, 4, 3, False), (64, 64, 128, 1, 4, 4, False), (128, 128, 64, 1, 8, 4, False),
+    (64, 128, 64, 1, 4, 5, False), (128, 256, 128, 1, 8, 3, False),
+]
 
 
 def bench_gemms(args) -> dict:
     import torch
-    from moe_mxfp8 import quantize_fp8, quantize_group_columns
+    from moe_mxfp8 import quantize_fp8, quantize_group_column_blocks, quantize_group_columns
     from moe_mxfp8.fp8_gemm import (
         FP8TileConfig,
         default_fp8_tiles,
+        default_wgrad_tiles,
         fp8_grouped_mm,
+        fp8_grouped_wgrad,
         triton_grouped_mm,
+        triton_grouped_wgrad_blocks,
     )
 
     rows_n, E, D, F2 = args.tokens * args.top_k, args.experts, args.d_model, 2 * args.hidden
@@ -197,6 +212,12 @@ def bench_gemms(args) -> dict:
                                                 out_dtype=torch.bfloat16, use_fast_accum=fast)
 
     xb, wb = quantize_fp8(x, (1, 128), pow2=False), quantize_fp8(w, (128, 128), pow2=False)
+    dy_bt, dy_bs, block_ends = quantize_group_column_blocks(dy, offsets)
+    x_bt, x_bs, _ = quantize_group_column_blocks(x, offsets)
+
+    def wgrad_blocks(cfg=None):
+        return lambda: triton_grouped_wgrad_blocks(dy_bt, dy_bs, x_bt, x_bs, block_ends,
+                                                   torch.bfloat16, cfg)
     operands = {"rowwise": (xq, wq), "blockwise": (xb, wb)}
 
     def fp8_triton(scales, fast, cfg=None):
@@ -213,6 +234,7 @@ def bench_gemms(args) -> dict:
         "wgrad bf16 _grouped_mm": lambda: torch._grouped_mm(dy.t(), x, offs=offsets),
         "wgrad fp8 _scaled_grouped_mm": fp8_wgrad(False),
         "wgrad fp8 _scaled_grouped_mm fast_accum": fp8_wgrad(True),
+        "wgrad fp8 triton blockwise (128 tokens)": wgrad_blocks(),
     }
     results = {}
     for name, fn in cases.items():
@@ -239,6 +261,21 @@ def bench_gemms(args) -> dict:
                 results[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
                 continue
             results[name] = {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12, "rel_error": err}
+    ref = fp8_grouped_wgrad(dy, x, offsets, False, torch.float32, "emulated", False, blockwise=True)
+    for tile in WGRAD_TILE_CANDIDATES:
+        cfg = FP8TileConfig(*tile)
+        name = f"sweep wgrad blockwise {tile}" + (" *" if cfg == default_wgrad_tiles(x.device) else "")
+        try:
+            got = wgrad_blocks(cfg)().float()
+            err = float((got - ref).norm() / ref.norm())
+            if not err < 5e-3:  # BF16 output: ~2e-3
+                results[name] = {"error": f"relative error {err:.3g} against the emulation"}
+                continue
+            seconds = time_s(wgrad_blocks(cfg), 5, 5)
+        except Exception as e:  # noqa: BLE001 - a tile that does not compile or fit
+            results[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            continue
+        results[name] = {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12, "rel_error": err}
     return results
 
 
@@ -343,6 +380,9 @@ TILE_CANDIDATES = {
     "group_columns": [(512, 32, 8, True, True), (128, 64, 8), (128, 64, 8, True), (256, 64, 8),
                       (256, 32, 4, True), (256, 32, 4, True, True), (256, 64, 8, True, True),
                       (256, 16, 4, True, True), (512, 16, 4, True, True), (256, 32, 8, True, True)],
+    # per column and 128 tokens (the blockwise weight gradients' operands): 128 rows a program
+    "column_blocks": [(128, 64, 4), (128, 32, 2), (128, 32, 4), (128, 128, 4), (128, 128, 8),
+                      (128, 64, 8), (128, 16, 1), (128, 256, 8)],
 }
 # moe_mxfp8._swiglu_kernels._TILES: BlockTile(elements, warps), whole rows per program.
 _SWIGLU_SHAPES = [(2048, 4), (1024, 1), (1024, 2), (1024, 4), (2048, 2), (2048, 8), (4096, 4),
@@ -366,6 +406,7 @@ def sweep_tiles(args) -> dict:
         decode_fp8_rows,
         encode_fp8_rows,
         quantize_fp8,
+        quantize_group_column_blocks,
         quantize_group_columns,
         quantize_weight_blocks,
         swiglu_backward_quantized,
@@ -392,6 +433,10 @@ def sweep_tiles(args) -> dict:
     def columns(t, backend="auto"):
         data_t, scale, ends = quantize_group_columns(t, offsets[-8:] - offsets[-9], True, backend)
         return [data_t[:, :int(ends[-1])].view(torch.uint8), scale]
+
+    def column_blocks(t, backend="auto"):
+        data_t, scale, _ = quantize_group_column_blocks(t, offsets[-8:] - offsets[-9], False, backend)
+        return [data_t.view(torch.uint8), scale]
 
     head = x[:4096]
     gate_up = gate_and_up(w, args.hidden)
@@ -422,6 +467,7 @@ def sweep_tiles(args) -> dict:
         # both copies, as the blockwise weight cache refreshes: read once, written twice
         "weight_blocks": (weight_blocks, gate_up, [p[:2] for p in gate_up], 4 * nw),
         "group_columns": (None, x, tail, 3 * n + 4 * args.experts * args.d_model),
+        "column_blocks": (None, x, tail, 3 * n + 4 * (n // 128 + args.experts * args.d_model)),
         "encode": (lambda t, b="auto": [encode_fp8_rows(t, b)], x, head, 3 * n + 4 * rows_n),
         "decode": (lambda t, b="auto": [decode_fp8_rows(t, torch.bfloat16, b)], packed, packed[:4096],
                    3 * n + 4 * rows_n),
@@ -449,15 +495,20 @@ def sweep_tiles(args) -> dict:
             def check(kind=kind, fn=fn, sample=sample):
                 if kind == "group_columns":
                     return columns(sample), columns(sample, "reference")
+                if kind == "column_blocks":
+                    return column_blocks(sample), column_blocks(sample, "reference")
                 return fn(sample), expected[kind] if kind in expected else fn(sample, "reference")
 
             def timed(kind=kind, fn=fn, full=full):
+                if kind == "column_blocks":
+                    return quantize_group_column_blocks(full, offsets, False)
                 return (quantize_group_columns(full, offsets, True) if kind == "group_columns"
                         else fn(full))
 
             for cand in candidates:
                 tile_cls = (_fp8_codec_kernels.RowTile if module is _fp8_codec_kernels
-                            else _fp8_kernels.ColumnTile if kind == "group_columns" else _fp8_kernels.BlockTile)
+                            else _fp8_kernels.ColumnTile if kind in ("group_columns", "column_blocks")
+                            else _fp8_kernels.BlockTile)
                 tile = tile_cls(*cand)
                 entry = {"tile": list(cand), "default": tile == default[key]}
                 module._TILES[key] = tile  # what the launchers read at every call
@@ -491,6 +542,7 @@ def bench_kernels(args) -> dict:
         encode_fp8_rows,
         encode_fp8_rows_reference,
         quantize_fp8,
+        quantize_group_column_blocks,
         quantize_group_columns,
         quantize_weight_blocks,
         quantize_weight_rowwise,
@@ -526,6 +578,10 @@ def bench_kernels(args) -> dict:
             lambda: quantize_group_columns(x, offsets, True), 3 * n + 4 * args.experts * args.d_model),
         "per-expert columns, transposed [R, D], balanced": (
             lambda: quantize_group_columns(x, balanced, True), 3 * n + 4 * args.experts * args.d_model),
+        # the blockwise weight gradients' operand: a scale per column and 128 tokens of an expert
+        "128-token column blocks, transposed [R, D]": (
+            lambda: quantize_group_column_blocks(x, offsets, False),
+            3 * n + 4 * (n // 128 + args.experts * args.d_model)),
         "rowwise weight [E, 2F, D]": (lambda: quantize_fp8(w, (1, 0), True), 3 * nw),
         # an LM head's output gradient: rows of the vocabulary, walked in chunks
         "rowwise rows [8192, 100352]": (lambda: quantize_fp8(wide, (1, 0), True),

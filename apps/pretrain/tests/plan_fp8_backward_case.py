@@ -5,7 +5,8 @@ is imported, see ``moe_testing.run_under_triton_interpreter``): moe_mxfp8's Trit
 kernels run in the interpreter as they would on CUDA (quantization, fused SwiGLU), and
 the GEMMs a GPU runs (native where the recipe has one, else moe_mxfp8's Triton GEMM) are
 stood in for by their output allocations (``torch._scaled_grouped_mm``,
-``torch._grouped_mm`` and ``triton_grouped_mm`` write one tensor each). The layer hands
+``torch._grouped_mm``, ``triton_grouped_mm`` and ``triton_grouped_wgrad_blocks`` write one
+tensor each). The layer hands
 its weight gradients to a gradient sink, wired as the trainer wires it on CUDA
 (``moe_model.wire_model``: the recipes with BF16 weight gradients hand them to
 moe_model's kernel, whose launch adds into the FP32 target in place and allocates
@@ -61,6 +62,11 @@ def _triton_grouped_mm(a, b, offsets, out_dtype, fast_accum, config=None, accumu
     if accumulate_into is not None:
         return accumulate_into
     return torch.empty(a.data.shape[0], b.data.shape[1], dtype=out_dtype)
+
+
+def _triton_wgrad_blocks(a_t, a_scale, b_t, b_scale, padded_ends, out_dtype, config=None):
+    """The Triton blockwise FP8 weight-gradient kernel's output: [E, N, K] from [N, W], [K, W]."""
+    return torch.empty(padded_ends.shape[0], a_t.shape[0], b_t.shape[0], dtype=out_dtype)
 
 
 def _grouped_mm(a, b, offs):
@@ -137,6 +143,7 @@ def main() -> None:
     fp8_gemm.fp8_native_available = lambda device: True  # the layers check through fp8_gemm
     fp8_gemm.fp8_triton_available = lambda device: True
     fp8_gemm.triton_grouped_mm = _triton_grouped_mm
+    fp8_gemm.triton_grouped_wgrad_blocks = _triton_wgrad_blocks
     gemm._fits_grouped_mm = lambda a, b: True
     torch._scaled_grouped_mm = _scaled_grouped_mm
     torch._grouped_mm = _grouped_mm

@@ -94,7 +94,8 @@ def refuse_unavailable_native_gemm(cfg: PretrainConfig, device: torch.device) ->
     tensor cores: one line before anything is built, rather than a traceback at the first
     forward. MXFP8's block-scaled GEMM needs compute capability 10.x, the FP8 recipes'
     native GEMMs 9.x, their Triton GEMM 8.9 or up (and ``fp8_rowwise``'s weight gradients,
-    which have no Triton GEMM, 9.x to be replayed from CUDA graphs); emulation (the
+    which have no Triton GEMM, 9.x to be replayed from CUDA graphs; ``fp8_blockwise_gw_fp8``'s
+    have one); emulation (the
     default) runs anywhere."""
     x = cfg.mxfp8
     if not x.targets:
@@ -125,8 +126,9 @@ def refuse_unavailable_native_gemm(cfg: PretrainConfig, device: torch.device) ->
             raise ConfigError(f"{key}={gemm} with mxfp8.recipe={x.recipe} needs a GPU of compute "
                               f"capability {needs}; this run has {here} ({key}=emulated runs "
                               "anywhere)")
-        if (gemm == "triton" and cfg.train.cuda_graphs and FP8_RECIPES[x.recipe].fp8_wgrad
-                and not fp8_native_available(device)):
+        recipe = FP8_RECIPES.get(x.recipe)  # blockwise FP8 weight gradients run on Triton
+        if (gemm == "triton" and cfg.train.cuda_graphs and recipe is not None and recipe.fp8_wgrad
+                and not recipe.blockwise and not fp8_native_available(device)):
             raise ConfigError(f"mxfp8.recipe={x.recipe} with {key}=triton runs its FP8 weight "
                               "gradients natively (compute capability 9.x) or else emulated, which "
                               "reads the group offsets on the host: not with train.cuda_graphs "

@@ -577,16 +577,26 @@ def _fp8_linear_gemm(M: int, K: int, N: int, ex: Execution, into: bool = False) 
     return 0 if into else b * M * N
 
 
-def _fp8_wgrad_operands(n: int, k: int, R: int, E: int, gemm: str, group_rows: int = 0) -> int:
+def _fp8_wgrad_operands(n: int, k: int, R: int, E: int, gemm: str, group_rows: int = 0,
+                        blockwise: bool = False) -> int:
     """Bytes of ``moe_mxfp8.fp8_grouped_wgrad``'s operands for ``[E, n, k]`` gradients over
     ``R`` rows: both quantized per group and column into E4M3 copies transposed to
     ``[width, group_columns_width(R, E)]``, their FP32 scales and the scales'
     reciprocals, int32 padded group ends; emulated, FP32 widenings of the copies and an
     FP32 result, and while a group's product is formed its two scaled operands and the
     product (FP32, ``group_rows`` rows: one group's, left out where there are many);
-    ``gemm``: ``fp8_grouped_wgrad``'s."""
-    from moe_mxfp8.fp8 import group_columns_width
+    ``gemm``: ``fp8_grouped_wgrad``'s. ``blockwise`` (per column and 128 tokens): groups
+    128-aligned, one FP32 scale per 128 columns of a copy (reciprocals formed in the
+    kernel), one int32 tensor of padded ends; emulated, the copies widened and scaled in
+    place, the FP32 result and (``group_rows``: one group) the group's FP32 product."""
+    from moe_mxfp8.fp8 import TOKEN_BLOCK, group_columns_width
 
+    if blockwise:
+        width = group_columns_width(R, E, TOKEN_BLOCK)
+        nbytes = (n + k) * width + FP32 * (width // TOKEN_BLOCK) * (n + k) + OFFSET * E
+        if gemm == "emulated":
+            nbytes += FP32 * ((n + k) * width + E * n * k + (n * k if group_rows else 0))
+        return nbytes
     width = group_columns_width(R, E)
     nbytes = (n + k) * width + 2 * FP32 * E * (n + k) + 2 * OFFSET * E
     if gemm == "emulated":
@@ -645,7 +655,10 @@ def _fp8_dense_wgrad(n: int, k: int, M: int, ex: Execution) -> int:
     """The high-water mark of ``fp8_grouped_wgrad`` over one group of ``M`` rows: its
     operands with the ``[n, k]`` result in the compute dtype, or, emulated, with the
     group's FP32 product being formed (more than the rounded result made after it)."""
-    operands = _fp8_wgrad_operands(n, k, M, 1, ex.fp8_dense_gemm, group_rows=M)
+    from moe_mxfp8 import FP8_RECIPES
+
+    operands = _fp8_wgrad_operands(n, k, M, 1, ex.fp8_dense_gemm, group_rows=M,
+                                   blockwise=FP8_RECIPES[ex.mxfp8_recipe].blockwise)
     return operands if ex.fp8_dense_gemm == "emulated" else operands + ex.compute_bytes * n * k
 
 
@@ -706,7 +719,7 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
     def operands(name: str, n: int, k: int) -> set[str]:
         if not recipe.fp8_wgrad:
             return set()
-        inv.add(name, _fp8_wgrad_operands(n, k, R, E, ex.mxfp8_gemm))
+        inv.add(name, _fp8_wgrad_operands(n, k, R, E, ex.mxfp8_gemm, blockwise=recipe.blockwise))
         return {name}
 
     wgrad13 = {"experts.dw13", *operands("experts.wgrad13_operands", 2 * F, D)}
