@@ -57,16 +57,19 @@ def cases():
                 yield f"quantize/{name}/{dname}/pow2={pow2}", run
     for dname, dtype in DTYPES.items():
         for pow2 in (True, False):
-            def group(dtype=dtype, pow2=pow2):
-                x = sample((70, 100), dtype, seed=1)
-                offsets = torch.tensor(OFFSETS, dtype=torch.int32)
-                (dt, st, et), (dr, sr, er) = (quantize_group_columns(x, offsets, pow2, backend=b)
-                                              for b in ("triton", "reference"))
-                used = int(er[-1])  # columns past the last padded end are unspecified
-                return (mismatches(dt[:, :used], dr[:, :used]) + mismatches(st, sr)
-                        + int(not torch.equal(et, er)))
+            for kind, quantize in (("group_columns", quantize_group_columns),
+                                   ("group_column_blocks", quantize_group_column_blocks)):
+                def group(dtype=dtype, pow2=pow2, quantize=quantize):
+                    x = sample((70, 100), dtype, seed=1)
+                    offsets = torch.tensor(OFFSETS, dtype=torch.int32)
+                    (dt, st, et), (dr, sr, er) = (quantize(x, offsets, pow2, backend=b)
+                                                  for b in ("triton", "reference"))
+                    # per expert: columns past the last padded end are unspecified
+                    used = dt.shape[1] if quantize is quantize_group_column_blocks else int(er[-1])
+                    return (mismatches(dt[:, :used], dr[:, :used]) + mismatches(st, sr)
+                            + int(not torch.equal(et, er)))
 
-            yield f"group_columns/{dname}/pow2={pow2}", group
+                yield f"{kind}/{dname}/pow2={pow2}", group
 
     def group_columns_many_experts():
         """Leading and inner empty experts, tiles that meet several experts, a large one
@@ -94,17 +97,6 @@ def cases():
         return total
 
     yield "group_columns/many_experts", group_columns_many_experts
-
-    for dname, dtype in DTYPES.items():
-        for pow2 in (True, False):
-            def column_blocks(dtype=dtype, pow2=pow2):
-                x = sample((70, 100), dtype, seed=1)
-                offsets = torch.tensor(OFFSETS, dtype=torch.int32)
-                (dt, st, et), (dr, sr, er) = (quantize_group_column_blocks(x, offsets, pow2, backend=b)
-                                              for b in ("triton", "reference"))
-                return mismatches(dt, dr) + mismatches(st, sr) + int(not torch.equal(et, er))
-
-            yield f"group_column_blocks/{dname}/pow2={pow2}", column_blocks
 
     def column_blocks_many_experts():
         """Leading and inner empty experts, experts of one row, of exactly 128 and of more
