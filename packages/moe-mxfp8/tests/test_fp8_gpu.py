@@ -20,6 +20,7 @@ from moe_mxfp8 import (
     fp8_native_available,
     fp8_triton_available,
     quantize_fp8,
+    quantize_group_column_blocks,
     quantize_group_columns,
 )
 from moe_mxfp8.fp8_gemm import (
@@ -94,6 +95,31 @@ def test_group_columns_bit_exact_at_real_sizes(pow2):
     used = int(er[-1])
     assert torch.equal(et, er) and mismatches(st, sr) == 0
     assert mismatches(dt[:, :used], dr[:, :used]) == 0
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_group_column_blocks_bit_exact_at_real_sizes(pow2):
+    x = sample((8192, 2048), torch.bfloat16)
+    offsets = routed_offsets(8192, 64)
+    (dt, st, et), (dr, sr, er) = (quantize_group_column_blocks(x, offsets, pow2, backend=b)
+                                  for b in ("auto", "reference"))
+    assert torch.equal(et, er) and mismatches(st, sr) == 0 and mismatches(dt, dr) == 0
+
+
+@needs_fp8_triton
+@pytest.mark.parametrize(("N", "K"), [(2048, 2048), (1000, 520)])
+def test_triton_blockwise_weight_gradients_equal_the_emulation(N, K):
+    """The blockwise weight-gradient kernel over 64 uneven experts (one empty) at real
+    sizes and at widths its tiles cut, BF16 results, in norm against the emulation of the
+    same operands (FP32 promotion: accumulation order and the BF16 rounding only)."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+    dy = torch.randn(16384, N, device="cuda", generator=g).bfloat16()
+    x = torch.randn(16384, K, device="cuda", generator=g).bfloat16()
+    offsets = routed_offsets(16384, 64)
+    got, want = (fp8_grouped_wgrad(dy, x, offsets, False, torch.bfloat16, gemm, False, blockwise=True)
+                 for gemm in ("triton", "emulated"))
+    assert got[1].abs().max() == 0  # the empty expert
+    assert _relative_error(got, want) < 2e-3
 
 
 # Weights of the bench shapes: gate and up of 64 experts, one down weight, an odd stack
@@ -368,21 +394,23 @@ def test_triton_gemm_default_tiles_fit_every_result_dtype(fast_accum, out_dtype)
 @needs_fp8_triton
 @pytest.mark.parametrize(("recipe", "fast_accum"), [("fp8_rowwise_gw_hp", ()),
                                                     ("fp8_rowwise_gw_hp", ("output",)),
-                                                    ("fp8_blockwise", ())])
+                                                    ("fp8_blockwise", ()),
+                                                    ("fp8_blockwise_gw_fp8", ())])
 def test_triton_experts_match_emulated_experts(recipe, fast_accum):
     """The whole layer on the Triton GEMM against the emulation (``LAYER_REL``; blockwise
     scales promote every K block, so its limit is the FP32 one)."""
     triton_layer = _experts(gemm="triton", recipe=recipe, fast_accum=fast_accum)
     emulated = FP8GroupedExperts(triton_layer.w1, triton_layer.w3, triton_layer.w2, recipe=recipe,
                                  gemm="emulated")
-    _layers_agree(triton_layer, emulated, LAYER_REL[() if recipe == "fp8_blockwise" else fast_accum])
+    _layers_agree(triton_layer, emulated, LAYER_REL[() if recipe.startswith("fp8_blockwise") else fast_accum])
 
 
 @needs_sm90
 @pytest.mark.parametrize(("recipe", "gemm", "fast_accum"),
                          [("fp8_rowwise", "native", ()), ("fp8_rowwise", "native", ("output",)),
                           ("fp8_rowwise_gw_hp", "native", ("output", "grad_input")),
-                          ("fp8_rowwise", "triton", ()), ("fp8_blockwise", "triton", ())])
+                          ("fp8_rowwise", "triton", ()), ("fp8_blockwise", "triton", ()),
+                          ("fp8_blockwise_gw_fp8", "triton", ())])
 def test_fp8_linear_matches_the_emulation(recipe, gemm, fast_accum):
     """A dense layer (``torch._scaled_mm`` natively, the grouped Triton GEMM over one group)
     against the emulation of the same operands: output, input and weight gradients, in
@@ -424,7 +452,7 @@ def test_fp8_linears_sharing_an_input_match_separate_calls(gemm):
 
 
 @needs_fp8_triton
-@pytest.mark.parametrize("recipe", ["fp8_rowwise_gw_hp", "fp8_blockwise"])
+@pytest.mark.parametrize("recipe", ["fp8_rowwise_gw_hp", "fp8_blockwise", "fp8_blockwise_gw_fp8"])
 def test_no_host_sync_in_a_warm_triton_step(recipe):
     layer = _experts(E=8, D=256, F=128, gemm="triton", recipe=recipe)
     offsets = torch.tensor([100, 100, 250, 300, 512, 600, 700, 1024], dtype=torch.int32,
