@@ -381,7 +381,7 @@ TILE_CANDIDATES = {
                       (256, 32, 4, True), (256, 32, 4, True, True), (256, 64, 8, True, True),
                       (256, 16, 4, True, True), (512, 16, 4, True, True), (256, 32, 8, True, True)],
     # per column and 128 tokens (the blockwise weight gradients' operands): 128 rows a program
-    "column_blocks": [(128, 64, 4), (128, 32, 2), (128, 32, 4), (128, 128, 4), (128, 128, 8),
+    "column_blocks": [(128, 32, 4), (128, 64, 4), (128, 32, 2), (128, 128, 4), (128, 128, 8),
                       (128, 64, 8), (128, 16, 1), (128, 256, 8)],
 }
 # moe_mxfp8._swiglu_kernels._TILES: BlockTile(elements, warps), whole rows per program.

@@ -426,9 +426,9 @@ _TILES: dict[str, BlockTile | ColumnTile] = {
     "tiles": BlockTile(1024, 1, 8),  # 1x128
     "blocks": BlockTile(128 * 128, 8, 1, 64),  # 128x128
     "group_columns": ColumnTile(512, 32, 8, True, True),
-    # 128 tokens of 64 columns per program: a first choice, not yet swept on a GPU
-    # (`--parts tiles --tile-kinds column_blocks` sweeps it)
-    "column_blocks": ColumnTile(128, 64, 4),
+    # 128 tokens of 32 columns per program (32 elements a thread): a first choice, not yet
+    # swept on a GPU (`--parts tiles --tile-kinds column_blocks` sweeps it)
+    "column_blocks": ColumnTile(128, 32, 4),
     # rows wider than ROW_WIDTH_MAX, one per program in chunks of ``elements``: on one H100
     # every "wide_rows" candidate of the sweep (an LM head's output gradient, [8192, 100352])
     # ran at 1.66-1.82 TB/s, this one 1.78 (`--parts tiles --tile-kinds wide_rows`, commit
