@@ -59,7 +59,7 @@ def _train_low_precision(recipe: str, steps: int) -> tuple[list[float], dict, di
     return losses, experts, mains
 
 
-@pytest.mark.parametrize("recipe", ["fp8_rowwise_gw_hp", "fp8_blockwise", "fp8_blockwise_gw_fp8", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_blockwise", "fp8_blockwise_gw_fp8", "mxfp8"])
 def test_low_precision_experts_are_their_own_fp32_main_weights_and_train_the_same(recipe, monkeypatch):
     """On one rank the low-precision experts' weights stay FP32 and are the optimizer's main
     weights (no BF16 copy beside them), and train bit for bit as BF16 expert weights
