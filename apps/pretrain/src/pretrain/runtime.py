@@ -76,8 +76,7 @@ def peer_failure(error: BaseException, rank: int, world: int, timeout_s: float) 
     on a world of several ranks; ``None`` for anything else (a bug keeps its traceback)."""
     if world < 2 or not isinstance(error, RuntimeError):
         return None
-    text = str(error)
-    lowered = text.lower()
+    lowered = str(error).lower()
     if any(s in lowered for s in _TIMED_OUT):
         what, after = (f"a collective waited longer than train.collective_timeout_s={timeout_s:g} s "
                        "for another rank, which failed, hung or is far behind"), ""
@@ -86,17 +85,22 @@ def peer_failure(error: BaseException, rank: int, world: int, timeout_s: float) 
                        "; that rank's output says why")
     else:
         return None
-    cause = _SOURCE_LOCATION.sub("", text.strip().splitlines()[0]).split(". This is typically")[0]
+    cause = _first_line(error).split(". This is typically")[0]
     return PeerFailure(f"rank {rank} of {world}: {what} ({cause}){after}")
+
+
+def _first_line(error: BaseException) -> str:
+    """The backend's message without its C++ source location or the lines after the first."""
+    return _SOURCE_LOCATION.sub("", str(error).strip().splitlines()[0])
 
 
 def _join_failure(error: BaseException, timeout_s: float) -> JoinFailure:
     """One line for a rendezvous or connection that failed while the group formed."""
     rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
     address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-    cause = _SOURCE_LOCATION.sub("", str(error).strip().splitlines()[0])
     return JoinFailure(f"rank {rank} of {world}: the ranks did not all join the process group at "
-                       f"{address} within train.collective_timeout_s={timeout_s:g} s ({cause}); "
+                       f"{address} within train.collective_timeout_s={timeout_s:g} s "
+                       f"({_first_line(error)}); "
                        "start every rank, with the same MASTER_ADDR and MASTER_PORT")
 
 
@@ -117,7 +121,7 @@ def distributed(device_preference: str, timeout_s: float = 600.0) -> Iterator[Ru
         if any(v in os.environ for v in _LAUNCHER_VARS):  # env:// names any missing variable
             try:
                 dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-            except (dist.DistError, RuntimeError) as e:
+            except RuntimeError as e:  # torch.distributed.DistError (store, network) is one
                 raise _join_failure(e, timeout_s) from e
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
