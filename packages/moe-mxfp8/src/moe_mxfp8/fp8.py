@@ -407,7 +407,7 @@ def quantize_group_columns(x: torch.Tensor, offsets: torch.Tensor, pow2: bool = 
 
 
 def quantize_group_column_blocks(x: torch.Tensor, offsets: torch.Tensor, pow2: bool = False,
-                                 backend: Backend = "auto",
+                                 backend: Backend = "auto", padded_ends: torch.Tensor | None = None,
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per expert segment of ``x [R, N]`` and column: one scale for each 128 rows, counted
     from the segment's first row (module notes).
@@ -419,14 +419,17 @@ def quantize_group_column_blocks(x: torch.Tensor, offsets: torch.Tensor, pow2: b
     block's scale) and the padded group ends ``[E]`` int32. Rows past ``offsets[-1]`` are
     ignored. Offsets stay on the device (on the Triton path;
     :func:`quantize_group_column_blocks_reference` reads them). ``backend`` as
-    :func:`quantize_fp8`'s.
+    :func:`quantize_fp8`'s. ``padded_ends``: ``padded_group_ends(offsets, 128)``, made once
+    for several operands over the same offsets (not checked: that would read them on the
+    host); by default made here.
     """
     _check_columns_input(x, offsets)
     if not resolve_backend(backend, x.device):
         return quantize_group_column_blocks_reference(x, offsets, pow2)
     from moe_mxfp8._fp8_kernels import quantize_group_column_blocks_t
 
-    padded_ends = padded_group_ends(offsets, TOKEN_BLOCK)
+    if padded_ends is None:
+        padded_ends = padded_group_ends(offsets, TOKEN_BLOCK)
     width = group_columns_width(x.shape[0], offsets.shape[0], TOKEN_BLOCK)
     data_t, scale = quantize_group_column_blocks_t(x, offsets, padded_ends, width, pow2)
     return data_t, scale, padded_ends

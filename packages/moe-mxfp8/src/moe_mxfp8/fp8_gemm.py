@@ -358,7 +358,7 @@ def _wgrad_blocks(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch.Tensor
     if gemm == "native":
         raise ValueError("gemm='native' (torch._scaled_grouped_mm) takes rowwise scales only")
     dy_t, dy_scale, padded_ends = quantize_group_column_blocks(dy_RN, offsets, pow2)
-    x_t, x_scale = quantize_group_column_blocks(x_RK, offsets, pow2)[:2]  # the same padded ends
+    x_t, x_scale, _ = quantize_group_column_blocks(x_RK, offsets, pow2, padded_ends=padded_ends)
     E, N, K = offsets.shape[0], dy_RN.shape[1], x_RK.shape[1]
     if gemm == "triton":
         return triton_grouped_wgrad_blocks(dy_t, dy_scale, x_t, x_scale, padded_ends, out_dtype)
