@@ -287,6 +287,9 @@ def _check_accumulator(y: torch.Tensor, shape: tuple[int, int], dtype: torch.dty
                          f"{y.stride()} on {y.device}")
 
 
+_NATIVE_ROWWISE_ONLY = "gemm='native' (torch._scaled_grouped_mm) takes rowwise scales only"
+
+
 def fp8_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
                    gemm: str, fast_accum: bool,
                    accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
@@ -305,7 +308,7 @@ def fp8_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dtype:
     blockwise = _check_pair(a, b)
     if gemm == "native":
         if blockwise:
-            raise ValueError("gemm='native' (torch._scaled_grouped_mm) takes rowwise scales only")
+            raise ValueError(_NATIVE_ROWWISE_ONLY)
         return torch._scaled_grouped_mm(
             a.data, b.data.transpose(-2, -1), a.scale.reciprocal().view(-1),
             b.scale.reciprocal().squeeze(-1), offs=offsets, out_dtype=out_dtype,
@@ -356,7 +359,7 @@ def _wgrad_blocks(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch.Tensor
                   out_dtype: torch.dtype, gemm: str) -> torch.Tensor:
     """``fp8_grouped_wgrad`` with ``blockwise`` scales."""
     if gemm == "native":
-        raise ValueError("gemm='native' (torch._scaled_grouped_mm) takes rowwise scales only")
+        raise ValueError(_NATIVE_ROWWISE_ONLY)
     dy_t, dy_scale, padded_ends = quantize_group_column_blocks(dy_RN, offsets, pow2)
     x_t, x_scale, _ = quantize_group_column_blocks(x_RK, offsets, pow2, padded_ends=padded_ends)
     E, N, K = offsets.shape[0], dy_RN.shape[1], x_RK.shape[1]
