@@ -64,8 +64,12 @@ def _triton_grouped_mm(a, b, offsets, out_dtype, fast_accum, config=None, accumu
     return torch.empty(a.data.shape[0], b.data.shape[1], dtype=out_dtype)
 
 
-def _triton_wgrad_blocks(a_t, a_scale, b_t, b_scale, padded_ends, out_dtype, config=None):
-    """The Triton blockwise FP8 weight-gradient kernel's output: [E, N, K] from [N, W], [K, W]."""
+def _triton_wgrad_blocks(a_t, a_scale, b_t, b_scale, padded_ends, out_dtype, config=None,
+                         accumulate_into=None):
+    """The Triton blockwise FP8 weight-gradient kernel's output: [E, N, K] from [N, W], [K, W],
+    or the target it adds into."""
+    if accumulate_into is not None:
+        return accumulate_into
     return torch.empty(padded_ends.shape[0], a_t.shape[0], b_t.shape[0], dtype=out_dtype)
 
 

@@ -19,6 +19,8 @@ from moe_mxfp8.fp8_gemm import (  # noqa: E402
     FP8TileConfig,
     fp8_grouped_mm,
     fp8_grouped_wgrad,
+    fp8_wgrad_mm,
+    quantize_wgrad_operands,
     triton_grouped_mm,
     triton_grouped_wgrad_blocks,
 )
@@ -143,6 +145,15 @@ def cases():
         ref = fp8_grouped_wgrad(dy, x, offsets_w, False, torch.float32, "emulated", False, True)
         tiles = FP8TileConfig(32, 16, 64, 1, 1, 1, False)
         total += far(triton_grouped_wgrad_blocks(dy_t, dy_s, x_t, x_s, ends, torch.float32, tiles), ref)
+        # added in the epilogue to an FP32 target in place, for dy's columns 8:40 alone (a
+        # gate or up half), into a strided view of a wider buffer
+        ops = quantize_wgrad_operands(dy, x, offsets_w, False, True).dy_columns(8, 40)
+        buffer = torch.randn(4, 32, 48, generator=g)
+        before = buffer.clone()
+        target = buffer[:, :, 4:44]
+        assert fp8_wgrad_mm(ops, torch.bfloat16, "triton", False, accumulate_into=target) is target
+        total += far(target - before[:, :, 4:44], ref[:, 8:40])
+        total += int((buffer[:, :, :4] != before[:, :, :4]).sum() + (buffer[:, :, 44:] != before[:, :, 44:]).sum())
         return total
 
     yield "wgrad/blockwise", wgrad_blocks

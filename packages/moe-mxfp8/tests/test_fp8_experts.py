@@ -309,6 +309,45 @@ def test_compute_dtype_weight_gradients_go_to_the_sink_as_the_makers_adds(recipe
         assert torch.equal(down.dy, dy) and down.like.shape == (3, Fh, D)
 
 
+@pytest.mark.parametrize("recipe", [r for r in CASES if r in FP8_RECIPES and FP8_RECIPES[r].fp8_wgrad])
+def test_fp8_weight_gradients_reach_the_sink_unrounded_from_operands_quantized_once(recipe, monkeypatch):
+    """FP8 weight gradients go to the sink as adds that run the GEMM into the FP32 target:
+    with BF16 compute, each target holds what the layer returns without a sink, blockwise
+    as the FP32 sum that rounds to it (no BF16 gradient was added), rowwise rounded as
+    torch's GEMM returns it; a target that cannot be
+    viewed ``[E, N, K]`` (rows of a bucket) gets the same sum; and each backward quantizes
+    two operand pairs, gate and up sharing theirs."""
+    import moe_mxfp8.fp8_experts as fp8_experts
+
+    D, Fh = CASES[recipe]
+    experts = ToyExperts(3, D, Fh)
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(300, D, generator=g).bfloat16()
+    offsets = torch.tensor([40, 170, 300], dtype=torch.int32)
+    dy = torch.randn(300, D, generator=g).bfloat16()
+    FP8GroupedExperts.from_module(experts, recipe)(rows, offsets).backward(dy)
+    want = {n: getattr(experts, n).grad.clone() for n in ("w1", "w3", "w2")}
+    for p in experts.parameters():
+        p.grad = None
+    sink = RecordingSink([experts.w1, experts.w3, experts.w2])
+    piece = 3 * D // 2  # rows of 1.5 weight rows: no [E, N, K] view
+    bucket = torch.zeros(experts.w2.numel() // piece, piece + 8)
+    sink.targets[id(experts.w2)] = bucket[:, :piece]
+    experts.grad_sink = sink
+    quantized = []
+    real = fp8_experts.quantize_wgrad_operands
+    monkeypatch.setattr(fp8_experts, "quantize_wgrad_operands",
+                        lambda *a: quantized.append(a[0].shape) or real(*a))
+    FP8GroupedExperts.from_module(experts, recipe)(rows, offsets).backward(dy)
+    assert quantized == [(300, 2 * Fh), (300, D)] and sink.calls == 3
+    assert all(p.grad is None for p in experts.parameters())
+    for name in ("w1", "w3", "w2"):
+        got = sink.targets[id(getattr(experts, name))].reshape(want[name].shape)
+        assert torch.equal(got.bfloat16().float(), want[name])
+        assert torch.equal(got, want[name]) != FP8_RECIPES[recipe].blockwise  # finer than BF16
+    assert not bucket[:, piece:].any()
+
+
 def test_recipe_config_converts_the_targeted_experts_and_caches_refresh():
     model = nn.ModuleDict({"experts": ToyExperts(3, 64, 32), "proj": nn.Linear(64, 64)})
     params = list(model.parameters())

@@ -164,7 +164,7 @@ def fp8_rows_kernel(
 def fp8_wgrad_blocks_kernel(
     a_ptr, b_ptr, y_ptr, pends_ptr, a_scale_ptr, b_scale_ptr, N, K,
     stride_an, stride_bk, stride_ye, stride_yn, stride_as, stride_bs,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """``y[e] = sum_j (a[:, blk j] / sa[j]) @ (b[:, blk j] / sb[j])^T`` over the 128-column
     blocks ``j`` of group ``e``'s slot, E4M3 operands reduced over their columns (tokens).
@@ -176,6 +176,8 @@ def fp8_wgrad_blocks_kernel(
     which divides 128), is scaled by the outer product of the two operands' reciprocal
     scales and added to the FP32 sum: the promotion every 128 elements of DeepSeek-V3's
     recipe. One program per (output tile, group); a group without rows stores zeros.
+    ``ACCUMULATE``: ``y[e] +=`` instead, the FP32 sum added to ``y`` as loaded (a group
+    without rows leaves it as it was).
     """
     pid, e = tl.program_id(0), tl.program_id(1)
     tiles_k = tl.cdiv(K, BN)
@@ -200,4 +202,7 @@ def fp8_wgrad_blocks_kernel(
         acc += part * ((1.0 / sa)[:, None] * (1.0 / sb)[None, :])
     y_ptrs = (y_ptr + e.to(tl.int64) * stride_ye + rn.to(tl.int64)[:, None] * stride_yn
               + rk[None, :])
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rn < N)[:, None] & (rk < K)[None, :])
+    mask = (rn < N)[:, None] & (rk < K)[None, :]
+    if ACCUMULATE:
+        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)

@@ -49,7 +49,10 @@ Weight gradients into a sink: like ``moe_model.GroupedExperts``, the layer has a
 When it accepts a weight and the backward runs that weight's ``AccumulateGrad`` node,
 the gradient is handed over as ``add(target)`` (adds it, in the GEMM's output dtype,
 to the FP32 accumulator ``target``) and ``param.grad`` stays ``None``; otherwise it is
-returned through autograd.
+returned through autograd. FP8 weight gradients (``FP8Recipe.fp8_wgrad``) are handed
+over as ``FP8WeightGradientAdd``: the GEMM of operands quantized once per GEMM (gate and
+up share dh13's) runs when the sink calls it and adds into the target, blockwise in FP32
+(the Triton kernel in its epilogue), rowwise as torch's GEMM rounds it.
 
 Operands encoded by their producers (rowwise recipes, ``moe_mxfp8.row_codes``): the layer
 sets a ``RowCodes`` as ``GRADIENT_ROW_ENCODER`` on its output, as ``FP8Linear`` does, and
@@ -95,10 +98,12 @@ from moe_mxfp8.fp8_gemm import (
     FAST_ACCUM_DEFAULT,
     FP8_GEMM_ROLES,
     FP8_GEMMS,
+    FP8WgradOperands,
     check_gemm_runs,
     check_native_widths,
     fp8_grouped_mm,
-    fp8_grouped_wgrad,
+    fp8_wgrad_mm,
+    quantize_wgrad_operands,
 )
 from moe_mxfp8.gemm import compute_dtype, grouped_weight_grad
 from moe_mxfp8.row_codes import GRADIENT_ROW_ENCODER, INPUT_ROW_ENCODER, RowCodes
@@ -249,18 +254,75 @@ class _FP8ExpertsFn(torch.autograd.Function):
             drows = fp8_grouped_mm(dh13_q, ctx.w13_cols, offsets_E, dtype, gemm, dgrad_fast)
         else:
             dh13_R2F = swiglu_backward(h13_R2F, dh_RF, dtype, h_out=h_RF)
-        grads = expert_weight_gradients(
-            ctx, wanted, rows_RD, dh13_R2F, h_RF, dy_RD, offsets_E,
-            lambda dy, x: _wgrad(r, dy, x, offsets_E, dtype, gemm, wgrad_fast))
+        if r.fp8_wgrad:
+            grads = _fp8_weight_gradients(ctx, wanted, rows_RD, dh13_R2F, h_RF, dy_RD, offsets_E,
+                                          wgrad_fast)
+        else:
+            grads = expert_weight_gradients(ctx, wanted, rows_RD, dh13_R2F, h_RF, dy_RD, offsets_E,
+                                            lambda dy, x: grouped_weight_grad(dy, x, offsets_E))
         del h_RF  # not alive while the gradients are added
         return drows, None, *deliver(ctx.params, grads, ctx.routes, wanted), None, None, None, None, None
 
 
-def _wgrad(r: FP8Recipe, dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch.Tensor,
-           dtype: torch.dtype, gemm: str, fast_accum: bool) -> torch.Tensor:
-    if r.fp8_wgrad:
-        return fp8_grouped_wgrad(dy_RN, x_RK, offsets, r.pow2, dtype, gemm, fast_accum, r.blockwise)
-    return grouped_weight_grad(dy_RN, x_RK, offsets)
+def _fp8_weight_gradients(ctx: Any, wanted: list[bool], rows_RD: torch.Tensor,
+                          dh13_R2F: torch.Tensor, h_RF: torch.Tensor | None, dy_RD: torch.Tensor,
+                          offsets_E: torch.Tensor, fast_accum: bool) -> list[torch.Tensor | None]:
+    """The FP8 weight gradients (``FP8Recipe.fp8_wgrad``) of w1, w3 and w2, as
+    ``expert_weight_gradients`` returns them for ``deliver``: each GEMM's operands are
+    quantized once (gate and up read the halves of one quantized ``dh13``), and a weight
+    its sink takes is handed over as an add that runs the GEMM into the FP32 target
+    (``FP8WeightGradientAdd``; ``wanted`` is then cleared), so no BF16 gradient is
+    written, read back and added, and blockwise sums are never rounded below FP32."""
+    r, hidden = ctx.recipe, dh13_R2F.shape[1] // 2
+    grads: list[torch.Tensor | None] = [None, None, None]
+
+    def gradient(i: int, ops: FP8WgradOperands) -> torch.Tensor | None:
+        """Weight ``i``'s gradient, or ``None`` where it went to the sink (``wanted`` cleared)."""
+        route = ctx.routes[i]
+        if route is None:
+            return fp8_wgrad_mm(ops, ctx.dtype, ctx.gemm, fast_accum)
+        route[0].add_gradient(ctx.params[i], FP8WeightGradientAdd(ops, ctx.dtype, ctx.gemm, fast_accum))
+        wanted[i] = False
+        return None
+
+    if wanted[0] or wanted[1]:
+        ops13 = quantize_wgrad_operands(dh13_R2F, rows_RD, offsets_E, r.pow2, r.blockwise)
+        if all(ctx.routes[i] is None for i in (0, 1) if wanted[i]):  # one GEMM for both
+            dw13 = fp8_wgrad_mm(ops13, ctx.dtype, ctx.gemm, fast_accum)
+            grads[0], grads[1] = dw13[:, :hidden], dw13[:, hidden:]
+        else:
+            for i in (0, 1):
+                if wanted[i]:
+                    grads[i] = gradient(i, ops13.dy_columns(i * hidden, (i + 1) * hidden))
+        del ops13  # not alive beside the down projection's operands
+    if wanted[2]:  # then h_RF is there: the backward makes it for this gradient
+        grads[2] = gradient(2, quantize_wgrad_operands(dy_RD, h_RF, offsets_E, r.pow2, r.blockwise))
+    return grads
+
+
+class FP8WeightGradientAdd:
+    """A sink's add of an expert weight's FP8 gradient (``fp8_wgrad_mm`` of quantized
+    operands) into its FP32 target, which holds the ``[E, N, K]`` weight's elements in
+    storage order (``GradientSink.add_gradient``: 1-D, or ``[rows, cols]`` with contiguous
+    rows). Where the target can be viewed ``[E, N, K]`` the GEMM adds into it (blockwise on
+    Triton: in the kernel's epilogue); otherwise the gradient is computed and added."""
+
+    def __init__(self, ops: FP8WgradOperands, dtype: torch.dtype, gemm: str, fast_accum: bool) -> None:
+        self.ops, self.dtype, self.gemm, self.fast_accum = ops, dtype, gemm, fast_accum
+
+    def __call__(self, target: torch.Tensor) -> None:
+        shape = (self.ops.offsets.shape[0], self.ops.dy_t.shape[0], self.ops.x_t.shape[0])
+        if target.numel() != shape[0] * shape[1] * shape[2]:
+            raise ValueError(f"gradient target has {target.numel()} elements, the weight "
+                             f"{shape[0] * shape[1] * shape[2]}")
+        try:
+            view = target.view(shape)
+        except RuntimeError:  # rows of a bucket that do not split into the weight's rows
+            view = None
+        dw = fp8_wgrad_mm(self.ops, self.dtype, self.gemm, self.fast_accum,
+                          accumulate_into=target.new_zeros(shape) if view is None else view)
+        if view is None:
+            target.add_(dw.reshape(target.shape))
 
 
 class FP8GroupedExperts(CachedGroupedExperts):

@@ -49,7 +49,7 @@ promoted whatever ``fast_accum`` says. Which GEMM of a layer takes which:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -325,54 +325,122 @@ def fp8_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dtype:
     return out.to(out_dtype)
 
 
+@dataclass(frozen=True)
+class FP8WgradOperands:
+    """The two operands of a grouped weight-gradient GEMM, ``dw[e] = dy_e^T @ x_e``,
+    quantized along their tokens (``quantize_wgrad_operands``): ``dy_t [N, W]`` and
+    ``x_t [K, W]`` E4M3, transposed into the groups' aligned slots ending at
+    ``padded_ends``; scales ``[E, N]`` / ``[E, K]`` (one per expert and column) or,
+    ``blockwise``, ``[W/128, N]`` / ``[W/128, K]`` (one per column and 128 tokens)."""
+
+    dy_t: torch.Tensor
+    dy_scale: torch.Tensor
+    x_t: torch.Tensor
+    x_scale: torch.Tensor
+    offsets: torch.Tensor
+    padded_ends: torch.Tensor
+    blockwise: bool
+
+    def dy_columns(self, start: int, stop: int) -> FP8WgradOperands:
+        """The operands of the gradient of ``dy``'s columns ``start:stop`` alone (a weight
+        whose output is a slice of the GEMM's, e.g. gate or up of a fused gate/up): every
+        scale covers one column, so these are the slice's own codes and scales."""
+        return replace(self, dy_t=self.dy_t[start:stop], dy_scale=self.dy_scale[:, start:stop])
+
+
+def quantize_wgrad_operands(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch.Tensor,
+                            pow2: bool, blockwise: bool) -> FP8WgradOperands:
+    """Both operands of ``fp8_grouped_wgrad``, quantized once (one layout for both: the
+    same groups)."""
+    if blockwise:
+        dy_t, dy_scale, padded_ends = quantize_group_column_blocks(dy_RN, offsets, pow2)
+        x_t, x_scale, _ = quantize_group_column_blocks(x_RK, offsets, pow2, padded_ends=padded_ends)
+    else:
+        layout = group_columns_layout(offsets)
+        dy_t, dy_scale, padded_ends = quantize_group_columns(dy_RN, offsets, pow2, layout=layout)
+        x_t, x_scale, _ = quantize_group_columns(x_RK, offsets, pow2, layout=layout)
+    return FP8WgradOperands(dy_t, dy_scale, x_t, x_scale, offsets, padded_ends, blockwise)
+
+
 def fp8_grouped_wgrad(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch.Tensor,
                       pow2: bool, out_dtype: torch.dtype, gemm: str, fast_accum: bool,
                       blockwise: bool = False) -> torch.Tensor:
     """``[E, N, K]`` weight gradients from E4M3 operands scaled per expert and column, or
-    (``blockwise``) per column and 128 tokens of each expert; rowwise, ``gemm="triton"``
+    (``blockwise``) per column and 128 tokens of each expert: ``fp8_wgrad_mm`` of
+    ``quantize_wgrad_operands``."""
+    _check_gemm(gemm, blockwise)
+    ops = quantize_wgrad_operands(dy_RN, x_RK, offsets, pow2, blockwise)
+    return fp8_wgrad_mm(ops, out_dtype, gemm, fast_accum)
+
+
+def fp8_wgrad_mm(ops: FP8WgradOperands, out_dtype: torch.dtype, gemm: str, fast_accum: bool,
+                 accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
+    """``[E, N, K]`` weight gradients of quantized operands; rowwise, ``gemm="triton"``
     runs natively where that is available (module notes). ``fast_accum`` applies to
-    rowwise scales only (blockwise promotes every block)."""
+    rowwise scales only (blockwise promotes every block).
+
+    ``accumulate_into``: an FP32 ``[E, N, K]`` tensor (unit stride along K) the gradients
+    are added to and returned. Blockwise, the FP32 sum is added before any rounding (the
+    Triton kernel in its epilogue: no gradient tensor is written and read back); rowwise,
+    the ``out_dtype`` result is added (torch's GEMM rounds to it)."""
+    _check_gemm(gemm, ops.blockwise)
+    if accumulate_into is not None:
+        _check_wgrad_accumulator(accumulate_into, (ops.offsets.shape[0], ops.dy_t.shape[0],
+                                                   ops.x_t.shape[0]), ops.dy_t.device)
+    if ops.blockwise:
+        if gemm == "triton":
+            return triton_grouped_wgrad_blocks(ops.dy_t, ops.dy_scale, ops.x_t, ops.x_scale,
+                                               ops.padded_ends, out_dtype, accumulate_into=accumulate_into)
+        dw = _emulated_wgrad_blocks(ops)
+        return dw.to(out_dtype) if accumulate_into is None else accumulate_into.add_(dw)
+    if gemm == "native" or (gemm == "triton" and fp8_native_available(ops.dy_t.device)):
+        dw = torch._scaled_grouped_mm(
+            ops.dy_t, ops.x_t.t(), ops.dy_scale.reciprocal().reshape(-1),
+            ops.x_scale.reciprocal().reshape(-1), offs=ops.padded_ends, out_dtype=out_dtype,
+            use_fast_accum=fast_accum)
+    else:
+        dw = _emulated_wgrad_rows(ops).to(out_dtype)
+    return dw if accumulate_into is None else accumulate_into.add_(dw)
+
+
+def _check_wgrad_accumulator(y: torch.Tensor, shape: tuple[int, int, int], device: torch.device) -> None:
+    if (tuple(y.shape), y.dtype, y.device) != (shape, torch.float32, device) or y.stride(2) != 1:
+        raise ValueError(f"FP8 weight gradient: accumulate_into must be float32 {shape} on {device} "
+                         f"with unit stride along K, got {y.dtype} {tuple(y.shape)} strides "
+                         f"{y.stride()} on {y.device}")
+
+
+def _check_gemm(gemm: str, blockwise: bool) -> None:
     if gemm not in FP8_GEMMS:
         raise ValueError(f"gemm must be one of {FP8_GEMMS}, got {gemm!r}")
-    if blockwise:
-        return _wgrad_blocks(dy_RN, x_RK, offsets, pow2, out_dtype, gemm)
-    layout = group_columns_layout(offsets)  # one for both operands: the same groups
-    dy_t, dy_scale, padded_ends = quantize_group_columns(dy_RN, offsets, pow2, layout=layout)
-    x_t, x_scale, _ = quantize_group_columns(x_RK, offsets, pow2, layout=layout)
-    if gemm == "native" or (gemm == "triton" and fp8_native_available(dy_RN.device)):
-        return torch._scaled_grouped_mm(
-            dy_t, x_t.t(), dy_scale.reciprocal().view(-1), x_scale.reciprocal().view(-1),
-            offs=padded_ends, out_dtype=out_dtype, use_fast_accum=fast_accum)
-    dy_f, x_f = dy_t.float(), x_t.float()
-    dy_inv, x_inv = dy_scale.reciprocal(), x_scale.reciprocal()
-    out = dy_f.new_zeros(offsets.shape[0], dy_RN.shape[1], x_RK.shape[1])
+    if gemm == "native" and blockwise:
+        raise ValueError(_NATIVE_ROWWISE_ONLY)
+
+
+def _emulated_wgrad_rows(ops: FP8WgradOperands) -> torch.Tensor:
+    """FP32 ``[E, N, K]`` of per-expert column scales, one matmul per expert."""
+    dy_f, x_f = ops.dy_t.float(), ops.x_t.float()
+    dy_inv, x_inv = ops.dy_scale.reciprocal(), ops.x_scale.reciprocal()
+    out = dy_f.new_zeros(ops.offsets.shape[0], dy_f.shape[0], x_f.shape[0])
     start = padded_start = 0
-    for e, (end, padded_end) in enumerate(zip(offsets.tolist(), padded_ends.tolist(), strict=True)):
+    for e, (end, padded_end) in enumerate(zip(ops.offsets.tolist(), ops.padded_ends.tolist(), strict=True)):
         slot = slice(padded_start, padded_start + end - start)  # the expert's rows, padding left out
         if end > start:
             out[e] = (dy_f[:, slot] * dy_inv[e, :, None]) @ (x_f[:, slot] * x_inv[e, :, None]).t()
         start, padded_start = end, padded_end
-    return out.to(out_dtype)
+    return out
 
 
-def _wgrad_blocks(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets: torch.Tensor, pow2: bool,
-                  out_dtype: torch.dtype, gemm: str) -> torch.Tensor:
-    """``fp8_grouped_wgrad`` with ``blockwise`` scales."""
-    if gemm == "native":
-        raise ValueError(_NATIVE_ROWWISE_ONLY)
-    dy_t, dy_scale, padded_ends = quantize_group_column_blocks(dy_RN, offsets, pow2)
-    x_t, x_scale, _ = quantize_group_column_blocks(x_RK, offsets, pow2, padded_ends=padded_ends)
-    E, N, K = offsets.shape[0], dy_RN.shape[1], x_RK.shape[1]
-    if gemm == "triton":
-        return triton_grouped_wgrad_blocks(dy_t, dy_scale, x_t, x_scale, padded_ends, out_dtype)
-    dy_f, x_f = _widened_blocks(dy_t, dy_scale), _widened_blocks(x_t, x_scale)
-    out = dy_f.new_zeros(E, N, K)
+def _emulated_wgrad_blocks(ops: FP8WgradOperands) -> torch.Tensor:
+    """FP32 ``[E, N, K]`` of per-128-token column scales, one matmul per expert."""
+    dy_f, x_f = _widened_blocks(ops.dy_t, ops.dy_scale), _widened_blocks(ops.x_t, ops.x_scale)
+    out = dy_f.new_zeros(ops.offsets.shape[0], dy_f.shape[0], x_f.shape[0])
     start = 0
-    for e, end in enumerate(padded_ends.tolist()):
+    for e, end in enumerate(ops.padded_ends.tolist()):
         if end > start:
             out[e] = dy_f[:, start:end] @ x_f[:, start:end].t()
         start = end
-    return out.to(out_dtype)
+    return out
 
 
 def _widened_blocks(data_t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -385,12 +453,14 @@ def _widened_blocks(data_t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def triton_grouped_wgrad_blocks(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor,
                                 b_scale: torch.Tensor, padded_ends: torch.Tensor,
-                                out_dtype: torch.dtype, config: FP8TileConfig | None = None
-                                ) -> torch.Tensor:
+                                out_dtype: torch.dtype, config: FP8TileConfig | None = None,
+                                accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
     """``[E, N, K]``: ``a_t [N, W]`` against ``b_t [K, W]`` over each group's 128-aligned
     columns, as ``quantize_group_column_blocks`` lays them out (``fp8_wgrad_blocks_kernel``);
     ``config``: its tiles (``block_m`` x ``block_n`` output tiles, ``block_k`` dividing 128,
-    warps and stages; the others unused), by default ``default_wgrad_tiles``."""
+    warps and stages; the others unused), by default ``default_wgrad_tiles``.
+    ``accumulate_into``: an ``[E, N, K]`` tensor (unit stride along K) the kernel adds its
+    FP32 sums to in the epilogue and that is returned (``out_dtype`` then unused)."""
     (N, W), (K, W_b) = a_t.shape, b_t.shape
     E = padded_ends.shape[0]
     if W != W_b or W % TOKEN_BLOCK or a_scale.shape != (W // TOKEN_BLOCK, N) or (
@@ -403,20 +473,25 @@ def triton_grouped_wgrad_blocks(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: t
     if TOKEN_BLOCK % cfg.block_k:
         raise ValueError(f"FP8 blockwise weight gradient: the K step must divide {TOKEN_BLOCK}, "
                          f"got {cfg.block_k}")
-    y = torch.empty(E, N, K, dtype=out_dtype, device=a_t.device)
+    if accumulate_into is None:
+        y = torch.empty(E, N, K, dtype=out_dtype, device=a_t.device)
+    else:
+        _check_wgrad_accumulator(accumulate_into, (E, N, K), a_t.device)
+        y = accumulate_into
     if y.numel() == 0:
         return y
     import triton
 
     from moe_mxfp8._fp8_gemm_kernels import fp8_wgrad_blocks_kernel
 
-    a_t, b_t = a_t.contiguous(), b_t.contiguous()
-    a_scale, b_scale = a_scale.contiguous(), b_scale.contiguous()
+    # unit stride along the rows is all the kernel needs (a gate or up half is a row slice)
+    a_t, b_t, a_scale, b_scale = (t if t.stride(-1) == 1 else t.contiguous()
+                                  for t in (a_t, b_t, a_scale, b_scale))
     grid = (triton.cdiv(N, cfg.block_m) * triton.cdiv(K, cfg.block_n), E)
     fp8_wgrad_blocks_kernel[grid](
         a_t, b_t, y, padded_ends, a_scale, b_scale, N, K,
         a_t.stride(0), b_t.stride(0), y.stride(0), y.stride(1), a_scale.stride(0), b_scale.stride(0),
-        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, ACCUMULATE=accumulate_into is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

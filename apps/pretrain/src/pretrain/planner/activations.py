@@ -577,28 +577,51 @@ def _fp8_linear_gemm(M: int, K: int, N: int, ex: Execution, into: bool = False) 
     return 0 if into else b * M * N
 
 
-def _fp8_wgrad_operands(n: int, k: int, R: int, E: int, gemm: str, group_rows: int = 0,
-                        blockwise: bool = False) -> int:
-    """Bytes of ``moe_mxfp8.fp8_grouped_wgrad``'s operands for ``[E, n, k]`` gradients over
-    ``R`` rows: both quantized per group and column into E4M3 copies transposed to
-    ``[width, group_columns_width(R, E)]``, their FP32 scales and the scales'
-    reciprocals, int32 padded group ends; emulated, FP32 widenings of the copies and an
-    FP32 result, and while a group's product is formed its two scaled operands and the
-    product (FP32, ``group_rows`` rows: one group's, left out where there are many);
-    ``gemm``: ``fp8_grouped_wgrad``'s. ``blockwise`` (per column and 128 tokens): groups
-    128-aligned, one FP32 scale per 128 columns of a copy (reciprocals formed in the
-    kernel), one int32 tensor of padded ends; emulated, the copies widened and scaled in
-    place, the FP32 result and (``group_rows``: one group) the group's FP32 product."""
+def _fp8_wgrad_quantized(n: int, k: int, R: int, E: int, blockwise: bool) -> int:
+    """Bytes of ``moe_mxfp8.quantize_wgrad_operands`` for ``[E, n, k]`` gradients over ``R``
+    rows: both operands quantized per group and column into E4M3 copies transposed to
+    ``[width, group_columns_width(R, E)]``, their FP32 scales and the int32 padded group
+    ends (the program order made beside them is freed once they are made); ``blockwise`` (per column and 128 tokens): groups
+    128-aligned, one FP32 scale per 128 columns of a copy, one int32 tensor of padded ends."""
     from moe_mxfp8.fp8 import TOKEN_BLOCK, group_columns_width
 
     if blockwise:
         width = group_columns_width(R, E, TOKEN_BLOCK)
-        nbytes = (n + k) * width + FP32 * (width // TOKEN_BLOCK) * (n + k) + OFFSET * E
-        if gemm == "emulated":
-            nbytes += FP32 * ((n + k) * width + E * n * k + (n * k if group_rows else 0))
-        return nbytes
+        return (n + k) * width + FP32 * (width // TOKEN_BLOCK) * (n + k) + OFFSET * E
+    return (n + k) * group_columns_width(R, E) + FP32 * E * (n + k) + OFFSET * E
+
+
+def _fp8_wgrad_run(n: int, k: int, R: int, E: int, gemm: str, b: int, group_rows: int = 0,
+                   blockwise: bool = False, result: bool = True) -> int:
+    """The high-water mark of ``moe_mxfp8.fp8_wgrad_mm`` above its quantized operands:
+    ``_fp8_wgrad_gemm``'s temporaries, with ``result`` its ``[E, n, k]`` result in the
+    compute dtype (``b`` bytes), which the emulation rounds from its FP32 one after the
+    widened operands are freed (nothing new where that dtype is FP32)."""
+    temporaries = _fp8_wgrad_gemm(n, k, R, E, gemm, group_rows, blockwise)
+    if not result:
+        return temporaries
+    if gemm != "emulated":
+        return temporaries + b * E * n * k
+    return max(temporaries, FP32 * E * n * k + (0 if b == FP32 else b * E * n * k))
+
+
+def _fp8_wgrad_gemm(n: int, k: int, R: int, E: int, gemm: str, group_rows: int = 0,
+                    blockwise: bool = False) -> int:
+    """Temporaries of ``moe_mxfp8.fp8_wgrad_mm`` on quantized operands (``[n, width]`` and
+    ``[k, width]``; its result left out): rowwise, the scales' FP32 reciprocals; emulated,
+    FP32 widenings of the copies (blockwise: scaled in place) and an FP32 result, and while
+    a group's product is formed (``group_rows`` rows: one group's, left out where there are
+    many) its two scaled operands (rowwise) and the product. The blockwise Triton kernel
+    forms the reciprocals itself and needs nothing."""
+    from moe_mxfp8.fp8 import TOKEN_BLOCK, group_columns_width
+
+    if blockwise:
+        width = group_columns_width(R, E, TOKEN_BLOCK)
+        if gemm != "emulated":
+            return 0
+        return FP32 * ((n + k) * width + E * n * k + (n * k if group_rows else 0))
     width = group_columns_width(R, E)
-    nbytes = (n + k) * width + 2 * FP32 * E * (n + k) + 2 * OFFSET * E
+    nbytes = FP32 * E * (n + k)
     if gemm == "emulated":
         nbytes += FP32 * ((n + k) * width + E * n * k)
         nbytes += FP32 * ((n + k) * group_rows + n * k) if group_rows else 0
@@ -653,13 +676,12 @@ def _fp8_linear_wgrad(inv: Inventory, ex: Execution, param: str, name: str, n_ou
 
 def _fp8_dense_wgrad(n: int, k: int, M: int, ex: Execution) -> int:
     """The high-water mark of ``fp8_grouped_wgrad`` over one group of ``M`` rows: its
-    operands with the ``[n, k]`` result in the compute dtype, or, emulated, with the
-    group's FP32 product being formed (more than the rounded result made after it)."""
+    quantized operands and ``_fp8_wgrad_run`` with the ``[n, k]`` result."""
     from moe_mxfp8 import FP8_RECIPES
 
-    operands = _fp8_wgrad_operands(n, k, M, 1, ex.fp8_dense_gemm, group_rows=M,
-                                   blockwise=FP8_RECIPES[ex.mxfp8_recipe].blockwise)
-    return operands if ex.fp8_dense_gemm == "emulated" else operands + ex.compute_bytes * n * k
+    blockwise = FP8_RECIPES[ex.mxfp8_recipe].blockwise
+    return (_fp8_wgrad_quantized(n, k, M, 1, blockwise)
+            + _fp8_wgrad_run(n, k, M, 1, ex.fp8_dense_gemm, ex.compute_bytes, M, blockwise))
 
 
 def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: set[str]) -> None:
@@ -676,12 +698,12 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
     gate's, the up projection's and the down projection's gradient added one after
     another, the first two read from their halves of dh13 in place: no gradient tensor
     and no copy. Recipes with FP8 weight gradients
-    (``FP8Recipe.fp8_wgrad``) quantize both operands per expert and column into E4M3
-    copies transposed to ``[width, group_columns_width(R, E)]`` with FP32 scales (and
-    their reciprocals, the native GEMM's arguments) and int32 padded group ends
-    (emulated: FP32 widenings of the copies and an FP32 result), the others run BF16
-    grouped GEMMs; then, with the sink, the gate's and the up projection's gradients,
-    strided slices of dw13, copied one at a time to be added flat. Split: the function
+    (``FP8Recipe.fp8_wgrad``) quantize both operands of each GEMM once
+    (``_fp8_wgrad_quantized``) and run it (``_fp8_wgrad_run``); with the sink, each
+    weight's GEMM adds into its FP32 target (gate and up one after another from the halves
+    of dh13's copy), without, dw13 and dw2 are made. The others run BF16 grouped GEMMs;
+    then, with the sink, the gate's and the up projection's gradients, strided slices of
+    dw13, copied one at a time to be added flat. Split: the function
     is one node (its output gradient is captured), and its whole backward replays in the
     weight pass. Checked on CPU against the module run as on an H200 (test_plan.py)."""
     from moe_mxfp8 import FP8_RECIPES
@@ -713,19 +735,30 @@ def _fp8_experts(inv: Inventory, cfg: MoEConfig, ex: Execution, R: int, freed: s
     if mxfp8_wgrads_in_kernel(ex):  # the kernel reads the halves of dh13 where they lie
         inv.moment(freed, inputs, captured=captured)
         return
+    if recipe.fp8_wgrad and ex.expert_grad_sink:
+        # moe_mxfp8's FP8WeightGradientAdd: each GEMM's operands quantized once, each
+        # weight's gradient added into its FP32 target by the GEMM, one weight at a time
+        # (gate and up from the halves of dh13's copy); h alive throughout
+        for name, n, k, weights in (("experts.wgrad13", 2 * F, D, 2), ("experts.wgrad2", D, F, 1)):
+            inv.add(f"{name}_operands", _fp8_wgrad_quantized(n, k, R, E, recipe.blockwise))
+            # rowwise, the rounded result is added; blockwise, the FP32 sum
+            inv.add(f"{name}_add", _fp8_wgrad_run(n // weights, k, R, E, ex.mxfp8_gemm, b,
+                                                  blockwise=recipe.blockwise,
+                                                  result=not recipe.blockwise))
+            wgrad = {f"{name}_operands", f"{name}_add"}
+            inv.moment(freed, inputs, wgrad, captured=captured if weights == 2 else ())
+        return
     inv.add("experts.dw13", b * E * 2 * F * D)
     inv.add("experts.dw2", b * E * D * F)
-
-    def operands(name: str, n: int, k: int) -> set[str]:
-        if not recipe.fp8_wgrad:
-            return set()
-        inv.add(name, _fp8_wgrad_operands(n, k, R, E, ex.mxfp8_gemm, blockwise=recipe.blockwise))
-        return {name}
-
-    wgrad13 = {"experts.dw13", *operands("experts.wgrad13_operands", 2 * F, D)}
-    inv.moment(freed, inputs, wgrad13, captured=captured)
-    wgrad2 = {"experts.dw13", "experts.dw2", *operands("experts.wgrad2_operands", D, F)}
-    inv.moment(freed, inputs, wgrad2)
+    if recipe.fp8_wgrad:  # each GEMM's quantized operands and high-water mark, its result in it
+        for name, n, k in (("experts.wgrad13_gemm", 2 * F, D), ("experts.wgrad2_gemm", D, F)):
+            inv.add(name, _fp8_wgrad_quantized(n, k, R, E, recipe.blockwise)
+                    + _fp8_wgrad_run(n, k, R, E, ex.mxfp8_gemm, b, blockwise=recipe.blockwise))
+        inv.moment(freed, inputs, {"experts.wgrad13_gemm"}, captured=captured)
+        inv.moment(freed, inputs, {"experts.dw13", "experts.wgrad2_gemm"})
+        return
+    inv.moment(freed, inputs, {"experts.dw13"}, captured=captured)
+    inv.moment(freed, inputs, {"experts.dw13", "experts.dw2"})
     if ex.expert_grad_sink:
         inv.add("experts.dw_flat", b * E * F * D)
         # h is released before the gradients are added
