@@ -307,6 +307,29 @@ def test_triton_grouped_gemm_equals_the_emulation_of_the_same_operands(scales, f
 
 
 @needs_fp8_triton
+def test_blockwise_weight_gradient_kernel_equals_the_emulation_and_adds_in_place():
+    """The blockwise weight-gradient kernel at the gate/up shape of ``bench-1gpu``'s experts
+    (uneven experts, one empty), into a new result and, as a sink's add, into an FP32
+    target in place (the up half of dh13: a row slice of its copy)."""
+    from moe_mxfp8.fp8_gemm import fp8_wgrad_mm, quantize_wgrad_operands
+
+    R, K, N, E = 16384, 2048, 2048, 16
+    offsets = routed_offsets(R, E)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    dy = torch.randn(R, N, device="cuda", generator=g).bfloat16()
+    x = torch.randn(R, K, device="cuda", generator=g).bfloat16()
+    ops = quantize_wgrad_operands(dy, x, offsets, False, True)
+    emulated = fp8_wgrad_mm(ops, torch.float32, "emulated", False)
+    triton = fp8_wgrad_mm(ops, torch.float32, "triton", False)
+    torch.testing.assert_close(triton, emulated, rtol=1e-4, atol=1e-3)
+    assert triton[1].abs().sum() == 0  # the empty expert
+    target = torch.randn(E, N // 2, K, device="cuda", generator=g)
+    before = target.clone()
+    fp8_wgrad_mm(ops.dy_columns(N // 2, N), torch.bfloat16, "triton", False, accumulate_into=target)
+    torch.testing.assert_close(target - before, emulated[:, N // 2:], rtol=1e-4, atol=1e-3)
+
+
+@needs_fp8_triton
 def test_tiles_larger_than_shared_memory_are_refused_by_name():
     """Eight stages of the fast 128 x 256 x 128 FP8 tile (384 KiB of operand buffers)
     compile, then cannot launch on an sm_90 SM (227 KiB): a ValueError naming the config."""
