@@ -23,7 +23,9 @@
    the forward (2d x 3d) and weight-gradient (2d x 2d) shapes of the gate/up projection;
    and this package's Triton FP8 GEMM (``gemm="triton"``) on the forward shape with rowwise
    scales (promoted and fast) and DeepSeek-V3's blockwise ones, and the blockwise weight
-   gradient's Triton kernel (operands per column and 128 tokens). Then the dense GEMMs of
+   gradient's Triton kernel (operands per column and 128 tokens), also adding into an FP32
+   main grad in its epilogue (a gradient sink's add) beside moe_model's BF16 kernel doing
+   the same (the BF16 experts' sink path). Then the dense GEMMs of
    ``FP8Linear`` at ``bench-1gpu``'s shapes (``--head-tokens`` rows: the LM head's forward
    and input gradient, the attention projections' ``[2048, 2048]`` and ``[512, 2048]``),
    rowwise with fast accumulation, the two GEMMs the layer can take side by side: torch's
@@ -179,6 +181,7 @@ WGRAD_TILE_CANDIDATES = [
 
 def bench_gemms(args) -> dict:
     import torch
+    from moe_model._grouped_mm_launch import wgrad_accumulate_
     from moe_mxfp8 import quantize_fp8, quantize_group_column_blocks, quantize_group_columns
     from moe_mxfp8.fp8_gemm import (
         FP8TileConfig,
@@ -215,9 +218,13 @@ def bench_gemms(args) -> dict:
     dy_bt, dy_bs, block_ends = quantize_group_column_blocks(dy, offsets)
     x_bt, x_bs, _ = quantize_group_column_blocks(x, offsets)
 
-    def wgrad_blocks(cfg=None):
+    def wgrad_blocks(cfg=None, accumulate_into=None):
         return lambda: triton_grouped_wgrad_blocks(dy_bt, dy_bs, x_bt, x_bs, block_ends,
-                                                   torch.bfloat16, cfg)
+                                                   torch.bfloat16, cfg, accumulate_into)
+
+    # a sink's FP32 main grad of the [E, 2F, D] weight: the BF16 experts' kernel adds into
+    # it in its epilogue (moe_model), as the FP8 blockwise kernel does
+    main_grad = torch.zeros(E, F2, D, device="cuda")
     operands = {"rowwise": (xq, wq), "blockwise": (xb, wb)}
 
     def fp8_triton(scales, fast, cfg=None):
@@ -235,6 +242,9 @@ def bench_gemms(args) -> dict:
         "wgrad fp8 _scaled_grouped_mm": fp8_wgrad(False),
         "wgrad fp8 _scaled_grouped_mm fast_accum": fp8_wgrad(True),
         "wgrad fp8 triton blockwise (128 tokens)": wgrad_blocks(),
+        "wgrad bf16 moe_model kernel into FP32": lambda: wgrad_accumulate_(
+            main_grad.view(-1), x, dy, offsets, w.transpose(1, 2)),
+        "wgrad fp8 triton blockwise (128 tokens) into FP32": wgrad_blocks(accumulate_into=main_grad),
     }
     results = {}
     for name, fn in cases.items():
