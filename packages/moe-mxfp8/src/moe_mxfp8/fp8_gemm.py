@@ -43,7 +43,9 @@ promoted whatever ``fast_accum`` says. Which GEMM of a layer takes which:
   address); or, ``blockwise``, per column and 128 tokens of each expert
   (``quantize_group_column_blocks``, 128-aligned group starts), each block's product
   scaled and promoted to FP32 (DeepSeek-V3's weight gradients, torchao's
-  ``blockwise_fp8_training``): ``triton`` or ``emulated``.
+  ``blockwise_fp8_training``): ``triton`` or ``emulated``. It is
+  ``quantize_wgrad_operands`` then ``fp8_wgrad_mm``, which can also add the gradients into
+  an FP32 target (a gradient sink's main grad; blockwise on Triton, in the epilogue).
 """
 
 from __future__ import annotations
@@ -484,7 +486,8 @@ def triton_grouped_wgrad_blocks(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: t
 
     from moe_mxfp8._fp8_gemm_kernels import fp8_wgrad_blocks_kernel
 
-    # unit stride along the rows is all the kernel needs (a gate or up half is a row slice)
+    # unit stride within a row is all the kernel needs (a gate or up half: rows of dy's copy
+    # and a column slice of its scales)
     a_t, b_t, a_scale, b_scale = (t if t.stride(-1) == 1 else t.contiguous()
                                   for t in (a_t, b_t, a_scale, b_scale))
     grid = (triton.cdiv(N, cfg.block_m) * triton.cdiv(K, cfg.block_n), E)
