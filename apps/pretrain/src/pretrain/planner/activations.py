@@ -581,28 +581,15 @@ def _fp8_wgrad_quantized(n: int, k: int, R: int, E: int, blockwise: bool) -> int
     """Bytes of ``moe_mxfp8.quantize_wgrad_operands`` for ``[E, n, k]`` gradients over ``R``
     rows: both operands quantized per group and column into E4M3 copies transposed to
     ``[width, group_columns_width(R, E)]``, their FP32 scales and the int32 padded group
-    ends (the program order made beside them is freed once they are made); ``blockwise`` (per column and 128 tokens): groups
-    128-aligned, one FP32 scale per 128 columns of a copy, one int32 tensor of padded ends."""
+    ends (the program order made beside them is freed once they are made). ``blockwise``
+    (per column and 128 tokens): groups 128-aligned, one FP32 scale per 128 columns of a
+    copy, one int32 tensor of padded ends."""
     from moe_mxfp8.fp8 import TOKEN_BLOCK, group_columns_width
 
     if blockwise:
         width = group_columns_width(R, E, TOKEN_BLOCK)
         return (n + k) * width + FP32 * (width // TOKEN_BLOCK) * (n + k) + OFFSET * E
     return (n + k) * group_columns_width(R, E) + FP32 * E * (n + k) + OFFSET * E
-
-
-def _fp8_wgrad_run(n: int, k: int, R: int, E: int, gemm: str, b: int, group_rows: int = 0,
-                   blockwise: bool = False, result: bool = True) -> int:
-    """The high-water mark of ``moe_mxfp8.fp8_wgrad_mm`` above its quantized operands:
-    ``_fp8_wgrad_gemm``'s temporaries, with ``result`` its ``[E, n, k]`` result in the
-    compute dtype (``b`` bytes), which the emulation rounds from its FP32 one after the
-    widened operands are freed (nothing new where that dtype is FP32)."""
-    temporaries = _fp8_wgrad_gemm(n, k, R, E, gemm, group_rows, blockwise)
-    if not result:
-        return temporaries
-    if gemm != "emulated":
-        return temporaries + b * E * n * k
-    return max(temporaries, FP32 * E * n * k + (0 if b == FP32 else b * E * n * k))
 
 
 def _fp8_wgrad_gemm(n: int, k: int, R: int, E: int, gemm: str, group_rows: int = 0,
@@ -626,6 +613,20 @@ def _fp8_wgrad_gemm(n: int, k: int, R: int, E: int, gemm: str, group_rows: int =
         nbytes += FP32 * ((n + k) * width + E * n * k)
         nbytes += FP32 * ((n + k) * group_rows + n * k) if group_rows else 0
     return nbytes
+
+
+def _fp8_wgrad_run(n: int, k: int, R: int, E: int, gemm: str, b: int, group_rows: int = 0,
+                   blockwise: bool = False, result: bool = True) -> int:
+    """The high-water mark of ``moe_mxfp8.fp8_wgrad_mm`` above its quantized operands:
+    ``_fp8_wgrad_gemm``'s temporaries, with ``result`` its ``[E, n, k]`` result in the
+    compute dtype (``b`` bytes), which the emulation rounds from its FP32 one after the
+    widened operands are freed (nothing new where that dtype is FP32)."""
+    temporaries = _fp8_wgrad_gemm(n, k, R, E, gemm, group_rows, blockwise)
+    if not result:
+        return temporaries
+    if gemm != "emulated":
+        return temporaries + b * E * n * k
+    return max(temporaries, FP32 * E * n * k + (0 if b == FP32 else b * E * n * k))
 
 
 def _fp8_linears_backward(inv: Inventory, prefix: str, ex: Execution, M: int, K: int,
