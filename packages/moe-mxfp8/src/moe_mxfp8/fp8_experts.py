@@ -107,7 +107,7 @@ from moe_mxfp8.fp8_gemm import (
 )
 from moe_mxfp8.gemm import compute_dtype, grouped_weight_grad
 from moe_mxfp8.row_codes import GRADIENT_ROW_ENCODER, INPUT_ROW_ENCODER, RowCodes
-from moe_mxfp8.sink import SinkRoute, computes_now, deliver, sink_route
+from moe_mxfp8.sink import SinkRoute, check_target, computes_now, deliver, sink_route
 from moe_mxfp8.swiglu import (
     swiglu_backward,
     swiglu_backward_quantized,
@@ -312,9 +312,7 @@ class FP8WeightGradientAdd:
 
     def __call__(self, target: torch.Tensor) -> None:
         shape = (self.ops.offsets.shape[0], self.ops.dy_t.shape[0], self.ops.x_t.shape[0])
-        if target.numel() != shape[0] * shape[1] * shape[2]:
-            raise ValueError(f"gradient target has {target.numel()} elements, the weight "
-                             f"{shape[0] * shape[1] * shape[2]}")
+        check_target(target, shape[0] * shape[1] * shape[2])
         try:
             view = target.view(shape)
         except RuntimeError:  # rows of a bucket that do not split into the weight's rows

@@ -278,12 +278,14 @@ def _group_rows_descriptor(y: torch.Tensor, block: list[int]) -> TensorDescripto
                             [2**34 - stride, stride, stride, 1], [1, 1, *block])
 
 
-def _check_accumulator(y: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype,
+def _check_accumulator(y: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
                        device: torch.device) -> None:
-    """``accumulate_into`` must be the GEMM's result as it would allocate it, rows of
-    unit-stride elements (any row stride at least the width)."""
+    """``accumulate_into`` must be the GEMM's result as it would allocate it (``[R, N]`` or,
+    for the weight gradients, ``[E, N, K]``), unit stride along its last dimension and no
+    two elements at one address (any larger strides)."""
+    dense = all(y.stride(i) >= y.stride(i + 1) * y.shape[i + 1] for i in range(y.dim() - 1))
     if (tuple(y.shape), y.dtype, y.device) != (shape, dtype, device) or (
-            y.numel() and (y.stride(1) != 1 or y.stride(0) < shape[1])):
+            y.numel() and (y.stride(-1) != 1 or not dense)):
         raise ValueError(f"FP8 grouped GEMM: accumulate_into must be {dtype} {shape} on {device} "
                          f"with unit-stride rows, got {y.dtype} {tuple(y.shape)} strides "
                          f"{y.stride()} on {y.device}")
@@ -307,16 +309,12 @@ def fp8_grouped_mm(a: FP8Tensor, b: FP8Tensor, offsets: torch.Tensor, out_dtype:
         _check_accumulator(accumulate_into, (a.data.shape[0], b.data.shape[1]), out_dtype,
                            a.data.device)
         return accumulate_into.add_(fp8_grouped_mm(a, b, offsets, out_dtype, gemm, fast_accum))
-    blockwise = _check_pair(a, b)
+    _check_gemm(gemm, _check_pair(a, b))
     if gemm == "native":
-        if blockwise:
-            raise ValueError(_NATIVE_ROWWISE_ONLY)
         return torch._scaled_grouped_mm(
             a.data, b.data.transpose(-2, -1), a.scale.reciprocal().view(-1),
             b.scale.reciprocal().squeeze(-1), offs=offsets, out_dtype=out_dtype,
             use_fast_accum=fast_accum)
-    if gemm != "emulated":
-        raise ValueError(f"gemm must be one of {FP8_GEMMS}, got {gemm!r}")
     a_f, b_f = a.dequantize(), b.dequantize()
     out = a_f.new_zeros(a_f.shape[0], b_f.shape[1])
     start = 0
@@ -387,8 +385,8 @@ def fp8_wgrad_mm(ops: FP8WgradOperands, out_dtype: torch.dtype, gemm: str, fast_
     the ``out_dtype`` result is added (torch's GEMM rounds to it)."""
     _check_gemm(gemm, ops.blockwise)
     if accumulate_into is not None:
-        _check_wgrad_accumulator(accumulate_into, (ops.offsets.shape[0], ops.dy_t.shape[0],
-                                                   ops.x_t.shape[0]), ops.dy_t.device)
+        _check_accumulator(accumulate_into, (ops.offsets.shape[0], ops.dy_t.shape[0], ops.x_t.shape[0]),
+                           torch.float32, ops.dy_t.device)
     if ops.blockwise:
         if gemm == "triton":
             return triton_grouped_wgrad_blocks(ops.dy_t, ops.dy_scale, ops.x_t, ops.x_scale,
@@ -403,13 +401,6 @@ def fp8_wgrad_mm(ops: FP8WgradOperands, out_dtype: torch.dtype, gemm: str, fast_
     else:
         dw = _emulated_wgrad_rows(ops).to(out_dtype)
     return dw if accumulate_into is None else accumulate_into.add_(dw)
-
-
-def _check_wgrad_accumulator(y: torch.Tensor, shape: tuple[int, int, int], device: torch.device) -> None:
-    if (tuple(y.shape), y.dtype, y.device) != (shape, torch.float32, device) or y.stride(2) != 1:
-        raise ValueError(f"FP8 weight gradient: accumulate_into must be float32 {shape} on {device} "
-                         f"with unit stride along K, got {y.dtype} {tuple(y.shape)} strides "
-                         f"{y.stride()} on {y.device}")
 
 
 def _check_gemm(gemm: str, blockwise: bool) -> None:
@@ -461,8 +452,8 @@ def triton_grouped_wgrad_blocks(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: t
     columns, as ``quantize_group_column_blocks`` lays them out (``fp8_wgrad_blocks_kernel``);
     ``config``: its tiles (``block_m`` x ``block_n`` output tiles, ``block_k`` dividing 128,
     warps and stages; the others unused), by default ``default_wgrad_tiles``.
-    ``accumulate_into``: an ``[E, N, K]`` tensor (unit stride along K) the kernel adds its
-    FP32 sums to in the epilogue and that is returned (``out_dtype`` then unused)."""
+    ``accumulate_into``: an FP32 ``[E, N, K]`` tensor (unit stride along K) the kernel adds
+    its sums to in the epilogue and that is returned (``out_dtype`` then unused)."""
     (N, W), (K, W_b) = a_t.shape, b_t.shape
     E = padded_ends.shape[0]
     if W != W_b or W % TOKEN_BLOCK or a_scale.shape != (W // TOKEN_BLOCK, N) or (
@@ -478,7 +469,7 @@ def triton_grouped_wgrad_blocks(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: t
     if accumulate_into is None:
         y = torch.empty(E, N, K, dtype=out_dtype, device=a_t.device)
     else:
-        _check_wgrad_accumulator(accumulate_into, (E, N, K), a_t.device)
+        _check_accumulator(accumulate_into, (E, N, K), torch.float32, a_t.device)
         y = accumulate_into
     if y.numel() == 0:
         return y

@@ -81,7 +81,11 @@ class AddGradient:
         self.grad = grad
 
     def __call__(self, target: torch.Tensor) -> None:
-        if target.numel() != self.grad.numel():
-            raise ValueError(f"gradient target has {target.numel()} elements, the weight "
-                             f"{self.grad.numel()}")
+        check_target(target, self.grad.numel())
         target.add_(self.grad.reshape(target.shape))
+
+
+def check_target(target: torch.Tensor, numel: int) -> None:
+    """A sink's target must hold the weight's ``numel`` elements."""
+    if target.numel() != numel:
+        raise ValueError(f"gradient target has {target.numel()} elements, the weight {numel}")
